@@ -1,0 +1,81 @@
+"""Batch arithmetic, written out once, as pure functions with loud errors.
+
+DeepSpeed's invariant: train_batch_size = train_micro_batch_size_per_gpu
+                                          x gradient_accumulation_steps x world_size.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from ds_train.errors import UserError
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    micro_batch_size: int  # sequences per rank per forward (train_micro_batch_size_per_gpu)
+    grad_accum_steps: int  # micro-batches per rank per optimizer step
+    world_size: int
+    seq_len: int
+
+    @property
+    def global_batch_size(self) -> int:  # sequences per optimizer step (train_batch_size)
+        return self.micro_batch_size * self.grad_accum_steps * self.world_size
+
+    @property
+    def sequences_per_rank(self) -> int:
+        return self.micro_batch_size * self.grad_accum_steps
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.global_batch_size * self.seq_len
+
+    def describe(self) -> str:
+        return (f"batch: global {self.global_batch_size} seqs = micro {self.micro_batch_size} x "
+                f"accum {self.grad_accum_steps} x world {self.world_size}; seq_len {self.seq_len}; "
+                f"{self.tokens_per_step:,} tokens/step")
+
+
+def valid_global_batch_sizes(micro: int, world: int, near: int, count: int = 2) -> list[int]:
+    """The multiples of micro x world closest to `near` (the valid global batch sizes)."""
+    unit = micro * world
+    below = max(unit, (near // unit) * unit)
+    options = {below, below + unit} | ({below - unit} if below - unit >= unit else set())
+    return sorted(sorted(options, key=lambda g: (abs(g - near), g))[:count])
+
+
+def valid_micro_batch_sizes(global_batch: int, world: int) -> list[int]:
+    """Micro-batch sizes that divide the per-rank share of `global_batch`."""
+    if global_batch % world:
+        return []
+    per_rank = global_batch // world
+    return [m for m in range(1, per_rank + 1) if per_rank % m == 0]
+
+
+def plan_batch(global_batch_size: int, micro_batch_size: int, world_size: int, seq_len: int) -> BatchPlan:
+    """gradient_accumulation_steps = global / (micro x world), or an error naming all three."""
+    if min(global_batch_size, micro_batch_size, world_size) <= 0:
+        raise UserError(f"batch sizes must be positive: train.global_batch_size={global_batch_size}, "
+                        f"train.micro_batch_size={micro_batch_size}, world size={world_size}")
+    accum, rest = divmod(global_batch_size, micro_batch_size * world_size)
+    if rest or accum == 0:
+        globals_ = valid_global_batch_sizes(micro_batch_size, world_size, global_batch_size)
+        micros = valid_micro_batch_sizes(global_batch_size, world_size)
+        hint = f"train.global_batch_size={' or '.join(map(str, globals_))}"
+        if micros:
+            near = sorted(micros, key=lambda m: abs(m - micro_batch_size))[:2]
+            hint += f", or train.micro_batch_size={' or '.join(map(str, sorted(near)))}"
+        raise UserError(
+            f"train.global_batch_size={global_batch_size} is not a multiple of "
+            f"train.micro_batch_size={micro_batch_size} x world size {world_size} "
+            f"= {micro_batch_size * world_size}; use {hint}")
+    return BatchPlan(micro_batch_size, accum, world_size, seq_len)
+
+
+def scaled_lr(lr: float, global_batch_size: int, reference_batch_size: int, mode: str) -> float:
+    """Learning rate scaled with the batch size: linear (Goyal et al. 2017) or sqrt (Krizhevsky 2014)."""
+    if mode == "none":
+        return lr
+    ratio = global_batch_size / reference_batch_size
+    return lr * (ratio if mode == "linear" else math.sqrt(ratio))

@@ -1,0 +1,328 @@
+"""Run configuration: frozen dataclasses loaded from YAML plus `key=value` overrides.
+
+One path in: YAML file -> overrides -> type checks -> cross-field checks. Every problem is collected
+and reported at once; unknown keys suggest the closest valid key. The help text of each field is
+what `ds-train train --help-config` prints.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from ds_train.errors import UserError
+
+
+def _f(default, help: str, **kw):
+    if isinstance(default, (dict, list)):
+        return field(default_factory=lambda: type(default)(default), metadata={"help": help}, **kw)
+    return field(default=default, metadata={"help": help}, **kw)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    path: str = _f("", "Local Hugging Face model directory (weights + tokenizer) to start from.")
+    config: dict = _f({}, "Architecture to train from scratch: Hugging Face config keys, `model_type` "
+                          "included (e.g. llama). vocab_size defaults to the tokenizer's.")
+    dtype: Literal["auto", "bf16", "fp16", "fp32"] = _f(
+        "auto", "Training precision. auto: bf16 on a GPU that supports it, else fp32.")
+    activation_checkpointing: bool = _f(False, "Recompute activations in backward to save memory.")
+    attn_implementation: str = _f("sdpa", "Hugging Face attention implementation (sdpa, eager, ...).")
+
+    def check(self) -> list[str]:
+        errs = []
+        if bool(self.path) == bool(self.config):
+            errs.append("model: set exactly one of model.path (a local HF directory) "
+                        "or model.config (an architecture to train from scratch)")
+        if self.config and "model_type" not in self.config:
+            errs.append("model.config: missing `model_type` (for example `model_type: llama`)")
+        if self.path and not Path(self.path).is_dir():
+            errs.append(f"model.path: {self.path!r} is not a directory (the hub is not reachable; "
+                        "point it at a local model directory)")
+        return errs
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    dir: str = _f("data/cache/python_stdlib", "Directory holding train.bin, val.bin and meta.json.")
+    sources: list = _f([], "Text/JSONL files or directories tokenised into data.dir when its .bin "
+                           "files are missing; `python-stdlib` is the bundled default corpus.")
+    tokenizer: str = _f("", "Tokenizer directory. Empty: model.path's, else a byte-level BPE trained "
+                            "on the sources into data.dir/tokenizer.")
+    vocab_size: int = _f(4096, "Vocabulary size of the BPE trained when no tokenizer is given.")
+    val_fraction: float = _f(0.02, "Share of the source documents held out into val.bin.")
+    text_key: str = _f("text", "Field holding the text in JSONL sources.")
+
+    def check(self) -> list[str]:
+        errs = []
+        if not 0 < self.val_fraction < 1:
+            errs.append(f"data.val_fraction: {self.val_fraction} must be between 0 and 1")
+        if self.vocab_size < 260:
+            errs.append(f"data.vocab_size: {self.vocab_size} is below 260 (256 bytes + specials)")
+        return errs
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    max_steps: int = _f(100, "Optimizer steps to train for.")
+    micro_batch_size: int = _f(8, "Sequences per GPU per forward pass (train_micro_batch_size_per_gpu).")
+    global_batch_size: int = _f(32, "Sequences per optimizer step across all ranks (train_batch_size).")
+    seq_len: int = _f(256, "Tokens per training sequence.")
+    grad_clip: float = _f(1.0, "Gradient clipping by global norm (0 turns it off).")
+    eval_every: int = _f(0, "Evaluate on val.bin every N steps (0: only at the end).")
+    eval_batches: int = _f(4, "Micro-batches per rank in each evaluation.")
+
+    def check(self) -> list[str]:
+        errs = []
+        for name in ("max_steps", "micro_batch_size", "global_batch_size", "seq_len", "eval_batches"):
+            if getattr(self, name) <= 0:
+                errs.append(f"train.{name}: {getattr(self, name)} must be positive")
+        if self.eval_every < 0:
+            errs.append(f"train.eval_every: {self.eval_every} must be >= 0")
+        if self.grad_clip < 0:
+            errs.append(f"train.grad_clip: {self.grad_clip} must be >= 0")
+        return errs
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    lr: float = _f(3e-4, "Peak learning rate (AdamW), before optional batch-size scaling.")
+    min_lr_ratio: float = _f(0.1, "Final learning rate of the cosine decay, as a fraction of lr.")
+    warmup_steps: int = _f(10, "Linear warm-up steps.")
+    weight_decay: float = _f(0.1, "AdamW weight decay.")
+    betas: list = _f([0.9, 0.95], "AdamW betas.")
+    eps: float = _f(1e-8, "AdamW epsilon.")
+    lr_scaling: Literal["none", "linear", "sqrt"] = _f(
+        "none", "Scale lr by global_batch_size / reference_batch_size (linear) or its square root.")
+    reference_batch_size: int = _f(0, "Global batch size at which optim.lr was tuned (for lr_scaling).")
+
+    def check(self) -> list[str]:
+        errs = []
+        if self.lr <= 0:
+            errs.append(f"optim.lr: {self.lr} must be positive")
+        if not 0 <= self.min_lr_ratio <= 1:
+            errs.append(f"optim.min_lr_ratio: {self.min_lr_ratio} must be within [0, 1]")
+        if self.warmup_steps < 0:
+            errs.append(f"optim.warmup_steps: {self.warmup_steps} must be >= 0")
+        if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
+            errs.append(f"optim.betas: {self.betas} must be two numbers in [0, 1)")
+        if self.lr_scaling != "none" and self.reference_batch_size <= 0:
+            errs.append(f"optim.reference_batch_size: set it (> 0) when optim.lr_scaling is "
+                        f"{self.lr_scaling!r}")
+        return errs
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    every: int = _f(0, "Save a partitioned DeepSpeed checkpoint every N steps (0: only at the end).")
+    save_final: bool = _f(True, "Save a checkpoint when training ends.")
+
+    def check(self) -> list[str]:
+        return [f"checkpoint.every: {self.every} must be >= 0"] if self.every < 0 else []
+
+
+@dataclass(frozen=True)
+class LogConfig:
+    every: int = _f(10, "Log rank-aggregated metrics every N steps.")
+    wandb: Literal["off", "offline", "online"] = _f("off", "Weights & Biases logging (rank 0 only).")
+    wandb_project: str = _f("ds_train", "Weights & Biases project name.")
+    progress: bool = _f(True, "Show a progress bar with ETA on rank 0.")
+    peak_tflops: float = _f(0.0, "Peak dense TFLOP/s per device for MFU (0: look up the GPU).")
+    sample_prompt: str = _f("", "Text to continue with the trained model at the end ('' skips it).")
+    sample_tokens: int = _f(64, "Tokens generated for the final sample.")
+
+    def check(self) -> list[str]:
+        errs = []
+        if self.every <= 0:
+            errs.append(f"log.every: {self.every} must be positive")
+        if self.sample_tokens < 0:
+            errs.append(f"log.sample_tokens: {self.sample_tokens} must be >= 0")
+        return errs
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    output_dir: str = _f("runs/default", "Run directory: resolved configs, logs, metrics, checkpoints.")
+    seed: int = _f(1234, "Seed for weights, data order and sampling.")
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+
+    def check(self) -> list[str]:
+        errs = []
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if dataclasses.is_dataclass(value):
+                errs += value.check()
+        if not self.output_dir:
+            errs.append("output_dir: must not be empty")
+        return errs
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def _hints(cls) -> dict:
+    return typing.get_type_hints(cls)
+
+
+def all_keys() -> list[str]:
+    """Every valid dotted key, for suggestions and --help-config."""
+    keys = []
+    for name, tp in _hints(RunConfig).items():
+        if dataclasses.is_dataclass(tp):
+            keys += [f"{name}.{f.name}" for f in dataclasses.fields(tp)]
+        else:
+            keys.append(name)
+    return keys
+
+
+def describe() -> str:
+    """The config reference printed by `ds-train train --help-config`."""
+    lines = []
+    for f in dataclasses.fields(RunConfig):
+        tp = _hints(RunConfig)[f.name]
+        if dataclasses.is_dataclass(tp):
+            lines.append(f"{f.name}:")
+            for sub in dataclasses.fields(tp):
+                default = sub.default if sub.default is not dataclasses.MISSING else sub.default_factory()
+                lines.append(f"  {f.name}.{sub.name} = {default!r}\n      {sub.metadata['help']}")
+        else:
+            lines.append(f"{f.name} = {f.default!r}\n    {f.metadata['help']}")
+    return "\n".join(lines)
+
+
+def _suggest(key: str) -> str:
+    close = difflib.get_close_matches(key, all_keys(), n=1, cutoff=0.5)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def _check_type(key: str, value: Any, tp: Any) -> str | None:
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        choices = typing.get_args(tp)
+        return None if value in choices else f"{key}: {value!r} is not one of {', '.join(map(str, choices))}"
+    if tp is bool:
+        return None if isinstance(value, bool) else f"{key}: {value!r} must be true or false"
+    if tp is int:
+        ok = isinstance(value, int) and not isinstance(value, bool)
+        return None if ok else f"{key}: {value!r} must be an integer"
+    if tp is float:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        return None if ok else f"{key}: {value!r} must be a number"
+    if tp is str:
+        return None if isinstance(value, str) else f"{key}: {value!r} must be a string"
+    if tp is dict:
+        return None if isinstance(value, dict) else f"{key}: must be a mapping"
+    if tp is list:
+        return None if isinstance(value, list) else f"{key}: must be a list"
+    return None
+
+
+def _build(cls, raw: dict, prefix: str, errs: list[str]):
+    if not isinstance(raw, dict):
+        errs.append(f"{prefix.rstrip('.') or 'config'}: must be a mapping, got {type(raw).__name__}")
+        raw = {}
+    hints = _hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    for key in raw:
+        if key not in names:
+            errs.append(f"{prefix}{key}: unknown key{_suggest(prefix + str(key))}")
+    kwargs = {}
+    for f in dataclasses.fields(cls):
+        tp = hints[f.name]
+        if dataclasses.is_dataclass(tp):
+            kwargs[f.name] = _build(tp, raw.get(f.name) or {}, f"{f.name}.", errs)
+        elif f.name in raw:
+            value = raw[f.name]
+            if tp is float and isinstance(value, int) and not isinstance(value, bool):
+                value = float(value)
+            if value is False and typing.get_origin(tp) is Literal and "off" in typing.get_args(tp):
+                value = "off"  # YAML 1.1 reads a bare `off` as false
+            problem = _check_type(prefix + f.name, value, tp)
+            if problem:
+                errs.append(problem)
+            else:
+                kwargs[f.name] = value
+    return cls(**kwargs)
+
+
+def _set_dotted(raw: dict, key: str, value: Any) -> None:
+    parts = key.split(".")
+    node = raw
+    for part in parts[:-1]:
+        if not isinstance(node.get(part), dict):
+            node[part] = {}
+        node = node[part]
+    node[parts[-1]] = value
+
+
+def parse_overrides(items: list[str]) -> list[tuple[str, Any]]:
+    """`a.b=value` strings -> (key, YAML-parsed value). Keys are checked when the config is built."""
+    out = []
+    for item in items:
+        key, sep, text = item.partition("=")
+        if not sep or not key:
+            raise UserError(f"override {item!r}: expected key=value, for example train.max_steps=20")
+        try:
+            value = yaml.safe_load(text) if text else ""
+        except yaml.YAMLError:
+            value = text
+        out.append((key.strip(), value))
+    return out
+
+
+def read_yaml(path: str | Path) -> dict:
+    """Load a YAML mapping; a syntax error names the file and line."""
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"{path}: config file not found")
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except yaml.MarkedYAMLError as e:
+        mark = e.problem_mark
+        where = f"line {mark.line + 1}, column {mark.column + 1}" if mark else "?"
+        raise UserError(f"{path}: invalid YAML at {where}: {e.problem}") from None
+    except yaml.YAMLError as e:
+        raise UserError(f"{path}: invalid YAML: {e}") from None
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict):
+        raise UserError(f"{path}: the top level must be a mapping of sections (model, data, train, ...)")
+    return raw
+
+
+def load_config(path: str | Path | None, overrides: list[str] = ()) -> RunConfig:
+    """YAML file (optional) + `key=value` overrides -> validated, frozen RunConfig."""
+    raw = read_yaml(path) if path else {}
+    for key, value in parse_overrides(list(overrides)):
+        head = key.split(".")[0]
+        dict_field = len(key.split(".")) > 2 and key.split(".")[1] == "config" and head == "model"
+        if not dict_field and key not in all_keys():
+            raise UserError(f"override {key!r}: unknown key{_suggest(key)}")
+        _set_dotted(raw, key, value)
+    return build_config(raw, source=str(path) if path else "overrides")
+
+
+def build_config(raw: dict, source: str = "config") -> RunConfig:
+    errs: list[str] = []
+    cfg = _build(RunConfig, raw, "", errs)
+    if not errs:
+        errs = cfg.check()
+    if errs:
+        raise UserError(f"{source}: " + "; ".join(errs) if len(errs) == 1 else
+                        f"{source}: {len(errs)} problems:\n  " + "\n  ".join(errs))
+    return cfg
+
+
+def save_config(cfg: RunConfig, path: Path) -> None:
+    path.write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))

@@ -1,0 +1,181 @@
+"""Renders the final DeepSpeed config from a ds_configs/*.json template and the run config.
+
+The JSON holds the engine knobs (stage, offload, overlap, buckets); the run config holds the
+numbers. Every "auto" is resolved here, explicit values that disagree with the run config are
+errors naming both, and unknown keys are errors (DeepSpeed itself ignores them: USERS.md trap 10).
+"""
+
+from __future__ import annotations
+
+import copy
+import difflib
+import json
+from pathlib import Path
+from typing import Any
+
+from ds_train.batch import BatchPlan
+from ds_train.config import RunConfig
+from ds_train.errors import UserError
+
+AUTO = "auto"
+
+# Top-level keys DeepSpeed 0.19 reads (deepspeed/runtime/config.py and the feature configs).
+KNOWN_TOP_LEVEL = {
+    "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
+    "steps_per_print", "dump_state", "optimizer", "scheduler", "fp16", "bf16", "bfloat16", "amp",
+    "torch_autocast", "gradient_clipping", "prescale_gradients", "gradient_predivide_factor",
+    "sparse_gradients", "zero_optimization", "zero_allow_untested_optimizer",
+    "zero_force_ds_cpu_optimizer", "activation_checkpointing", "aio", "flops_profiler",
+    "wall_clock_breakdown", "memory_breakdown", "tensorboard", "wandb", "csv_monitor", "comet",
+    "comms_logger", "communication_data_type", "seq_parallel_communication_data_type", "elasticity",
+    "pipeline", "data_types", "data_efficiency", "curriculum_learning", "compression_training",
+    "checkpoint", "autotuning", "nebula", "sparse_attention", "disable_allgather", "fp32_allreduce",
+    "eigenvalue", "progressive_layer_drop", "quantize_training", "dataloader_drop_last",
+    "mics_shard_size", "mics_hierarchical_params_gather", "weight_quantization", "hybrid_engine",
+    "tensor_parallel", "compile", "timers", "graph_harvesting", "use_data_before_expert_parallelism",
+    "gradient_allreduce_op", "expert_parallel", "log_level", "managed_gradient_accumulation",
+    "disable_python_gc", "vocabulary_size", "zenflow", "sequence_parallel_size",
+}
+
+# Keys the trainer owns: template key path -> (run-config key, resolved value getter).
+def _owned(cfg: RunConfig, plan: BatchPlan, dtype: str) -> dict[tuple, tuple[str, Any]]:
+    return {
+        ("train_batch_size",): ("train.global_batch_size", plan.global_batch_size),
+        ("train_micro_batch_size_per_gpu",): ("train.micro_batch_size", plan.micro_batch_size),
+        ("gradient_accumulation_steps",): ("global / (micro x world)", plan.grad_accum_steps),
+        ("gradient_clipping",): ("train.grad_clip", cfg.train.grad_clip),
+        ("bf16", "enabled"): ("model.dtype", dtype == "bf16"),
+        ("fp16", "enabled"): ("model.dtype", dtype == "fp16"),
+    }
+
+
+def read_ds_template(path: str | Path) -> dict:
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"--ds-config: {str(path)!r} not found (see ds_configs/ for the ZeRO stages)")
+    try:
+        raw = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise UserError(f"{path}: invalid JSON at line {e.lineno}, column {e.colno}: {e.msg}") from None
+    if not isinstance(raw, dict):
+        raise UserError(f"{path}: the top level must be a JSON object")
+    return raw
+
+
+def _get(d: dict, path: tuple):
+    for key in path:
+        if not isinstance(d, dict) or key not in d:
+            return None
+        d = d[key]
+    return d
+
+
+def _resolve(d: dict, path: tuple, value: Any, owner: str, source: str) -> None:
+    """Fill an "auto" (or a missing trainer-owned key); an explicit value must agree."""
+    current = _get(d, path)
+    dotted = ".".join(path)
+    if current is None or current == AUTO:
+        node = d
+        for key in path[:-1]:
+            node = node.setdefault(key, {})
+        node[path[-1]] = value
+    elif current != value and not (isinstance(value, float) and isinstance(current, (int, float))
+                                   and abs(current - value) <= 1e-12 * max(1.0, abs(value))):
+        raise UserError(f"{source}: {dotted}={current!r} contradicts {owner}={value!r}; "
+                        f"set it to \"auto\" or make them agree")
+
+
+def _zero_buckets(zero: dict, hidden: int, source: str) -> None:
+    """Stage-3 bucket sizes from the hidden size (the rule the Hugging Face Trainer uses)."""
+    derived = {"reduce_bucket_size": hidden * hidden,
+               "stage3_prefetch_bucket_size": int(0.9 * hidden * hidden),
+               "stage3_param_persistence_threshold": 10 * hidden}
+    for key, value in derived.items():
+        if zero.get(key) == AUTO:
+            zero[key] = value
+
+
+def _check_unknown_keys(ds: dict, source: str) -> None:
+    unknown = [k for k in ds if k not in KNOWN_TOP_LEVEL and not k.startswith("_")]
+    if unknown:
+        key = unknown[0]
+        close = difflib.get_close_matches(key, KNOWN_TOP_LEVEL, n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise UserError(f"{source}: unknown DeepSpeed key {key!r}{hint}; DeepSpeed would ignore it")
+
+
+def _check_sections(ds: dict, source: str) -> None:
+    """Nested keys through DeepSpeed's own pydantic models, which forbid extra fields."""
+    import pydantic
+    from deepspeed.runtime.precision_config import DeepSpeedBF16Config, DeepSpeedFP16Config
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+
+    for key, model in (("zero_optimization", DeepSpeedZeroConfig), ("bf16", DeepSpeedBF16Config),
+                       ("fp16", DeepSpeedFP16Config)):
+        if key not in ds:
+            continue
+        try:
+            model(**ds[key])
+        except pydantic.ValidationError as e:
+            err = e.errors()[0]
+            where = ".".join([key, *map(str, err["loc"])])
+            what = "unknown key" if err["type"] == "extra_forbidden" else err["msg"]
+            raise UserError(f"{source}: {where}: {what}; DeepSpeed would ignore or reject it") from None
+
+
+def render_ds_config(template: dict, cfg: RunConfig, plan: BatchPlan, dtype: str, hidden_size: int,
+                     lr: float, on_gpu: bool, source: str = "ds_config") -> dict:
+    """Template + run config + world size -> the complete ds_config handed to deepspeed.initialize."""
+    ds = copy.deepcopy(template)
+    _check_unknown_keys(ds, source)
+    for path, (owner, value) in _owned(cfg, plan, dtype).items():
+        if path[0] in ("bf16", "fp16") and path[0] not in ds and not value:
+            continue
+        _resolve(ds, path, value, owner, source)
+    if ds.get("bf16", {}).get("enabled") and ds.get("fp16", {}).get("enabled"):
+        raise UserError(f"{source}: bf16 and fp16 are both enabled; set model.dtype instead")
+    zero = ds.setdefault("zero_optimization", {"stage": 0})
+    _zero_buckets(zero, hidden_size, source)
+    offload = _get(zero, ("offload_optimizer", "device")) in ("cpu", "nvme")
+    if "optimizer" in ds:
+        params = ds["optimizer"].setdefault("params", {})
+        o = cfg.optim
+        for key, owner, value in (("lr", "optim.lr (scaled)", lr), ("betas", "optim.betas", list(o.betas)),
+                                  ("eps", "optim.eps", o.eps), ("weight_decay", "optim.weight_decay",
+                                                                o.weight_decay)):
+            _resolve(params, (key,), value, owner, source + ": optimizer.params")
+        if params.get("torch_adam") == AUTO:  # FusedAdam needs CUDA; CPU offload uses DeepSpeedCPUAdam
+            params["torch_adam"] = not on_gpu and not offload
+    if "scheduler" in ds:
+        params = ds["scheduler"].setdefault("params", {})
+        sched = ds["scheduler"].get("type")
+        warmup = max(1, cfg.optim.warmup_steps)
+        values = {"total_num_steps": cfg.train.max_steps, "warmup_num_steps": warmup,
+                  "warmup_min_ratio": 0.0, "cos_min_ratio": cfg.optim.min_lr_ratio,
+                  "warmup_max_lr": lr, "warmup_min_lr": 0.0}
+        for key, value in values.items():
+            if params.get(key) == AUTO:
+                params[key] = value
+        leftover = [k for k, v in params.items() if v == AUTO]
+        if leftover:
+            raise UserError(f"{source}: scheduler {sched!r} param {leftover[0]!r} is \"auto\" but "
+                            f"ds_train cannot derive it; give a value")
+    leftover = [k for k, v in zero.items() if v == AUTO]
+    if leftover:
+        raise UserError(f"{source}: zero_optimization.{leftover[0]} is \"auto\" but ds_train cannot "
+                        f"derive it; give a value")
+    _check_sections(ds, source)
+    return ds
+
+
+def zero_stage(ds_config: dict) -> int:
+    return int(ds_config.get("zero_optimization", {}).get("stage", 0))
+
+
+def initialize(model, ds_config: dict):
+    """deepspeed.initialize with the optimizer and scheduler the ds_config names."""
+    import deepspeed
+
+    params = [p for p in model.parameters() if p.requires_grad]
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=params, config=ds_config)
+    return engine

@@ -1,0 +1,193 @@
+"""Metrics sinks behind one `log(metrics, step)` interface, plus throughput, memory and MFU.
+
+Only global rank 0 gets real sinks (console, metrics.jsonl, wandb, progress bar); every other rank
+gets null objects, so the training loop has no rank guards (STYLE habit 6, USERS.md trap 9).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import sys
+from pathlib import Path
+from typing import Any, Protocol
+
+# Peak dense bf16 tensor TFLOP/s per device, from the vendors' data sheets (SXM parts).
+PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "L4": 121.0,
+               "A10G": 70.0, "A10": 125.0, "V100": 125.0, "MI300X": 1307.0, "B200": 2250.0}
+
+
+class Logger(Protocol):
+    def log(self, metrics: dict[str, Any], step: int) -> None: ...
+    def close(self) -> None: ...
+
+
+class NullLogger:
+    def log(self, metrics: dict[str, Any], step: int) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def _fmt(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.4g}" if abs(value) < 1e4 else f"{value:,.0f}"
+    return str(value)
+
+
+class ConsoleLogger:
+    """One line per logged step; written through tqdm so it does not break the progress bar."""
+
+    def __init__(self, keys: tuple[str, ...] = ("train/loss", "eval/loss", "eval/ppl", "optim/lr",
+                                                "optim/grad_norm", "perf/tokens_per_s",
+                                                "perf/step_time_s", "perf/mfu", "mem/max_rank_gib",
+                                                "mem/max_rank_rss_gib")):
+        self.keys = keys
+
+    def log(self, metrics: dict[str, Any], step: int) -> None:
+        from tqdm import tqdm
+
+        parts = [f"{k} {_fmt(metrics[k])}" for k in self.keys if metrics.get(k)]
+        tqdm.write(f"step {step}: " + " | ".join(parts), file=sys.stdout)
+
+    def close(self) -> None:
+        pass
+
+
+class JsonlLogger:
+    """metrics.jsonl: one JSON object per logged step, flushed at once (a crash loses nothing).
+
+    Keys are the namespaced ones plus the short aliases loss, lr and tokens_per_s.
+    """
+
+    ALIASES = {"train/loss": "loss", "optim/lr": "lr", "perf/tokens_per_s": "tokens_per_s"}
+
+    def __init__(self, path: Path):
+        self.fh = open(path, "a", buffering=1)
+
+    def log(self, metrics: dict[str, Any], step: int) -> None:
+        flat = {"step": step}
+        for key, value in metrics.items():
+            if isinstance(value, float) and not math.isfinite(value):
+                value = str(value)
+            flat[key] = value
+            if key in self.ALIASES:
+                flat[self.ALIASES[key]] = value
+        self.fh.write(json.dumps(flat) + "\n")
+
+    def close(self) -> None:
+        self.fh.close()
+
+
+class WandbLogger:
+    def __init__(self, mode: str, project: str, run_dir: Path, name: str, config: dict):
+        import wandb
+
+        # The API key is read by wandb itself from the environment or netrc; we never print it.
+        self.run = wandb.init(project=project, name=name, dir=str(run_dir), mode=mode, config=config,
+                              resume="allow", id=_wandb_id(run_dir))
+
+    def log(self, metrics: dict[str, Any], step: int) -> None:
+        self.run.log({k: v for k, v in metrics.items() if isinstance(v, (int, float))}, step=step)
+
+    def close(self) -> None:
+        self.run.finish()
+
+
+def _wandb_id(run_dir: Path) -> str:
+    """A stable run id kept in the run dir, so a resumed job continues the same wandb run."""
+    path = run_dir / "wandb_id.txt"
+    if path.is_file():
+        return path.read_text().strip()
+    import uuid
+
+    run_id = uuid.uuid4().hex[:12]
+    path.write_text(run_id)
+    return run_id
+
+
+class MultiLogger:
+    def __init__(self, sinks: list[Logger]):
+        self.sinks = sinks
+
+    def log(self, metrics: dict[str, Any], step: int) -> None:
+        for sink in self.sinks:
+            sink.log(metrics, step)
+
+    def close(self) -> None:
+        for sink in self.sinks:
+            sink.close()
+
+
+def build_logger(is_main: bool, run_dir: Path, wandb_mode: str, project: str, config: dict) -> Logger:
+    """Real sinks on global rank 0, a null logger everywhere else."""
+    if not is_main:
+        return NullLogger()
+    sinks: list[Logger] = [ConsoleLogger(), JsonlLogger(run_dir / "metrics.jsonl")]
+    if wandb_mode != "off":
+        sinks.append(WandbLogger(wandb_mode, project, run_dir, run_dir.name, config))
+    return MultiLogger(sinks)
+
+
+class NullProgress:
+    def update(self, n: int = 1) -> None:
+        pass
+
+    def set_postfix_str(self, s: str) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def build_progress(is_main: bool, enabled: bool, total: int, initial: int = 0):
+    if not (is_main and enabled):
+        return NullProgress()
+    from tqdm import tqdm
+
+    return tqdm(total=total, initial=initial, desc="train", unit="step", dynamic_ncols=True,
+                file=sys.stdout, mininterval=1.0)
+
+
+def build_rank_log(run_dir: Path, rank: int) -> logging.Logger:
+    """logs/rank_<r>.log: every rank writes its own file."""
+    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+    log = logging.getLogger(f"ds_train.rank{rank}")
+    log.setLevel(logging.INFO)
+    log.propagate = False
+    for handler in list(log.handlers):
+        log.removeHandler(handler)
+    handler = logging.FileHandler(run_dir / "logs" / f"rank_{rank}.log")
+    handler.setFormatter(logging.Formatter("%(asctime)s rank" + str(rank) + " %(message)s"))
+    log.addHandler(handler)
+    return log
+
+
+def peak_flops(device_name: str, override_tflops: float) -> float | None:
+    """Peak FLOP/s of one device: the override, else the table, else None (no MFU, e.g. on CPU)."""
+    if override_tflops > 0:
+        return override_tflops * 1e12
+    for key in sorted(PEAK_TFLOPS, key=len, reverse=True):
+        if key in device_name.upper():
+            return PEAK_TFLOPS[key] * 1e12
+    return None
+
+
+def mfu(tokens_per_s_per_device: float, flops_per_token: float, peak: float | None) -> float | None:
+    return tokens_per_s_per_device * flops_per_token / peak if peak else None
+
+
+def memory_gib(device_type: str) -> tuple[float, float]:
+    """(accelerator max allocated, process RSS) in GiB for this rank."""
+    import psutil
+
+    rss = psutil.Process(os.getpid()).memory_info().rss / 2**30
+    gpu = 0.0
+    if device_type == "cuda":
+        import torch
+
+        gpu = torch.cuda.max_memory_allocated() / 2**30
+    return gpu, rss

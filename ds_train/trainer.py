@@ -1,0 +1,330 @@
+"""The training loop: `deepspeed --num_gpus 2 --module ds_train train --config C --ds-config D`.
+
+`build_run` does all the setting up (batch math, data, model, engine, sinks); `train` is the loop:
+next batch, step, maybe log, maybe eval, maybe save.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+import random
+import socket
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ds_train import dist
+from ds_train.batch import BatchPlan, plan_batch, scaled_lr
+from ds_train.config import RunConfig, save_config
+from ds_train.data import TokenData, ensure_prepared, eval_micro_batches, load_tokenizer, rank_micro_batches
+from ds_train.engine import initialize, read_ds_template, render_ds_config, zero_stage
+from ds_train.errors import UserError
+from ds_train.metrics import (Logger, build_logger, build_progress, build_rank_log, memory_gib, mfu,
+                              peak_flops)
+from ds_train.model import build_hf_config, build_model, count_params, flops_per_token, resolve_dtype
+
+
+@dataclass
+class Run:
+    cfg: RunConfig
+    env: dist.DistEnv
+    plan: BatchPlan
+    run_dir: Path
+    engine: Any
+    tokenizer: Any
+    train_data: TokenData
+    val_data: TokenData
+    ds_config: dict
+    flops_per_token: float
+    peak_flops: float | None
+    logger: Logger
+    rank_log: Any
+    say: Any  # print on rank 0, nothing elsewhere
+    start_step: int = 0
+
+
+def seed_everything(seed: int) -> None:
+    import torch
+
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def _say(is_main: bool):
+    return print if is_main else (lambda *a, **k: None)
+
+
+def _check_vocab(meta: dict, hf_config, data_dir: str) -> None:
+    vocab = getattr(hf_config, "vocab_size", None)
+    if vocab is not None and meta.get("max_token_id", 0) >= vocab:
+        raise UserError(f"data.dir {data_dir!r}: token id {meta['max_token_id']} >= the model's "
+                        f"vocab_size {vocab}; prepare the data with the model's tokenizer or raise "
+                        f"model.config.vocab_size")
+
+
+def build_run(cfg: RunConfig, ds_config_path: str, env: dist.DistEnv) -> Run:
+    """Everything before the first step. User errors surface here, before anything is written."""
+    import torch
+    from deepspeed.accelerator import get_accelerator
+
+    template = read_ds_template(ds_config_path)
+    plan = plan_batch(cfg.train.global_batch_size, cfg.train.micro_batch_size, env.world_size,
+                      cfg.train.seq_len)
+    accel = get_accelerator()
+    on_gpu = accel.device_name() == "cuda"
+    if on_gpu:
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+    d = cfg.data
+    tok_dir = d.tokenizer or (cfg.model.path if cfg.model.path else "")
+    meta = ensure_prepared(d.dir, d.sources, tok_dir, d.vocab_size, d.val_fraction, d.text_key)
+    tokenizer = load_tokenizer(meta["tokenizer"] if not tok_dir else tok_dir)
+    hf_config = build_hf_config(cfg.model, len(tokenizer), cfg.train.seq_len)
+    _check_vocab(meta, hf_config, d.dir)
+    dtype = resolve_dtype(cfg.model.dtype, accel.device_name(), accel.is_bf16_supported())
+    lr = scaled_lr(cfg.optim.lr, plan.global_batch_size, cfg.optim.reference_batch_size,
+                   cfg.optim.lr_scaling)
+    ds_config = render_ds_config(template, cfg, plan, dtype, hf_config.hidden_size, lr, on_gpu,
+                                 source=str(ds_config_path))
+    train_data = TokenData(Path(d.dir) / "train.bin", meta["dtype"], cfg.train.seq_len, cfg.seed)
+    val_data = TokenData(Path(d.dir) / "val.bin", meta["dtype"], cfg.train.seq_len, cfg.seed)
+
+    dist.init(env)  # after every check that needs no peers, so bad input fails fast on each rank
+    seed_everything(cfg.seed)
+    built = build_model(cfg.model, hf_config, ds_config)
+    n_params = count_params(built.model)
+    engine = initialize(built.model, ds_config)
+
+    run_dir = Path(cfg.output_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    say = _say(env.is_main)
+    hosts = dist.all_gather_object(socket.gethostname())
+    if env.is_main:
+        save_config(cfg, run_dir / "config.yaml")
+        (run_dir / "ds_config.json").write_text(json.dumps(ds_config, indent=2))
+        (run_dir / "env.json").write_text(json.dumps(_env_record(env, hosts, dtype), indent=2))
+    say(plan.describe())
+    say(f"lr {lr:.3g} (optim.lr {cfg.optim.lr:g}, scaling {cfg.optim.lr_scaling}); dtype {dtype}; "
+        f"ZeRO stage {zero_stage(ds_config)}; {n_params / 1e6:.2f}M parameters; "
+        f"{meta['train_tokens']:,} train tokens")
+    say(_host_table(hosts))
+    fpt = flops_per_token(n_params, hf_config.num_hidden_layers, hf_config.hidden_size, cfg.train.seq_len)
+    device_name = torch.cuda.get_device_name() if on_gpu else platform.processor() or "cpu"
+    logger = build_logger(env.is_main, run_dir, cfg.log.wandb, cfg.log.wandb_project, cfg.to_dict())
+    rank_log = build_rank_log(run_dir, env.rank)
+    rank_log.info(f"host {socket.gethostname()} local_rank {env.local_rank} node {env.node_rank} "
+                  f"world {env.world_size} launcher {env.launcher} device {device_name}")
+    return Run(cfg, env, plan, run_dir, engine, tokenizer, train_data, val_data, ds_config, fpt,
+               peak_flops(device_name, cfg.log.peak_tflops) if on_gpu else None, logger, rank_log, say)
+
+
+def _env_record(env: dist.DistEnv, hosts: list[str], dtype: str) -> dict:
+    import deepspeed
+    import torch
+    import transformers
+
+    return {"torch": torch.__version__, "deepspeed": deepspeed.__version__,
+            "transformers": transformers.__version__, "python": platform.python_version(),
+            "world_size": env.world_size, "launcher": env.launcher, "hosts": hosts,
+            "accelerator": dist.accelerator_name(), "dtype": dtype}
+
+
+def _host_table(hosts: list[str]) -> str:
+    by_host: dict[str, list[int]] = {}
+    for rank, host in enumerate(hosts):
+        by_host.setdefault(host, []).append(rank)
+    return "hosts: " + "; ".join(f"{h} -> ranks {','.join(map(str, r))}" for h, r in by_host.items())
+
+
+def forward_loss(engine, batch: np.ndarray):
+    """Summed next-token cross-entropy and the token count of one micro-batch."""
+    import torch
+    import torch.nn.functional as F
+
+    tokens = torch.from_numpy(batch).to(engine.device)
+    logits = engine(input_ids=tokens[:, :-1]).logits
+    targets = tokens[:, 1:]
+    loss_sum = F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1),
+                               reduction="sum")
+    return loss_sum, targets.numel()
+
+
+def _engine_reports_grad_norm(engine) -> bool:
+    """DeepSpeed records the global grad norm except for plain fp32 ZeRO-0 (it clips, then drops it)."""
+    return bool(engine.zero_optimization() or engine.bfloat16_enabled() or engine.fp16_enabled())
+
+
+def _grad_norm(engine) -> float:
+    import torch
+
+    norms = [p.grad.detach().float().norm() for p in engine.module.parameters() if p.grad is not None]
+    return float(torch.linalg.vector_norm(torch.stack(norms))) if norms else 0.0
+
+
+def train_step(engine, micro_batches: list[np.ndarray], want_grad_norm: bool = False):
+    """One optimizer step: the engine owns accumulation scaling, clipping and the optimizer.
+
+    Returns the summed token loss (a tensor, not synced), the token count, and the grad norm when
+    asked for (None when DeepSpeed reports it itself).
+    """
+    loss_total, tokens_total, grad_norm = 0.0, 0, None
+    for batch in micro_batches:
+        loss_sum, n_tokens = forward_loss(engine, batch)
+        engine.backward(loss_sum / n_tokens)
+        if want_grad_norm and engine.is_gradient_accumulation_boundary() \
+                and not _engine_reports_grad_norm(engine):
+            grad_norm = _grad_norm(engine)  # after the all-reduce in backward, before the step
+        engine.step()
+        loss_total = loss_total + loss_sum.detach()
+        tokens_total += n_tokens
+    return loss_total, tokens_total, grad_norm
+
+
+def evaluate(run: Run) -> dict[str, float]:
+    """Token-weighted validation loss over a fixed set, exact across ranks."""
+    import torch
+
+    engine = run.engine
+    engine.eval()
+    loss, count = 0.0, 0
+    with torch.no_grad():
+        for batch in eval_micro_batches(run.val_data, run.cfg.train.eval_batches,
+                                        run.plan.micro_batch_size, run.env.rank, run.env.world_size):
+            loss_sum, n = forward_loss(engine, batch)
+            loss, count = loss + float(loss_sum), count + n
+    engine.train()
+    loss, count = dist.all_reduce_sum([loss, count])
+    mean = loss / count
+    return {"eval/loss": mean, "eval/ppl": math.exp(min(mean, 50.0))}
+
+
+def step_metrics(run: Run, step: int, loss_sum, tokens: int, grad_norm: float | None, window_s: float,
+                 window_steps: int) -> dict:
+    """Reduce the step's loss (token-weighted) and the memory figures over all ranks."""
+    gpu_gib, rss_gib = memory_gib(run.engine.device.type)
+    loss, count = dist.all_reduce_sum([float(loss_sum), tokens])
+    max_gpu, max_rss = dist.all_reduce_max([gpu_gib, rss_gib])
+    tokens_per_s = run.plan.tokens_per_step * window_steps / window_s
+    if grad_norm is None:
+        grad_norm = run.engine.get_global_grad_norm()
+    return {
+        "train/loss": loss / count,
+        "train/tokens": run.plan.tokens_per_step * step,
+        "optim/lr": float(run.engine.get_lr()[0]),
+        "optim/grad_norm": float(grad_norm) if grad_norm is not None else None,
+        "perf/tokens_per_s": tokens_per_s,
+        "perf/step_time_s": window_s / window_steps,
+        "perf/mfu": mfu(tokens_per_s / run.env.world_size, run.flops_per_token, run.peak_flops),
+        "mem/max_rank_gib": max_gpu,
+        "mem/max_rank_rss_gib": max_rss,
+        "world_size": run.env.world_size,
+    }
+
+
+def _every(step: int, n: int, last: int) -> bool:
+    return step == last or (n > 0 and step % n == 0)
+
+
+def save(run: Run, step: int) -> None:
+    """Every rank saves its partition (a collective: never behind a rank guard)."""
+    import torch
+
+    state = {"step": step, "samples": step * run.plan.global_batch_size,
+             "rng": {"python": random.getstate(), "numpy": np.random.get_state(),
+                     "torch": torch.get_rng_state()}}
+    run.engine.save_checkpoint(str(run.run_dir / "checkpoints"), tag=f"step_{step:08d}",
+                               client_state=state)
+    run.rank_log.info(f"saved checkpoint step_{step:08d}")
+
+
+def maybe_resume(run: Run) -> int:
+    """Continue from the latest checkpoint in output_dir, if there is one; returns the start step."""
+    import torch
+
+    ckpt_dir = run.run_dir / "checkpoints"
+    if not (ckpt_dir / "latest").is_file():
+        return 0
+    _, state = run.engine.load_checkpoint(str(ckpt_dir))
+    if state is None:
+        raise UserError(f"{ckpt_dir}: the checkpoint named in 'latest' could not be loaded")
+    random.setstate(state["rng"]["python"])
+    np.random.set_state(state["rng"]["numpy"])
+    torch.set_rng_state(state["rng"]["torch"])
+    run.say(f"resumed from {ckpt_dir / (ckpt_dir / 'latest').read_text().strip()} at step {state['step']}")
+    return int(state["step"])
+
+
+def generate_sample(run: Run) -> str:
+    """Continue log.sample_prompt with the trained model (all ranks take part under ZeRO-3)."""
+    import torch
+
+    prompt = run.cfg.log.sample_prompt
+    ids = run.tokenizer(prompt, return_tensors="pt").input_ids.to(run.engine.device)
+    run.engine.eval()
+    torch.manual_seed(run.cfg.seed)
+    with torch.no_grad():
+        out = run.engine.module.generate(
+            ids, max_new_tokens=run.cfg.log.sample_tokens, min_new_tokens=run.cfg.log.sample_tokens,
+            do_sample=True, top_k=40, temperature=0.8, use_cache=True,
+            pad_token_id=run.tokenizer.eos_token_id, synced_gpus=zero_stage(run.ds_config) == 3)
+    run.engine.train()
+    return run.tokenizer.decode(out[0], skip_special_tokens=True)
+
+
+def train(cfg: RunConfig, ds_config_path: str) -> dict:
+    run = build_run(cfg, ds_config_path, dist.detect_env())
+    c, plan, engine = run.cfg, run.plan, run.engine
+    start = maybe_resume(run)
+    if start >= c.train.max_steps:
+        run.say(f"already trained to step {start} >= train.max_steps={c.train.max_steps}; "
+                f"raise train.max_steps to continue, or set another output_dir")
+    progress = build_progress(run.env.is_main, c.log.progress, c.train.max_steps, start)
+    metrics: dict[str, Any] = {}
+    window_start, window_steps = time.perf_counter(), 0
+    for step in range(start + 1, c.train.max_steps + 1):
+        batches = rank_micro_batches(run.train_data, step - 1, plan.global_batch_size,
+                                     plan.micro_batch_size, run.env.rank, run.env.world_size)
+        log_now = _every(step, c.log.every, c.train.max_steps)
+        loss_sum, tokens, grad_norm = train_step(engine, batches, want_grad_norm=log_now)
+        window_steps += 1
+        progress.update()
+        if log_now:
+            metrics = step_metrics(run, step, loss_sum, tokens, grad_norm,
+                                   time.perf_counter() - window_start, window_steps)
+            if _every(step, c.train.eval_every, c.train.max_steps):
+                metrics |= evaluate(run)
+            run.logger.log(metrics, step)
+            progress.set_postfix_str(f"loss {metrics['train/loss']:.3f}")
+            window_start, window_steps = time.perf_counter(), 0
+        elif _every(step, c.train.eval_every, c.train.max_steps):
+            run.logger.log(evaluate(run), step)
+        if (c.checkpoint.every and step % c.checkpoint.every == 0) or (
+                step == c.train.max_steps and c.checkpoint.save_final):
+            save(run, step)
+    progress.close()
+    return finish(run, metrics)
+
+
+def finish(run: Run, metrics: dict) -> dict:
+    results = {"steps": run.cfg.train.max_steps,
+               "tokens": run.cfg.train.max_steps * run.plan.tokens_per_step,
+               "final_train_loss": metrics.get("train/loss"), "final_eval_loss": metrics.get("eval/loss"),
+               "tokens_per_s": metrics.get("perf/tokens_per_s"), "world_size": run.env.world_size,
+               "run_dir": str(run.run_dir.resolve())}
+    sample = generate_sample(run) if run.cfg.log.sample_prompt and run.cfg.log.sample_tokens else None
+    if run.env.is_main:
+        results["sample"] = sample
+        (run.run_dir / "results.json").write_text(json.dumps(results, indent=2))
+        if sample is not None:
+            print(f"\n--- sample ---\n{sample}\n--------------")
+        print(f"run directory: {results['run_dir']}")
+    run.logger.close()
+    dist.barrier()
+    return results
