@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import re
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,6 +18,20 @@ from typing import Any, Literal
 import yaml
 
 from ds_train.errors import UserError
+
+
+class _Loader(yaml.SafeLoader):
+    """SafeLoader that also reads YAML 1.2 floats such as 3e-4 (YAML 1.1 needs a dot: 3.0e-4)."""
+
+
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9_]+)[eE][-+]?[0-9]+$"),
+    list("-+0123456789."))
+
+
+def yaml_load(text: str):
+    return yaml.load(text, Loader=_Loader)
 
 
 def _f(default, help: str, **kw):
@@ -202,7 +217,8 @@ def describe() -> str:
 
 
 def _suggest(key: str) -> str:
-    close = difflib.get_close_matches(key, all_keys(), n=1, cutoff=0.5)
+    candidates = all_keys() if "." in key else [f.name for f in dataclasses.fields(RunConfig)]
+    close = difflib.get_close_matches(key, candidates, n=1, cutoff=0.5)
     return f" (did you mean {close[0]!r}?)" if close else ""
 
 
@@ -266,18 +282,34 @@ def _set_dotted(raw: dict, key: str, value: Any) -> None:
     node[parts[-1]] = value
 
 
+def _field_type(key: str):
+    """The annotated type of a dotted key (None for keys inside a free-form mapping)."""
+    head, _, rest = key.partition(".")
+    hints = _hints(RunConfig)
+    if head not in hints:
+        return None
+    if not rest:
+        return hints[head]
+    tp = hints[head]
+    return _hints(tp).get(rest) if dataclasses.is_dataclass(tp) else None
+
+
 def parse_overrides(items: list[str]) -> list[tuple[str, Any]]:
-    """`a.b=value` strings -> (key, YAML-parsed value). Keys are checked when the config is built."""
+    """`a.b=value` strings -> (key, value): text as given for string keys, else parsed as YAML."""
     out = []
     for item in items:
         key, sep, text = item.partition("=")
+        key = key.strip()
         if not sep or not key:
             raise UserError(f"override {item!r}: expected key=value, for example train.max_steps=20")
-        try:
-            value = yaml.safe_load(text) if text else ""
-        except yaml.YAMLError:
+        if _field_type(key) is str:
             value = text
-        out.append((key.strip(), value))
+        else:
+            try:
+                value = yaml_load(text) if text else ""
+            except yaml.YAMLError:
+                value = text
+        out.append((key, value))
     return out
 
 
@@ -287,7 +319,7 @@ def read_yaml(path: str | Path) -> dict:
     if not path.is_file():
         raise UserError(f"{path}: config file not found")
     try:
-        raw = yaml.safe_load(path.read_text())
+        raw = yaml_load(path.read_text())
     except yaml.MarkedYAMLError as e:
         mark = e.problem_mark
         where = f"line {mark.line + 1}, column {mark.column + 1}" if mark else "?"
@@ -304,20 +336,20 @@ def read_yaml(path: str | Path) -> dict:
 def load_config(path: str | Path | None, overrides: list[str] = ()) -> RunConfig:
     """YAML file (optional) + `key=value` overrides -> validated, frozen RunConfig."""
     raw = read_yaml(path) if path else {}
+    unknown = []
     for key, value in parse_overrides(list(overrides)):
-        head = key.split(".")[0]
-        dict_field = len(key.split(".")) > 2 and key.split(".")[1] == "config" and head == "model"
-        if not dict_field and key not in all_keys():
-            raise UserError(f"override {key!r}: unknown key{_suggest(key)}")
+        if not key.startswith("model.config.") and key not in all_keys():
+            unknown.append(f"override {key!r}: unknown key{_suggest(key)}")
         _set_dotted(raw, key, value)
+    if unknown:
+        raise UserError("; ".join(unknown))
     return build_config(raw, source=str(path) if path else "overrides")
 
 
 def build_config(raw: dict, source: str = "config") -> RunConfig:
     errs: list[str] = []
     cfg = _build(RunConfig, raw, "", errs)
-    if not errs:
-        errs = cfg.check()
+    errs += cfg.check()  # fields with a type error kept their default, so these checks still run
     if errs:
         raise UserError(f"{source}: " + "; ".join(errs) if len(errs) == 1 else
                         f"{source}: {len(errs)} problems:\n  " + "\n  ".join(errs))

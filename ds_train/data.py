@@ -60,12 +60,13 @@ def iter_documents(sources: list[str], text_key: str = "text") -> Iterator[tuple
                     if not line.strip():
                         continue
                     try:
-                        record = json.loads(line)
-                        text = record[text_key]
-                    except (json.JSONDecodeError, KeyError, TypeError):
+                        text = json.loads(line)[text_key]
+                    except (json.JSONDecodeError, KeyError, TypeError, IndexError):
+                        text = None
+                    if not isinstance(text, str):
                         raise UserError(f"{p}:{lineno}: expected a JSON object with a string "
-                                        f"{text_key!r} field (set data.text_key)") from None
-                    yield f"{p}:{lineno}", str(text)
+                                        f"{text_key!r} field (set data.text_key)")
+                    yield f"{p}:{lineno}", text
             elif p.suffix in TEXT_SUFFIXES or not p.suffix:
                 yield str(p), p.read_text(errors="replace")
 

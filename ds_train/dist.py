@@ -32,7 +32,9 @@ class DistEnv:
         return self.rank == 0
 
 
-def _int(environ: Mapping[str, str], key: str) -> int:
+def _int(environ: Mapping[str, str], key: str, default: int | None = None) -> int:
+    if default is not None and not environ.get(key):
+        return default
     value = environ.get(key, "")
     if not re.fullmatch(r"\d+", value.strip()):
         raise UserError(f"environment: {key}={value!r} must be a non-negative integer")
@@ -55,7 +57,8 @@ def detect_env(environ: Mapping[str, str] | None = None) -> DistEnv:
     env = os.environ if environ is None else environ
     if "RANK" in env and "WORLD_SIZE" in env:
         world = _int(env, "WORLD_SIZE")
-        local_world = int(env.get("LOCAL_WORLD_SIZE", "") or world)
+        # torchrun exports LOCAL_WORLD_SIZE; the deepspeed launcher exports LOCAL_SIZE.
+        local_world = _int(env, "LOCAL_WORLD_SIZE", _int(env, "LOCAL_SIZE", world))
         launcher = ("torchrun" if "TORCHELASTIC_RUN_ID" in env
                     else "deepspeed" if "CROSS_RANK" in env or "LOCAL_SIZE" in env or
                     env.get("DS_TRAIN_LAUNCHER") == "deepspeed" else "manual")
@@ -64,21 +67,25 @@ def detect_env(environ: Mapping[str, str] | None = None) -> DistEnv:
         elif "GROUP_RANK" in env:  # torchrun's
             node_rank = _int(env, "GROUP_RANK")
         else:
-            node_rank = int(env.get("NODE_RANK", "0") or 0)
+            node_rank = _int(env, "NODE_RANK", 0)
         if "MASTER_ADDR" not in env or "MASTER_PORT" not in env:
             raise UserError("environment: RANK and WORLD_SIZE are set but MASTER_ADDR or MASTER_PORT "
                             "is not; set both (or launch with deepspeed / torchrun)")
-        return DistEnv(_int(env, "RANK"), int(env.get("LOCAL_RANK", "0") or 0), world,
-                       local_world, node_rank, env["MASTER_ADDR"], _int(env, "MASTER_PORT"), launcher)
+        rank = _int(env, "RANK")
+        if rank >= world:
+            raise UserError(f"environment: RANK={rank} must be below WORLD_SIZE={world}")
+        return DistEnv(rank, _int(env, "LOCAL_RANK", 0), world, local_world, node_rank,
+                       env["MASTER_ADDR"], _int(env, "MASTER_PORT"), launcher)
     if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
         nodelist = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST") or "localhost"
-        job_id = int(env.get("SLURM_JOB_ID", "0") or 0)
+        job_id = _int(env, "SLURM_JOB_ID", 0)
         ntasks = _int(env, "SLURM_NTASKS")
-        nnodes = int(env.get("SLURM_NNODES", "1") or 1)
+        nnodes = _int(env, "SLURM_NNODES", 1)
+        # A port derived from the job id, so two jobs sharing a node do not collide.
+        port = _int(env, "MASTER_PORT", 29500 + job_id % 1000)
         return DistEnv(_int(env, "SLURM_PROCID"), _int(env, "SLURM_LOCALID"), ntasks,
-                       max(1, ntasks // max(1, nnodes)), int(env.get("SLURM_NODEID", "0") or 0),
-                       env.get("MASTER_ADDR") or first_slurm_host(nodelist),
-                       int(env.get("MASTER_PORT") or 29500 + job_id % 1000), "slurm")
+                       max(1, ntasks // max(1, nnodes)), _int(env, "SLURM_NODEID", 0),
+                       env.get("MASTER_ADDR") or first_slurm_host(nodelist), port, "slurm")
     return DistEnv(0, 0, 1, 1, 0, "127.0.0.1", 0, "single")
 
 

@@ -44,8 +44,8 @@ def _owned(cfg: RunConfig, plan: BatchPlan, dtype: str) -> dict[tuple, tuple[str
         ("train_micro_batch_size_per_gpu",): ("train.micro_batch_size", plan.micro_batch_size),
         ("gradient_accumulation_steps",): ("global / (micro x world)", plan.grad_accum_steps),
         ("gradient_clipping",): ("train.grad_clip", cfg.train.grad_clip),
-        ("bf16", "enabled"): ("model.dtype", dtype == "bf16"),
-        ("fp16", "enabled"): ("model.dtype", dtype == "fp16"),
+        ("bf16", "enabled"): (f"model.dtype ({dtype})", dtype == "bf16"),
+        ("fp16", "enabled"): (f"model.dtype ({dtype})", dtype == "fp16"),
     }
 
 

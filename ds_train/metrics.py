@@ -15,8 +15,10 @@ from pathlib import Path
 from typing import Any, Protocol
 
 # Peak dense bf16 tensor TFLOP/s per device, from the vendors' data sheets (SXM parts).
-PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "L4": 121.0,
-               "A10G": 70.0, "A10": 125.0, "V100": 125.0, "MI300X": 1307.0, "B200": 2250.0}
+# The longest matching name wins ("H100 PCIE" before "H100", "L40S" before "L40" before "L4").
+PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "H100 PCIE": 756.0, "A100": 312.0, "L40S": 362.0,
+               "L40": 181.0, "L4": 121.0, "A10G": 70.0, "A10": 125.0, "V100": 125.0,
+               "MI300X": 1307.0, "B200": 2250.0}
 
 
 class Logger(Protocol):

@@ -52,20 +52,44 @@ class BuiltModel:
     ds_hf_config: Any  # keeps HfDeepSpeedConfig alive while the engine is built (ZeRO-3)
 
 
-def build_model(model_cfg: ModelConfig, hf_config, ds_config: dict) -> BuiltModel:
+def seeded_init(model, seed: int, zero3: bool) -> None:
+    """Re-initialise each module with the model's own `_init_weights`, seeded by the module's name.
+
+    The weights then depend on the seed alone, not on how construction consumed the RNG, so ZeRO-3
+    (built inside zero.Init) starts from the same weights as ZeRO 0-2 and any world size.
+    """
+    import zlib
+    from contextlib import nullcontext
+
+    import deepspeed
+    import torch
+
+    for name, module in model.named_modules():
+        params = list(module.parameters(recurse=False))
+        if not params:
+            continue
+        gather = deepspeed.zero.GatheredParameters(params, modifier_rank=0) if zero3 else nullcontext()
+        with gather, torch.no_grad():
+            torch.manual_seed(seed + zlib.crc32(name.encode()))
+            model._init_weights(module)
+
+
+def build_model(model_cfg: ModelConfig, hf_config, ds_config: dict, seed: int = 0) -> BuiltModel:
     """Construct (ZeRO-3: partitioned) the model in fp32; the engine casts to bf16/fp16."""
     import torch
     from transformers import AutoModelForCausalLM
     from transformers.integrations import HfDeepSpeedConfig
 
     keep_alive = None
-    if ds_config.get("zero_optimization", {}).get("stage", 0) == 3:
+    zero3 = ds_config.get("zero_optimization", {}).get("stage", 0) == 3
+    if zero3:
         keep_alive = HfDeepSpeedConfig(ds_config)
     kwargs = dict(attn_implementation=model_cfg.attn_implementation, dtype=torch.float32)
     if model_cfg.path:
         model = AutoModelForCausalLM.from_pretrained(model_cfg.path, config=hf_config, **kwargs)
     else:
         model = AutoModelForCausalLM.from_config(hf_config, **kwargs)
+        seeded_init(model, seed, zero3)
     if model_cfg.activation_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.config.use_cache = False

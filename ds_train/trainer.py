@@ -98,7 +98,7 @@ def build_run(cfg: RunConfig, ds_config_path: str, env: dist.DistEnv) -> Run:
 
     dist.init(env)  # after every check that needs no peers, so bad input fails fast on each rank
     seed_everything(cfg.seed)
-    built = build_model(cfg.model, hf_config, ds_config)
+    built = build_model(cfg.model, hf_config, ds_config, cfg.seed)
     n_params = count_params(built.model)
     engine = initialize(built.model, ds_config)
 

@@ -1,0 +1,10 @@
+#!/usr/bin/env bash
+# The README's main job: set up .venv, then train a small Llama on the bundled corpus through the
+# real deepspeed launcher with 2 processes (CPU here, GPUs where present). Extra arguments are
+# config overrides, e.g. `bash scripts/quickstart.sh train.max_steps=400`.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+export PATH="$PWD/.venv/bin:$PATH"
+exec deepspeed --num_gpus "${NPROC:-2}" --module ds_train train \
+  --config recipes/quickstart.yaml --ds-config "${DS_CONFIG:-ds_configs/zero2.json}" "$@"

@@ -1,0 +1,109 @@
+"""Shared fixtures: a tiny prepared corpus, tiny run configs, and a launcher runner with timeouts.
+
+Multi-process tests go through the real `deepspeed` launcher (or torchrun) in a new process
+session, so a timeout kills the whole tree and no rank outlives its test.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+
+TINY_MODEL = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 176,
+              "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 4,
+              "max_position_embeddings": 128, "tie_word_embeddings": True}
+
+
+def tiny_config(data_dir: Path, output_dir: Path, **sections) -> dict:
+    """A run config small enough for a 2-process CPU run in seconds."""
+    cfg = {"output_dir": str(output_dir), "seed": 7,
+           "model": {"config": dict(TINY_MODEL), "dtype": "fp32"},
+           "data": {"dir": str(data_dir)},
+           "train": {"max_steps": 8, "micro_batch_size": 2, "global_batch_size": 8, "seq_len": 64,
+                     "eval_every": 0, "eval_batches": 2},
+           "optim": {"lr": 1e-2, "warmup_steps": 2},
+           "checkpoint": {"every": 0, "save_final": False},
+           "log": {"every": 1, "progress": False, "sample_prompt": ""}}
+    for section, values in sections.items():
+        if isinstance(values, dict):
+            cfg.setdefault(section, {}).update(values)
+        else:
+            cfg[section] = values
+    return cfg
+
+
+def write_config(path: Path, cfg: dict) -> Path:
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Result:
+    returncode: int
+    out: str
+
+    def lines(self, prefix: str) -> list[str]:
+        return [line for line in self.out.splitlines() if line.startswith(prefix)]
+
+
+def run_cmd(args: list[str], timeout: float = 300, env: dict | None = None, cwd: Path = ROOT) -> Result:
+    """Run a command tree in its own session; on timeout kill the whole group and fail."""
+    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "PATH": f"{BIN}:{os.environ.get('PATH', '')}",
+                "WANDB_MODE": "offline", "WANDB_SILENT": "true", **(env or {})}
+    proc = subprocess.Popen(args, cwd=cwd, env=full_env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        pytest.fail(f"timed out after {timeout}s: {' '.join(args)}\n{out[-4000:]}")
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)  # no rank outlives its test
+        except ProcessLookupError:
+            pass
+    return Result(proc.returncode, out)
+
+
+def deepspeed_train(config: Path, ds_config: str, *overrides: str, nproc: int = 2,
+                    timeout: float = 300, env: dict | None = None) -> Result:
+    return run_cmd([str(BIN / "deepspeed"), "--num_gpus", str(nproc), "--master_port", str(free_port()),
+                    "--module", "ds_train", "train", "--config", str(config),
+                    "--ds-config", str(ROOT / "ds_configs" / ds_config), *overrides],
+                   timeout=timeout, env=env)
+
+
+def ds_train(*args: str, timeout: float = 300, env: dict | None = None) -> Result:
+    return run_cmd([sys.executable, "-m", "ds_train", *args], timeout=timeout, env=env)
+
+
+@pytest.fixture(scope="session")
+def tiny_data(tmp_path_factory) -> Path:
+    """A small corpus (a slice of the stdlib) prepared with a 512-token BPE, shared by all tests."""
+    from ds_train.data import prepare, python_stdlib_files
+
+    src = tmp_path_factory.mktemp("corpus")
+    for i, path in enumerate(python_stdlib_files(max_bytes=300_000)):
+        shutil.copy(path, src / f"{i:04d}_{path.name}")
+    out = tmp_path_factory.mktemp("data")
+    prepare([str(src)], out, vocab_size=512, val_fraction=0.1)
+    return out

@@ -1,0 +1,299 @@
+"""ds_train.config: YAML + key=value overrides -> a validated, frozen RunConfig."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from ds_train.config import (RunConfig, all_keys, build_config, describe, load_config,
+                             parse_overrides, read_yaml)
+from ds_train.errors import UserError
+
+ROOT = Path(__file__).resolve().parents[1]
+QUICKSTART = ROOT / "recipes" / "quickstart.yaml"
+ARCH = {"model": {"config": {"model_type": "llama", "hidden_size": 64}}}
+
+
+def with_arch(**sections) -> dict:
+    return {"model": {"config": {"model_type": "llama", "hidden_size": 64}}, **sections}
+
+
+# --- loading the recipe --------------------------------------------------------------------------
+
+def test_quickstart_recipe_loads_with_its_values():
+    cfg = load_config(QUICKSTART)
+    assert isinstance(cfg, RunConfig)
+    assert cfg.output_dir == "runs/quickstart"
+    assert cfg.seed == 1234
+    assert cfg.model.config["model_type"] == "llama"
+    assert cfg.model.config["hidden_size"] == 128
+    assert cfg.model.path == ""
+    assert cfg.data.sources == ["python-stdlib"]
+    assert cfg.train.max_steps == 200
+    assert cfg.train.global_batch_size == 32
+    assert cfg.train.micro_batch_size == 8
+    assert cfg.optim.lr == pytest.approx(3e-3)
+    assert isinstance(cfg.optim.lr, float)
+    assert cfg.log.wandb == "off"  # a bare YAML `off` is false in YAML 1.1; it must stay "off"
+    assert cfg.log.sample_prompt == "def "
+
+
+def test_fields_not_in_the_recipe_keep_their_defaults():
+    cfg = load_config(QUICKSTART)
+    assert cfg.optim.betas == [0.9, 0.95]
+    assert cfg.log.wandb_project == "ds_train"
+    assert cfg.checkpoint.save_final is True
+
+
+def test_no_file_and_no_overrides_still_needs_a_model():
+    with pytest.raises(UserError, match="model.path.*model.config"):
+        load_config(None)
+
+
+# --- key=value overrides -------------------------------------------------------------------------
+
+def test_int_override():
+    cfg = load_config(QUICKSTART, ["train.max_steps=20"])
+    assert cfg.train.max_steps == 20 and type(cfg.train.max_steps) is int
+
+
+def test_float_override_with_a_decimal_point():
+    cfg = load_config(QUICKSTART, ["optim.lr=3.0e-4", "data.val_fraction=0.25"])
+    assert cfg.optim.lr == pytest.approx(3e-4)
+    assert cfg.data.val_fraction == pytest.approx(0.25)
+
+
+def test_int_given_for_a_float_field_becomes_float():
+    cfg = load_config(QUICKSTART, ["train.grad_clip=2"])
+    assert cfg.train.grad_clip == 2.0 and type(cfg.train.grad_clip) is float
+
+
+def test_float_override_in_exponent_form_3e_minus_4():
+    """Regression, fixed: before the fix, PyYAML (YAML 1.1) reads `3e-4` (no decimal point) as the string '3e-4', so
+    `optim.lr=3e-4` fails with "optim.lr: '3e-4' must be a number". Expected: 0.0003."""
+    cfg = load_config(QUICKSTART, ["optim.lr=3e-4"])
+    assert cfg.optim.lr == pytest.approx(3e-4)
+
+
+def test_float_in_exponent_form_in_a_yaml_file(tmp_path):
+    """Regression, fixed (same root cause): `lr: 3e-4` in a recipe is rejected as a string."""
+    path = tmp_path / "run.yaml"
+    path.write_text("model:\n  config: {model_type: llama}\noptim:\n  lr: 3e-4\n")
+    assert load_config(path).optim.lr == pytest.approx(3e-4)
+
+
+@pytest.mark.parametrize("text, expected", [("false", False), ("true", True), ("False", False),
+                                            ("no", False), ("on", True)])
+def test_bool_override(text, expected):
+    cfg = load_config(QUICKSTART, [f"log.progress={text}"])
+    assert cfg.log.progress is expected
+
+
+def test_string_overrides():
+    cfg = load_config(QUICKSTART, ["output_dir=runs/exp_1", "data.tokenizer=/models/tok",
+                                   "log.sample_prompt=", "model.attn_implementation=eager"])
+    assert cfg.output_dir == "runs/exp_1"
+    assert cfg.data.tokenizer == "/models/tok"
+    assert cfg.log.sample_prompt == ""
+    assert cfg.model.attn_implementation == "eager"
+
+
+def test_numeric_looking_string_override_stays_a_string():
+    """Regression, fixed: before the fix, a str field given digits, e.g. `log.wandb_project=2024`, is YAML-parsed to the
+    int 2024 and rejected ("log.wandb_project: 2024 must be a string"). Expected: '2024'."""
+    cfg = load_config(QUICKSTART, ["log.wandb_project=2024"])
+    assert cfg.log.wandb_project == "2024"
+
+
+@pytest.mark.parametrize("mode", ["off", "offline", "online"])
+def test_wandb_override_keeps_the_mode_string(mode):
+    cfg = load_config(QUICKSTART, [f"log.wandb={mode}"])
+    assert cfg.log.wandb == mode
+    assert cfg.log.wandb is not False
+
+
+def test_nested_model_config_override_merges_into_the_architecture():
+    cfg = load_config(QUICKSTART, ["model.config.hidden_size=64", "model.config.rms_norm_eps=1.0e-5"])
+    assert cfg.model.config["hidden_size"] == 64
+    assert cfg.model.config["rms_norm_eps"] == pytest.approx(1e-5)
+    assert cfg.model.config["num_hidden_layers"] == 4  # the rest of the recipe's architecture stays
+    assert cfg.model.config["model_type"] == "llama"
+
+
+def test_override_without_equals_sign_is_a_user_error():
+    with pytest.raises(UserError, match="key=value"):
+        parse_overrides(["train.max_steps"])
+    with pytest.raises(UserError, match="key=value"):
+        parse_overrides(["=3"])
+
+
+def test_parse_overrides_types():
+    assert parse_overrides(["a=1", "b=1.5", "c=true", "d=hello", "e="]) == [
+        ("a", 1), ("b", 1.5), ("c", True), ("d", "hello"), ("e", "")]
+
+
+# --- unknown keys --------------------------------------------------------------------------------
+
+def test_unknown_override_key_suggests_the_closest():
+    with pytest.raises(UserError) as e:
+        load_config(QUICKSTART, ["train.max_step=3"])
+    assert "train.max_step" in str(e.value)
+    assert "'train.max_steps'" in str(e.value)
+
+
+def test_unknown_yaml_key_suggests_the_closest(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("model:\n  config: {model_type: llama}\ntrain:\n  max_step: 3\n")
+    with pytest.raises(UserError) as e:
+        load_config(path)
+    msg = str(e.value)
+    assert str(path) in msg
+    assert "train.max_step: unknown key" in msg
+    assert "'train.max_steps'" in msg
+
+
+def test_unknown_keys_in_yaml_are_all_reported(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("model:\n  config: {model_type: llama}\n  dtyp: bf16\noptim:\n  learning_rate: 1\n")
+    with pytest.raises(UserError) as e:
+        load_config(path)
+    msg = str(e.value)
+    assert "model.dtyp" in msg and "'model.dtype'" in msg
+    assert "optim.learning_rate" in msg
+
+
+def test_misspelt_section_suggests_the_section():
+    """Regression, fixed: before the fix, a misspelt top-level section (`trian:`) is reported as "trian: unknown key" with
+    no suggestion, because _suggest only compares against dotted leaf keys. Expected: a hint
+    naming 'train'."""
+    with pytest.raises(UserError) as e:
+        build_config({**ARCH, "trian": {"max_steps": 3}})
+    assert "trian" in str(e.value)
+    assert "did you mean" in str(e.value) and "train" in str(e.value).split("did you mean")[1]
+
+
+# --- problems reported together ------------------------------------------------------------------
+
+def test_several_bad_values_are_reported_in_one_error():
+    with pytest.raises(UserError) as e:
+        load_config(QUICKSTART, ["train.max_steps=-5", "optim.lr=-0.5"])
+    msg = str(e.value)
+    assert "2 problems" in msg
+    assert "train.max_steps: -5" in msg
+    assert "optim.lr: -0.5" in msg
+
+
+def test_several_type_errors_are_reported_in_one_error():
+    with pytest.raises(UserError) as e:
+        build_config(with_arch(train={"seq_len": "long", "micro_batch_size": 2.5}))
+    msg = str(e.value)
+    assert "train.seq_len: 'long' must be an integer" in msg
+    assert "train.micro_batch_size: 2.5 must be an integer" in msg
+
+
+def test_type_error_and_range_error_are_reported_together():
+    """Regression, fixed: before the fix, build_config skips the range checks (cfg.check()) whenever a type error was
+    found, so `train.max_steps=abc optim.lr=-1` reports only the max_steps problem, although the
+    module promises "every problem is collected and reported at once". Expected: both."""
+    with pytest.raises(UserError) as e:
+        load_config(QUICKSTART, ["train.max_steps=abc", "optim.lr=-1"])
+    msg = str(e.value)
+    assert "train.max_steps: 'abc'" in msg
+    assert "optim.lr: -1" in msg
+
+
+def test_cross_field_check_names_both_keys():
+    with pytest.raises(UserError, match="optim.reference_batch_size.*'linear'"):
+        build_config(with_arch(optim={"lr_scaling": "linear"}))
+
+
+# --- type errors ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("override, needle", [
+    ("train.max_steps=ten", "train.max_steps: 'ten' must be an integer"),
+    ("train.max_steps=true", "train.max_steps: True must be an integer"),
+    ("train.seq_len=12.5", "train.seq_len: 12.5 must be an integer"),
+    ("optim.lr=fast", "optim.lr: 'fast' must be a number"),
+    ("log.progress=maybe", "log.progress: 'maybe' must be true or false"),
+    ("model.dtype=fp8", "model.dtype: 'fp8' is not one of auto, bf16, fp16, fp32"),
+    ("optim.betas=0.9", "optim.betas: must be a list"),
+])
+def test_type_errors_name_key_and_value(override, needle):
+    with pytest.raises(UserError) as e:
+        load_config(QUICKSTART, [override])
+    assert needle in str(e.value)
+
+
+def test_section_that_is_not_a_mapping_is_an_error():
+    with pytest.raises(UserError, match="train: must be a mapping"):
+        build_config({**ARCH, "train": 5})
+
+
+# --- the YAML file -------------------------------------------------------------------------------
+
+def test_invalid_yaml_names_file_and_line(tmp_path):
+    path = tmp_path / "broken.yaml"
+    path.write_text("seed: 1\ntrain:\n  max_steps: 5\n  seq_len: a: b\n")
+    with pytest.raises(UserError) as e:
+        read_yaml(path)
+    assert str(path) in str(e.value)
+    assert "line 4" in str(e.value)
+
+
+def test_invalid_yaml_through_load_config(tmp_path):
+    path = tmp_path / "broken.yaml"
+    path.write_text("seed: 1\ntrain:\n\tmax_steps: 5\n")
+    with pytest.raises(UserError, match=r"broken\.yaml: invalid YAML at line 3"):
+        load_config(path)
+
+
+def test_missing_file_is_a_user_error(tmp_path):
+    with pytest.raises(UserError, match="config file not found"):
+        load_config(tmp_path / "nope.yaml")
+
+
+def test_top_level_list_is_rejected(tmp_path):
+    path = tmp_path / "list.yaml"
+    path.write_text("- a\n- b\n")
+    with pytest.raises(UserError, match="top level must be a mapping"):
+        read_yaml(path)
+
+
+def test_empty_yaml_is_an_empty_mapping(tmp_path):
+    path = tmp_path / "empty.yaml"
+    path.write_text("")
+    assert read_yaml(path) == {}
+
+
+# --- frozen, described ---------------------------------------------------------------------------
+
+def test_config_is_frozen():
+    cfg = load_config(QUICKSTART)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.seed = 1  # type: ignore[misc]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.train.max_steps = 1  # type: ignore[misc]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.optim.lr = 1.0  # type: ignore[misc]
+
+
+def test_to_dict_round_trips_through_build_config():
+    cfg = load_config(QUICKSTART, ["train.max_steps=7"])
+    assert build_config(cfg.to_dict()) == cfg
+
+
+def test_all_keys_are_dotted_and_accepted_as_overrides():
+    keys = all_keys()
+    assert len(keys) == len(set(keys))
+    assert {"seed", "output_dir", "train.max_steps", "optim.lr", "log.wandb", "model.config"} <= set(keys)
+    for key in keys:
+        assert key == key.strip() and " " not in key
+
+
+def test_describe_mentions_every_key():
+    text = describe()
+    for key in all_keys():
+        assert key in text, key
+    assert "Optimizer steps to train for." in text  # the field help is printed too

@@ -1,0 +1,225 @@
+"""ds_train.engine: ds_configs/*.json + run config + batch plan -> the final ds_config (no process group)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from ds_train.batch import plan_batch
+from ds_train.config import build_config
+from ds_train.engine import read_ds_template, render_ds_config, zero_stage
+from ds_train.errors import UserError
+
+ROOT = Path(__file__).resolve().parents[1]
+TEMPLATES = sorted((ROOT / "ds_configs").glob("*.json"))
+HIDDEN = 64
+LR = 1.5e-3
+
+
+def make_cfg(**sections):
+    raw = {"model": {"config": {"model_type": "llama", "hidden_size": HIDDEN}},
+           "train": {"global_batch_size": 32, "micro_batch_size": 4, "max_steps": 50, "grad_clip": 1.0},
+           "optim": {"lr": 1e-3, "warmup_steps": 5, "min_lr_ratio": 0.2, "betas": [0.9, 0.99],
+                     "eps": 1e-7, "weight_decay": 0.05}}
+    for name, values in sections.items():
+        raw.setdefault(name, {}).update(values)
+    return build_config(raw)
+
+
+CFG = make_cfg()
+PLAN = plan_batch(32, 4, 2, 128)  # accum 4
+
+
+def render(template, dtype="bf16", on_gpu=False, cfg=CFG, plan=PLAN, hidden=HIDDEN, lr=LR):
+    return render_ds_config(template, cfg, plan, dtype, hidden, lr, on_gpu, source="t.json")
+
+
+def strings(node):
+    if isinstance(node, dict):
+        for v in node.values():
+            yield from strings(v)
+    elif isinstance(node, list):
+        for v in node:
+            yield from strings(v)
+    elif isinstance(node, str):
+        yield node
+
+
+def test_the_templates_exist():
+    names = {p.stem for p in TEMPLATES}
+    assert {"zero0", "zero1", "zero2", "zero2_offload", "zero3", "zero3_offload"} <= names
+
+
+@pytest.mark.parametrize("path", TEMPLATES, ids=lambda p: p.stem)
+@pytest.mark.parametrize("dtype", ["bf16", "fp16", "fp32"])
+def test_every_template_renders_without_auto(path, dtype):
+    template = read_ds_template(path)
+    ds = render(template, dtype)
+    assert "auto" not in list(strings(ds))
+    assert "auto" not in json.dumps(ds)
+    assert ds["train_batch_size"] == (ds["train_micro_batch_size_per_gpu"]
+                                      * ds["gradient_accumulation_steps"] * PLAN.world_size)
+    assert ds["train_batch_size"] == 32
+    assert ds["train_micro_batch_size_per_gpu"] == 4
+    assert ds["gradient_accumulation_steps"] == 4
+    assert ds["gradient_clipping"] == 1.0
+    assert ds["bf16"]["enabled"] is (dtype == "bf16")
+    assert ds["fp16"]["enabled"] is (dtype == "fp16")
+    assert template == read_ds_template(path)  # the template itself is not mutated
+    assert zero_stage(ds) == template["zero_optimization"]["stage"]
+
+
+@pytest.mark.parametrize("path", TEMPLATES, ids=lambda p: p.stem)
+def test_optimizer_and_scheduler_come_from_the_run_config(path):
+    ds = render(read_ds_template(path))
+    params = ds["optimizer"]["params"]
+    assert params["lr"] == LR  # the (scaled) lr argument, not optim.lr
+    assert params["betas"] == [0.9, 0.99]
+    assert params["eps"] == 1e-7
+    assert params["weight_decay"] == 0.05
+    sched = ds["scheduler"]["params"]
+    assert sched["total_num_steps"] == 50
+    assert sched["warmup_num_steps"] == 5
+    assert sched["cos_min_ratio"] == 0.2
+
+
+@pytest.mark.parametrize("path", TEMPLATES, ids=lambda p: p.stem)
+def test_torch_adam_follows_device_and_offload(path):
+    offload = path.stem.endswith("_offload")
+    on_cpu = render(read_ds_template(path), on_gpu=False)["optimizer"]["params"]["torch_adam"]
+    on_gpu = render(read_ds_template(path), on_gpu=True)["optimizer"]["params"]["torch_adam"]
+    assert on_cpu is (not offload)
+    assert on_gpu is False
+
+
+@pytest.mark.parametrize("name", ["zero3", "zero3_offload"])
+@pytest.mark.parametrize("hidden", [64, 100, 4096])
+def test_zero3_buckets_from_hidden_size(name, hidden):
+    ds = render(read_ds_template(ROOT / "ds_configs" / f"{name}.json"), hidden=hidden)
+    zero = ds["zero_optimization"]
+    assert zero["reduce_bucket_size"] == hidden * hidden
+    assert zero["stage3_prefetch_bucket_size"] == int(0.9 * hidden * hidden)
+    assert zero["stage3_param_persistence_threshold"] == 10 * hidden
+
+
+def test_explicit_bucket_sizes_are_kept():
+    ds = render(read_ds_template(ROOT / "ds_configs" / "zero2.json"))
+    assert ds["zero_optimization"]["reduce_bucket_size"] == 200_000_000
+
+
+def test_fp32_leaves_missing_precision_sections_out():
+    ds = render({}, dtype="fp32")
+    assert "bf16" not in ds and "fp16" not in ds
+    assert ds["train_batch_size"] == 32 and ds["zero_optimization"] == {"stage": 0}
+
+
+def test_missing_trainer_owned_keys_are_filled():
+    ds = render({"zero_optimization": {"stage": 1}}, dtype="bf16")
+    assert ds["bf16"] == {"enabled": True}
+    assert ds["gradient_accumulation_steps"] == 4
+
+
+# --- contradictions ------------------------------------------------------------------------------
+
+def test_explicit_train_batch_size_that_disagrees_names_both():
+    with pytest.raises(UserError) as e:
+        render({"train_batch_size": 64})
+    msg = str(e.value)
+    assert "t.json" in msg
+    assert "train_batch_size=64" in msg
+    assert "train.global_batch_size=32" in msg
+
+
+def test_explicit_gradient_clipping_that_disagrees_names_both():
+    with pytest.raises(UserError) as e:
+        render({"gradient_clipping": 0.5})
+    msg = str(e.value)
+    assert "gradient_clipping=0.5" in msg
+    assert "train.grad_clip=1.0" in msg
+
+
+def test_explicit_values_that_agree_are_accepted():
+    ds = render({"train_batch_size": 32, "train_micro_batch_size_per_gpu": 4,
+                 "gradient_accumulation_steps": 4, "gradient_clipping": 1})
+    assert ds["train_batch_size"] == 32 and ds["gradient_clipping"] == 1
+
+
+def test_explicit_micro_batch_that_disagrees():
+    with pytest.raises(UserError, match=r"train_micro_batch_size_per_gpu=8 .*train\.micro_batch_size=4"):
+        render({"train_micro_batch_size_per_gpu": 8})
+
+
+def test_explicit_optimizer_lr_that_disagrees():
+    template = {"optimizer": {"type": "AdamW", "params": {"lr": 0.1}}}
+    with pytest.raises(UserError) as e:
+        render(template)
+    assert "lr=0.1" in str(e.value) and str(LR) in str(e.value)
+
+
+def test_explicit_bf16_with_fp16_dtype_is_rejected():
+    with pytest.raises(UserError, match="bf16"):
+        render({"bf16": {"enabled": True}}, dtype="fp16")
+
+
+# --- unknown keys --------------------------------------------------------------------------------
+
+def test_unknown_top_level_key_suggests_the_closest():
+    with pytest.raises(UserError) as e:
+        render({"zero_optimisation": {"stage": 2}})
+    msg = str(e.value)
+    assert "'zero_optimisation'" in msg
+    assert "'zero_optimization'" in msg
+
+
+def test_unknown_nested_zero_key_is_named_with_its_path():
+    with pytest.raises(UserError) as e:
+        render({"zero_optimization": {"stage": 2, "overlap_com": True}})
+    assert "zero_optimization.overlap_com" in str(e.value)
+    assert "unknown key" in str(e.value)
+
+
+def test_unknown_nested_precision_key():
+    with pytest.raises(UserError, match=r"fp16\.loss_scal"):
+        render({"fp16": {"enabled": "auto", "loss_scal": 0}}, dtype="fp16")
+
+
+def test_zero_auto_that_cannot_be_derived():
+    with pytest.raises(UserError, match="zero_optimization.allgather_bucket_size"):
+        render({"zero_optimization": {"stage": 2, "allgather_bucket_size": "auto"}})
+
+
+def test_scheduler_auto_that_cannot_be_derived():
+    template = {"scheduler": {"type": "WarmupLR", "params": {"warmup_max_lr": "auto",
+                                                             "warmup_type": "auto"}}}
+    with pytest.raises(UserError, match="'warmup_type'"):
+        render(template)
+
+
+def test_underscore_keys_are_comments():
+    ds = render({"_comment": "stage 0 for debugging"})
+    assert ds["_comment"] == "stage 0 for debugging"
+
+
+# --- reading the template ------------------------------------------------------------------------
+
+def test_invalid_json_reports_the_line(tmp_path):
+    path = tmp_path / "bad.json"
+    path.write_text('{\n  "train_batch_size": "auto",\n  "zero_optimization": {"stage": 2,}\n}\n')
+    with pytest.raises(UserError) as e:
+        read_ds_template(path)
+    assert str(path) in str(e.value)
+    assert "line 3" in str(e.value)
+
+
+def test_missing_template_is_a_user_error(tmp_path):
+    with pytest.raises(UserError, match="not found"):
+        read_ds_template(tmp_path / "zero9.json")
+
+
+def test_template_must_be_an_object(tmp_path):
+    path = tmp_path / "list.json"
+    path.write_text("[1, 2]")
+    with pytest.raises(UserError, match="JSON object"):
+        read_ds_template(path)

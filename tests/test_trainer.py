@@ -1,0 +1,140 @@
+"""The trainer through the real launchers: deepspeed (ZeRO 0-3, offload), torchrun, one process."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from conftest import BIN, ROOT, deepspeed_train, ds_train, free_port, run_cmd, tiny_config, write_config
+
+STAGES = ["zero0", "zero1", "zero2", "zero3"]
+
+
+def read_metrics(run_dir):
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def assert_trained(res, run_dir, steps=8, world=2):
+    assert res.returncode == 0, res.out[-4000:]
+    metrics = read_metrics(run_dir)
+    assert [m["step"] for m in metrics] == list(range(1, steps + 1))
+    assert metrics[-1]["loss"] < metrics[0]["loss"] - 0.3, [m["loss"] for m in metrics]
+    assert all(m["world_size"] == world for m in metrics)
+    assert all(m["tokens_per_s"] > 0 and m["lr"] >= 0 for m in metrics)
+    return metrics
+
+
+@pytest.fixture(scope="module")
+def stage_run(tiny_data, tmp_path_factory):
+    """One 2-process deepspeed run per ZeRO stage, shared by the tests below (zero2 logs to wandb)."""
+    cache = {}
+
+    def get(stage):
+        if stage not in cache:
+            out = tmp_path_factory.mktemp(stage)
+            extra = {"log": {"wandb": "offline"}} if stage == "zero2" else {}
+            cfg = write_config(out / "run.yaml", tiny_config(tiny_data, out / "run", **extra))
+            cache[stage] = (deepspeed_train(cfg, f"{stage}.json"), out / "run")
+        return cache[stage]
+
+    return get
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_each_zero_stage_trains_through_the_deepspeed_launcher(stage, stage_run):
+    res, run_dir = stage_run(stage)
+    assert_trained(res, run_dir)
+    ds = json.loads((run_dir / "ds_config.json").read_text())
+    assert ds["train_batch_size"] == ds["train_micro_batch_size_per_gpu"] * ds["gradient_accumulation_steps"] * 2
+    assert (ds["train_batch_size"], ds["train_micro_batch_size_per_gpu"], ds["gradient_accumulation_steps"]) == (8, 2, 2)
+    assert ds["zero_optimization"]["stage"] == int(stage[-1])
+    assert '"auto"' not in json.dumps(ds)
+    env = json.loads((run_dir / "env.json").read_text())
+    assert env["world_size"] == 2 and env["launcher"] == "deepspeed"
+    assert {p.name for p in (run_dir / "logs").iterdir()} == {"rank_0.log", "rank_1.log"}
+    results = json.loads((run_dir / "results.json").read_text())
+    assert results["steps"] == 8 and results["tokens"] == 8 * 8 * 64
+    assert len(res.lines("batch: global 8 seqs = micro 2 x accum 2 x world 2")) == 1  # printed once
+
+
+def test_zero_stages_agree_on_the_loss(stage_run):
+    losses = {stage: read_metrics(stage_run(stage)[1]) for stage in STAGES}
+    for step in (0, 4):  # step 1 (same init weights) and step 5 (after four updates)
+        ref = losses["zero0"][step]["loss"]
+        for stage in STAGES:
+            assert losses[stage][step]["loss"] == pytest.approx(ref, rel=1e-3), (stage, step)
+
+
+def test_wandb_offline_run_is_written_by_rank_0_only(stage_run):
+    res, run_dir = stage_run("zero2")
+    assert res.returncode == 0
+    runs = list((run_dir / "wandb").glob("offline-run-*"))
+    assert len(runs) == 1, runs
+    assert any(p.suffix == ".wandb" and p.stat().st_size > 0 for p in runs[0].iterdir())
+    assert not list(ROOT.glob("wandb/offline-run-*"))  # nothing leaked into the working directory
+
+
+def test_logged_loss_is_the_token_weighted_mean_over_all_ranks(stage_run, tiny_data):
+    """Step-1 loss of the 2-process run against the global batch's loss computed in one process
+    with the model's own (Hugging Face) loss path."""
+    import torch
+
+    from ds_train.config import build_config
+    from ds_train.data import TokenData, load_meta, rank_micro_batches
+    from ds_train.model import build_hf_config, build_model
+    from ds_train.trainer import seed_everything
+
+    res, run_dir = stage_run("zero0")
+    assert res.returncode == 0
+    cfg = build_config(tiny_config(tiny_data, run_dir))
+    meta = load_meta(tiny_data)
+    seed_everything(cfg.seed)
+    model = build_model(cfg.model, build_hf_config(cfg.model, meta["vocab_size"], 64),
+                        {"zero_optimization": {"stage": 0}}, cfg.seed).model
+    data = TokenData(tiny_data / "train.bin", meta["dtype"], 64, cfg.seed)
+    loss_sum = tokens = 0.0
+    with torch.no_grad():
+        for batch in rank_micro_batches(data, 0, 8, 8, rank=0, world=1):
+            ids = torch.from_numpy(batch)
+            mean = model(input_ids=ids, labels=ids).loss  # HF shifts labels itself
+            n = ids[:, 1:].numel()
+            loss_sum, tokens = loss_sum + float(mean) * n, tokens + n
+    assert read_metrics(run_dir)[0]["loss"] == pytest.approx(loss_sum / tokens, rel=1e-5)
+
+
+@pytest.mark.parametrize("ds_config", ["zero2_offload.json", "zero3_offload.json"])
+def test_offload_configs_run_on_the_cpu(ds_config, tiny_data, tmp_path):
+    cfg = write_config(tmp_path / "run.yaml", tiny_config(tiny_data, tmp_path / "run"))
+    res = deepspeed_train(cfg, ds_config, timeout=600)  # the first run JIT-compiles cpu_adam
+    assert_trained(res, tmp_path / "run")
+    ds = json.loads((tmp_path / "run" / "ds_config.json").read_text())
+    assert ds["zero_optimization"]["offload_optimizer"]["device"] == "cpu"
+
+
+def test_torchrun_form(tiny_data, tmp_path):
+    cfg = write_config(tmp_path / "run.yaml", tiny_config(tiny_data, tmp_path / "run"))
+    res = run_cmd([str(BIN / "torchrun"), "--nproc_per_node", "2", "--master_port", str(free_port()),
+                   "-m", "ds_train", "train", "--config", str(cfg),
+                   "--ds-config", str(ROOT / "ds_configs" / "zero2.json")])
+    assert_trained(res, tmp_path / "run")
+    assert json.loads((tmp_path / "run" / "env.json").read_text())["launcher"] == "torchrun"
+
+
+def test_single_process_form_with_eval_sample_and_checkpoint(tiny_data, tmp_path):
+    cfg = write_config(tmp_path / "run.yaml", tiny_config(
+        tiny_data, tmp_path / "run", train={"eval_every": 4},
+        checkpoint={"save_final": True}, log={"every": 2, "sample_prompt": "def ", "sample_tokens": 8}))
+    res = ds_train("train", "--config", str(cfg), "--ds-config", str(ROOT / "ds_configs" / "zero0.json"))
+    assert res.returncode == 0, res.out[-4000:]
+    metrics = read_metrics(tmp_path / "run")
+    assert [m["step"] for m in metrics] == [2, 4, 6, 8]
+    evals = [m for m in metrics if "eval/loss" in m]
+    assert [m["step"] for m in evals] == [4, 8]
+    assert all(math.isclose(m["eval/ppl"], math.exp(m["eval/loss"]), rel_tol=1e-6) for m in evals)
+    assert metrics[-1]["world_size"] == 1
+    results = json.loads((tmp_path / "run" / "results.json").read_text())
+    assert results["sample"].startswith("def ") and len(results["sample"]) > 4
+    assert "--- sample ---" in res.out and f"run directory: {(tmp_path / 'run').resolve()}" in res.out
+    assert (tmp_path / "run" / "checkpoints" / "step_00000008").is_dir()
