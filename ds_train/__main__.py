@@ -28,7 +28,7 @@ def cmd_train(args) -> int:
 
 def cmd_prepare(args) -> int:
     from ds_train.config import load_config
-    from ds_train.data import prepare
+    from ds_train.data import load_meta, prepare
 
     if args.config:
         d = load_config(args.config, args.overrides).data
@@ -40,7 +40,8 @@ def cmd_prepare(args) -> int:
             raise UserError("prepare: key=value overrides need --config")
         sources, out, tok, vocab, val, key = args.sources, args.out, args.tokenizer, args.vocab_size, \
             args.val_fraction, args.text_key
-    meta = prepare(sources, out, tok, vocab, val, key)
+    prepare(sources, out, tok, vocab, val, key)
+    meta = load_meta(out)
     print(f"wrote {out}/train.bin ({meta['train_tokens']:,} tokens), val.bin "
           f"({meta['val_tokens']:,} tokens), meta.json; vocab {meta['vocab_size']} ({meta['dtype']}); "
           f"tokenizer {meta['tokenizer']}")

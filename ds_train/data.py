@@ -30,7 +30,9 @@ TEXT_SUFFIXES = {".txt", ".md", ".py", ".rst", ".json", ".yaml", ".yml", ".toml"
 def python_stdlib_files(max_bytes: int = STDLIB_MAX_BYTES) -> list[Path]:
     """The bundled default corpus: this Python's own standard-library source, in a fixed order."""
     root = Path(sysconfig.get_paths()["stdlib"])
-    skip = {"test", "tests", "idlelib", "site-packages", "dist-packages", "lib2to3", "turtledemo"}
+    # Skipped: tests, GUI demos, and the codec tables in encodings/ (hex tables, not Python prose).
+    skip = {"test", "tests", "idlelib", "site-packages", "dist-packages", "lib2to3", "turtledemo",
+            "encodings"}
     files, total = [], 0
     for path in sorted(root.rglob("*.py")):
         if skip & set(path.relative_to(root).parts):

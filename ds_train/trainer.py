@@ -278,38 +278,47 @@ def generate_sample(run: Run) -> str:
     return run.tokenizer.decode(out[0], skip_special_tokens=True)
 
 
+def should_save(c: RunConfig, step: int) -> bool:
+    every = c.checkpoint.every and step % c.checkpoint.every == 0
+    return bool(every or (step == c.train.max_steps and c.checkpoint.save_final))
+
+
 def train(cfg: RunConfig, ds_config_path: str) -> dict:
     run = build_run(cfg, ds_config_path, dist.detect_env())
-    c, plan, engine = run.cfg, run.plan, run.engine
     start = maybe_resume(run)
-    if start >= c.train.max_steps:
-        run.say(f"already trained to step {start} >= train.max_steps={c.train.max_steps}; "
+    if start >= cfg.train.max_steps:
+        run.say(f"already trained to step {start} >= train.max_steps={cfg.train.max_steps}; "
                 f"raise train.max_steps to continue, or set another output_dir")
-    progress = build_progress(run.env.is_main, c.log.progress, c.train.max_steps, start)
+    metrics = train_loop(run, start, cfg.train.max_steps)
+    return finish(run, metrics)
+
+
+def train_loop(run: Run, start: int, stop: int) -> dict[str, Any]:
+    """Steps start+1 .. stop: next batch, step, maybe log, maybe eval, maybe save."""
+    c, plan, last = run.cfg, run.plan, run.cfg.train.max_steps
+    progress = build_progress(run.env.is_main, c.log.progress, last, start)
     metrics: dict[str, Any] = {}
     window_start, window_steps = time.perf_counter(), 0
-    for step in range(start + 1, c.train.max_steps + 1):
+    for step in range(start + 1, stop + 1):
         batches = rank_micro_batches(run.train_data, step - 1, plan.global_batch_size,
                                      plan.micro_batch_size, run.env.rank, run.env.world_size)
-        log_now = _every(step, c.log.every, c.train.max_steps)
-        loss_sum, tokens, grad_norm = train_step(engine, batches, want_grad_norm=log_now)
+        log_now, eval_now = _every(step, c.log.every, last), _every(step, c.train.eval_every, last)
+        loss_sum, tokens, grad_norm = train_step(run.engine, batches, want_grad_norm=log_now)
         window_steps += 1
         progress.update()
         if log_now:
             metrics = step_metrics(run, step, loss_sum, tokens, grad_norm,
                                    time.perf_counter() - window_start, window_steps)
-            if _every(step, c.train.eval_every, c.train.max_steps):
-                metrics |= evaluate(run)
-            run.logger.log(metrics, step)
             progress.set_postfix_str(f"loss {metrics['train/loss']:.3f}")
+        if eval_now:
+            metrics = (metrics if log_now else {}) | evaluate(run)
+        if log_now or eval_now:
+            run.logger.log(metrics, step)
             window_start, window_steps = time.perf_counter(), 0
-        elif _every(step, c.train.eval_every, c.train.max_steps):
-            run.logger.log(evaluate(run), step)
-        if (c.checkpoint.every and step % c.checkpoint.every == 0) or (
-                step == c.train.max_steps and c.checkpoint.save_final):
+        if should_save(c, step):
             save(run, step)
     progress.close()
-    return finish(run, metrics)
+    return metrics
 
 
 def finish(run: Run, metrics: dict) -> dict:

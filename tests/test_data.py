@@ -304,3 +304,27 @@ def test_too_few_tokens_is_a_user_error(tmp_path):
     np.arange(SEQ, dtype=np.uint16).tofile(path)
     with pytest.raises(UserError, match="fewer than train.seq_len"):
         TokenData(path, "uint16", SEQ, 0)
+
+
+def _prepare_in_child(args):
+    from ds_train.data import ensure_prepared
+
+    data_dir, src = args
+    return ensure_prepared(data_dir, [src], "", 300, 0.3, "text")["train_tokens"]
+
+
+def test_ensure_prepared_from_two_processes_at_once_prepares_once(tmp_path):
+    """Ranks starting together: one tokenises under the lock, the other waits and reads."""
+    import multiprocessing as mp
+
+    src = tmp_path / "src"
+    src.mkdir()
+    for i in range(8):
+        (src / f"{i}.txt").write_text(f"text number {i} " * 300)
+    data_dir = tmp_path / "data"
+    with mp.get_context("spawn").Pool(2) as pool:
+        counts = pool.map(_prepare_in_child, [(str(data_dir), str(src))] * 2)
+    assert counts[0] == counts[1] > 0
+    assert sorted(p.name for p in data_dir.iterdir() if not p.name.startswith(".")) == [
+        "meta.json", "tokenizer", "train.bin", "val.bin"]
+    assert not list(data_dir.glob(".*.tmp"))

@@ -1,0 +1,139 @@
+"""Bad input on the command line: one clear line naming the file, key or value, a non-zero exit,
+no traceback, and nothing in the run directory written or overwritten."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from conftest import ROOT, ds_train, tiny_config, write_config
+from ds_train.__main__ import main
+
+ZERO0 = str(ROOT / "ds_configs" / "zero0.json")
+
+
+@pytest.fixture
+def run_dir(tmp_path):
+    """An output_dir holding an earlier run's file, which a failed start must leave untouched."""
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "metrics.jsonl").write_text('{"step": 1, "loss": 5.0}\n')
+    return out
+
+
+def expect_error(capsys, run_dir, argv, *needles):
+    code = main(argv)
+    err = capsys.readouterr().err.strip()
+    assert code != 0
+    assert err.startswith("ds-train: error: "), err
+    assert "Traceback" not in err
+    for needle in needles:
+        assert needle in err, (needle, err)
+    assert sorted(p.name for p in run_dir.iterdir()) == ["metrics.jsonl"]
+    assert run_dir.joinpath("metrics.jsonl").read_text() == '{"step": 1, "loss": 5.0}\n'
+    return err
+
+
+def test_missing_config_file(capsys, run_dir, tmp_path):
+    expect_error(capsys, run_dir, ["train", "--config", str(tmp_path / "nope.yaml"), "--ds-config", ZERO0],
+                 "nope.yaml", "not found")
+
+
+def test_invalid_yaml_names_the_line(capsys, run_dir, tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("output_dir: x\ntrain:\n  max_steps: [1, 2\n")
+    expect_error(capsys, run_dir, ["train", "--config", str(bad), "--ds-config", ZERO0],
+                 "bad.yaml", "invalid YAML", "line ")
+
+
+def test_unknown_override_suggests_the_key(capsys, run_dir, tiny_data, tmp_path):
+    cfg = write_config(tmp_path / "c.yaml", tiny_config(tiny_data, run_dir))
+    expect_error(capsys, run_dir, ["train", "--config", str(cfg), "--ds-config", ZERO0,
+                                   "train.max_step=3"], "train.max_step", "did you mean 'train.max_steps'")
+
+
+def test_invalid_ds_json_names_the_line(capsys, run_dir, tiny_data, tmp_path):
+    cfg = write_config(tmp_path / "c.yaml", tiny_config(tiny_data, run_dir))
+    ds = tmp_path / "ds.json"
+    ds.write_text('{\n  "zero_optimization": {"stage": 2,}\n}\n')
+    expect_error(capsys, run_dir, ["train", "--config", str(cfg), "--ds-config", str(ds)],
+                 "ds.json", "invalid JSON at line 2")
+
+
+def test_unknown_ds_key_is_named(capsys, run_dir, tiny_data, tmp_path):
+    cfg = write_config(tmp_path / "c.yaml", tiny_config(tiny_data, run_dir))
+    ds = tmp_path / "ds.json"
+    template = json.loads((ROOT / "ds_configs" / "zero2.json").read_text())
+    template["zero_optimization"]["overlap_com"] = True
+    ds.write_text(json.dumps(template))
+    expect_error(capsys, run_dir, ["train", "--config", str(cfg), "--ds-config", str(ds)],
+                 "zero_optimization.overlap_com", "unknown key")
+
+
+def test_ds_value_contradicting_the_run_config(capsys, run_dir, tiny_data, tmp_path):
+    cfg = write_config(tmp_path / "c.yaml", tiny_config(tiny_data, run_dir))
+    ds = tmp_path / "ds.json"
+    template = json.loads((ROOT / "ds_configs" / "zero2.json").read_text())
+    template["train_batch_size"] = 64
+    ds.write_text(json.dumps(template))
+    expect_error(capsys, run_dir, ["train", "--config", str(cfg), "--ds-config", str(ds)],
+                 "train_batch_size=64", "train.global_batch_size=8")
+
+
+def test_batch_math_names_the_numbers_and_valid_choices(capsys, run_dir, tiny_data, tmp_path):
+    cfg = write_config(tmp_path / "c.yaml", tiny_config(tiny_data, run_dir))
+    expect_error(capsys, run_dir, ["train", "--config", str(cfg), "--ds-config", ZERO0,
+                                   "train.global_batch_size=10", "train.micro_batch_size=4"],
+                 "train.global_batch_size=10", "train.micro_batch_size=4", "world size 1",
+                 "train.global_batch_size=8 or 12")
+
+
+def test_missing_data(capsys, run_dir, tmp_path):
+    cfg = write_config(tmp_path / "c.yaml", tiny_config(tmp_path / "no_data", run_dir))
+    expect_error(capsys, run_dir, ["train", "--config", str(cfg), "--ds-config", ZERO0],
+                 "no_data", "meta.json", "ds-train prepare")
+
+
+def test_token_ids_beyond_the_vocab(capsys, run_dir, tiny_data, tmp_path):
+    cfg = write_config(tmp_path / "c.yaml", tiny_config(tiny_data, run_dir))
+    expect_error(capsys, run_dir, ["train", "--config", str(cfg), "--ds-config", ZERO0,
+                                   "model.config.vocab_size=100"], "token id 511", "vocab_size 100")
+
+
+def test_seq_len_beyond_max_positions(capsys, run_dir, tiny_data, tmp_path):
+    cfg = write_config(tmp_path / "c.yaml", tiny_config(tiny_data, run_dir))
+    expect_error(capsys, run_dir, ["train", "--config", str(cfg), "--ds-config", ZERO0,
+                                   "train.seq_len=256"], "train.seq_len=256", "max_position_embeddings=128")
+
+
+def test_bad_input_exits_non_zero_in_a_real_process_without_traceback(tmp_path):
+    res = ds_train("train", "--config", str(tmp_path / "missing.yaml"), "--ds-config", ZERO0, timeout=120)
+    assert res.returncode == 2
+    assert "ds-train: error: " in res.out and "Traceback" not in res.out
+
+
+def test_debug_shows_the_traceback(tmp_path):
+    res = ds_train("--debug", "train", "--config", str(tmp_path / "missing.yaml"), "--ds-config", ZERO0,
+                   timeout=120)
+    assert res.returncode != 0 and "Traceback" in res.out and "UserError" in res.out
+
+
+def test_help_config_lists_every_key(capsys):
+    from ds_train.config import all_keys
+
+    assert main(["train", "--help-config"]) == 0
+    out = capsys.readouterr().out
+    assert all(key in out for key in all_keys())
+
+
+def test_prepare_command(tmp_path, capsys):
+    src = tmp_path / "docs"
+    src.mkdir()
+    for i in range(6):
+        (src / f"{i}.txt").write_text(f"document {i} " * 200)
+    assert main(["prepare", str(src), "--out", str(tmp_path / "out"), "--vocab-size", "300",
+                 "--val-fraction", "0.3"]) == 0
+    meta = json.loads((tmp_path / "out" / "meta.json").read_text())
+    assert 257 <= meta["vocab_size"] <= 300 and meta["train_tokens"] > 0 and meta["val_tokens"] > 0
+    assert "wrote" in capsys.readouterr().out
