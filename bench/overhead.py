@@ -1,7 +1,7 @@
 """Per-step overhead of ds_train's training loop against a bare DeepSpeed engine loop.
 
     deepspeed --num_gpus 2 bench/overhead.py [--config recipes/quickstart.yaml] \
-        [--ds-config ds_configs/zero2.json] [--steps 20] [--repeats 5] [--warmup 3] \
+        [--ds-config ds_configs/zero2.json] [--steps 40] [--repeats 5] [--warmup 5] \
         [--out FILE.json] [key=value overrides]
 
 One engine, one resolved config, built once by `ds_train.trainer.build_run` (output_dir in a
@@ -48,9 +48,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="run config YAML (default recipes/quickstart.yaml)")
     p.add_argument("--ds-config", default=str(ROOT / "ds_configs" / "zero2.json"),
                    help="DeepSpeed JSON template (default ds_configs/zero2.json)")
-    p.add_argument("--steps", type=int, default=20, help="optimizer steps per timed block (default 20)")
+    p.add_argument("--steps", type=int, default=40, help="optimizer steps per timed block (default 40)")
     p.add_argument("--repeats", type=int, default=5, help="timed blocks per side (default 5)")
-    p.add_argument("--warmup", type=int, default=3, help="untimed steps per side first (default 3)")
+    p.add_argument("--warmup", type=int, default=5, help="untimed steps per side first (default 5)")
     p.add_argument("--out", help="also write the results as JSON here (rank 0)")
     p.add_argument("--local_rank", type=int, help=argparse.SUPPRESS)  # from the deepspeed launcher
     p.add_argument("overrides", nargs="*", metavar="key=value", help="run config overrides")

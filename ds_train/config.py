@@ -136,10 +136,20 @@ class OptimConfig:
 @dataclass(frozen=True)
 class CheckpointConfig:
     every: int = _f(0, "Save a partitioned DeepSpeed checkpoint every N steps (0: only at the end).")
+    keep: int = _f(3, "Keep the newest K complete checkpoints (0: keep all).")
+    resume: str = _f("auto", "auto: continue from the latest complete checkpoint in output_dir if any; "
+                             "none: start fresh; or a tag (step_00000100) or checkpoint path.")
     save_final: bool = _f(True, "Save a checkpoint when training ends.")
 
     def check(self) -> list[str]:
-        return [f"checkpoint.every: {self.every} must be >= 0"] if self.every < 0 else []
+        errs = []
+        if self.every < 0:
+            errs.append(f"checkpoint.every: {self.every} must be >= 0")
+        if self.keep < 0:
+            errs.append(f"checkpoint.keep: {self.keep} must be >= 0")
+        if not self.resume:
+            errs.append("checkpoint.resume: must be auto, none, a tag or a path")
+        return errs
 
 
 @dataclass(frozen=True)

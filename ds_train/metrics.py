@@ -84,6 +84,17 @@ class JsonlLogger:
         self.fh.close()
 
 
+def rewind_jsonl(path: Path, step: int) -> None:
+    """Drop the records after `step` (written before a crash, about to be trained again)."""
+    if not path.is_file():
+        return
+    keep = [line for line in path.read_text().splitlines(keepends=True)
+            if line.strip() and json.loads(line).get("step", 0) <= step]
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text("".join(keep))
+    os.replace(tmp, path)
+
+
 class WandbLogger:
     def __init__(self, mode: str, project: str, run_dir: Path, name: str, config: dict):
         import wandb

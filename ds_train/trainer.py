@@ -19,13 +19,13 @@ from typing import Any
 
 import numpy as np
 
-from ds_train import dist
+from ds_train import checkpoint, dist
 from ds_train.batch import BatchPlan, plan_batch, scaled_lr
 from ds_train.config import RunConfig, save_config
 from ds_train.data import TokenData, ensure_prepared, eval_micro_batches, load_tokenizer, rank_micro_batches
 from ds_train.engine import initialize, read_ds_template, render_ds_config, zero_stage
 from ds_train.errors import UserError
-from ds_train.metrics import (Logger, build_logger, build_progress, build_rank_log, memory_gib, mfu,
+from ds_train.metrics import (Logger, build_logger, rewind_jsonl, build_progress, build_rank_log, memory_gib, mfu,
                               peak_flops)
 from ds_train.model import build_hf_config, build_model, count_params, flops_per_token, resolve_dtype
 
@@ -46,7 +46,7 @@ class Run:
     logger: Logger
     rank_log: Any
     say: Any  # print on rank 0, nothing elsewhere
-    start_step: int = 0
+    resume: checkpoint.ResumePoint | None = None
 
 
 def seed_everything(seed: int) -> None:
@@ -93,6 +93,9 @@ def build_run(cfg: RunConfig, ds_config_path: str, env: dist.DistEnv) -> Run:
                    cfg.optim.lr_scaling)
     ds_config = render_ds_config(template, cfg, plan, dtype, hf_config.hidden_size, lr, on_gpu,
                                  source=str(ds_config_path))
+    run_dir = Path(cfg.output_dir)
+    resume = checkpoint.find_resume(cfg.checkpoint.resume, run_dir / "checkpoints")
+    changes = check_resume(resume, cfg, env.world_size)
     train_data = TokenData(Path(d.dir) / "train.bin", meta["dtype"], cfg.train.seq_len, cfg.seed)
     val_data = TokenData(Path(d.dir) / "val.bin", meta["dtype"], cfg.train.seq_len, cfg.seed)
 
@@ -102,9 +105,10 @@ def build_run(cfg: RunConfig, ds_config_path: str, env: dist.DistEnv) -> Run:
     n_params = count_params(built.model)
     engine = initialize(built.model, ds_config)
 
-    run_dir = Path(cfg.output_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     say = _say(env.is_main)
+    if changes:
+        say("resuming with changed settings: " + "; ".join(changes))
     hosts = dist.all_gather_object(socket.gethostname())
     if env.is_main:
         save_config(cfg, run_dir / "config.yaml")
@@ -117,12 +121,31 @@ def build_run(cfg: RunConfig, ds_config_path: str, env: dist.DistEnv) -> Run:
     say(_host_table(hosts))
     fpt = flops_per_token(n_params, hf_config.num_hidden_layers, hf_config.hidden_size, cfg.train.seq_len)
     device_name = torch.cuda.get_device_name() if on_gpu else platform.processor() or "cpu"
+    if resume and env.is_main:  # steps after the checkpoint are trained again: drop their old lines
+        rewind_jsonl(run_dir / "metrics.jsonl", int(resume.state["step"]))
     logger = build_logger(env.is_main, run_dir, cfg.log.wandb, cfg.log.wandb_project, cfg.to_dict())
     rank_log = build_rank_log(run_dir, env.rank)
-    rank_log.info(f"host {socket.gethostname()} local_rank {env.local_rank} node {env.node_rank} "
+    rank_log.info(f"pid {os.getpid()} host {socket.gethostname()} local_rank {env.local_rank} node {env.node_rank} "
                   f"world {env.world_size} launcher {env.launcher} device {device_name}")
     return Run(cfg, env, plan, run_dir, engine, tokenizer, train_data, val_data, ds_config, fpt,
-               peak_flops(device_name, cfg.log.peak_tflops) if on_gpu else None, logger, rank_log, say)
+               peak_flops(device_name, cfg.log.peak_tflops) if on_gpu else None, logger, rank_log, say,
+               resume)
+
+
+def check_resume(point: checkpoint.ResumePoint | None, cfg: RunConfig, world_size: int) -> list[str]:
+    """Refuse a resume that would change the model or the data stream; list allowed changes."""
+    if point is None:
+        return []
+    where = point.load_dir / point.tag
+    errors, notes = checkpoint.config_changes(point.state["config"], cfg.to_dict())
+    if errors:
+        raise UserError(f"{where}: cannot resume with a changed " + "; ".join(errors) +
+                        " (these fix the model or the data order; use another output_dir or "
+                        "checkpoint.resume=none)")
+    if point.state["world_size"] != world_size:
+        raise UserError(f"{where}: saved by {point.state['world_size']} ranks, now {world_size}; "
+                        f"resuming at another world size is not supported yet")
+    return notes
 
 
 def _env_record(env: dist.DistEnv, hosts: list[str], dtype: str) -> dict:
@@ -234,30 +257,20 @@ def _every(step: int, n: int, last: int) -> bool:
 
 def save(run: Run, step: int) -> None:
     """Every rank saves its partition (a collective: never behind a rank guard)."""
-    import torch
-
     state = {"step": step, "samples": step * run.plan.global_batch_size,
-             "rng": {"python": random.getstate(), "numpy": np.random.get_state(),
-                     "torch": torch.get_rng_state()}}
-    run.engine.save_checkpoint(str(run.run_dir / "checkpoints"), tag=f"step_{step:08d}",
-                               client_state=state)
-    run.rank_log.info(f"saved checkpoint step_{step:08d}")
+             "tokens": step * run.plan.tokens_per_step, "zero_stage": zero_stage(run.ds_config),
+             "config": run.cfg.to_dict()}
+    tag = checkpoint.save(run.engine, run.run_dir / "checkpoints", step, state, run.env.rank,
+                          run.env.world_size, run.cfg.checkpoint.keep)
+    run.rank_log.info(f"saved checkpoint {tag}")
 
 
 def maybe_resume(run: Run) -> int:
-    """Continue from the latest checkpoint in output_dir, if there is one; returns the start step."""
-    import torch
-
-    ckpt_dir = run.run_dir / "checkpoints"
-    if not (ckpt_dir / "latest").is_file():
+    """Load the resume point found at start, if any; returns the step to continue after."""
+    if run.resume is None:
         return 0
-    _, state = run.engine.load_checkpoint(str(ckpt_dir))
-    if state is None:
-        raise UserError(f"{ckpt_dir}: the checkpoint named in 'latest' could not be loaded")
-    random.setstate(state["rng"]["python"])
-    np.random.set_state(state["rng"]["numpy"])
-    torch.set_rng_state(state["rng"]["torch"])
-    run.say(f"resumed from {ckpt_dir / (ckpt_dir / 'latest').read_text().strip()} at step {state['step']}")
+    state = checkpoint.load(run.engine, run.resume, run.env.rank, run.env.world_size)
+    run.say(f"resumed from {run.resume.load_dir / run.resume.tag} at step {state['step']}")
     return int(state["step"])
 
 
@@ -278,6 +291,34 @@ def generate_sample(run: Run) -> str:
     return run.tokenizer.decode(out[0], skip_special_tokens=True)
 
 
+class StopRequest:
+    """SIGTERM / SIGINT set a flag; the loop agrees on it across ranks at each step boundary."""
+
+    SIGNALS = ("SIGTERM", "SIGINT")
+
+    def __init__(self):
+        import signal
+
+        self.signum = 0
+        self._previous = {}
+        for name in self.SIGNALS:
+            sig = getattr(signal, name)
+            self._previous[sig] = signal.signal(sig, self._handle)
+
+    def _handle(self, signum, frame) -> None:
+        self.signum = signum
+
+    def agreed(self) -> int:
+        """The signal number if any rank got one (a collective: every rank calls it every step)."""
+        return int(dist.all_reduce_max([float(self.signum)])[0])
+
+    def restore(self) -> None:
+        import signal
+
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+
 def should_save(c: RunConfig, step: int) -> bool:
     every = c.checkpoint.every and step % c.checkpoint.every == 0
     return bool(every or (step == c.train.max_steps and c.checkpoint.save_final))
@@ -289,12 +330,21 @@ def train(cfg: RunConfig, ds_config_path: str) -> dict:
     if start >= cfg.train.max_steps:
         run.say(f"already trained to step {start} >= train.max_steps={cfg.train.max_steps}; "
                 f"raise train.max_steps to continue, or set another output_dir")
-    metrics = train_loop(run, start, cfg.train.max_steps)
+    stop = StopRequest()
+    try:
+        metrics = train_loop(run, start, cfg.train.max_steps, stop)
+    finally:
+        stop.restore()
+    if metrics.get("stopped_by_signal"):
+        run.say(f"stopped by signal {metrics['stopped_by_signal']} at step {metrics['step']}; "
+                f"checkpoint saved; launch the same command again to resume")
+        run.logger.close()
+        raise SystemExit(128 + metrics["stopped_by_signal"])
     return finish(run, metrics)
 
 
-def train_loop(run: Run, start: int, stop: int) -> dict[str, Any]:
-    """Steps start+1 .. stop: next batch, step, maybe log, maybe eval, maybe save."""
+def train_loop(run: Run, start: int, stop: int, stop_request: StopRequest | None = None) -> dict[str, Any]:
+    """Steps start+1 .. stop: next batch, step, maybe log, maybe eval, maybe save, maybe stop."""
     c, plan, last = run.cfg, run.plan, run.cfg.train.max_steps
     progress = build_progress(run.env.is_main, c.log.progress, last, start)
     metrics: dict[str, Any] = {}
@@ -315,8 +365,12 @@ def train_loop(run: Run, start: int, stop: int) -> dict[str, Any]:
         if log_now or eval_now:
             run.logger.log(metrics, step)
             window_start, window_steps = time.perf_counter(), 0
-        if should_save(c, step):
+        signum = stop_request.agreed() if stop_request else 0
+        if should_save(c, step) or signum:
             save(run, step)
+        if signum:
+            progress.close()
+            return {"stopped_by_signal": signum, "step": step}
     progress.close()
     return metrics
 

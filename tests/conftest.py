@@ -66,30 +66,12 @@ class Result:
 
 def run_cmd(args: list[str], timeout: float = 300, env: dict | None = None, cwd: Path = ROOT) -> Result:
     """Run a command tree in its own session; on timeout kill the whole group and fail."""
-    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "PATH": f"{BIN}:{os.environ.get('PATH', '')}",
-                "WANDB_MODE": "offline", "WANDB_SILENT": "true", **(env or {})}
-    proc = subprocess.Popen(args, cwd=cwd, env=full_env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        pytest.fail(f"timed out after {timeout}s: {' '.join(args)}\n{out[-4000:]}")
-    finally:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)  # no rank outlives its test
-        except ProcessLookupError:
-            pass
-    return Result(proc.returncode, out)
+    return reap(spawn(args, env=env, cwd=cwd), timeout)
 
 
 def deepspeed_train(config: Path, ds_config: str, *overrides: str, nproc: int = 2,
                     timeout: float = 300, env: dict | None = None) -> Result:
-    return run_cmd([str(BIN / "deepspeed"), "--num_gpus", str(nproc), "--master_port", str(free_port()),
-                    "--module", "ds_train", "train", "--config", str(config),
-                    "--ds-config", str(ROOT / "ds_configs" / ds_config), *overrides],
-                   timeout=timeout, env=env)
+    return run_cmd(deepspeed_args(config, ds_config, *overrides, nproc=nproc), timeout=timeout, env=env)
 
 
 def ds_train(*args: str, timeout: float = 300, env: dict | None = None) -> Result:
@@ -107,3 +89,33 @@ def tiny_data(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("data")
     prepare([str(src)], out, vocab_size=512, val_fraction=0.1)
     return out
+
+
+def spawn(args: list[str], env: dict | None = None, cwd: Path = ROOT) -> subprocess.Popen:
+    """Start a command tree in its own session (for tests that signal it while it runs)."""
+    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "PATH": f"{BIN}:{os.environ.get('PATH', '')}",
+                "WANDB_MODE": "offline", "WANDB_SILENT": "true", **(env or {})}
+    return subprocess.Popen(args, cwd=cwd, env=full_env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+
+
+def reap(proc: subprocess.Popen, timeout: float) -> Result:
+    """Wait for a spawned tree; on timeout kill the group and fail. Always leaves nothing running."""
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        pytest.fail(f"did not exit within {timeout}s:\n{out[-4000:]}")
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    return Result(proc.returncode, out)
+
+
+def deepspeed_args(config: Path, ds_config: str, *overrides: str, nproc: int = 2) -> list[str]:
+    return [str(BIN / "deepspeed"), "--num_gpus", str(nproc), "--master_port", str(free_port()),
+            "--module", "ds_train", "train", "--config", str(config),
+            "--ds-config", str(ROOT / "ds_configs" / ds_config), *overrides]

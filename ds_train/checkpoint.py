@@ -1,0 +1,195 @@
+"""Partitioned checkpoints in DeepSpeed's own layout, made crash-safe, and exact resume.
+
+A save is complete when every rank has written its DeepSpeed files and then its own
+`ds_train_rank_<r>.pt` (per-rank RNG), and rank 0 has written `ds_train_state.json` after a
+barrier. Only then does rank 0 point `latest` at the tag (write-to-temp, rename). A tag without the
+state file or a rank file is never loaded, so a crash during a save leaves the previous checkpoint
+as the latest. DeepSpeed's tools (zero_to_fp32.py, ds_to_universal) work on the same directories.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ds_train import dist
+from ds_train.errors import UserError
+
+STATE_FILE = "ds_train_state.json"
+TAG_RE = re.compile(r"^step_(\d{8})$")
+# Keys that may not change on resume: the model's shape, and what defines the data stream
+# (sample g of step s is a function of seed, seq_len and global batch). Training knobs may change.
+FIXED_KEYS = ("model.", "seed", "data.dir", "train.seq_len", "train.global_batch_size")
+
+
+def tag_for(step: int) -> str:
+    return f"step_{step:08d}"
+
+
+def rank_file(tag_dir: Path, rank: int) -> Path:
+    return tag_dir / f"ds_train_rank_{rank}.pt"
+
+
+def is_complete(tag_dir: Path) -> bool:
+    """The state file exists and every rank that saved wrote its rank file."""
+    state = tag_dir / STATE_FILE
+    if not state.is_file():
+        return False
+    try:
+        world = json.loads(state.read_text())["world_size"]
+    except (json.JSONDecodeError, KeyError):
+        return False
+    return all(rank_file(tag_dir, r).is_file() for r in range(world))
+
+
+def complete_tags(ckpt_dir: Path) -> list[str]:
+    """Complete tags in step order."""
+    if not ckpt_dir.is_dir():
+        return []
+    tags = [p.name for p in ckpt_dir.iterdir() if TAG_RE.match(p.name) and is_complete(p)]
+    return sorted(tags)
+
+
+def latest_complete(ckpt_dir: Path) -> str | None:
+    """The tag `latest` names if complete, else the newest complete tag (latest is written last)."""
+    latest = ckpt_dir / "latest"
+    if latest.is_file():
+        tag = latest.read_text().strip()
+        if is_complete(ckpt_dir / tag):
+            return tag
+    tags = complete_tags(ckpt_dir)
+    return tags[-1] if tags else None
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "w") as fh:
+        fh.write(text)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+
+
+def rng_state() -> dict:
+    import torch
+
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    import torch
+
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def save(engine, ckpt_dir: Path, step: int, state: dict, rank: int, world: int, keep: int) -> str:
+    """Every rank calls this (it holds collectives); rank 0 alone marks the tag complete and prunes."""
+    import torch
+
+    tag = tag_for(step)
+    tag_dir = ckpt_dir / tag
+    engine.save_checkpoint(str(ckpt_dir), tag=tag, client_state={"ds_train": state}, save_latest=False)
+    torch.save(rng_state(), rank_file(tag_dir, rank))  # after this rank's DeepSpeed files
+    dist.barrier()
+    if rank == 0:  # plain file writes, no collective inside
+        _write_atomic(tag_dir / STATE_FILE, json.dumps({**state, "world_size": world}, indent=2))
+        _write_atomic(ckpt_dir / "latest", tag)
+        prune(ckpt_dir, keep)
+    dist.barrier()
+    return tag
+
+
+def prune(ckpt_dir: Path, keep: int) -> None:
+    """Keep the newest `keep` complete tags (0: keep all); incomplete older tags go too."""
+    if keep <= 0:
+        return
+    newest = complete_tags(ckpt_dir)[-keep:]
+    if not newest:
+        return
+    for p in ckpt_dir.iterdir():
+        if TAG_RE.match(p.name) and p.name not in newest and p.name < newest[-1]:
+            shutil.rmtree(p, ignore_errors=True)
+
+
+@dataclass(frozen=True)
+class ResumePoint:
+    load_dir: Path  # the checkpoints directory DeepSpeed loads from
+    tag: str
+    state: dict  # ds_train_state.json: step, samples, world_size, zero_stage, config
+
+
+def find_resume(resume: str, ckpt_dir: Path) -> ResumePoint | None:
+    """checkpoint.resume: auto (latest complete in output_dir, if any), none, a tag, or a path."""
+    if resume == "none":
+        return None
+    if resume == "auto":
+        tag = latest_complete(ckpt_dir)
+        return _point(ckpt_dir, tag) if tag else None
+    path = Path(resume)
+    candidates = [ckpt_dir / resume, path] if not path.is_absolute() else [path]
+    for cand in candidates:
+        if cand.is_dir() and ((cand / STATE_FILE).exists() or TAG_RE.match(cand.name)):
+            if not is_complete(cand):
+                raise UserError(f"checkpoint.resume: {str(cand)!r} is incomplete (a save that did not "
+                                f"finish); resume from another tag or use resume=auto")
+            return _point(cand.parent, cand.name)
+        if cand.is_dir():
+            tag = latest_complete(cand)
+            if tag is None:
+                raise UserError(f"checkpoint.resume: {str(cand)!r} holds no complete checkpoint")
+            return _point(cand, tag)
+    raise UserError(f"checkpoint.resume: {resume!r} is neither a tag in {str(ckpt_dir)!r} nor a "
+                    f"checkpoint directory; use auto, none, a tag (step_00000100) or a path")
+
+
+def _point(load_dir: Path, tag: str) -> ResumePoint:
+    return ResumePoint(load_dir, tag, json.loads((load_dir / tag / STATE_FILE).read_text()))
+
+
+def _flatten(d: dict, prefix: str = "") -> dict[str, Any]:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out |= _flatten(v, f"{prefix}{k}.")
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def config_changes(saved: dict, current: dict) -> tuple[list[str], list[str]]:
+    """(errors, notes): changes to FIXED_KEYS are errors; other changed keys are listed as notes."""
+    old, new = _flatten(saved), _flatten(current)
+    errors, notes = [], []
+    for key in sorted(set(old) | set(new)):
+        if old.get(key) != new.get(key) and key != "output_dir":
+            line = f"{key}: {old.get(key)!r} -> {new.get(key)!r}"
+            (errors if key.startswith(FIXED_KEYS) else notes).append(line)
+    return errors, notes
+
+
+def load(engine, point: ResumePoint, rank: int, world: int) -> dict:
+    """Load weights, optimizer, scheduler and this rank's RNG; returns the saved trainer state."""
+    import torch
+
+    load_path, _ = engine.load_checkpoint(str(point.load_dir), tag=point.tag,
+                                          load_optimizer_states=True, load_lr_scheduler_states=True)
+    if load_path is None:
+        raise UserError(f"{point.load_dir / point.tag}: DeepSpeed could not load this checkpoint")
+    if point.state["world_size"] == world:
+        set_rng_state(torch.load(rank_file(point.load_dir / point.tag, rank), weights_only=False))
+    return point.state

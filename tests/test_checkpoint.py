@@ -1,0 +1,186 @@
+"""Checkpoints: completeness, keep-last-k, resume resolution (unit), and through the real launcher:
+exact resume after kill -9 and after SIGTERM, for zero2 and zero3."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+
+import pytest
+
+from conftest import deepspeed_args, deepspeed_train, reap, spawn, tiny_config, write_config
+from ds_train import checkpoint
+from ds_train.errors import UserError
+
+
+def fake_tag(ckpt_dir, step, world=2, complete=True):
+    tag_dir = ckpt_dir / checkpoint.tag_for(step)
+    tag_dir.mkdir(parents=True)
+    for r in range(world if complete else world - 1):
+        checkpoint.rank_file(tag_dir, r).write_bytes(b"x")
+    if complete:
+        (tag_dir / checkpoint.STATE_FILE).write_text(json.dumps(
+            {"step": step, "world_size": world, "config": {}}))
+    return tag_dir.name
+
+
+def test_tags_are_zero_padded_and_sort_by_step():
+    assert checkpoint.tag_for(100) == "step_00000100"
+    assert sorted([checkpoint.tag_for(s) for s in (1000, 20, 3)]) == [
+        checkpoint.tag_for(s) for s in (3, 20, 1000)]
+
+
+def test_a_tag_missing_a_rank_file_is_incomplete(tmp_path):
+    good, bad = fake_tag(tmp_path, 2), fake_tag(tmp_path, 4, complete=False)
+    (tmp_path / bad / checkpoint.STATE_FILE).write_text(json.dumps({"world_size": 2}))
+    assert checkpoint.is_complete(tmp_path / good)
+    assert not checkpoint.is_complete(tmp_path / bad)
+    assert checkpoint.complete_tags(tmp_path) == [good]
+
+
+def test_latest_falls_back_to_the_newest_complete_tag(tmp_path):
+    a, b = fake_tag(tmp_path, 2), fake_tag(tmp_path, 4)
+    fake_tag(tmp_path, 6, complete=False)
+    (tmp_path / "latest").write_text("step_00000006")  # names an incomplete tag: never loaded
+    assert checkpoint.latest_complete(tmp_path) == b
+    (tmp_path / "latest").write_text(a)
+    assert checkpoint.latest_complete(tmp_path) == a
+
+
+def test_prune_keeps_the_newest_k(tmp_path):
+    tags = [fake_tag(tmp_path, s) for s in (2, 4, 6, 8)]
+    checkpoint.prune(tmp_path, keep=2)
+    assert checkpoint.complete_tags(tmp_path) == tags[-2:]
+    checkpoint.prune(tmp_path, keep=0)
+    assert checkpoint.complete_tags(tmp_path) == tags[-2:]
+
+
+def test_find_resume(tmp_path):
+    assert checkpoint.find_resume("auto", tmp_path / "nothing") is None
+    assert checkpoint.find_resume("none", tmp_path) is None
+    tag = fake_tag(tmp_path, 4)
+    assert checkpoint.find_resume("auto", tmp_path).tag == tag
+    assert checkpoint.find_resume(tag, tmp_path).state["step"] == 4
+    assert checkpoint.find_resume(str(tmp_path / tag), tmp_path / "elsewhere").tag == tag
+    fake_tag(tmp_path, 6, complete=False)
+    with pytest.raises(UserError, match="incomplete"):
+        checkpoint.find_resume("step_00000006", tmp_path)
+    with pytest.raises(UserError, match="neither a tag"):
+        checkpoint.find_resume("step_00000099", tmp_path)
+
+
+def test_config_changes_split_into_errors_and_notes():
+    saved = {"seed": 1, "model": {"config": {"hidden_size": 64}}, "optim": {"lr": 1e-3},
+             "train": {"max_steps": 10, "seq_len": 64}}
+    now = {"seed": 1, "model": {"config": {"hidden_size": 128}}, "optim": {"lr": 5e-4},
+           "train": {"max_steps": 20, "seq_len": 64}}
+    errors, notes = checkpoint.config_changes(saved, now)
+    assert errors == ["model.config.hidden_size: 64 -> 128"]
+    assert notes == ["optim.lr: 0.001 -> 0.0005", "train.max_steps: 10 -> 20"]
+
+
+# ---- through the real launcher -------------------------------------------------------------
+
+STEPS = 24
+
+
+def metrics_by_step(run_dir):
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return {m["step"]: m for m in map(json.loads, lines)}
+
+
+def rank_pid(run_dir, rank):
+    text = (run_dir / "logs" / f"rank_{rank}.log").read_text()
+    return int(text.split(" pid ", 1)[1].split()[0])
+
+
+def wait_for_step(proc, run_dir, step, timeout=180):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        path = run_dir / "metrics.jsonl"
+        if path.is_file() and any(json.loads(l)["step"] >= step for l in path.read_text().splitlines()):
+            return
+        if proc.poll() is not None:
+            pytest.fail(f"run ended before step {step}:\n{proc.communicate()[0][-3000:]}")
+        time.sleep(0.05)
+    pytest.fail(f"step {step} not reached in {timeout}s")
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_data, tmp_path_factory):
+    """Uninterrupted runs, one per stage."""
+    cache = {}
+
+    def get(stage):
+        if stage not in cache:
+            out = tmp_path_factory.mktemp(f"ref_{stage}")
+            cfg = write_config(out / "run.yaml", tiny_config(
+                tiny_data, out / "run", train={"max_steps": STEPS}, checkpoint={"every": 4}))
+            res = deepspeed_train(cfg, f"{stage}.json")
+            assert res.returncode == 0, res.out[-3000:]
+            cache[stage] = metrics_by_step(out / "run")
+        return cache[stage]
+
+    return get
+
+
+@pytest.mark.parametrize("stage", ["zero2", "zero3"])
+def test_kill_9_of_rank_1_then_resume_is_exact(stage, reference, tiny_data, tmp_path):
+    run_dir = tmp_path / "run"
+    cfg = write_config(tmp_path / "run.yaml", tiny_config(
+        tiny_data, run_dir, train={"max_steps": STEPS}, checkpoint={"every": 4, "keep": 2}))
+    proc = spawn(deepspeed_args(cfg, f"{stage}.json"))
+    wait_for_step(proc, run_dir, 10)
+    os.kill(rank_pid(run_dir, 1), signal.SIGKILL)
+    t0 = time.monotonic()
+    res = reap(proc, timeout=60)
+    assert res.returncode != 0 and time.monotonic() - t0 < 60
+    ckpts = run_dir / "checkpoints"
+    resumed_from = checkpoint.latest_complete(ckpts)
+    assert resumed_from is not None and (ckpts / "latest").read_text() == resumed_from
+    assert len(checkpoint.complete_tags(ckpts)) <= 2  # keep=2
+
+    res = deepspeed_train(cfg, f"{stage}.json")
+    assert res.returncode == 0, res.out[-3000:]
+    k = int(resumed_from.split("_")[1])
+    assert f"resumed from {ckpts / resumed_from} at step {k}" in res.out
+    got, ref = metrics_by_step(run_dir), reference(stage)
+    assert sorted(got) == list(range(1, STEPS + 1))  # no duplicated or missing lines
+    for step in range(k + 1, STEPS + 1):  # bitwise: same float printed
+        assert got[step]["loss"] == ref[step]["loss"], (step, got[step]["loss"], ref[step]["loss"])
+
+
+def test_sigterm_saves_at_the_next_step_and_the_resume_continues(reference, tiny_data, tmp_path):
+    run_dir = tmp_path / "run"
+    cfg = write_config(tmp_path / "run.yaml", tiny_config(
+        tiny_data, run_dir, train={"max_steps": STEPS}, checkpoint={"every": 100, "save_final": True}))
+    proc = spawn(deepspeed_args(cfg, "zero2.json"))
+    wait_for_step(proc, run_dir, 5)
+    os.kill(rank_pid(run_dir, 1), signal.SIGTERM)
+    res = reap(proc, timeout=60)
+    assert res.returncode != 0, res.out[-3000:]
+    saved = checkpoint.latest_complete(run_dir / "checkpoints")
+    k = int(saved.split("_")[1])
+    assert 5 <= k < STEPS
+    assert f"stopped by signal {int(signal.SIGTERM)} at step {k}" in res.out
+
+    res = deepspeed_train(cfg, "zero2.json")
+    assert res.returncode == 0, res.out[-3000:]
+    got, ref = metrics_by_step(run_dir), reference("zero2")
+    assert sorted(got) == list(range(1, STEPS + 1))
+    assert all(got[s]["loss"] == ref[s]["loss"] for s in range(k + 1, STEPS + 1))
+
+
+def test_resume_with_a_changed_model_is_refused_and_knob_changes_are_listed(tiny_data, tmp_path):
+    run_dir = tmp_path / "run"
+    cfg = write_config(tmp_path / "run.yaml", tiny_config(tiny_data, run_dir, checkpoint={"save_final": True}))
+    assert deepspeed_train(cfg, "zero2.json").returncode == 0
+    res = deepspeed_train(cfg, "zero2.json", "model.config.hidden_size=128")
+    assert res.returncode != 0
+    assert "cannot resume with a changed model.config.hidden_size: 64 -> 128" in res.out
+    res = deepspeed_train(cfg, "zero2.json", "train.max_steps=10", "optim.lr=0.005")
+    assert res.returncode == 0, res.out[-3000:]
+    assert "resuming with changed settings: optim.lr: 0.01 -> 0.005; train.max_steps: 8 -> 10" in res.out
+    assert sorted(metrics_by_step(run_dir)) == list(range(1, 11))
