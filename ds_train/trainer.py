@@ -114,6 +114,7 @@ def build_run(cfg: RunConfig, ds_config_path: str, env: dist.DistEnv) -> Run:
         save_config(cfg, run_dir / "config.yaml")
         (run_dir / "ds_config.json").write_text(json.dumps(ds_config, indent=2))
         (run_dir / "env.json").write_text(json.dumps(_env_record(env, hosts, dtype), indent=2))
+        save_hf_metadata(hf_config, tokenizer, run_dir / "hf_model")
     say(plan.describe())
     say(f"lr {lr:.3g} (optim.lr {cfg.optim.lr:g}, scaling {cfg.optim.lr_scaling}); dtype {dtype}; "
         f"ZeRO stage {zero_stage(ds_config)}; {n_params / 1e6:.2f}M parameters; "
@@ -146,6 +147,16 @@ def check_resume(point: checkpoint.ResumePoint | None, cfg: RunConfig, world_siz
         raise UserError(f"{where}: saved by {point.state['world_size']} ranks, now {world_size}; "
                         f"resuming at another world size is not supported yet")
     return notes
+
+
+def save_hf_metadata(hf_config, tokenizer, out: Path) -> None:
+    """config.json, generation_config.json and the tokenizer: what `ds-train export` adds weights to."""
+    from transformers import GenerationConfig
+
+    out.mkdir(parents=True, exist_ok=True)
+    hf_config.save_pretrained(out)
+    GenerationConfig.from_model_config(hf_config).save_pretrained(out)
+    tokenizer.save_pretrained(out)
 
 
 def _env_record(env: dist.DistEnv, hosts: list[str], dtype: str) -> dict:
