@@ -97,6 +97,20 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
+def weights_finite(engine) -> bool:
+    """All ranks agree whether every weight is finite (ZeRO-3: each rank checks its partition)."""
+    import torch
+
+    bad = 0.0
+    for p in engine.module.parameters():
+        t = getattr(p, "ds_tensor", None)
+        t = p if t is None else t
+        if t.numel() and not bool(torch.isfinite(t).all()):
+            bad = 1.0
+            break
+    return dist.all_reduce_max([bad])[0] == 0.0
+
+
 def save(engine, ckpt_dir: Path, step: int, state: dict, rank: int, world: int, keep: int) -> str:
     """Every rank calls this (it holds collectives); rank 0 alone marks the tag complete and prunes."""
     import torch

@@ -92,10 +92,17 @@ class TrainConfig:
     grad_clip: float = _f(1.0, "Gradient clipping by global norm (0 turns it off).")
     eval_every: int = _f(0, "Evaluate on val.bin every N steps (0: only at the end).")
     eval_batches: int = _f(4, "Micro-batches per rank in each evaluation.")
+    nonfinite: Literal["skip", "stop"] = _f(
+        "skip", "A step whose gradients are not finite is never applied. skip: carry on (counted as "
+                "train/skipped_steps); stop: exit after nonfinite_patience such steps in a row.")
+    nonfinite_patience: int = _f(3, "Consecutive non-finite steps before train.nonfinite=stop exits.")
+    debug_nonfinite_steps: list = _f([], "Fault injection: steps whose loss is made infinite, to "
+                                         "rehearse the non-finite handling.")
 
     def check(self) -> list[str]:
         errs = []
-        for name in ("max_steps", "micro_batch_size", "global_batch_size", "seq_len", "eval_batches"):
+        for name in ("max_steps", "micro_batch_size", "global_batch_size", "seq_len", "eval_batches",
+                     "nonfinite_patience"):
             if getattr(self, name) <= 0:
                 errs.append(f"train.{name}: {getattr(self, name)} must be positive")
         if self.eval_every < 0:

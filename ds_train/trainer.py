@@ -6,6 +6,7 @@ next batch, step, maybe log, maybe eval, maybe save.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -190,8 +191,9 @@ def forward_loss(engine, batch: np.ndarray):
     return loss_sum, targets.numel()
 
 
-def _engine_reports_grad_norm(engine) -> bool:
-    """DeepSpeed records the global grad norm except for plain fp32 ZeRO-0 (it clips, then drops it)."""
+def _engine_checks_grads(engine) -> bool:
+    """DeepSpeed computes the global grad norm and skips non-finite steps itself in every engine
+    except plain fp32 ZeRO-0 (a torch optimizer: it clips, then drops the norm)."""
     return bool(engine.zero_optimization() or engine.bfloat16_enabled() or engine.fp16_enabled())
 
 
@@ -202,23 +204,49 @@ def _grad_norm(engine) -> float:
     return float(torch.linalg.vector_norm(torch.stack(norms))) if norms else 0.0
 
 
-def train_step(engine, micro_batches: list[np.ndarray], want_grad_norm: bool = False):
+@dataclass
+class StepResult:
+    loss_sum: Any  # summed token loss on this rank: a tensor, not synced
+    tokens: int
+    grad_norm: float | None  # only where DeepSpeed does not report it
+    skipped: bool  # gradients not finite: the update was not applied (same answer on every rank)
+
+
+@contextlib.contextmanager
+def _skipped_optimizer_step(optimizer):
+    """Skip one step of a torch optimizer the way DeepSpeed's own optimizers skip an overflow:
+    `optimizer.overflow` makes the engine count the step as skipped and hold the LR schedule."""
+    optimizer.step = lambda *args, **kwargs: None  # shadows the class method for this one call
+    optimizer.overflow = True
+    try:
+        yield
+    finally:
+        del optimizer.step
+        optimizer.overflow = False
+
+
+def train_step(engine, micro_batches: list[np.ndarray], poison: bool = False) -> StepResult:
     """One optimizer step: the engine owns accumulation scaling, clipping and the optimizer.
 
-    Returns the summed token loss (a tensor, not synced), the token count, and the grad norm when
-    asked for (None when DeepSpeed reports it itself).
+    `poison` makes the loss infinite (fault injection for train.debug_nonfinite_steps).
     """
     loss_total, tokens_total, grad_norm = 0.0, 0, None
+    skipped_before = engine.skipped_steps
     for batch in micro_batches:
         loss_sum, n_tokens = forward_loss(engine, batch)
+        if poison:
+            loss_sum = loss_sum * float("inf")
         engine.backward(loss_sum / n_tokens)
-        if want_grad_norm and engine.is_gradient_accumulation_boundary() \
-                and not _engine_reports_grad_norm(engine):
-            grad_norm = _grad_norm(engine)  # after the all-reduce in backward, before the step
-        engine.step()
+        skip = contextlib.nullcontext()
+        if engine.is_gradient_accumulation_boundary() and not _engine_checks_grads(engine):
+            grad_norm = _grad_norm(engine)  # after the all-reduce in backward: the same on every rank
+            if not math.isfinite(grad_norm):
+                skip = _skipped_optimizer_step(engine.optimizer)
+        with skip:
+            engine.step()
         loss_total = loss_total + loss_sum.detach()
         tokens_total += n_tokens
-    return loss_total, tokens_total, grad_norm
+    return StepResult(loss_total, tokens_total, grad_norm, engine.skipped_steps > skipped_before)
 
 
 def evaluate(run: Run) -> dict[str, float]:
@@ -239,20 +267,20 @@ def evaluate(run: Run) -> dict[str, float]:
     return {"eval/loss": mean, "eval/ppl": math.exp(min(mean, 50.0))}
 
 
-def step_metrics(run: Run, step: int, loss_sum, tokens: int, grad_norm: float | None, window_s: float,
+def step_metrics(run: Run, step: int, result: StepResult, skipped_steps: int, window_s: float,
                  window_steps: int) -> dict:
     """Reduce the step's loss (token-weighted) and the memory figures over all ranks."""
     gpu_gib, rss_gib = memory_gib(run.engine.device.type)
-    loss, count = dist.all_reduce_sum([float(loss_sum), tokens])
+    loss, count = dist.all_reduce_sum([float(result.loss_sum), result.tokens])
     max_gpu, max_rss = dist.all_reduce_max([gpu_gib, rss_gib])
     tokens_per_s = run.plan.tokens_per_step * window_steps / window_s
-    if grad_norm is None:
-        grad_norm = run.engine.get_global_grad_norm()
+    grad_norm = result.grad_norm if result.grad_norm is not None else run.engine.get_global_grad_norm()
     return {
         "train/loss": loss / count,
         "train/tokens": run.plan.tokens_per_step * step,
+        "train/skipped_steps": skipped_steps,
         "optim/lr": float(run.engine.get_lr()[0]),
-        "optim/grad_norm": float(grad_norm) if grad_norm is not None else None,
+        "optim/grad_norm": float(grad_norm) if grad_norm is not None and math.isfinite(grad_norm) else None,
         "perf/tokens_per_s": tokens_per_s,
         "perf/step_time_s": window_s / window_steps,
         "perf/mfu": mfu(tokens_per_s / run.env.world_size, run.flops_per_token, run.peak_flops),
@@ -267,7 +295,13 @@ def _every(step: int, n: int, last: int) -> bool:
 
 
 def save(run: Run, step: int) -> None:
-    """Every rank saves its partition (a collective: never behind a rank guard)."""
+    """Every rank saves its partition (a collective: never behind a rank guard).
+
+    Non-finite weights are never saved: the last good checkpoint stays the latest.
+    """
+    if not checkpoint.weights_finite(run.engine):
+        raise UserError(f"step {step}: the weights are not finite; no checkpoint written, the last "
+                        f"good one stays in {run.run_dir / 'checkpoints'}; lower optim.lr and resume")
     state = {"step": step, "samples": step * run.plan.global_batch_size,
              "tokens": step * run.plan.tokens_per_step, "zero_stage": zero_stage(run.ds_config),
              "config": run.cfg.to_dict()}
@@ -300,6 +334,16 @@ def generate_sample(run: Run) -> str:
             pad_token_id=run.tokenizer.eos_token_id, synced_gpus=zero_stage(run.ds_config) == 3)
     run.engine.train()
     return run.tokenizer.decode(out[0], skip_special_tokens=True)
+
+
+class NonFiniteStop(UserError):
+    exit_code = 3
+
+    def __init__(self, step: int, in_a_row: int):
+        super().__init__(f"step {step}: {in_a_row} consecutive steps with non-finite gradients "
+                         f"(train.nonfinite=stop, train.nonfinite_patience={in_a_row}); none was "
+                         f"applied and no checkpoint was written; resume from the last good one "
+                         f"with a lower optim.lr or train.nonfinite=skip")
 
 
 class StopRequest:
@@ -359,17 +403,23 @@ def train_loop(run: Run, start: int, stop: int, stop_request: StopRequest | None
     c, plan, last = run.cfg, run.plan, run.cfg.train.max_steps
     progress = build_progress(run.env.is_main, c.log.progress, last, start)
     metrics: dict[str, Any] = {}
-    window_start, window_steps = time.perf_counter(), 0
+    window_start, window_steps, skipped, in_a_row = time.perf_counter(), 0, 0, 0
     for step in range(start + 1, stop + 1):
         batches = rank_micro_batches(run.train_data, step - 1, plan.global_batch_size,
                                      plan.micro_batch_size, run.env.rank, run.env.world_size)
         log_now, eval_now = _every(step, c.log.every, last), _every(step, c.train.eval_every, last)
-        loss_sum, tokens, grad_norm = train_step(run.engine, batches, want_grad_norm=log_now)
+        result = train_step(run.engine, batches, poison=step in c.train.debug_nonfinite_steps)
+        skipped, in_a_row = skipped + result.skipped, (in_a_row + 1) if result.skipped else 0
         window_steps += 1
         progress.update()
+        if result.skipped:
+            run.rank_log.info(f"step {step}: gradients not finite, update skipped")
+            if c.train.nonfinite == "stop" and in_a_row >= c.train.nonfinite_patience:
+                progress.close()
+                raise NonFiniteStop(step, in_a_row)
         if log_now:
-            metrics = step_metrics(run, step, loss_sum, tokens, grad_norm,
-                                   time.perf_counter() - window_start, window_steps)
+            metrics = step_metrics(run, step, result, skipped, time.perf_counter() - window_start,
+                                   window_steps)
             progress.set_postfix_str(f"loss {metrics['train/loss']:.3f}")
         if eval_now:
             metrics = (metrics if log_now else {}) | evaluate(run)

@@ -184,3 +184,33 @@ def test_resume_with_a_changed_model_is_refused_and_knob_changes_are_listed(tiny
     assert res.returncode == 0, res.out[-3000:]
     assert "resuming with changed settings: optim.lr: 0.01 -> 0.005; train.max_steps: 8 -> 10" in res.out
     assert sorted(metrics_by_step(run_dir)) == list(range(1, 11))
+
+
+@pytest.mark.parametrize("ds_config", ["zero0.json", "zero2.json"])  # torch AdamW path; DeepSpeed's own
+def test_injected_inf_loss_is_skipped(ds_config, tiny_data, tmp_path):
+    run_dir = tmp_path / "run"
+    cfg = write_config(tmp_path / "run.yaml", tiny_config(
+        tiny_data, run_dir, train={"debug_nonfinite_steps": [3, 4], "nonfinite": "skip"},
+        checkpoint={"save_final": True}))
+    res = deepspeed_train(cfg, ds_config)
+    assert res.returncode == 0, res.out[-3000:]
+    m = metrics_by_step(run_dir)
+    assert m[3]["loss"] == "inf" and m[4]["loss"] == "inf"  # counted, not hidden
+    assert [m[s]["train/skipped_steps"] for s in (2, 3, 4, 8)] == [0, 1, 2, 2]
+    assert isinstance(m[8]["loss"], float) and m[8]["loss"] < m[1]["loss"]
+    assert checkpoint.latest_complete(run_dir / "checkpoints") == "step_00000008"
+
+
+def test_nonfinite_stop_exits_and_keeps_the_last_good_checkpoint(tiny_data, tmp_path):
+    run_dir = tmp_path / "run"
+    cfg = write_config(tmp_path / "run.yaml", tiny_config(
+        tiny_data, run_dir, train={"debug_nonfinite_steps": [5, 6], "nonfinite": "stop",
+                                   "nonfinite_patience": 2},
+        checkpoint={"every": 2, "keep": 0, "save_final": True}))
+    res = deepspeed_train(cfg, "zero2.json")
+    assert res.returncode != 0
+    assert "step 6: 2 consecutive steps with non-finite gradients" in res.out
+    ckpts = run_dir / "checkpoints"
+    assert checkpoint.complete_tags(ckpts) == ["step_00000002", "step_00000004"]
+    assert (ckpts / "latest").read_text() == "step_00000004"
+    assert not (ckpts / "step_00000006").exists()
