@@ -5,6 +5,7 @@
     torchrun --nproc_per_node 2 -m ds_train train --config ... --ds-config ...
     ds-train train --config ... --ds-config ...          # one process
     ds-train prepare SOURCE... --out DIR                 # tokenise text/JSONL into .bin files
+    ds-train convert --to universal RUN_DIR              # DeepSpeed universal checkpoint
 """
 
 from __future__ import annotations
@@ -48,6 +49,22 @@ def cmd_prepare(args) -> int:
     return 0
 
 
+def cmd_convert(args) -> int:
+    from pathlib import Path
+
+    from ds_train.checkpoint import convert_to_universal, find_resume
+
+    source = Path(args.source)
+    ckpt_dir = source / "checkpoints" if (source / "checkpoints").is_dir() else source
+    point = find_resume(args.tag or str(ckpt_dir), ckpt_dir)
+    if point is None:
+        raise UserError(f"convert: no checkpoint found in {str(source)!r}")
+    out = convert_to_universal(point.load_dir / point.tag)
+    print(f"wrote {out} (DeepSpeed universal checkpoint); resume from it at any world size with "
+          f"checkpoint.resume={out}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="ds-train", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -76,6 +93,14 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--config", help="take the data section of this run config instead")
     pr.add_argument("overrides", nargs="*", metavar="key=value", default=[])
     pr.set_defaults(func=cmd_prepare)
+    c = sub.add_parser("convert", help="convert a checkpoint with DeepSpeed's ds_to_universal",
+                       description="Convert a checkpoint (run dir, checkpoints dir or tag dir) into "
+                                   "DeepSpeed's universal format, loadable at any world size and "
+                                   "ZeRO stage. Resume does this by itself when they change.")
+    c.add_argument("source", help="run directory, its checkpoints/ directory, or a tag directory")
+    c.add_argument("--to", choices=["universal"], default="universal", help="target format")
+    c.add_argument("--tag", help="tag to convert (default: the latest complete one)")
+    c.set_defaults(func=cmd_convert)
     return p
 
 

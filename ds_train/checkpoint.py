@@ -10,10 +10,11 @@ as the latest. DeepSpeed's tools (zero_to_fp32.py, ds_to_universal) work on the 
 from __future__ import annotations
 
 import json
-import os
 import random
 import re
 import shutil
+import subprocess
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,8 +23,10 @@ import numpy as np
 
 from ds_train import dist
 from ds_train.errors import UserError
+from ds_train.fs import file_lock, write_atomic
 
 STATE_FILE = "ds_train_state.json"
+UNIVERSAL_SUFFIX = "_universal"
 TAG_RE = re.compile(r"^step_(\d{8})$")
 # Keys that may not change on resume: the model's shape, and what defines the data stream
 # (sample g of step s is a function of seed, seq_len and global batch). Training knobs may change.
@@ -54,7 +57,7 @@ def complete_tags(ckpt_dir: Path) -> list[str]:
     """Complete tags in step order."""
     if not ckpt_dir.is_dir():
         return []
-    tags = [p.name for p in ckpt_dir.iterdir() if TAG_RE.match(p.name) and is_complete(p)]
+    tags = [p.name for p in ckpt_dir.iterdir() if TAG_RE.match(p.name) and is_complete(p)]  # not *_universal
     return sorted(tags)
 
 
@@ -67,15 +70,6 @@ def latest_complete(ckpt_dir: Path) -> str | None:
             return tag
     tags = complete_tags(ckpt_dir)
     return tags[-1] if tags else None
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w") as fh:
-        fh.write(text)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
 
 
 def rng_state() -> dict:
@@ -117,12 +111,19 @@ def save(engine, ckpt_dir: Path, step: int, state: dict, rank: int, world: int, 
 
     tag = tag_for(step)
     tag_dir = ckpt_dir / tag
-    engine.save_checkpoint(str(ckpt_dir), tag=tag, client_state={"ds_train": state}, save_latest=False)
+    from deepspeed.checkpoint.constants import (UNIVERSAL_CHECKPOINT_INFO, UNIVERSAL_CHECKPOINT_VERSION_KEY,
+                                                UNIVERSAL_CHECKPOINT_VERSION_VALUE)
+
+    # universal_checkpoint_info (no tensor-parallel patterns: plain data parallel) lets DeepSpeed's
+    # ds_to_universal convert this checkpoint as it is.
+    client_state = {"ds_train": state,
+                    UNIVERSAL_CHECKPOINT_INFO: {UNIVERSAL_CHECKPOINT_VERSION_KEY: UNIVERSAL_CHECKPOINT_VERSION_VALUE}}
+    engine.save_checkpoint(str(ckpt_dir), tag=tag, client_state=client_state, save_latest=False)
     torch.save(rng_state(), rank_file(tag_dir, rank))  # after this rank's DeepSpeed files
     dist.barrier()
     if rank == 0:  # plain file writes, no collective inside
-        _write_atomic(tag_dir / STATE_FILE, json.dumps({**state, "world_size": world}, indent=2))
-        _write_atomic(ckpt_dir / "latest", tag)
+        write_atomic(tag_dir / STATE_FILE, json.dumps({**state, "world_size": world}, indent=2))
+        write_atomic(ckpt_dir / "latest", tag)
         prune(ckpt_dir, keep)
     dist.barrier()
     return tag
@@ -136,7 +137,8 @@ def prune(ckpt_dir: Path, keep: int) -> None:
     if not newest:
         return
     for p in ckpt_dir.iterdir():
-        if TAG_RE.match(p.name) and p.name not in newest and p.name < newest[-1]:
+        base = p.name.removesuffix(UNIVERSAL_SUFFIX)  # a tag's universal copy goes with it
+        if TAG_RE.match(base) and base not in newest and base < newest[-1]:
             shutil.rmtree(p, ignore_errors=True)
 
 
@@ -196,6 +198,65 @@ def config_changes(saved: dict, current: dict) -> tuple[list[str], list[str]]:
     return errors, notes
 
 
+def universal_dir(tag_dir: Path) -> Path:
+    return tag_dir.with_name(tag_dir.name + UNIVERSAL_SUFFIX)
+
+
+def convert_to_universal(tag_dir: Path) -> Path:
+    """DeepSpeed's ds_to_universal on a complete tag, into `<tag>_universal` (once, under a lock)."""
+    if not is_complete(tag_dir):
+        raise UserError(f"{tag_dir}: not a complete ds_train checkpoint; cannot convert it")
+    out = universal_dir(tag_dir)
+    with file_lock(tag_dir.parent / ".convert.lock"):
+        if is_complete(out):
+            return out
+        tmp = out.with_name(f".{out.name}.tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        cmd = [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
+               str(tag_dir), "--output_folder", str(tmp), "--num_extract_workers", "2",
+               "--num_merge_workers", "1"]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode != 0:
+            last = (proc.stderr.strip() or proc.stdout.strip() or "no output").splitlines()[-1]
+            raise UserError(f"{tag_dir}: DeepSpeed's ds_to_universal failed: {last}")
+        state = json.loads((tag_dir / STATE_FILE).read_text())
+        state |= {"universal": True, "source_tag": tag_dir.name, "source_world_size": state["world_size"],
+                  "world_size": 0}  # no per-rank files: a universal checkpoint fits any world size
+        write_atomic(tmp / STATE_FILE, json.dumps(state, indent=2))
+        tmp.rename(out)
+    return out
+
+
+def uses_torch_optimizer(stage: int, dtype: str) -> bool:
+    """fp32 ZeRO-0 steps a plain torch optimizer, whose states DeepSpeed cannot re-partition."""
+    return stage == 0 and dtype == "fp32"
+
+
+def plan_resume(point: ResumePoint | None, world: int, stage: int, dtype: str,
+                force_universal: bool) -> tuple[ResumePoint | None, list[str], bool]:
+    """Decide how to load: directly, or through a universal checkpoint when the world size or the
+    ZeRO stage changed. Returns (point to load, notes, load_universal)."""
+    if point is None:
+        return None, [], False
+    if point.state.get("universal"):
+        return point, [f"loading universal checkpoint {point.tag}"], True
+    saved_world, saved_stage = point.state["world_size"], point.state["zero_stage"]
+    saved_torch = uses_torch_optimizer(saved_stage, point.state.get("dtype", "fp32"))
+    target_torch = uses_torch_optimizer(stage, dtype)
+    if saved_world == world and saved_stage == stage and not force_universal:
+        return point, [], False
+    change = f"world size {saved_world} -> {world}, ZeRO stage {saved_stage} -> {stage}"
+    if saved_torch and target_torch:  # replicated weights and optimizer: loadable at any world size
+        return point, [f"{change}: the fp32 ZeRO-0 checkpoint loads as it is"], False
+    if saved_torch or target_torch:
+        raise UserError(f"{point.load_dir / point.tag}: {change}: DeepSpeed cannot move optimizer "
+                        f"states between fp32 ZeRO-0 (a plain torch optimizer) and ZeRO-{max(stage, saved_stage)} "
+                        f"or bf16; resume with the stage and dtype it was saved with")
+    universal = convert_to_universal(point.load_dir / point.tag)
+    return (_point(point.load_dir, universal.name),
+            [f"{change}: loading through DeepSpeed's universal checkpoint {universal.name}"], True)
+
+
 def load(engine, point: ResumePoint, rank: int, world: int) -> dict:
     """Load weights, optimizer, scheduler and this rank's RNG; returns the saved trainer state."""
     import torch
@@ -204,6 +265,6 @@ def load(engine, point: ResumePoint, rank: int, world: int) -> dict:
                                           load_optimizer_states=True, load_lr_scheduler_states=True)
     if load_path is None:
         raise UserError(f"{point.load_dir / point.tag}: DeepSpeed could not load this checkpoint")
-    if point.state["world_size"] == world:
+    if point.state["world_size"] == world:  # per-rank RNG only where the ranks are the same ranks
         set_rng_state(torch.load(rank_file(point.load_dir / point.tag, rank), weights_only=False))
     return point.state

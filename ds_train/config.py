@@ -147,6 +147,8 @@ class CheckpointConfig:
     resume: str = _f("auto", "auto: continue from the latest complete checkpoint in output_dir if any; "
                              "none: start fresh; or a tag (step_00000100) or checkpoint path.")
     save_final: bool = _f(True, "Save a checkpoint when training ends.")
+    load_universal: bool = _f(False, "Resume through DeepSpeed's universal checkpoint even when the "
+                                     "world size and ZeRO stage are unchanged (automatic otherwise).")
 
     def check(self) -> list[str]:
         errs = []

@@ -8,18 +8,17 @@ global batch.
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
 import sysconfig
 import zlib
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
 import numpy as np
 
 from ds_train.errors import UserError
+from ds_train.fs import file_lock
 
 STDLIB = "python-stdlib"
 EOS = "<|endoftext|>"
@@ -144,17 +143,6 @@ def prepare(sources: list[str], out_dir: str | Path, tokenizer: str = "", vocab_
     return meta
 
 
-@contextmanager
-def _file_lock(path: Path):
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w") as fh:
-        fcntl.flock(fh, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(fh, fcntl.LOCK_UN)
-
-
 def ensure_prepared(data_dir: str | Path, sources: list[str], tokenizer: str, vocab_size: int,
                     val_fraction: float, text_key: str) -> dict:
     """Prepare once: the first rank to take the lock tokenises, the others wait and then read."""
@@ -164,7 +152,7 @@ def ensure_prepared(data_dir: str | Path, sources: list[str], tokenizer: str, vo
     if not sources:
         raise UserError(f"data.dir: {str(data_dir)!r} has no meta.json and data.sources is empty; "
                         f"run `ds-train prepare` or set data.sources")
-    with _file_lock(data_dir / ".prepare.lock"):
+    with file_lock(data_dir / ".prepare.lock"):
         if not (data_dir / "meta.json").is_file():
             prepare(sources, data_dir, tokenizer, vocab_size, val_fraction, text_key)
     return load_meta(data_dir)

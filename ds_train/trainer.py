@@ -47,6 +47,7 @@ class Run:
     logger: Logger
     rank_log: Any
     say: Any  # print on rank 0, nothing elsewhere
+    dtype: str
     resume: checkpoint.ResumePoint | None = None
 
 
@@ -96,7 +97,11 @@ def build_run(cfg: RunConfig, ds_config_path: str, env: dist.DistEnv) -> Run:
                                  source=str(ds_config_path))
     run_dir = Path(cfg.output_dir)
     resume = checkpoint.find_resume(cfg.checkpoint.resume, run_dir / "checkpoints")
-    changes = check_resume(resume, cfg, env.world_size)
+    changes = check_resume(resume, cfg)
+    resume, notes, universal = checkpoint.plan_resume(resume, env.world_size, zero_stage(ds_config), dtype,
+                                                      cfg.checkpoint.load_universal)
+    if universal:
+        ds_config["checkpoint"] = {**ds_config.get("checkpoint", {}), "load_universal": True}
     train_data = TokenData(Path(d.dir) / "train.bin", meta["dtype"], cfg.train.seq_len, cfg.seed)
     val_data = TokenData(Path(d.dir) / "val.bin", meta["dtype"], cfg.train.seq_len, cfg.seed)
 
@@ -110,6 +115,8 @@ def build_run(cfg: RunConfig, ds_config_path: str, env: dist.DistEnv) -> Run:
     say = _say(env.is_main)
     if changes:
         say("resuming with changed settings: " + "; ".join(changes))
+    for note in notes:
+        say(note)
     hosts = dist.all_gather_object(socket.gethostname())
     if env.is_main:
         save_config(cfg, run_dir / "config.yaml")
@@ -131,10 +138,10 @@ def build_run(cfg: RunConfig, ds_config_path: str, env: dist.DistEnv) -> Run:
                   f"world {env.world_size} launcher {env.launcher} device {device_name}")
     return Run(cfg, env, plan, run_dir, engine, tokenizer, train_data, val_data, ds_config, fpt,
                peak_flops(device_name, cfg.log.peak_tflops) if on_gpu else None, logger, rank_log, say,
-               resume)
+               dtype, resume)
 
 
-def check_resume(point: checkpoint.ResumePoint | None, cfg: RunConfig, world_size: int) -> list[str]:
+def check_resume(point: checkpoint.ResumePoint | None, cfg: RunConfig) -> list[str]:
     """Refuse a resume that would change the model or the data stream; list allowed changes."""
     if point is None:
         return []
@@ -144,9 +151,6 @@ def check_resume(point: checkpoint.ResumePoint | None, cfg: RunConfig, world_siz
         raise UserError(f"{where}: cannot resume with a changed " + "; ".join(errors) +
                         " (these fix the model or the data order; use another output_dir or "
                         "checkpoint.resume=none)")
-    if point.state["world_size"] != world_size:
-        raise UserError(f"{where}: saved by {point.state['world_size']} ranks, now {world_size}; "
-                        f"resuming at another world size is not supported yet")
     return notes
 
 
@@ -304,6 +308,7 @@ def save(run: Run, step: int) -> None:
                         f"good one stays in {run.run_dir / 'checkpoints'}; lower optim.lr and resume")
     state = {"step": step, "samples": step * run.plan.global_batch_size,
              "tokens": step * run.plan.tokens_per_step, "zero_stage": zero_stage(run.ds_config),
+             "dtype": run.dtype,
              "config": run.cfg.to_dict()}
     tag = checkpoint.save(run.engine, run.run_dir / "checkpoints", step, state, run.env.rank,
                           run.env.world_size, run.cfg.checkpoint.keep)

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from conftest import deepspeed_args, deepspeed_train, reap, spawn, tiny_config, write_config
+from conftest import ROOT, deepspeed_args, deepspeed_train, ds_train, reap, spawn, tiny_config, write_config
 from ds_train import checkpoint
 from ds_train.errors import UserError
 
@@ -117,10 +117,11 @@ def reference(tiny_data, tmp_path_factory):
         if stage not in cache:
             out = tmp_path_factory.mktemp(f"ref_{stage}")
             cfg = write_config(out / "run.yaml", tiny_config(
-                tiny_data, out / "run", train={"max_steps": STEPS}, checkpoint={"every": 4}))
+                tiny_data, out / "run", train={"max_steps": STEPS}, checkpoint={"every": 4, "keep": 0}))
             res = deepspeed_train(cfg, f"{stage}.json")
             assert res.returncode == 0, res.out[-3000:]
             cache[stage] = metrics_by_step(out / "run")
+            cache[stage + "_dir"] = out / "run"
         return cache[stage]
 
     return get
@@ -214,3 +215,37 @@ def test_nonfinite_stop_exits_and_keeps_the_last_good_checkpoint(tiny_data, tmp_
     assert checkpoint.complete_tags(ckpts) == ["step_00000002", "step_00000004"]
     assert (ckpts / "latest").read_text() == "step_00000004"
     assert not (ckpts / "step_00000006").exists()
+
+
+def test_two_process_checkpoint_resumes_on_one_process_through_the_universal_checkpoint(
+        reference, tiny_data, tmp_path):
+    ref = reference("zero2")  # 2 ranks, checkpoints every 4 steps
+    tag_dir = reference("zero2_dir") / "checkpoints" / "step_00000008"
+    run_dir = tmp_path / "run"
+    cfg = write_config(tmp_path / "run.yaml", tiny_config(
+        tiny_data, run_dir, train={"max_steps": STEPS}, checkpoint={"every": 4, "resume": str(tag_dir)}))
+    res = ds_train("train", "--config", str(cfg), "--ds-config", str(ROOT / "ds_configs" / "zero2.json"))
+    assert res.returncode == 0, res.out[-3000:]
+    assert "world size 2 -> 1, ZeRO stage 2 -> 2: loading through DeepSpeed's universal checkpoint " \
+           "step_00000008_universal" in res.out
+    assert "resumed from" in res.out and "at step 8" in res.out
+    got = metrics_by_step(run_dir)
+    assert sorted(got) == list(range(9, STEPS + 1))
+    assert all(got[s]["world_size"] == 1 for s in got)
+    for step in range(9, STEPS + 1):  # same data stream, one rank instead of two: reduction order only
+        assert got[step]["loss"] == pytest.approx(ref[step]["loss"], rel=2e-3), step
+
+
+def test_convert_command_and_refused_stage_change(tiny_data, tmp_path):
+    run_dir = tmp_path / "run"
+    cfg = write_config(tmp_path / "run.yaml", tiny_config(tiny_data, run_dir, checkpoint={"save_final": True}))
+    assert deepspeed_train(cfg, "zero2.json").returncode == 0
+    res = ds_train("convert", "--to", "universal", str(run_dir))
+    assert res.returncode == 0, res.out[-3000:]
+    out = run_dir / "checkpoints" / "step_00000008_universal"
+    assert checkpoint.is_complete(out) and (out / "zero").is_dir()
+    assert f"wrote {out}" in res.out
+    res = ds_train("train", "--config", str(cfg), "--ds-config", str(ROOT / "ds_configs" / "zero0.json"),
+                   "train.max_steps=10")
+    assert res.returncode == 2
+    assert "DeepSpeed cannot move optimizer states between fp32 ZeRO-0" in res.out

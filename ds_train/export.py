@@ -1,0 +1,193 @@
+"""A complete, loadable Hugging Face directory from a ds_train checkpoint (USERS.md trap 5).
+
+    ds-train export RUN_DIR --out OUT [--tag step_00000100] [--max-shard-size 5GB]
+
+DeepSpeed's zero_to_fp32.py writes weights only; the run recorded config.json,
+generation_config.json and the tokenizer in `<run_dir>/hf_model/`, and export adds the weights:
+fp32, safetensors, sharded above `max_shard_size`. ZeRO 1-3 weights are DeepSpeed's fp32 master
+copy, consolidated by its own `get_fp32_state_dict_from_zero_checkpoint`; ZeRO 0 has no optimizer
+partitions, so its weights are the `module` entry of `mp_rank_00_model_states.pt`.
+
+The process holds at most one full fp32 copy of the weights: the model is built on the meta device
+and takes the checkpoint's tensors as they are (`load_state_dict(assign=True)`). The directory is
+written under a temporary name beside `out` and renamed at the end, so a failed export leaves
+nothing behind, and an existing non-empty `out` is never touched.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+from ds_train import checkpoint
+from ds_train.errors import UserError
+
+HF_METADATA_DIR = "hf_model"  # written by trainer.save_hf_metadata
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".index.json")
+
+
+@dataclass(frozen=True)
+class ExportSource:
+    run_dir: Path  # the parent of checkpoints/; holds hf_model/
+    ckpt_dir: Path  # the directory DeepSpeed saved into (holds `latest` and the tags)
+    tag: str
+    zero_stage: int
+
+    @property
+    def tag_dir(self) -> Path:
+        return self.ckpt_dir / self.tag
+
+
+def _is_tag_dir(path: Path) -> bool:
+    return bool(checkpoint.TAG_RE.match(path.name)) or (path / checkpoint.STATE_FILE).is_file()
+
+
+def _normalise_tag(tag: str) -> str:
+    """'8' means step_00000008; anything else is taken as a tag name."""
+    return checkpoint.tag_for(int(tag)) if tag.isdigit() else tag
+
+
+def resolve_source(source: str | Path, tag: str | None = None) -> ExportSource:
+    """A run directory, its checkpoints/ directory, or a tag directory -> the complete tag to export."""
+    src = Path(source)
+    if not src.is_dir():
+        raise UserError(f"export: {str(src)!r} is not a directory; give a run directory (output_dir), "
+                        f"its checkpoints/ directory or a tag directory (checkpoints/step_00000100)")
+    if (src / "checkpoints").is_dir():
+        ckpt_dir, wanted = src / "checkpoints", tag
+    elif _is_tag_dir(src):
+        ckpt_dir, wanted = src.parent, src.name
+        if tag is not None and _normalise_tag(tag) != src.name:
+            raise UserError(f"export: {str(src)!r} is the tag {src.name}, but tag={tag!r} was asked "
+                            f"for; give the run or checkpoints directory with a tag, or the tag directory alone")
+    elif (src / "latest").is_file() or any(checkpoint.TAG_RE.match(p.name) for p in src.iterdir()):
+        ckpt_dir, wanted = src, tag
+    else:
+        raise UserError(f"export: {str(src)!r} holds no checkpoints (no checkpoints/, latest or step_* "
+                        f"tags); give a run directory trained with checkpoint.every or checkpoint.save_final")
+
+    if wanted is None:
+        chosen = checkpoint.latest_complete(ckpt_dir)
+        if chosen is None:
+            raise UserError(f"export: {str(ckpt_dir)!r} holds no complete checkpoint (a save that did not "
+                            f"finish leaves a tag without {checkpoint.STATE_FILE} or a rank file); "
+                            f"train until a save completes, then export")
+    else:
+        chosen = _normalise_tag(wanted)
+        tag_dir = ckpt_dir / chosen
+        complete = checkpoint.complete_tags(ckpt_dir)
+        choices = f"complete tags: {', '.join(complete)}" if complete else "there are no complete tags"
+        if not tag_dir.is_dir():
+            raise UserError(f"export: no tag {chosen!r} in {str(ckpt_dir)!r}; {choices}")
+        if not checkpoint.is_complete(tag_dir):
+            raise UserError(f"export: {str(tag_dir)!r} is incomplete (a save that did not finish); "
+                            f"export another tag ({choices})")
+    state = json.loads((ckpt_dir / chosen / checkpoint.STATE_FILE).read_text())
+    return ExportSource(ckpt_dir.parent, ckpt_dir, chosen, _zero_stage(state, ckpt_dir / chosen))
+
+
+def _zero_stage(state: dict, tag_dir: Path) -> int:
+    """From ds_train_state.json; from the files for a state that predates the key."""
+    if "zero_stage" in state:
+        return int(state["zero_stage"])
+    return 1 if any(tag_dir.glob("*_optim_states.pt")) else 0
+
+
+def _check_out(out: Path) -> None:
+    if out.is_dir() and any(out.iterdir()):
+        raise UserError(f"export: {str(out)!r} exists and is not empty; export never overwrites: "
+                        f"give a new directory or remove this one")
+    if out.exists() and not out.is_dir():
+        raise UserError(f"export: {str(out)!r} exists and is not a directory; give a new directory")
+
+
+def _hf_metadata_dir(src: ExportSource) -> Path:
+    hf_dir = src.run_dir / HF_METADATA_DIR
+    if not (hf_dir / "config.json").is_file():
+        raise UserError(f"export: {str(hf_dir / 'config.json')!r} not found; export needs the run "
+                        f"directory's {HF_METADATA_DIR}/ (the model config and tokenizer) beside "
+                        f"checkpoints/: export from the run directory, or copy {HF_METADATA_DIR}/ there")
+    return hf_dir
+
+
+def load_fp32_state_dict(src: ExportSource) -> dict:
+    """The full fp32 weights of one tag: DeepSpeed's master copy for ZeRO 1-3, the module for ZeRO 0."""
+    import torch
+
+    if src.zero_stage == 0:
+        path = src.tag_dir / "mp_rank_00_model_states.pt"
+        if not path.is_file():
+            raise UserError(f"export: {str(path)!r} not found; {str(src.tag_dir)!r} is not a ZeRO-0 "
+                            f"DeepSpeed checkpoint")
+        # mmap: the optimizer state in the same file is never read into memory.
+        saved = torch.load(path, map_location="cpu", mmap=True, weights_only=False)
+        return {k: v.float() if v.is_floating_point() else v for k, v in saved["module"].items()}
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    return get_fp32_state_dict_from_zero_checkpoint(str(src.ckpt_dir), tag=src.tag)
+
+
+def build_model(hf_dir: Path, state_dict: dict, where: Path):
+    """The model on the meta device, then given the checkpoint's tensors without a copy."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(hf_dir)
+    # build_model turns the KV cache off for training and the run records that config; an
+    # exported model is for inference, where generate() without the cache is quadratic.
+    config.use_cache = True
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    mismatch = (f"export: the weights in {str(where)!r} do not fit {str(hf_dir / 'config.json')!r}"
+                f" (was hf_model/ copied from another run?)")
+    try:
+        result = model.load_state_dict(state_dict, strict=False, assign=True)
+    except RuntimeError as e:  # size mismatch, listed per parameter by torch
+        raise UserError(f"{mismatch}: {' '.join(str(e).split())[:300]}") from None
+    model.tie_weights()  # lm_head.weight is absent (or a second name) when tie_word_embeddings
+    missing = [k for k, v in model.state_dict().items() if v.is_meta]
+    if result.unexpected_keys or missing:
+        raise UserError(f"{mismatch}: unexpected {sorted(result.unexpected_keys)[:5]}, "
+                        f"missing {missing[:5]}")
+    return model
+
+
+def _copy_metadata(hf_dir: Path, out: Path) -> None:
+    """Tokenizer files and the recorded generation config; config.json comes from save_pretrained."""
+    for path in sorted(hf_dir.iterdir()):
+        if path.is_file() and path.name != "config.json" and not path.name.endswith(WEIGHT_SUFFIXES):
+            shutil.copy2(path, out / path.name)
+
+
+def export(source: str | Path, out: str | Path, tag: str | None = None, max_shard_size: str = "5GB") -> Path:
+    """Write a Hugging Face model directory (fp32 safetensors, config, tokenizer) to `out`.
+
+    `source`: a run directory, its checkpoints/ directory or a tag directory; `tag`: a tag name
+    (or a step number), else the latest complete tag. Returns `out`. Raises UserError on bad input.
+    """
+    out = Path(out)
+    src = resolve_source(source, tag)
+    hf_dir = _hf_metadata_dir(src)
+    _check_out(out)  # every check before the weights are read
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".{out.name}.export-{os.getpid()}-{secrets.token_hex(4)}"
+    tmp.mkdir()
+    try:
+        model = build_model(hf_dir, load_fp32_state_dict(src), src.tag_dir)
+        model.save_pretrained(tmp, safe_serialization=True, max_shard_size=max_shard_size)
+        del model
+        _copy_metadata(hf_dir, tmp)
+        _check_out(out)  # again: something may have appeared while the weights were written
+        try:
+            os.replace(tmp, out)  # atomic; replaces only a missing or empty directory
+        except OSError as e:
+            raise UserError(f"export: cannot move the export into {str(out)!r}: {e.strerror}") from None
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return out
