@@ -249,3 +249,34 @@ def test_convert_command_and_refused_stage_change(tiny_data, tmp_path):
                    "train.max_steps=10")
     assert res.returncode == 2
     assert "DeepSpeed cannot move optimizer states between fp32 ZeRO-0" in res.out
+
+
+def test_kill_9_during_a_save_leaves_the_previous_checkpoint_latest(tiny_data, tmp_path):
+    """A model large enough that a save takes a while; rank 1 is killed while a tag is half written."""
+    run_dir = tmp_path / "run"
+    model = {"hidden_size": 256, "intermediate_size": 704, "num_hidden_layers": 4}
+    cfg = write_config(tmp_path / "run.yaml", tiny_config(
+        tiny_data, run_dir, model={"config": {**tiny_config(tiny_data, run_dir)["model"]["config"], **model}},
+        train={"max_steps": 400}, checkpoint={"every": 1, "keep": 0}))
+    proc = spawn(deepspeed_args(cfg, "zero2.json"))
+    wait_for_step(proc, run_dir, 2)
+    ckpts, killed, deadline = run_dir / "checkpoints", None, time.monotonic() + 120
+    while killed is None and time.monotonic() < deadline and proc.poll() is None:
+        for tag_dir in ckpts.glob("step_*"):
+            if any(tag_dir.iterdir()) and not checkpoint.is_complete(tag_dir):
+                os.kill(rank_pid(run_dir, 1), signal.SIGKILL)
+                killed = tag_dir.name
+                break
+        time.sleep(0.002)
+    t0 = time.monotonic()
+    res = reap(proc, timeout=60)
+    assert killed is not None, "never saw a save in progress"
+    assert res.returncode != 0 and time.monotonic() - t0 < 60
+    latest = (ckpts / "latest").read_text()
+    assert checkpoint.is_complete(ckpts / latest) and latest < killed
+    assert checkpoint.latest_complete(ckpts) == latest  # the half-written tag is never chosen
+
+    k = int(latest.split("_")[1])
+    res = deepspeed_train(cfg, "zero2.json", f"train.max_steps={k + 1}")
+    assert res.returncode == 0, res.out[-3000:]
+    assert f"resumed from {ckpts / latest} at step {k}" in res.out
