@@ -1,0 +1,218 @@
+"""Memory arithmetic: what one rank holds for a model under each ZeRO stage, and what it needs.
+
+Pure functions of the model's shape and the run's numbers (no accelerator, no process group), plus
+`engine_state_bytes`, which measures what a live DeepSpeed engine holds, to check them against.
+
+Model states per parameter, per rank (Rajbhandari et al. 2020, "ZeRO", section 3, with K = 12 for
+mixed-precision Adam), as DeepSpeed 0.19 allocates them; N is the data-parallel world size:
+
+| stage | parameters | gradients | optimizer (fp32 master + Adam m, v) |
+|---|---|---|---|
+| 0 | p | p | (4 if mixed) + 8 |
+| 1, 2 | p | p / N | (4 + 8) / N |
+| 3 | p / N | p / N | (4 + 8) / N, master included as in 1-2 |
+
+with p = 2 bytes (bf16/fp16) or 4 (fp32). ZeRO 1-3 keep an fp32 master partition even in fp32
+training. `held` above is measured at the step boundary (tests/test_memory.py). The peak adds
+`step_transient`: inside the step the gradient partition is upcast to fp32 (4 - p bytes more per
+parameter of the partition: 18 bytes / N in all for bf16 ZeRO-3, DeepSpeed's own figure), and
+ZeRO-1 holds full-size gradients until the reduce at the accumulation boundary. Offloading the optimizer moves the
+optimizer column (and its transient) to CPU memory; offloading parameters (stage 3) moves the
+parameter partition too.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+GiB = 2**30
+
+
+@dataclass(frozen=True)
+class ModelStates:
+    """Bytes per rank. `held` is what the engine keeps between steps plus gradients; `peak` adds the
+    fp32 gradient copy made inside the optimizer step."""
+
+    params: float
+    grads: float
+    optimizer: float
+    step_transient: float
+    cpu: float  # offloaded to host memory, per rank
+
+    @property
+    def held(self) -> float:
+        return self.params + self.grads + self.optimizer
+
+    @property
+    def peak(self) -> float:
+        return self.held + self.step_transient
+
+
+def param_bytes(dtype: str) -> int:
+    return 4 if dtype == "fp32" else 2
+
+
+def model_states(n_params: int, stage: int, dtype: str, world: int, offload_optimizer: bool = False,
+                 offload_params: bool = False) -> ModelStates:
+    """Per-rank bytes for parameters, gradients and optimizer states (table in the module doc)."""
+    p, n = param_bytes(dtype), n_params
+    mixed = dtype != "fp32"
+    upcast = 4 - p if mixed else 0  # the step's fp32 gradient replaces the low-precision one
+    if stage == 0:
+        params, grads = p * n, p * n
+        optim = ((4 if mixed else 0) + 8) * n
+        transient = upcast * n
+    else:
+        params = p * n / (world if stage == 3 else 1)
+        grads = p * n / world
+        optim = 12 * n / world
+        transient = upcast * n / world
+        if stage == 1:  # ZeRO-1 accumulates full-size gradients until the boundary reduce
+            transient += p * n * (1 - 1 / world)
+    cpu = 0.0
+    if offload_optimizer and stage > 0:
+        cpu += optim + transient
+        optim, transient = 0.0, 0.0
+    if offload_params and stage == 3:
+        cpu += params
+        params = 0.0
+    return ModelStates(params, grads, optim, transient, cpu)
+
+
+def engine_state_bytes(engine) -> int:
+    """Bytes of the parameter, gradient and optimizer-state tensors a live engine holds on this rank
+    (each storage counted once: flat buffers and the views into them are one allocation)."""
+    import torch
+
+    tensors = []
+    for p in engine.module.parameters():
+        tensors += [p.ds_tensor if hasattr(p, "ds_tensor") else p.data, p.grad]
+    zero_opt = engine.optimizer
+    inner = getattr(zero_opt, "optimizer", zero_opt)
+    for group in inner.param_groups:
+        for p in group["params"]:
+            tensors += [p, p.grad]
+    for state in inner.state.values():
+        tensors += [v for v in state.values() if torch.is_tensor(v)]
+    # ZeRO's own partitions: fp32 masters (stage 3 hands them to the optimizer one sub-group at a
+    # time) and the gradient partitions.
+    for name in ("fp32_partitioned_groups_flat", "single_partition_of_fp32_groups", "averaged_gradients",
+                 "fp32_groups_gradient_flat_partition", "grad_partitions_flat_buffer"):
+        value = getattr(zero_opt, name, None)
+        values = list(value.values()) if isinstance(value, dict) else value
+        if torch.is_tensor(values):
+            values = [values]
+        for v in values or []:
+            if isinstance(v, (list, tuple)):
+                tensors += list(v)
+            else:
+                tensors += [v, getattr(v, "grad", None)]
+    storages = {}
+    for t in tensors:
+        if torch.is_tensor(t) and t.numel():
+            storage = t.untyped_storage()
+            storages[storage.data_ptr()] = storage.nbytes()
+    return sum(storages.values())
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    n_params: int
+    n_layers: int
+    hidden: int
+    intermediate: int
+    kv_hidden: int  # hidden size of the K and V projections (grouped-query attention)
+    vocab: int
+    largest_layer_params: int  # the biggest module's own parameters (what ZeRO-3 gathers at once)
+
+
+def model_shape(hf_config) -> ModelShape:
+    """Count parameters on the meta device: no memory, no accelerator, any size."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(hf_config)
+    n_params = sum(p.numel() for p in model.parameters())  # tied weights are counted once
+    largest = max(sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules())
+    hidden = hf_config.hidden_size
+    heads = hf_config.num_attention_heads
+    kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
+    head_dim = getattr(hf_config, "head_dim", None) or hidden // heads
+    return ModelShape(n_params, hf_config.num_hidden_layers, hidden,
+                      getattr(hf_config, "intermediate_size", 4 * hidden), kv_heads * head_dim,
+                      hf_config.vocab_size, largest)
+
+
+@dataclass(frozen=True)
+class Activations:
+    saved: float  # what autograd keeps from forward until backward
+    transient: float  # on top, at the worst moment: the logits' copies, a recomputed layer
+
+    @property
+    def peak(self) -> float:
+        return self.saved + self.transient
+
+
+def activation_bytes(shape: ModelShape, micro_batch: int, seq_len: int, dtype: str,
+                     checkpointing: bool) -> Activations:
+    """Activation memory of one micro-batch for a Llama-style decoder with SDPA attention (no
+    s x s score matrix is stored) and ds_train's fp32 loss over the logits.
+
+    Per layer and token autograd keeps about 8h + 3kv + 4f values: the block input, the RMSNorm
+    inputs and outputs, the residual, Q/K/V (h + 2kv) and rotated Q/K (h + kv), the attention output,
+    and the MLP's gate, up, SiLU(gate) and product (4f); in mixed precision the two RMSNorms keep
+    fp32 copies of their input too. With activation checkpointing only each layer's input (and the
+    rotary tables) is kept, and one layer's full set exists again while it is recomputed. The loss
+    keeps an fp32 log-softmax over the vocabulary, the final norm and lm_head their inputs; the logits
+and their fp32 copy are transient.
+    Checked against the tensors autograd actually saves in tests/test_memory.py.
+    """
+    p = param_bytes(dtype)
+    tokens = micro_batch * seq_len
+    layer_full = tokens * (p * (8 * shape.hidden + 3 * shape.kv_hidden + 4 * shape.intermediate)
+                           + (2 * shape.hidden * (4 - p) if p < 4 else 0))
+    log_softmax = tokens * shape.vocab * 4
+    head = tokens * (3 * shape.hidden * p + (4 * shape.hidden if p < 4 else 0))  # final norm, lm_head input
+    logits_transient = tokens * shape.vocab * (p + (4 if p < 4 else 0))
+    if checkpointing:
+        layer_inputs = shape.n_layers * tokens * p * shape.hidden
+        return Activations(layer_inputs + head + log_softmax, layer_full + logits_transient)
+    return Activations(shape.n_layers * layer_full + head + log_softmax, logits_transient)
+
+
+def buffer_bytes(zero: dict, stage: int, dtype: str, shape: ModelShape) -> float:
+    """DeepSpeed's communication buffers from the ds_config's bucket sizes (in elements)."""
+    p = param_bytes(dtype)
+    if stage == 0:
+        return 0.0
+    reduce = float(zero.get("reduce_bucket_size", 5e8)) * p * (2 if zero.get("overlap_comm") else 1)
+    if stage in (1, 2):
+        return reduce + float(zero.get("allgather_bucket_size", 5e8)) * p
+    prefetch = float(zero.get("stage3_prefetch_bucket_size", 5e7)) * p
+    return reduce + prefetch + shape.largest_layer_params * p  # the gathered layer in use
+
+
+@dataclass(frozen=True)
+class Estimate:
+    stage: int
+    states: ModelStates
+    activations: Activations
+    buffers: float
+
+    @property
+    def gpu_peak(self) -> float:
+        return self.states.peak + self.activations.peak + self.buffers
+
+    @property
+    def cpu(self) -> float:
+        return self.states.cpu
+
+
+def estimate(shape: ModelShape, stage: int, dtype: str, world: int, micro_batch: int, seq_len: int,
+             checkpointing: bool, zero: dict) -> Estimate:
+    offload_opt = zero.get("offload_optimizer", {}).get("device") in ("cpu", "nvme")
+    offload_par = zero.get("offload_param", {}).get("device") in ("cpu", "nvme")
+    return Estimate(stage, model_states(shape.n_params, stage, dtype, world, offload_opt, offload_par),
+                    activation_bytes(shape, micro_batch, seq_len, dtype, checkpointing),
+                    buffer_bytes(zero, stage, dtype, shape))

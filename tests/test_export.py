@@ -1,0 +1,215 @@
+"""export: real checkpoints from the real launcher (ZeRO 2 and 3 with 2 processes, ZeRO 0 alone) become
+Hugging Face directories that load without missing keys and hold exactly the weights DeepSpeed's own
+zero_to_fp32.py recovers; bad sources, incomplete tags and an occupied `out` are refused."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+
+import pytest
+import torch
+
+from conftest import ROOT, deepspeed_train, ds_train, run_cmd, tiny_config, write_config
+from ds_train import checkpoint
+from ds_train.errors import UserError
+from ds_train.export import export, resolve_source
+
+METADATA = ("generation_config.json", "tokenizer.json", "tokenizer_config.json")
+
+
+@pytest.fixture(scope="module")
+def trained(tiny_data, tmp_path_factory):
+    """One 8-step run per ZeRO stage, saved at steps 4 and 8, shared by the tests below."""
+    cache = {}
+
+    def get(stage):
+        if stage not in cache:
+            out = tmp_path_factory.mktemp(f"export_{stage}")
+            cfg = write_config(out / "run.yaml", tiny_config(
+                tiny_data, out / "run", checkpoint={"every": 4, "save_final": True, "keep": 0}))
+            if stage == "zero0":  # one process, no launcher
+                res = ds_train("train", "--config", str(cfg), "--ds-config",
+                               str(ROOT / "ds_configs" / "zero0.json"))
+            else:
+                res = deepspeed_train(cfg, f"{stage}.json")
+            assert res.returncode == 0, res.out[-3000:]
+            cache[stage] = out / "run"
+        return cache[stage]
+
+    return get
+
+
+def load_exported(out):
+    """from_pretrained with its loading report: nothing missing, unexpected or mismatched."""
+    from transformers import AutoModelForCausalLM
+
+    model, info = AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
+    assert {k: v for k, v in info.items() if v} == {}, info
+    assert model.dtype == torch.float32
+    return model.eval()
+
+
+def zero_to_fp32(ckpt_dir, tag, dest) -> dict:
+    """The weights DeepSpeed's own script recovers (the copy it left in checkpoints/), run as a subprocess."""
+    res = run_cmd([sys.executable, str(ckpt_dir / "zero_to_fp32.py"), str(ckpt_dir), str(dest), "--tag", tag],
+                  timeout=120)
+    assert res.returncode == 0, res.out[-3000:]
+    return torch.load(dest / "pytorch_model.bin", map_location="cpu", weights_only=True)
+
+
+def reference_model(state_dict, config_dir):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(config_dir), dtype=torch.float32)
+    model.load_state_dict(state_dict, strict=True)
+    return model.eval()
+
+
+def assert_same_weights(got: dict, want: dict) -> None:
+    assert sorted(got) == sorted(want)
+    for name, tensor in want.items():
+        assert got[name].dtype == torch.float32, name
+        assert torch.equal(got[name], tensor.float()), name
+
+
+def logits(model):
+    ids = torch.randint(0, model.config.vocab_size, (2, 48), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        return model(input_ids=ids).logits
+
+
+def assert_no_leftovers(parent):
+    assert [p.name for p in parent.iterdir() if p.name.startswith(".")] == []
+
+
+@pytest.mark.parametrize("stage", ["zero2", "zero3"])
+def test_export_holds_the_weights_zero_to_fp32_recovers(stage, trained, tmp_path):
+    from transformers import AutoTokenizer
+
+    run = trained(stage)
+    shard = "200KB" if stage == "zero3" else "5GB"  # the tiny model is ~0.5 MB: zero3 goes in 3 shards
+    out = export(run, tmp_path / "hf", max_shard_size=shard)
+    assert out == tmp_path / "hf"
+    files = {p.name for p in out.iterdir()}
+    shards = {f for f in files if f.startswith("model-") and f.endswith(".safetensors")}
+    if stage == "zero3":
+        assert "model.safetensors.index.json" in files and len(shards) == 3, files
+    else:
+        assert "model.safetensors" in files and not shards, files
+    for name in METADATA:  # exactly what the run recorded
+        assert (out / name).read_bytes() == (run / "hf_model" / name).read_bytes(), name
+    assert_no_leftovers(tmp_path)
+
+    model = load_exported(out)
+    assert model.config.tie_word_embeddings and model.lm_head.weight is model.model.embed_tokens.weight
+    assert model.config.architectures == ["LlamaForCausalLM"] and model.config.use_cache
+    tok = AutoTokenizer.from_pretrained(out)
+    assert len(tok) == model.config.vocab_size
+    assert tok.decode(tok("def f(x):\n    return x + 1\n").input_ids) == "def f(x):\n    return x + 1\n"
+
+    ref = zero_to_fp32(run / "checkpoints", "step_00000008", tmp_path / "ref")
+    assert_same_weights(model.state_dict(), ref)
+    torch.testing.assert_close(logits(model), logits(reference_model(ref, out)), rtol=1e-6, atol=1e-6)
+
+
+def test_zero0_export_holds_the_engine_module_weights(trained, tmp_path):
+    run = trained("zero0")
+    out = export(run / "checkpoints", tmp_path / "hf")  # the checkpoints directory as the source
+    model = load_exported(out)
+    saved = torch.load(run / "checkpoints" / "step_00000008" / "mp_rank_00_model_states.pt",
+                       map_location="cpu", weights_only=False)["module"]
+    assert_same_weights(model.state_dict(), saved)
+    torch.testing.assert_close(logits(model), logits(reference_model(saved, out)), rtol=1e-6, atol=1e-6)
+
+
+def test_a_tag_picks_an_older_checkpoint(trained, tmp_path):
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    run = trained("zero2")
+    ckpts = run / "checkpoints"
+    assert checkpoint.complete_tags(ckpts) == ["step_00000004", "step_00000008"]
+    step4 = get_fp32_state_dict_from_zero_checkpoint(str(ckpts), tag="step_00000004")
+    for out in (export(run, tmp_path / "by_tag", tag="step_00000004"),
+                export(run, tmp_path / "by_step", tag="4"),
+                export(ckpts / "step_00000004", tmp_path / "by_dir")):
+        assert_same_weights(load_exported(out).state_dict(), step4)
+    latest = load_exported(export(run, tmp_path / "latest")).state_dict()
+    assert not torch.equal(latest["model.embed_tokens.weight"], step4["model.embed_tokens.weight"])
+    with pytest.raises(UserError, match="no tag 'step_00000006'.*step_00000004, step_00000008"):
+        export(run, tmp_path / "nope", tag="step_00000006")
+    with pytest.raises(UserError, match="is the tag step_00000004, but tag='step_00000008'"):
+        export(ckpts / "step_00000004", tmp_path / "nope", tag="step_00000008")
+    assert not (tmp_path / "nope").exists()
+
+
+def test_an_incomplete_tag_is_refused(trained, tmp_path):
+    run = shutil.copytree(trained("zero2"), tmp_path / "run")
+    tag_dir = run / "checkpoints" / "step_00000008"
+    checkpoint.rank_file(tag_dir, 1).unlink()  # rank 1 died during the save
+    with pytest.raises(UserError, match=r"step_00000008' is incomplete.*complete tags: step_00000004"):
+        export(run, tmp_path / "a", tag="step_00000008")
+    with pytest.raises(UserError, match="is incomplete"):
+        export(tag_dir, tmp_path / "b")
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+    # `latest` still names step 8; without a tag the newest complete tag is exported instead
+    assert (run / "checkpoints" / "latest").read_text() == "step_00000008"
+    assert resolve_source(run).tag == "step_00000004"
+
+
+def test_an_existing_non_empty_out_is_refused_and_left_untouched(trained, tmp_path):
+    run = trained("zero0")
+    out = tmp_path / "hf"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    with pytest.raises(UserError, match="exists and is not empty; export never overwrites"):
+        export(run, out)
+    assert [p.name for p in out.iterdir()] == ["notes.txt"] and (out / "notes.txt").read_text() == "mine"
+    assert_no_leftovers(tmp_path)
+    empty = tmp_path / "empty"  # an empty directory is filled
+    empty.mkdir()
+    assert (export(run, empty) / "model.safetensors").is_file()
+
+
+def test_a_failed_export_leaves_nothing(trained, tmp_path):
+    run = shutil.copytree(trained("zero0"), tmp_path / "run")
+    config = run / "hf_model" / "config.json"
+    config.write_text(json.dumps({**json.loads(config.read_text()), "intermediate_size": 128}))
+    with pytest.raises(UserError, match="do not fit .*hf_model/config.json"):
+        export(run, tmp_path / "exports" / "hf")  # fails after the weights were read
+    assert list((tmp_path / "exports").iterdir()) == []
+    with pytest.raises(UserError, match="max_shard_size='lots' is not a size"):
+        export(trained("zero0"), tmp_path / "exports" / "hf", max_shard_size="lots")
+    assert list((tmp_path / "exports").iterdir()) == []
+
+
+def fake_tag(ckpt_dir, step, complete=True):
+    tag_dir = ckpt_dir / checkpoint.tag_for(step)
+    tag_dir.mkdir(parents=True)
+    checkpoint.rank_file(tag_dir, 0).write_bytes(b"x")
+    if complete:
+        (tag_dir / checkpoint.STATE_FILE).write_text(json.dumps(
+            {"step": step, "world_size": 1, "zero_stage": 2}))
+    return tag_dir
+
+
+def test_bad_sources_name_the_path_and_the_fix(tmp_path):
+    with pytest.raises(UserError, match="'.*missing' is not a directory; give a run directory"):
+        export(tmp_path / "missing", tmp_path / "out")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(UserError, match="holds no checkpoints"):
+        export(tmp_path / "empty", tmp_path / "out")
+    fake_tag(tmp_path / "run" / "checkpoints", 4, complete=False)
+    with pytest.raises(UserError, match="checkpoints' holds no complete checkpoint"):
+        export(tmp_path / "run", tmp_path / "out")
+    step8 = fake_tag(tmp_path / "run" / "checkpoints", 8)
+    with pytest.raises(UserError, match=r"hf_model/config.json' not found; export needs .* hf_model/"):
+        export(tmp_path / "run", tmp_path / "out")
+    # as checkpoint.convert_to_universal marks its output
+    universal = shutil.copytree(step8, step8.with_name("step_00000008_universal"))
+    (universal / checkpoint.STATE_FILE).write_text(json.dumps(
+        {"step": 8, "world_size": 0, "zero_stage": 2, "universal": True, "source_tag": "step_00000008"}))
+    with pytest.raises(UserError, match=r"universal checkpoint .*; export '.*/step_00000008' instead"):
+        export(universal, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
