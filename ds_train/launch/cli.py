@@ -1,0 +1,221 @@
+"""`ds-train launch` and `ds-train slurm`.
+
+    ds-train launch --hostfile hostfile [deepspeed launcher flags] -- train --config C --ds-config D [k=v]
+    ds-train launch --hostfile hostfile --check -- train ...     # the preflight alone
+    ds-train slurm --nodes 2 --gpus-per-node 8 --out job.sbatch -- train --config C --ds-config D
+
+Both subcommands take their arguments raw (deepspeed launcher flags pass through unparsed) and
+split them at the first `--`: what follows is the `train` command run on every rank.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+from ds_train.errors import UserError
+
+# DeepSpeed's runner default (deepspeed.constants.TORCH_DISTRIBUTED_DEFAULT_PORT).
+DEFAULT_MASTER_PORT = 29500
+
+
+def add_subcommands(sub) -> None:
+    """Register `launch` and `slurm` on ds_train.__main__'s subparsers."""
+    # prefix_chars="+": every `-flag` reaches our own parser untouched (argparse would otherwise
+    # reject the deepspeed flags it does not know before we see them).
+    for name, help_, func in (
+            ("launch", "preflight a hostfile, then run the deepspeed launcher (multi-node)", cmd_launch),
+            ("slurm", "write an sbatch script that launches through the deepspeed launcher", cmd_slurm)):
+        p = sub.add_parser(name, help=help_, prefix_chars="+", add_help=False)
+        p.add_argument("argv", nargs=argparse.REMAINDER)
+        p.set_defaults(func=func)
+
+
+def _launch_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="ds-train launch", allow_abbrev=False,
+        usage="ds-train launch --hostfile H [--check] [deepspeed launcher flags] -- train --config C "
+              "--ds-config D [key=value ...]",
+        description="Check every host of the hostfile (ssh without a password, same Python and "
+                    "versions, working directory, free master port, batch math), write "
+                    "output_dir/.deepspeed_env, then run the deepspeed launcher (pdsh) and exit with "
+                    "its exit code. Other flags before `--` go to the deepspeed launcher unchanged.")
+    p.add_argument("-H", "--hostfile", required=True, help="DeepSpeed hostfile: '<host> slots=<n>' per line")
+    p.add_argument("--check", action="store_true", help="run the preflight only")
+    p.add_argument("--ssh-timeout", type=int, default=10, help="ssh connect timeout per host, seconds")
+    g = p.add_argument_group("deepspeed launcher flags that the preflight reads (passed on)")
+    g.add_argument("--num_nodes", type=int, default=-1)
+    g.add_argument("--num_gpus", "--num_accelerators", type=int, default=-1)
+    g.add_argument("-i", "--include", default="")
+    g.add_argument("-e", "--exclude", default="")
+    g.add_argument("--master_port", type=int, default=DEFAULT_MASTER_PORT,
+                   help="tried first; the next free one of 10 is taken when it is busy")
+    g.add_argument("--master_addr", default="", help="default: the first host's address")
+    g.add_argument("--ssh_port", type=int)
+    g.add_argument("--launcher", default="pdsh")
+    refused = p.add_argument_group("refused (ds-train launch sets or needs them)")
+    for flag in ("--module", "--no_python", "--no_ssh"):
+        refused.add_argument(flag, action="store_true", help=argparse.SUPPRESS)
+    refused.add_argument("--autotuning", help=argparse.SUPPRESS)
+    return p
+
+
+def _train_parser(prog: str) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=prog, allow_abbrev=False)
+    p.add_argument("--config", required=True)
+    p.add_argument("--ds-config", required=True)
+    p.add_argument("overrides", nargs="*", metavar="key=value")
+    return p
+
+
+def _split(argv: list[str], name: str) -> tuple[list[str], list[str]]:
+    if "--" not in argv:
+        if any(a in ("-h", "--help") for a in argv):
+            return argv, []
+        raise UserError(f"{name}: missing `-- train --config C --ds-config D`; everything after `--` is "
+                        f"the command run on every rank")
+    i = argv.index("--")
+    return argv[:i], argv[i + 1:]
+
+
+def _load_run(train_argv: list[str], prog: str, world_size: int):
+    """The run config after `--`, checked against the world size (batch math) and the ds_config."""
+    from ds_train.batch import plan_batch
+    from ds_train.config import load_config
+    from ds_train.engine import read_ds_template
+
+    if not train_argv or train_argv[0] != "train":
+        raise UserError(f"{prog}: after `--` comes `train --config C --ds-config D [key=value ...]`, "
+                        f"got {' '.join(train_argv) or 'nothing'!r}")
+    args = _train_parser(f"ds-train {prog} ... -- train").parse_args(train_argv[1:])
+    cfg = load_config(args.config, args.overrides)
+    read_ds_template(args.ds_config)
+    plan = plan_batch(cfg.train.global_batch_size, cfg.train.micro_batch_size, world_size, cfg.train.seq_len)
+    return cfg, plan
+
+
+def _check_flags(opts) -> None:
+    refused = [f"--{k}" for k in ("module", "no_python", "no_ssh", "autotuning") if getattr(opts, k)]
+    if refused:
+        raise UserError(f"launch: {', '.join(refused)} not supported here (ds-train launch runs `--module "
+                        f"ds_train` over ssh after its own ssh check); call `deepspeed` directly for that")
+    if opts.launcher.lower() != "pdsh":
+        raise UserError(f"launch: --launcher {opts.launcher} is not supported; ds-train launch drives the "
+                        f"pdsh launcher (the default); use `deepspeed --launcher {opts.launcher}` directly")
+
+
+def _check_local(cwd: str, python: str, train_argv: list[str], variables: dict[str, str]) -> None:
+    """What must survive the launcher's remote command line, checked before any ssh."""
+    from ds_train.launch import envfile
+    from ds_train.launch.preflight import check_shell_safe
+
+    problems = check_shell_safe(cwd, python, train_argv)
+    try:
+        envfile.check_values({**envfile.launcher_forwarded(os.environ), **variables})
+    except UserError as e:
+        problems.append(str(e))
+    if problems:
+        raise UserError("launch: " + problems[0] if len(problems) == 1 else
+                        f"launch: {len(problems)} problems:\n  " + "\n  ".join(problems))
+
+
+def _notes(pool: dict, passthrough: list[str]) -> list[str]:
+    notes = []
+    strays = [Path(".deepspeed_env"), Path.home() / ".deepspeed_env"]
+    strays += [Path(os.environ["DS_ENV_FILE"])] if os.environ.get("DS_ENV_FILE") else []
+    for stray in strays:
+        if stray.is_file():
+            notes.append(f"note: {stray} is not read (DS_ENV_FILE points at the run's own file); list the "
+                         f"variables you need from it under launch.env")
+    if len(pool) == 1 and "--force_multi" not in passthrough:
+        notes.append(f"note: one host: the deepspeed launcher runs it on this machine without ssh (pass "
+                     f"--force_multi to start it on {next(iter(pool))} through pdsh)")
+    return notes
+
+
+def _deepspeed_cmd(opts, passthrough: list[str], python: str, master_addr: str, master_port: int,
+                   train_argv: list[str]) -> list[str]:
+    return [python, "-u", "-m", "deepspeed.launcher.runner", "--hostfile", os.path.abspath(opts.hostfile),
+            *(["--num_nodes", str(opts.num_nodes)] if opts.num_nodes >= 0 else []),
+            *(["--num_gpus", str(opts.num_gpus)] if opts.num_gpus >= 0 else []),
+            *(["--include", opts.include] if opts.include else []),
+            *(["--exclude", opts.exclude] if opts.exclude else []),
+            *(["--ssh_port", str(opts.ssh_port)] if opts.ssh_port is not None else []),
+            "--master_addr", master_addr, "--master_port", str(master_port),
+            "--no_ssh_check",  # done by the preflight, with the ssh options pdsh uses (DeepSpeed's ignores them)
+            *passthrough, "--module", "ds_train", *train_argv]
+
+
+def cmd_launch(args) -> int:
+    from ds_train.launch import envfile
+    from ds_train.launch.hostfile import read_hostfile, select_hosts
+    from ds_train.launch.preflight import SshOptions, run_preflight
+
+    ours, train_argv = _split(args.argv, "launch")
+    opts, passthrough = _launch_parser().parse_known_args(ours)
+    _check_flags(opts)
+    pool = select_hosts(read_hostfile(opts.hostfile), opts.num_nodes, opts.num_gpus, opts.include, opts.exclude)
+    world_size = sum(len(slots) for slots in pool.values())
+    cfg, plan = _load_run(train_argv, "launch", world_size)
+    cwd, python = os.path.abspath("."), sys.executable
+    variables = envfile.collect_env(os.environ, list(cfg.launch.env), cwd)
+    _check_local(cwd, python, train_argv, variables)
+
+    ssh = SshOptions.from_env(os.environ, opts.ssh_timeout, opts.ssh_port)
+    result = run_preflight(pool, ssh, python, cwd, opts.master_addr, opts.master_port)
+    print(f"preflight: {len(pool)} host(s), world size {world_size} "
+          f"({', '.join(f'{h}: {len(s)}' for h, s in pool.items())}); ssh, Python {python}, versions and "
+          f"working directory {cwd} ok on every host")
+    print(f"preflight: {plan.describe()}")
+    for note in result.notes + _notes(pool, passthrough):
+        print(f"preflight: {note}")
+    print(f"preflight: master {result.master_addr}:{result.master_port}", flush=True)
+    if opts.check:
+        print("preflight: ok", flush=True)
+        return 0
+
+    env_file = envfile.write_env_file(Path(cfg.output_dir) / envfile.ENV_FILE, variables)
+    print(f"launch: wrote {env_file} ({', '.join(variables)})")
+    cmd = _deepspeed_cmd(opts, passthrough, python, result.master_addr, result.master_port, train_argv)
+    print(f"launch: {' '.join(cmd)}", flush=True)
+    sys.stderr.flush()
+    # Replace this process: signals reach the launcher, which stops the remote ranks through pdsh.
+    os.execve(python, cmd, {**os.environ, "DS_ENV_FILE": str(env_file)})
+    return 1  # not reached
+
+
+def _slurm_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="ds-train slurm", allow_abbrev=False,
+        usage="ds-train slurm --nodes N --gpus-per-node G [options] [ds-train launch flags] -- train "
+              "--config C --ds-config D [key=value ...]",
+        description="Write an sbatch script: hostfile from the allocation, `ds-train launch --check`, "
+                    "then `ds-train launch`. Flags not listed here go to `ds-train launch`.")
+    p.add_argument("--nodes", type=int, required=True, help="nodes to allocate")
+    p.add_argument("--gpus-per-node", type=int, required=True, help="GPUs (processes) per node")
+    p.add_argument("--partition", default="", help="SLURM partition")
+    p.add_argument("--time", default="", help="time limit, e.g. 24:00:00")
+    p.add_argument("--job-name", default="ds_train", help="job name (default ds_train)")
+    p.add_argument("--account", default="", help="SLURM account")
+    p.add_argument("--requeue", action="store_true", help="requeue on preemption; auto-resume continues")
+    p.add_argument("--out", default="", help="write the script here (default: stdout)")
+    return p
+
+
+def cmd_slurm(args) -> int:
+    from ds_train.launch.slurm import SlurmJob, render_sbatch
+
+    ours, train_argv = _split(args.argv, "slurm")
+    opts, launch_args = _slurm_parser().parse_known_args(ours)
+    job = SlurmJob(opts.nodes, opts.gpus_per_node, opts.partition, opts.time, opts.job_name, opts.account,
+                   opts.requeue)
+    _load_run(train_argv, "slurm", opts.nodes * opts.gpus_per_node)  # batch math fails here, not in the queue
+    script = render_sbatch(job, sys.executable, os.path.abspath("."), launch_args, train_argv)
+    if not opts.out:
+        sys.stdout.write(script)
+        return 0
+    Path(opts.out).write_text(script)
+    print(f"wrote {opts.out}; submit it with: sbatch {opts.out}", file=sys.stderr)
+    return 0

@@ -1,0 +1,190 @@
+"""Multi-node through real pdsh and ssh: two "nodes" on loopback addresses (scripts/local_cluster.sh).
+
+    bash scripts/local_cluster.sh up     # sshd on 127.0.0.2 and 127.0.0.3, its own keys and ssh config
+
+Not skipped when pdsh or sshd are missing: the test fails and says to run scripts/test.sh, which
+installs them. Every launch runs in its own process session with a timeout; remote ranks (started
+by sshd, outside that session) are found by the test's tmp_path in their command line.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import shutil
+import signal
+import socket
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT, free_port, reap, run_cmd, spawn, tiny_config, write_config
+
+NODES = ("127.0.0.2", "127.0.0.3")
+ZERO2 = str(ROOT / "ds_configs" / "zero2.json")
+
+
+def _pids_with(marker: str) -> list[int]:
+    """Processes whose command line mentions `marker` (a path unique to one test's run)."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and int(entry.name) != os.getpid():
+            try:
+                if marker in (entry / "cmdline").read_bytes().decode(errors="replace"):
+                    pids.append(int(entry.name))
+            except OSError:
+                pass
+    return pids
+
+
+def _kill_leftovers(marker: str) -> list[int]:
+    left = _pids_with(marker)
+    for pid in left:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    return left
+
+
+def _assert_nothing_left(marker: str, grace_s: float = 10) -> None:
+    """No rank outlives its job; stragglers are killed (by pid) and fail the test."""
+    deadline = time.monotonic() + grace_s
+    while _pids_with(marker) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    left = _kill_leftovers(marker)
+    assert not left, f"processes still running after the job ended: {left}"
+
+
+@pytest.fixture(autouse=True)
+def _no_stray_ranks(tmp_path):
+    """Whatever happens in a test, no process of its run (all mention tmp_path) survives it."""
+    yield
+    _kill_leftovers(str(tmp_path))
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    """The local two-node cluster, up for this module and always down at the end."""
+    missing = [name for name, ok in (("pdsh", shutil.which("pdsh")), ("ssh", shutil.which("ssh")),
+                                     ("/usr/sbin/sshd", os.access("/usr/sbin/sshd", os.X_OK))) if not ok]
+    if missing:
+        pytest.fail(f"{', '.join(missing)} not installed: run `bash scripts/test.sh`, which installs pdsh "
+                    f"and openssh-server (or apt-get install -y pdsh openssh-server)")
+    state = tmp_path_factory.mktemp("cluster")
+    script_env = {"DS_TRAIN_CLUSTER_DIR": str(state), "DS_TRAIN_CLUSTER_PORT": str(free_port())}
+    up = run_cmd(["bash", str(ROOT / "scripts" / "local_cluster.sh"), "up"], timeout=60, env=script_env)
+    try:
+        assert up.returncode == 0, up.out
+        env = {}
+        for line in up.lines("export "):  # what a user would eval
+            for word in shlex.split(line)[1:]:
+                key, _, value = word.partition("=")
+                env[key] = value
+        assert env["PDSH_SSH_ARGS_APPEND"] == f"-F {state}/ssh_config", up.out
+        yield {"env": env, "hostfile": Path(env["DS_TRAIN_CLUSTER_HOSTFILE"])}
+    finally:
+        down = run_cmd(["bash", str(ROOT / "scripts" / "local_cluster.sh"), "down"], timeout=60, env=script_env)
+        assert down.returncode == 0, down.out
+        assert not state.exists()
+
+
+def launch_args(hostfile: Path, config: Path, *extra: str, overrides: tuple[str, ...] = ()) -> list[str]:
+    return [sys.executable, "-m", "ds_train", "launch", "--hostfile", str(hostfile), *extra, "--",
+            "train", "--config", str(config), "--ds-config", ZERO2, *overrides]
+
+
+def test_two_nodes_train_through_pdsh_and_ssh(cluster, tiny_data, tmp_path):
+    config = write_config(tmp_path / "run.yaml", tiny_config(tiny_data, tmp_path / "run",
+                                                             launch={"env": ["DS_TRAIN_TEST_TOKEN"]}))
+    env = {**cluster["env"], "WANDB_API_KEY": "must-not-travel", "DS_TRAIN_TEST_TOKEN": "listed"}
+    assert cluster["hostfile"].read_text() == "127.0.0.2 slots=1\n127.0.0.3 slots=1\n"
+    res = run_cmd(launch_args(cluster["hostfile"], config, "--master_port", str(free_port())), timeout=240, env=env)
+    assert res.returncode == 0, res.out[-6000:]
+    _assert_nothing_left(str(config))
+    host = socket.gethostname()
+    assert f"hosts: node0 {host} -> ranks 0; node1 {host} -> ranks 1" in res.out
+    assert res.lines("127.0.0.3: ") and res.lines("127.0.0.2: ")  # pdsh's per-node prefixes
+    run = tmp_path / "run"
+    metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics] == list(range(1, 9))
+    assert all(m["world_size"] == 2 for m in metrics)
+    assert json.loads((run / "env.json").read_text())["hosts"] == [
+        {"node": 0, "host": host, "ranks": [0]}, {"node": 1, "host": host, "ranks": [1]}]
+    for rank in (0, 1):
+        assert f" node {rank} world 2 launcher deepspeed" in (run / "logs" / f"rank_{rank}.log").read_text()
+    env_file = (run / ".deepspeed_env").read_text()
+    assert "\n\n" not in env_file and "WANDB_MODE=offline\n" in env_file
+    assert "DS_TRAIN_TEST_TOKEN=listed\n" in env_file and "WANDB_API_KEY" not in env_file
+
+
+def test_unreachable_host_is_named_within_30s(cluster, tiny_data, tmp_path):
+    config = write_config(tmp_path / "run.yaml", tiny_config(tiny_data, tmp_path / "run",
+                                                             train={"global_batch_size": 6}))
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text(cluster["hostfile"].read_text() + "127.0.0.4 slots=1\n")
+    start = time.monotonic()
+    res = run_cmd(launch_args(hostfile, config, "--check"), timeout=30, env=cluster["env"])
+    assert time.monotonic() - start < 30
+    assert res.returncode == 2, res.out
+    assert "127.0.0.4: not reachable by password-less ssh" in res.out
+    assert "unreachable: 127.0.0.4;" in res.out
+    assert "127.0.0.2:" not in res.out and "127.0.0.3:" not in res.out
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_killed_rank_on_node1_takes_the_job_down(cluster, tiny_data, tmp_path):
+    config = write_config(tmp_path / "run.yaml", tiny_config(tiny_data, tmp_path / "run"))
+    proc = spawn(launch_args(cluster["hostfile"], config, "--master_port", str(free_port()),
+                             overrides=("train.max_steps=100000", "log.every=1000")), env=cluster["env"])
+    rank_log = tmp_path / "run" / "logs" / "rank_1.log"
+    try:
+        deadline = time.monotonic() + 180
+        while not (rank_log.exists() and re.search(r"pid (\d+)", rank_log.read_text())):
+            assert proc.poll() is None and time.monotonic() < deadline, "rank 1 never started"
+            time.sleep(0.5)
+        pid = int(re.search(r"pid (\d+)", rank_log.read_text()).group(1))
+        assert " node 1 " in rank_log.read_text()
+        time.sleep(2)  # into the training loop
+        os.kill(pid, signal.SIGKILL)
+        killed = time.monotonic()
+    except BaseException:
+        os.killpg(proc.pid, signal.SIGKILL)  # the remote side goes in _no_stray_ranks
+        proc.communicate()
+        raise
+    res = reap(proc, 60)
+    assert time.monotonic() - killed < 60
+    assert res.returncode != 0, res.out[-4000:]
+    _assert_nothing_left(str(config))
+
+
+def test_busy_master_port_moves_to_the_next_free_one(cluster, tiny_data, tmp_path):
+    config = write_config(tmp_path / "run.yaml", tiny_config(tiny_data, tmp_path / "run"))
+    with socket.socket() as busy:
+        busy.bind((NODES[0], 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        res = run_cmd(launch_args(cluster["hostfile"], config, "--check", "--master_port", str(port)),
+                      timeout=30, env=cluster["env"])
+    assert res.returncode == 0, res.out
+    m = re.search(rf"master port {port} is in use on 127\.0\.0\.2; using (\d+) instead", res.out)
+    assert m, res.out
+    assert port < int(m.group(1)) < port + 10
+    assert f"master 127.0.0.2:{m.group(1)}" in res.out
+    assert not (tmp_path / "run").exists()  # --check writes nothing
+
+
+def test_shell_metacharacters_in_the_hostfile_are_rejected(cluster, tiny_data, tmp_path):
+    config = write_config(tmp_path / "run.yaml", tiny_config(tiny_data, tmp_path / "run"))
+    marker = Path(f"/tmp/pwned_{uuid.uuid4().hex}")
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text(f"127.0.0.2 slots=1\n127.0.0.3;touch${{IFS}}{marker} slots=1\n")
+    res = run_cmd(launch_args(hostfile, config), timeout=30, env=cluster["env"])
+    assert res.returncode == 2, res.out
+    assert f"{hostfile}:2: '127.0.0.3;touch${{IFS}}{marker}' is not a valid host name" in res.out
+    assert not marker.exists() and not (tmp_path / "run").exists()
