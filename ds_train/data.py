@@ -45,17 +45,29 @@ def python_stdlib_files(max_bytes: int = STDLIB_MAX_BYTES) -> list[Path]:
 
 
 def iter_documents(sources: list[str], text_key: str = "text") -> Iterator[tuple[str, str]]:
-    """(name, text) for each document: a text file is one document, each JSONL line is one."""
+    """(name, text) for each non-empty document: a text file is one document, each JSONL line one.
+
+    Names are relative to their source (they decide the train/val split, which must not depend on
+    where the corpus happens to sit on disk).
+    """
+    for name, text in _documents(sources, text_key):
+        if text.strip():
+            yield name, text
+
+
+def _documents(sources: list[str], text_key: str) -> Iterator[tuple[str, str]]:
     for source in sources:
         if source == STDLIB:
+            root = Path(sysconfig.get_paths()["stdlib"])
             for path in python_stdlib_files():
-                yield str(path), path.read_text(errors="replace")
+                yield str(path.relative_to(root)), path.read_text(errors="replace")
             continue
         path = Path(source)
         if not path.exists():
             raise UserError(f"data.sources: {source!r} does not exist")
         paths = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
         for p in paths:
+            rel = str(p.relative_to(path)) if path.is_dir() else p.name
             if p.suffix == ".jsonl":
                 for lineno, line in enumerate(p.read_text().splitlines(), 1):
                     if not line.strip():
@@ -67,9 +79,9 @@ def iter_documents(sources: list[str], text_key: str = "text") -> Iterator[tuple
                     if not isinstance(text, str):
                         raise UserError(f"{p}:{lineno}: expected a JSON object with a string "
                                         f"{text_key!r} field (set data.text_key)")
-                    yield f"{p}:{lineno}", text
+                    yield f"{rel}:{lineno}", text
             elif p.suffix in TEXT_SUFFIXES or not p.suffix:
-                yield str(p), p.read_text(errors="replace")
+                yield rel, p.read_text(errors="replace")
 
 
 def train_tokenizer(texts: list[str], vocab_size: int, out_dir: Path):

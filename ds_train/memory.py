@@ -186,9 +186,12 @@ def buffer_bytes(zero: dict, stage: int, dtype: str, shape: ModelShape) -> float
     p = param_bytes(dtype)
     if stage == 0:
         return 0.0
-    reduce = float(zero.get("reduce_bucket_size", 5e8)) * p * (2 if zero.get("overlap_comm") else 1)
-    if stage in (1, 2):
-        return reduce + float(zero.get("allgather_bucket_size", 5e8)) * p
+    copies = 2 if zero.get("overlap_comm") else 1  # double-buffered when communication overlaps
+    if stage in (1, 2):  # contiguous gradient buckets: fp32 accumulators in ZeRO-1, p bytes in ZeRO-2
+        if not zero.get("contiguous_gradients", True):
+            return 0.0
+        return float(zero.get("reduce_bucket_size", 5e8)) * copies * (4 if stage == 1 else p)
+    reduce = float(zero.get("reduce_bucket_size", 5e8)) * p * copies
     prefetch = float(zero.get("stage3_prefetch_bucket_size", 5e7)) * p
     return reduce + prefetch + shape.largest_layer_params * p  # the gathered layer in use
 

@@ -33,7 +33,7 @@ def test_quickstart_recipe_loads_with_its_values():
     assert cfg.data.sources == ["python-stdlib"]
     assert cfg.train.max_steps == 200
     assert cfg.train.global_batch_size == 32
-    assert cfg.train.micro_batch_size == 8
+    assert cfg.train.micro_batch_size == 2
     assert cfg.optim.lr == pytest.approx(3e-3)
     assert isinstance(cfg.optim.lr, float)
     assert cfg.log.wandb == "off"  # a bare YAML `off` is false in YAML 1.1; it must stay "off"

@@ -1,0 +1,110 @@
+"""ds-train estimate and dry-run: the plan, presets, suggestions, and the one-device rehearsal."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from conftest import ROOT, ds_train, tiny_config, write_config
+from ds_train.config import build_config
+from ds_train.dryrun import Target, oom_report, pick_preset, run_estimate, suggestions
+from ds_train.memory import model_shape
+
+SEVEN_B = {"model_type": "llama", "hidden_size": 4096, "intermediate_size": 11008,
+           "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 32,
+           "vocab_size": 32000, "max_position_embeddings": 4096}
+
+
+def seven_b(tmp_path, **train):
+    return build_config({"output_dir": str(tmp_path / "run"), "model": {"config": SEVEN_B},
+                         "train": {"seq_len": 4096, "micro_batch_size": 4, "global_batch_size": 256, **train}})
+
+
+def test_estimate_marks_what_fits_and_ranks_fixes(tmp_path):
+    cfg = seven_b(tmp_path)
+    target = Target(2, 8, 80)
+    out = run_estimate(cfg, str(ROOT / "ds_configs" / "zero2.json"), target, None)
+    assert len(out["rows"]) == 8 and sum(r["given"] for r in out["rows"]) == 1
+    by = {(r["config"], r["activation_checkpointing"]): r for r in out["rows"]}
+    assert by[("ZeRO-3", False)]["gpu_peak_gib"] < by[("ZeRO-0", False)]["gpu_peak_gib"]
+    assert not by[("ZeRO-0", False)]["fits"]  # 16 bytes x 6.7B params is more than 80 GiB
+    given = next(r for r in out["rows"] if r["given"])
+    assert not given["fits"] and out["suggestions"]  # 4 x 4096 tokens of 7B activations do not fit
+    fixes = out["suggestions"]
+    assert fixes[0]["change"].startswith("train.micro_batch_size=2")
+    assert any(f["fits"] for f in fixes)
+    assert all(f["gpu_peak_gib"] < given["gpu_peak_gib"] for f in fixes)
+
+
+@pytest.mark.parametrize("preset, fraction", [("conservative", 0.5), ("balanced", 0.7), ("aggressive", 0.9)])
+def test_presets_stay_within_their_memory_fraction(tmp_path, preset, fraction):
+    cfg = seven_b(tmp_path)
+    target = Target(2, 8, 80)
+    p = pick_preset(model_shape_of(cfg), cfg, target, "bf16", preset)
+    assert p["gpu_peak_gib"] <= fraction * 80
+    assert 256 % (p["micro_batch_size"] * 16) == 0
+
+
+def model_shape_of(cfg):
+    from ds_train.model import build_hf_config
+
+    return model_shape(build_hf_config(cfg.model, SEVEN_B["vocab_size"], cfg.train.seq_len))
+
+
+def test_aggressive_preset_packs_more_than_conservative(tmp_path):
+    cfg = seven_b(tmp_path)
+    shape, target = model_shape_of(cfg), Target(2, 8, 80)
+    cons = pick_preset(shape, cfg, target, "bf16", "conservative")
+    aggr = pick_preset(shape, cfg, target, "bf16", "aggressive")
+    assert (aggr["activation_checkpointing"], aggr["stage"], -aggr["micro_batch_size"]) <= \
+           (cons["activation_checkpointing"], cons["stage"], -cons["micro_batch_size"])
+
+
+def test_oom_report_lists_the_plan_and_fixes(tmp_path):
+    from ds_train.model import build_hf_config
+
+    cfg = seven_b(tmp_path)
+    hf = build_hf_config(cfg.model, 32000, 4096)
+    text = oom_report(cfg, {"bf16": {"enabled": True}, "zero_optimization": {"stage": 2}}, hf, 8, 80)
+    assert "out of GPU memory" in text and "ZeRO-2 micro 4" in text
+    assert "model.activation_checkpointing=true" in text and "zero3.json" in text
+
+
+def test_estimate_cli_for_the_quickstart_on_the_example_hostfile(tmp_path):
+    res = ds_train("estimate", "--config", str(ROOT / "recipes" / "quickstart.yaml"),
+                   "--ds-config", str(ROOT / "ds_configs" / "zero3.json"),
+                   "--hostfile", str(ROOT / "hostfile.example"), "model.config.vocab_size=4096",
+                   "--preset", "balanced", timeout=120)
+    assert res.returncode == 0, res.out[-3000:]
+    assert "world 16" in res.out and "<- given" in res.out and "preset balanced" in res.out
+
+
+def test_estimate_refuses_batch_math_that_does_not_fit_the_target(tmp_path):
+    res = ds_train("estimate", "--config", str(ROOT / "recipes" / "quickstart.yaml"),
+                   "--ds-config", str(ROOT / "ds_configs" / "zero2.json"), "--nodes", "3",
+                   "--gpus-per-node", "1", "model.config.vocab_size=4096", timeout=120)
+    assert res.returncode == 2
+    assert "train.global_batch_size=32 is not a multiple of train.micro_batch_size=2 x world size 3" in res.out
+
+
+def test_dry_run_of_the_quickstart_for_the_example_hostfile(tiny_data, tmp_path):
+    """The quickstart recipe (on the small test corpus, to stay quick) targeting hostfile.example."""
+    cfg = write_config(tmp_path / "q.yaml", {**__import__("yaml").safe_load(
+        (ROOT / "recipes" / "quickstart.yaml").read_text()), "output_dir": str(tmp_path / "run"),
+        "data": {"dir": str(tiny_data)}})
+    t0 = time.monotonic()
+    res = ds_train("dry-run", "--config", str(cfg), "--ds-config", str(ROOT / "ds_configs" / "zero2.json"),
+                   "--hostfile", str(ROOT / "hostfile.example"), timeout=120)
+    elapsed = time.monotonic() - t0
+    assert res.returncode == 0, res.out[-3000:]
+    assert elapsed < 120
+    out = json.loads((tmp_path / "run" / "dry_run.json").read_text())
+    assert out["target"]["world"] == 16 and out["batch"]["grad_accum_steps"] == 1
+    assert out["measured"]["step_time_s"] > 0
+    p = out["predicted"]
+    assert p["fits"] and p["tokens_per_s_cluster"] == pytest.approx(16 * p["tokens_per_s_per_gpu"])
+    assert p["time_to_finish_s"] == pytest.approx(200 * out["measured"]["step_time_s"])
+    assert out["checkpoint_round_trip"]["ok"] and p["checkpoint_gib"] > 0
+    assert "save/load round trip ok" in res.out and "fits" in res.out
