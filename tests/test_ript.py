@@ -1,0 +1,110 @@
+"""RIPT's pure parts: RLOO, the dynamic-sampling filter, the clipped loss, sharding, the tasks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ds_train.errors import UserError
+from ds_train.ript.rloo import clipped_policy_loss, keep_mask, rloo_advantages
+from ds_train.ript.sharding import shard_tasks
+from ds_train.ript.tasks import BUILTIN, GuessNumber, load_task
+
+
+def test_rloo_leaves_one_out():
+    adv = rloo_advantages(torch.tensor([[1.0, 0.0, 0.0, 0.0]]))
+    assert torch.allclose(adv, torch.tensor([[1.0, -1 / 3, -1 / 3, -1 / 3]]))
+    assert torch.equal(rloo_advantages(torch.ones(3, 8)), torch.zeros(3, 8))
+    assert torch.equal(rloo_advantages(torch.zeros(2, 4)), torch.zeros(2, 4))
+    assert torch.allclose(rloo_advantages(torch.rand(5, 6)).sum(-1), torch.zeros(5), atol=1e-6)
+
+
+def test_filter_keeps_only_groups_that_disagree():
+    rewards = torch.tensor([[0, 0, 0, 0], [1, 0, 0, 0], [1, 1, 1, 0], [1, 1, 1, 1]], dtype=torch.float)
+    assert keep_mask(rewards).tolist() == [False, True, True, False]
+
+
+def test_padded_rows_give_zero_gradient():
+    torch.manual_seed(0)
+    logits = torch.randn(4, 6, requires_grad=True)
+    logp = torch.log_softmax(logits, -1)
+    old = logp.detach() + 0.1 * torch.randn(4, 6)
+    mask = torch.ones(4, 6)
+    mask[2:] = 0  # rows 2 and 3 are padding
+    loss, stats = clipped_policy_loss(logp, old, torch.tensor([1.0, -0.5, 3.0, -2.0]), mask, 0.2, 0.28)
+    loss.backward()
+    assert torch.count_nonzero(logits.grad[2:]) == 0 and torch.count_nonzero(logits.grad[:2]) > 0
+    assert stats["tokens"] == 12
+
+
+def test_clipping_uses_separate_low_and_high_bounds():
+    logp = torch.log(torch.tensor([[1.5, 0.5]]))
+    old = torch.zeros(1, 2)
+    mask = torch.ones(1, 2)
+    pos, _ = clipped_policy_loss(logp, old, torch.tensor([1.0]), mask, clip_low=0.2, clip_high=0.28)
+    assert pos.item() == pytest.approx(-(1.28 + 0.5))  # ratio 1.5 capped at 1 + high
+    neg, _ = clipped_policy_loss(logp, old, torch.tensor([-1.0]), mask, clip_low=0.2, clip_high=0.28)
+    assert neg.item() == pytest.approx(1.5 + 0.8)  # ratio 0.5 floored at 1 - low
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 7])
+@pytest.mark.parametrize("mode", ["round_robin", "balanced"])
+def test_sharding_covers_every_task_once(world, mode):
+    costs = {name: float(len(name) * (i + 1)) for i, name in enumerate(sorted(BUILTIN))}
+    shards = shard_tasks(costs, world, mode)
+    flat = [t for s in shards for t in s]
+    assert sorted(flat) == sorted(costs) and len(flat) == len(set(flat))
+    assert shard_tasks(dict(reversed(list(costs.items()))), world, mode) == shards  # same on every rank
+    if mode == "round_robin":
+        sizes = [len(s) for s in shards]
+        assert max(sizes) - min(sizes) <= 1
+
+
+def test_balanced_sharding_evens_out_cost():
+    costs = {"a": 10, "b": 9, "c": 1, "d": 1, "e": 1}
+    loads = [sum(costs[t] for t in s) for s in shard_tasks(costs, 2, "balanced")]
+    assert sorted(loads) == [11, 11]  # LPT: a | b, c; then d, e go to the lighter rank
+
+
+def test_more_ranks_than_tasks_needs_allow_idle_ranks():
+    with pytest.raises(UserError, match="allow_idle_ranks"):
+        shard_tasks({"a": 1, "b": 1}, 3)
+    assert shard_tasks({"a": 1, "b": 1}, 3, allow_idle_ranks=True)[2] == []
+
+
+@pytest.mark.parametrize("name", sorted(BUILTIN))
+def test_tasks_are_deterministic_split_and_solvable(name):
+    task = load_task(name)
+    train = task.contexts("train", 40, seed=3)
+    assert train == task.contexts("train", 40, seed=3)
+    heldout = task.contexts("heldout", 20, seed=3)
+    assert len(train) == 40 and len(heldout) == 20
+    assert not {str(c) for c in train} & {str(c) for c in heldout}
+    for context in train[:10] + heldout[:10]:  # replaying the demonstration solves the episode
+        text = task.demonstration(context)
+        assert text.startswith(task.reset(context)) and text.endswith("\n")
+        lines = text.splitlines()
+        for turn, line in enumerate(lines):
+            step = task.step(context, turn, line.rsplit("=", 1)[1])
+            assert step.done == (turn == len(lines) - 1)
+        assert step.success, (name, context, text)
+
+
+def test_guess_is_interactive():
+    task = GuessNumber()
+    context = (7, 0, 9)
+    assert task.reset(context) == "guess 0-9 ="
+    assert task.step(context, 0, "4") == task.step(context, 0, " 4\n")
+    assert task.step(context, 0, "4").observation == "higher =" and not task.step(context, 0, "4").done
+    assert task.step(context, 1, "8").observation == "lower ="
+    assert task.step(context, 2, "7").success
+    assert task.step(context, 3, "5").done and not task.step(context, 3, "5").success
+    assert task.step(context, 0, "x").done
+
+
+def test_user_tasks_load_by_module_and_class():
+    assert load_task("ds_train.ript.tasks:Reverse").name == "rev"
+    with pytest.raises(UserError, match="neither a built-in"):
+        load_task("nosuch")
+    with pytest.raises(UserError, match="cannot load"):
+        load_task("ds_train.ript.tasks:Nope")
