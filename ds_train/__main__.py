@@ -6,6 +6,11 @@
     ds-train train --config ... --ds-config ...          # one process
     ds-train prepare SOURCE... --out DIR                 # tokenise text/JSONL into .bin files
     ds-train convert --to universal RUN_DIR              # DeepSpeed universal checkpoint
+    ds-train export RUN_DIR --out hf_dir                 # Hugging Face model directory
+    ds-train launch --hostfile H -- train --config C --ds-config D   # preflight, then deepspeed
+    ds-train slurm --nodes 2 --gpus-per-node 8 -- train ...          # an sbatch script
+    ds-train estimate --config C --ds-config D --nodes 2 --gpus-per-node 8   # memory plan
+    ds-train dry-run --config C --ds-config D --hostfile hostfile            # one-device rehearsal
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ import os
 import sys
 
 from ds_train.errors import UserError
+from ds_train.launch import cli as launch_cli
 
 
 def cmd_train(args) -> int:
@@ -65,6 +71,57 @@ def cmd_convert(args) -> int:
     return 0
 
 
+def cmd_export(args) -> int:
+    from ds_train.export import export, resolve_source
+
+    tag = resolve_source(args.source, args.tag).tag
+    out = export(args.source, args.out, args.tag, args.max_shard_size)
+    print(f"wrote {out} from {tag}: a Hugging Face model directory "
+          f"(AutoModelForCausalLM.from_pretrained({str(out)!r}))")
+    return 0
+
+
+def _plan_inputs(args):
+    from ds_train.config import load_config
+    from ds_train.dryrun import target_from_args
+
+    cfg = load_config(args.config, args.overrides)
+    return cfg, target_from_args(args.hostfile, args.nodes, args.gpus_per_node, args.gpu_memory)
+
+
+def cmd_estimate(args) -> int:
+    from ds_train.dryrun import format_estimate, run_estimate
+
+    cfg, target = _plan_inputs(args)
+    out = run_estimate(cfg, args.ds_config, target, args.preset)
+    print(format_estimate(out, target))
+    return 0
+
+
+def cmd_dry_run(args) -> int:
+    from pathlib import Path
+
+    from ds_train.dryrun import dry_run, format_dry_run, write_json
+
+    cfg, target = _plan_inputs(args)
+    out = dry_run(cfg, args.ds_config, target)
+    path = Path(args.out or Path(cfg.output_dir) / "dry_run.json")
+    write_json(out, path)
+    print(format_dry_run(out, target))
+    print(f"wrote {path}")
+    return 0 if out["checkpoint_round_trip"]["ok"] else 1
+
+
+def _add_plan_args(p) -> None:
+    p.add_argument("--config", required=True, help="run config YAML")
+    p.add_argument("--ds-config", required=True, help="DeepSpeed JSON")
+    p.add_argument("--hostfile", help="target cluster as a DeepSpeed hostfile")
+    p.add_argument("--nodes", type=int, help="target nodes (instead of --hostfile)")
+    p.add_argument("--gpus-per-node", type=int, help="target GPUs per node (instead of --hostfile)")
+    p.add_argument("--gpu-memory", type=float, help="GiB per GPU (default: this GPU's, else 80)")
+    p.add_argument("overrides", nargs="*", metavar="key=value", default=[])
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="ds-train", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -101,6 +158,33 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--to", choices=["universal"], default="universal", help="target format")
     c.add_argument("--tag", help="tag to convert (default: the latest complete one)")
     c.set_defaults(func=cmd_convert)
+
+    e = sub.add_parser("export", help="write a Hugging Face model directory from a checkpoint",
+                       description="Export a checkpoint (ZeRO 0-3) as config.json, model.safetensors "
+                                   "(sharded when large), generation_config.json and the tokenizer.")
+    e.add_argument("source", help="run directory, its checkpoints/ directory, or a tag directory")
+    e.add_argument("--out", required=True, help="output directory (must not exist or be empty)")
+    e.add_argument("--tag", help="tag to export (default: the latest complete one)")
+    e.add_argument("--max-shard-size", default="5GB", help="safetensors shard size (default 5GB)")
+    e.set_defaults(func=cmd_export)
+
+    es = sub.add_parser("estimate", help="per-GPU memory for a target cluster, ZeRO 0-3 side by side",
+                        description="Memory plan without an accelerator (the model is built on the meta "
+                                    "device): model states by ZeRO stage and offload, activations with "
+                                    "and without checkpointing, DeepSpeed's buffers; what fits.")
+    _add_plan_args(es)
+    es.add_argument("--preset", choices=["conservative", "balanced", "aggressive"],
+                    help="pick micro-batch, checkpointing and stage for ~50/70/90%% of GPU memory")
+    es.set_defaults(func=cmd_estimate)
+
+    dr = sub.add_parser("dry-run", help="rehearse the cluster job on this one device",
+                        description="Run a few real steps of one rank's share of the target batch on "
+                                    "this device; predict per-GPU peak memory, throughput, MFU and time "
+                                    "to finish on the target cluster; check a checkpoint round trip.")
+    _add_plan_args(dr)
+    dr.add_argument("--out", help="where to write dry_run.json (default: output_dir/dry_run.json)")
+    dr.set_defaults(func=cmd_dry_run)
+    launch_cli.add_subcommands(sub)  # launch, slurm
     return p
 
 

@@ -147,6 +147,8 @@ class CheckpointConfig:
     resume: str = _f("auto", "auto: continue from the latest complete checkpoint in output_dir if any; "
                              "none: start fresh; or a tag (step_00000100) or checkpoint path.")
     save_final: bool = _f(True, "Save a checkpoint when training ends.")
+    export_final: bool = _f(False, "At the end, also write a Hugging Face model directory "
+                                   "(output_dir/hf_export_<tag>) from the final checkpoint.")
     load_universal: bool = _f(False, "Resume through DeepSpeed's universal checkpoint even when the "
                                      "world size and ZeRO stage are unchanged (automatic otherwise).")
 
@@ -158,6 +160,9 @@ class CheckpointConfig:
             errs.append(f"checkpoint.keep: {self.keep} must be >= 0")
         if not self.resume:
             errs.append("checkpoint.resume: must be auto, none, a tag or a path")
+        if self.export_final and not self.save_final:
+            errs.append("checkpoint.export_final: needs checkpoint.save_final: true (it exports "
+                        "the final checkpoint)")
         return errs
 
 
@@ -181,6 +186,20 @@ class LogConfig:
 
 
 @dataclass(frozen=True)
+class LaunchConfig:
+    env: list = _f([], "Names of environment variables `ds-train launch` forwards to every node (through "
+                       "output_dir/.deepspeed_env). NCCL_*, DS_ACCELERATOR, WANDB_MODE, WANDB_PROJECT, "
+                       "HF_HOME and PYTHONPATH go anyway; names that look like secrets (*_TOKEN, "
+                       "*_API_KEY, *SECRET*, *PASSWORD*) only when listed here.")
+
+    def check(self) -> list[str]:
+        bad = [n for n in self.env if not isinstance(n, str) or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", n)]
+        if bad:
+            return [f"launch.env: {', '.join(map(repr, bad))} not a variable name (letters, digits, _)"]
+        return []
+
+
+@dataclass(frozen=True)
 class RunConfig:
     output_dir: str = _f("runs/default", "Run directory: resolved configs, logs, metrics, checkpoints.")
     seed: int = _f(1234, "Seed for weights, data order and sampling.")
@@ -190,6 +209,7 @@ class RunConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     log: LogConfig = field(default_factory=LogConfig)
+    launch: LaunchConfig = field(default_factory=LaunchConfig)
 
     def check(self) -> list[str]:
         errs = []

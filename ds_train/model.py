@@ -92,7 +92,6 @@ def build_model(model_cfg: ModelConfig, hf_config, ds_config: dict, seed: int = 
         seeded_init(model, seed, zero3)
     if model_cfg.activation_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    model.config.use_cache = False
     return BuiltModel(model, hf_config, keep_alive)
 
 

@@ -71,7 +71,7 @@ def _check_vocab(meta: dict, hf_config, data_dir: str) -> None:
                         f"model.config.vocab_size")
 
 
-def build_run(cfg: RunConfig, ds_config_path: str, env: dist.DistEnv) -> Run:
+def build_run(cfg: RunConfig, ds_config_path: str, env: dist.DistEnv, quiet: bool = False) -> Run:
     """Everything before the first step. User errors surface here, before anything is written."""
     import torch
     from deepspeed.accelerator import get_accelerator
@@ -112,12 +112,13 @@ def build_run(cfg: RunConfig, ds_config_path: str, env: dist.DistEnv) -> Run:
     engine = initialize(built.model, ds_config)
 
     run_dir.mkdir(parents=True, exist_ok=True)
-    say = _say(env.is_main)
+    say = _say(env.is_main and not quiet)
     if changes:
         say("resuming with changed settings: " + "; ".join(changes))
     for note in notes:
         say(note)
-    hosts = dist.all_gather_object(socket.gethostname())
+    # (node rank, hostname) per rank: loopback "nodes" on one machine share a hostname.
+    hosts = dist.all_gather_object((env.node_rank, socket.gethostname()))
     if env.is_main:
         save_config(cfg, run_dir / "config.yaml")
         (run_dir / "ds_config.json").write_text(json.dumps(ds_config, indent=2))
@@ -164,22 +165,29 @@ def save_hf_metadata(hf_config, tokenizer, out: Path) -> None:
     tokenizer.save_pretrained(out)
 
 
-def _env_record(env: dist.DistEnv, hosts: list[str], dtype: str) -> dict:
+def _env_record(env: dist.DistEnv, hosts: list[tuple[int, str]], dtype: str) -> dict:
     import deepspeed
     import torch
     import transformers
 
     return {"torch": torch.__version__, "deepspeed": deepspeed.__version__,
             "transformers": transformers.__version__, "python": platform.python_version(),
-            "world_size": env.world_size, "launcher": env.launcher, "hosts": hosts,
+            "world_size": env.world_size, "launcher": env.launcher, "hosts": _nodes(hosts),
             "accelerator": dist.accelerator_name(), "dtype": dtype}
 
 
-def _host_table(hosts: list[str]) -> str:
-    by_host: dict[str, list[int]] = {}
-    for rank, host in enumerate(hosts):
-        by_host.setdefault(host, []).append(rank)
-    return "hosts: " + "; ".join(f"{h} -> ranks {','.join(map(str, r))}" for h, r in by_host.items())
+def _nodes(hosts: list[tuple[int, str]]) -> list[dict]:
+    """[{node, host, ranks}] in node order, from each rank's (node rank, hostname)."""
+    by_node: dict[tuple[int, str], list[int]] = {}
+    for rank, (node, host) in enumerate(hosts):
+        by_node.setdefault((node, host), []).append(rank)
+    return [{"node": node, "host": host, "ranks": ranks} for (node, host), ranks in sorted(by_node.items())]
+
+
+def _host_table(hosts: list[tuple[int, str]]) -> str:
+    """`hosts: node0 vm -> ranks 0,1; node1 vm -> ranks 2,3`."""
+    return "hosts: " + "; ".join(f"node{n['node']} {n['host']} -> ranks {','.join(map(str, n['ranks']))}"
+                                 for n in _nodes(hosts))
 
 
 def forward_loss(engine, batch: np.ndarray):
@@ -188,7 +196,7 @@ def forward_loss(engine, batch: np.ndarray):
     import torch.nn.functional as F
 
     tokens = torch.from_numpy(batch).to(engine.device)
-    logits = engine(input_ids=tokens[:, :-1]).logits
+    logits = engine(input_ids=tokens[:, :-1], use_cache=False).logits
     targets = tokens[:, 1:]
     loss_sum = F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1),
                                reduction="sum")
@@ -351,6 +359,19 @@ class NonFiniteStop(UserError):
                          f"with a lower optim.lr or train.nonfinite=skip")
 
 
+class OutOfMemory(UserError):
+    exit_code = 4
+
+    def __init__(self, run: Run, step: int):
+        import torch
+
+        from ds_train.dryrun import oom_report
+
+        gib = torch.cuda.get_device_properties(run.engine.device).total_memory / 2**30
+        super().__init__(f"step {step}: " + oom_report(run.cfg, run.ds_config, run.engine.module.config,
+                                                       run.env.world_size, gib))
+
+
 class StopRequest:
     """SIGTERM / SIGINT set a flag; the loop agrees on it across ranks at each step boundary."""
 
@@ -413,7 +434,13 @@ def train_loop(run: Run, start: int, stop: int, stop_request: StopRequest | None
         batches = rank_micro_batches(run.train_data, step - 1, plan.global_batch_size,
                                      plan.micro_batch_size, run.env.rank, run.env.world_size)
         log_now, eval_now = _every(step, c.log.every, last), _every(step, c.train.eval_every, last)
-        result = train_step(run.engine, batches, poison=step in c.train.debug_nonfinite_steps)
+        try:
+            result = train_step(run.engine, batches, poison=step in c.train.debug_nonfinite_steps)
+        except Exception as e:  # torch.OutOfMemoryError on CUDA; the launcher then stops the others
+            if type(e).__name__ != "OutOfMemoryError":
+                raise
+            progress.close()
+            raise OutOfMemory(run, step) from None
         skipped, in_a_row = skipped + result.skipped, (in_a_row + 1) if result.skipped else 0
         window_steps += 1
         progress.update()
@@ -441,6 +468,20 @@ def train_loop(run: Run, start: int, stop: int, stop_request: StopRequest | None
     return metrics
 
 
+def maybe_export_final(run: Run) -> str:
+    """Rank 0 writes the HF directory from the final checkpoint (all ranks wait for the save)."""
+    from ds_train.export import export
+
+    dist.barrier()
+    tag = checkpoint.tag_for(run.cfg.train.max_steps)
+    out = run.run_dir / f"hf_export_{tag}"
+    if run.env.is_main and not out.exists():
+        export(run.run_dir, out, tag)
+        run.say(f"exported {out}")
+    dist.barrier()
+    return str(out)
+
+
 def finish(run: Run, metrics: dict) -> dict:
     results = {"steps": run.cfg.train.max_steps,
                "tokens": run.cfg.train.max_steps * run.plan.tokens_per_step,
@@ -448,6 +489,8 @@ def finish(run: Run, metrics: dict) -> dict:
                "tokens_per_s": metrics.get("perf/tokens_per_s"), "world_size": run.env.world_size,
                "run_dir": str(run.run_dir.resolve())}
     sample = generate_sample(run) if run.cfg.log.sample_prompt and run.cfg.log.sample_tokens else None
+    if run.cfg.checkpoint.export_final:
+        results["export"] = maybe_export_final(run)
     if run.env.is_main:
         results["sample"] = sample
         (run.run_dir / "results.json").write_text(json.dumps(results, indent=2))

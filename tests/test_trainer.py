@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import socket
 
 import pytest
 
@@ -53,6 +54,7 @@ def test_each_zero_stage_trains_through_the_deepspeed_launcher(stage, stage_run)
     assert '"auto"' not in json.dumps(ds)
     env = json.loads((run_dir / "env.json").read_text())
     assert env["world_size"] == 2 and env["launcher"] == "deepspeed"
+    assert env["hosts"] == [{"node": 0, "host": socket.gethostname(), "ranks": [0, 1]}]
     assert {p.name for p in (run_dir / "logs").iterdir()} == {"rank_0.log", "rank_1.log"}
     results = json.loads((run_dir / "results.json").read_text())
     assert results["steps"] == 8 and results["tokens"] == 8 * 8 * 64
@@ -125,7 +127,8 @@ def test_torchrun_form(tiny_data, tmp_path):
 def test_single_process_form_with_eval_sample_and_checkpoint(tiny_data, tmp_path):
     cfg = write_config(tmp_path / "run.yaml", tiny_config(
         tiny_data, tmp_path / "run", train={"eval_every": 4},
-        checkpoint={"save_final": True}, log={"every": 2, "sample_prompt": "def ", "sample_tokens": 8}))
+        checkpoint={"save_final": True, "export_final": True},
+        log={"every": 2, "sample_prompt": "def ", "sample_tokens": 8}))
     res = ds_train("train", "--config", str(cfg), "--ds-config", str(ROOT / "ds_configs" / "zero0.json"))
     assert res.returncode == 0, res.out[-4000:]
     metrics = read_metrics(tmp_path / "run")
@@ -138,3 +141,20 @@ def test_single_process_form_with_eval_sample_and_checkpoint(tiny_data, tmp_path
     assert results["sample"].startswith("def ") and len(results["sample"]) > 4
     assert "--- sample ---" in res.out and f"run directory: {(tmp_path / 'run').resolve()}" in res.out
     assert (tmp_path / "run" / "checkpoints" / "step_00000008").is_dir()
+    from transformers import AutoModelForCausalLM
+
+    exported = tmp_path / "run" / "hf_export_step_00000008"
+    assert results["export"] == str(exported)
+    model = AutoModelForCausalLM.from_pretrained(exported)
+    assert model.config.use_cache is True  # training switched the cache off per call, not in the config
+
+
+def test_host_table_is_keyed_by_node_rank():
+    """Loopback "nodes" on one machine share a hostname: the node rank keeps them apart."""
+    from ds_train.trainer import _host_table, _nodes
+
+    gathered = [(0, "vm"), (0, "vm"), (1, "vm"), (1, "vm")]  # what each rank sends, by rank
+    assert _host_table(gathered) == "hosts: node0 vm -> ranks 0,1; node1 vm -> ranks 2,3"
+    assert _host_table([(0, "a"), (1, "b")]) == "hosts: node0 a -> ranks 0; node1 b -> ranks 1"
+    assert _nodes([(1, "b"), (0, "a")]) == [{"node": 0, "host": "a", "ranks": [1]},
+                                            {"node": 1, "host": "b", "ranks": [0]}]
