@@ -1,7 +1,7 @@
 """Per-step overhead of ds_train's training loop against a bare DeepSpeed engine loop.
 
     deepspeed --num_gpus 2 bench/overhead.py [--config recipes/quickstart.yaml] \
-        [--ds-config ds_configs/zero2.json] [--steps 40] [--repeats 5] [--warmup 5] \
+        [--ds-config ds_configs/zero2.json] [--steps 20] [--repeats 5] [--warmup 5] \
         [--out FILE.json] [key=value overrides]
 
 One engine, one resolved config, built once by `ds_train.trainer.build_run` (output_dir in a
@@ -10,7 +10,8 @@ that neither side ever reaches it). Then `--repeats` times, in alternating order
 
   bare      N optimizer steps of: for each micro-batch, next-token cross entropy,
             engine.backward(loss), engine.step(); nothing else
-  ds_train  train_loop(run, start, start + N): the real loop, logging every log.every steps
+  ds_train  train_loop(run, start, start + N, stop_request) exactly as `train` calls it: logging
+            every log.every steps, plus the per-step SIGTERM/SIGINT agreement (an all-reduce)
 
 Both sides read the same data stream (`rank_micro_batches`) from one running step counter, so the
 data position always advances. Each timed block is fenced by a barrier on both ends. Rank 0 prints
@@ -48,7 +49,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="run config YAML (default recipes/quickstart.yaml)")
     p.add_argument("--ds-config", default=str(ROOT / "ds_configs" / "zero2.json"),
                    help="DeepSpeed JSON template (default ds_configs/zero2.json)")
-    p.add_argument("--steps", type=int, default=40, help="optimizer steps per timed block (default 40)")
+    p.add_argument("--steps", type=int, default=20, help="optimizer steps per timed block (default 20)")
     p.add_argument("--repeats", type=int, default=5, help="timed blocks per side (default 5)")
     p.add_argument("--warmup", type=int, default=5, help="untimed steps per side first (default 5)")
     p.add_argument("--out", help="also write the results as JSON here (rank 0)")
@@ -84,7 +85,7 @@ def bare_steps(engine, data, plan, rank: int, world: int, first: int, count: int
         for batch in rank_micro_batches(data, pos, plan.global_batch_size, plan.micro_batch_size,
                                         rank, world):
             tokens = torch.from_numpy(batch).to(engine.device)
-            logits = engine(input_ids=tokens[:, :-1]).logits
+            logits = engine(input_ids=tokens[:, :-1], use_cache=False).logits  # as forward_loss
             targets = tokens[:, 1:]
             loss = F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1),
                                    reduction="sum") / targets.numel()
@@ -99,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from ds_train import dist
     from ds_train.config import load_config
-    from ds_train.trainer import build_run, train_loop
+    from ds_train.trainer import StopRequest, build_run
 
     env = dist.detect_env()
     run_dir = shared_tmp_dir()
@@ -107,8 +108,7 @@ def main(argv: list[str] | None = None) -> int:
                  "checkpoint.save_final=false", "train.eval_every=0", f"train.max_steps={NEVER}"]
     cfg = load_config(args.config, overrides)
     run = build_run(cfg, args.ds_config, env)
-    engine, plan, say = run.engine, run.plan, run.say
-    rank, world = env.rank, env.world_size
+    say = run.say
     needed = args.warmup * 2 + args.steps * args.repeats * 2
     if needed >= cfg.train.max_steps:
         raise SystemExit(f"{needed} steps would reach train.max_steps={cfg.train.max_steps}")
@@ -117,11 +117,38 @@ def main(argv: list[str] | None = None) -> int:
         f"log.every {cfg.log.every}; torch threads per rank {torch.get_num_threads()}; "
         f"accelerator {dist.accelerator_name()}")
 
+    stop = StopRequest()  # what `train` hands train_loop; a signal makes the loop save and return
+    try:
+        rc = measure(args, cfg, run, stop, say)
+    finally:
+        stop.restore()
+        run.logger.close()
+    dist.barrier()
+    if env.local_rank == 0:
+        shutil.rmtree(run_dir, ignore_errors=True)
+    dist.shutdown()
+    return rc
+
+
+def measure(args, cfg, run, stop, say) -> int:
+    import torch
+
+    from ds_train import dist
+    from ds_train.trainer import train_loop
+
+    engine, plan, env = run.engine, run.plan, run.env
+    rank, world = env.rank, env.world_size
+
+    def ds_train_steps(first: int, count: int) -> None:
+        out = train_loop(run, first, first + count, stop)
+        if out.get("stopped_by_signal"):
+            raise SystemExit(f"stopped by signal {out['stopped_by_signal']}")
+
     step = 0  # optimizer steps taken so far = the next data position
     if args.warmup:
         bare_steps(engine, run.train_data, plan, rank, world, step, args.warmup)
         step += args.warmup
-        train_loop(run, step, step + args.warmup)
+        ds_train_steps(step, args.warmup)
         step += args.warmup
 
     def timed(fn) -> float:
@@ -143,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
                 secs[side] = timed(lambda: bare_steps(engine, run.train_data, plan, rank, world,
                                                       first, args.steps))
             else:
-                secs[side] = timed(lambda: train_loop(run, first, first + args.steps))
+                secs[side] = timed(lambda: ds_train_steps(first, args.steps))
             step += args.steps
         row = {"repeat": r + 1, "order": list(order),
                "bare_s": secs["bare"], "ds_train_s": secs["ds_train"],
@@ -173,12 +200,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.out and env.is_main:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
-
-    run.logger.close()
-    dist.barrier()
-    if env.local_rank == 0:
-        shutil.rmtree(run_dir, ignore_errors=True)
-    dist.shutdown()
     return 0
 
 

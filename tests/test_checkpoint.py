@@ -127,7 +127,7 @@ def reference(tiny_data, tmp_path_factory):
     return get
 
 
-@pytest.mark.parametrize("stage", ["zero2", "zero3"])
+@pytest.mark.parametrize("stage", ["zero3"])  # zero2: the SIGTERM test below interrupts and resumes it
 def test_kill_9_of_rank_1_then_resume_is_exact(stage, reference, tiny_data, tmp_path):
     run_dir = tmp_path / "run"
     cfg = write_config(tmp_path / "run.yaml", tiny_config(
@@ -172,19 +172,6 @@ def test_sigterm_saves_at_the_next_step_and_the_resume_continues(reference, tiny
     got, ref = metrics_by_step(run_dir), reference("zero2")
     assert sorted(got) == list(range(1, STEPS + 1))
     assert all(got[s]["loss"] == ref[s]["loss"] for s in range(k + 1, STEPS + 1))
-
-
-def test_resume_with_a_changed_model_is_refused_and_knob_changes_are_listed(tiny_data, tmp_path):
-    run_dir = tmp_path / "run"
-    cfg = write_config(tmp_path / "run.yaml", tiny_config(tiny_data, run_dir, checkpoint={"save_final": True}))
-    assert deepspeed_train(cfg, "zero2.json").returncode == 0
-    res = deepspeed_train(cfg, "zero2.json", "model.config.hidden_size=128")
-    assert res.returncode != 0
-    assert "cannot resume with a changed model.config.hidden_size: 64 -> 128" in res.out
-    res = deepspeed_train(cfg, "zero2.json", "train.max_steps=10", "optim.lr=0.005")
-    assert res.returncode == 0, res.out[-3000:]
-    assert "resuming with changed settings: optim.lr: 0.01 -> 0.005; train.max_steps: 8 -> 10" in res.out
-    assert sorted(metrics_by_step(run_dir)) == list(range(1, 11))
 
 
 @pytest.mark.parametrize("ds_config", ["zero0.json", "zero2.json"])  # torch AdamW path; DeepSpeed's own
@@ -236,17 +223,29 @@ def test_two_process_checkpoint_resumes_on_one_process_through_the_universal_che
         assert got[step]["loss"] == pytest.approx(ref[step]["loss"], rel=2e-3), step
 
 
-def test_convert_command_and_refused_stage_change(tiny_data, tmp_path):
+def test_changed_config_on_resume_convert_command_and_refused_stage_change(tiny_data, tmp_path):
+    """One 8-step run, then: a changed model is refused; `ds-train convert` writes a universal
+    checkpoint; changed knobs resume and are listed; a move to fp32 ZeRO-0 is refused."""
     run_dir = tmp_path / "run"
     cfg = write_config(tmp_path / "run.yaml", tiny_config(tiny_data, run_dir, checkpoint={"save_final": True}))
+    zero2, zero0 = (str(ROOT / "ds_configs" / f) for f in ("zero2.json", "zero0.json"))
     assert deepspeed_train(cfg, "zero2.json").returncode == 0
+    res = ds_train("train", "--config", str(cfg), "--ds-config", zero2, "model.config.hidden_size=128")
+    assert res.returncode == 2
+    assert "cannot resume with a changed model.config.hidden_size: 64 -> 128" in res.out
+
     res = ds_train("convert", "--to", "universal", str(run_dir))
     assert res.returncode == 0, res.out[-3000:]
     out = run_dir / "checkpoints" / "step_00000008_universal"
     assert checkpoint.is_complete(out) and (out / "zero").is_dir()
     assert f"wrote {out}" in res.out
-    res = ds_train("train", "--config", str(cfg), "--ds-config", str(ROOT / "ds_configs" / "zero0.json"),
-                   "train.max_steps=10")
+
+    res = deepspeed_train(cfg, "zero2.json", "train.max_steps=10", "optim.lr=0.005")
+    assert res.returncode == 0, res.out[-3000:]
+    assert "resuming with changed settings: optim.lr: 0.01 -> 0.005; train.max_steps: 8 -> 10" in res.out
+    assert sorted(metrics_by_step(run_dir)) == list(range(1, 11))
+
+    res = ds_train("train", "--config", str(cfg), "--ds-config", zero0, "train.max_steps=12")
     assert res.returncode == 2
     assert "DeepSpeed cannot move optimizer states between fp32 ZeRO-0" in res.out
 
