@@ -27,11 +27,13 @@ class Logger(Protocol):
 
 
 class NullLogger:
+    """What every rank but 0 gets: logging there is a no-op, never a branch in the loop."""
+
     def log(self, metrics: dict[str, Any], step: int) -> None:
-        pass
+        return None
 
     def close(self) -> None:
-        pass
+        return None
 
 
 def _fmt(value: Any) -> str:
@@ -56,7 +58,7 @@ class ConsoleLogger:
         tqdm.write(f"step {step}: " + " | ".join(parts), file=sys.stdout)
 
     def close(self) -> None:
-        pass
+        return None  # stdout is not ours to close
 
 
 class JsonlLogger:
@@ -146,14 +148,16 @@ def build_logger(is_main: bool, run_dir: Path, wandb_mode: str, project: str, co
 
 
 class NullProgress:
+    """The progress bar of every rank but 0 (and of rank 0 with log.progress false)."""
+
     def update(self, n: int = 1) -> None:
-        pass
+        return None
 
     def set_postfix_str(self, s: str) -> None:
-        pass
+        return None
 
     def close(self) -> None:
-        pass
+        return None
 
 
 def build_progress(is_main: bool, enabled: bool, total: int, initial: int = 0):

@@ -19,4 +19,7 @@ if ! command -v pdsh >/dev/null || [ ! -x /usr/sbin/sshd ] || ! command -v ssh-k
   fi
 fi
 export PATH="$PWD/.venv/bin:$PATH"
+# DeepSpeed JIT-builds its CPU ops into TORCH_EXTENSIONS_DIR; one per checkout, so two checkouts
+# never rebuild over each other (a process killed mid-build leaves a lock that stalls the next run).
+export TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-$PWD/.venv/torch_extensions}"
 exec python -m pytest -q "$@"

@@ -20,6 +20,9 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
+# DeepSpeed's JIT-built ops go to one directory per virtualenv (scripts/test.sh sets the same), so
+# checkouts with other venvs never rebuild them under each other's feet.
+os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(sys.prefix) / "torch_extensions"))
 
 TINY_MODEL = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 176,
               "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 4,

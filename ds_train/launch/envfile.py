@@ -18,7 +18,8 @@ from ds_train.errors import UserError
 
 ENV_FILE = ".deepspeed_env"
 # Forwarded when set, unless the name looks like a secret.
-FORWARD_NAMES = ("DS_ACCELERATOR", "WANDB_MODE", "WANDB_PROJECT", "HF_HOME", "PYTHONPATH")
+FORWARD_NAMES = ("DS_ACCELERATOR", "WANDB_MODE", "WANDB_PROJECT", "HF_HOME", "PYTHONPATH",
+                 "TORCH_EXTENSIONS_DIR")
 FORWARD_PREFIXES = ("NCCL_",)
 # Forwarded by the deepspeed launcher itself from its environment (runner.EXPORT_ENVS, plus the
 # CUDA accelerator's NCCL): their values meet the same quoting.

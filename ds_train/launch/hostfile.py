@@ -29,22 +29,17 @@ class Host:
     line: int
 
 
-def is_valid_host(name: str) -> bool:
-    """A host name (RFC 1123, `_` allowed) or an IPv4 / IPv6 address: nothing a shell would read."""
-    try:
-        ipaddress.ip_address(name)
-        return True
-    except ValueError:
-        pass
-    return len(name) <= 253 and _HOSTNAME.fullmatch(name) is not None
-
-
 def is_ip_address(name: str) -> bool:
     try:
         ipaddress.ip_address(name)
         return True
     except ValueError:
         return False
+
+
+def is_valid_host(name: str) -> bool:
+    """A host name (RFC 1123, `_` allowed) or an IPv4 / IPv6 address: nothing a shell would read."""
+    return is_ip_address(name) or (len(name) <= 253 and _HOSTNAME.fullmatch(name) is not None)
 
 
 def _parse_line(text: str, where: str, seen: dict[str, int], lineno: int) -> tuple[Host | None, str | None]:
