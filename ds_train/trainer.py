@@ -499,4 +499,5 @@ def finish(run: Run, metrics: dict) -> dict:
         print(f"run directory: {results['run_dir']}")
     run.logger.close()
     dist.barrier()
+    dist.release_shared_memory(run.env)
     return results

@@ -102,6 +102,13 @@ def spawn(args: list[str], env: dict | None = None, cwd: Path = ROOT) -> subproc
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
 
 
+def release_shared_memory() -> None:
+    """DeepSpeed's CPU all-reduce maps /dev/shm/deepspeed_allreduce_buffer_* (69 MB a rank) and never
+    unlinks them; a killed run cannot. Tests run one job at a time, so after each job none is in use."""
+    for path in Path("/dev/shm").glob("deepspeed_allreduce_buffer_*"):
+        path.unlink(missing_ok=True)
+
+
 def reap(proc: subprocess.Popen, timeout: float) -> Result:
     """Wait for a spawned tree; on timeout kill the group and fail. Always leaves nothing running."""
     try:
@@ -115,6 +122,7 @@ def reap(proc: subprocess.Popen, timeout: float) -> Result:
             os.killpg(proc.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
+        release_shared_memory()
     return Result(proc.returncode, out)
 
 
