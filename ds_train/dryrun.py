@@ -73,15 +73,18 @@ def _this_gpu_memory_gib() -> float | None:
 
 def resolve_shape(cfg: RunConfig) -> tuple[ModelShape, object]:
     """The model's shape from its config; vocab from model.config, else from the prepared data."""
-    from ds_train.data import load_meta, load_tokenizer
+    from ds_train.data import ensure_prepared, load_tokenizer
     from ds_train.model import build_hf_config
 
     vocab = cfg.model.config.get("vocab_size")
     if vocab is None and not cfg.model.path:
-        if not (Path(cfg.data.dir) / "meta.json").is_file():
-            raise UserError(f"model.config.vocab_size is not set and {cfg.data.dir!r} is not prepared; "
+        d = cfg.data
+        if not (Path(d.dir) / "meta.json").is_file() and not d.sources:
+            raise UserError(f"model.config.vocab_size is not set and {d.dir!r} is not prepared; "
                             f"set model.config.vocab_size or run `ds-train prepare --config ...`")
-        vocab = len(load_tokenizer(load_meta(cfg.data.dir)["tokenizer"]))
+        # Prepared on first use, exactly as `train` would (once, under a lock).
+        meta = ensure_prepared(d.dir, d.sources, d.tokenizer, d.vocab_size, d.val_fraction, d.text_key)
+        vocab = len(load_tokenizer(meta["tokenizer"]))
     hf_config = build_hf_config(cfg.model, vocab or 0, cfg.train.seq_len)
     return model_shape(hf_config), hf_config
 

@@ -95,7 +95,7 @@ def test_dry_run_of_the_quickstart_for_the_example_hostfile(tmp_path):
     res = ds_train("dry-run", "--config", str(ROOT / "recipes" / "quickstart.yaml"),
                    "--ds-config", str(ROOT / "ds_configs" / "zero2.json"),
                    "--hostfile", str(ROOT / "hostfile.example"), f"output_dir={tmp_path / 'run'}",
-                   timeout=180)
+                   f"data.dir={tmp_path / 'data'}", timeout=180)
     elapsed = time.monotonic() - t0
     assert res.returncode == 0, res.out[-3000:]
     assert elapsed < 120
@@ -108,3 +108,4 @@ def test_dry_run_of_the_quickstart_for_the_example_hostfile(tmp_path):
     assert out["checkpoint_round_trip"]["ok"] and p["checkpoint_gib"] > 0
     assert "save/load round trip ok" in res.out and "fits" in res.out
     assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["dry_run.json"]  # nothing else left
+    assert (tmp_path / "data" / "meta.json").is_file()  # the corpus was prepared on first use
