@@ -38,7 +38,7 @@ def build_policy(seed: int = 0):
 def main() -> None:
     import torch
 
-    from ds_train.ript.rollout import rollout
+    from ds_train.ript.rollout import model_policy, rollout
     from ds_train.ript.tasks import BUILTIN
 
     ap = argparse.ArgumentParser()
@@ -48,16 +48,17 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(max(1, torch.get_num_threads()))
     model, tokenizer = build_policy()
-    jobs = [(t(), c) for t in BUILTIN.values() for c in t().contexts("train", args.contexts, 1)
-            for _ in range(args.k)]
-    rollout(model, tokenizer, jobs[:16], batch_size=16)  # warm-up
+    jobs = [(t(), c, i) for t in BUILTIN.values() for c in t().contexts("train", args.contexts, 1)
+            for i in range(args.k)]
+    act = model_policy(model, tokenizer)
+    rollout(act, tokenizer, jobs[:16], batch_size=16)  # warm-up
     batched, single = [], []
     for r in range(args.repeats):
         order = [("batched", len(jobs)), ("single", 1)] if r % 2 == 0 else [("single", 1), ("batched", len(jobs))]
         for name, bs in order:
             torch.manual_seed(r)
             t0 = time.perf_counter()
-            eps = rollout(model, tokenizer, jobs, batch_size=bs)
+            eps = rollout(act, tokenizer, jobs, batch_size=bs)
             rate = len(eps) / (time.perf_counter() - t0)
             (batched if name == "batched" else single).append(rate)
             print(f"repeat {r} {name:>7}: {rate:8.1f} episodes/s ({len(eps)} episodes)", flush=True)

@@ -4,6 +4,8 @@
         --ds-config ds_configs/zero2.json train.max_steps=50
     torchrun --nproc_per_node 2 -m ds_train train --config ... --ds-config ...
     ds-train train --config ... --ds-config ...          # one process
+    deepspeed --num_gpus 2 --module ds_train ript --config recipes/ript_demo.yaml \
+        --ds-config ds_configs/zero2.json              # RIPT post-training (RLOO)
     ds-train prepare SOURCE... --out DIR                 # tokenise text/JSONL into .bin files
     ds-train convert --to universal RUN_DIR              # DeepSpeed universal checkpoint
     ds-train export RUN_DIR --out hf_dir                 # Hugging Face model directory
@@ -30,6 +32,15 @@ def cmd_train(args) -> int:
 
     cfg = load_config(args.config, args.overrides)
     train(cfg, args.ds_config)
+    return 0
+
+
+def cmd_ript(args) -> int:
+    from ds_train.config import load_config
+    from ds_train.ript.trainer import ript
+
+    cfg = load_config(args.config, args.overrides)
+    ript(cfg, args.ds_config)
     return 0
 
 
@@ -138,6 +149,16 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("overrides", nargs="*", metavar="key=value")
     t.set_defaults(func=cmd_train)
 
+    rp = sub.add_parser("ript", help="RIPT post-training: RLOO with dynamic rollout sampling",
+                        description="Post-train a policy (model.path: a Hugging Face directory or a "
+                                    "ds_train run directory) on the tasks of the ript section. "
+                                    "Overrides as for train; --help-config lists every key.")
+    rp.add_argument("--config", help="run config YAML (recipes/ript_demo.yaml)")
+    rp.add_argument("--ds-config", help="DeepSpeed JSON (ds_configs/zero*.json)")
+    rp.add_argument("--help-config", action="store_true", help="list every config key and exit")
+    rp.add_argument("overrides", nargs="*", metavar="key=value")
+    rp.set_defaults(func=cmd_ript)
+
     pr = sub.add_parser("prepare", help="tokenise text/JSONL files into train.bin / val.bin / meta.json")
     pr.add_argument("sources", nargs="*", metavar="SOURCE",
                     help="files or directories (.txt/.md/.py/... one document each, .jsonl one per "
@@ -207,14 +228,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 2
-    if args.command == "train":
+    if args.command in ("train", "ript"):
         if args.help_config:
             from ds_train.config import describe
 
             print(describe())
             return 0
         if not args.config or not args.ds_config:
-            parser.error("train needs --config and --ds-config")
+            parser.error(f"{args.command} needs --config and --ds-config")
     _split_overrides(args)
     try:
         return args.func(args)

@@ -192,7 +192,7 @@ def config_changes(saved: dict, current: dict) -> tuple[list[str], list[str]]:
     old, new = _flatten(saved), _flatten(current)
     errors, notes = [], []
     for key in sorted(set(old) | set(new)):
-        if key not in old and key.startswith("launch."):
+        if key not in old and key.startswith(("launch.", "ript.")):
             continue  # a section added since the checkpoint was written
         if old.get(key) != new.get(key) and key != "output_dir":
             line = f"{key}: {old.get(key)!r} -> {new.get(key)!r}"

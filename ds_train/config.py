@@ -67,7 +67,8 @@ class ModelConfig:
 class DataConfig:
     dir: str = _f("data/cache/python_stdlib", "Directory holding train.bin, val.bin and meta.json.")
     sources: list = _f([], "Text/JSONL files or directories tokenised into data.dir when its .bin "
-                           "files are missing; `python-stdlib` is the bundled default corpus.")
+                           "files are missing; `python-stdlib` is the bundled default corpus, "
+                           "`ript-demos:N` N demonstrations per built-in RIPT task.")
     tokenizer: str = _f("", "Tokenizer directory. Empty: model.path's, else a byte-level BPE trained "
                             "on the sources into data.dir/tokenizer.")
     vocab_size: int = _f(4096, "Vocabulary size of the BPE trained when no tokenizer is given.")
@@ -200,6 +201,61 @@ class LaunchConfig:
 
 
 @dataclass(frozen=True)
+class RiptConfig:
+    tasks: list = _f(["add", "rev", "copy", "sort", "parity", "max", "guess"],
+                     "Tasks to post-train on: built-in names or module:Class (see ds_train/ript/tasks.py).")
+    policy: str = _f("", "Empty: the model acts. module:Class: a scripted policy with "
+                         "act(task, context, transcript, index) -> str (tests and debugging).")
+    iterations: int = _f(50, "RIPT iterations (sample, then update).")
+    rloo_batch_size: int = _f(8, "K: rollouts per context; the RLOO baseline is the mean of the other K-1.")
+    contexts_per_rank: int = _f(8, "Quota of accepted contexts (0 < successes < K) per rank per iteration.")
+    early_stop_fraction: float = _f(1.0, "Stop sampling once the accepted contexts of all ranks reach "
+                                         "this fraction of the total quota.")
+    max_contexts_checked: int = _f(64, "Cap on contexts a rank rolls out per iteration (never a hang "
+                                       "when its tasks are all solved or all failed).")
+    rollout_contexts: int = _f(8, "Contexts rolled out together (x K episodes in one batched generate).")
+    train_contexts: int = _f(1000, "Training contexts drawn per task (cycled in a seeded order).")
+    eval_contexts: int = _f(64, "Held-out contexts per task for evaluation (greedy decoding).")
+    eval_every: int = _f(10, "Evaluate every N iterations (also before the first and after the last).")
+    skip_solved: bool = _f(False, "Per-context statistics: skip a context whose last K rollouts all "
+                                  "succeeded, and re-test it after retest_after skips.")
+    retest_after: int = _f(5, "Skips before a solved context is rolled out again.")
+    ppo_epochs: int = _f(1, "Passes over the accepted rollouts per iteration.")
+    clip_low: float = _f(0.2, "PPO ratio clip below 1 (ratio >= 1 - clip_low).")
+    clip_high: float = _f(0.28, "PPO ratio clip above 1 (ratio <= 1 + clip_high).")
+    temperature: float = _f(1.0, "Sampling temperature of training rollouts.")
+    max_new_tokens: int = _f(12, "Tokens per action at most (an action ends at a newline).")
+    sync_every: int = _f(1, "All-reduce and log the per-task statistics every N iterations.")
+    sharding: Literal["balanced", "round_robin"] = _f(
+        "balanced", "Task to rank assignment: balanced by estimated cost (contexts x turns), or round_robin.")
+    allow_idle_ranks: bool = _f(False, "Allow more ranks than tasks (idle ranks still join every collective).")
+
+    def check(self) -> list[str]:
+        errs = []
+        for name in ("iterations", "contexts_per_rank", "max_contexts_checked", "rollout_contexts",
+                     "train_contexts", "eval_contexts", "ppo_epochs", "max_new_tokens", "sync_every",
+                     "retest_after"):
+            if getattr(self, name) <= 0:
+                errs.append(f"ript.{name}: {getattr(self, name)} must be positive")
+        if self.rloo_batch_size < 2:
+            errs.append(f"ript.rloo_batch_size: {self.rloo_batch_size} must be at least 2 (RLOO "
+                        f"leaves one out)")
+        if not 0 < self.early_stop_fraction <= 1:
+            errs.append(f"ript.early_stop_fraction: {self.early_stop_fraction} must be in (0, 1]")
+        if self.max_contexts_checked < self.contexts_per_rank:
+            errs.append(f"ript.max_contexts_checked: {self.max_contexts_checked} is below "
+                        f"ript.contexts_per_rank={self.contexts_per_rank}")
+        if not 0 <= self.clip_low < 1 or self.clip_high < 0:
+            errs.append(f"ript.clip_low / clip_high: {self.clip_low} / {self.clip_high}: need "
+                        f"0 <= clip_low < 1 and clip_high >= 0")
+        if self.temperature < 0 or self.eval_every < 0:
+            errs.append("ript.temperature and ript.eval_every must be >= 0")
+        if not self.tasks or len(set(map(str, self.tasks))) != len(self.tasks):
+            errs.append(f"ript.tasks: {self.tasks} must be a non-empty list without repeats")
+        return errs
+
+
+@dataclass(frozen=True)
 class RunConfig:
     output_dir: str = _f("runs/default", "Run directory: resolved configs, logs, metrics, checkpoints.")
     seed: int = _f(1234, "Seed for weights, data order and sampling.")
@@ -210,6 +266,7 @@ class RunConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     log: LogConfig = field(default_factory=LogConfig)
     launch: LaunchConfig = field(default_factory=LaunchConfig)
+    ript: RiptConfig = field(default_factory=RiptConfig)
 
     def check(self) -> list[str]:
         errs = []

@@ -21,6 +21,7 @@ from ds_train.errors import UserError
 from ds_train.fs import file_lock
 
 STDLIB = "python-stdlib"
+RIPT_DEMOS = "ript-demos"  # `ript-demos:N`: N demonstrations per built-in RIPT task (SFT data)
 EOS = "<|endoftext|>"
 STDLIB_MAX_BYTES = 6 * 1024 * 1024  # "a few MB": enough text for a small model to learn from
 TEXT_SUFFIXES = {".txt", ".md", ".py", ".rst", ".json", ".yaml", ".yml", ".toml", ".c", ".h"}
@@ -62,6 +63,9 @@ def _documents(sources: list[str], text_key: str) -> Iterator[tuple[str, str]]:
             for path in python_stdlib_files():
                 yield str(path.relative_to(root)), path.read_text(errors="replace")
             continue
+        if source.split(":")[0] == RIPT_DEMOS:
+            yield from _ript_demonstrations(source)
+            continue
         path = Path(source)
         if not path.exists():
             raise UserError(f"data.sources: {source!r} does not exist")
@@ -82,6 +86,19 @@ def _documents(sources: list[str], text_key: str) -> Iterator[tuple[str, str]]:
                     yield f"{rel}:{lineno}", text
             elif p.suffix in TEXT_SUFFIXES or not p.suffix:
                 yield rel, p.read_text(errors="replace")
+
+
+def _ript_demonstrations(source: str) -> Iterator[tuple[str, str]]:
+    """`ript-demos:N`: each built-in task's solved transcript of N training contexts (seed 0)."""
+    from ds_train.ript.tasks import BUILTIN
+
+    count = source.partition(":")[2]
+    if not count.isdigit() or int(count) <= 0:
+        raise UserError(f"data.sources: {source!r}: write {RIPT_DEMOS}:N with N demonstrations per task")
+    for name, cls in BUILTIN.items():
+        task = cls()
+        for i, context in enumerate(task.contexts("train", int(count), seed=0)):
+            yield f"{RIPT_DEMOS}/{name}/{i}", task.demonstration(context)
 
 
 def train_tokenizer(texts: list[str], vocab_size: int, out_dir: Path):

@@ -137,11 +137,13 @@ class MultiLogger:
             sink.close()
 
 
-def build_logger(is_main: bool, run_dir: Path, wandb_mode: str, project: str, config: dict) -> Logger:
+def build_logger(is_main: bool, run_dir: Path, wandb_mode: str, project: str, config: dict,
+                 console_keys: tuple[str, ...] = ()) -> Logger:
     """Real sinks on global rank 0, a null logger everywhere else."""
     if not is_main:
         return NullLogger()
-    sinks: list[Logger] = [ConsoleLogger(), JsonlLogger(run_dir / "metrics.jsonl")]
+    console = ConsoleLogger(console_keys) if console_keys else ConsoleLogger()
+    sinks: list[Logger] = [console, JsonlLogger(run_dir / "metrics.jsonl")]
     if wandb_mode != "off":
         sinks.append(WandbLogger(wandb_mode, project, run_dir, run_dir.name, config))
     return MultiLogger(sinks)

@@ -104,9 +104,18 @@ def spawn(args: list[str], env: dict | None = None, cwd: Path = ROOT) -> subproc
 
 def release_shared_memory() -> None:
     """DeepSpeed's CPU all-reduce maps /dev/shm/deepspeed_allreduce_buffer_* (69 MB a rank) and never
-    unlinks them; a killed run cannot. Tests run one job at a time, so after each job none is in use."""
+    unlinks them; a killed run cannot. Unlink those no live process maps: a job running beside the
+    tests (a training run in another shell) keeps its own."""
+    in_use = set()
+    for maps in Path("/proc").glob("[0-9]*/maps"):
+        try:
+            text = maps.read_text()
+        except OSError:  # the process exited, or is not ours to read
+            continue
+        in_use.update(line.split(None, 5)[-1] for line in text.splitlines() if "deepspeed_allreduce_buffer_" in line)
     for path in Path("/dev/shm").glob("deepspeed_allreduce_buffer_*"):
-        path.unlink(missing_ok=True)
+        if str(path) not in in_use:
+            path.unlink(missing_ok=True)
 
 
 def reap(proc: subprocess.Popen, timeout: float) -> Result:

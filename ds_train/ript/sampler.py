@@ -1,0 +1,146 @@
+"""Which contexts a rank rolls out next, and the counts kept per task. Pure bookkeeping, no torch.
+
+Each task cycles through its training contexts in a seeded order that is reshuffled every epoch;
+a rank draws from its tasks in turn. The state (how far each task has got, and the per-context
+statistics) is plain JSON, keyed by task, so a checkpoint carries it and a resume continues it.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+from typing import Any
+
+COUNTS = ("successes", "rollouts", "accepted", "rejected", "skipped", "checked")
+
+
+@dataclass
+class TaskStream:
+    task: Any
+    contexts: list
+    seed: int
+    drawn: int = 0  # contexts drawn so far, over all epochs: the sampler position
+    solved: dict[int, int] = field(default_factory=dict)  # context index -> skips since it was solved
+
+    def _order(self, epoch: int) -> list[int]:
+        order = list(range(len(self.contexts)))
+        random.Random(f"{self.seed}:{self.task.name}:{epoch}").shuffle(order)
+        return order
+
+    def draw(self) -> int:
+        n = len(self.contexts)
+        index = self._order(self.drawn // n)[self.drawn % n]
+        self.drawn += 1
+        return index
+
+
+class ContextSampler:
+    """One rank's stream of (task, context index, context) over the tasks it owns."""
+
+    def __init__(self, tasks: list, train_contexts: int, seed: int, skip_solved: bool = False,
+                 retest_after: int = 5):
+        self.streams = {t.name: TaskStream(t, t.contexts("train", train_contexts, seed), seed) for t in tasks}
+        self.names = sorted(self.streams)
+        self.turn = 0  # which task draws next
+        self.skip_solved = skip_solved
+        self.retest_after = retest_after
+
+    def next(self, n: int, tally: "Tally") -> list[tuple[Any, int, Any]]:
+        """Up to n contexts to roll out; solved contexts are skipped (and counted) until re-tested."""
+        picked: list[tuple[Any, int, Any]] = []
+        if not self.names:
+            return picked
+        budget = n + sum(len(s.contexts) for s in self.streams.values()) * (self.retest_after + 1)
+        while len(picked) < n and budget > 0:
+            budget -= 1
+            stream = self.streams[self.names[self.turn % len(self.names)]]
+            self.turn += 1
+            index = stream.draw()
+            if self.skip_solved and index in stream.solved:
+                if stream.solved[index] < self.retest_after:
+                    stream.solved[index] += 1
+                    tally.add(stream.task.name, skipped=1)
+                    continue
+                stream.solved[index] = 0  # re-test it now
+            picked.append((stream.task, index, stream.contexts[index]))
+        return picked
+
+    def record(self, task_name: str, index: int, successes: int, k: int) -> None:
+        """After a context's K rollouts: solved when all K succeeded, else forgotten."""
+        if not self.skip_solved:
+            return
+        stream = self.streams[task_name]
+        if successes == k:
+            stream.solved.setdefault(index, 0)
+        else:
+            stream.solved.pop(index, None)
+
+    def state(self) -> dict:
+        return {"turn": self.turn, "tasks": {name: {"drawn": s.drawn, "solved": {str(i): c for i, c in s.solved.items()}}
+                                             for name, s in self.streams.items()}}
+
+    def load_state(self, state: dict) -> None:
+        """This rank's tasks from a checkpoint's merged state (any earlier sharding)."""
+        self.turn = int(state.get("turns", {}).get(",".join(self.names), 0))
+        for name, stream in self.streams.items():
+            saved = state.get("tasks", {}).get(name)
+            if saved:
+                stream.drawn = int(saved["drawn"])
+                stream.solved = {int(i): int(c) for i, c in saved["solved"].items()}
+
+
+def merge_states(states: list[dict], shards: list[list[str]]) -> dict:
+    """All ranks' sampler states as one: tasks by name, each rank's turn keyed by its task list."""
+    merged: dict = {"tasks": {}, "turns": {}}
+    for state, names in zip(states, shards):
+        merged["tasks"].update(state["tasks"])
+        merged["turns"][",".join(sorted(names))] = state["turn"]
+    return merged
+
+
+class Tally:
+    """Per-task counts on this rank; `vector` / `from_vector` carry them through one all-reduce."""
+
+    def __init__(self, names: list[str]):
+        self.names = sorted(names)
+        self.counts = {name: dict.fromkeys(COUNTS, 0) for name in self.names}
+
+    def add(self, name: str, **counts: int) -> None:
+        for key, value in counts.items():
+            self.counts[name][key] += value
+
+    def vector(self) -> list[float]:
+        return [float(self.counts[n][c]) for n in self.names for c in COUNTS]
+
+    @classmethod
+    def from_vector(cls, names: list[str], values: list[float]) -> "Tally":
+        tally = cls(names)
+        it = iter(values)
+        for n in tally.names:
+            for c in COUNTS:
+                tally.counts[n][c] = int(round(next(it)))
+        return tally
+
+    def merge(self, other: "Tally") -> None:
+        for n in other.names:
+            for c in COUNTS:
+                self.counts[n][c] += other.counts[n][c]
+
+    def total(self, key: str) -> int:
+        return sum(c[key] for c in self.counts.values())
+
+    def metrics(self, prefix: str = "ript") -> dict[str, float]:
+        out: dict[str, float] = {}
+        rollouts = self.total("rollouts")
+        out[f"{prefix}/success_rate"] = self.total("successes") / rollouts if rollouts else 0.0
+        for key in ("accepted", "rejected", "skipped", "checked"):
+            out[f"{prefix}/{key}"] = self.total(key)
+        for n in self.names:
+            c = self.counts[n]
+            if c["rollouts"] or c["skipped"]:
+                out[f"task/{n}/success_rate"] = c["successes"] / c["rollouts"] if c["rollouts"] else 1.0
+                out[f"task/{n}/accepted"] = c["accepted"]
+        return out
+
+    def as_dict(self) -> dict:
+        return {n: dict(c) for n, c in self.counts.items()}
