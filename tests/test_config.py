@@ -297,3 +297,14 @@ def test_describe_mentions_every_key():
     for key in all_keys():
         assert key in text, key
     assert "Optimizer steps to train for." in text  # the field help is printed too
+
+
+def test_ript_recipes_load_and_agree_with_two_ranks(tmp_path):
+    sft = load_config(QUICKSTART.parent / "ript_sft.yaml")
+    assert sft.data.sources == ["ript-demos:32"] and sft.output_dir == "runs/ript_sft"
+    cfg = load_config(QUICKSTART.parent / "ript_demo.yaml", [f"model.path={tmp_path}"])
+    assert cfg.ript.tasks == ["add", "guess", "max", "parity"] and cfg.ript.rloo_batch_size == 8
+    rows_per_rank = cfg.ript.contexts_per_rank * cfg.ript.rloo_batch_size
+    assert rows_per_rank % (cfg.train.global_batch_size // 2) == 0  # what `ript` checks at 2 ranks
+    with pytest.raises(UserError, match=r"ript.early_stop_fraction: 0.0 must be in \(0, 1\]"):
+        load_config(None, [f"model.path={tmp_path}", "ript.early_stop_fraction=0"])

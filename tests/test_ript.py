@@ -285,3 +285,33 @@ def test_resume_continues_exactly(tiny_policy, tmp_path):
     ra = json.loads((straight / "run" / "ript_results.json").read_text())
     rb = json.loads((split / "run" / "ript_results.json").read_text())
     assert ra["train_counts"] == rb["train_counts"] and ra["iteration"] == rb["iteration"] == 4
+
+
+def test_bad_ript_input_is_one_line_and_writes_nothing(tiny_policy, tmp_path):
+    from conftest import ds_train
+
+    cfg = ript_config(tmp_path, tiny_policy)
+    zero2 = str(ROOT / "ds_configs" / "zero2.json")
+    cases = [(["train.global_batch_size=8"], "must be a multiple of train.global_batch_size / world size"),
+             ([f"model.path={tmp_path}"], "neither a Hugging Face directory"),
+             (["ript.tasks=[add,nosuch]"], "'nosuch' is neither a built-in task"),
+             (["ript.rloo_batch_size=1"], "ript.rloo_batch_size: 1 must be at least 2"),
+             (["ript.policy=nosuch:Policy"], "ript.policy: cannot load 'nosuch:Policy'")]
+    for overrides, message in cases:  # one process: 12 rollouts per rank make one step of 12
+        res = ds_train("ript", "--config", str(cfg), "--ds-config", zero2, "train.global_batch_size=12",
+                       *overrides, timeout=120,
+                       env={"PYTHONPATH": str(ROOT / "tests")})
+        assert res.returncode == 2 and message in res.out, (overrides, res.out[-2000:])
+        assert "Traceback" not in res.out and len(res.lines("ds-train: error:")) == 1, res.out
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_an_idle_rank_joins_every_collective(tiny_policy, tmp_path):
+    """One task, two ranks: rank 1 owns nothing, yet sampling, update and evaluation finish."""
+    res = launch_ript(ript_config(tmp_path, tiny_policy, tasks=["copy"], allow_idle_ranks=True))
+    assert res.returncode == 0, res.out[-4000:]
+    assert "   1  (idle)" in res.out
+    idle = rank_counts(tmp_path / "run", 1)
+    assert len(idle) == 2 and all(c["copy"]["checked"] == 0 for c in idle)
+    busy = rank_counts(tmp_path / "run", 0)
+    assert [c["copy"]["accepted"] for c in busy] == [3, 3]  # rank 0 fills its quota alone

@@ -51,6 +51,7 @@ class RiptRun:
     rank_log: Any
     say: Any
     resume: checkpoint.ResumePoint | None = None
+    scripted: Any = None  # ript.policy, when a script acts instead of the model
 
     @property
     def mine(self) -> list[str]:
@@ -68,9 +69,9 @@ def init_model_dir(path: str, run_dir: Path) -> str:
     src = Path(path)
     if (src / "config.json").is_file():
         return path
-    if not (src / "checkpoints").is_dir() and not (src / checkpoint.STATE_FILE).is_file():
+    if not any((src / name).exists() for name in ("checkpoints", "latest", checkpoint.STATE_FILE)):
         raise UserError(f"model.path: {path!r} is neither a Hugging Face directory (config.json) nor a "
-                        f"ds_train run directory (checkpoints/)")
+                        f"ds_train run or checkpoint directory")
     out = run_dir / "init_model"
     run_dir.mkdir(parents=True, exist_ok=True)
     with file_lock(run_dir / ".init_model.lock"):
@@ -86,7 +87,7 @@ def build(cfg: RunConfig, ds_config_path: str, env: dist.DistEnv) -> RiptRun:
 
     from ds_train.data import load_tokenizer
     from ds_train.model import build_hf_config, build_model, resolve_dtype
-    from ds_train.trainer import check_resume, seed_everything
+    from ds_train.trainer import check_resume, save_hf_metadata, seed_everything
 
     r = cfg.ript
     if not cfg.model.path:
@@ -98,6 +99,7 @@ def build(cfg: RunConfig, ds_config_path: str, env: dist.DistEnv) -> RiptRun:
         tasks[task.name] = task
     shards = shard_tasks({n: r.train_contexts * t.max_turns for n, t in tasks.items()}, env.world_size,
                          r.sharding, r.allow_idle_ranks)
+    scripted = load_scripted(r.policy) if r.policy else None
     template = read_ds_template(ds_config_path)
     plan = plan_batch(cfg.train.global_batch_size, cfg.train.micro_batch_size, env.world_size,
                       cfg.train.seq_len)
@@ -105,7 +107,8 @@ def build(cfg: RunConfig, ds_config_path: str, env: dist.DistEnv) -> RiptRun:
     if rows % plan.sequences_per_rank:
         raise UserError(f"ript: contexts_per_rank x rloo_batch_size = {rows} rollouts per rank must be a "
                         f"multiple of train.global_batch_size / world size = {plan.sequences_per_rank}; "
-                        f"set train.global_batch_size to {rows * env.world_size} or a divisor of it")
+                        f"set train.global_batch_size to {rows * env.world_size} (one optimizer step per "
+                        f"iteration) or that divided by the steps you want")
     run_dir = Path(cfg.output_dir)
     model_path = init_model_dir(cfg.model.path, run_dir)
     tokenizer = load_tokenizer(model_path)
@@ -133,9 +136,10 @@ def build(cfg: RunConfig, ds_config_path: str, env: dist.DistEnv) -> RiptRun:
                              r.skip_solved, r.retest_after)
     say = print if env.is_main else (lambda *a, **k: None)
     run_dir.mkdir(parents=True, exist_ok=True)
-    if env.is_main:
+    if env.is_main:  # hf_model/: what `ds-train export` adds this run's weights to
         save_config(cfg, run_dir / "config.yaml")
         (run_dir / "ds_config.json").write_text(json.dumps(ds_config, indent=2))
+        save_hf_metadata(hf_config, tokenizer, run_dir / "hf_model")
     for change in changes:
         say(f"resuming with a changed setting: {change}")
     say(format_shards(shards, {n: r.train_contexts * t.max_turns for n, t in tasks.items()}))
@@ -146,20 +150,27 @@ def build(cfg: RunConfig, ds_config_path: str, env: dist.DistEnv) -> RiptRun:
     logger = build_logger(env.is_main, run_dir, cfg.log.wandb, cfg.log.wandb_project, cfg.to_dict(),
                           console_keys=CONSOLE_KEYS)
     return RiptRun(cfg, env, plan, run_dir, engine, tokenizer, tasks, shards, sampler, ds_config, dtype,
-                   logger, build_rank_log(run_dir, env.rank), say, resume)
+                   logger, build_rank_log(run_dir, env.rank), say, resume, scripted)
+
+
+def load_scripted(spec: str):
+    """ript.policy `module:Class` -> an instance with act(task, context, transcript, index) -> str."""
+    import importlib
+
+    module, _, cls = spec.partition(":")
+    try:
+        policy = getattr(importlib.import_module(module), cls)()
+    except (ImportError, AttributeError, ValueError) as e:
+        raise UserError(f"ript.policy: cannot load {spec!r}: {e}") from None
+    if not callable(getattr(policy, "act", None)):
+        raise UserError(f"ript.policy: {spec!r} has no act(task, context, transcript, index) method")
+    return policy
 
 
 def _policy(run: RiptRun, temperature: float):
-    r = run.cfg.ript
-    if r.policy:
-        import importlib
-
-        module, _, cls = r.policy.partition(":")
-        try:
-            return scripted_policy(getattr(importlib.import_module(module), cls)(), run.tokenizer)
-        except (ImportError, AttributeError, ValueError) as e:
-            raise UserError(f"ript.policy: cannot load {r.policy!r}: {e}") from None
-    return model_policy(run.engine.module, run.tokenizer, r.max_new_tokens, temperature, run.zero3)
+    if run.scripted is not None:
+        return scripted_policy(run.scripted, run.tokenizer)
+    return model_policy(run.engine.module, run.tokenizer, run.cfg.ript.max_new_tokens, temperature, run.zero3)
 
 
 def run_episodes(run: RiptRun, act, jobs: list) -> list[Episode]:
