@@ -4,7 +4,8 @@
 
 1. SFT: recipes/ript_sft.yaml (a few demonstrations per task); skipped when already trained.
 2. RIPT: recipes/ript_demo.yaml from that SFT run, timed (launcher start to exit).
-3. Continued SFT: the SFT run resumed into another directory for at least as long as RIPT took.
+3. Continued SFT: the SFT run resumed into another directory for at least as long as RIPT took
+   (launcher start-ups included on both sides; topped up from its own checkpoint if short).
 4. Held-out success of all three with RIPT's own evaluation (greedy, the same held-out contexts).
 Prints a table and writes OUT/summary.json. Overrides (key=value) go to the RIPT run.
 """
@@ -76,11 +77,15 @@ def main() -> None:
     sft_cfg = load_config(ROOT / "recipes" / "ript_sft.yaml")
     steps = [m["perf/step_time_s"] for m in map(json.loads, (sft / "metrics.jsonl").read_text().splitlines())
              if m.get("perf/step_time_s")]
-    extra = math.ceil(ript_s / statistics.median(steps))  # launcher start-up counted as training time
     final = sft_cfg.train.max_steps
+    extra = math.ceil(ript_s / statistics.median(steps))  # launcher start-up counted as training time
     more_s = launch("train", "recipes/ript_sft.yaml", args.ds_config, f"output_dir={more}",
                     f"checkpoint.resume={sft / 'checkpoints'}", f"train.max_steps={final + extra}",
                     "log.progress=false")
+    while more_s < ript_s:  # at least as long as RIPT: top up at the rate it just ran (from its checkpoint)
+        extra += math.ceil((ript_s - more_s) * extra / more_s) + 1
+        more_s += launch("train", "recipes/ript_sft.yaml", args.ds_config, f"output_dir={more}",
+                         f"train.max_steps={final + extra}", "log.progress=false")
     rows = {}
     for name, run_dir, seconds in (("SFT (start)", sft, 0.0), ("RIPT", ript_dir, ript_s),
                                    ("SFT continued", more, more_s)):
