@@ -133,6 +133,14 @@ def _add_plan_args(p) -> None:
     p.add_argument("overrides", nargs="*", metavar="key=value", default=[])
 
 
+def _add_run_args(p, example: str) -> None:
+    """train and ript: a run config, a DeepSpeed JSON and key=value overrides."""
+    p.add_argument("--config", help=f"run config YAML ({example})")
+    p.add_argument("--ds-config", help="DeepSpeed JSON (ds_configs/zero*.json)")
+    p.add_argument("--help-config", action="store_true", help="list every config key and exit")
+    p.add_argument("overrides", nargs="*", metavar="key=value")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="ds-train", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -143,20 +151,14 @@ def build_parser() -> argparse.ArgumentParser:
     t = sub.add_parser("train", help="train a causal LM (under deepspeed, torchrun or alone)",
                        description="Train. Overrides are dotted keys: train.max_steps=20 optim.lr=3e-4. "
                                    "--help-config lists every key.")
-    t.add_argument("--config", help="run config YAML (recipes/*.yaml)")
-    t.add_argument("--ds-config", help="DeepSpeed JSON (ds_configs/zero*.json)")
-    t.add_argument("--help-config", action="store_true", help="list every config key and exit")
-    t.add_argument("overrides", nargs="*", metavar="key=value")
+    _add_run_args(t, "recipes/*.yaml")
     t.set_defaults(func=cmd_train)
 
     rp = sub.add_parser("ript", help="RIPT post-training: RLOO with dynamic rollout sampling",
                         description="Post-train a policy (model.path: a Hugging Face directory or a "
                                     "ds_train run directory) on the tasks of the ript section. "
                                     "Overrides as for train; --help-config lists every key.")
-    rp.add_argument("--config", help="run config YAML (recipes/ript_demo.yaml)")
-    rp.add_argument("--ds-config", help="DeepSpeed JSON (ds_configs/zero*.json)")
-    rp.add_argument("--help-config", action="store_true", help="list every config key and exit")
-    rp.add_argument("overrides", nargs="*", metavar="key=value")
+    _add_run_args(rp, "recipes/ript_demo.yaml")
     rp.set_defaults(func=cmd_ript)
 
     pr = sub.add_parser("prepare", help="tokenise text/JSONL files into train.bin / val.bin / meta.json")

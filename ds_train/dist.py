@@ -7,6 +7,7 @@ a plain single process.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import socket
@@ -177,10 +178,8 @@ def release_shared_memory(env: DistEnv) -> None:
 
     if env.local_rank == 0:
         for path in glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_*_{os.environ.get('MASTER_PORT', '')}_*"):
-            try:
+            with contextlib.suppress(OSError):  # already gone
                 os.unlink(path)
-            except OSError:
-                pass
 
 
 def shutdown() -> None:

@@ -9,7 +9,7 @@ import pytest
 
 from conftest import ROOT, ds_train
 from ds_train.config import build_config
-from ds_train.dryrun import Target, oom_report, pick_preset, run_estimate, suggestions
+from ds_train.dryrun import Target, oom_report, pick_preset, run_estimate
 from ds_train.memory import model_shape
 
 SEVEN_B = {"model_type": "llama", "hidden_size": 4096, "intermediate_size": 11008,

@@ -191,6 +191,8 @@ def run_episodes(run: RiptRun, act, jobs: list) -> list[Episode]:
 
 def sample(run: RiptRun, act, tally: Tally) -> list[list[Episode]]:
     """Dynamic rollout sampling: this rank's accepted groups (each K episodes of one context)."""
+    import torch
+
     r = run.cfg.ript
     k, quota = r.rloo_batch_size, r.contexts_per_rank
     active = sum(1 for s in run.shards if s)
@@ -206,10 +208,11 @@ def sample(run: RiptRun, act, tally: Tally) -> list[list[Episode]]:
         checked += len(picked)
         jobs = [(task, ctx, i) for task, _, ctx in picked for i in range(k)]
         episodes = run_episodes(run, act, jobs)
+        rewards = torch.tensor([[float(e.success) for e in episodes[g * k:(g + 1) * k]] for g in range(len(picked))])
+        keep_groups = keep_mask(rewards).tolist() if picked else []
         for g, (task, index, _) in enumerate(picked):
-            group = episodes[g * k:(g + 1) * k]
+            group, keep = episodes[g * k:(g + 1) * k], keep_groups[g]
             wins = sum(e.success for e in group)
-            keep = 0 < wins < k
             tally.add(task.name, successes=wins, rollouts=k, checked=1, accepted=int(keep), rejected=int(not keep))
             run.sampler.record(task.name, index, wins, k)
             if keep and len(groups) < quota:
@@ -329,7 +332,6 @@ def write_results(run: RiptRun, state: dict) -> None:
 
 def ript(cfg: RunConfig, ds_config_path: str) -> dict:
     run = build(cfg, ds_config_path, dist.detect_env())
-    r = cfg.ript
     state = {"iteration": 0, "evals": [], "totals": Tally(list(run.tasks)).as_dict()}
     if run.resume:
         saved = checkpoint.load(run.engine, run.resume, run.env.rank, run.env.world_size)
