@@ -40,6 +40,11 @@ def _f(default, help: str, **kw):
     return field(default=default, metadata={"help": help}, **kw)
 
 
+def _not_positive(section, prefix: str, names: tuple[str, ...]) -> list[str]:
+    """One error for each of these fields that is zero or negative."""
+    return [f"{prefix}.{n}: {getattr(section, n)} must be positive" for n in names if getattr(section, n) <= 0]
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     path: str = _f("", "Local Hugging Face model directory (weights + tokenizer) to start from.")
@@ -102,10 +107,8 @@ class TrainConfig:
 
     def check(self) -> list[str]:
         errs = []
-        for name in ("max_steps", "micro_batch_size", "global_batch_size", "seq_len", "eval_batches",
-                     "nonfinite_patience"):
-            if getattr(self, name) <= 0:
-                errs.append(f"train.{name}: {getattr(self, name)} must be positive")
+        errs += _not_positive(self, "train", ("max_steps", "micro_batch_size", "global_batch_size", "seq_len",
+                                              "eval_batches", "nonfinite_patience"))
         if self.eval_every < 0:
             errs.append(f"train.eval_every: {self.eval_every} must be >= 0")
         if self.grad_clip < 0:
@@ -232,11 +235,9 @@ class RiptConfig:
 
     def check(self) -> list[str]:
         errs = []
-        for name in ("iterations", "contexts_per_rank", "max_contexts_checked", "rollout_contexts",
-                     "train_contexts", "eval_contexts", "ppo_epochs", "max_new_tokens", "sync_every",
-                     "retest_after"):
-            if getattr(self, name) <= 0:
-                errs.append(f"ript.{name}: {getattr(self, name)} must be positive")
+        errs += _not_positive(self, "ript", ("iterations", "contexts_per_rank", "max_contexts_checked",
+                                             "rollout_contexts", "train_contexts", "eval_contexts", "ppo_epochs",
+                                             "max_new_tokens", "sync_every", "retest_after"))
         if self.rloo_batch_size < 2:
             errs.append(f"ript.rloo_batch_size: {self.rloo_batch_size} must be at least 2 (RLOO "
                         f"leaves one out)")

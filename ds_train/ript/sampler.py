@@ -121,11 +121,6 @@ class Tally:
                 tally.counts[n][c] = int(round(next(it)))
         return tally
 
-    def merge(self, other: "Tally") -> None:
-        for n in other.names:
-            for c in COUNTS:
-                self.counts[n][c] += other.counts[n][c]
-
     def total(self, key: str) -> int:
         return sum(c[key] for c in self.counts.values())
 
