@@ -4,14 +4,16 @@
         [--ds-config ds_configs/zero2.json] [--steps 20] [--repeats 5] [--warmup 5] \
         [--out FILE.json] [key=value overrides]
 
-One engine, one resolved config, built once by `ds_train.trainer.build_run` (output_dir in a
+One engine, one resolved config, built once by `ds_train.run.build_run` (output_dir in a
 temporary directory; no progress bar, no checkpoints, no evaluation: train.max_steps is set so high
 that neither side ever reaches it). Then `--repeats` times, in alternating order:
 
   bare      N optimizer steps of: for each micro-batch, next-token cross entropy,
             engine.backward(loss), engine.step(); nothing else
-  ds_train  train_loop(run, start, start + N, stop_request) exactly as `train` calls it: logging
-            every log.every steps, plus the per-step SIGTERM/SIGINT agreement (an all-reduce)
+  ds_train  train_loop(run, data, start, start + N) exactly as `train` calls it: every component
+            asked at every step (the non-finite guard, the meter and evaluator, the logger, the
+            checkpointer with its per-step SIGTERM/SIGINT agreement, an all-reduce); metrics
+            reduced and logged every log.every steps
 
 Both sides read the same data stream (`rank_micro_batches`) from one running step counter, so the
 data position always advances. Each timed block is fenced by a barrier on both ends. Rank 0 prints
@@ -99,38 +101,30 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from ds_train import dist
-    from ds_train.config import load_config
-    from ds_train.trainer import StopRequest, build_run
+    from ds_train.configfile import load_config
+    from ds_train.run import build_run
+    from ds_train.trainer import build_inputs, train_spec
 
     env = dist.detect_env()
     run_dir = shared_tmp_dir()
     overrides = [*args.overrides, f"output_dir={run_dir}", "log.progress=false", "checkpoint.every=0",
                  "checkpoint.save_final=false", "train.eval_every=0", f"train.max_steps={NEVER}"]
     cfg = load_config(args.config, overrides)
-    run = build_run(cfg, args.ds_config, env)
-    say = run.say
     needed = args.warmup * 2 + args.steps * args.repeats * 2
     if needed >= cfg.train.max_steps:
         raise SystemExit(f"{needed} steps would reach train.max_steps={cfg.train.max_steps}")
-
-    say(f"bench: {args.repeats} repeats x {args.steps} steps per side (+{args.warmup} warm-up each); "
-        f"log.every {cfg.log.every}; torch threads per rank {torch.get_num_threads()}; "
-        f"accelerator {dist.accelerator_name()}")
-
-    stop = StopRequest()  # what `train` hands train_loop; a signal makes the loop save and return
-    try:
-        rc = measure(args, cfg, run, stop, say)
-    finally:
-        stop.restore()
-        run.logger.close()
-    dist.barrier()
+    data, source = build_inputs(cfg)
+    with build_run(cfg, args.ds_config, env, train_spec(cfg), source) as run:
+        run.say(f"bench: {args.repeats} repeats x {args.steps} steps per side (+{args.warmup} warm-up each); "
+                f"log.every {cfg.log.every}; torch threads per rank {torch.get_num_threads()}; "
+                f"accelerator {dist.accelerator_name()}")
+        rc = measure(args, cfg, run, data, run.say)
     if env.local_rank == 0:
         shutil.rmtree(run_dir, ignore_errors=True)
-    dist.shutdown()
     return rc
 
 
-def measure(args, cfg, run, stop, say) -> int:
+def measure(args, cfg, run, data, say) -> int:
     import torch
 
     from ds_train import dist
@@ -140,13 +134,11 @@ def measure(args, cfg, run, stop, say) -> int:
     rank, world = env.rank, env.world_size
 
     def ds_train_steps(first: int, count: int) -> None:
-        out = train_loop(run, first, first + count, stop)
-        if out.get("stopped_by_signal"):
-            raise SystemExit(f"stopped by signal {out['stopped_by_signal']}")
+        train_loop(run, data, first, first + count)  # a signal: save, then Preempted
 
     step = 0  # optimizer steps taken so far = the next data position
     if args.warmup:
-        bare_steps(engine, run.train_data, plan, rank, world, step, args.warmup)
+        bare_steps(engine, data.train, plan, rank, world, step, args.warmup)
         step += args.warmup
         ds_train_steps(step, args.warmup)
         step += args.warmup
@@ -167,7 +159,7 @@ def measure(args, cfg, run, stop, say) -> int:
         for side in order:
             first = step
             if side == "bare":
-                secs[side] = timed(lambda: bare_steps(engine, run.train_data, plan, rank, world,
+                secs[side] = timed(lambda: bare_steps(engine, data.train, plan, rank, world,
                                                       first, args.steps))
             else:
                 secs[side] = timed(lambda: ds_train_steps(first, args.steps))
@@ -204,10 +196,10 @@ def measure(args, cfg, run, stop, say) -> int:
 
 
 if __name__ == "__main__":
-    from ds_train.errors import UserError
+    from ds_train.errors import RunStopped, UserError
 
     try:
         sys.exit(main())
-    except UserError as e:
-        print(f"bench/overhead.py: error: {e}", file=sys.stderr, flush=True)
+    except (UserError, RunStopped) as e:
+        print(f"bench/overhead.py: {e}", file=sys.stderr, flush=True)
         sys.exit(e.exit_code)

@@ -58,7 +58,7 @@ def heldout_success(model_dir: Path, cfg) -> dict:
 
 
 def main() -> None:
-    from ds_train.config import load_config
+    from ds_train.configfile import load_config
     from ds_train.export import export
 
     ap = argparse.ArgumentParser()

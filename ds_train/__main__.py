@@ -1,18 +1,22 @@
 """ds-train: config-driven DeepSpeed training of Hugging Face causal LMs.
 
-    deepspeed --num_gpus 2 --module ds_train train --config recipes/quickstart.yaml \
+    deepspeed --num_gpus 2 --module ds_train train --config recipes/quickstart.yaml
         --ds-config ds_configs/zero2.json train.max_steps=50
     torchrun --nproc_per_node 2 -m ds_train train --config ... --ds-config ...
     ds-train train --config ... --ds-config ...          # one process
-    deepspeed --num_gpus 2 --module ds_train ript --config recipes/ript_demo.yaml \
-        --ds-config ds_configs/zero2.json              # RIPT post-training (RLOO)
+    deepspeed --num_gpus 2 --module ds_train ript --config recipes/ript_demo.yaml
+        --ds-config ds_configs/zero2.json                # RIPT post-training (RLOO)
     ds-train prepare SOURCE... --out DIR                 # tokenise text/JSONL into .bin files
     ds-train convert --to universal RUN_DIR              # DeepSpeed universal checkpoint
     ds-train export RUN_DIR --out hf_dir                 # Hugging Face model directory
     ds-train launch --hostfile H -- train --config C --ds-config D   # preflight, then deepspeed
-    ds-train slurm --nodes 2 --gpus-per-node 8 -- train ...          # an sbatch script
+    ds-train slurm --nodes 2 --gpus-per-node 8 -- ript ...           # an sbatch script
     ds-train estimate --config C --ds-config D --nodes 2 --gpus-per-node 8   # memory plan
     ds-train dry-run --config C --ds-config D --hostfile hostfile            # one-device rehearsal
+
+Exit codes: 0 done; 2 bad input (one line naming the file, key or value); 3 too many non-finite
+steps (train.nonfinite=stop); 4 CUDA out of memory (with the memory plan); 128+N stopped by signal
+N after every rank saved a checkpoint (SIGTERM: 143).
 """
 
 from __future__ import annotations
@@ -21,13 +25,14 @@ import argparse
 import logging
 import os
 import sys
+import traceback
 
-from ds_train.errors import UserError
+from ds_train.errors import OutOfMemory, RunStopped, UserError
 from ds_train.launch import cli as launch_cli
 
 
 def cmd_train(args) -> int:
-    from ds_train.config import load_config
+    from ds_train.configfile import load_config
     from ds_train.trainer import train
 
     cfg = load_config(args.config, args.overrides)
@@ -36,7 +41,7 @@ def cmd_train(args) -> int:
 
 
 def cmd_ript(args) -> int:
-    from ds_train.config import load_config
+    from ds_train.configfile import load_config
     from ds_train.ript.trainer import ript
 
     cfg = load_config(args.config, args.overrides)
@@ -44,21 +49,54 @@ def cmd_ript(args) -> int:
     return 0
 
 
+def run_spec(command: str, cfg):
+    """The RunSpec of a command that runs on every rank (train, ript); None for the others."""
+    if command == "train":
+        from ds_train.trainer import train_spec
+
+        return train_spec(cfg)
+    if command == "ript":
+        from ds_train.ript.trainer import ript_spec
+
+        return ript_spec(cfg)
+    return None
+
+
+def check_command(argv: list[str], world_size: int):
+    """The command `ds-train launch` / `slurm` runs on every rank: parsed by that subcommand's own
+    parser, its config loaded and its batch math checked at the target world size."""
+    from ds_train.configfile import load_config
+    from ds_train.engine import read_ds_template
+
+    args = build_parser().parse_args(argv)
+    if args.command not in ("train", "ript"):
+        raise UserError(f"after `--` comes the command every rank runs, train or ript; got "
+                        f"{args.command or 'nothing'!r}")
+    if not args.config or not args.ds_config:
+        raise UserError(f"{args.command} needs --config and --ds-config")
+    cfg = load_config(args.config, args.overrides)
+    read_ds_template(args.ds_config)
+    plan, _ = run_spec(args.command, cfg).check(cfg, world_size)
+    return cfg, plan
+
+
 def cmd_prepare(args) -> int:
-    from ds_train.config import load_config
+    from ds_train.configfile import load_config
     from ds_train.data import load_meta, prepare
+    from ds_train.trainer import GENERATED_SOURCES
 
     if args.config:
         d = load_config(args.config, args.overrides).data
-        sources, out, tok, vocab, val, key = d.sources, d.dir, d.tokenizer, d.vocab_size, d.val_fraction, d.text_key
+        out = d.dir
+        prepare(d.sources, d.dir, d.tokenizer, d.vocab_size, d.val_fraction, d.text_key, GENERATED_SOURCES)
     else:
         if not args.sources or not args.out:
             raise UserError("prepare: give SOURCE... --out DIR, or --config C (uses its data section)")
         if args.overrides:
             raise UserError("prepare: key=value overrides need --config")
-        sources, out, tok, vocab, val, key = args.sources, args.out, args.tokenizer, args.vocab_size, \
-            args.val_fraction, args.text_key
-    prepare(sources, out, tok, vocab, val, key)
+        out = args.out
+        prepare(args.sources, out, args.tokenizer, args.vocab_size, args.val_fraction, args.text_key,
+                GENERATED_SOURCES)
     meta = load_meta(out)
     print(f"wrote {out}/train.bin ({meta['train_tokens']:,} tokens), val.bin "
           f"({meta['val_tokens']:,} tokens), meta.json; vocab {meta['vocab_size']} ({meta['dtype']}); "
@@ -93,7 +131,7 @@ def cmd_export(args) -> int:
 
 
 def _plan_inputs(args):
-    from ds_train.config import load_config
+    from ds_train.configfile import load_config
     from ds_train.dryrun import target_from_args
 
     cfg = load_config(args.config, args.overrides)
@@ -145,7 +183,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="ds-train", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--debug", action="store_true", help="show tracebacks and DeepSpeed's info logs")
-    p.add_argument("--local_rank", type=int, help=argparse.SUPPRESS)  # passed by the deepspeed launcher
+    # --local_rank from the deepspeed launcher, --local-rank from python -m torch.distributed.launch;
+    # the rank itself is read from the environment both set (ds_train/dist.py).
+    p.add_argument("--local_rank", "--local-rank", type=int, help=argparse.SUPPRESS)
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
 
     t = sub.add_parser("train", help="train a causal LM (under deepspeed, torchrun or alone)",
@@ -207,7 +247,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_plan_args(dr)
     dr.add_argument("--out", help="where to write dry_run.json (default: output_dir/dry_run.json)")
     dr.set_defaults(func=cmd_dry_run)
-    launch_cli.add_subcommands(sub)  # launch, slurm
+    launch_cli.add_subcommands(sub, check_command)  # launch, slurm
     return p
 
 
@@ -232,7 +272,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.command in ("train", "ript"):
         if args.help_config:
-            from ds_train.config import describe
+            from ds_train.configfile import describe
 
             print(describe())
             return 0
@@ -241,17 +281,26 @@ def main(argv: list[str] | None = None) -> int:
     _split_overrides(args)
     try:
         return args.func(args)
-    except UserError as e:
-        if args.debug:
-            raise
-        from ds_train.dist import rank_for_messages
-
-        rank = rank_for_messages()
-        who = "ds-train" if rank == 0 else f"ds-train[rank {rank}]"
-        print(f"{who}: error: {e}", file=sys.stderr, flush=True)
-        return e.exit_code
+    except (UserError, RunStopped, OutOfMemory) as e:
+        if args.debug and getattr(e, "is_error", True):
+            traceback.print_exc()
+        return _report(e)
     except KeyboardInterrupt:
         return 130
+
+
+def _report(e: Exception) -> int:
+    """One line on stderr and the exception's exit code. A stop every rank agreed on is printed by
+    rank 0 alone; an input error or an out-of-memory by each rank that hit it."""
+    from ds_train.dist import rank_for_messages
+
+    rank = rank_for_messages()
+    agreed = isinstance(e, RunStopped)
+    if rank == 0 or not agreed:
+        who = "ds-train" if rank == 0 else f"ds-train[rank {rank}]"
+        kind = "error: " if getattr(e, "is_error", True) else ""
+        print(f"{who}: {kind}{e}", file=sys.stderr if kind else sys.stdout, flush=True)
+    return e.exit_code
 
 
 if __name__ == "__main__":

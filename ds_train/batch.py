@@ -79,3 +79,15 @@ def scaled_lr(lr: float, global_batch_size: int, reference_batch_size: int, mode
         return lr
     ratio = global_batch_size / reference_batch_size
     return lr * (ratio if mode == "linear" else math.sqrt(ratio))
+
+
+def rollout_update_steps(contexts_per_rank: int, rollouts_per_context: int, plan: BatchPlan) -> int:
+    """RIPT: optimizer steps in one pass over a rank's accepted rollouts, which must fill whole
+    steps of train.global_batch_size / world size sequences."""
+    rows = contexts_per_rank * rollouts_per_context
+    if rows % plan.sequences_per_rank:
+        raise UserError(f"ript: contexts_per_rank x rloo_batch_size = {rows} rollouts per rank must be a "
+                        f"multiple of train.global_batch_size / world size = {plan.sequences_per_rank}; "
+                        f"set train.global_batch_size to {rows * plan.world_size} (one optimizer step per "
+                        f"iteration) or that divided by the steps you want")
+    return rows // plan.sequences_per_rank

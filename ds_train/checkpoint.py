@@ -17,12 +17,13 @@ import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
 from ds_train import dist
-from ds_train.errors import UserError
+from ds_train.config import CheckpointConfig, RunConfig
+from ds_train.errors import Preempted, UserError
 from ds_train.fs import file_lock, write_atomic
 
 STATE_FILE = "ds_train_state.json"
@@ -234,29 +235,69 @@ def uses_torch_optimizer(stage: int, dtype: str) -> bool:
     return stage == 0 and dtype == "fp32"
 
 
-def plan_resume(point: ResumePoint | None, world: int, stage: int, dtype: str,
-                force_universal: bool) -> tuple[ResumePoint | None, list[str], bool]:
-    """Decide how to load: directly, or through a universal checkpoint when the world size or the
-    ZeRO stage changed. Returns (point to load, notes, load_universal)."""
+def check_resume(point: ResumePoint | None, cfg: RunConfig, kind: str, world: int,
+                 same_world: bool = False) -> list[str]:
+    """Refuse a resume that would change the model, the data stream or the kind of run (or, for
+    `same_world`, the world size); return the allowed changes as notes."""
     if point is None:
-        return None, [], False
+        return []
+    where = point.load_dir / point.tag
+    saved_kind = point.state.get("kind", "train")
+    if saved_kind != kind:
+        raise UserError(f"{where}: a {saved_kind} checkpoint; `{kind}` cannot resume from it (use "
+                        f"another output_dir or checkpoint.resume=none)")
+    if same_world and point.state["world_size"] != world:
+        raise UserError(f"{where}: saved with {point.state['world_size']} ranks; resume {kind} with the "
+                        f"same world size (its work is sharded per rank)")
+    errors, notes = config_changes(point.state["config"], cfg.to_dict())
+    if errors:
+        raise UserError(f"{where}: cannot resume with a changed " + "; ".join(errors) +
+                        " (these fix the model or the data order; use another output_dir or "
+                        "checkpoint.resume=none)")
+    return notes
+
+
+@dataclass(frozen=True)
+class ResumePlan:
+    """How to load: as saved, or through DeepSpeed's universal checkpoint (converted first when
+    `convert`). Deciding writes nothing; `prepare_resume` does the conversion."""
+
+    point: ResumePoint | None
+    notes: tuple[str, ...] = ()
+    universal: bool = False  # the engine loads with checkpoint.load_universal
+    convert: bool = False  # ds_to_universal must run on `point` first
+
+
+def plan_resume(point: ResumePoint | None, world: int, stage: int, dtype: str,
+                force_universal: bool) -> ResumePlan:
+    """Directly, or through a universal checkpoint when the world size or the ZeRO stage changed."""
+    if point is None:
+        return ResumePlan(None)
     if point.state.get("universal"):
-        return point, [f"loading universal checkpoint {point.tag}"], True
+        return ResumePlan(point, (f"loading universal checkpoint {point.tag}",), universal=True)
     saved_world, saved_stage = point.state["world_size"], point.state["zero_stage"]
     saved_torch = uses_torch_optimizer(saved_stage, point.state.get("dtype", "fp32"))
     target_torch = uses_torch_optimizer(stage, dtype)
     if saved_world == world and saved_stage == stage and not force_universal:
-        return point, [], False
+        return ResumePlan(point)
     change = f"world size {saved_world} -> {world}, ZeRO stage {saved_stage} -> {stage}"
     if saved_torch and target_torch:  # replicated weights and optimizer: loadable at any world size
-        return point, [f"{change}: the fp32 ZeRO-0 checkpoint loads as it is"], False
+        return ResumePlan(point, (f"{change}: the fp32 ZeRO-0 checkpoint loads as it is",))
     if saved_torch or target_torch:
         raise UserError(f"{point.load_dir / point.tag}: {change}: DeepSpeed cannot move optimizer "
                         f"states between fp32 ZeRO-0 (a plain torch optimizer) and ZeRO-{max(stage, saved_stage)} "
                         f"or bf16; resume with the stage and dtype it was saved with")
-    universal = convert_to_universal(point.load_dir / point.tag)
-    return (_point(point.load_dir, universal.name),
-            [f"{change}: loading through DeepSpeed's universal checkpoint {universal.name}"], True)
+    name = universal_dir(point.load_dir / point.tag).name
+    return ResumePlan(point, (f"{change}: loading through DeepSpeed's universal checkpoint {name}",),
+                      universal=True, convert=True)
+
+
+def prepare_resume(plan: ResumePlan) -> ResumePoint | None:
+    """The point to load, after running ds_to_universal where the plan needs it."""
+    if not plan.convert:
+        return plan.point
+    universal = convert_to_universal(plan.point.load_dir / plan.point.tag)
+    return _point(plan.point.load_dir, universal.name)
 
 
 def load(engine, point: ResumePoint, rank: int, world: int) -> dict:
@@ -270,3 +311,38 @@ def load(engine, point: ResumePoint, rank: int, world: int) -> dict:
     if point.state["world_size"] == world:  # per-rank RNG only where the ranks are the same ranks
         set_rng_state(torch.load(rank_file(point.load_dir / point.tag, rank), weights_only=False))
     return point.state
+
+
+class Checkpointer:
+    """Decides at each step boundary whether the step is its: every `checkpoint.every` steps, the
+    last step (`checkpoint.save_final`), or a SIGTERM / SIGINT that every rank agreed on, after
+    which it raises Preempted. Every rank calls `maybe_save` at every boundary: the signal
+    agreement and the save are collectives, never behind a rank guard."""
+
+    def __init__(self, engine, run_dir: Path, cfg: CheckpointConfig, last: int, rank: int, world: int,
+                 record: dict, stop, log, unit: str = "step"):
+        self.engine, self.ckpt_dir, self.cfg, self.last = engine, run_dir / "checkpoints", cfg, last
+        self.rank, self.world, self.record, self.stop, self.log, self.unit = rank, world, record, stop, log, unit
+
+    def due(self, step: int) -> bool:
+        every = self.cfg.every > 0 and step % self.cfg.every == 0
+        return every or (step == self.last and self.cfg.save_final)
+
+    def maybe_save(self, step: int, state: Callable[[], dict] = dict) -> None:
+        """Save when due or signalled; `state()` (called on every rank, may hold collectives) adds
+        the loop's own position to the record."""
+        signum = self.stop.agreed()
+        if signum or self.due(step):
+            self.save(step, state())
+        if signum:
+            raise Preempted(signum, step, self.unit)
+
+    def save(self, step: int, state: dict) -> str:
+        """Non-finite weights are never saved: the last good checkpoint stays the latest."""
+        if not weights_finite(self.engine):
+            raise UserError(f"{self.unit} {step}: the weights are not finite; no checkpoint written, the last "
+                            f"good one stays in {self.ckpt_dir}; lower optim.lr and resume")
+        tag = save(self.engine, self.ckpt_dir, step, {**self.record, **state, "step": step}, self.rank,
+                   self.world, self.cfg.keep)
+        self.log.info(f"saved checkpoint {tag}")
+        return tag

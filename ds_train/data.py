@@ -9,19 +9,20 @@ global batch.
 from __future__ import annotations
 
 import json
-import os
 import sysconfig
 import zlib
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator, Mapping
 
 import numpy as np
 
 from ds_train.errors import UserError
-from ds_train.fs import file_lock
+from ds_train.fs import file_lock, replacing, write_atomic
 
 STDLIB = "python-stdlib"
-RIPT_DEMOS = "ript-demos"  # `ript-demos:N`: N demonstrations per built-in RIPT task (SFT data)
+# A generated source `name:arg` (for instance `ript-demos:32`): the caller maps each name to a
+# function of `arg` that yields (document name, text). data.py knows none of them itself.
+Generators = Mapping[str, Callable[[str], Iterator[tuple[str, str]]]]
 EOS = "<|endoftext|>"
 STDLIB_MAX_BYTES = 6 * 1024 * 1024  # "a few MB": enough text for a small model to learn from
 TEXT_SUFFIXES = {".txt", ".md", ".py", ".rst", ".json", ".yaml", ".yml", ".toml", ".c", ".h"}
@@ -45,26 +46,28 @@ def python_stdlib_files(max_bytes: int = STDLIB_MAX_BYTES) -> list[Path]:
     return files
 
 
-def iter_documents(sources: list[str], text_key: str = "text") -> Iterator[tuple[str, str]]:
+def iter_documents(sources: list[str], text_key: str = "text",
+                   generators: Generators = {}) -> Iterator[tuple[str, str]]:
     """(name, text) for each non-empty document: a text file is one document, each JSONL line one.
 
     Names are relative to their source (they decide the train/val split, which must not depend on
     where the corpus happens to sit on disk).
     """
-    for name, text in _documents(sources, text_key):
+    for name, text in _documents(sources, text_key, generators):
         if text.strip():
             yield name, text
 
 
-def _documents(sources: list[str], text_key: str) -> Iterator[tuple[str, str]]:
+def _documents(sources: list[str], text_key: str, generators: Generators) -> Iterator[tuple[str, str]]:
     for source in sources:
         if source == STDLIB:
             root = Path(sysconfig.get_paths()["stdlib"])
             for path in python_stdlib_files():
                 yield str(path.relative_to(root)), path.read_text(errors="replace")
             continue
-        if source.split(":")[0] == RIPT_DEMOS:
-            yield from _ript_demonstrations(source)
+        name, _, arg = source.partition(":")
+        if name in generators:
+            yield from generators[name](arg)
             continue
         path = Path(source)
         if not path.exists():
@@ -86,19 +89,6 @@ def _documents(sources: list[str], text_key: str) -> Iterator[tuple[str, str]]:
                     yield f"{rel}:{lineno}", text
             elif p.suffix in TEXT_SUFFIXES or not p.suffix:
                 yield rel, p.read_text(errors="replace")
-
-
-def _ript_demonstrations(source: str) -> Iterator[tuple[str, str]]:
-    """`ript-demos:N`: each built-in task's solved transcript of N training contexts (seed 0)."""
-    from ds_train.ript.tasks import BUILTIN
-
-    count = source.partition(":")[2]
-    if not count.isdigit() or int(count) <= 0:
-        raise UserError(f"data.sources: {source!r}: write {RIPT_DEMOS}:N with N demonstrations per task")
-    for name, cls in BUILTIN.items():
-        task = cls()
-        for i, context in enumerate(task.contexts("train", int(count), seed=0)):
-            yield f"{RIPT_DEMOS}/{name}/{i}", task.demonstration(context)
 
 
 def train_tokenizer(texts: list[str], vocab_size: int, out_dir: Path):
@@ -134,11 +124,11 @@ def _is_val(name: str, val_fraction: float) -> bool:
 
 
 def prepare(sources: list[str], out_dir: str | Path, tokenizer: str = "", vocab_size: int = 4096,
-            val_fraction: float = 0.02, text_key: str = "text") -> dict:
+            val_fraction: float = 0.02, text_key: str = "text", generators: Generators = {}) -> dict:
     """Tokenise `sources` into out_dir/{train,val}.bin and meta.json (written last: the done marker)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    docs = list(iter_documents(sources, text_key))
+    docs = list(iter_documents(sources, text_key, generators))
     if not docs:
         raise UserError(f"data.sources: {sources} hold no text documents")
     val_docs = [t for n, t in docs if _is_val(n, val_fraction)]
@@ -160,20 +150,17 @@ def prepare(sources: list[str], out_dir: str | Path, tokenizer: str = "", vocab_
     for split, texts in (("train", train_docs), ("val", val_docs)):
         ids = tok(texts, add_special_tokens=False)["input_ids"]
         flat = np.fromiter((i for doc in ids for i in (*doc, eos)), dtype=np.int64)
-        tmp = out / f".{split}.bin.tmp"
-        flat.astype(dtype).tofile(tmp)
-        os.replace(tmp, out / f"{split}.bin")
+        with replacing(out / f"{split}.bin") as tmp:
+            flat.astype(dtype).tofile(tmp)
         meta[f"{split}_tokens"] = int(flat.size)
         meta[f"{split}_documents"] = len(texts)
         meta["max_token_id"] = max(meta["max_token_id"], int(flat.max()))
-    tmp = out / ".meta.json.tmp"
-    tmp.write_text(json.dumps(meta, indent=2))
-    os.replace(tmp, out / "meta.json")
+    write_atomic(out / "meta.json", json.dumps(meta, indent=2))
     return meta
 
 
 def ensure_prepared(data_dir: str | Path, sources: list[str], tokenizer: str, vocab_size: int,
-                    val_fraction: float, text_key: str) -> dict:
+                    val_fraction: float, text_key: str, generators: Generators = {}) -> dict:
     """Prepare once: the first rank to take the lock tokenises, the others wait and then read."""
     data_dir = Path(data_dir)
     if (data_dir / "meta.json").is_file():
@@ -183,7 +170,7 @@ def ensure_prepared(data_dir: str | Path, sources: list[str], tokenizer: str, vo
                         f"run `ds-train prepare` or set data.sources")
     with file_lock(data_dir / ".prepare.lock"):
         if not (data_dir / "meta.json").is_file():
-            prepare(sources, data_dir, tokenizer, vocab_size, val_fraction, text_key)
+            prepare(sources, data_dir, tokenizer, vocab_size, val_fraction, text_key, generators)
     return load_meta(data_dir)
 
 
@@ -202,6 +189,14 @@ def load_meta(data_dir: str | Path) -> dict:
                             f"run `ds-train prepare` again")
     meta["tokenizer"] = str(data_dir / meta["tokenizer"])  # absolute stays absolute
     return meta
+
+
+def check_vocab(meta: dict, vocab_size: int | None, data_dir: str) -> None:
+    """Every token id of the prepared data must be an id of the model's embedding."""
+    if vocab_size is not None and meta.get("max_token_id", 0) >= vocab_size:
+        raise UserError(f"data.dir {data_dir!r}: token id {meta['max_token_id']} >= the model's "
+                        f"vocab_size {vocab_size}; prepare the data with the model's tokenizer or raise "
+                        f"model.config.vocab_size")
 
 
 class TokenData:

@@ -17,29 +17,23 @@ import math
 import shutil
 import tempfile
 import time
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 
-from ds_train.batch import plan_batch, valid_micro_batch_sizes
+from ds_train import checkpoint, dist
+from ds_train.batch import plan_batch
 from ds_train.config import RunConfig
+from ds_train.data import eval_micro_batches, load_tokenizer, rank_micro_batches
 from ds_train.engine import read_ds_template
 from ds_train.errors import UserError
-from ds_train.memory import GiB, Estimate, ModelShape, estimate, model_shape
-
-PRESETS = {"conservative": 0.5, "balanced": 0.7, "aggressive": 0.9}  # target fraction of GPU memory
-STAGE_FILES = {0: "zero0.json", 1: "zero1.json", 2: "zero2.json", 3: "zero3.json"}
-
-
-@dataclass(frozen=True)
-class Target:
-    nodes: int
-    gpus_per_node: int
-    gpu_memory_gib: float
-
-    @property
-    def world(self) -> int:
-        return self.nodes * self.gpus_per_node
-
+from ds_train.fs import write_atomic
+from ds_train.memory import GiB, ModelShape, model_shape
+from ds_train.metrics import PEAK_TFLOPS, memory_gib, peak_flops
+from ds_train.model import build_hf_config, count_params, flops_per_token, resolve_dtype
+from ds_train.plan import (Target, format_rows, format_suggestions, pick_preset, plan_rows, resolved_zero,
+                           suggestions)
+from ds_train.trainer import build_inputs, forward_loss, prepare_data, train_spec, train_step
+from ds_train.run import build_run
 
 def target_from_args(hostfile: str | None, nodes: int | None, gpus_per_node: int | None,
                      gpu_memory_gib: float | None) -> Target:
@@ -73,9 +67,6 @@ def _this_gpu_memory_gib() -> float | None:
 
 def resolve_shape(cfg: RunConfig) -> tuple[ModelShape, object]:
     """The model's shape from its config; vocab from model.config, else from the prepared data."""
-    from ds_train.data import ensure_prepared, load_tokenizer
-    from ds_train.model import build_hf_config
-
     vocab = cfg.model.config.get("vocab_size")
     if vocab is None and not cfg.model.path:
         d = cfg.data
@@ -83,126 +74,15 @@ def resolve_shape(cfg: RunConfig) -> tuple[ModelShape, object]:
             raise UserError(f"model.config.vocab_size is not set and {d.dir!r} is not prepared; "
                             f"set model.config.vocab_size or run `ds-train prepare --config ...`")
         # Prepared on first use, exactly as `train` would (once, under a lock).
-        meta = ensure_prepared(d.dir, d.sources, d.tokenizer, d.vocab_size, d.val_fraction, d.text_key)
+        meta = prepare_data(d, d.tokenizer)
         vocab = len(load_tokenizer(meta["tokenizer"]))
     hf_config = build_hf_config(cfg.model, vocab or 0, cfg.train.seq_len)
     return model_shape(hf_config), hf_config
 
 
 def _dtype(cfg: RunConfig, on_gpu: bool) -> str:
-    from ds_train.model import resolve_dtype
-
     # Planning for GPUs: auto means bf16 there, whatever this machine is.
     return resolve_dtype(cfg.model.dtype, "cuda" if on_gpu else "cpu", True)
-
-
-def plan_rows(shape: ModelShape, cfg: RunConfig, zero: dict, target: Target, dtype: str) -> list[dict]:
-    """The given config and ZeRO 0-3 (with and without activation checkpointing) side by side."""
-    rows = []
-    given = int(zero.get("stage", 0))
-    for stage in range(4):
-        z = zero if stage == given else {**_stage_defaults(stage, shape), "stage": stage}
-        for ckpt in (cfg.model.activation_checkpointing, not cfg.model.activation_checkpointing):
-            est = estimate(shape, stage, dtype, target.world, cfg.train.micro_batch_size,
-                           cfg.train.seq_len, ckpt, z)
-            rows.append(_row(est, ckpt, stage == given and ckpt == cfg.model.activation_checkpointing,
-                             target, cfg.train.micro_batch_size, zero_label(z)))
-    return rows
-
-
-def _stage_defaults(stage: int, shape: ModelShape) -> dict:
-    """Bucket sizes as the shipped ds_configs resolve them."""
-    h = shape.hidden
-    if stage == 3:
-        return {"reduce_bucket_size": h * h, "stage3_prefetch_bucket_size": int(0.9 * h * h),
-                "overlap_comm": True}
-    return {"reduce_bucket_size": 2e8, "allgather_bucket_size": 2e8, "overlap_comm": stage == 2}
-
-
-def zero_label(zero: dict) -> str:
-    label = f"ZeRO-{int(zero.get('stage', 0))}"
-    if zero.get("offload_optimizer", {}).get("device") in ("cpu", "nvme"):
-        label += " +opt offload"
-    if zero.get("offload_param", {}).get("device") in ("cpu", "nvme"):
-        label += " +param offload"
-    return label
-
-
-def _row(est: Estimate, ckpt: bool, given: bool, target: Target, micro: int, label: str) -> dict:
-    s = est.states
-    return {"config": label, "activation_checkpointing": ckpt, "micro_batch_size": micro,
-            "given": given, "params_gib": s.params / GiB, "grads_gib": s.grads / GiB,
-            "optimizer_gib": (s.optimizer + s.step_transient) / GiB,
-            "activations_gib": est.activations.peak / GiB, "buffers_gib": est.buffers / GiB,
-            "gpu_peak_gib": est.gpu_peak / GiB, "cpu_gib": est.cpu / GiB,
-            "fits": est.gpu_peak / GiB <= target.gpu_memory_gib}
-
-
-def format_rows(rows: list[dict], target: Target) -> str:
-    head = (f"per-GPU memory (GiB) for {target.nodes} node(s) x {target.gpus_per_node} GPU(s) = "
-            f"world {target.world}, {target.gpu_memory_gib:g} GiB each\n"
-            f"  {'config':<28} {'ckpt':>4} {'params':>7} {'grads':>7} {'optim':>7} {'activ':>7} "
-            f"{'buffers':>7} {'peak':>7} {'cpu':>6}  fits")
-    lines = [head]
-    for r in rows:
-        mark = "<- given" if r["given"] else ""
-        label = f"{r['config']} micro {r['micro_batch_size']}"
-        lines.append(f"  {label:<28} "
-                     f"{'on' if r['activation_checkpointing'] else 'off':>4} {r['params_gib']:7.2f} "
-                     f"{r['grads_gib']:7.2f} {r['optimizer_gib']:7.2f} {r['activations_gib']:7.2f} "
-                     f"{r['buffers_gib']:7.2f} {r['gpu_peak_gib']:7.2f} {r['cpu_gib']:6.1f}  "
-                     f"{'yes' if r['fits'] else 'NO '} {mark}")
-    return "\n".join(lines)
-
-
-def suggestions(shape: ModelShape, cfg: RunConfig, zero: dict, target: Target, dtype: str) -> list[dict]:
-    """Changes that lower the per-GPU peak, cheapest first, each with its predicted peak."""
-    stage, micro, ckpt = int(zero.get("stage", 0)), cfg.train.micro_batch_size, cfg.model.activation_checkpointing
-    seq = cfg.train.seq_len
-    out = []
-
-    def add(change: str, **kw):
-        est = estimate(shape, kw.get("stage", stage), dtype, target.world, kw.get("micro", micro),
-                       kw.get("seq", seq), kw.get("ckpt", ckpt), kw.get("zero", zero))
-        out.append({"change": change, "gpu_peak_gib": est.gpu_peak / GiB,
-                    "fits": est.gpu_peak / GiB <= target.gpu_memory_gib})
-
-    per_rank = cfg.train.global_batch_size // target.world if cfg.train.global_batch_size % target.world == 0 else 0
-    smaller = [m for m in valid_micro_batch_sizes(per_rank * target.world, target.world) if m < micro] if per_rank else []
-    if smaller:
-        m = max(smaller)
-        add(f"train.micro_batch_size={m} (more accumulation, same global batch)", micro=m)
-    if not ckpt:
-        add("model.activation_checkpointing=true (about a third more compute)", ckpt=True)
-    for s in range(stage + 1, 4):
-        add(f"--ds-config ds_configs/{STAGE_FILES[s]}", stage=s, zero={**_stage_defaults(s, shape), "stage": s})
-    off = {**_stage_defaults(3, shape), "stage": 3, "offload_optimizer": {"device": "cpu"}}
-    add("--ds-config ds_configs/zero3_offload.json optimizer offload (slower steps)", stage=3, zero=off)
-    add(f"train.seq_len={seq // 2} (changes what is learned)", seq=seq // 2)
-    return out
-
-
-def pick_preset(shape: ModelShape, cfg: RunConfig, target: Target, dtype: str, preset: str) -> dict:
-    """Micro-batch, activation checkpointing and stage within the preset's memory fraction:
-    prefer no checkpointing, then the lowest stage, then the largest micro-batch."""
-    budget = PRESETS[preset] * target.gpu_memory_gib
-    if cfg.train.global_batch_size % target.world:
-        raise UserError(f"train.global_batch_size={cfg.train.global_batch_size} is not divisible by the "
-                        f"world size {target.world}")
-    micros = sorted(valid_micro_batch_sizes(cfg.train.global_batch_size, target.world), reverse=True)
-    for ckpt in (False, True):
-        for stage in range(4):
-            z = {**_stage_defaults(stage, shape), "stage": stage}
-            for m in micros:
-                est = estimate(shape, stage, dtype, target.world, m, cfg.train.seq_len, ckpt, z)
-                if est.gpu_peak / GiB <= budget:
-                    return {"preset": preset, "memory_fraction": PRESETS[preset],
-                            "micro_batch_size": m, "activation_checkpointing": ckpt, "stage": stage,
-                            "gpu_peak_gib": est.gpu_peak / GiB,
-                            "overrides": f"train.micro_batch_size={m} model.activation_checkpointing="
-                                         f"{str(ckpt).lower()}", "ds_config": f"ds_configs/{STAGE_FILES[stage]}"}
-    raise UserError(f"preset {preset}: nothing fits in {budget:.1f} GiB per GPU, even ZeRO-3 with "
-                    f"micro-batch 1 and activation checkpointing; use offload or more GPUs")
 
 
 def run_estimate(cfg: RunConfig, ds_config_path: str, target: Target, preset: str | None) -> dict:
@@ -210,7 +90,7 @@ def run_estimate(cfg: RunConfig, ds_config_path: str, target: Target, preset: st
     plan_batch(cfg.train.global_batch_size, cfg.train.micro_batch_size, target.world, cfg.train.seq_len)
     shape, _ = resolve_shape(cfg)
     dtype = _dtype(cfg, on_gpu=True)
-    zero = _resolved_zero(template, shape)
+    zero = resolved_zero(template, shape)
     rows = plan_rows(shape, cfg, zero, target, dtype)
     out = {"target": {"nodes": target.nodes, "gpus_per_node": target.gpus_per_node, "world": target.world,
                       "gpu_memory_gib": target.gpu_memory_gib},
@@ -224,22 +104,13 @@ def run_estimate(cfg: RunConfig, ds_config_path: str, target: Target, preset: st
     return out
 
 
-def _resolved_zero(template: dict, shape: ModelShape) -> dict:
-    zero = dict(template.get("zero_optimization", {"stage": 0}))
-    for key, value in _stage_defaults(int(zero.get("stage", 0)), shape).items():
-        if zero.get(key, "auto") == "auto":
-            zero[key] = value
-    return zero
-
-
 def format_estimate(out: dict, target: Target) -> str:
     m = out["model"]
     lines = [f"model: {m['params'] / 1e6:,.1f}M parameters, {m['layers']} layers, hidden {m['hidden']}; "
              f"dtype {out['dtype']}", format_rows(out["rows"], target)]
     if out.get("suggestions"):
         lines.append("does not fit; changes ranked by cost, with the predicted per-GPU peak:")
-        lines += [f"  {s['gpu_peak_gib']:7.2f} GiB {'fits' if s['fits'] else '    '}  {s['change']}"
-                  for s in out["suggestions"]]
+        lines += format_suggestions(out["suggestions"])
     if out.get("preset"):
         p = out["preset"]
         lines.append(f"preset {p['preset']} (<= {p['memory_fraction']:.0%} of GPU memory): "
@@ -251,42 +122,37 @@ def dry_run(cfg: RunConfig, ds_config_path: str, target: Target, steps: int = 3,
     """Real steps of one rank's share of the target global batch on this device, projected."""
     import torch
 
-    from ds_train import checkpoint, dist
-    from ds_train.data import rank_micro_batches
-    from ds_train.metrics import PEAK_TFLOPS, memory_gib, peak_flops
-    from ds_train.model import count_params
-    from ds_train.trainer import build_run, forward_loss, train_step
-
     plan = plan_batch(cfg.train.global_batch_size, cfg.train.micro_batch_size, target.world, cfg.train.seq_len)
     estimate_out = run_estimate(cfg, ds_config_path, target, None)
     work = tempfile.mkdtemp(prefix="ds_train_dry_run_")
     try:
-        # One rank's work: micro x accumulation sequences per step, on this one device.
+        # One rank's work (micro x accumulation sequences per step) on this one device, in a
+        # scratch run directory; the LR schedule is the target's.
         local = replace(cfg, output_dir=work,
-                        train=replace(cfg.train, global_batch_size=plan.sequences_per_rank,
-                                      max_steps=warmup + steps, eval_every=0),
+                        train=replace(cfg.train, global_batch_size=plan.sequences_per_rank, eval_every=0),
                         checkpoint=replace(cfg.checkpoint, resume="none", save_final=False, every=0,
                                            export_final=False),
                         log=replace(cfg.log, wandb="off", progress=False, sample_prompt=""))
-        run = build_run(local, ds_config_path, dist.detect_env(), quiet=True)
-        engine = run.engine
-        on_gpu = engine.device.type == "cuda"
-        if on_gpu:
-            torch.cuda.reset_peak_memory_stats()
-        rss_before = memory_gib("cpu")[1]
-        times = []
-        for step in range(warmup + steps):
-            t0 = time.perf_counter()
-            train_step(engine, rank_micro_batches(run.train_data, step, plan.sequences_per_rank,
-                                                  plan.micro_batch_size, 0, 1))
+        data, source = build_inputs(local)
+        with build_run(local, ds_config_path, dist.detect_env(), train_spec(local), source, quiet=True) as run:
+            engine = run.engine
+            on_gpu = engine.device.type == "cuda"
             if on_gpu:
-                torch.cuda.synchronize()
-            times.append(time.perf_counter() - t0)
-        step_s = sorted(times[warmup:])[len(times[warmup:]) // 2]
-        gpu_gib, rss_gib = memory_gib(engine.device.type)
-        measured_peak = gpu_gib if on_gpu else max(rss_gib - rss_before, 0.0)
-        round_trip = _checkpoint_round_trip(run, forward_loss, checkpoint, Path(work))
-        n_params = count_params(engine.module)
+                torch.cuda.reset_peak_memory_stats()
+            rss_before = memory_gib("cpu")[1]
+            times = []
+            for step in range(warmup + steps):
+                t0 = time.perf_counter()
+                train_step(engine, rank_micro_batches(data.train, step, plan.sequences_per_rank,
+                                                      plan.micro_batch_size, 0, 1))
+                if on_gpu:
+                    torch.cuda.synchronize()
+                times.append(time.perf_counter() - t0)
+            step_s = sorted(times[warmup:])[len(times[warmup:]) // 2]
+            gpu_gib, rss_gib = memory_gib(engine.device.type)
+            measured_peak = gpu_gib if on_gpu else max(rss_gib - rss_before, 0.0)
+            round_trip = _checkpoint_round_trip(run, data.val, Path(work))
+            n_params = count_params(engine.module)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     given = next(r for r in estimate_out["rows"] if r["given"])
@@ -294,11 +160,9 @@ def dry_run(cfg: RunConfig, ds_config_path: str, target: Target, steps: int = 3,
     tokens_per_s_gpu = tokens_per_rank_step / step_s
     device_name = torch.cuda.get_device_name() if on_gpu else "cpu"
     peak = peak_flops(device_name, cfg.log.peak_tflops) if on_gpu else None
-    from ds_train.model import flops_per_token
-
     fpt = flops_per_token(n_params, estimate_out["model"]["layers"], estimate_out["model"]["hidden"],
                           cfg.train.seq_len)
-    result = {
+    return {
         **estimate_out,
         "batch": {"global_batch_size": plan.global_batch_size, "micro_batch_size": plan.micro_batch_size,
                   "grad_accum_steps": plan.grad_accum_steps, "world_size": plan.world_size,
@@ -317,23 +181,20 @@ def dry_run(cfg: RunConfig, ds_config_path: str, target: Target, steps: int = 3,
         "notes": ["step time is one rank's compute; communication across the cluster is not included",
                   "MFU needs a GPU peak (table: " + ", ".join(PEAK_TFLOPS) + "; or log.peak_tflops)"],
     }
-    return result
 
 
-def _checkpoint_round_trip(run, forward_loss, checkpoint, work: Path) -> dict:
+def _checkpoint_round_trip(run, val, work: Path) -> dict:
     """Save, load back, and compare the loss on a fixed batch: the checkpoint path works."""
     import torch
 
-    from ds_train.data import eval_micro_batches
-
-    batch = eval_micro_batches(run.val_data, 1, run.plan.micro_batch_size, 0, 1)[0]
+    batch = eval_micro_batches(val, 1, run.plan.micro_batch_size, 0, 1)[0]
     engine = run.engine
     engine.eval()
     with torch.no_grad():
         before = float(forward_loss(engine, batch)[0])
     t0 = time.perf_counter()
-    state = {"step": 0, "samples": 0, "tokens": 0, "zero_stage": 0, "dtype": run.dtype,
-             "config": run.cfg.to_dict()}
+    state = {"kind": "train", "step": 0, "samples": 0, "tokens": 0, "zero_stage": run.zero_stage,
+             "dtype": run.dtype, "config": run.cfg.to_dict()}
     tag = checkpoint.save(engine, work / "checkpoints", 1, state, 0, 1, keep=0)
     size = sum(p.stat().st_size for p in (work / "checkpoints" / tag).rglob("*") if p.is_file())
     with torch.no_grad():
@@ -347,21 +208,6 @@ def _checkpoint_round_trip(run, forward_loss, checkpoint, work: Path) -> dict:
     ok = math.isclose(before, after, rel_tol=1e-5)
     return {"ok": ok, "seconds": time.perf_counter() - t0, "bytes": size, "loss_before": before,
             "loss_after": after}
-
-
-def oom_report(cfg: RunConfig, ds_config: dict, hf_config, world: int, gpu_memory_gib: float) -> str:
-    """What to change after a real out-of-memory: the estimate for this run and the ranked fixes."""
-    shape = model_shape(hf_config)
-    target = Target(1, world, gpu_memory_gib)
-    dtype = "bf16" if ds_config.get("bf16", {}).get("enabled") else \
-        "fp16" if ds_config.get("fp16", {}).get("enabled") else "fp32"
-    zero = ds_config.get("zero_optimization", {"stage": 0})
-    rows = [r for r in plan_rows(shape, cfg, zero, target, dtype) if r["given"]]
-    lines = ["out of GPU memory; the plan for this run:", format_rows(rows, target),
-             "changes ranked by cost, with the predicted per-GPU peak:"]
-    lines += [f"  {s['gpu_peak_gib']:7.2f} GiB {'fits' if s['fits'] else '    '}  {s['change']}"
-              for s in suggestions(shape, cfg, zero, target, dtype)]
-    return "\n".join(lines)
 
 
 def format_dry_run(out: dict, target: Target) -> str:
@@ -390,4 +236,4 @@ def _duration(seconds: float) -> str:
 
 def write_json(out: dict, path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(out, indent=2))
+    write_atomic(path, json.dumps(out, indent=2))

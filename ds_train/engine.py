@@ -123,9 +123,14 @@ def _check_sections(ds: dict, source: str) -> None:
             raise UserError(f"{source}: {where}: {what}; DeepSpeed would ignore or reject it") from None
 
 
-def render_ds_config(template: dict, cfg: RunConfig, plan: BatchPlan, dtype: str, hidden_size: int,
-                     lr: float, on_gpu: bool, source: str = "ds_config") -> dict:
-    """Template + run config + world size -> the complete ds_config handed to deepspeed.initialize."""
+def render_ds_config(template: dict, cfg: RunConfig, plan: BatchPlan, *, dtype: str, hidden_size: int,
+                     lr: float, total_steps: int, on_gpu: bool, load_universal: bool = False,
+                     source: str = "ds_config") -> dict:
+    """Template + run config + world size -> the complete ds_config handed to deepspeed.initialize.
+
+    `lr` is the scaled peak learning rate, `total_steps` the optimizer steps the schedule spans,
+    `load_universal` whether the resume loads a universal checkpoint. Nothing patches the result.
+    """
     ds = copy.deepcopy(template)
     _check_unknown_keys(ds, source)
     for path, (owner, value) in _owned(cfg, plan, dtype).items():
@@ -150,7 +155,7 @@ def render_ds_config(template: dict, cfg: RunConfig, plan: BatchPlan, dtype: str
         params = ds["scheduler"].setdefault("params", {})
         sched = ds["scheduler"].get("type")
         warmup = max(1, cfg.optim.warmup_steps)
-        values = {"total_num_steps": cfg.train.max_steps, "warmup_num_steps": warmup,
+        values = {"total_num_steps": total_steps, "warmup_num_steps": warmup,
                   "warmup_min_ratio": 0.0, "cos_min_ratio": cfg.optim.min_lr_ratio,
                   "warmup_max_lr": lr, "warmup_min_lr": 0.0}
         for key, value in values.items():
@@ -164,11 +169,14 @@ def render_ds_config(template: dict, cfg: RunConfig, plan: BatchPlan, dtype: str
     if leftover:
         raise UserError(f"{source}: zero_optimization.{leftover[0]} is \"auto\" but ds_train cannot "
                         f"derive it; give a value")
+    if load_universal:
+        ds["checkpoint"] = {**ds.get("checkpoint", {}), "load_universal": True}
     _check_sections(ds, source)
     return ds
 
 
 def zero_stage(ds_config: dict) -> int:
+    """The stage a template or rendered config asks for (an engine: engine.zero_optimization_stage())."""
     return int(ds_config.get("zero_optimization", {}).get("stage", 0))
 
 

@@ -1,7 +1,8 @@
-"""The one exception type for user mistakes.
+"""The exceptions library code raises instead of exiting; the CLI maps each to an exit code.
 
-A `UserError` is printed as one line (no traceback unless `--debug`) and exits non-zero. Everything
-else is a bug and keeps its traceback.
+A `UserError` is bad input: one line (no traceback unless `--debug`), exit 2. A `RunStopped` is an
+orderly stop that every rank agreed on (a signal, a run of non-finite steps): the run tears down
+normally and the CLI exits with the stop's code. Everything else is a bug and keeps its traceback.
 """
 
 
@@ -9,3 +10,39 @@ class UserError(Exception):
     """Bad input from the user: config, hostfile, data, checkpoint or command line."""
 
     exit_code = 2
+
+
+class RunStopped(Exception):
+    """Every rank stopped at the same step boundary, so collectives in the teardown are safe."""
+
+    exit_code = 1
+    is_error = True  # printed as `error:`; a requested stop (a signal) is not
+
+
+class Preempted(RunStopped):
+    """SIGTERM / SIGINT: all ranks saved a checkpoint and stop; exit 128 + the signal number."""
+
+    is_error = False
+
+    def __init__(self, signum: int, step: int, unit: str = "step"):
+        self.exit_code = 128 + signum
+        super().__init__(f"stopped by signal {signum} at {unit} {step}; checkpoint saved; launch the "
+                         f"same command again to resume")
+
+
+class NonFiniteStop(RunStopped):
+    """train.nonfinite=stop: patience ran out (the decision is the same on every rank)."""
+
+    exit_code = 3
+
+    def __init__(self, step: int, in_a_row: int):
+        super().__init__(f"step {step}: {in_a_row} consecutive steps with non-finite gradients "
+                         f"(train.nonfinite=stop, train.nonfinite_patience={in_a_row}); none was "
+                         f"applied and no checkpoint was written; resume from the last good one "
+                         f"with a lower optim.lr or train.nonfinite=skip")
+
+
+class OutOfMemory(Exception):
+    """A CUDA out-of-memory on this rank, with the memory plan and ranked fixes as the message."""
+
+    exit_code = 4

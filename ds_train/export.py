@@ -26,8 +26,9 @@ from pathlib import Path
 
 from ds_train import checkpoint
 from ds_train.errors import UserError
+from ds_train.fs import write_atomic
 
-HF_METADATA_DIR = "hf_model"  # written by trainer.save_hf_metadata
+HF_METADATA_DIR = "hf_model"  # written into every run directory by save_hf_metadata
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".index.json")
 
 
@@ -121,6 +122,40 @@ def _hf_metadata_dir(src: ExportSource) -> Path:
     return hf_dir
 
 
+def save_hf_metadata(hf_config, tokenizer, out: Path) -> None:
+    """config.json, generation_config.json and the tokenizer: what `ds-train export` adds weights to.
+
+    Written beside `out` first, then moved in file by file: a crash leaves each file old or new.
+    """
+    import tempfile
+
+    from transformers import GenerationConfig
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out.parent, prefix=f".{out.name}.") as tmp:
+        hf_config.save_pretrained(tmp)
+        GenerationConfig.from_model_config(hf_config).save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        out.mkdir(exist_ok=True)
+        for path in Path(tmp).iterdir():
+            os.replace(path, out / path.name)
+
+
+def locate_model(path: str | Path) -> tuple[Path, Path | None]:
+    """model.path -> (the directory with config.json and the tokenizer, and the ds_train run or
+    checkpoint directory whose weights `export` must write first; None for a HF directory)."""
+    src = Path(path)
+    if (src / "config.json").is_file():
+        return src, None
+    if not any((src / name).exists() for name in ("checkpoints", "latest", checkpoint.STATE_FILE)):
+        raise UserError(f"model.path: {str(src)!r} is neither a Hugging Face directory (config.json) nor a "
+                        f"ds_train run or checkpoint directory")
+    try:
+        return _hf_metadata_dir(resolve_source(src)), src
+    except UserError as e:
+        raise UserError(f"model.path: {str(e).removeprefix('export: ')}") from None
+
+
 def load_fp32_state_dict(src: ExportSource) -> dict:
     """The full fp32 weights of one tag: DeepSpeed's master copy for ZeRO 1-3, the module for ZeRO 0."""
     import torch
@@ -198,7 +233,7 @@ def save_weights(model, out: Path, max_shard_size: str) -> None:
         save_file({n: tensors[n].contiguous() for n in names}, out / filename, metadata={"format": "pt"})
     if split.is_sharded:
         index = {"metadata": split.metadata, "weight_map": split.tensor_to_filename}
-        (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+        write_atomic(out / "model.safetensors.index.json", json.dumps(index, indent=2, sort_keys=True) + "\n")
 
 
 def save_config(model, out: Path) -> None:

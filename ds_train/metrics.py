@@ -11,14 +11,28 @@ import logging
 import math
 import os
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
+
+from ds_train.fs import replacing, write_atomic
 
 # Peak dense bf16 tensor TFLOP/s per device, from the vendors' data sheets (SXM parts).
 # The longest matching name wins ("H100 PCIE" before "H100", "L40S" before "L40" before "L4").
 PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "H100 PCIE": 756.0, "A100": 312.0, "L40S": 362.0,
                "L40": 181.0, "L4": 121.0, "A10G": 70.0, "A10": 125.0, "V100": 125.0,
                "MI300X": 1307.0, "B200": 2250.0}
+
+
+@dataclass(frozen=True)
+class Interval:
+    """When a component acts: every `every` steps (0: never), and at the `last` step."""
+
+    every: int
+    last: int
+
+    def __contains__(self, step: int) -> bool:
+        return step == self.last or (self.every > 0 and step % self.every == 0)
 
 
 class Logger(Protocol):
@@ -92,9 +106,8 @@ def rewind_jsonl(path: Path, step: int) -> None:
         return
     keep = [line for line in path.read_text().splitlines(keepends=True)
             if line.strip() and json.loads(line).get("step", 0) <= step]
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text("".join(keep))
-    os.replace(tmp, path)
+    with replacing(path) as tmp:
+        tmp.write_text("".join(keep))
 
 
 class WandbLogger:
@@ -120,7 +133,7 @@ def _wandb_id(run_dir: Path) -> str:
     import uuid
 
     run_id = uuid.uuid4().hex[:12]
-    path.write_text(run_id)
+    write_atomic(path, run_id)
     return run_id
 
 
@@ -129,7 +142,8 @@ class MultiLogger:
         self.sinks = sinks
 
     def log(self, metrics: dict[str, Any], step: int) -> None:
-        for sink in self.sinks:
+        """Nothing to log (a step where no component reported) writes nothing."""
+        for sink in self.sinks if metrics else ():
             sink.log(metrics, step)
 
     def close(self) -> None:
@@ -149,26 +163,45 @@ def build_logger(is_main: bool, run_dir: Path, wandb_mode: str, project: str, co
     return MultiLogger(sinks)
 
 
+class Progress:
+    """A tqdm bar on rank 0 that shows one metric as it is logged; closes when its block ends."""
+
+    def __init__(self, total: int, initial: int, desc: str, unit: str, postfix: tuple[str, str]):
+        from tqdm import tqdm
+
+        self.bar = tqdm(total=total, initial=initial, desc=desc, unit=unit, dynamic_ncols=True,
+                        file=sys.stdout, mininterval=1.0)
+        self.key, self.label = postfix
+
+    def advance(self, metrics: dict[str, Any]) -> None:
+        """One step done; show the metric if this step logged it."""
+        self.bar.update()
+        if metrics.get(self.key) is not None:
+            self.bar.set_postfix_str(f"{self.label} {metrics[self.key]:.3f}")
+
+    def __enter__(self) -> "Progress":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.bar.close()
+
+
 class NullProgress:
     """The progress bar of every rank but 0 (and of rank 0 with log.progress false)."""
 
-    def update(self, n: int = 1) -> None:
+    def advance(self, metrics: dict[str, Any]) -> None:
         return None
 
-    def set_postfix_str(self, s: str) -> None:
+    def __enter__(self) -> "NullProgress":
+        return self
+
+    def __exit__(self, *exc) -> None:
         return None
 
-    def close(self) -> None:
-        return None
 
-
-def build_progress(is_main: bool, enabled: bool, total: int, initial: int = 0):
-    if not (is_main and enabled):
-        return NullProgress()
-    from tqdm import tqdm
-
-    return tqdm(total=total, initial=initial, desc="train", unit="step", dynamic_ncols=True,
-                file=sys.stdout, mininterval=1.0)
+def build_progress(is_main: bool, enabled: bool, total: int, initial: int = 0, desc: str = "train",
+                   unit: str = "step", postfix: tuple[str, str] = ("train/loss", "loss")):
+    return Progress(total, initial, desc, unit, postfix) if is_main and enabled else NullProgress()
 
 
 def build_rank_log(run_dir: Path, rank: int) -> logging.Logger:

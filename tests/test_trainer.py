@@ -10,6 +10,7 @@ import pytest
 
 from conftest import BIN, ROOT, TINY_MODEL, deepspeed_train, ds_train, free_port, run_cmd, tiny_config, write_config
 
+pytestmark = pytest.mark.slow  # every test here runs the trainer through a launcher
 STAGES = ["zero0", "zero1", "zero2", "zero3"]
 
 
@@ -86,16 +87,17 @@ def test_logged_loss_is_the_token_weighted_mean_over_all_ranks(stage_run, tiny_d
     with the model's own (Hugging Face) loss path."""
     import torch
 
-    from ds_train.config import build_config
+    from ds_train.configfile import build_config
     from ds_train.data import TokenData, load_meta, rank_micro_batches
+    from transformers import set_seed
+
     from ds_train.model import build_hf_config, build_model
-    from ds_train.trainer import seed_everything
 
     res, run_dir = stage_run("zero0")
     assert res.returncode == 0
     cfg = build_config(tiny_config(tiny_data, run_dir))
     meta = load_meta(tiny_data)
-    seed_everything(cfg.seed)
+    set_seed(cfg.seed)
     model = build_model(cfg.model, build_hf_config(cfg.model, meta["vocab_size"], 64),
                         {"zero_optimization": {"stage": 0}}, cfg.seed).model
     data = TokenData(tiny_data / "train.bin", meta["dtype"], 64, cfg.seed)
@@ -150,14 +152,3 @@ def test_single_process_form_with_eval_sample_and_checkpoint(tiny_data, tmp_path
     assert results["export"] == str(exported)
     model = AutoModelForCausalLM.from_pretrained(exported)
     assert model.config.use_cache is True  # training switched the cache off per call, not in the config
-
-
-def test_host_table_is_keyed_by_node_rank():
-    """Loopback "nodes" on one machine share a hostname: the node rank keeps them apart."""
-    from ds_train.trainer import _host_table, _nodes
-
-    gathered = [(0, "vm"), (0, "vm"), (1, "vm"), (1, "vm")]  # what each rank sends, by rank
-    assert _host_table(gathered) == "hosts: node0 vm -> ranks 0,1; node1 vm -> ranks 2,3"
-    assert _host_table([(0, "a"), (1, "b")]) == "hosts: node0 a -> ranks 0; node1 b -> ranks 1"
-    assert _nodes([(1, "b"), (0, "a")]) == [{"node": 0, "host": "a", "ranks": [1]},
-                                            {"node": 1, "host": "b", "ranks": [0]}]

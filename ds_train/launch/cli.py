@@ -1,11 +1,13 @@
 """`ds-train launch` and `ds-train slurm`.
 
     ds-train launch --hostfile hostfile [deepspeed launcher flags] -- train --config C --ds-config D [k=v]
-    ds-train launch --hostfile hostfile --check -- train ...     # the preflight alone
+    ds-train launch --hostfile hostfile --check -- ript ...      # the preflight alone
     ds-train slurm --nodes 2 --gpus-per-node 8 --out job.sbatch -- train --config C --ds-config D
 
 Both subcommands take their arguments raw (deepspeed launcher flags pass through unparsed) and
-split them at the first `--`: what follows is the `train` command run on every rank.
+split them at the first `--`: what follows is the command run on every rank (train or ript),
+checked by the function the CLI registers (its own parser, its config, its batch math at the
+target world size).
 """
 
 from __future__ import annotations
@@ -14,14 +16,20 @@ import argparse
 import os
 import sys
 from pathlib import Path
+from typing import Callable
 
 from ds_train.errors import UserError
+from ds_train.fs import write_atomic
 
 # DeepSpeed's runner default (deepspeed.constants.TORCH_DISTRIBUTED_DEFAULT_PORT).
 DEFAULT_MASTER_PORT = 29500
 
 
-def add_subcommands(sub) -> None:
+# The command after `--` and the target world size -> (run config, batch plan), or a UserError.
+CheckCommand = Callable[[list[str], int], tuple]
+
+
+def add_subcommands(sub, check_command: CheckCommand) -> None:
     """Register `launch` and `slurm` on ds_train.__main__'s subparsers."""
     # prefix_chars="+": every `-flag` reaches our own parser untouched (argparse would otherwise
     # reject the deepspeed flags it does not know before we see them).
@@ -30,16 +38,17 @@ def add_subcommands(sub) -> None:
             ("slurm", "write an sbatch script that launches through the deepspeed launcher", cmd_slurm)):
         p = sub.add_parser(name, help=help_, prefix_chars="+", add_help=False)
         p.add_argument("argv", nargs=argparse.REMAINDER)
-        p.set_defaults(func=func)
+        p.set_defaults(func=func, check_command=check_command)
 
 
 def _launch_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="ds-train launch", allow_abbrev=False,
-        usage="ds-train launch --hostfile H [--check] [deepspeed launcher flags] -- train --config C "
+        usage="ds-train launch --hostfile H [--check] [deepspeed launcher flags] -- {train,ript} --config C "
               "--ds-config D [key=value ...]",
-        description="Check every host of the hostfile (ssh without a password, same Python and "
-                    "versions, working directory, free master port, batch math), write "
+        description="Check the command after `--` (its own parser, its batch math at this world size) "
+                    "and every host of the hostfile (ssh without a password, same Python and "
+                    "versions, working directory, free master port), write "
                     "output_dir/.deepspeed_env, then run the deepspeed launcher (pdsh) and exit with "
                     "its exit code. Other flags before `--` go to the deepspeed launcher unchanged.")
     p.add_argument("-H", "--hostfile", required=True, help="DeepSpeed hostfile: '<host> slots=<n>' per line")
@@ -62,38 +71,21 @@ def _launch_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _train_parser(prog: str) -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=prog, allow_abbrev=False)
-    p.add_argument("--config", required=True)
-    p.add_argument("--ds-config", required=True)
-    p.add_argument("overrides", nargs="*", metavar="key=value")
-    return p
-
-
 def _split(argv: list[str], name: str) -> tuple[list[str], list[str]]:
     if "--" not in argv:
         if any(a in ("-h", "--help") for a in argv):
             return argv, []
-        raise UserError(f"{name}: missing `-- train --config C --ds-config D`; everything after `--` is "
+        raise UserError(f"{name}: missing `-- train|ript --config C --ds-config D`; everything after `--` is "
                         f"the command run on every rank")
     i = argv.index("--")
     return argv[:i], argv[i + 1:]
 
 
-def _load_run(train_argv: list[str], prog: str, world_size: int):
-    """The run config after `--`, checked against the world size (batch math) and the ds_config."""
-    from ds_train.batch import plan_batch
-    from ds_train.config import load_config
-    from ds_train.engine import read_ds_template
-
-    if not train_argv or train_argv[0] != "train":
-        raise UserError(f"{prog}: after `--` comes `train --config C --ds-config D [key=value ...]`, "
-                        f"got {' '.join(train_argv) or 'nothing'!r}")
-    args = _train_parser(f"ds-train {prog} ... -- train").parse_args(train_argv[1:])
-    cfg = load_config(args.config, args.overrides)
-    read_ds_template(args.ds_config)
-    plan = plan_batch(cfg.train.global_batch_size, cfg.train.micro_batch_size, world_size, cfg.train.seq_len)
-    return cfg, plan
+def _check_run(args, command: list[str], world_size: int):
+    """The command after `--`, checked for the world size: (run config, batch plan)."""
+    if not command:
+        raise UserError(f"{args.command}: nothing after `--`; give `train` or `ript` with --config and --ds-config")
+    return args.check_command(command, world_size)
 
 
 def _check_flags(opts) -> None:
@@ -106,12 +98,12 @@ def _check_flags(opts) -> None:
                         f"pdsh launcher (the default); use `deepspeed --launcher {opts.launcher}` directly")
 
 
-def _check_local(cwd: str, python: str, train_argv: list[str], variables: dict[str, str]) -> None:
+def _check_local(cwd: str, python: str, command_argv: list[str], variables: dict[str, str]) -> None:
     """What must survive the launcher's remote command line, checked before any ssh."""
     from ds_train.launch import envfile
     from ds_train.launch.preflight import check_shell_safe
 
-    problems = check_shell_safe(cwd, python, train_argv)
+    problems = check_shell_safe(cwd, python, command_argv)
     try:
         envfile.check_values({**envfile.launcher_forwarded(os.environ), **variables})
     except UserError as e:
@@ -136,7 +128,7 @@ def _notes(pool: dict, passthrough: list[str]) -> list[str]:
 
 
 def _deepspeed_cmd(opts, passthrough: list[str], python: str, master_addr: str, master_port: int,
-                   train_argv: list[str]) -> list[str]:
+                   command_argv: list[str]) -> list[str]:
     return [python, "-u", "-m", "deepspeed.launcher.runner", "--hostfile", os.path.abspath(opts.hostfile),
             *(["--num_nodes", str(opts.num_nodes)] if opts.num_nodes >= 0 else []),
             *(["--num_gpus", str(opts.num_gpus)] if opts.num_gpus >= 0 else []),
@@ -145,7 +137,7 @@ def _deepspeed_cmd(opts, passthrough: list[str], python: str, master_addr: str, 
             *(["--ssh_port", str(opts.ssh_port)] if opts.ssh_port is not None else []),
             "--master_addr", master_addr, "--master_port", str(master_port),
             "--no_ssh_check",  # done by the preflight, with the ssh options pdsh uses (DeepSpeed's ignores them)
-            *passthrough, "--module", "ds_train", *train_argv]
+            *passthrough, "--module", "ds_train", *command_argv]
 
 
 def cmd_launch(args) -> int:
@@ -153,15 +145,15 @@ def cmd_launch(args) -> int:
     from ds_train.launch.hostfile import read_hostfile, select_hosts
     from ds_train.launch.preflight import SshOptions, run_preflight
 
-    ours, train_argv = _split(args.argv, "launch")
+    ours, command_argv = _split(args.argv, "launch")
     opts, passthrough = _launch_parser().parse_known_args(ours)
     _check_flags(opts)
     pool = select_hosts(read_hostfile(opts.hostfile), opts.num_nodes, opts.num_gpus, opts.include, opts.exclude)
     world_size = sum(len(slots) for slots in pool.values())
-    cfg, plan = _load_run(train_argv, "launch", world_size)
+    cfg, plan = _check_run(args, command_argv, world_size)
     cwd, python = os.path.abspath("."), sys.executable
     variables = envfile.collect_env(os.environ, list(cfg.launch.env), cwd)
-    _check_local(cwd, python, train_argv, variables)
+    _check_local(cwd, python, command_argv, variables)
 
     ssh = SshOptions.from_env(os.environ, opts.ssh_timeout, opts.ssh_port)
     result = run_preflight(pool, ssh, python, cwd, opts.master_addr, opts.master_port)
@@ -178,7 +170,7 @@ def cmd_launch(args) -> int:
 
     env_file = envfile.write_env_file(Path(cfg.output_dir) / envfile.ENV_FILE, variables)
     print(f"launch: wrote {env_file} ({', '.join(variables)})")
-    cmd = _deepspeed_cmd(opts, passthrough, python, result.master_addr, result.master_port, train_argv)
+    cmd = _deepspeed_cmd(opts, passthrough, python, result.master_addr, result.master_port, command_argv)
     print(f"launch: {' '.join(cmd)}", flush=True)
     sys.stderr.flush()
     # Replace this process: signals reach the launcher, which stops the remote ranks through pdsh.
@@ -189,7 +181,7 @@ def cmd_launch(args) -> int:
 def _slurm_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="ds-train slurm", allow_abbrev=False,
-        usage="ds-train slurm --nodes N --gpus-per-node G [options] [ds-train launch flags] -- train "
+        usage="ds-train slurm --nodes N --gpus-per-node G [options] [ds-train launch flags] -- {train,ript} "
               "--config C --ds-config D [key=value ...]",
         description="Write an sbatch script: hostfile from the allocation, `ds-train launch --check`, "
                     "then `ds-train launch`. Flags not listed here go to `ds-train launch`.")
@@ -207,15 +199,15 @@ def _slurm_parser() -> argparse.ArgumentParser:
 def cmd_slurm(args) -> int:
     from ds_train.launch.slurm import SlurmJob, render_sbatch
 
-    ours, train_argv = _split(args.argv, "slurm")
+    ours, command_argv = _split(args.argv, "slurm")
     opts, launch_args = _slurm_parser().parse_known_args(ours)
     job = SlurmJob(opts.nodes, opts.gpus_per_node, opts.partition, opts.time, opts.job_name, opts.account,
                    opts.requeue)
-    _load_run(train_argv, "slurm", opts.nodes * opts.gpus_per_node)  # batch math fails here, not in the queue
-    script = render_sbatch(job, sys.executable, os.path.abspath("."), launch_args, train_argv)
+    _check_run(args, command_argv, opts.nodes * opts.gpus_per_node)  # batch math fails here, not in the queue
+    script = render_sbatch(job, sys.executable, os.path.abspath("."), launch_args, command_argv)
     if not opts.out:
         sys.stdout.write(script)
         return 0
-    Path(opts.out).write_text(script)
+    write_atomic(Path(opts.out), script)
     print(f"wrote {opts.out}; submit it with: sbatch {opts.out}", file=sys.stderr)
     return 0

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Mapping
 
 from ds_train.errors import UserError
+from ds_train.fs import replacing
 
 ENV_FILE = ".deepspeed_env"
 # Forwarded when set, unless the name looks like a secret.
@@ -86,9 +87,7 @@ def write_env_file(path: Path, variables: Mapping[str, str]) -> Path:
     """Write the file readable by its owner only: listed variables may be credentials."""
     text = render(variables)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
+    with replacing(path) as tmp:
+        with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
+            f.write(text)
     return path.resolve()

@@ -10,11 +10,11 @@ shape a simulator-backed robot task plugs into. User tasks load by `module:Class
 from __future__ import annotations
 
 import abc
-import importlib
+import pkgutil
 import random
 import zlib
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Iterator, Protocol
 
 from ds_train.errors import UserError
 
@@ -171,18 +171,36 @@ class GuessNumber:
 BUILTIN: dict[str, type] = {t.name: t for t in (Add, Reverse, Copy, SortDigits, Parity, MaxDigit, GuessNumber)}
 
 
+DEMOS_SOURCE = "ript-demos"  # data source `ript-demos:N`: N demonstrations per built-in task (SFT data)
+
+
+def demonstrations(count: str) -> Iterator[tuple[str, str]]:
+    """`ript-demos:N`: each built-in task's solved transcript of N training contexts (seed 0)."""
+    if not count.isdigit() or int(count) <= 0:
+        raise UserError(f"data.sources: '{DEMOS_SOURCE}:{count}': write {DEMOS_SOURCE}:N with N "
+                        f"demonstrations per task")
+    for name, cls in BUILTIN.items():
+        task = cls()
+        for i, context in enumerate(task.contexts("train", int(count), seed=0)):
+            yield f"{DEMOS_SOURCE}/{name}/{i}", task.demonstration(context)
+
+
+def load_object(spec: str, what: str):
+    """`module:Class` -> an instance (pkgutil.resolve_name), or a UserError naming `what`."""
+    try:
+        return pkgutil.resolve_name(spec)()
+    except (ImportError, AttributeError, ValueError, TypeError) as e:
+        raise UserError(f"{what}: cannot load {spec!r}: {e}") from None
+
+
 def load_task(spec: str) -> Task:
     """A built-in name (add, rev, copy, sort, parity, max, guess) or `module:Class`."""
     if spec in BUILTIN:
         return BUILTIN[spec]()
-    module, sep, cls = spec.partition(":")
-    if not sep:
+    if ":" not in spec:
         raise UserError(f"ript.tasks: {spec!r} is neither a built-in task ({', '.join(BUILTIN)}) "
                         f"nor module:Class")
-    try:
-        task = getattr(importlib.import_module(module), cls)()
-    except (ImportError, AttributeError) as e:
-        raise UserError(f"ript.tasks: cannot load {spec!r}: {e}") from None
+    task = load_object(spec, "ript.tasks")
     for attr in ("name", "max_turns", "contexts", "reset", "step"):
         if not hasattr(task, attr):
             raise UserError(f"ript.tasks: {spec!r} lacks {attr!r} (see ds_train/ript/tasks.py: Task)")

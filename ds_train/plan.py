@@ -1,0 +1,161 @@
+"""The memory plan of a run for a target cluster: ZeRO 0-3 side by side, ranked fixes, presets,
+and the report printed after a real out-of-memory. Pure arithmetic over ds_train/memory.py: no
+accelerator, no process group."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ds_train.batch import valid_micro_batch_sizes
+from ds_train.config import RunConfig
+from ds_train.errors import UserError
+from ds_train.memory import GiB, Estimate, ModelShape, estimate, model_shape
+
+PRESETS = {"conservative": 0.5, "balanced": 0.7, "aggressive": 0.9}  # target fraction of GPU memory
+STAGE_FILES = {0: "zero0.json", 1: "zero1.json", 2: "zero2.json", 3: "zero3.json"}
+
+
+@dataclass(frozen=True)
+class Target:
+    nodes: int
+    gpus_per_node: int
+    gpu_memory_gib: float
+
+    @property
+    def world(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+
+def plan_rows(shape: ModelShape, cfg: RunConfig, zero: dict, target: Target, dtype: str) -> list[dict]:
+    """The given config and ZeRO 0-3 (with and without activation checkpointing) side by side."""
+    rows = []
+    given = int(zero.get("stage", 0))
+    for stage in range(4):
+        z = zero if stage == given else {**stage_defaults(stage, shape), "stage": stage}
+        for ckpt in (cfg.model.activation_checkpointing, not cfg.model.activation_checkpointing):
+            est = estimate(shape, stage, dtype, target.world, cfg.train.micro_batch_size,
+                           cfg.train.seq_len, ckpt, z)
+            rows.append(_row(est, ckpt, stage == given and ckpt == cfg.model.activation_checkpointing,
+                             target, cfg.train.micro_batch_size, zero_label(z)))
+    return rows
+
+
+def stage_defaults(stage: int, shape: ModelShape) -> dict:
+    """Bucket sizes as the shipped ds_configs resolve them."""
+    h = shape.hidden
+    if stage == 3:
+        return {"reduce_bucket_size": h * h, "stage3_prefetch_bucket_size": int(0.9 * h * h),
+                "overlap_comm": True}
+    return {"reduce_bucket_size": 2e8, "allgather_bucket_size": 2e8, "overlap_comm": stage == 2}
+
+
+def resolved_zero(template: dict, shape: ModelShape) -> dict:
+    """The template's zero_optimization section with its "auto" buckets filled in."""
+    zero = dict(template.get("zero_optimization", {"stage": 0}))
+    for key, value in stage_defaults(int(zero.get("stage", 0)), shape).items():
+        if zero.get(key, "auto") == "auto":
+            zero[key] = value
+    return zero
+
+
+def zero_label(zero: dict) -> str:
+    label = f"ZeRO-{int(zero.get('stage', 0))}"
+    if zero.get("offload_optimizer", {}).get("device") in ("cpu", "nvme"):
+        label += " +opt offload"
+    if zero.get("offload_param", {}).get("device") in ("cpu", "nvme"):
+        label += " +param offload"
+    return label
+
+
+def _row(est: Estimate, ckpt: bool, given: bool, target: Target, micro: int, label: str) -> dict:
+    s = est.states
+    return {"config": label, "activation_checkpointing": ckpt, "micro_batch_size": micro,
+            "given": given, "params_gib": s.params / GiB, "grads_gib": s.grads / GiB,
+            "optimizer_gib": (s.optimizer + s.step_transient) / GiB,
+            "activations_gib": est.activations.peak / GiB, "buffers_gib": est.buffers / GiB,
+            "gpu_peak_gib": est.gpu_peak / GiB, "cpu_gib": est.cpu / GiB,
+            "fits": est.gpu_peak / GiB <= target.gpu_memory_gib}
+
+
+def format_rows(rows: list[dict], target: Target) -> str:
+    head = (f"per-GPU memory (GiB) for {target.nodes} node(s) x {target.gpus_per_node} GPU(s) = "
+            f"world {target.world}, {target.gpu_memory_gib:g} GiB each\n"
+            f"  {'config':<28} {'ckpt':>4} {'params':>7} {'grads':>7} {'optim':>7} {'activ':>7} "
+            f"{'buffers':>7} {'peak':>7} {'cpu':>6}  fits")
+    lines = [head]
+    for r in rows:
+        mark = "<- given" if r["given"] else ""
+        label = f"{r['config']} micro {r['micro_batch_size']}"
+        lines.append(f"  {label:<28} "
+                     f"{'on' if r['activation_checkpointing'] else 'off':>4} {r['params_gib']:7.2f} "
+                     f"{r['grads_gib']:7.2f} {r['optimizer_gib']:7.2f} {r['activations_gib']:7.2f} "
+                     f"{r['buffers_gib']:7.2f} {r['gpu_peak_gib']:7.2f} {r['cpu_gib']:6.1f}  "
+                     f"{'yes' if r['fits'] else 'NO '} {mark}")
+    return "\n".join(lines)
+
+
+def suggestions(shape: ModelShape, cfg: RunConfig, zero: dict, target: Target, dtype: str) -> list[dict]:
+    """Changes that lower the per-GPU peak, cheapest first, each with its predicted peak."""
+    stage, micro, ckpt = int(zero.get("stage", 0)), cfg.train.micro_batch_size, cfg.model.activation_checkpointing
+    seq = cfg.train.seq_len
+    out = []
+
+    def add(change: str, **kw):
+        est = estimate(shape, kw.get("stage", stage), dtype, target.world, kw.get("micro", micro),
+                       kw.get("seq", seq), kw.get("ckpt", ckpt), kw.get("zero", zero))
+        out.append({"change": change, "gpu_peak_gib": est.gpu_peak / GiB,
+                    "fits": est.gpu_peak / GiB <= target.gpu_memory_gib})
+
+    per_rank = cfg.train.global_batch_size // target.world if cfg.train.global_batch_size % target.world == 0 else 0
+    smaller = [m for m in valid_micro_batch_sizes(per_rank * target.world, target.world) if m < micro] if per_rank else []
+    if smaller:
+        m = max(smaller)
+        add(f"train.micro_batch_size={m} (more accumulation, same global batch)", micro=m)
+    if not ckpt:
+        add("model.activation_checkpointing=true (about a third more compute)", ckpt=True)
+    for s in range(stage + 1, 4):
+        add(f"--ds-config ds_configs/{STAGE_FILES[s]}", stage=s, zero={**stage_defaults(s, shape), "stage": s})
+    off = {**stage_defaults(3, shape), "stage": 3, "offload_optimizer": {"device": "cpu"}}
+    add("--ds-config ds_configs/zero3_offload.json optimizer offload (slower steps)", stage=3, zero=off)
+    add(f"train.seq_len={seq // 2} (changes what is learned)", seq=seq // 2)
+    return out
+
+
+def format_suggestions(items: list[dict]) -> list[str]:
+    return [f"  {s['gpu_peak_gib']:7.2f} GiB {'fits' if s['fits'] else '    '}  {s['change']}" for s in items]
+
+
+def pick_preset(shape: ModelShape, cfg: RunConfig, target: Target, dtype: str, preset: str) -> dict:
+    """Micro-batch, activation checkpointing and stage within the preset's memory fraction:
+    prefer no checkpointing, then the lowest stage, then the largest micro-batch."""
+    budget = PRESETS[preset] * target.gpu_memory_gib
+    if cfg.train.global_batch_size % target.world:
+        raise UserError(f"train.global_batch_size={cfg.train.global_batch_size} is not divisible by the "
+                        f"world size {target.world}")
+    micros = sorted(valid_micro_batch_sizes(cfg.train.global_batch_size, target.world), reverse=True)
+    for ckpt in (False, True):
+        for stage in range(4):
+            z = {**stage_defaults(stage, shape), "stage": stage}
+            for m in micros:
+                est = estimate(shape, stage, dtype, target.world, m, cfg.train.seq_len, ckpt, z)
+                if est.gpu_peak / GiB <= budget:
+                    return {"preset": preset, "memory_fraction": PRESETS[preset],
+                            "micro_batch_size": m, "activation_checkpointing": ckpt, "stage": stage,
+                            "gpu_peak_gib": est.gpu_peak / GiB,
+                            "overrides": f"train.micro_batch_size={m} model.activation_checkpointing="
+                                         f"{str(ckpt).lower()}", "ds_config": f"ds_configs/{STAGE_FILES[stage]}"}
+    raise UserError(f"preset {preset}: nothing fits in {budget:.1f} GiB per GPU, even ZeRO-3 with "
+                    f"micro-batch 1 and activation checkpointing; use offload or more GPUs")
+
+
+def oom_report(cfg: RunConfig, ds_config: dict, hf_config, world: int, gpu_memory_gib: float) -> str:
+    """What to change after a real out-of-memory: the estimate for this run and the ranked fixes."""
+    shape = model_shape(hf_config)
+    target = Target(1, world, gpu_memory_gib)
+    dtype = "bf16" if ds_config.get("bf16", {}).get("enabled") else \
+        "fp16" if ds_config.get("fp16", {}).get("enabled") else "fp32"
+    zero = ds_config.get("zero_optimization", {"stage": 0})
+    rows = [r for r in plan_rows(shape, cfg, zero, target, dtype) if r["given"]]
+    lines = ["out of GPU memory; the plan for this run:", format_rows(rows, target),
+             "changes ranked by cost, with the predicted per-GPU peak:"]
+    return "\n".join(lines + format_suggestions(suggestions(shape, cfg, zero, target, dtype)))

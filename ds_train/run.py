@@ -1,0 +1,286 @@
+"""One run machinery for `train`, `ript` and `dry-run`: everything before the first step and after
+the last, built once. Each command adds only its own loop:
+
+    with build_run(cfg, ds_config_path, dist.detect_env(), spec, source) as run:
+        start = run.maybe_resume()
+        for step in ...:            # the command's loop; run.checkpointer, run.logger decide
+            ...
+
+`build_run` checks every input first (batch math at this world size, the DeepSpeed template, the
+model, the resume point) and writes nothing until all of them pass. Then it converts a checkpoint
+for a new world size or stage if needed, exports a ds_train run given as model.path, joins the
+process group, builds the engine and writes config.yaml, ds_config.json, env.json and hf_model/.
+Leaving the block restores the signal handlers and closes the sinks; after an orderly end (or a
+stop every rank agreed on) it also frees DeepSpeed's shared-memory buffers and the process group.
+A CUDA out-of-memory leaves it as OutOfMemory, whose message is this run's memory plan.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import signal
+import socket
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any, Callable
+
+from ds_train import checkpoint, dist
+from ds_train.batch import BatchPlan, plan_batch, scaled_lr
+from ds_train.config import RunConfig
+from ds_train.configfile import save_config
+from ds_train.data import load_tokenizer
+from ds_train.engine import initialize, read_ds_template, render_ds_config, zero_stage
+from ds_train.errors import OutOfMemory, RunStopped
+from ds_train.export import export, locate_model, save_hf_metadata
+from ds_train.fs import file_lock, write_atomic
+from ds_train.metrics import Logger, build_logger, build_progress, build_rank_log, peak_flops, rewind_jsonl
+from ds_train.model import build_hf_config, build_model, count_params, flops_per_token, resolve_dtype
+from ds_train.plan import oom_report
+
+INIT_MODEL_DIR = "init_model"  # a ds_train run given as model.path, exported once into the run dir
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """What a command tells the machinery about itself."""
+
+    kind: str  # "train" or "ript": recorded in every checkpoint, checked on resume
+    last: int  # the loop's last step (train.max_steps, ript.iterations)
+    steps: Callable[[BatchPlan], int]  # optimizer steps the LR schedule spans; UserError if impossible
+    unit: str = "step"  # what the loop counts, in messages
+    same_world: bool = False  # resume only at the saved world size (work sharded per rank)
+    console_keys: tuple[str, ...] = ()  # what the console prints per logged step (empty: training's)
+
+    def check(self, cfg: RunConfig, world_size: int) -> tuple[BatchPlan, int]:
+        """The batch math at this world size: the plan and the schedule's length (pure; the
+        launch preflight calls it for the target cluster)."""
+        plan = plan_batch(cfg.train.global_batch_size, cfg.train.micro_batch_size, world_size,
+                          cfg.train.seq_len)
+        return plan, self.steps(plan)
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """The model a run starts from, resolved (and checked) before anything is written."""
+
+    hf_config: Any
+    tokenizer: Any
+    weights: Path | None  # a Hugging Face directory to load; None: from scratch (model.config)
+    export_from: Path | None = None  # a ds_train run whose weights become <run dir>/init_model
+
+
+def resolve_model(cfg: RunConfig, tokenizer_dir: str | Path = "") -> ModelSource:
+    """model.path (a Hugging Face directory or a ds_train run) or model.config, with the tokenizer
+    of `tokenizer_dir`, else the model directory's."""
+    hf_dir, export_from = locate_model(cfg.model.path) if cfg.model.path else (None, None)
+    tokenizer = load_tokenizer(tokenizer_dir or hf_dir)
+    model_cfg = replace(cfg.model, path=str(hf_dir or ""))
+    hf_config = build_hf_config(model_cfg, len(tokenizer), cfg.train.seq_len)
+    return ModelSource(hf_config, tokenizer, hf_dir, export_from)
+
+
+class StopRequest:
+    """SIGTERM / SIGINT set a flag; the checkpointer agrees on it across ranks at step boundaries."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self):
+        self.signum = 0
+        self._previous = {sig: signal.signal(sig, self._handle) for sig in self.SIGNALS}
+
+    def _handle(self, signum, frame) -> None:
+        self.signum = signum
+
+    def agreed(self) -> int:
+        """The signal number if any rank got one (a collective: every rank calls it every step)."""
+        return int(dist.all_reduce_max([float(self.signum)])[0])
+
+    def restore(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+
+@dataclass
+class Run:
+    cfg: RunConfig
+    env: dist.DistEnv
+    spec: RunSpec
+    plan: BatchPlan
+    run_dir: Path
+    ds_config: dict
+    dtype: str
+    lr: float
+    engine: Any
+    tokenizer: Any
+    n_params: int
+    flops_per_token: float
+    peak_flops: float | None  # None off GPUs: no MFU
+    logger: Logger  # real sinks on rank 0, a null logger elsewhere
+    rank_log: Any  # logs/rank_<r>.log on every rank
+    say: Callable[..., None]  # print on rank 0, nothing elsewhere
+    checkpointer: checkpoint.Checkpointer
+    stop: StopRequest
+    resume: checkpoint.ResumePoint | None
+
+    @property
+    def zero_stage(self) -> int:
+        return self.engine.zero_optimization_stage()
+
+    def progress(self, initial: int, **kw):
+        """The loop's progress bar (rank 0, log.progress); closes when its block ends."""
+        return build_progress(self.env.is_main, self.cfg.log.progress, self.spec.last, initial, **kw)
+
+    def maybe_resume(self) -> dict | None:
+        """Load the resume point found at start, if any: weights, optimizer, scheduler, this rank's
+        RNG. Returns the saved record (step, the command's state), or None for a fresh start."""
+        if self.resume is None:
+            return None
+        state = checkpoint.load(self.engine, self.resume, self.env.rank, self.env.world_size)
+        self.say(f"resumed from {self.resume.load_dir / self.resume.tag} at {self.spec.unit} {state['step']}")
+        return state
+
+    def __enter__(self) -> "Run":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        import torch
+
+        if isinstance(exc, torch.cuda.OutOfMemoryError):  # the memory plan of this run says what to change
+            gib = torch.cuda.get_device_properties(self.engine.device).total_memory / 2**30
+            exc = OutOfMemory(oom_report(self.cfg, self.ds_config, self.engine.module.config,
+                                         self.env.world_size, gib))
+        self.stop.restore()
+        self.logger.close()
+        self.rank_log.info(_ending(exc))
+        if exc is None or isinstance(exc, RunStopped):  # every rank is here: collectives cannot hang
+            dist.barrier()
+            dist.release_shared_memory(self.env)
+            dist.shutdown()
+        if isinstance(exc, OutOfMemory):
+            raise exc from None
+
+
+def build_run(cfg: RunConfig, ds_config_path: str, env: dist.DistEnv, spec: RunSpec, source: ModelSource,
+              quiet: bool = False) -> Run:
+    """Everything before the first step. Bad input fails here, before anything is written."""
+    import torch
+    from deepspeed.accelerator import get_accelerator
+
+    # 1. Checks: nothing is written until every one has passed.
+    template = read_ds_template(ds_config_path)
+    plan, total_steps = spec.check(cfg, env.world_size)
+    accel = get_accelerator()
+    on_gpu = accel.device_name() == "cuda"
+    dtype = resolve_dtype(cfg.model.dtype, accel.device_name(), accel.is_bf16_supported())
+    lr = scaled_lr(cfg.optim.lr, plan.global_batch_size, cfg.optim.reference_batch_size, cfg.optim.lr_scaling)
+    run_dir = Path(cfg.output_dir)
+    found = checkpoint.find_resume(cfg.checkpoint.resume, run_dir / "checkpoints")
+    changes = checkpoint.check_resume(found, cfg, spec.kind, env.world_size, spec.same_world)
+    resume_plan = checkpoint.plan_resume(found, env.world_size, zero_stage(template), dtype,
+                                         cfg.checkpoint.load_universal)
+    ds_config = render_ds_config(template, cfg, plan, dtype=dtype, hidden_size=source.hf_config.hidden_size,
+                                 lr=lr, total_steps=total_steps, on_gpu=on_gpu,
+                                 load_universal=resume_plan.universal, source=str(ds_config_path))
+
+    # 2. Writes: a converted checkpoint, an exported initial model, then the engine and the run dir.
+    resume = checkpoint.prepare_resume(resume_plan)
+    weights = _export_initial_model(source, run_dir)
+    if on_gpu:
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+    dist.init(env)  # after every check that needs no peers, so bad input fails fast on each rank
+    from transformers import set_seed
+
+    set_seed(cfg.seed)
+    model_cfg = replace(cfg.model, path=str(weights or ""))
+    built = build_model(model_cfg, source.hf_config, ds_config, cfg.seed)
+    n_params = count_params(built.model)
+    engine = initialize(built.model, ds_config)
+
+    run_dir.mkdir(parents=True, exist_ok=True)
+    hosts = dist.all_gather_object((env.node_rank, socket.gethostname()))  # node rank: loopback nodes share a name
+    if env.is_main:
+        save_config(cfg, run_dir / "config.yaml")
+        write_atomic(run_dir / "ds_config.json", json.dumps(ds_config, indent=2))
+        write_atomic(run_dir / "env.json", json.dumps(env_record(env, hosts, dtype, spec.kind), indent=2))
+        save_hf_metadata(source.hf_config, source.tokenizer, run_dir / "hf_model")
+        if resume:  # steps after the checkpoint run again: drop their old lines
+            rewind_jsonl(run_dir / "metrics.jsonl", int(resume.state["step"]))
+    say = print if env.is_main and not quiet else _silent
+    if changes:
+        say("resuming with changed settings: " + "; ".join(changes))
+    for note in resume_plan.notes:
+        say(note)
+    say(plan.describe())
+    say(f"lr {lr:.3g} (optim.lr {cfg.optim.lr:g}, scaling {cfg.optim.lr_scaling}); dtype {dtype}; "
+        f"ZeRO stage {engine.zero_optimization_stage()}; {n_params / 1e6:.2f}M parameters")
+    say(host_table(hosts))
+
+    device_name = torch.cuda.get_device_name() if on_gpu else platform.processor() or "cpu"
+    logger = build_logger(env.is_main, run_dir, cfg.log.wandb, cfg.log.wandb_project, cfg.to_dict(),
+                          console_keys=spec.console_keys)
+    rank_log = build_rank_log(run_dir, env.rank)
+    rank_log.info(f"pid {os.getpid()} host {socket.gethostname()} local_rank {env.local_rank} node {env.node_rank} "
+                  f"world {env.world_size} launcher {env.launcher} device {device_name}")
+    stop = StopRequest()
+    record = {"kind": spec.kind, "zero_stage": engine.zero_optimization_stage(), "dtype": dtype,
+              "config": cfg.to_dict()}
+    ckpt = checkpoint.Checkpointer(engine, run_dir, cfg.checkpoint, spec.last, env.rank, env.world_size,
+                                   record, stop, rank_log, spec.unit)
+    fpt = flops_per_token(n_params, source.hf_config.num_hidden_layers, source.hf_config.hidden_size,
+                          cfg.train.seq_len)
+    return Run(cfg, env, spec, plan, run_dir, ds_config, dtype, lr, engine, source.tokenizer, n_params, fpt,
+               peak_flops(device_name, cfg.log.peak_tflops) if on_gpu else None, logger, rank_log, say,
+               ckpt, stop, resume)
+
+
+def _ending(exc: BaseException | None) -> str:
+    """The last line of a rank's log: how this rank's run ended."""
+    if exc is None:
+        return "run ended"
+    if hasattr(exc, "exit_code"):
+        return f"exit {exc.exit_code}: {exc}"
+    return f"exit 1: {type(exc).__name__}: {exc}"
+
+
+def _silent(*args, **kwargs) -> None:
+    return None
+
+
+def _export_initial_model(source: ModelSource, run_dir: Path) -> Path | None:
+    """The directory to load weights from: model.path, or a ds_train run exported once (every rank
+    asks; the first to take the lock exports, the others wait)."""
+    if source.export_from is None:
+        return source.weights
+    out = run_dir / INIT_MODEL_DIR
+    with file_lock(run_dir / f".{INIT_MODEL_DIR}.lock"):
+        if not (out / "config.json").is_file():
+            export(source.export_from, out)
+    return out
+
+
+def env_record(env: dist.DistEnv, hosts: list[tuple[int, str]], dtype: str, kind: str) -> dict:
+    import deepspeed
+    import torch
+    import transformers
+
+    return {"command": kind, "torch": torch.__version__, "deepspeed": deepspeed.__version__,
+            "transformers": transformers.__version__, "python": platform.python_version(),
+            "world_size": env.world_size, "launcher": env.launcher, "hosts": nodes(hosts),
+            "accelerator": dist.accelerator_name(), "dtype": dtype}
+
+
+def nodes(hosts: list[tuple[int, str]]) -> list[dict]:
+    """[{node, host, ranks}] in node order, from each rank's (node rank, hostname)."""
+    by_node: dict[tuple[int, str], list[int]] = {}
+    for rank, (node, host) in enumerate(hosts):
+        by_node.setdefault((node, host), []).append(rank)
+    return [{"node": node, "host": host, "ranks": ranks} for (node, host), ranks in sorted(by_node.items())]
+
+
+def host_table(hosts: list[tuple[int, str]]) -> str:
+    """`hosts: node0 vm -> ranks 0,1; node1 vm -> ranks 2,3`."""
+    return "hosts: " + "; ".join(f"node{n['node']} {n['host']} -> ranks {','.join(map(str, n['ranks']))}"
+                                 for n in nodes(hosts))
