@@ -139,3 +139,87 @@ def deepspeed_args(config: Path, ds_config: str, *overrides: str, nproc: int = 2
     return [str(BIN / "deepspeed"), "--num_gpus", str(nproc), "--master_port", str(free_port()),
             "--module", "ds_train", "train", "--config", str(config),
             "--ds-config", str(ROOT / "ds_configs" / ds_config), *overrides]
+
+
+def tree_listing(root: Path) -> dict[str, tuple]:
+    """Every file and directory under `root` with its size, mtime and content hash: equal
+    listings mean nothing was written, touched or removed."""
+    import hashlib
+
+    out = {}
+    for p in sorted(root.rglob("*")):
+        st = p.lstat()
+        digest = hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else None
+        out[str(p.relative_to(root))] = (p.is_dir(), st.st_size if p.is_file() else 0, st.st_mtime_ns, digest)
+    return out
+
+
+def demonstration_texts(per_task: int = 30) -> list[str]:
+    from ds_train.ript.tasks import BUILTIN
+
+    return [t().demonstration(c) for t in BUILTIN.values() for c in t().contexts("train", per_task, 0)]
+
+
+@pytest.fixture(scope="session")
+def tiny_policy(tmp_path_factory) -> Path:
+    """A Hugging Face directory: a tiny random Llama and a BPE trained on the task demonstrations."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from ds_train.data import train_tokenizer
+
+    out = tmp_path_factory.mktemp("policy")
+    tok = train_tokenizer(demonstration_texts(), 300, out)
+    torch.manual_seed(0)
+    cfg = AutoConfig.for_model(**{**TINY_MODEL, "vocab_size": len(tok)})
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="session")
+def sft_policy(tiny_policy, tmp_path_factory) -> Path:
+    """tiny_policy after 150 AdamW steps on the demonstrations (in this process, plain torch): it
+    solves parity, max and guess some of the time, so RLOO groups of K disagree and RIPT updates."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    out = tmp_path_factory.mktemp("sft_policy")
+    tok = AutoTokenizer.from_pretrained(tiny_policy)
+    model = AutoModelForCausalLM.from_pretrained(tiny_policy)
+    eos = tok.eos_token_id
+    seqs = [[eos, *tok(t, add_special_tokens=False)["input_ids"], eos] for t in demonstration_texts()]
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(150):
+        rows = [seqs[i] for i in torch.randint(len(seqs), (16,), generator=gen).tolist()]
+        width = max(map(len, rows))
+        ids = torch.full((16, width), eos)
+        labels = torch.full((16, width), -100)
+        for r, seq in enumerate(rows):
+            ids[r, :len(seq)] = labels[r, :len(seq)] = torch.tensor(seq)
+        model(input_ids=ids, labels=labels).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    return out
+
+
+SCRIPTED_TASKS = ["add", "copy", "rev", "sort"]
+TESTS_ON_PATH = {"PYTHONPATH": str(ROOT / "tests")}  # ript.policy: ript_policies:Scripted
+
+
+def ript_config(tmp: Path, model_dir: Path, train: dict | None = None, optim: dict | None = None,
+                **ript) -> Path:
+    """A RIPT run of `model_dir` (scripted policy, 4 tasks, 2 iterations); `ript` keys override."""
+    cfg = {"output_dir": str(tmp / "run"), "seed": 3,
+           "model": {"path": str(model_dir), "dtype": "fp32"},
+           "train": {"micro_batch_size": 4, "global_batch_size": 24, "seq_len": 64, **(train or {})},
+           "optim": {"lr": 1e-3, "warmup_steps": 0, "weight_decay": 0.0, "min_lr_ratio": 1.0, **(optim or {})},
+           "checkpoint": {"every": 0, "save_final": True},
+           "log": {"progress": False},
+           "ript": {"tasks": SCRIPTED_TASKS, "policy": "ript_policies:Scripted", "iterations": 2,
+                    "rloo_batch_size": 4, "contexts_per_rank": 3, "rollout_contexts": 1,  # K: ript_policies.K
+                    "max_contexts_checked": 6, "train_contexts": 20, "eval_contexts": 8,
+                    "eval_every": 0, **ript}}
+    return write_config(tmp / "ript.yaml", cfg)

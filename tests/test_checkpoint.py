@@ -81,6 +81,77 @@ def test_config_changes_split_into_errors_and_notes():
     assert notes == ["optim.lr: 0.001 -> 0.0005", "train.max_steps: 10 -> 20"]
 
 
+def test_check_resume_refuses_another_kind_and_for_ript_another_world_size(tmp_path):
+    from ds_train.configfile import build_config
+
+    cfg = build_config({"model": {"config": {"model_type": "llama"}}})
+    state = {"step": 4, "world_size": 2, "config": cfg.to_dict()}
+    train_point = checkpoint.ResumePoint(tmp_path, "step_00000004", state)  # written before `kind` existed
+    ript_point = checkpoint.ResumePoint(tmp_path, "step_00000004", {**state, "kind": "ript"})
+    assert checkpoint.check_resume(train_point, cfg, "train", world=1) == []  # world size may change
+    with pytest.raises(UserError, match="a train checkpoint; `ript` cannot resume from it"):
+        checkpoint.check_resume(train_point, cfg, "ript", world=2, same_world=True)
+    with pytest.raises(UserError, match="a ript checkpoint; `train` cannot resume from it"):
+        checkpoint.check_resume(ript_point, cfg, "train", world=2)
+    with pytest.raises(UserError, match="saved with 2 ranks; resume ript with the same world size"):
+        checkpoint.check_resume(ript_point, cfg, "ript", world=3, same_world=True)
+
+
+def test_plan_resume_decides_without_writing(tmp_path):
+    point = checkpoint.ResumePoint(tmp_path, "step_00000004", {"world_size": 2, "zero_stage": 2, "dtype": "fp32"})
+    assert checkpoint.plan_resume(point, 2, 2, "fp32", False) == checkpoint.ResumePlan(point)
+    moved = checkpoint.plan_resume(point, 1, 3, "fp32", False)
+    assert moved.universal and moved.convert and "world size 2 -> 1, ZeRO stage 2 -> 3" in moved.notes[0]
+    with pytest.raises(UserError, match="fp32 ZeRO-0"):
+        checkpoint.plan_resume(point, 2, 0, "fp32", False)
+    assert list(tmp_path.iterdir()) == []  # deciding wrote nothing; prepare_resume converts
+
+
+class _Stop:
+    def __init__(self, signum=0):
+        self.signum = signum
+
+    def agreed(self):
+        return self.signum
+
+
+class _Recorder(checkpoint.Checkpointer):
+    """The Checkpointer's own decisions, with the save (DeepSpeed's collective) recorded instead."""
+
+    def save(self, step, state):
+        self.saved.append((step, state))
+        return checkpoint.tag_for(step)
+
+
+def checkpointer(every=0, save_final=True, signum=0):
+    from ds_train.config import CheckpointConfig
+
+    c = _Recorder(None, ROOT, CheckpointConfig(every=every, save_final=save_final), 10, 0, 1, {}, _Stop(signum),
+                  None, unit="iteration")
+    c.saved = []
+    return c
+
+
+def test_the_checkpointer_decides_which_steps_are_its():
+    c = checkpointer(every=4)
+    for step in range(1, 11):
+        c.maybe_save(step, lambda: {"at": step})
+    assert c.saved == [(4, {"at": 4}), (8, {"at": 8}), (10, {"at": 10})]
+    c = checkpointer(every=0, save_final=False)
+    for step in range(1, 11):
+        c.maybe_save(step)
+    assert c.saved == []
+
+
+def test_an_agreed_signal_saves_then_stops_with_128_plus_the_signal():
+    from ds_train.errors import Preempted
+
+    c = checkpointer(signum=int(signal.SIGTERM))
+    with pytest.raises(Preempted, match="stopped by signal 15 at iteration 3; checkpoint saved") as stop:
+        c.maybe_save(3, lambda: {"ript": "state"})
+    assert c.saved == [(3, {"ript": "state"})] and stop.value.exit_code == 143
+
+
 # ---- through the real launcher -------------------------------------------------------------
 
 STEPS = 18  # kill-9 at step 10 leaves 8 steps and two saves still to run
@@ -127,6 +198,7 @@ def reference(tiny_data, tmp_path_factory):
     return get
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stage", ["zero3"])  # zero2: the SIGTERM test below interrupts and resumes it
 def test_kill_9_of_rank_1_then_resume_is_exact(stage, reference, tiny_data, tmp_path):
     run_dir = tmp_path / "run"
@@ -153,6 +225,7 @@ def test_kill_9_of_rank_1_then_resume_is_exact(stage, reference, tiny_data, tmp_
         assert got[step]["loss"] == ref[step]["loss"], (step, got[step]["loss"], ref[step]["loss"])
 
 
+@pytest.mark.slow
 def test_sigterm_saves_at_the_next_step_and_the_resume_continues(reference, tiny_data, tmp_path):
     run_dir = tmp_path / "run"
     cfg = write_config(tmp_path / "run.yaml", tiny_config(
@@ -174,6 +247,7 @@ def test_sigterm_saves_at_the_next_step_and_the_resume_continues(reference, tiny
     assert all(got[s]["loss"] == ref[s]["loss"] for s in range(k + 1, STEPS + 1))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("ds_config", ["zero0.json", "zero2.json"])  # torch AdamW path; DeepSpeed's own
 def test_injected_inf_loss_is_skipped(ds_config, tiny_data, tmp_path):
     run_dir = tmp_path / "run"
@@ -189,6 +263,7 @@ def test_injected_inf_loss_is_skipped(ds_config, tiny_data, tmp_path):
     assert checkpoint.latest_complete(run_dir / "checkpoints") == "step_00000008"
 
 
+@pytest.mark.slow
 def test_nonfinite_stop_exits_and_keeps_the_last_good_checkpoint(tiny_data, tmp_path):
     run_dir = tmp_path / "run"
     cfg = write_config(tmp_path / "run.yaml", tiny_config(
@@ -204,6 +279,7 @@ def test_nonfinite_stop_exits_and_keeps_the_last_good_checkpoint(tiny_data, tmp_
     assert not (ckpts / "step_00000006").exists()
 
 
+@pytest.mark.slow
 def test_two_process_checkpoint_resumes_on_one_process_through_the_universal_checkpoint(
         reference, tiny_data, tmp_path):
     ref = reference("zero2")  # 2 ranks, checkpoints every 4 steps
@@ -223,6 +299,7 @@ def test_two_process_checkpoint_resumes_on_one_process_through_the_universal_che
         assert got[step]["loss"] == pytest.approx(ref[step]["loss"], rel=2e-3), step
 
 
+@pytest.mark.slow
 def test_changed_config_on_resume_convert_command_and_refused_stage_change(tiny_data, tmp_path):
     """One 8-step run, then: a changed model is refused; `ds-train convert` writes a universal
     checkpoint; changed knobs resume and are listed; a move to fp32 ZeRO-0 is refused."""
@@ -250,6 +327,7 @@ def test_changed_config_on_resume_convert_command_and_refused_stage_change(tiny_
     assert "DeepSpeed cannot move optimizer states between fp32 ZeRO-0" in res.out
 
 
+@pytest.mark.slow
 def test_kill_9_during_a_save_leaves_the_previous_checkpoint_latest(tiny_data, tmp_path):
     """A model large enough that a save takes a while; rank 1 is killed while a tag is half written."""
     run_dir = tmp_path / "run"

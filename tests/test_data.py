@@ -313,6 +313,7 @@ def _prepare_in_child(args):
     return ensure_prepared(data_dir, [src], "", 300, 0.3, "text")["train_tokens"]
 
 
+@pytest.mark.slow
 def test_ensure_prepared_from_two_processes_at_once_prepares_once(tmp_path):
     """Ranks starting together: one tokenises under the lock, the other waits and reads."""
     import multiprocessing as mp

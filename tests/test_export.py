@@ -84,6 +84,7 @@ def assert_no_leftovers(parent):
     assert [p.name for p in parent.iterdir() if p.name.startswith(".")] == []
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stage", ["zero2", "zero3"])
 def test_export_holds_the_weights_zero_to_fp32_recovers(stage, trained, tmp_path):
     from transformers import AutoTokenizer
@@ -114,6 +115,7 @@ def test_export_holds_the_weights_zero_to_fp32_recovers(stage, trained, tmp_path
     torch.testing.assert_close(logits(model), logits(reference_model(ref, out)), rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_zero0_export_holds_the_engine_module_weights(trained, tmp_path):
     run = trained("zero0")
     out = export(run / "checkpoints", tmp_path / "hf")  # the checkpoints directory as the source
@@ -124,6 +126,7 @@ def test_zero0_export_holds_the_engine_module_weights(trained, tmp_path):
     torch.testing.assert_close(logits(model), logits(reference_model(saved, out)), rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_a_tag_picks_an_older_checkpoint(trained, tmp_path):
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
@@ -144,6 +147,7 @@ def test_a_tag_picks_an_older_checkpoint(trained, tmp_path):
     assert not (tmp_path / "nope").exists()
 
 
+@pytest.mark.slow
 def test_an_incomplete_tag_is_refused(trained, tmp_path):
     run = shutil.copytree(trained("zero2"), tmp_path / "run")
     tag_dir = run / "checkpoints" / "step_00000008"
@@ -158,6 +162,7 @@ def test_an_incomplete_tag_is_refused(trained, tmp_path):
     assert resolve_source(run).tag == "step_00000004"
 
 
+@pytest.mark.slow
 def test_an_existing_non_empty_out_is_refused_and_left_untouched(trained, tmp_path):
     run = trained("zero0")
     out = tmp_path / "hf"
@@ -172,6 +177,7 @@ def test_an_existing_non_empty_out_is_refused_and_left_untouched(trained, tmp_pa
     assert (export(run, empty) / "model.safetensors").is_file()
 
 
+@pytest.mark.slow
 def test_a_failed_export_leaves_nothing(trained, tmp_path):
     run = shutil.copytree(trained("zero0"), tmp_path / "run")
     config = run / "hf_model" / "config.json"

@@ -17,7 +17,7 @@ from types import SimpleNamespace
 import pytest
 
 from conftest import ROOT, ds_train, tiny_config, write_config
-from ds_train.config import describe, load_config
+from ds_train.configfile import describe, load_config
 from ds_train.errors import UserError
 from ds_train.launch import envfile
 from ds_train.launch.hostfile import Host, is_valid_host, parse_hostfile, read_hostfile, select_hosts
@@ -312,6 +312,27 @@ def test_slurm_cli_writes_the_script_and_checks_the_batch_math(run_config, tmp_p
     assert "train.global_batch_size=8 is not a multiple of train.micro_batch_size=2 x world size 3" in res.out
 
 
+def test_slurm_cli_takes_ript_checked_by_its_own_parser_and_batch_math(tiny_policy, tmp_path):
+    """Any command that runs on every rank goes after `--`: ript's script is written, ript's own
+    arguments and its rollout batch math are checked for the target world size first."""
+    from conftest import TESTS_ON_PATH, ript_config
+
+    cfg = ript_config(tmp_path, tiny_policy)  # 3 contexts x K 4 = 12 rollouts per rank; global 24
+    out = tmp_path / "ript.sbatch"
+    res = ds_train("slurm", "--nodes", "2", "--gpus-per-node", "1", "--out", str(out), "--", "ript", "--config",
+                   str(cfg), "--ds-config", ZERO2, "ript.iterations=5", timeout=60, env=TESTS_ON_PATH)
+    assert res.returncode == 0, res.out
+    subprocess.run(["bash", "-n", str(out)], check=True)
+    launch = next(line for line in out.read_text().splitlines() if line.startswith("exec "))
+    assert shlex.split(launch)[-7:] == ["--", "ript", "--config", str(cfg), "--ds-config", ZERO2, "ript.iterations=5"]
+    res = ds_train("slurm", "--nodes", "3", "--gpus-per-node", "1", "--", "ript", "--config", str(cfg),
+                   "--ds-config", ZERO2, timeout=60)
+    assert res.returncode == 2 and "12 rollouts per rank must be a multiple of" in res.out, res.out
+    res = ds_train("slurm", "--nodes", "2", "--gpus-per-node", "1", "--", "ript", "--config", str(cfg),
+                   "--ds-config", ZERO2, "--bogus", timeout=60)
+    assert res.returncode == 2 and "unrecognized arguments: --bogus" in res.out, res.out
+
+
 def test_malicious_host_name_is_never_executed(run_config, tmp_path):
     marker = Path(f"/tmp/pwned_{uuid.uuid4().hex}")
     hostfile = tmp_path / "hostfile"
@@ -340,7 +361,8 @@ def test_launch_errors_before_any_ssh(run_config, tmp_path):
         (["--hostfile", str(hostfile), "--launcher", "openmpi"] + base, "--launcher openmpi is not supported"),
         (["--hostfile", str(hostfile), "--module"] + base, "--module not supported here"),
         (["--hostfile", str(hostfile)], "missing `-- train"),
-        (["--hostfile", str(hostfile), "--", "prepare", "x"], "after `--` comes `train"),
+        (["--hostfile", str(hostfile), "--", "prepare", "x"], "after `--` comes the command every rank runs, train or ript; got 'prepare'"),
+        (["--hostfile", str(hostfile), "--"], "nothing after `--`"),
         (["--hostfile", str(hostfile), "--num_gpus", "2"] + base + ["log.sample_prompt=a;b"],
          "argument 'log.sample_prompt=a;b'"),
     ]

@@ -13,6 +13,7 @@ from conftest import BIN, ROOT, free_port, run_cmd
 from ds_train.memory import activation_bytes, estimate, model_shape, model_states
 
 
+@pytest.mark.slow
 def test_predicted_model_states_match_what_each_rank_holds(tiny_data, tmp_path):
     res = run_cmd([str(BIN / "deepspeed"), "--num_gpus", "2", "--master_port", str(free_port()),
                    str(ROOT / "tests" / "memory_probe.py"), str(tiny_data), str(tmp_path), str(ROOT)],

@@ -152,3 +152,18 @@ def test_flops_per_token_attention_term_grows_with_seq_len():
 ])
 def test_resolve_dtype(choice, device, bf16_ok, expected):
     assert resolve_dtype(choice, device, bf16_ok) == expected
+
+
+def test_interval_is_every_n_and_the_last_step():
+    from ds_train.metrics import Interval
+
+    assert [s for s in range(1, 11) if s in Interval(4, 10)] == [4, 8, 10]
+    assert [s for s in range(1, 11) if s in Interval(0, 10)] == [10]
+
+
+def test_an_empty_log_writes_nothing(tmp_path):
+    logger = build_logger(True, tmp_path, "off", "p", {})
+    logger.log({}, 1)  # a step where no component reported
+    logger.log({"train/loss": 2.0}, 2)
+    logger.close()
+    assert [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [2]

@@ -23,7 +23,10 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, free_port, reap, run_cmd, spawn, tiny_config, write_config
+from conftest import TESTS_ON_PATH, ROOT, free_port, reap, ript_config, run_cmd, spawn, tiny_config, write_config
+from ds_train import checkpoint
+
+pytestmark = pytest.mark.slow
 
 NODES = ("127.0.0.2", "127.0.0.3")
 ZERO2 = str(ROOT / "ds_configs" / "zero2.json")
@@ -94,9 +97,10 @@ def cluster(tmp_path_factory):
         assert not state.exists()
 
 
-def launch_args(hostfile: Path, config: Path, *extra: str, overrides: tuple[str, ...] = ()) -> list[str]:
+def launch_args(hostfile: Path, config: Path, *extra: str, overrides: tuple[str, ...] = (),
+                command: str = "train") -> list[str]:
     return [sys.executable, "-m", "ds_train", "launch", "--hostfile", str(hostfile), *extra, "--",
-            "train", "--config", str(config), "--ds-config", ZERO2, *overrides]
+            command, "--config", str(config), "--ds-config", ZERO2, *overrides]
 
 
 def test_two_nodes_train_through_pdsh_and_ssh(cluster, tiny_data, tmp_path):
@@ -121,6 +125,27 @@ def test_two_nodes_train_through_pdsh_and_ssh(cluster, tiny_data, tmp_path):
     env_file = (run / ".deepspeed_env").read_text()
     assert "\n\n" not in env_file and "WANDB_MODE=offline\n" in env_file
     assert "DS_TRAIN_TEST_TOKEN=listed\n" in env_file and "WANDB_API_KEY" not in env_file
+
+
+def test_ript_on_two_nodes_through_pdsh_and_ssh(cluster, tiny_policy, tmp_path):
+    """`ds-train launch -- ript`: the same preflight, .deepspeed_env and pdsh launch as training;
+    one task per node, counts summed over the nodes, results written by rank 0."""
+    config = ript_config(tmp_path, tiny_policy, tasks=["copy", "sort"])
+    env = {**cluster["env"], **TESTS_ON_PATH}  # PYTHONPATH reaches the nodes through .deepspeed_env
+    res = run_cmd(launch_args(cluster["hostfile"], config, "--master_port", str(free_port()), command="ript"),
+                  timeout=240, env=env)
+    assert res.returncode == 0, res.out[-6000:]
+    _assert_nothing_left(str(config))
+    assert "preflight: batch: global 24 seqs = micro 4 x accum 3 x world 2" in res.out
+    run = tmp_path / "run"
+    results = json.loads((run / "ript_results.json").read_text())
+    assert results["world_size"] == 2 and results["shards"] == {"rank0": ["copy"], "rank1": ["sort"]}
+    assert results["iteration"] == 2 and [e["iteration"] for e in results["evals"]] == [0, 2]
+    assert all(results["train_counts"][t]["rollouts"] > 0 for t in ("copy", "sort"))
+    host = socket.gethostname()
+    assert json.loads((run / "env.json").read_text())["hosts"] == [
+        {"node": 0, "host": host, "ranks": [0]}, {"node": 1, "host": host, "ranks": [1]}]
+    assert checkpoint.latest_complete(run / "checkpoints") == "step_00000002"
 
 
 def test_unreachable_host_is_named_within_30s(cluster, tiny_data, tmp_path):

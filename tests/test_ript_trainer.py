@@ -1,0 +1,230 @@
+"""The RIPT loop through the real launchers (2 CPU processes): exact counts over ranks, SIGTERM to
+the launcher then an exact resume with a model policy, idle ranks, bad input that writes nothing."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import (BIN, ROOT, SCRIPTED_TASKS, TESTS_ON_PATH, ds_train, free_port, reap, ript_config, run_cmd,
+                      spawn, tree_listing)
+from ds_train import checkpoint
+from ds_train.ript.sampler import ContextSampler, Tally
+from ds_train.ript.sharding import shard_tasks
+from ds_train.ript.tasks import load_task
+from ript_policies import K, wins
+
+pytestmark = pytest.mark.slow
+ZERO2 = str(ROOT / "ds_configs" / "zero2.json")
+
+
+def ript_args(config: Path, *overrides: str) -> list[str]:
+    return [str(BIN / "deepspeed"), "--num_gpus", "2", "--master_port", str(free_port()), "--module", "ds_train",
+            "ript", "--config", str(config), "--ds-config", ZERO2, *overrides]
+
+
+def launch_ript(config: Path, *overrides: str, timeout: float = 240):
+    return run_cmd(ript_args(config, *overrides), timeout=timeout, env=TESTS_ON_PATH)
+
+
+def predict(iterations: int, quota: int, cap: int) -> list[dict]:
+    """Replay the sampler rank by rank: what each rank must count, iteration by iteration."""
+    shards = shard_tasks({n: 20.0 for n in SCRIPTED_TASKS}, 2, "balanced")
+    out = []
+    samplers = [ContextSampler([load_task(n) for n in s], 20, 3) for s in shards]
+    for _ in range(iterations):
+        per_rank = []
+        for sampler in samplers:
+            tally, accepted, checked = Tally(SCRIPTED_TASKS), 0, 0
+            while accepted < quota and checked < cap:  # rollout_contexts 1; the other rank never fills it
+                (task, _, context), = sampler.next(1, tally)
+                w = wins(task.name, context)
+                keep = 0 < w < K
+                tally.add(task.name, successes=w, rollouts=K, checked=1, accepted=int(keep), rejected=int(not keep))
+                accepted, checked = accepted + keep, checked + 1
+            per_rank.append(tally.as_dict())
+        out.append(per_rank)
+    return out, shards
+
+
+def rank_counts(run_dir: Path, rank: int) -> list[dict]:
+    lines = (run_dir / "logs" / f"rank_{rank}.log").read_text().splitlines()
+    return [json.loads(line.split(" counts ", 1)[1]) for line in lines if " counts " in line]
+
+
+def logged(run_dir: Path) -> dict[int, dict]:
+    return {m["step"]: m for m in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())}
+
+
+@pytest.fixture(scope="module")
+def scripted_run(tiny_policy, tmp_path_factory) -> tuple:
+    """Two iterations with the scripted policy (2 ranks): a finished RIPT run directory."""
+    tmp = tmp_path_factory.mktemp("scripted")
+    return launch_ript(ript_config(tmp, tiny_policy)), tmp / "run"
+
+
+def test_scripted_policy_counts_are_exact_and_summed_over_ranks(scripted_run):
+    """Rank 0 owns add and rev, which the scripted policy always solves: it accepts nothing and
+    stops at its cap while rank 1 fills its quota; no hang, every count as predicted."""
+    res, run_dir = scripted_run
+    assert res.returncode == 0, res.out[-4000:]
+    expected, shards = predict(2, quota=3, cap=6)
+    assert shards == [["add", "rev"], ["copy", "sort"]]
+    metrics = [m for m in logged(run_dir).values() if "ript/accepted" in m]
+    assert [m["step"] for m in metrics] == [1, 2]
+    for it, m in enumerate(metrics):
+        ranks = [rank_counts(run_dir, r)[it] for r in (0, 1)]
+        assert ranks == expected[it]  # each rank's own counts, exactly
+        for task in SCRIPTED_TASKS:  # each task's rollouts on exactly one rank
+            owners = [r for r in (0, 1) if ranks[r][task]["rollouts"]]
+            assert owners == [0 if task in shards[0] else 1]
+        total = {key: sum(r[t][key] for r in ranks for t in SCRIPTED_TASKS) for key in ("accepted", "checked")}
+        assert m["ript/accepted"] == total["accepted"] == 3  # rank 1's quota; rank 0 accepts none
+        assert m["ript/checked"] == total["checked"]
+        successes = sum(r[t]["successes"] for r in ranks for t in SCRIPTED_TASKS)
+        rollouts = sum(r[t]["rollouts"] for r in ranks for t in SCRIPTED_TASKS)
+        assert m["ript/success_rate"] == pytest.approx(successes / rollouts)  # not a mean of rank means
+        assert ranks[0]["add"]["checked"] + ranks[0]["rev"]["checked"] == 6  # rank 0 hit its cap
+    results = json.loads((run_dir / "ript_results.json").read_text())
+    for task in SCRIPTED_TASKS:  # greedy eval is rollout 0: a success wherever wins >= 1
+        heldout = load_task(task).contexts("heldout", 8, 3)
+        want = sum(wins(task, c) >= 1 for c in heldout)
+        assert results["eval"]["per_task"][task]["successes"] == want
+    totals = results["train_counts"]
+    assert sum(t["accepted"] for t in totals.values()) == 6
+    assert results["shards"] == {"rank0": ["add", "rev"], "rank1": ["copy", "sort"]}
+    env = json.loads((run_dir / "env.json").read_text())  # the run machinery's record, as for train
+    assert env["command"] == "ript" and env["world_size"] == 2 and env["launcher"] == "deepspeed"
+    assert json.loads((run_dir / "ds_config.json").read_text())["train_batch_size"] == 24
+
+
+MODEL_RIPT = dict(tasks=["parity", "max", "guess"], policy="", iterations=6, ppo_epochs=2, contexts_per_rank=2,
+                  rollout_contexts=2, max_contexts_checked=8, train_contexts=4, eval_contexts=8, eval_every=2,
+                  skip_solved=True, retest_after=1)
+MODEL_TRAIN = {"micro_batch_size": 4, "global_batch_size": 16}  # 2 contexts x K 4 = 8 rollouts per rank
+LR, SCALED = 1e-3, 2e-3  # optim.lr_scaling=linear: global batch 16 against a reference of 8
+
+
+def wait_for_iteration(proc, run_dir: Path, it: int, timeout: float = 180) -> None:
+    deadline = time.monotonic() + timeout
+    path = run_dir / "metrics.jsonl"
+    while time.monotonic() < deadline:
+        if path.is_file() and any(m.get("step", 0) >= it and "ript/accepted" in m
+                                  for m in map(json.loads, path.read_text().splitlines())):
+            return
+        if proc.poll() is not None:
+            pytest.fail(f"ended before iteration {it}:\n{proc.communicate()[0][-3000:]}")
+        time.sleep(0.05)
+    pytest.fail(f"iteration {it} not reached in {timeout}s")
+
+
+def test_sigterm_to_the_launcher_saves_and_the_resume_is_exact(sft_policy, tmp_path):
+    """A model policy, PPO epochs 2, skip_solved: 6 iterations straight (through the older
+    `python -m torch.distributed.launch`, which passes --local-rank) against a run whose launcher
+    gets SIGTERM (the whole job, as a scheduler sends it), then the same command again."""
+    straight, split = tmp_path / "straight", tmp_path / "split"
+    for d in (straight, split):
+        d.mkdir()
+    scaling = ("optim.lr_scaling=linear", "optim.reference_batch_size=8")
+
+    cfg = ript_config(straight, sft_policy, MODEL_TRAIN, {"lr": LR}, **MODEL_RIPT)
+    res = run_cmd([sys.executable, "-m", "torch.distributed.launch", "--nproc_per_node", "2", "--master_port",
+                   str(free_port()), "--module", "ds_train", "ript", "--config", str(cfg), "--ds-config", ZERO2,
+                   *scaling], timeout=300)
+    assert res.returncode == 0, res.out[-4000:]
+    assert json.loads((straight / "run" / "env.json").read_text())["launcher"] == "torchrun"
+    ref = logged(straight / "run")
+
+    cfg = ript_config(split, sft_policy, MODEL_TRAIN, {"lr": LR}, **MODEL_RIPT)
+    proc = spawn(ript_args(cfg, *scaling))
+    wait_for_iteration(proc, split / "run", 2)
+    os.killpg(proc.pid, signal.SIGTERM)  # the launcher and everything it started
+    res = reap(proc, timeout=90)
+    assert res.returncode == -signal.SIGTERM, res.out[-3000:]  # a shell reports 128 + 15
+    saved = checkpoint.latest_complete(split / "run" / "checkpoints")
+    k = int(saved.split("_")[1])
+    assert 2 <= k < 6 and (split / "run" / "checkpoints" / "latest").read_text() == saved
+    assert f"ds-train: stopped by signal 15 at iteration {k}; checkpoint saved" in res.out
+    for rank in (0, 1):  # each rank saved, then ended on the signal (exit 143), not killed
+        log = (split / "run" / "logs" / f"rank_{rank}.log").read_text()
+        assert f"saved checkpoint {saved}" in log and f"exit 143: stopped by signal 15 at iteration {k}" in log
+
+    res = run_cmd(ript_args(cfg, *scaling), timeout=300)
+    assert res.returncode == 0, res.out[-4000:]
+    assert f"at iteration {k}" in res.out and "resumed from" in res.out
+    got = logged(split / "run")
+    assert sorted(got) == sorted(ref) == list(range(7))  # iteration 0 is the evaluation before training
+    for it in range(k + 1, 7):
+        for key in ("ript/accepted", "ript/rejected", "ript/checked", "ript/skipped", "ript/success_rate",
+                    "eval/success", "policy/tokens"):
+            assert got[it].get(key) == ref[it].get(key), (it, key)
+        assert got[it]["policy/loss"] == pytest.approx(ref[it]["policy/loss"], rel=1e-6, abs=1e-9)
+        assert got[it]["optim/lr"] == pytest.approx(SCALED)  # lr scaling reaches RIPT's engine
+    assert sum(got[it]["ript/skipped"] for it in range(k + 1, 7)) > 0  # skip_solved state came back too
+    accepted, checked = (sum(got[it][key] for it in range(1, 7)) for key in ("ript/accepted", "ript/checked"))
+    assert 0 < accepted < checked  # groups of K that disagree (the policy learns) and groups that do not
+    for rank in (0, 1):
+        assert rank_counts(split / "run", rank) == rank_counts(straight / "run", rank)
+    a, b = (json.loads((d / "run" / "ript_results.json").read_text()) for d in (straight, split))
+    assert a["evals"] == b["evals"] and a["train_counts"] == b["train_counts"]
+    assert [e["iteration"] for e in a["evals"]] == [0, 2, 4, 6]
+    assert json.loads((split / "run" / "ds_config.json").read_text())["optimizer"]["params"]["lr"] == SCALED
+
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    wa, wb = (get_fp32_state_dict_from_zero_checkpoint(str(d / "run" / "checkpoints"), tag="step_00000006")
+              for d in (straight, split))
+    assert wa.keys() == wb.keys() and len(wa) > 0
+    different = [name for name in wa if not wa[name].equal(wb[name])]
+    assert different == []  # tensor by tensor, bitwise
+    assert any(not wa[n].equal(w) for n, w in _initial_weights(sft_policy).items() if n in wa)  # it trained
+
+
+def _initial_weights(policy: Path) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(policy / "model.safetensors")
+
+
+def test_bad_ript_input_is_one_line_and_changes_nothing(scripted_run, tiny_policy, tmp_path):
+    """Bad input against an existing RIPT run directory, and against a ds_train run given as
+    model.path (which would be exported into the run directory): one error line, exit 2, and both
+    directories byte for byte as they were."""
+    _, finished = scripted_run
+    run_dir, source = tmp_path / "run", tmp_path / "source_run"
+    shutil.copytree(finished, run_dir)
+    shutil.copytree(finished, source)
+    before = {d: tree_listing(d) for d in (run_dir, source)}
+    cfg = ript_config(tmp_path, tiny_policy)
+    cases = [(["train.global_batch_size=8"], "must be a multiple of train.global_batch_size / world size"),
+             ([f"model.path={tmp_path}"], "neither a Hugging Face directory"),
+             (["ript.tasks=[add,nosuch]"], "'nosuch' is neither a built-in task"),
+             (["ript.rloo_batch_size=1"], "ript.rloo_batch_size: 1 must be at least 2"),
+             (["ript.policy=nosuch:Policy"], "ript.policy: cannot load 'nosuch:Policy'"),
+             ([], "saved with 2 ranks; resume ript with the same world size"),  # one process, checkpoints of 2
+             ([f"model.path={source}", "checkpoint.resume=none", "train.global_batch_size=8"],
+              "must be a multiple of train.global_batch_size / world size")]
+    for overrides, message in cases:  # one process: 12 rollouts per rank make one step of 12
+        res = ds_train("ript", "--config", str(cfg), "--ds-config", ZERO2, "train.global_batch_size=12",
+                       *overrides, timeout=120, env=TESTS_ON_PATH)
+        assert res.returncode == 2 and message in res.out, (overrides, res.out[-2000:])
+        assert "Traceback" not in res.out and len(res.lines("ds-train: error:")) == 1, res.out
+    assert {d: tree_listing(d) for d in (run_dir, source)} == before
+
+
+def test_an_idle_rank_joins_every_collective(tiny_policy, tmp_path):
+    """One task, two ranks: rank 1 owns nothing, yet sampling, update and evaluation finish."""
+    res = launch_ript(ript_config(tmp_path, tiny_policy, tasks=["copy"], allow_idle_ranks=True))
+    assert res.returncode == 0, res.out[-4000:]
+    assert "   1  (idle)" in res.out
+    idle = rank_counts(tmp_path / "run", 1)
+    assert len(idle) == 2 and all(c["copy"]["checked"] == 0 for c in idle)
+    busy = rank_counts(tmp_path / "run", 0)
+    assert [c["copy"]["accepted"] for c in busy] == [3, 3]  # rank 0 fills its quota alone

@@ -1,0 +1,73 @@
+"""The run machinery's pure parts: batch math per command, the model source, signals, the host
+table. (Built runs are tested through the launchers in test_trainer.py and test_ript_trainer.py.)"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+
+from ds_train.configfile import build_config
+from ds_train.errors import UserError
+from ds_train.ript.trainer import ript_spec
+from ds_train.run import StopRequest, _ending, host_table, nodes, resolve_model
+from ds_train.trainer import train_spec
+
+
+def test_each_command_checks_its_own_batch_math_and_schedule_length():
+    cfg = build_config({"model": {"config": {"model_type": "llama"}},
+                        "train": {"max_steps": 30, "micro_batch_size": 4, "global_batch_size": 24},
+                        "ript": {"iterations": 5, "ppo_epochs": 2, "contexts_per_rank": 3, "rloo_batch_size": 4}})
+    plan, steps = train_spec(cfg).check(cfg, 2)
+    assert (plan.grad_accum_steps, steps) == (3, 30)
+    plan, steps = ript_spec(cfg).check(cfg, 2)  # 12 rollouts per rank = 1 step of 12, x 2 epochs x 5
+    assert steps == 5 * 2 * 1
+    with pytest.raises(UserError, match="12 rollouts per rank must be a multiple of .* = 8; set "
+                                        "train.global_batch_size to 36"):
+        ript_spec(cfg).check(cfg, 3)  # 24 / (4 x 3): 8 sequences per rank and step
+    with pytest.raises(UserError, match="not a multiple of train.micro_batch_size=4 x world size 5"):
+        train_spec(cfg).check(cfg, 5)
+    assert ript_spec(cfg).same_world and not train_spec(cfg).same_world
+
+
+def test_model_source_is_a_hf_directory_or_a_ds_train_run(tiny_policy, tmp_path):
+    cfg = build_config({"model": {"path": str(tiny_policy)}, "train": {"seq_len": 64}})
+    source = resolve_model(cfg)
+    assert source.weights == tiny_policy and source.export_from is None
+    assert source.hf_config.vocab_size == len(source.tokenizer)
+    (tmp_path / "checkpoints").mkdir()  # a run directory that never finished a save
+    with pytest.raises(UserError, match="model.path: .* holds no complete checkpoint"):
+        resolve_model(build_config({"model": {"path": str(tmp_path)}}))
+    (tmp_path / "checkpoints").rmdir()
+    with pytest.raises(UserError, match="neither a Hugging Face directory .* nor a ds_train run"):
+        resolve_model(build_config({"model": {"path": str(tmp_path)}}))
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_signal_is_only_recorded_and_the_handlers_come_back():
+    before = signal.getsignal(signal.SIGTERM)
+    stop = StopRequest()
+    assert stop.agreed() == 0
+    os.kill(os.getpid(), signal.SIGTERM)  # would end the test process without the handler
+    assert stop.agreed() == signal.SIGTERM
+    stop.restore()
+    assert signal.getsignal(signal.SIGTERM) is before
+
+
+def test_each_rank_log_ends_with_how_the_run_ended():
+    from ds_train.errors import Preempted
+
+    assert _ending(None) == "run ended"
+    assert _ending(Preempted(15, 7, "iteration")).startswith("exit 143: stopped by signal 15 at iteration 7")
+    assert _ending(UserError("bad")) == "exit 2: bad"
+    assert _ending(ValueError("boom")) == "exit 1: ValueError: boom"
+
+
+def test_host_table_is_keyed_by_node_rank():
+    """Loopback "nodes" on one machine share a hostname: the node rank keeps them apart."""
+    gathered = [(0, "vm"), (0, "vm"), (1, "vm"), (1, "vm")]  # what each rank sends, by rank
+    assert host_table(gathered) == "hosts: node0 vm -> ranks 0,1; node1 vm -> ranks 2,3"
+    assert host_table([(0, "a"), (1, "b")]) == "hosts: node0 a -> ranks 0; node1 b -> ranks 1"
+    assert nodes([(1, "b"), (0, "a")]) == [{"node": 0, "host": "a", "ranks": [1]},
+                                           {"node": 1, "host": "b", "ranks": [0]}]
