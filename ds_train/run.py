@@ -91,7 +91,9 @@ class StopRequest:
         self._previous = {sig: signal.signal(sig, self._handle) for sig in self.SIGNALS}
 
     def _handle(self, signum, frame) -> None:
-        self.signum = signum
+        # The first signal wins: Ctrl-C reaches the ranks as SIGINT, then as the SIGTERM that
+        # DeepSpeed's launcher forwards; the exit code should say SIGINT (130).
+        self.signum = self.signum or signum
 
     def agreed(self) -> int:
         """The signal number if any rank got one (a collective: every rank calls it every step)."""

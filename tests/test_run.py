@@ -45,14 +45,15 @@ def test_model_source_is_a_hf_directory_or_a_ds_train_run(tiny_policy, tmp_path)
     assert list(tmp_path.iterdir()) == []
 
 
-def test_a_signal_is_only_recorded_and_the_handlers_come_back():
-    before = signal.getsignal(signal.SIGTERM)
+def test_a_signal_is_only_recorded_the_first_wins_and_the_handlers_come_back():
+    before = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
     stop = StopRequest()
     assert stop.agreed() == 0
-    os.kill(os.getpid(), signal.SIGTERM)  # would end the test process without the handler
-    assert stop.agreed() == signal.SIGTERM
+    os.kill(os.getpid(), signal.SIGINT)  # would end the test process without the handler
+    os.kill(os.getpid(), signal.SIGTERM)  # what DeepSpeed's launcher sends after a Ctrl-C
+    assert stop.agreed() == signal.SIGINT  # the first one: exit 130, as for Ctrl-C
     stop.restore()
-    assert signal.getsignal(signal.SIGTERM) is before
+    assert (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)) == before
 
 
 def test_each_rank_log_ends_with_how_the_run_ended():
