@@ -134,8 +134,12 @@ def test_single_process_form_with_eval_sample_and_checkpoint(tiny_data, tmp_path
         tiny_data, tmp_path / "run", train={"eval_every": 4},
         checkpoint={"save_final": True, "export_final": True},
         log={"every": 2, "sample_prompt": "def ", "sample_tokens": 8}))
-    res = ds_train("train", "--config", str(cfg), "--ds-config", str(ROOT / "ds_configs" / "zero0.json"))
+    res = ds_train("train", "--config", str(cfg), "--ds-config", str(ROOT / "ds_configs" / "zero0.json"),
+                   "optim.lr_scaling=linear", "optim.reference_batch_size=16")  # global 8: half the lr
     assert res.returncode == 0, res.out[-4000:]
+    assert "lr 0.005 (optim.lr 0.01, scaling linear)" in res.out  # as RIPT's (test_ript_trainer.py)
+    ds = json.loads((tmp_path / "run" / "ds_config.json").read_text())
+    assert ds["optimizer"]["params"]["lr"] == 0.005  # WarmupCosineLR scales from the optimizer lr
     metrics = read_metrics(tmp_path / "run")
     assert [m["step"] for m in metrics] == [2, 4, 6, 8]
     evals = [m for m in metrics if "eval/loss" in m]
