@@ -27,7 +27,7 @@ import os
 import sys
 import traceback
 
-from ds_train.errors import OutOfMemory, RunStopped, UserError
+from ds_train.errors import AgreedError, OutOfMemory, RunStopped, UserError
 from ds_train.launch import cli as launch_cli
 
 
@@ -295,7 +295,7 @@ def _report(e: Exception) -> int:
     from ds_train.dist import rank_for_messages
 
     rank = rank_for_messages()
-    agreed = isinstance(e, RunStopped)
+    agreed = isinstance(e, (RunStopped, AgreedError))
     if rank == 0 or not agreed:
         who = "ds-train" if rank == 0 else f"ds-train[rank {rank}]"
         kind = "error: " if getattr(e, "is_error", True) else ""

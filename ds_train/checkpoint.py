@@ -1,34 +1,47 @@
-"""Partitioned checkpoints in DeepSpeed's own layout, made crash-safe, and exact resume.
+"""Partitioned checkpoints in DeepSpeed's own layout, made crash-safe, and a resume all ranks agree on.
 
-A save is complete when every rank has written its DeepSpeed files and then its own
-`ds_train_rank_<r>.pt` (per-rank RNG), and rank 0 has written `ds_train_state.json` after a
-barrier. Only then does rank 0 point `latest` at the tag (write-to-temp, rename). A tag without the
-state file or a rank file is never loaded, so a crash during a save leaves the previous checkpoint
-as the latest. DeepSpeed's tools (zero_to_fp32.py, ds_to_universal) work on the same directories.
+A tag is written in phases (`PHASES`, each a fault-injection point): the writer of each file
+system first takes the tag's completeness marker away (and `latest`, if it names the tag) and
+removes the old files; then every rank writes its DeepSpeed files, its RNG and loop state
+(`ds_train_rank_<r>.pt`), flushes them and records them, with their sizes, in its manifest
+(`ds_train_rank_<r>.json`); after a barrier the writer writes the marker `ds_train_state.json`
+(the run state and a save sequence number), then `latest`, then prunes. A crash at any point
+leaves either a whole tag or one without a marker, which is never loaded.
+
+The writer is global rank 0 when output_dir is one shared file system, and the first rank of each
+node when every node has its own (node-local disks): each node then holds its own ranks' files,
+marker and `latest` (DeepSpeed's use_node_local_storage). At start-up every rank reports what it
+holds; the newest marked tag wins when every rank holds its files of it, and a rank that lacks
+them stops the job with a line naming the node, host, rank and files. DeepSpeed's tools
+(zero_to_fp32.py, ds_to_universal) work on the same directories.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import random
 import re
 import shutil
+import signal
 import subprocess
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
 
 from ds_train import dist
-from ds_train.config import CheckpointConfig, RunConfig
-from ds_train.errors import Preempted, UserError
-from ds_train.fs import file_lock, write_atomic
+from ds_train.config import SAVE_PHASES, CheckpointConfig, RunConfig
+from ds_train.errors import AgreedError, Preempted, UserError
+from ds_train.fs import file_lock, fsync_dir, write_atomic
 
-STATE_FILE = "ds_train_state.json"
+STATE_FILE = "ds_train_state.json"  # the tag-level completeness marker
 UNIVERSAL_SUFFIX = "_universal"
 TAG_RE = re.compile(r"^step_(\d{8})$")
+# The phases of a save, in order: checkpoint.debug_fault stops the process at one of them.
+PHASES = SAVE_PHASES
 # Keys that may not change on resume: the model's shape, and what defines the data stream
 # (sample g of step s is a function of seed, seq_len and global batch). Training knobs may change.
 FIXED_KEYS = ("model.", "seed", "data.dir", "train.seq_len", "train.global_batch_size")
@@ -39,36 +52,78 @@ def tag_for(step: int) -> str:
 
 
 def rank_file(tag_dir: Path, rank: int) -> Path:
+    """This rank's RNG and loop state."""
     return tag_dir / f"ds_train_rank_{rank}.pt"
 
 
-def is_complete(tag_dir: Path) -> bool:
-    """The state file exists and every rank that saved wrote its rank file."""
-    state = tag_dir / STATE_FILE
-    if not state.is_file():
-        return False
+def manifest_file(tag_dir: Path, rank: int) -> Path:
+    """This rank's record of the files it needs to load the tag, with their sizes (written last)."""
+    return tag_dir / f"ds_train_rank_{rank}.json"
+
+
+def read_marker(tag_dir: Path) -> tuple[dict | None, str]:
+    """(the saved state, "") or (None, why the tag is not marked complete)."""
+    path = tag_dir / STATE_FILE
     try:
-        world = json.loads(state.read_text())["world_size"]
-    except (json.JSONDecodeError, KeyError):
+        state = json.loads(path.read_text())
+        int(state["world_size"]), int(state["step"])
+    except FileNotFoundError:
+        return None, f"no {STATE_FILE}: a save that did not finish"
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        return None, f"{STATE_FILE} is damaged ({type(e).__name__}: {str(e)[:80]})"
+    return state, ""
+
+
+def rank_missing(tag_dir: Path, rank: int, seq: int | None = None) -> list[str]:
+    """The files `rank` needs from this tag that are absent or not as written (empty: it can load).
+    `seq`: the manifest must come from that save (not an older save into the same tag)."""
+    man = manifest_file(tag_dir, rank)
+    try:
+        record = json.loads(man.read_text())
+        files = dict(record["files"])
+    except FileNotFoundError:
+        return [man.name]
+    except (OSError, ValueError, KeyError, TypeError):
+        return [f"{man.name} (damaged)"]
+    if seq is not None and record.get("seq") != seq:
+        return [f"{man.name} (from another save)"]
+    missing = []
+    for name, size in files.items():
+        try:
+            actual = (tag_dir / name).stat().st_size
+        except OSError:
+            missing.append(name)
+            continue
+        if actual != size:
+            missing.append(f"{name} ({actual} bytes, {size} written)")
+    return missing
+
+
+def is_complete(tag_dir: Path) -> bool:
+    """Marked, and every rank's files are here (one file system holding the whole tag)."""
+    state, _ = read_marker(tag_dir)
+    if state is None:
         return False
-    return all(rank_file(tag_dir, r).is_file() for r in range(world))
+    seq = state.get("seq")
+    return not any(rank_missing(tag_dir, r, seq) for r in range(int(state["world_size"])))
+
+
+def _order(state: dict) -> tuple[int, int]:
+    """Newest first by save sequence (a resume from an older tag saves with a higher one), then step."""
+    return int(state.get("seq", 0)), int(state["step"])
 
 
 def complete_tags(ckpt_dir: Path) -> list[str]:
-    """Complete tags in step order."""
+    """Complete tags, oldest save first."""
     if not ckpt_dir.is_dir():
         return []
-    tags = [p.name for p in ckpt_dir.iterdir() if TAG_RE.match(p.name) and is_complete(p)]  # not *_universal
-    return sorted(tags)
+    tags = [(read_marker(p)[0], p.name) for p in ckpt_dir.iterdir() if TAG_RE.match(p.name) and is_complete(p)]
+    return [name for state, name in sorted(tags, key=lambda t: _order(t[0]))]
 
 
 def latest_complete(ckpt_dir: Path) -> str | None:
-    """The tag `latest` names if complete, else the newest complete tag (latest is written last)."""
-    latest = ckpt_dir / "latest"
-    if latest.is_file():
-        tag = latest.read_text().strip()
-        if is_complete(ckpt_dir / tag):
-            return tag
+    """The newest complete tag (by save sequence): `latest` is written after the marker, so a crash
+    between the two leaves the newer tag complete and `latest` one behind."""
     tags = complete_tags(ckpt_dir)
     return tags[-1] if tags else None
 
@@ -106,41 +161,147 @@ def weights_finite(engine) -> bool:
     return dist.all_reduce_max([bad])[0] == 0.0
 
 
-def save(engine, ckpt_dir: Path, step: int, state: dict, rank: int, world: int, keep: int) -> str:
-    """Every rank calls this (it holds collectives); rank 0 alone marks the tag complete and prunes."""
+def needed_files(engine, ckpt_dir: Path, tag: str) -> list[str]:
+    """The DeepSpeed files this rank reads when it loads the tag at the same world size: its model
+    states (shared by all ranks below ZeRO-3) and its optimizer partition."""
+    names = [Path(engine._get_ckpt_name(str(ckpt_dir), tag)).name]
+    if engine.zero_optimization() or engine.bfloat16_enabled():
+        names.append(Path(engine._get_zero_ckpt_name(str(ckpt_dir), tag)).name)
+    return names
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def parse_fault(spec: str) -> tuple[str, str, int] | None:
+    """checkpoint.debug_fault `ACTION:PHASE:STEP` (kill or enospc) -> (action, phase, step)."""
+    if not spec:
+        return None
+    action, phase, step = spec.split(":")
+    return action, phase, int(step)
+
+
+def fault_at(spec: str) -> Callable[[str, int], None]:
+    """The fault-injection hook of checkpoint.debug_fault: at PHASE of the save of STEP, `kill`
+    SIGKILLs this process (a crash), `enospc` raises the error a full disk raises."""
+    fault = parse_fault(spec)
+
+    def hook(phase: str, step: int) -> None:
+        if fault is None or (phase, step) != fault[1:]:
+            return
+        if fault[0] == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        raise OSError(28, "No space left on device (checkpoint.debug_fault)")
+
+    return hook
+
+
+def _no_fault(phase: str, step: int) -> None:
+    return None
+
+
+def unmark(ckpt_dir: Path, tag: str) -> None:
+    """Before a tag is (re)written: `latest` stops naming it, its marker goes, then its files."""
+    tag_dir = ckpt_dir / tag
+    latest = ckpt_dir / "latest"
+    if latest.is_file() and latest.read_text().strip() == tag:
+        older = [t for t in complete_tags(ckpt_dir) if t != tag]
+        if older:
+            write_atomic(latest, older[-1])
+        else:
+            latest.unlink()
+    if tag_dir.exists():
+        (tag_dir / STATE_FILE).unlink(missing_ok=True)
+        fsync_dir(tag_dir)
+        shutil.rmtree(tag_dir)
+        shutil.rmtree(universal_dir(tag_dir), ignore_errors=True)
+    fsync_dir(ckpt_dir)
+
+
+def save(engine, ckpt_dir: Path, step: int, state: dict, rank: int, world: int, keep: int,
+         writer: bool | None = None, seq: int = 0, rank_state: dict | None = None,
+         fault: Callable[[str, int], None] = _no_fault) -> str:
+    """Every rank calls this (it holds collectives). `writer`: this rank marks the tag complete,
+    moves `latest` and prunes on its file system (default: rank 0, one shared file system)."""
     import torch
 
+    writer = rank == 0 if writer is None else writer
     tag = tag_for(step)
     tag_dir = ckpt_dir / tag
     from deepspeed.checkpoint.constants import (UNIVERSAL_CHECKPOINT_INFO, UNIVERSAL_CHECKPOINT_VERSION_KEY,
                                                 UNIVERSAL_CHECKPOINT_VERSION_VALUE)
 
+    if writer:
+        ckpt_dir.mkdir(parents=True, exist_ok=True)
+        unmark(ckpt_dir, tag)
+    dist.barrier()
+    fault("unmarked", step)
     # universal_checkpoint_info (no tensor-parallel patterns: plain data parallel) lets DeepSpeed's
     # ds_to_universal convert this checkpoint as it is.
     client_state = {"ds_train": state,
                     UNIVERSAL_CHECKPOINT_INFO: {UNIVERSAL_CHECKPOINT_VERSION_KEY: UNIVERSAL_CHECKPOINT_VERSION_VALUE}}
     engine.save_checkpoint(str(ckpt_dir), tag=tag, client_state=client_state, save_latest=False)
-    torch.save(rng_state(), rank_file(tag_dir, rank))  # after this rank's DeepSpeed files
+    fault("written", step)
+    torch.save({"rng": rng_state(), "loop": rank_state or {}}, rank_file(tag_dir, rank))
+    dist.barrier()  # every rank's DeepSpeed files exist (the model states are written by one rank)
+    files = [*needed_files(engine, ckpt_dir, tag), rank_file(tag_dir, rank).name]
+    for name in files:
+        _fsync(tag_dir / name)
+    record = {"rank": rank, "seq": seq, "files": {name: (tag_dir / name).stat().st_size for name in files}}
+    write_atomic(manifest_file(tag_dir, rank), json.dumps(record, indent=1))
+    fsync_dir(tag_dir)
+    fault("rank_files", step)
     dist.barrier()
-    if rank == 0:  # plain file writes, no collective inside
-        write_atomic(tag_dir / STATE_FILE, json.dumps({**state, "world_size": world}, indent=2))
+    if writer:  # plain file writes, no collective inside
+        write_atomic(tag_dir / STATE_FILE, json.dumps({**state, "world_size": world, "seq": seq}, indent=2))
+        fsync_dir(tag_dir)
+        fault("marked", step)
         write_atomic(ckpt_dir / "latest", tag)
-        prune(ckpt_dir, keep)
+        fsync_dir(ckpt_dir)
+        fault("latest", step)
+    doomed = dist.broadcast_object(prunable(ckpt_dir, keep, tag) if rank == 0 else None)
+    if writer:
+        remove_tags(ckpt_dir, doomed)
     dist.barrier()
     return tag
 
 
-def prune(ckpt_dir: Path, keep: int) -> None:
-    """Keep the newest `keep` complete tags (0: keep all); incomplete older tags go too."""
+def prunable(ckpt_dir: Path, keep: int, saved: str) -> list[str]:
+    """Tags to delete after saving `saved`: beyond the newest `keep` marked saves, and unmarked ones
+    (saves that did not finish). Never `saved`. keep=0 keeps every marked tag."""
+    marked, unmarked = [], []
+    for p in ckpt_dir.iterdir() if ckpt_dir.is_dir() else ():
+        if not TAG_RE.match(p.name) or p.name == saved:
+            continue
+        state, _ = read_marker(p)
+        (marked if state else unmarked).append((state, p.name))
     if keep <= 0:
-        return
-    newest = complete_tags(ckpt_dir)[-keep:]
-    if not newest:
-        return
-    for p in ckpt_dir.iterdir():
-        base = p.name.removesuffix(UNIVERSAL_SUFFIX)  # a tag's universal copy goes with it
-        if TAG_RE.match(base) and base not in newest and base < newest[-1]:
-            shutil.rmtree(p, ignore_errors=True)
+        return []
+    marked.sort(key=lambda t: _order(t[0]))
+    return sorted([name for _, name in marked[:max(0, len(marked) - (keep - 1))]] +
+                  [name for _, name in unmarked])
+
+
+def remove_tags(ckpt_dir: Path, tags: list[str]) -> None:
+    """Delete tags (their marker first, so a crash midway leaves nothing that looks complete) and
+    their universal copies."""
+    for tag in tags:
+        tag_dir = ckpt_dir / tag
+        (tag_dir / STATE_FILE).unlink(missing_ok=True)
+        shutil.rmtree(tag_dir, ignore_errors=True)
+        shutil.rmtree(universal_dir(tag_dir), ignore_errors=True)
+
+
+def prune(ckpt_dir: Path, keep: int) -> None:
+    """Keep the newest `keep` complete tags (0: keep all) on one file system."""
+    newest = latest_complete(ckpt_dir)
+    if newest is not None:
+        remove_tags(ckpt_dir, prunable(ckpt_dir, keep, newest))
 
 
 @dataclass(frozen=True)
@@ -151,31 +312,178 @@ class ResumePoint:
 
 
 def find_resume(resume: str, ckpt_dir: Path) -> ResumePoint | None:
-    """checkpoint.resume: auto (latest complete in output_dir, if any), none, a tag, or a path."""
-    if resume == "none":
+    """checkpoint.resume on one file system holding the whole checkpoint (`ds-train convert`, tools):
+    auto (the newest complete tag, if any), none, a tag, or a path."""
+    if resume in ("none", "restart"):
         return None
-    if resume == "auto":
-        tag = latest_complete(ckpt_dir)
-        return _point(ckpt_dir, tag) if tag else None
+    load_dir, wanted = locate(resume, ckpt_dir)
+    if wanted is None:
+        tag = latest_complete(load_dir)
+        if tag is None and resume != "auto":
+            raise UserError(f"checkpoint.resume: {str(load_dir)!r} holds no complete checkpoint")
+        return _point(load_dir, tag) if tag else None
+    if not is_complete(load_dir / wanted):
+        raise UserError(f"checkpoint.resume: {str(load_dir / wanted)!r} is incomplete (a save that did not "
+                        f"finish); resume from another tag or use resume=auto")
+    return _point(load_dir, wanted)
+
+
+def locate(resume: str, ckpt_dir: Path) -> tuple[Path, str | None]:
+    """checkpoint.resume -> (the directory of tags, the tag asked for; None: the newest)."""
+    if resume in ("auto", "none", "restart"):
+        return ckpt_dir, None
+    if TAG_RE.match(resume) or resume.endswith(UNIVERSAL_SUFFIX) and "/" not in resume:
+        return ckpt_dir, resume  # a tag of this run: whether every rank has it is agreed later
     path = Path(resume)
-    candidates = [ckpt_dir / resume, path] if not path.is_absolute() else [path]
-    for cand in candidates:
+    for cand in [ckpt_dir / resume, path] if not path.is_absolute() else [path]:
         if cand.is_dir() and ((cand / STATE_FILE).exists() or TAG_RE.match(cand.name)):
-            if not is_complete(cand):
-                raise UserError(f"checkpoint.resume: {str(cand)!r} is incomplete (a save that did not "
-                                f"finish); resume from another tag or use resume=auto")
-            return _point(cand.parent, cand.name)
+            return cand.parent, cand.name
         if cand.is_dir():
-            tag = latest_complete(cand)
-            if tag is None:
-                raise UserError(f"checkpoint.resume: {str(cand)!r} holds no complete checkpoint")
-            return _point(cand, tag)
+            return (cand / "checkpoints" if (cand / "checkpoints").is_dir() else cand), None
     raise UserError(f"checkpoint.resume: {resume!r} is neither a tag in {str(ckpt_dir)!r} nor a "
-                    f"checkpoint directory; use auto, none, a tag (step_00000100) or a path")
+                    f"checkpoint directory; use auto, none, restart, a tag (step_00000100) or a path")
 
 
 def _point(load_dir: Path, tag: str) -> ResumePoint:
-    return ResumePoint(load_dir, tag, json.loads((load_dir / tag / STATE_FILE).read_text()))
+    return ResumePoint(load_dir, tag, read_marker(load_dir / tag)[0])
+
+
+# ---- the resume every rank agrees on ---------------------------------------------------------
+
+@dataclass(frozen=True)
+class TagSeen:
+    """One tag as one rank sees it."""
+
+    state: dict | None  # the marker, where this rank can read it
+    why: str  # why not, where it cannot
+    missing: tuple[str, ...] = ()  # this rank's files that are absent or damaged (same world size)
+    files_seq: int | None = None  # the save this rank's manifest comes from
+    all_missing: dict = field(default_factory=dict)  # rank 0 at another world size: saved rank -> files
+
+
+@dataclass(frozen=True)
+class RankView:
+    rank: int
+    node: int
+    host: str
+    tags: dict  # tag -> TagSeen
+    max_seq: int = 0  # the newest save in this run's own checkpoints directory
+
+    def where(self) -> str:
+        return f"node {self.node} ({self.host}) rank {self.rank}"
+
+
+def _manifest_seq(tag_dir: Path, rank: int) -> int | None:
+    try:
+        return int(json.loads(manifest_file(tag_dir, rank).read_text())["seq"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def scan(load_dir: Path, wanted: str | None, rank: int, world: int) -> dict[str, TagSeen]:
+    """What this rank holds: every tag of `load_dir` (and the one wanted), marker and own files."""
+    names = sorted(p.name for p in load_dir.iterdir() if TAG_RE.match(p.name)) if load_dir.is_dir() else []
+    if wanted is not None and wanted not in names:
+        names.append(wanted)
+    seen = {}
+    for name in names:
+        tag_dir = load_dir / name
+        if not tag_dir.is_dir():
+            seen[name] = TagSeen(None, "no such directory", (f"{name}/",))
+            continue
+        state, why = read_marker(tag_dir)
+        saved_world = int(state["world_size"]) if state else world
+        if saved_world == world:
+            seen[name] = TagSeen(state, why, tuple(rank_missing(tag_dir, rank)), _manifest_seq(tag_dir, rank))
+        else:  # another world size: rank 0 converts it and needs every saved rank's files
+            seq = state.get("seq")
+            everyone = {r: rank_missing(tag_dir, r, seq) for r in range(saved_world)} if rank == 0 else {}
+            seen[name] = TagSeen(state, why, all_missing={r: m for r, m in everyone.items() if m})
+    return seen
+
+
+@dataclass(frozen=True)
+class Decision:
+    point: ResumePoint | None
+    said: str  # printed once and logged on every rank
+    next_seq: int  # the save sequence number of this run's first save
+
+
+def _listed(items: list[str], n: int = 3) -> str:
+    return ", ".join(items[:n]) + (f" and {len(items) - n} more" if len(items) > n else "")
+
+
+def decide(resume: str, load_dir: Path, wanted: str | None, views: list[RankView], world: int,
+           unit: str = "step") -> Decision:
+    """The one resume point of every rank (a pure function of what every rank reported): the
+    newest marked tag, which every rank must hold whole; a rank that lacks it is an error."""
+    names = sorted({t for v in views for t in v.tags})
+    marked: dict[str, dict] = {}
+    for t in names:
+        states = [v.tags[t].state for v in views if t in v.tags and v.tags[t].state]
+        if states:
+            marked[t] = max(states, key=_order)
+    next_seq = 1 + max([int(s.get("seq", 0)) for s in marked.values()] + [v.max_seq for v in views])
+    unfinished = [f"{t} ({next(v.tags[t].why for v in views if t in v.tags)})" for t in names if t not in marked]
+    if resume in ("none", "restart"):
+        if resume == "none" and marked:
+            raise UserError(f"checkpoint.resume=none: {load_dir} holds checkpoints of an earlier run "
+                            f"({_listed(sorted(marked))}); continue it with checkpoint.resume=auto, use "
+                            f"another output_dir, or start over with checkpoint.resume=restart (deletes "
+                            f"them and its metrics)")
+        return Decision(None, f"starting at {unit} 0 (checkpoint.resume={resume})", next_seq)
+    if wanted is None and not marked:
+        why = f"; tags present but none complete: {_listed(unfinished, 5)}" if unfinished else ""
+        return Decision(None, f"nothing to resume in {load_dir}{why}; starting at {unit} 0", next_seq)
+    if wanted is not None and wanted not in marked:
+        why = next((v.tags[wanted].why for v in views if wanted in v.tags), "not found")
+        raise UserError(f"checkpoint.resume: {load_dir / wanted} is not a complete checkpoint ({why}); "
+                        f"resume from another tag ({_listed(sorted(marked)) or 'none complete'}) or "
+                        f"use checkpoint.resume=auto")
+    chosen = wanted or max(marked, key=lambda t: _order(marked[t]))
+    state = marked[chosen]
+    lacking = _lacking(chosen, state, views, world)
+    if lacking:
+        older = [t for t in sorted(marked, key=lambda t: _order(marked[t])) if t != chosen and
+                 not _lacking(t, marked[t], views, world)]
+        alt = f"resume from {older[-1]} with checkpoint.resume={older[-1]}, " if older else ""
+        raise UserError(f"checkpoint {load_dir / chosen} ({unit} {state['step']}, the newest complete save) "
+                        f"is incomplete on {'; '.join(lacking)}; restore those files, {alt}or start over "
+                        f"with checkpoint.resume=restart")
+    skipped = [u for u in unfinished if u.split()[0] != chosen]
+    said = f"resumed from {load_dir / chosen} at {unit} {state['step']}"
+    if skipped:
+        said += f"; not complete, skipped: {_listed(skipped, 5)}"
+    return Decision(ResumePoint(load_dir, chosen, state), said, next_seq)
+
+
+def _lacking(tag: str, state: dict, views: list[RankView], world: int) -> list[str]:
+    """`node n (host) rank r: missing f1, f2` for each rank that cannot load `tag`."""
+    out = []
+    if int(state["world_size"]) != world:
+        zero = next(v for v in views if v.rank == 0)
+        seen = zero.tags.get(tag)
+        for r, files in sorted((seen.all_missing if seen else {}).items()):
+            out.append(f"{zero.where()} (converting it for world size {world}): saved rank {r}'s "
+                       f"{_listed(files)} missing (a new world size needs every rank's files in one place)")
+        return out
+    for v in views:
+        seen = v.tags.get(tag)
+        files = list(seen.missing) if seen else [f"{tag}/"]
+        if seen and not files and seen.files_seq != state.get("seq"):
+            files = [f"{manifest_file(Path(tag), v.rank).name} (from another save)"]
+        if files:
+            out.append(f"{v.where()}: missing {_listed(files)}")
+    return out
+
+
+def agree(resume: str, ckpt_dir: Path, env, host: str, unit: str = "step") -> Decision:
+    """Every rank reports what it holds (one all-gather), then every rank decides the same."""
+    load_dir, wanted = locate(resume, ckpt_dir)
+    own = [read_marker(p)[0] for p in ckpt_dir.iterdir() if TAG_RE.match(p.name)] if ckpt_dir.is_dir() else []
+    mine = RankView(env.rank, env.node_rank, host, scan(load_dir, wanted, env.rank, env.world_size),
+                    max((int(s.get("seq", 0)) for s in own if s), default=0))
+    return decide(resume, load_dir, wanted, dist.all_gather_object(mine), env.world_size, unit)
 
 
 def _flatten(d: dict, prefix: str = "") -> dict[str, Any]:
@@ -301,48 +609,88 @@ def prepare_resume(plan: ResumePlan) -> ResumePoint | None:
 
 
 def load(engine, point: ResumePoint, rank: int, world: int) -> dict:
-    """Load weights, optimizer, scheduler and this rank's RNG; returns the saved trainer state."""
+    """Load weights, optimizer, scheduler, this rank's RNG; returns the saved state, with this rank's
+    own loop state under "rank" when the world size is the one saved."""
     import torch
 
     load_path, _ = engine.load_checkpoint(str(point.load_dir), tag=point.tag,
                                           load_optimizer_states=True, load_lr_scheduler_states=True)
     if load_path is None:
         raise UserError(f"{point.load_dir / point.tag}: DeepSpeed could not load this checkpoint")
-    if point.state["world_size"] == world:  # per-rank RNG only where the ranks are the same ranks
-        set_rng_state(torch.load(rank_file(point.load_dir / point.tag, rank), weights_only=False))
-    return point.state
+    if point.state["world_size"] != world:  # per-rank state only where the ranks are the same ranks
+        return point.state
+    saved = torch.load(rank_file(point.load_dir / point.tag, rank), weights_only=False)
+    set_rng_state(saved["rng"])
+    return {**point.state, "rank": saved["loop"]}
 
 
 class Checkpointer:
     """Decides at each step boundary whether the step is its: every `checkpoint.every` steps, the
     last step (`checkpoint.save_final`), or a SIGTERM / SIGINT that every rank agreed on, after
     which it raises Preempted. Every rank calls `maybe_save` at every boundary: the signal
-    agreement and the save are collectives, never behind a rank guard."""
+    agreement and the save are collectives, never behind a rank guard. Before each save the
+    writers compare their free space with the predicted size of a tag; a save that fails for
+    space or I/O ends the run with one line, `latest` still naming a whole tag."""
 
     def __init__(self, engine, run_dir: Path, cfg: CheckpointConfig, last: int, rank: int, world: int,
-                 record: dict, stop, log, unit: str = "step"):
+                 record: dict, stop, log, unit: str = "step", writer: bool | None = None, seq: int = 1,
+                 needed_bytes: int = 0, where: str = ""):
         self.engine, self.ckpt_dir, self.cfg, self.last = engine, run_dir / "checkpoints", cfg, last
         self.rank, self.world, self.record, self.stop, self.log, self.unit = rank, world, record, stop, log, unit
+        self.writer = rank == 0 if writer is None else writer
+        self.seq, self.needed_bytes, self.where = seq, needed_bytes, where
+        self.fault = fault_at(cfg.debug_fault)
 
     def due(self, step: int) -> bool:
         every = self.cfg.every > 0 and step % self.cfg.every == 0
         return every or (step == self.last and self.cfg.save_final)
 
-    def maybe_save(self, step: int, state: Callable[[], dict] = dict) -> None:
+    def maybe_save(self, step: int, state: Callable[[], dict] = dict, rank_state: Callable[[], dict] = dict) -> None:
         """Save when due or signalled; `state()` (called on every rank, may hold collectives) adds
-        the loop's own position to the record."""
+        the loop's own position to the record, `rank_state()` this rank's own (its rank file)."""
         signum = self.stop.agreed()
         if signum or self.due(step):
-            self.save(step, state())
+            self.save(step, state(), rank_state())
         if signum:
             raise Preempted(signum, step, self.unit)
 
-    def save(self, step: int, state: dict) -> str:
+    def save(self, step: int, state: dict, rank_state: dict | None = None) -> str:
         """Non-finite weights are never saved: the last good checkpoint stays the latest."""
         if not weights_finite(self.engine):
             raise UserError(f"{self.unit} {step}: the weights are not finite; no checkpoint written, the last "
                             f"good one stays in {self.ckpt_dir}; lower optim.lr and resume")
-        tag = save(self.engine, self.ckpt_dir, step, {**self.record, **state, "step": step}, self.rank,
-                   self.world, self.cfg.keep)
+        self.check_space(step)
+        try:
+            tag = save(self.engine, self.ckpt_dir, step, {**self.record, **state, "step": step}, self.rank,
+                       self.world, self.cfg.keep, self.writer, self.seq, rank_state, self.fault)
+        except OSError as e:
+            free = shutil.disk_usage(self.ckpt_dir).free if self.ckpt_dir.is_dir() else 0
+            raise UserError(f"checkpoint {tag_for(step)}: writing {e.filename or self.ckpt_dir} failed: "
+                            f"{e.strerror or e}; a tag needs about {_gib(self.needed_bytes)}, "
+                            f"{_gib(free)} free; {self._latest()}") from None
+        self.seq += 1
         self.log.info(f"saved checkpoint {tag}")
         return tag
+
+    def check_space(self, step: int) -> None:
+        """Every writer compares the free space of its file system with the predicted tag size
+        (one all-gather: every rank stops, or none does)."""
+        short = None
+        if self.writer and self.needed_bytes:
+            self.ckpt_dir.mkdir(parents=True, exist_ok=True)
+            free = shutil.disk_usage(self.ckpt_dir).free
+            if free < self.needed_bytes:
+                short = f"{self.ckpt_dir}{self.where}: needs about {_gib(self.needed_bytes)}, {_gib(free)} free"
+        reports = [r for r in dist.all_gather_object(short) if r]
+        if reports:
+            raise AgreedError(f"checkpoint {tag_for(step)} not written: {'; '.join(reports)}; free space "
+                              f"or lower checkpoint.keep; {self._latest()}")
+
+    def _latest(self) -> str:
+        latest = self.ckpt_dir / "latest"
+        tag = latest.read_text().strip() if latest.is_file() else ""
+        return f"latest still names {tag}" if tag else "no checkpoint of this run was completed"
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"

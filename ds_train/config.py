@@ -123,17 +123,25 @@ class OptimConfig:
         return errs
 
 
+SAVE_PHASES = ("unmarked", "written", "rank_files", "marked", "latest")  # checkpoint.PHASES
+
+
 @dataclass(frozen=True)
 class CheckpointConfig:
     every: int = _f(0, "Save a partitioned DeepSpeed checkpoint every N steps (0: only at the end).")
     keep: int = _f(3, "Keep the newest K complete checkpoints (0: keep all).")
-    resume: str = _f("auto", "auto: continue from the latest complete checkpoint in output_dir if any; "
-                             "none: start fresh; or a tag (step_00000100) or checkpoint path.")
+    resume: str = _f("auto", "auto: continue from the newest checkpoint in output_dir every rank holds "
+                             "whole, if any; none: start fresh (refused where checkpoints exist); "
+                             "restart: delete output_dir's checkpoints and metrics, start fresh; or a "
+                             "tag (step_00000100) or checkpoint path.")
     save_final: bool = _f(True, "Save a checkpoint when training ends.")
     export_final: bool = _f(False, "At the end, also write a Hugging Face model directory "
                                    "(output_dir/hf_export_<tag>) from the final checkpoint.")
     load_universal: bool = _f(False, "Resume through DeepSpeed's universal checkpoint even when the "
                                      "world size and ZeRO stage are unchanged (automatic otherwise).")
+    debug_fault: str = _f("", "Fault injection: ACTION:PHASE:STEP stops the save of STEP at PHASE "
+                              "(unmarked, written, rank_files, marked, latest); ACTION kill (SIGKILL, "
+                              "a crash) or enospc (a full disk).")
 
     def check(self) -> list[str]:
         errs = []
@@ -142,7 +150,13 @@ class CheckpointConfig:
         if self.keep < 0:
             errs.append(f"checkpoint.keep: {self.keep} must be >= 0")
         if not self.resume:
-            errs.append("checkpoint.resume: must be auto, none, a tag or a path")
+            errs.append("checkpoint.resume: must be auto, none, restart, a tag or a path")
+        if self.debug_fault:
+            parts = self.debug_fault.split(":")
+            if (len(parts) != 3 or parts[0] not in ("kill", "enospc") or parts[1] not in SAVE_PHASES
+                    or not parts[2].isdigit()):
+                errs.append(f"checkpoint.debug_fault: {self.debug_fault!r} is not ACTION:PHASE:STEP "
+                            f"(kill or enospc; {', '.join(SAVE_PHASES)}; a step number)")
         if self.export_final and not self.save_final:
             errs.append("checkpoint.export_final: needs checkpoint.save_final: true (it exports "
                         "the final checkpoint)")

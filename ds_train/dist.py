@@ -164,6 +164,18 @@ def all_gather_object(obj: Any) -> list[Any]:
     return out
 
 
+def broadcast_object(obj: Any, src: int = 0) -> Any:
+    """Rank `src`'s object on every rank (every rank must call it; the others pass anything)."""
+    import deepspeed.comm as comm
+    import torch.distributed as tdist
+
+    if not comm.is_initialized() or comm.get_world_size() == 1:
+        return obj
+    box = [obj]
+    tdist.broadcast_object_list(box, src=src)
+    return box[0]
+
+
 def barrier() -> None:
     import deepspeed.comm as comm
 

@@ -12,6 +12,11 @@ class UserError(Exception):
     exit_code = 2
 
 
+class AgreedError(UserError):
+    """Bad input that every rank found at once, after the ranks compared notes (a checkpoint a rank
+    lacks, too little disk space): printed by rank 0 alone."""
+
+
 class RunStopped(Exception):
     """Every rank stopped at the same step boundary, so collectives in the teardown are safe."""
 

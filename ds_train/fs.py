@@ -1,4 +1,5 @@
-"""File-system helpers: one lock, and one way to replace a file (data, configs, checkpoints, logs)."""
+"""File-system helpers: one lock, one way to replace a file (data, configs, checkpoints, logs), and
+the check that a directory can be written before any work starts."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ import os
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
+
+from ds_train.errors import UserError
 
 
 @contextmanager
@@ -37,7 +40,34 @@ def replacing(path: Path) -> Iterator[Path]:
         tmp.unlink(missing_ok=True)
 
 
+def fsync_dir(path: Path) -> None:
+    """Make the directory's entries (created, renamed, removed files) durable."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def write_atomic(path: Path, text: str) -> None:
     """Replace `path` with `text` through `replacing`."""
     with replacing(path) as tmp:
         tmp.write_text(text)
+
+
+def check_writable(path: Path, key: str) -> None:
+    """`path` is a writable directory, or can be created as one (its nearest existing ancestor is a
+    writable directory). Writes nothing."""
+    path = Path(path)
+    probe = path.absolute()
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    if not probe.is_dir():
+        raise UserError(f"{key}: {str(path)!r} cannot be a directory: {str(probe)!r} is a file; choose "
+                        f"another {key}")
+    if os.statvfs(probe).f_flag & os.ST_RDONLY:
+        raise UserError(f"{key}: {str(path)!r} is on a read-only file system ({str(probe)!r}); choose a "
+                        f"writable {key}")
+    if not os.access(probe, os.W_OK | os.X_OK):
+        raise UserError(f"{key}: {str(probe)!r} is not writable by this user; choose another {key} or "
+                        f"fix its permissions")

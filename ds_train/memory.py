@@ -79,6 +79,18 @@ def model_states(n_params: int, stage: int, dtype: str, world: int, offload_opti
     return ModelStates(params, grads, optim, transient, cpu)
 
 
+def checkpoint_bytes(n_params: int, stage: int, dtype: str, world: int, ranks_here: int) -> int:
+    """Bytes one checkpoint tag takes on a file system holding `ranks_here` of the `world` ranks'
+    files: the weights in the training dtype (one model-states file below ZeRO-3, partitioned in
+    ZeRO-3) and 12 bytes a parameter of fp32 master weights and Adam moments, partitioned (fp32
+    ZeRO-0: a plain torch optimizer, weights and moments in the one file)."""
+    p, n, share = param_bytes(dtype), n_params, ranks_here / world
+    if stage == 0 and dtype == "fp32":
+        return int(12 * n)
+    weights = p * n * (share if stage == 3 else 1)
+    return int(weights + 12 * n * share)
+
+
 def engine_state_bytes(engine) -> int:
     """Bytes of the parameter, gradient and optimizer-state tensors a live engine holds on this rank
     (each storage counted once: flat buffers and the views into them are one allocation)."""

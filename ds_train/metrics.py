@@ -100,14 +100,27 @@ class JsonlLogger:
         self.fh.close()
 
 
-def rewind_jsonl(path: Path, step: int) -> None:
-    """Drop the records after `step` (written before a crash, about to be trained again)."""
+def rewind_jsonl(path: Path, step: int) -> int:
+    """Keep the records up to `step` (a resumed run trains the steps after it again; -1: none, a
+    fresh run starts afresh). A line that does not parse (a write cut short by a kill) is dropped;
+    returns how many were."""
     if not path.is_file():
-        return
-    keep = [line for line in path.read_text().splitlines(keepends=True)
-            if line.strip() and json.loads(line).get("step", 0) <= step]
+        return 0
+    keep, damaged = [], 0
+    for line in path.read_text(errors="replace").splitlines():
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+            at = int(record.get("step", 0))
+        except (ValueError, TypeError, AttributeError):
+            damaged += 1
+            continue
+        if at <= step:
+            keep.append(line + "\n")
     with replacing(path) as tmp:
         tmp.write_text("".join(keep))
+    return damaged
 
 
 class WandbLogger:

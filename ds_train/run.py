@@ -20,9 +20,12 @@ from __future__ import annotations
 import json
 import os
 import platform
+import shutil
 import signal
 import socket
+import uuid
 from dataclasses import dataclass, replace
+from functools import partial
 from pathlib import Path
 from typing import Any, Callable
 
@@ -32,10 +35,11 @@ from ds_train.config import RunConfig
 from ds_train.configfile import save_config
 from ds_train.data import load_tokenizer
 from ds_train.engine import initialize, read_ds_template, render_ds_config, zero_stage
-from ds_train.errors import OutOfMemory, RunStopped
+from ds_train.errors import AgreedError, OutOfMemory, RunStopped, UserError
 from ds_train.export import export, locate_model, save_hf_metadata
-from ds_train.fs import file_lock, write_atomic
+from ds_train.fs import check_writable, file_lock, write_atomic
 from ds_train.metrics import Logger, build_logger, build_progress, build_rank_log, peak_flops, rewind_jsonl
+from ds_train.memory import checkpoint_bytes
 from ds_train.model import build_hf_config, build_model, count_params, flops_per_token, resolve_dtype
 from ds_train.plan import oom_report
 
@@ -125,6 +129,7 @@ class Run:
     checkpointer: checkpoint.Checkpointer
     stop: StopRequest
     resume: checkpoint.ResumePoint | None
+    resume_said: str  # how the ranks decided; said once the checkpoint is loaded
 
     @property
     def zero_stage(self) -> int:
@@ -135,12 +140,13 @@ class Run:
         return build_progress(self.env.is_main, self.cfg.log.progress, self.spec.last, initial, **kw)
 
     def maybe_resume(self) -> dict | None:
-        """Load the resume point found at start, if any: weights, optimizer, scheduler, this rank's
-        RNG. Returns the saved record (step, the command's state), or None for a fresh start."""
+        """Load the resume point all ranks agreed on, if any: weights, optimizer, scheduler, this
+        rank's RNG. Returns the saved record (step, the command's state, this rank's own loop state
+        under "rank"), or None for a fresh start."""
         if self.resume is None:
             return None
         state = checkpoint.load(self.engine, self.resume, self.env.rank, self.env.world_size)
-        self.say(f"resumed from {self.resume.load_dir / self.resume.tag} at {self.spec.unit} {state['step']}")
+        self.say(self.resume_said)
         return state
 
     def __enter__(self) -> "Run":
@@ -170,29 +176,46 @@ def build_run(cfg: RunConfig, ds_config_path: str, env: dist.DistEnv, spec: RunS
     import torch
     from deepspeed.accelerator import get_accelerator
 
-    # 1. Checks: nothing is written until every one has passed.
+    # 1. Checks that need no peers: each rank fails fast on its own.
+    run_dir = Path(cfg.output_dir)
+    check_writable(run_dir, "output_dir")
     template = read_ds_template(ds_config_path)
     plan, total_steps = spec.check(cfg, env.world_size)
     accel = get_accelerator()
     on_gpu = accel.device_name() == "cuda"
     dtype = resolve_dtype(cfg.model.dtype, accel.device_name(), accel.is_bf16_supported())
     lr = scaled_lr(cfg.optim.lr, plan.global_batch_size, cfg.optim.reference_batch_size, cfg.optim.lr_scaling)
-    run_dir = Path(cfg.output_dir)
-    found = checkpoint.find_resume(cfg.checkpoint.resume, run_dir / "checkpoints")
-    changes = checkpoint.check_resume(found, cfg, spec.kind, env.world_size, spec.same_world)
-    resume_plan = checkpoint.plan_resume(found, env.world_size, zero_stage(template), dtype,
-                                         cfg.checkpoint.load_universal)
-    ds_config = render_ds_config(template, cfg, plan, dtype=dtype, hidden_size=source.hf_config.hidden_size,
-                                 lr=lr, total_steps=total_steps, on_gpu=on_gpu,
-                                 load_universal=resume_plan.universal, source=str(ds_config_path))
+    render = partial(render_ds_config, template, cfg, plan, dtype=dtype, hidden_size=source.hf_config.hidden_size,
+                     lr=lr, total_steps=total_steps, on_gpu=on_gpu, source=str(ds_config_path))
+    render(load_universal=False)
+    checkpoint.locate(cfg.checkpoint.resume, run_dir / "checkpoints")
 
-    # 2. Writes: a converted checkpoint, an exported initial model, then the engine and the run dir.
+    # 2. Checks every rank makes together: the file-system layout and the resume point.
+    dist.init(env)
+    host = socket.gethostname()
+    try:
+        layout = storage_layout(run_dir, env)
+        decision = checkpoint.agree(cfg.checkpoint.resume, run_dir / "checkpoints", env, host, spec.unit)
+        changes = checkpoint.check_resume(decision.point, cfg, spec.kind, env.world_size, spec.same_world)
+        resume_plan = checkpoint.plan_resume(decision.point, env.world_size, zero_stage(template), dtype,
+                                             cfg.checkpoint.load_universal)
+        check_layout(layout, cfg, resume_plan, env)
+    except UserError as e:  # every rank found the same: rank 0 says it
+        raise AgreedError(str(e)) from None
+    ds_config = render(load_universal=resume_plan.universal)
+    if layout == NODE_LOCAL:  # each node's first rank writes the model states on its own disk
+        ds_config["checkpoint"] = {**ds_config.get("checkpoint", {}), "use_node_local_storage": True}
+    writer = env.local_rank == 0 if layout == NODE_LOCAL else env.is_main
+
+    # 3. Writes: a fresh start's clean slate, a converted checkpoint, an exported initial model,
+    # then the engine and the run dir.
+    if cfg.checkpoint.resume == "restart":
+        start_over(run_dir, writer)
     resume = checkpoint.prepare_resume(resume_plan)
     weights = _export_initial_model(source, run_dir)
     if on_gpu:
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
-    dist.init(env)  # after every check that needs no peers, so bad input fails fast on each rank
     from transformers import set_seed
 
     set_seed(cfg.seed)
@@ -202,40 +225,106 @@ def build_run(cfg: RunConfig, ds_config_path: str, env: dist.DistEnv, spec: RunS
     engine = initialize(built.model, ds_config)
 
     run_dir.mkdir(parents=True, exist_ok=True)
-    hosts = dist.all_gather_object((env.node_rank, socket.gethostname()))  # node rank: loopback nodes share a name
+    hosts = dist.all_gather_object((env.node_rank, host))  # node rank: loopback nodes share a name
+    say = print if env.is_main and not quiet else _silent
     if env.is_main:
         save_config(cfg, run_dir / "config.yaml")
         write_atomic(run_dir / "ds_config.json", json.dumps(ds_config, indent=2))
-        write_atomic(run_dir / "env.json", json.dumps(env_record(env, hosts, dtype, spec.kind), indent=2))
+        write_atomic(run_dir / "env.json", json.dumps(env_record(env, hosts, dtype, spec.kind, layout), indent=2))
         save_hf_metadata(source.hf_config, source.tokenizer, run_dir / "hf_model")
-        if resume:  # steps after the checkpoint run again: drop their old lines
-            rewind_jsonl(run_dir / "metrics.jsonl", int(resume.state["step"]))
-    say = print if env.is_main and not quiet else _silent
+        # A resumed run's metrics continue from the checkpoint; a fresh run's start afresh.
+        damaged = rewind_jsonl(run_dir / "metrics.jsonl", int(resume.state["step"]) if resume else -1)
+        if damaged:
+            say(f"metrics.jsonl: dropped {damaged} damaged line(s) (a write cut short); kept the "
+                f"records before them")
+    if decision.point is None:
+        say(decision.said)
     if changes:
         say("resuming with changed settings: " + "; ".join(changes))
     for note in resume_plan.notes:
         say(note)
+    if getattr(built, "new_weights", ()):
+        say(f"initialised new weights (model.allow_new_weights): {', '.join(built.new_weights)}")
     say(plan.describe())
     say(f"lr {lr:.3g} (optim.lr {cfg.optim.lr:g}, scaling {cfg.optim.lr_scaling}); dtype {dtype}; "
         f"ZeRO stage {engine.zero_optimization_stage()}; {n_params / 1e6:.2f}M parameters")
-    say(host_table(hosts))
+    say(host_table(hosts) + ("; output_dir node-local (each node holds its own ranks' checkpoint files)"
+                             if layout == NODE_LOCAL else ""))
 
     device_name = torch.cuda.get_device_name() if on_gpu else platform.processor() or "cpu"
     logger = build_logger(env.is_main, run_dir, cfg.log.wandb, cfg.log.wandb_project, cfg.to_dict(),
                           console_keys=spec.console_keys)
     rank_log = build_rank_log(run_dir, env.rank)
-    rank_log.info(f"pid {os.getpid()} host {socket.gethostname()} local_rank {env.local_rank} node {env.node_rank} "
+    rank_log.info(f"pid {os.getpid()} host {host} local_rank {env.local_rank} node {env.node_rank} "
                   f"world {env.world_size} launcher {env.launcher} device {device_name}")
+    rank_log.info(decision.said)
     stop = StopRequest()
     record = {"kind": spec.kind, "zero_stage": engine.zero_optimization_stage(), "dtype": dtype,
-              "config": cfg.to_dict()}
+              "layout": layout, "config": cfg.to_dict()}
+    ranks_here = env.local_world_size if layout == NODE_LOCAL else env.world_size
+    needed = checkpoint_bytes(n_params, engine.zero_optimization_stage(), dtype, env.world_size, ranks_here)
     ckpt = checkpoint.Checkpointer(engine, run_dir, cfg.checkpoint, spec.last, env.rank, env.world_size,
-                                   record, stop, rank_log, spec.unit)
+                                   record, stop, rank_log, spec.unit, writer=writer, seq=decision.next_seq,
+                                   needed_bytes=needed, where=f" (node {env.node_rank}, {host})")
     fpt = flops_per_token(n_params, source.hf_config.num_hidden_layers, source.hf_config.hidden_size,
                           cfg.train.seq_len)
     return Run(cfg, env, spec, plan, run_dir, ds_config, dtype, lr, engine, source.tokenizer, n_params, fpt,
                peak_flops(device_name, cfg.log.peak_tflops) if on_gpu else None, logger, rank_log, say,
-               ckpt, stop, resume)
+               ckpt, stop, resume, decision.said)
+
+
+SHARED, NODE_LOCAL = "shared", "node-local"
+
+
+def storage_layout(run_dir: Path, env: dist.DistEnv) -> str:
+    """Whether output_dir is one file system for every rank (SHARED) or each node's own
+    (NODE_LOCAL): the first rank of each node leaves a mark, every rank says whose it sees."""
+    if env.world_size == env.local_world_size:
+        return SHARED  # one node
+    nonce = dist.broadcast_object(uuid.uuid4().hex if env.is_main else None)
+    mark = run_dir / f".ds_train_node_{nonce}_{env.rank}"
+    if env.local_rank == 0:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        mark.touch()
+    dist.barrier()
+    seen = sorted(int(p.name.rsplit("_", 1)[1]) for p in run_dir.glob(f".ds_train_node_{nonce}_*"))
+    views = dist.all_gather_object(seen)
+    dist.barrier()
+    if env.local_rank == 0:
+        mark.unlink(missing_ok=True)
+    leaders = sorted({r for view in views for r in view})
+    if all(view == leaders for view in views):
+        return SHARED
+    if all(len(view) == 1 for view in views):
+        return NODE_LOCAL
+    groups = sorted({tuple(view) for view in views})
+    raise UserError(f"output_dir {run_dir}: some nodes share it and some do not (nodes led by ranks "
+                    f"{'; '.join(','.join(map(str, g)) for g in groups)} see the same directory); give "
+                    f"every node its own, or one shared by all")
+
+
+def check_layout(layout: str, cfg: RunConfig, plan: checkpoint.ResumePlan, env: dist.DistEnv) -> None:
+    """What a node-local output_dir cannot do: gather every rank's files in one place."""
+    if layout != NODE_LOCAL:
+        return
+    if plan.convert:
+        raise UserError(f"{plan.point.load_dir / plan.point.tag}: resuming at a new world size or ZeRO stage "
+                        f"converts the checkpoint, which needs every rank's files in one place; copy the "
+                        f"nodes' checkpoints/ into one shared directory and resume from it")
+    if cfg.checkpoint.export_final:
+        raise UserError("checkpoint.export_final: a node-local output_dir holds each node's part of the "
+                        "checkpoint; set it to false and run `ds-train export` on the checkpoints "
+                        "copied into one directory")
+
+
+def start_over(run_dir: Path, writer: bool) -> None:
+    """checkpoint.resume=restart: this file system's checkpoints and the earlier run's metrics and
+    results go; everything else is rewritten by the new run."""
+    if writer:
+        shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
+        for name in ("metrics.jsonl", "results.json", "ript_results.json"):
+            (run_dir / name).unlink(missing_ok=True)
+    dist.barrier()
 
 
 def _ending(exc: BaseException | None) -> str:
@@ -263,7 +352,7 @@ def _export_initial_model(source: ModelSource, run_dir: Path) -> Path | None:
     return out
 
 
-def env_record(env: dist.DistEnv, hosts: list[tuple[int, str]], dtype: str, kind: str) -> dict:
+def env_record(env: dist.DistEnv, hosts: list[tuple[int, str]], dtype: str, kind: str, layout: str = SHARED) -> dict:
     import deepspeed
     import torch
     import transformers
@@ -271,7 +360,7 @@ def env_record(env: dist.DistEnv, hosts: list[tuple[int, str]], dtype: str, kind
     return {"command": kind, "torch": torch.__version__, "deepspeed": deepspeed.__version__,
             "transformers": transformers.__version__, "python": platform.python_version(),
             "world_size": env.world_size, "launcher": env.launcher, "hosts": nodes(hosts),
-            "accelerator": dist.accelerator_name(), "dtype": dtype}
+            "accelerator": dist.accelerator_name(), "dtype": dtype, "output_dir": layout}
 
 
 def nodes(hosts: list[tuple[int, str]]) -> list[dict]:

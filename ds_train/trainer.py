@@ -65,9 +65,10 @@ def train(cfg: RunConfig, ds_config_path: str) -> dict:
     with build_run(cfg, ds_config_path, dist.detect_env(), train_spec(cfg), source) as run:
         run.say(f"data: {len(data.train.tokens):,} train tokens in {cfg.data.dir}")
         start = int((run.maybe_resume() or {}).get("step", 0))
-        if start >= cfg.train.max_steps:
-            run.say(f"already trained to step {start} >= train.max_steps={cfg.train.max_steps}; "
-                    f"raise train.max_steps to continue, or set another output_dir")
+        if start >= cfg.train.max_steps:  # its results stay as they were
+            run.say(f"already trained to step {start} >= train.max_steps={cfg.train.max_steps}; nothing "
+                    f"to do; raise train.max_steps to continue, or set another output_dir")
+            return {"steps": start, "run_dir": str(run.run_dir.resolve())}
         metrics = train_loop(run, data, start, cfg.train.max_steps)
         return finish(run, metrics)
 
@@ -96,6 +97,13 @@ def train_loop(run: Run, data: Datasets, start: int, stop: int) -> dict[str, Any
 def position(run: Run, step: int) -> dict:
     """Where the data stream stands after `step` (the checkpoint's part of the loop state)."""
     return {"samples": step * run.plan.global_batch_size, "tokens": step * run.plan.tokens_per_step}
+
+
+def token_mean(loss_sum: float, tokens: int) -> float:
+    """The mean loss per token over every rank: summed losses over summed counts (one all-reduce),
+    never a mean of per-rank means, which would weigh a rank's tokens by how few it had."""
+    loss, count = dist.all_reduce_sum([loss_sum, tokens])
+    return loss / count
 
 
 def forward_loss(engine, batch: np.ndarray):
@@ -202,12 +210,12 @@ class StepMeter:
         run = self.run
         window_s = time.perf_counter() - self.window_start
         gpu_gib, rss_gib = memory_gib(run.engine.device.type)
-        loss, count = dist.all_reduce_sum([float(result.loss_sum), result.tokens])
+        loss = token_mean(float(result.loss_sum), result.tokens)
         max_gpu, max_rss = dist.all_reduce_max([gpu_gib, rss_gib])
         tokens_per_s = run.plan.tokens_per_step * self.window_steps / window_s
         grad_norm = result.grad_norm if result.grad_norm is not None else run.engine.get_global_grad_norm()
         metrics = {
-            "train/loss": loss / count,
+            "train/loss": loss,
             "train/tokens": run.plan.tokens_per_step * step,
             "train/skipped_steps": skipped_steps,
             "optim/lr": float(run.engine.get_lr()[0]),
@@ -244,8 +252,7 @@ class Evaluator:
                 loss_sum, n = forward_loss(engine, batch)
                 loss, count = loss + float(loss_sum), count + n
         engine.train()
-        loss, count = dist.all_reduce_sum([loss, count])
-        mean = loss / count
+        mean = token_mean(loss, count)
         return {"eval/loss": mean, "eval/ppl": math.exp(min(mean, 50.0))}
 
 

@@ -83,6 +83,7 @@ class RiptJob:
     shards: list[list[str]]
     sampler: ContextSampler
     scripted: Any
+    pending: dict = field(default_factory=dict)  # this rank's counts not yet synced, from a checkpoint
 
     @property
     def mine(self) -> list[str]:
@@ -130,6 +131,7 @@ def resume(job: RiptJob) -> RiptState | None:
     if saved is None:
         return None
     job.sampler.load_state(saved["ript"]["sampler"])
+    job.pending = saved.get("rank", {}).get("counts", {})
     return RiptState(**{k: saved["ript"][k] for k in ("iteration", "evals", "totals")})
 
 
@@ -146,6 +148,7 @@ def ript_loop(run: Run, job: RiptJob, state: RiptState) -> None:
     r = run.cfg.ript
     act = job.policy(r.temperature)
     counts = SyncedCounts(job, Interval(r.sync_every, r.iterations))
+    counts.load_state(job.pending)
     held_out = HeldOut(job, Interval(r.eval_every, r.iterations))
     with run.progress(state.iteration, desc="ript", unit="it", postfix=("ript/success_rate", "success")) as progress:
         for it in range(state.iteration + 1, r.iterations + 1):
@@ -156,7 +159,7 @@ def ript_loop(run: Run, job: RiptJob, state: RiptState) -> None:
             metrics = counts.maybe_sync(it, state) | held_out.maybe_evaluate(it, state)
             run.logger.log(metrics, it)
             progress.advance(metrics)
-            run.checkpointer.maybe_save(it, lambda: checkpoint_state(job, state))
+            run.checkpointer.maybe_save(it, lambda: checkpoint_state(job, state), lambda: {"counts": counts.state()})
 
 
 def checkpoint_state(job: RiptJob, state: RiptState) -> dict:
@@ -176,6 +179,19 @@ class SyncedCounts:
     def _restart(self) -> None:
         self.window, self.policy = Tally(self.names), [0.0] * 5
         self.started, self.rollout_s, self.iterations = time.perf_counter(), 0.0, 0
+
+    def state(self) -> dict:
+        """This rank's counts since the last sync (its rank file carries them across a resume)."""
+        return {"window": self.window.as_dict(), "policy": self.policy, "rollout_s": self.rollout_s,
+                "iterations": self.iterations, "elapsed_s": time.perf_counter() - self.started}
+
+    def load_state(self, saved: dict) -> None:
+        if not saved:
+            return
+        for name, counts in saved["window"].items():
+            self.window.add(name, **counts)
+        self.policy, self.rollout_s, self.iterations = list(saved["policy"]), saved["rollout_s"], saved["iterations"]
+        self.started = time.perf_counter() - saved["elapsed_s"]
 
     @contextlib.contextmanager
     def rollouts(self):
