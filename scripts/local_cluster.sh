@@ -10,20 +10,34 @@
 # directory ($DS_TRAIN_CLUSTER_DIR, default /tmp/ds_train_cluster) and reaches pdsh and the
 # preflight through PDSH_SSH_ARGS_APPEND="-F <config>". Nothing in ~/.ssh or /etc/ssh is touched.
 # Both commands are idempotent. Needs /usr/sbin/sshd and pdsh (scripts/test.sh installs them).
+#
+# Node-local disks: with DS_TRAIN_CLUSTER_NODE_LOCAL=<dir> (root only), each node gets its own sshd
+# in its own mount namespace, where <state>/node<i> is mounted over <dir>: a run whose output_dir is
+# <dir> then sees one directory per node, as on a cluster with local NVMe (no shared file system).
 set -euo pipefail
 
 state=${DS_TRAIN_CLUSTER_DIR:-/tmp/ds_train_cluster}
 port=${DS_TRAIN_CLUSTER_PORT:-2222}
 sshd=${SSHD:-/usr/sbin/sshd}
 nodes=(127.0.0.2 127.0.0.3)
+node_local=${DS_TRAIN_CLUSTER_NODE_LOCAL:-}
 
 say() { echo "local_cluster: $*" >&2; }
 
-running() {  # the sshd started by `up`, by the pid it wrote
-  [ -f "$state/sshd.pid" ] || return 1
+pidfiles() {  # one sshd, or one per node (node-local)
+  if [ -n "$node_local" ]; then echo "$state/sshd0.pid" "$state/sshd1.pid"; else echo "$state/sshd.pid"; fi
+}
+
+alive() {  # the sshd whose pid file is $1
+  [ -f "$1" ] || return 1
   local pid
-  pid=$(cat "$state/sshd.pid")
+  pid=$(cat "$1")
   [ -n "$pid" ] && kill -0 "$pid" 2>/dev/null && grep -q sshd "/proc/$pid/cmdline" 2>/dev/null
+}
+
+running() {  # the sshd(s) started by `up`, by the pids they wrote
+  local f
+  for f in $(pidfiles); do alive "$f" || return 1; done
 }
 
 print_env() {
@@ -84,29 +98,44 @@ EOF
   if [ "$(id -u)" = 0 ]; then
     mkdir -p /run/sshd  # sshd's privilege-separation directory, missing where sshd never ran
   fi
-  "$sshd" -f "$state/sshd_config" -E "$state/sshd.log"
+  if [ -z "$node_local" ]; then
+    "$sshd" -f "$state/sshd_config" -E "$state/sshd.log"
+  else
+    [ "$(id -u)" = 0 ] || { say "DS_TRAIN_CLUSTER_NODE_LOCAL needs root (mount namespaces)"; exit 1; }
+    mkdir -p "$node_local"
+    for i in 0 1; do
+      mkdir -p "$state/node$i"
+      grep -v '^ListenAddress\|^PidFile' "$state/sshd_config" > "$state/sshd${i}_config"
+      printf 'ListenAddress %s:%s\nPidFile %s\n' "${nodes[i]}" "$port" "$state/sshd$i.pid" >> "$state/sshd${i}_config"
+      # sshd daemonises inside the namespace; its sessions (the ranks) inherit the mount.
+      unshare -m --propagation private sh -c 'mount --bind "$1" "$2" && exec "$3" -f "$4" -E "$5"' \
+        sh "$state/node$i" "$node_local" "$sshd" "$state/sshd${i}_config" "$state/sshd$i.log"
+    done
+  fi
   for _ in $(seq 50); do
     if running && ssh -F "$state/ssh_config" "${nodes[1]}" true 2>/dev/null; then
-      say "up: sshd pid $(cat "$state/sshd.pid") on ${nodes[*]} port $port; hostfile $state/hostfile"
+      say "up: sshd pid(s) $(cat $(pidfiles) | tr '\n' ' ')on ${nodes[*]} port $port; hostfile $state/hostfile"
       print_env
       return
     fi
     sleep 0.1
   done
   say "sshd did not come up; its log:"
-  cat "$state/sshd.log" >&2 || true
+  cat "$state"/sshd*.log >&2 || true
   down
   exit 1
 }
 
 down() {
-  if running; then
-    local pid
-    pid=$(cat "$state/sshd.pid")
-    kill "$pid"
-    for _ in $(seq 50); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
-    say "down: stopped sshd pid $pid"
-  fi
+  local f pid
+  for f in $(pidfiles); do
+    if alive "$f"; then
+      pid=$(cat "$f")
+      kill "$pid"
+      for _ in $(seq 50); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
+      say "down: stopped sshd pid $pid"
+    fi
+  done
   rm -rf "$state"
 }
 
