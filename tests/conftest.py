@@ -141,6 +141,22 @@ def deepspeed_args(config: Path, ds_config: str, *overrides: str, nproc: int = 2
             "--ds-config", str(ROOT / "ds_configs" / ds_config), *overrides]
 
 
+def expect_error(args: list[str], *needles: str, timeout: float = 180, wrap: list[str] = ()) -> str:
+    """`python -m ds_train ARGS` (inside `wrap`, e.g. unshare) fails as bad input must: exit 2 and
+    exactly one line on stderr, `ds-train: error: ...` naming each needle. Returns the line."""
+    env = {**os.environ, "PATH": f"{BIN}:{os.environ.get('PATH', '')}", "WANDB_MODE": "offline",
+           "PYTHONWARNINGS": "ignore"}
+    proc = subprocess.run([*wrap, sys.executable, "-m", "ds_train", *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+    release_shared_memory()
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1, (proc.returncode, proc.stderr[-3000:], proc.stdout[-2000:])
+    assert lines[0].startswith("ds-train: error: "), lines[0]
+    for needle in needles:
+        assert needle in lines[0], (needle, lines[0])
+    return lines[0]
+
+
 def tree_listing(root: Path) -> dict[str, tuple]:
     """Every file and directory under `root` with its size, mtime and content hash: equal
     listings mean nothing was written, touched or removed."""

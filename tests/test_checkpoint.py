@@ -5,24 +5,34 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import time
 
 import pytest
 
-from conftest import ROOT, deepspeed_args, deepspeed_train, ds_train, reap, spawn, tiny_config, write_config
+from conftest import (ROOT, deepspeed_args, deepspeed_train, ds_train, expect_error, reap, spawn, tiny_config,
+                      tree_listing, write_config)
 from ds_train import checkpoint
 from ds_train.errors import UserError
 
 
-def fake_tag(ckpt_dir, step, world=2, complete=True):
+def fake_tag(ckpt_dir, step, world=2, complete=True, seq=None):
+    """A tag as `checkpoint.save` lays it out: each rank's files and manifest, then the marker."""
+    seq = step if seq is None else seq
     tag_dir = ckpt_dir / checkpoint.tag_for(step)
     tag_dir.mkdir(parents=True)
+    (tag_dir / "mp_rank_00_model_states.pt").write_bytes(b"weights")
     for r in range(world if complete else world - 1):
+        (tag_dir / f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt").write_bytes(b"optim" * (r + 1))
         checkpoint.rank_file(tag_dir, r).write_bytes(b"x")
+        files = ["mp_rank_00_model_states.pt", f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt",
+                 checkpoint.rank_file(tag_dir, r).name]
+        checkpoint.manifest_file(tag_dir, r).write_text(json.dumps(
+            {"rank": r, "seq": seq, "files": {f: (tag_dir / f).stat().st_size for f in files}}))
     if complete:
         (tag_dir / checkpoint.STATE_FILE).write_text(json.dumps(
-            {"step": step, "world_size": world, "config": {}}))
+            {"step": step, "world_size": world, "seq": seq, "config": {}}))
     return tag_dir.name
 
 
@@ -32,29 +42,42 @@ def test_tags_are_zero_padded_and_sort_by_step():
         checkpoint.tag_for(s) for s in (3, 20, 1000)]
 
 
-def test_a_tag_missing_a_rank_file_is_incomplete(tmp_path):
+def test_a_tag_is_complete_when_marked_and_every_rank_file_is_as_written(tmp_path):
     good, bad = fake_tag(tmp_path, 2), fake_tag(tmp_path, 4, complete=False)
-    (tmp_path / bad / checkpoint.STATE_FILE).write_text(json.dumps({"world_size": 2}))
+    (tmp_path / bad / checkpoint.STATE_FILE).write_text(json.dumps({"step": 4, "world_size": 2, "seq": 4}))
     assert checkpoint.is_complete(tmp_path / good)
     assert not checkpoint.is_complete(tmp_path / bad)
     assert checkpoint.complete_tags(tmp_path) == [good]
+    assert checkpoint.rank_missing(tmp_path / bad, 1) == ["ds_train_rank_1.json"]
+    shard = tmp_path / good / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    shard.write_bytes(b"cut")  # truncated after it was recorded
+    assert checkpoint.rank_missing(tmp_path / good, 1) == [f"{shard.name} (3 bytes, 10 written)"]
+    assert not checkpoint.is_complete(tmp_path / good)
+    (tmp_path / good / checkpoint.STATE_FILE).write_text('{"step": 2, "world')  # a damaged marker
+    assert checkpoint.read_marker(tmp_path / good)[1].startswith("ds_train_state.json is damaged")
 
 
-def test_latest_falls_back_to_the_newest_complete_tag(tmp_path):
-    a, b = fake_tag(tmp_path, 2), fake_tag(tmp_path, 4)
-    fake_tag(tmp_path, 6, complete=False)
-    (tmp_path / "latest").write_text("step_00000006")  # names an incomplete tag: never loaded
-    assert checkpoint.latest_complete(tmp_path) == b
-    (tmp_path / "latest").write_text(a)
-    assert checkpoint.latest_complete(tmp_path) == a
+def test_the_newest_save_wins_not_the_highest_step(tmp_path):
+    """A resume from an older tag saves with a higher sequence number than the abandoned tags."""
+    fake_tag(tmp_path, 2, seq=1)
+    fake_tag(tmp_path, 6, seq=3)  # the continuation that was abandoned
+    fake_tag(tmp_path, 4, seq=4)  # saved after resuming from step 2
+    (tmp_path / "latest").write_text("step_00000002")  # a crash between the marker and `latest`
+    assert checkpoint.latest_complete(tmp_path) == "step_00000004"
+    assert checkpoint.complete_tags(tmp_path) == ["step_00000002", "step_00000006", "step_00000004"]
 
 
-def test_prune_keeps_the_newest_k(tmp_path):
-    tags = [fake_tag(tmp_path, s) for s in (2, 4, 6, 8)]
+def test_pruning_keeps_the_newest_saves_and_never_the_tag_just_saved(tmp_path):
+    fake_tag(tmp_path, 2, seq=1)
+    fake_tag(tmp_path, 6, seq=3)
+    fake_tag(tmp_path, 8, seq=4)
+    fake_tag(tmp_path, 9, complete=False)  # a save that did not finish
+    fake_tag(tmp_path, 4, seq=5)  # just saved, after a resume from step 2
+    assert checkpoint.prunable(tmp_path, 2, "step_00000004") == ["step_00000002", "step_00000006",
+                                                                 "step_00000009"]
+    assert checkpoint.prunable(tmp_path, 0, "step_00000004") == []  # keep=0 keeps every tag
     checkpoint.prune(tmp_path, keep=2)
-    assert checkpoint.complete_tags(tmp_path) == tags[-2:]
-    checkpoint.prune(tmp_path, keep=0)
-    assert checkpoint.complete_tags(tmp_path) == tags[-2:]
+    assert checkpoint.complete_tags(tmp_path) == ["step_00000008", "step_00000004"]
 
 
 def test_find_resume(tmp_path):
@@ -68,7 +91,87 @@ def test_find_resume(tmp_path):
     with pytest.raises(UserError, match="incomplete"):
         checkpoint.find_resume("step_00000006", tmp_path)
     with pytest.raises(UserError, match="neither a tag"):
-        checkpoint.find_resume("step_00000099", tmp_path)
+        checkpoint.find_resume(str(tmp_path / "nowhere"), tmp_path)
+
+
+# ---- the resume every rank agrees on (what each rank reports, then the one decision) ----------
+
+def views(ckpt_dirs: list, world: int = 2, wanted=None) -> list:
+    """Each rank's report, rank r reading ckpt_dirs[r] (one directory: shared; several: node-local)."""
+    return [checkpoint.RankView(r, r, f"host{r}", checkpoint.scan(d, wanted, r, world))
+            for r, d in enumerate(ckpt_dirs)]
+
+
+def test_every_rank_resumes_from_the_newest_save_and_unfinished_tags_are_named(tmp_path):
+    fake_tag(tmp_path, 2, seq=1)
+    fake_tag(tmp_path, 4, seq=2)
+    fake_tag(tmp_path, 6, complete=False)
+    d = checkpoint.decide("auto", tmp_path, None, views([tmp_path, tmp_path]), 2)
+    assert d.point.tag == "step_00000004" and d.point.state["step"] == 4 and d.next_seq == 3
+    assert d.said == (f"resumed from {tmp_path / 'step_00000004'} at step 4; not complete, skipped: "
+                      f"step_00000006 (no ds_train_state.json: a save that did not finish)")
+
+
+def test_nothing_to_resume_says_why(tmp_path):
+    d = checkpoint.decide("auto", tmp_path, None, views([tmp_path, tmp_path]), 2)
+    assert d.point is None and d.said == f"nothing to resume in {tmp_path}; starting at step 0"
+    fake_tag(tmp_path, 2, complete=False)
+    d = checkpoint.decide("auto", tmp_path, None, views([tmp_path, tmp_path]), 2, unit="iteration")
+    assert d.point is None and d.said == (
+        f"nothing to resume in {tmp_path}; tags present but none complete: step_00000002 (no "
+        f"ds_train_state.json: a save that did not finish); starting at iteration 0")
+
+
+def test_node_local_directories_agree_and_a_node_missing_files_is_named(tmp_path):
+    node0, node1 = tmp_path / "node0", tmp_path / "node1"
+    for node, rank in ((node0, 0), (node1, 1)):  # each node holds its own rank's files and a marker
+        for step in (2, 4):
+            fake_tag(node, step)
+            other = node / checkpoint.tag_for(step)
+            for f in (checkpoint.manifest_file(other, 1 - rank), checkpoint.rank_file(other, 1 - rank)):
+                f.unlink()
+    d = checkpoint.decide("auto", node0, None, views([node0, node1]), 2)
+    assert d.point.tag == "step_00000004"
+    (node1 / "step_00000004" / "zero_pp_rank_1_mp_rank_00_optim_states.pt").unlink()
+    with pytest.raises(UserError) as e:
+        checkpoint.decide("auto", node0, None, views([node0, node1]), 2)
+    assert str(e.value) == (
+        f"checkpoint {node0 / 'step_00000004'} (step 4, the newest complete save) is incomplete on node 1 "
+        f"(host1) rank 1: missing zero_pp_rank_1_mp_rank_00_optim_states.pt; restore those files, resume "
+        f"from step_00000002 with checkpoint.resume=step_00000002, or start over with checkpoint.resume=restart")
+    shutil.rmtree(node1 / "step_00000004")  # the whole tag gone from node 1: named the same way
+    with pytest.raises(UserError, match="incomplete on node 1 \\(host1\\) rank 1: missing step_00000004/"):
+        checkpoint.decide("auto", node0, None, views([node0, node1]), 2)
+
+
+def test_a_rank_file_from_another_save_into_the_same_tag_is_not_whole(tmp_path):
+    fake_tag(tmp_path, 4, seq=7)
+    man = checkpoint.manifest_file(tmp_path / "step_00000004", 1)
+    man.write_text(man.read_text().replace('"seq": 7', '"seq": 5'))
+    with pytest.raises(UserError, match="rank 1: missing ds_train_rank_1.json \\(from another save\\)"):
+        checkpoint.decide("auto", tmp_path, None, views([tmp_path, tmp_path]), 2)
+
+
+def test_a_fresh_run_into_a_used_directory_is_refused_and_restart_is_named(tmp_path):
+    fake_tag(tmp_path, 2)
+    with pytest.raises(UserError, match="checkpoint.resume=none: .* holds checkpoints of an earlier run "
+                                        "\\(step_00000002\\); .*checkpoint.resume=restart"):
+        checkpoint.decide("none", tmp_path, None, views([tmp_path, tmp_path]), 2)
+    d = checkpoint.decide("restart", tmp_path, None, views([tmp_path, tmp_path]), 2)
+    assert d.point is None and d.next_seq == 3
+
+
+def test_a_named_tag_must_be_complete_and_a_new_world_size_needs_every_rank_in_one_place(tmp_path):
+    fake_tag(tmp_path, 2)
+    fake_tag(tmp_path, 4, complete=False)
+    with pytest.raises(UserError, match="step_00000004 is not a complete checkpoint \\(no ds_train_state"):
+        checkpoint.decide("step_00000004", tmp_path, "step_00000004",
+                          views([tmp_path, tmp_path], wanted="step_00000004"), 2)
+    d = checkpoint.decide("auto", tmp_path, None, views([tmp_path], world=1), 1)  # 2 ranks' tag, 1 rank now
+    assert d.point.tag == "step_00000002"
+    checkpoint.manifest_file(tmp_path / "step_00000002", 1).unlink()
+    with pytest.raises(UserError, match="saved rank 1's ds_train_rank_1.json missing"):
+        checkpoint.decide("auto", tmp_path, None, views([tmp_path], world=1), 1)
 
 
 def test_config_changes_split_into_errors_and_notes():
@@ -118,7 +221,7 @@ class _Stop:
 class _Recorder(checkpoint.Checkpointer):
     """The Checkpointer's own decisions, with the save (DeepSpeed's collective) recorded instead."""
 
-    def save(self, step, state):
+    def save(self, step, state, rank_state=None):
         self.saved.append((step, state))
         return checkpoint.tag_for(step)
 
@@ -327,33 +430,119 @@ def test_changed_config_on_resume_convert_command_and_refused_stage_change(tiny_
     assert "DeepSpeed cannot move optimizer states between fp32 ZeRO-0" in res.out
 
 
-@pytest.mark.slow
-def test_kill_9_during_a_save_leaves_the_previous_checkpoint_latest(tiny_data, tmp_path):
-    """A model large enough that a save takes a while; rank 1 is killed while a tag is half written."""
-    run_dir = tmp_path / "run"
-    model = {"hidden_size": 256, "intermediate_size": 704, "num_hidden_layers": 4}
-    cfg = write_config(tmp_path / "run.yaml", tiny_config(
-        tiny_data, run_dir, model={"config": {**tiny_config(tiny_data, run_dir)["model"]["config"], **model}},
-        train={"max_steps": 400}, checkpoint={"every": 1, "keep": 0}))
-    proc = spawn(deepspeed_args(cfg, "zero2.json"))
-    wait_for_step(proc, run_dir, 2)
-    ckpts, killed, deadline = run_dir / "checkpoints", None, time.monotonic() + 120
-    while killed is None and time.monotonic() < deadline and proc.poll() is None:
-        for tag_dir in ckpts.glob("step_*"):
-            if any(tag_dir.iterdir()) and not checkpoint.is_complete(tag_dir):
-                os.kill(rank_pid(run_dir, 1), signal.SIGKILL)
-                killed = tag_dir.name
-                break
-        time.sleep(0.002)
-    t0 = time.monotonic()
-    res = reap(proc, timeout=60)
-    assert killed is not None, "never saw a save in progress"
-    assert res.returncode != 0 and time.monotonic() - t0 < 60
-    latest = (ckpts / "latest").read_text()
-    assert checkpoint.is_complete(ckpts / latest) and latest < killed
-    assert checkpoint.latest_complete(ckpts) == latest  # the half-written tag is never chosen
+def single(cfg, *overrides, timeout=180):
+    """One process (`python -m ds_train train`), zero2."""
+    return ds_train("train", "--config", str(cfg), "--ds-config", str(ROOT / "ds_configs" / "zero2.json"),
+                    *overrides, timeout=timeout)
 
-    k = int(latest.split("_")[1])
-    res = deepspeed_train(cfg, "zero2.json", f"train.max_steps={k + 1}")
+
+def agreed_tag(ckpts):
+    """What a one-rank resume of this directory would choose."""
+    view = checkpoint.RankView(0, 0, "h", checkpoint.scan(ckpts, None, 0, 1))
+    point = checkpoint.decide("auto", ckpts, None, [view], 1).point
+    return point.tag if point else None
+
+
+@pytest.mark.slow
+def test_a_save_into_an_existing_tag_killed_at_each_phase_leaves_whole_tags(tiny_data, tmp_path):
+    """Tags 2 and 4, then a resume from 2 whose save of 4 (into the existing tag) is killed (SIGKILL,
+    checkpoint.debug_fault) at each phase: `latest` and the tag a resume chooses are always whole,
+    and the resume from the worst case is exact."""
+    base = tmp_path / "base"
+    cfg = write_config(tmp_path / "run.yaml", tiny_config(tiny_data, base, train={"max_steps": 4},
+                                                          checkpoint={"every": 2, "keep": 0}))
+    assert single(cfg).returncode == 0
+    ref = metrics_by_step(base)
+    for phase in checkpoint.PHASES:
+        run = tmp_path / phase
+        shutil.copytree(base, run)
+        res = single(cfg, f"output_dir={run}", "checkpoint.resume=step_00000002",
+                     f"checkpoint.debug_fault=kill:{phase}:4")
+        assert res.returncode == -signal.SIGKILL, (phase, res.out[-2000:])
+        ckpts = run / "checkpoints"
+        latest = (ckpts / "latest").read_text()
+        assert checkpoint.is_complete(ckpts / latest), phase
+        marked = phase in ("marked", "latest")  # the new tag 4 is whole; before that, it is not a tag
+        assert agreed_tag(ckpts) == ("step_00000004" if marked else "step_00000002"), phase
+        assert latest == ("step_00000004" if phase == "latest" else "step_00000002"), phase
+        assert checkpoint.is_complete(ckpts / "step_00000004") == marked, phase
+        if marked:  # the rewritten tag is the new save's alone (a higher save number than the old one)
+            assert checkpoint.read_marker(ckpts / "step_00000004")[0]["seq"] == 3
+    res = single(cfg, f"output_dir={tmp_path / 'written'}")  # killed with the shards half replaced
     assert res.returncode == 0, res.out[-3000:]
-    assert f"resumed from {ckpts / latest} at step {k}" in res.out
+    assert f"resumed from {tmp_path / 'written' / 'checkpoints' / 'step_00000002'} at step 2" in res.out
+    got = metrics_by_step(tmp_path / "written")
+    assert sorted(got) == [1, 2, 3, 4] and [got[s]["loss"] for s in (3, 4)] == [ref[s]["loss"] for s in (3, 4)]
+
+
+@pytest.mark.slow
+def test_fresh_finished_and_damaged_runs(tiny_data, tmp_path):
+    """A truncated metrics line is dropped and said; a finished run changes nothing; a fresh run
+    into a used directory is refused (exit 2, one line, nothing touched); restart starts over."""
+    run = tmp_path / "run"
+    cfg = write_config(tmp_path / "run.yaml", tiny_config(tiny_data, run, train={"max_steps": 4},
+                                                          checkpoint={"every": 2, "keep": 2}))
+    assert single(cfg).returncode == 0
+    metrics = run / "metrics.jsonl"
+    metrics.write_text(metrics.read_text()[:-25])  # a kill in the middle of writing step 4's line
+    res = single(cfg, "train.max_steps=6")
+    assert res.returncode == 0, res.out[-3000:]
+    assert "metrics.jsonl: dropped 1 damaged line(s) (a write cut short)" in res.out
+    assert f"resumed from {run / 'checkpoints' / 'step_00000004'} at step 4" in res.out
+    assert sorted(metrics_by_step(run)) == [1, 2, 3, 5, 6]
+
+    results = (run / "results.json").read_bytes()
+    before = tree_listing(run / "checkpoints")
+    res = single(cfg, "train.max_steps=6")  # already finished
+    assert res.returncode == 0 and "already trained to step 6 >= train.max_steps=6" in res.out
+    assert (run / "results.json").read_bytes() == results and sorted(metrics_by_step(run)) == [1, 2, 3, 5, 6]
+    assert tree_listing(run / "checkpoints") == before
+
+    listing = tree_listing(tmp_path)
+    expect_error(["train", "--config", str(cfg), "--ds-config", str(ROOT / "ds_configs" / "zero2.json"),
+                  "checkpoint.resume=none"],
+                 f"checkpoint.resume=none: {run / 'checkpoints'} holds checkpoints of an earlier run "
+                 f"(step_00000004, step_00000006)", "checkpoint.resume=restart")
+    assert tree_listing(tmp_path) == listing
+
+    res = single(cfg, "checkpoint.resume=restart", "train.max_steps=2")
+    assert res.returncode == 0 and "starting at step 0 (checkpoint.resume=restart)" in res.out
+    assert sorted(metrics_by_step(run)) == [1, 2]
+    assert checkpoint.complete_tags(run / "checkpoints") == ["step_00000002"]
+
+
+@pytest.mark.slow
+def test_no_room_for_a_checkpoint_is_one_line_and_latest_stays(tiny_data, tmp_path):
+    """A 1 MiB file system (a tmpfs in a mount namespace) cannot take a 2.1 MB tag: refused before
+    writing; a save that fails midway (an injected ENOSPC) ends with one line, `latest` as it was."""
+    run = tmp_path / "run"
+    run.mkdir()
+    cfg = write_config(tmp_path / "run.yaml", tiny_config(tiny_data, run, train={"max_steps": 4},
+                                                          checkpoint={"every": 2}))
+    args = ["train", "--config", str(cfg), "--ds-config", str(ROOT / "ds_configs" / "zero2.json")]
+    tmpfs = ["unshare", "-m", "--propagation", "private", "sh", "-c",
+             f'mount -t tmpfs -o size=1m tmpfs {run} && exec "$0" "$@"']
+    line = expect_error(args, "checkpoint step_00000002 not written:", f"{run / 'checkpoints'}",
+                        "needs about 2.0 MiB", "free; free space or lower checkpoint.keep",
+                        "no checkpoint of this run was completed", wrap=tmpfs)
+    assert "MiB free" in line
+    line = expect_error([*args, "checkpoint.debug_fault=enospc:written:4"],
+                        "checkpoint step_00000004: writing", "failed: No space left on device",
+                        "latest still names step_00000002")
+    assert (run / "checkpoints" / "latest").read_text() == "step_00000002"
+    assert agreed_tag(run / "checkpoints") == "step_00000002"
+
+
+@pytest.mark.slow
+def test_an_output_dir_that_cannot_be_written_fails_before_any_work(tiny_data, tmp_path):
+    (tmp_path / "file").write_text("x")
+    cfg = write_config(tmp_path / "run.yaml", tiny_config(tiny_data, tmp_path / "file" / "run"))
+    args = ["train", "--config", str(cfg), "--ds-config", str(ROOT / "ds_configs" / "zero2.json")]
+    expect_error(args, f"output_dir: '{tmp_path / 'file' / 'run'}' cannot be a directory: "
+                       f"'{tmp_path / 'file'}' is a file")
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    readonly = ["unshare", "-m", "--propagation", "private", "sh", "-c",
+                f'mount -t tmpfs -o ro tmpfs {ro} && exec "$0" "$@"']
+    expect_error([*args, f"output_dir={ro / 'run'}"], f"output_dir: '{ro / 'run'}' is on a read-only file system",
+                 wrap=readonly)

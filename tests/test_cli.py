@@ -25,7 +25,7 @@ def run_dir(tmp_path):
 def expect_error(capsys, run_dir, argv, *needles):
     code = main(argv)
     err = capsys.readouterr().err.strip()
-    assert code != 0
+    assert code == 2 and len(err.splitlines()) == 1, (code, err)
     assert err.startswith("ds-train: error: "), err
     assert "Traceback" not in err
     for needle in needles:

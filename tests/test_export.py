@@ -194,9 +194,11 @@ def fake_tag(ckpt_dir, step, complete=True):
     tag_dir = ckpt_dir / checkpoint.tag_for(step)
     tag_dir.mkdir(parents=True)
     checkpoint.rank_file(tag_dir, 0).write_bytes(b"x")
+    checkpoint.manifest_file(tag_dir, 0).write_text(json.dumps(
+        {"rank": 0, "seq": step, "files": {checkpoint.rank_file(tag_dir, 0).name: 1}}))
     if complete:
         (tag_dir / checkpoint.STATE_FILE).write_text(json.dumps(
-            {"step": step, "world_size": 1, "zero_stage": 2}))
+            {"step": step, "world_size": 1, "zero_stage": 2, "seq": step}))
     return tag_dir
 
 

@@ -167,3 +167,14 @@ def test_an_empty_log_writes_nothing(tmp_path):
     logger.log({"train/loss": 2.0}, 2)
     logger.close()
     assert [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [2]
+
+
+def test_rewind_keeps_records_up_to_the_step_and_drops_a_line_cut_short(tmp_path):
+    from ds_train.metrics import rewind_jsonl
+
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1, "loss": 5.0}\n{"step": 2, "loss": 4.0}\n{"step": 3, "loss": 3.0}\n{"step": 4, "lo')
+    assert rewind_jsonl(path, 2) == 1  # the damaged line is counted, not a traceback
+    assert path.read_text() == '{"step": 1, "loss": 5.0}\n{"step": 2, "loss": 4.0}\n'
+    assert rewind_jsonl(path, -1) == 0 and path.read_text() == ""  # a fresh run starts afresh
+    assert rewind_jsonl(tmp_path / "absent.jsonl", 3) == 0
