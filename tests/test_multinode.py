@@ -97,6 +97,25 @@ def cluster(tmp_path_factory):
         assert not state.exists()
 
 
+@pytest.fixture(scope="module")
+def node_local_cluster(tmp_path_factory):
+    """Two nodes whose output_dir is each node's own (node-local disks): one sshd per node, each
+    in its own mount namespace with <state>/node<i> mounted over the run directory."""
+    state = tmp_path_factory.mktemp("nl_cluster")
+    run_dir = tmp_path_factory.mktemp("nl") / "run"
+    script_env = {"DS_TRAIN_CLUSTER_DIR": str(state), "DS_TRAIN_CLUSTER_PORT": str(free_port()),
+                  "DS_TRAIN_CLUSTER_NODE_LOCAL": str(run_dir)}
+    up = run_cmd(["bash", str(ROOT / "scripts" / "local_cluster.sh"), "up"], timeout=60, env=script_env)
+    try:
+        assert up.returncode == 0, up.out
+        env = dict(word.partition("=")[::2] for line in up.lines("export ") for word in shlex.split(line)[1:])
+        yield {"env": env, "hostfile": Path(env["DS_TRAIN_CLUSTER_HOSTFILE"]), "run": run_dir,
+               "nodes": (state / "node0", state / "node1")}
+    finally:
+        down = run_cmd(["bash", str(ROOT / "scripts" / "local_cluster.sh"), "down"], timeout=60, env=script_env)
+        assert down.returncode == 0, down.out
+
+
 def launch_args(hostfile: Path, config: Path, *extra: str, overrides: tuple[str, ...] = (),
                 command: str = "train") -> list[str]:
     return [sys.executable, "-m", "ds_train", "launch", "--hostfile", str(hostfile), *extra, "--",
@@ -213,3 +232,55 @@ def test_shell_metacharacters_in_the_hostfile_are_rejected(cluster, tiny_data, t
     assert res.returncode == 2, res.out
     assert f"{hostfile}:2: '127.0.0.3;touch${{IFS}}{marker}' is not a valid host name" in res.out
     assert not marker.exists() and not (tmp_path / "run").exists()
+
+
+def test_node_local_output_dirs_resume_exactly_and_a_node_missing_files_is_named(node_local_cluster, tiny_data,
+                                                                                 tmp_path):
+    """Each node sees only its own run directory: every rank writes its own files there, each node
+    its marker and `latest`. Killed (SIGKILL on both nodes) right after the save of step 4, the job
+    resumes exactly; then node 1 loses a file of the newest tag: the job stops naming it."""
+    c = node_local_cluster
+    sections = dict(train={"max_steps": 6}, checkpoint={"every": 2, "keep": 2, "debug_fault": "kill:latest:4"})
+    ref_cfg = write_config(tmp_path / "ref.yaml", tiny_config(tiny_data, tmp_path / "ref", **sections))
+    ref = run_cmd([sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_port", str(free_port()), "--module", "ds_train", "train",
+                   "--config", str(ref_cfg), "--ds-config", ZERO2, "checkpoint.debug_fault="], timeout=240)
+    assert ref.returncode == 0, ref.out[-3000:]
+    cfg = write_config(tmp_path / "run.yaml", tiny_config(tiny_data, c["run"], **sections))
+
+    def launch(*overrides):
+        return run_cmd(launch_args(c["hostfile"], cfg, "--master_port", str(free_port()), overrides=overrides),
+                       timeout=240, env=c["env"])
+
+    res = launch()
+    assert res.returncode != 0, res.out[-4000:]
+    _assert_nothing_left(str(cfg))
+    assert "output_dir node-local (each node holds its own ranks' checkpoint files)" in res.out
+    node0, node1 = c["nodes"]
+    for node, rank in ((node0, 0), (node1, 1)):
+        tag = node / "checkpoints" / "step_00000004"
+        assert checkpoint.read_marker(tag)[0]["layout"] == "node-local"
+        assert checkpoint.rank_missing(tag, rank) == [] and not checkpoint.manifest_file(tag, 1 - rank).exists()
+        assert (node / "checkpoints" / "latest").read_text() == "step_00000004"
+    assert not (c["run"] / "checkpoints").exists()  # nothing outside the nodes' own directories
+
+    res = launch()
+    assert res.returncode == 0, res.out[-4000:]
+    assert f"resumed from {c['run'] / 'checkpoints' / 'step_00000004'} at step 4" in res.out
+    got = {m["step"]: m for m in map(json.loads, (node0 / "metrics.jsonl").read_text().splitlines())}
+    want = {m["step"]: m for m in map(json.loads, (tmp_path / "ref" / "metrics.jsonl").read_text().splitlines())}
+    assert sorted(got) == list(range(1, 7))
+    assert [got[s]["loss"] for s in (5, 6)] == [want[s]["loss"] for s in (5, 6)]  # bitwise
+    assert sorted(p.name for p in (node1 / "checkpoints").glob("step_*")) == ["step_00000004", "step_00000006"]
+
+    (node1 / "checkpoints" / "step_00000006" / "zero_pp_rank_1_mp_rank_00_optim_states.pt").unlink()
+    res = launch("train.max_steps=8")
+    assert res.returncode != 0
+    _assert_nothing_left(str(cfg))
+    errors = [line for line in res.out.splitlines() if "ds-train" in line and "error:" in line]
+    assert len(errors) == 1, res.out[-4000:]  # every rank found it; rank 0 alone says it
+    assert errors[0].endswith(
+        f"ds-train: error: checkpoint {c['run'] / 'checkpoints' / 'step_00000006'} (step 6, the newest complete "
+        f"save) is incomplete on node 1 ({socket.gethostname()}) rank 1: missing "
+        f"zero_pp_rank_1_mp_rank_00_optim_states.pt; restore those files, resume from step_00000004 with "
+        f"checkpoint.resume=step_00000004, or start over with checkpoint.resume=restart"), errors[0]
+    assert not any(p.name == "step_00000008" for node in (node0, node1) for p in (node / "checkpoints").iterdir())
