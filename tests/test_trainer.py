@@ -66,11 +66,15 @@ def test_each_zero_stage_trains_through_the_deepspeed_launcher(stage, stage_run)
 
 
 def test_zero_stages_agree_on_the_loss(stage_run):
-    losses = {stage: read_metrics(stage_run(stage)[1]) for stage in STAGES}
-    for step in (0, 4):  # step 1 (same init weights) and step 5 (after four updates)
-        ref = losses["zero0"][step]["loss"]
-        for stage in STAGES:
-            assert losses[stage][step]["loss"] == pytest.approx(ref, rel=1e-3), (stage, step)
+    """Same weights, same data, same AdamW: ZeRO 0-2 agree bitwise on the first four steps (ZeRO-1
+    with activation checkpointing too) and ZeRO-3 on the first three; then the gradient reduction
+    order (reduce-scatter buckets) may move the last bits."""
+    losses = {stage: [m["loss"] for m in read_metrics(stage_run(stage)[1])] for stage in STAGES}
+    for stage in ("zero1", "zero2"):
+        assert losses[stage][:4] == losses["zero0"][:4], stage
+    assert losses["zero3"][:3] == losses["zero0"][:3]
+    for stage in STAGES:
+        assert losses[stage] == pytest.approx(losses["zero0"], rel=1e-5), stage
 
 
 def test_wandb_offline_run_is_written_by_rank_0_only(stage_run):
@@ -156,3 +160,16 @@ def test_single_process_form_with_eval_sample_and_checkpoint(tiny_data, tmp_path
     assert results["export"] == str(exported)
     model = AutoModelForCausalLM.from_pretrained(exported)
     assert model.config.use_cache is True  # training switched the cache off per call, not in the config
+
+
+def test_the_loss_is_a_mean_over_all_tokens_when_ranks_hold_different_counts(tmp_path):
+    """Rank 0 holds 4 target tokens, rank 1 holds 120: a mean of per-rank means would weigh rank
+    0's tokens 30 times as much."""
+    res = run_cmd([str(BIN / "deepspeed"), "--num_gpus", "2", "--master_port", str(free_port()),
+                   str(ROOT / "tests" / "uneven_loss.py"), str(tmp_path)], timeout=180, env={"PYTHONPATH": str(ROOT)})
+    assert res.returncode == 0, res.out[-3000:]
+    ranks = [json.loads((tmp_path / f"rank_{r}.json").read_text()) for r in (0, 1)]
+    assert [r["tokens"] for r in ranks] == [4, 120]
+    assert ranks[0]["token_mean"] == ranks[1]["token_mean"]  # one all-reduce: every rank the same
+    assert ranks[0]["token_mean"] == pytest.approx(ranks[0]["reference"], rel=1e-9)
+    assert abs(ranks[0]["token_mean"] - ranks[0]["mean_of_means"]) > 1e-3
