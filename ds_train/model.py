@@ -50,6 +50,49 @@ class BuiltModel:
     model: Any
     hf_config: Any
     ds_hf_config: Any  # keeps HfDeepSpeedConfig alive while the engine is built (ZeRO-3)
+    new_weights: tuple[str, ...] = ()  # initialised, not loaded: missing from model.path (allow_new_weights)
+
+
+def _some(keys, limit: int = 5) -> str:
+    """`a, b, c` or `a, ..., e and 3 more`: enough keys to recognise the problem on one line."""
+    keys = sorted(keys)
+    shown = ", ".join(keys[:limit])
+    return f"{shown} and {len(keys) - limit} more" if len(keys) > limit else shown
+
+
+def _tensors(n: int) -> str:
+    return f"{n} tensor{'' if n == 1 else 's'}"
+
+
+def check_loading_info(path: str, model_type: str, info: dict, allow_new_weights: bool) -> tuple[str, ...]:
+    """The tensors to report as newly initialised, or a UserError when model.path's weights do not fit.
+
+    `info` is what `from_pretrained(..., output_loading_info=True)` returns. Missing tensors are
+    initialised at random and unexpected ones dropped, with only a logged warning; here both are
+    errors, except missing tensors under model.allow_new_weights (a new head). Tied weights (an
+    lm_head sharing the embeddings) are already taken off `missing_keys` by transformers.
+    """
+    arch = f"the {model_type} architecture" if model_type else "the architecture"
+    problems = []
+    if info.get("mismatched_keys"):
+        shapes = [f"{key} {list(ckpt)} vs {list(model)}" for key, ckpt, model in info["mismatched_keys"]]
+        problems.append(f"the weights hold {_tensors(len(shapes))} of other shapes than {arch} needs "
+                        f"(saved vs needed: {_some(shapes)}); "
+                        f"the weights do not match config.json: fix config.json or the directory "
+                        f"(model.allow_new_weights does not cover changed shapes)")
+    if info.get("unexpected_keys"):
+        unexpected = info["unexpected_keys"]
+        problems.append(f"the weights hold {_tensors(len(unexpected))} {arch} does not use "
+                        f"({_some(unexpected)}): config.json does not describe these weights; "
+                        f"fix config.json or remove them from the directory")
+    missing = info.get("missing_keys") or ()
+    if missing and not allow_new_weights:
+        problems.append(f"the weights lack {_tensors(len(missing))} {arch} needs ({_some(missing)}); "
+                        f"the weights do not match config.json: fix the directory, or set "
+                        f"model.allow_new_weights=true to initialise them (a new head)")
+    if problems:
+        raise UserError(f"model.path {path!r}: " + "; also ".join(problems))
+    return tuple(sorted(missing))
 
 
 def seeded_init(model, seed: int, zero3: bool) -> None:
@@ -85,14 +128,23 @@ def build_model(model_cfg: ModelConfig, hf_config, ds_config: dict, seed: int = 
     if zero3:
         keep_alive = HfDeepSpeedConfig(ds_config)
     kwargs = dict(attn_implementation=model_cfg.attn_implementation, dtype=torch.float32)
+    new_weights: tuple[str, ...] = ()
     if model_cfg.path:
-        model = AutoModelForCausalLM.from_pretrained(model_cfg.path, config=hf_config, **kwargs)
+        # ignore_mismatched_sizes: without it transformers raises a multi-line RuntimeError on a
+        # shape mismatch before returning the loading info; check_loading_info rejects them anyway.
+        model, info = AutoModelForCausalLM.from_pretrained(
+            model_cfg.path, config=hf_config, output_loading_info=True, ignore_mismatched_sizes=True,
+            **kwargs)
+        # Under ZeRO-3 (transformers 5.x, _load_pretrained_model) only missing_keys is filled in:
+        # unexpected and mismatched come back empty, and a shape mismatch raises on rank 0 alone.
+        new_weights = check_loading_info(model_cfg.path, getattr(hf_config, "model_type", ""), info,
+                                         model_cfg.allow_new_weights)
     else:
         model = AutoModelForCausalLM.from_config(hf_config, **kwargs)
         seeded_init(model, seed, zero3)
     if model_cfg.activation_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    return BuiltModel(model, hf_config, keep_alive)
+    return BuiltModel(model, hf_config, keep_alive, new_weights)
 
 
 def count_params(model) -> int:

@@ -243,7 +243,7 @@ def build_run(cfg: RunConfig, ds_config_path: str, env: dist.DistEnv, spec: RunS
         say("resuming with changed settings: " + "; ".join(changes))
     for note in resume_plan.notes:
         say(note)
-    if getattr(built, "new_weights", ()):
+    if built.new_weights:
         say(f"initialised new weights (model.allow_new_weights): {', '.join(built.new_weights)}")
     say(plan.describe())
     say(f"lr {lr:.3g} (optim.lr {cfg.optim.lr:g}, scaling {cfg.optim.lr_scaling}); dtype {dtype}; "
