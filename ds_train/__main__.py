@@ -83,12 +83,15 @@ def check_command(argv: list[str], world_size: int):
 def cmd_prepare(args) -> int:
     from ds_train.configfile import load_config
     from ds_train.data import load_meta, prepare
+    from ds_train.export import locate_model
     from ds_train.trainer import GENERATED_SOURCES
 
     if args.config:
-        d = load_config(args.config, args.overrides).data
-        out = d.dir
-        prepare(d.sources, d.dir, d.tokenizer, d.vocab_size, d.val_fraction, d.text_key, GENERATED_SOURCES)
+        cfg = load_config(args.config, args.overrides)
+        d, out = cfg.data, cfg.data.dir
+        # The tokenizer `train` will check the data against: data.tokenizer, else model.path's.
+        tokenizer = d.tokenizer or (str(locate_model(cfg.model.path)[0]) if cfg.model.path else "")
+        prepare(d.sources, d.dir, tokenizer, d.vocab_size, d.val_fraction, d.text_key, GENERATED_SOURCES)
     else:
         if not args.sources or not args.out:
             raise UserError("prepare: give SOURCE... --out DIR, or --config C (uses its data section)")

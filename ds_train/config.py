@@ -33,6 +33,8 @@ class ModelConfig:
         "auto", "Training precision. auto: bf16 on a GPU that supports it, else fp32.")
     activation_checkpointing: bool = _f(False, "Recompute activations in backward to save memory.")
     attn_implementation: str = _f("sdpa", "Hugging Face attention implementation (sdpa, eager, ...).")
+    allow_new_weights: bool = _f(False, "Allow tensors missing from model.path's weights (a new head); "
+                                        "they are initialised and listed.")
 
     def check(self) -> list[str]:
         errs = []
@@ -58,6 +60,8 @@ class DataConfig:
     vocab_size: int = _f(4096, "Vocabulary size of the BPE trained when no tokenizer is given.")
     val_fraction: float = _f(0.02, "Share of the source documents held out into val.bin.")
     text_key: str = _f("text", "Field holding the text in JSONL sources.")
+    reprepare: bool = _f(False, "Re-prepare data.dir when its sources, tokenizer or vocabulary changed "
+                                "since it was prepared, instead of stopping.")
 
     def check(self) -> list[str]:
         errs = []

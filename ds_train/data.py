@@ -8,7 +8,10 @@ global batch.
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
+import platform
 import sysconfig
 import zlib
 from pathlib import Path
@@ -46,13 +49,31 @@ def python_stdlib_files(max_bytes: int = STDLIB_MAX_BYTES) -> list[Path]:
     return files
 
 
+def _is_text_file(path: Path) -> bool:
+    return path.suffix == ".jsonl" or path.suffix in TEXT_SUFFIXES or not path.suffix
+
+
+def _source_files(source: str) -> list[tuple[str, Path]]:
+    """(name relative to the source, path) of each file a path source contributes, in order.
+
+    Names, not paths, decide the train/val split, which must not depend on where the corpus sits.
+    """
+    path = Path(source)
+    if not path.exists():
+        raise UserError(f"data.sources: {source!r} does not exist")
+    if not path.is_dir():
+        return [(path.name, path)] if _is_text_file(path) else []
+    return [(str(p.relative_to(path)), p) for p in sorted(path.rglob("*")) if p.is_file() and _is_text_file(p)]
+
+
+def _stdlib_files() -> list[tuple[str, Path]]:
+    root = Path(sysconfig.get_paths()["stdlib"])
+    return [(str(p.relative_to(root)), p) for p in python_stdlib_files()]
+
+
 def iter_documents(sources: list[str], text_key: str = "text",
                    generators: Generators = {}) -> Iterator[tuple[str, str]]:
-    """(name, text) for each non-empty document: a text file is one document, each JSONL line one.
-
-    Names are relative to their source (they decide the train/val split, which must not depend on
-    where the corpus happens to sit on disk).
-    """
+    """(name, text) for each non-empty document: a text file is one document, each JSONL line one."""
     for name, text in _documents(sources, text_key, generators):
         if text.strip():
             yield name, text
@@ -60,36 +81,160 @@ def iter_documents(sources: list[str], text_key: str = "text",
 
 def _documents(sources: list[str], text_key: str, generators: Generators) -> Iterator[tuple[str, str]]:
     for source in sources:
-        if source == STDLIB:
-            root = Path(sysconfig.get_paths()["stdlib"])
-            for path in python_stdlib_files():
-                yield str(path.relative_to(root)), path.read_text(errors="replace")
-            continue
         name, _, arg = source.partition(":")
-        if name in generators:
+        if source != STDLIB and name in generators:
             yield from generators[name](arg)
             continue
-        path = Path(source)
-        if not path.exists():
-            raise UserError(f"data.sources: {source!r} does not exist")
-        paths = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
-        for p in paths:
-            rel = str(p.relative_to(path)) if path.is_dir() else p.name
-            if p.suffix == ".jsonl":
-                for lineno, line in enumerate(p.read_text().splitlines(), 1):
-                    if not line.strip():
-                        continue
-                    try:
-                        text = json.loads(line)[text_key]
-                    except (json.JSONDecodeError, KeyError, TypeError, IndexError):
-                        text = None
-                    if not isinstance(text, str):
-                        raise UserError(f"{p}:{lineno}: expected a JSON object with a string "
-                                        f"{text_key!r} field (set data.text_key)")
-                    yield f"{rel}:{lineno}", text
-            elif p.suffix in TEXT_SUFFIXES or not p.suffix:
+        for rel, p in _stdlib_files() if source == STDLIB else _source_files(source):
+            if p.suffix != ".jsonl":
                 yield rel, p.read_text(errors="replace")
+                continue
+            for lineno, line in enumerate(p.read_text().splitlines(), 1):
+                if not line.strip():
+                    continue
+                try:
+                    text = json.loads(line)[text_key]
+                except (json.JSONDecodeError, KeyError, TypeError, IndexError):
+                    text = None
+                if not isinstance(text, str):
+                    raise UserError(f"{p}:{lineno}: expected a JSON object with a string "
+                                    f"{text_key!r} field (set data.text_key)")
+                yield f"{rel}:{lineno}", text
 
+
+# --- the fingerprint of prepare's inputs ---------------------------------------------------------
+# meta.json records what data.dir was prepared from, so that a run whose sources, tokenizer or
+# vocabulary changed since stops instead of training on stale tokens. Checked on every rank of every
+# run, so it is cheap: a file whose size and mtime are unchanged is not read again.
+
+FINGERPRINT_VERSION = 1
+NO_RECORD = "prepared without a record of its inputs"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+                   "vocab.json", "vocab.txt", "merges.txt", "tokenizer.model", "spiece.model",
+                   "sentencepiece.bpe.model")
+
+
+def file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _file_records(files: list[tuple[str, Path]], hashed: bool) -> dict[str, dict]:
+    """name -> size, mtime_ns and the content's sha256 (hashed) or the path to hash it later (not)."""
+    out = {}
+    for name, path in files:
+        st = path.stat()
+        out[name] = {"size": st.st_size, "mtime_ns": st.st_mtime_ns,
+                     **({"sha256": file_sha256(path)} if hashed else {"path": str(path)})}
+    return out
+
+
+def _source_record(source: str, generators: Generators, hashed: bool) -> dict:
+    if source == STDLIB:
+        return {"source": source, "kind": "stdlib", "python": platform.python_version(),
+                "files": _file_records(_stdlib_files(), hashed)}
+    if source.partition(":")[0] in generators:
+        return {"source": source, "kind": "generated"}
+    if not hashed and not Path(source).exists():  # a difference to report, not an error here
+        return {"source": source, "kind": "path", "missing": True, "files": {}}
+    return {"source": source, "kind": "path", "files": _file_records(_source_files(source), hashed)}
+
+
+def _tokenizer_record(tokenizer: str, vocab_size: int, hashed: bool) -> dict:
+    if not tokenizer:
+        return {"trained": True, "vocab_size": vocab_size}
+    tok_dir = Path(tokenizer).resolve()
+    files = _file_records([(n, tok_dir / n) for n in TOKENIZER_FILES if (tok_dir / n).is_file()], hashed)
+    record = {"path": str(tok_dir), "files": files}
+    if hashed:
+        record["sha256"] = hashlib.sha256("".join(f"{n} {r['sha256']}\n" for n, r in files.items())
+                                          .encode()).hexdigest()
+    return record
+
+
+def input_fingerprint(sources: list[str], tokenizer: str, vocab_size: int, val_fraction: float,
+                      text_key: str, generators: Generators = {}, hashed: bool = True) -> dict:
+    """What `prepare` reads: every file of every source (size, mtime_ns, sha256), the tokenizer (its
+    files' hashes, or the vocab_size of the BPE trained on the sources) and the split settings.
+    hashed=False: the current inputs to compare with a recorded fingerprint (hashes taken on demand)."""
+    return {"version": FINGERPRINT_VERSION,
+            "sources": [_source_record(s, generators, hashed) for s in sources],
+            "tokenizer": _tokenizer_record(tokenizer, vocab_size, hashed),
+            "val_fraction": val_fraction, "text_key": text_key}
+
+
+def _file_differences(old: dict, new: dict, sha256: Callable[[Path], str]) -> list[str]:
+    """Size and mtime equal: the same file, unread. Size equal, mtime not: the same if the content
+    hashes the same (a copy). Size different: changed."""
+    out = []
+    for name, o in old.items():
+        n = new.get(name)
+        if n is None:
+            out.append(f"{name} removed")
+        elif n["size"] != o["size"]:
+            out.append(f"{name} size {o['size']} -> {n['size']}")
+        elif n["mtime_ns"] != o["mtime_ns"] and (n.get("sha256") or sha256(Path(n["path"]))) != o["sha256"]:
+            out.append(f"{name} content changed (same size)")
+    return out + [f"{name} added" for name in new if name not in old]
+
+
+def fingerprint_differences(recorded: dict | None, current: dict,
+                            sha256: Callable[[Path], str] = file_sha256) -> list[str]:
+    """How the inputs `current` (input_fingerprint) differ from those `recorded` in meta.json, one
+    readable phrase each; empty when they are the same."""
+    if not isinstance(recorded, dict) or recorded.get("version") != FINGERPRINT_VERSION:
+        return [NO_RECORD]
+    diffs = []
+    old_sources, new_sources = recorded["sources"], current["sources"]
+    for i in range(max(len(old_sources), len(new_sources))):
+        if i >= len(new_sources):
+            diffs.append(f"data.sources[{i}] {old_sources[i]['source']!r} removed")
+            continue
+        o, n = old_sources[i] if i < len(old_sources) else None, new_sources[i]
+        label = f"data.sources[{i}] {n['source']!r}"
+        if o is None:
+            diffs.append(f"{label} added")
+        elif o["kind"] != n["kind"] or (n["kind"] == "generated" and o["source"] != n["source"]):
+            diffs.append(f"{label} (prepared from {o['source']!r})")
+        elif n.get("missing"):
+            diffs.append(f"{label} no longer exists")
+        elif n["kind"] == "stdlib" and o["python"] != n["python"]:
+            diffs.append(f"{label}: Python {o['python']} -> {n['python']}")
+        elif n["kind"] != "generated":
+            diffs += [f"{label}: {d}" for d in _file_differences(o["files"], n["files"], sha256)]
+    o, n = recorded["tokenizer"], current["tokenizer"]
+    if o.get("trained") and n.get("trained"):
+        if o["vocab_size"] != n["vocab_size"]:
+            diffs.append(f"data.vocab_size {o['vocab_size']} -> {n['vocab_size']}")
+    elif o.get("trained"):
+        diffs.append(f"tokenizer: a BPE trained on the sources -> {n['path']!r}")
+    elif n.get("trained"):
+        diffs.append(f"tokenizer: {o['path']!r} -> a BPE trained on the sources (data.tokenizer is empty)")
+    elif not n["files"]:
+        diffs.append(f"tokenizer {n['path']!r} holds no tokenizer files")
+    elif _file_differences(o["files"], n["files"], sha256):
+        diffs.append(f"tokenizer {n['path']!r} changed" if o["path"] == n["path"]
+                     else f"tokenizer {o['path']!r} -> {n['path']!r}")
+    for key in ("val_fraction", "text_key"):
+        if recorded[key] != current[key]:
+            diffs.append(f"data.{key} {recorded[key]!r} -> {current[key]!r}")
+    return diffs
+
+
+def _inputs_changed(data_dir: Path, diffs: list[str]) -> str:
+    if diffs == [NO_RECORD]:
+        return (f"data.dir {str(data_dir)!r} was {NO_RECORD} (an older prepare), so data.sources cannot "
+                f"be checked against it; prepare it again with data.reprepare=true, point data.dir "
+                f"elsewhere, or set data.sources=[] to use it as it is")
+    shown = "; ".join(diffs[:3]) + (f"; and {len(diffs) - 3} more" if len(diffs) > 3 else "")
+    return (f"data.dir {str(data_dir)!r} was prepared from other inputs ({shown}); prepare it again "
+            f"with data.reprepare=true, or point data.dir elsewhere")
+
+
+# --- prepare -------------------------------------------------------------------------------------
 
 def train_tokenizer(texts: list[str], vocab_size: int, out_dir: Path):
     """A byte-level BPE (GPT-2 style) trained locally: no hub needed. Saved as a HF tokenizer dir."""
@@ -127,10 +272,12 @@ def prepare(sources: list[str], out_dir: str | Path, tokenizer: str = "", vocab_
             val_fraction: float = 0.02, text_key: str = "text", generators: Generators = {}) -> dict:
     """Tokenise `sources` into out_dir/{train,val}.bin and meta.json (written last: the done marker)."""
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    # Taken before the sources are read: a file edited meanwhile then differs from the record.
+    fingerprint = input_fingerprint(sources, tokenizer, vocab_size, val_fraction, text_key, generators)
     docs = list(iter_documents(sources, text_key, generators))
     if not docs:
         raise UserError(f"data.sources: {sources} hold no text documents")
+    out.mkdir(parents=True, exist_ok=True)
     val_docs = [t for n, t in docs if _is_val(n, val_fraction)]
     train_docs = [t for n, t in docs if not _is_val(n, val_fraction)]
     if not val_docs or not train_docs:  # too few documents for a hashed split: hold out the last one
@@ -146,36 +293,64 @@ def prepare(sources: list[str], out_dir: str | Path, tokenizer: str = "", vocab_
     # A tokenizer inside out_dir is recorded relative to it, so the data directory can move.
     tok_rel = tok_dir.relative_to(out.resolve()) if tok_dir.is_relative_to(out.resolve()) else tok_dir
     meta = {"vocab_size": vocab, "dtype": np.dtype(dtype).name, "tokenizer": str(tok_rel),
-            "eos_token_id": eos, "sources": sources, "max_token_id": 0}
+            "eos_token_id": eos, "sources": sources, "max_token_id": 0, "scan": {}}
     for split, texts in (("train", train_docs), ("val", val_docs)):
         ids = tok(texts, add_special_tokens=False)["input_ids"]
         flat = np.fromiter((i for doc in ids for i in (*doc, eos)), dtype=np.int64)
         with replacing(out / f"{split}.bin") as tmp:
             flat.astype(dtype).tofile(tmp)
+        st = (out / f"{split}.bin").stat()
         meta[f"{split}_tokens"] = int(flat.size)
         meta[f"{split}_documents"] = len(texts)
+        meta["scan"][split] = {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "max_token_id": int(flat.max())}
         meta["max_token_id"] = max(meta["max_token_id"], int(flat.max()))
+    meta["fingerprint"] = fingerprint
     write_atomic(out / "meta.json", json.dumps(meta, indent=2))
     return meta
 
 
 def ensure_prepared(data_dir: str | Path, sources: list[str], tokenizer: str, vocab_size: int,
-                    val_fraction: float, text_key: str, generators: Generators = {}) -> dict:
-    """Prepare once: the first rank to take the lock tokenises, the others wait and then read."""
+                    val_fraction: float, text_key: str, generators: Generators = {},
+                    reprepare: bool = False) -> dict:
+    """Prepare once: the first rank to take the lock tokenises, the others wait and then read.
+
+    With sources, a data.dir prepared from other inputs (files, tokenizer, vocab_size, split
+    settings) stops the run, or is prepared again (reprepare). Without, data.dir is used as it is.
+    """
     data_dir = Path(data_dir)
-    if (data_dir / "meta.json").is_file():
-        return load_meta(data_dir)
-    if not sources:
+    meta_path = data_dir / "meta.json"
+
+    def differences() -> list[str]:
+        current = input_fingerprint(sources, tokenizer, vocab_size, val_fraction, text_key, generators,
+                                    hashed=False)
+        return fingerprint_differences(_read_meta_json(data_dir).get("fingerprint"), current)
+
+    if meta_path.is_file():
+        if not sources:
+            return load_meta(data_dir)
+        diffs = differences()
+        if not diffs:
+            return load_meta(data_dir)
+        if not reprepare:
+            raise UserError(_inputs_changed(data_dir, diffs))
+    elif not sources:
         raise UserError(f"data.dir: {str(data_dir)!r} has no meta.json and data.sources is empty; "
                         f"run `ds-train prepare` or set data.sources")
     with file_lock(data_dir / ".prepare.lock"):
-        if not (data_dir / "meta.json").is_file():
+        if not meta_path.is_file() or differences():  # another rank may have prepared it meanwhile
             prepare(sources, data_dir, tokenizer, vocab_size, val_fraction, text_key, generators)
     return load_meta(data_dir)
 
 
-def load_meta(data_dir: str | Path) -> dict:
-    data_dir = Path(data_dir)
+# --- reading prepared data -----------------------------------------------------------------------
+
+SPLITS = ("train", "val")
+DTYPES = {"uint16": 2**16, "uint32": 2**32}  # dtype -> ids it can hold
+META_KEYS = ("vocab_size", "dtype", "tokenizer", "train_tokens", "val_tokens")
+PREPARE_AGAIN = "prepare it again with `ds-train prepare`"
+
+
+def _read_meta_json(data_dir: Path) -> dict:
     path = data_dir / "meta.json"
     if not path.is_file():
         raise UserError(f"data.dir: {str(data_dir)!r} has no meta.json; run `ds-train prepare` first")
@@ -183,20 +358,95 @@ def load_meta(data_dir: str | Path) -> dict:
         meta = json.loads(path.read_text())
     except json.JSONDecodeError as e:
         raise UserError(f"{path}: invalid JSON at line {e.lineno}: {e.msg}") from None
-    for split in ("train", "val"):
+    if not isinstance(meta, dict):
+        raise UserError(f"{path}: expected a JSON object; {PREPARE_AGAIN}")
+    return meta
+
+
+def _read_meta(data_dir: Path) -> dict:
+    """meta.json as written, checked against the .bin files it describes. Writes nothing."""
+    meta = _read_meta_json(data_dir)
+    missing = [k for k in META_KEYS if k not in meta]
+    if missing:
+        raise UserError(f"{data_dir / 'meta.json'}: missing {', '.join(map(repr, missing))}; {PREPARE_AGAIN}")
+    dtype, vocab = meta["dtype"], meta["vocab_size"]
+    if dtype not in DTYPES:
+        raise UserError(f"data.dir {str(data_dir)!r}: meta.json dtype {dtype!r} is not uint16 or uint32; "
+                        f"{PREPARE_AGAIN}")
+    if vocab > DTYPES[dtype]:
+        raise UserError(f"data.dir {str(data_dir)!r}: meta.json dtype {dtype} cannot hold vocab_size {vocab} "
+                        f"(ids below {DTYPES[dtype]}); {PREPARE_AGAIN}")
+    for split in SPLITS:
         if not (data_dir / f"{split}.bin").is_file():
             raise UserError(f"data.dir: {str(data_dir / f'{split}.bin')!r} is missing; "
                             f"run `ds-train prepare` again")
+    itemsize = np.dtype(dtype).itemsize
+    for split in SPLITS:
+        size, tokens = (data_dir / f"{split}.bin").stat().st_size, meta[f"{split}_tokens"]
+        if size != tokens * itemsize:
+            raise UserError(f"data.dir {str(data_dir)!r}: {split}.bin is {size} bytes, not {tokens} {dtype} "
+                            f"tokens ({tokens * itemsize} bytes) as meta.json records (truncated or "
+                            f"overwritten); {PREPARE_AGAIN}")
+    return meta
+
+
+def max_token_id(path: Path, dtype: str, chunk_tokens: int = 1 << 24) -> int:
+    """The largest token id in a .bin file (-1 when empty), read in chunks through a memmap."""
+    if path.stat().st_size == 0:
+        return -1
+    tokens = np.memmap(path, dtype=np.dtype(dtype), mode="r")
+    return int(max(tokens[i:i + chunk_tokens].max() for i in range(0, len(tokens), chunk_tokens)))
+
+
+def _scans(data_dir: Path, meta: dict, rescan: bool) -> dict | None:
+    """Each split file's max token id: the recorded one while the file's size and mtime match the
+    record; otherwise None (rescan=False) or scanned again (rescan=True)."""
+    out = {}
+    for split in SPLITS:
+        path = data_dir / f"{split}.bin"
+        st, rec = path.stat(), meta.get("scan", {}).get(split)
+        if not (isinstance(rec, dict) and rec.get("size") == st.st_size and rec.get("mtime_ns") == st.st_mtime_ns):
+            if not rescan:
+                return None
+            rec = {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "max_token_id": max_token_id(path, meta["dtype"])}
+        out[split] = rec
+    return out
+
+
+def load_meta(data_dir: str | Path) -> dict:
+    """meta.json, checked against train.bin / val.bin, with its tokenizer path resolved and
+    max_token_id taken from the files themselves: scanned once per file version and recorded in
+    meta.json (under the prepare lock), so later loads read no tokens."""
+    data_dir = Path(data_dir)
+    meta = _read_meta(data_dir)
+    scans = _scans(data_dir, meta, rescan=False)
+    if scans is None and os.access(data_dir, os.W_OK):
+        with file_lock(data_dir / ".prepare.lock"):
+            meta = _read_meta(data_dir)  # another rank may have scanned (or prepared) meanwhile
+            scans = _scans(data_dir, meta, rescan=False)
+            if scans is None:
+                meta["scan"] = scans = _scans(data_dir, meta, rescan=True)
+                write_atomic(data_dir / "meta.json", json.dumps(meta, indent=2))
+    elif scans is None:  # a read-only copy: scan on every load rather than refuse it
+        scans = _scans(data_dir, meta, rescan=True)
+    meta["scan"] = scans
+    meta["max_token_id"] = max(s["max_token_id"] for s in scans.values())
     meta["tokenizer"] = str(data_dir / meta["tokenizer"])  # absolute stays absolute
     return meta
 
 
-def check_vocab(meta: dict, vocab_size: int | None, data_dir: str) -> None:
+def check_vocab(meta: dict, vocab_size: int | None, data_dir: str | Path) -> None:
     """Every token id of the prepared data must be an id of the model's embedding."""
-    if vocab_size is not None and meta.get("max_token_id", 0) >= vocab_size:
-        raise UserError(f"data.dir {data_dir!r}: token id {meta['max_token_id']} >= the model's "
-                        f"vocab_size {vocab_size}; prepare the data with the model's tokenizer or raise "
-                        f"model.config.vocab_size")
+    if vocab_size is None:
+        return
+    scans = meta.get("scan") or {}
+    split, top = max(((s, r["max_token_id"]) for s, r in scans.items()), key=lambda x: x[1],
+                     default=(None, meta.get("max_token_id", 0)))
+    if top >= vocab_size:
+        where = f"{split}.bin holds token id {top}" if split else f"token id {top}"
+        raise UserError(f"data.dir {str(data_dir)!r}: {where} >= the model's vocab_size {vocab_size} (a GPU "
+                        f"run would stop with a device-side assert); prepare the data with the model's "
+                        f"tokenizer or raise model.config.vocab_size")
 
 
 class TokenData:

@@ -36,9 +36,10 @@ def train_spec(cfg: RunConfig) -> RunSpec:
 
 
 def prepare_data(d: DataConfig, tokenizer: str = "") -> dict:
-    """data.dir's meta.json, tokenising data.sources into it on first use (once, under a lock)."""
+    """data.dir's meta.json, tokenising data.sources into it on first use (once, under a lock), and
+    again when they changed and data.reprepare is set."""
     return ensure_prepared(d.dir, d.sources, tokenizer, d.vocab_size, d.val_fraction, d.text_key,
-                           GENERATED_SOURCES)
+                           GENERATED_SOURCES, reprepare=d.reprepare)
 
 
 @dataclass(frozen=True)

@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import shutil
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from ds_train.data import (TokenData, ensure_prepared, eval_micro_batches, load_meta, load_tokenizer,
-                           prepare, rank_micro_batches)
+from ds_train.data import (TokenData, check_vocab, ensure_prepared, eval_micro_batches, fingerprint_differences,
+                           input_fingerprint, load_meta, load_tokenizer, prepare, rank_micro_batches,
+                           train_tokenizer)
 from ds_train.errors import UserError
 
 TEXTS = [f"def f{i}(x):\n    return x * {i} + {i * i}\n" * (3 + i) for i in range(5)]
@@ -152,14 +155,15 @@ def test_ensure_prepared_prepares_once(sources, tmp_path):
             "", 300, 0.5, "text")
     meta = ensure_prepared(data_dir, *args)
     assert (data_dir / "meta.json").is_file()
-    old = 1_000_000_000  # back-date every file so a rewrite would show whatever the clock resolution
-    files = ["train.bin", "val.bin", "meta.json", "tokenizer/tokenizer.json"]
-    for name in files:
+    old = 1_000_000_000  # back-date files rewritten in place so a rewrite would show whatever the clock
+    for name in ["meta.json", "tokenizer/tokenizer.json"]:  # resolution; the .bins' mtimes are on record
         os.utime(data_dir / name, ns=(old, old))
+    files = ["train.bin", "val.bin", "meta.json", "tokenizer/tokenizer.json"]
+    stats = {name: ((data_dir / name).stat().st_ino, (data_dir / name).stat().st_mtime_ns) for name in files}
     again = ensure_prepared(data_dir, *args)
     assert again == meta
-    for name in files:
-        assert (data_dir / name).stat().st_mtime_ns == old, name
+    for name in files:  # a replaced file has a new inode
+        assert ((data_dir / name).stat().st_ino, (data_dir / name).stat().st_mtime_ns) == stats[name], name
 
 
 def test_ensure_prepared_without_sources_or_data(tmp_path):
@@ -189,6 +193,291 @@ def test_load_meta_with_invalid_json(tmp_path):
 def test_load_tokenizer_on_a_missing_dir(tmp_path):
     with pytest.raises(UserError, match="not a directory"):
         load_tokenizer(tmp_path / "nope")
+
+
+# --- the record of prepare's inputs --------------------------------------------------------------
+
+CORPUS = {f"doc{i}.txt": f"class C{i}:\n    value = {i}  # item {i}\n" * (4 + i) for i in range(5)}
+
+
+@pytest.fixture
+def corpus(tmp_path) -> Path:
+    src = tmp_path / "corpus"
+    src.mkdir()
+    for name, text in CORPUS.items():
+        (src / name).write_text(text)
+    return src
+
+
+def ensure(data_dir, sources, tokenizer="", vocab_size=300, reprepare=False) -> dict:
+    return ensure_prepared(data_dir, [str(s) for s in sources], str(tokenizer or ""), vocab_size, 0.5, "text",
+                           reprepare=reprepare)
+
+
+def listing(root: Path) -> dict[str, tuple[int, str]]:
+    """name -> (size, sha256) of every file under root: what an error must leave as it was."""
+    return {str(p.relative_to(root)): (p.stat().st_size, hashlib.sha256(p.read_bytes()).hexdigest())
+            for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def refused(call, data_dir: Path, *parts: str) -> str:
+    """call() raises a one-line UserError holding every part and changes nothing in data_dir."""
+    before = listing(data_dir)
+    with pytest.raises(UserError) as e:
+        call()
+    message = str(e.value)
+    assert "\n" not in message
+    for part in parts:
+        assert part in message
+    assert listing(data_dir) == before
+    return message
+
+
+def test_a_grown_source_file_stops_the_run_and_names_it(corpus, tmp_path):
+    data_dir = tmp_path / "data"
+    ensure(data_dir, [corpus])
+    size = (corpus / "doc1.txt").stat().st_size
+    with open(corpus / "doc1.txt", "a") as fh:
+        fh.write("more = 1\n")
+    message = refused(lambda: ensure(data_dir, [corpus]), data_dir,
+                      f"data.dir {str(data_dir)!r} was prepared from other inputs",
+                      f"data.sources[0] {str(corpus)!r}: doc1.txt size {size} -> {size + 9}",
+                      "data.reprepare=true", "point data.dir elsewhere")
+    assert "and " not in message.split("(")[1]  # one difference, no "and N more"
+
+
+def test_a_touched_or_copied_source_with_the_same_content_is_unchanged(corpus, tmp_path):
+    data_dir = tmp_path / "data"
+    meta = ensure(data_dir, [corpus])
+    os.utime(corpus / "doc1.txt", ns=(1_000_000_000, 1_000_000_000))
+    (corpus / "doc2.txt").write_text(CORPUS["doc2.txt"])  # rewritten as it was
+    assert ensure(data_dir, [corpus]) == meta
+    copy = tmp_path / "copy"
+    shutil.copytree(corpus, copy, copy_function=shutil.copy)  # new mtimes, same names and bytes
+    assert ensure(data_dir, [copy]) == meta
+    (corpus / "image.png").write_bytes(b"\x89PNG")  # not a text file: prepare never reads it
+    assert ensure(data_dir, [corpus]) == meta
+
+
+def test_same_size_other_content_is_a_change(corpus, tmp_path):
+    data_dir = tmp_path / "data"
+    ensure(data_dir, [corpus])
+    (corpus / "doc3.txt").write_text(CORPUS["doc3.txt"].replace("value", "VALUE"))
+    refused(lambda: ensure(data_dir, [corpus]), data_dir, "doc3.txt content changed (same size)",
+            "data.reprepare=true")
+
+
+def test_added_files_and_sources_are_changes(corpus, tmp_path):
+    data_dir = tmp_path / "data"
+    ensure(data_dir, [corpus])
+    (corpus / "sub").mkdir()
+    (corpus / "sub" / "new.txt").write_text("x = 1\n")
+    refused(lambda: ensure(data_dir, [corpus]), data_dir, f"data.sources[0] {str(corpus)!r}: sub/new.txt added")
+    (corpus / "sub" / "new.txt").unlink()
+    extra = tmp_path / "extra.txt"
+    extra.write_text("y = 2\n")
+    refused(lambda: ensure(data_dir, [corpus, extra]), data_dir, f"data.sources[1] {str(extra)!r} added")
+    (corpus / "doc0.txt").unlink()
+    refused(lambda: ensure(data_dir, [corpus]), data_dir, "doc0.txt removed")
+
+
+def test_many_differences_are_counted_not_listed(corpus, tmp_path):
+    data_dir = tmp_path / "data"
+    ensure(data_dir, [corpus])
+    for name in CORPUS:
+        with open(corpus / name, "a") as fh:
+            fh.write("z = 0\n")
+    message = refused(lambda: ensure(data_dir, [corpus], vocab_size=320), data_dir, "; and 3 more)")
+    assert message.count(" size ") == 3
+
+
+def test_a_changed_tokenizer_is_a_change(corpus, tmp_path):
+    tok_a, tok_b = tmp_path / "tok_a", tmp_path / "tok_b"
+    train_tokenizer(list(CORPUS.values()), 300, tok_a)
+    train_tokenizer(RECORDS, 290, tok_b)
+    data_dir = tmp_path / "data"
+    meta = ensure(data_dir, [corpus], tokenizer=tok_a)
+    refused(lambda: ensure(data_dir, [corpus], tokenizer=tok_b), data_dir,
+            f"tokenizer {str(tok_a.resolve())!r} -> {str(tok_b.resolve())!r}", "data.reprepare=true")
+    refused(lambda: ensure(data_dir, [corpus]), data_dir,
+            f"tokenizer: {str(tok_a.resolve())!r} -> a BPE trained on the sources")
+    copy = tmp_path / "tok_copy"
+    shutil.copytree(tok_a, copy, copy_function=shutil.copy)
+    assert ensure(data_dir, [corpus], tokenizer=copy) == meta  # the same files elsewhere: the same
+    (tok_a / "tokenizer.json").write_text((tok_b / "tokenizer.json").read_text())
+    refused(lambda: ensure(data_dir, [corpus], tokenizer=tok_a), data_dir,
+            f"tokenizer {str(tok_a.resolve())!r} changed")
+    other = tmp_path / "data2"
+    ensure(other, [corpus])
+    refused(lambda: ensure(other, [corpus], tokenizer=tok_b), other,
+            f"tokenizer: a BPE trained on the sources -> {str(tok_b.resolve())!r}")
+
+
+def test_a_changed_vocab_size_of_the_trained_bpe_is_a_change(corpus, tmp_path):
+    data_dir = tmp_path / "data"
+    ensure(data_dir, [corpus], vocab_size=300)
+    refused(lambda: ensure(data_dir, [corpus], vocab_size=320), data_dir, "data.vocab_size 300 -> 320")
+    refused(lambda: ensure_prepared(data_dir, [str(corpus)], "", 300, 0.25, "body"), data_dir,
+            "data.val_fraction 0.5 -> 0.25", "data.text_key 'text' -> 'body'")
+
+
+def test_reprepare_prepares_again_for_the_new_inputs(corpus, tmp_path):
+    data_dir = tmp_path / "data"
+    old = ensure(data_dir, [corpus])
+    (corpus / "doc9.txt").write_text("def g(y):\n    return y - 1\n" * 20)
+    new = ensure(data_dir, [corpus], vocab_size=320, reprepare=True)
+    fresh = prepare([str(corpus)], tmp_path / "fresh", vocab_size=320, val_fraction=0.5)
+    for key in ("train_tokens", "val_tokens", "train_documents", "val_documents", "vocab_size"):
+        assert new[key] == fresh[key], key
+    assert new["train_tokens"] + new["val_tokens"] > old["train_tokens"] + old["val_tokens"]
+    assert "doc9.txt" in new["fingerprint"]["sources"][0]["files"]
+    assert new["fingerprint"]["tokenizer"] == {"trained": True, "vocab_size": 320}
+    assert (data_dir / "train.bin").stat().st_size == new["train_tokens"] * 2
+    mtime = (data_dir / "meta.json").stat().st_mtime_ns
+    assert ensure(data_dir, [corpus], vocab_size=320, reprepare=True) == new  # the same inputs: kept
+    assert ensure(data_dir, [corpus], vocab_size=320) == new
+    assert (data_dir / "meta.json").stat().st_mtime_ns == mtime
+
+
+def test_a_meta_without_a_record_of_its_inputs(corpus, tmp_path):
+    data_dir = tmp_path / "data"
+    ensure(data_dir, [corpus])
+    meta = json.loads((data_dir / "meta.json").read_text())
+    del meta["fingerprint"]
+    (data_dir / "meta.json").write_text(json.dumps(meta))
+    refused(lambda: ensure(data_dir, [corpus]), data_dir, "was prepared without a record of its inputs",
+            "data.reprepare=true", "data.sources=[]")
+    assert ensure_prepared(data_dir, [], "", 300, 0.5, "text")["train_tokens"] == meta["train_tokens"]
+    assert "fingerprint" in ensure(data_dir, [corpus], reprepare=True)
+
+
+def test_fingerprint_hashes_only_files_whose_size_matches_and_mtime_does_not(tmp_path):
+    for name in "abc":
+        (tmp_path / f"{name}.txt").write_text(f"{name} text\n")
+    recorded = input_fingerprint([str(tmp_path)], "", 300, 0.5, "text")
+    assert recorded["sources"][0]["files"]["a.txt"]["sha256"] == hashlib.sha256(b"a text\n").hexdigest()
+    hashed = []
+
+    def sha256(path: Path) -> str:
+        hashed.append(path.name)
+        return hashlib.sha256(path.read_bytes()).hexdigest()
+
+    def differences() -> list[str]:
+        return fingerprint_differences(recorded, input_fingerprint([str(tmp_path)], "", 300, 0.5, "text",
+                                                                   hashed=False), sha256)
+
+    assert differences() == [] and hashed == []
+    os.utime(tmp_path / "a.txt", ns=(1, 1))
+    (tmp_path / "b.txt").write_text("b much longer text\n")
+    assert differences() == ["data.sources[0] " + repr(str(tmp_path)) + ": b.txt size 7 -> 19"]
+    assert hashed == ["a.txt"]  # b.txt: the size alone says it changed; c.txt: untouched
+    assert fingerprint_differences(None, recorded) == ["prepared without a record of its inputs"]
+
+
+def test_fingerprint_of_generated_and_stdlib_sources(tmp_path):
+    generators = {"demo": lambda arg: iter([("d", "text " * int(arg))])}
+    recorded = input_fingerprint(["demo:3", "python-stdlib"], "", 300, 0.5, "text", generators)
+    assert recorded["sources"][0] == {"source": "demo:3", "kind": "generated"}
+    assert recorded["sources"][1]["files"] and recorded["sources"][1]["python"]
+    current = input_fingerprint(["demo:4", "python-stdlib"], "", 300, 0.5, "text", generators, hashed=False)
+    assert fingerprint_differences(recorded, current) == ["data.sources[0] 'demo:4' (prepared from 'demo:3')"]
+    recorded["sources"][1]["python"] = "2.7.18"
+    assert fingerprint_differences(recorded, current)[1].startswith("data.sources[1] 'python-stdlib': "
+                                                                     "Python 2.7.18 -> ")
+
+
+# --- the .bin files against meta.json ------------------------------------------------------------
+
+@pytest.fixture
+def data_dir(prepared, tmp_path) -> Path:
+    """A private copy of the prepared data, to damage."""
+    out = tmp_path / "data"
+    shutil.copytree(prepared[0], out)
+    return out
+
+
+def test_a_truncated_bin_names_the_file_and_the_sizes(data_dir):
+    meta = json.loads((data_dir / "meta.json").read_text())
+    tokens = meta["train_tokens"]
+    with open(data_dir / "train.bin", "rb+") as fh:
+        fh.truncate(tokens * 2 - 1)
+    refused(lambda: load_meta(data_dir), data_dir,
+            f"data.dir {str(data_dir)!r}: train.bin is {tokens * 2 - 1} bytes, not {tokens} uint16 tokens "
+            f"({tokens * 2} bytes) as meta.json records (truncated or overwritten); prepare it again")
+
+
+def test_a_bin_whose_size_disagrees_with_the_token_count(data_dir):
+    meta = json.loads((data_dir / "meta.json").read_text())
+    with open(data_dir / "val.bin", "ab") as fh:
+        fh.write(b"\x01\x00")  # one whole token more
+    refused(lambda: load_meta(data_dir), data_dir,
+            f"val.bin is {meta['val_tokens'] * 2 + 2} bytes, not {meta['val_tokens']} uint16 tokens")
+
+
+@pytest.mark.parametrize("change, expected", [
+    ({"dtype": "int8"}, "meta.json dtype 'int8' is not uint16 or uint32"),
+    ({"vocab_size": 70_000}, "meta.json dtype uint16 cannot hold vocab_size 70000"),
+])
+def test_a_meta_dtype_that_cannot_hold_the_vocabulary(data_dir, change, expected):
+    meta = json.loads((data_dir / "meta.json").read_text())
+    (data_dir / "meta.json").write_text(json.dumps({**meta, **change}))
+    refused(lambda: load_meta(data_dir), data_dir, expected, "prepare it again")
+
+
+def test_a_token_id_beyond_the_vocab_names_the_file_and_the_id(data_dir):
+    tokens = np.fromfile(data_dir / "val.bin", dtype=np.uint16)
+    tokens[len(tokens) // 2] = 65_000  # the same size: only the scan can tell
+    tokens.tofile(data_dir / "val.bin")
+    os.utime(data_dir / "val.bin", ns=(2_000_000_000, 2_000_000_000))
+    meta = load_meta(data_dir)
+    assert meta["scan"]["val"]["max_token_id"] == meta["max_token_id"] == 65_000
+    refused(lambda: check_vocab(meta, 32_000, data_dir), data_dir,
+            f"data.dir {str(data_dir)!r}: val.bin holds token id 65000 >= the model's vocab_size 32000 (a GPU "
+            f"run would stop with a device-side assert); prepare the data with the model's tokenizer or raise "
+            f"model.config.vocab_size")
+    check_vocab(meta, 65_001, data_dir)
+    check_vocab(meta, None, data_dir)
+
+
+def test_the_scan_is_recorded_once_per_file_version(data_dir):
+    meta_path = data_dir / "meta.json"
+
+    def state() -> tuple[int, int, bytes]:
+        st = meta_path.stat()
+        return st.st_ino, st.st_mtime_ns, meta_path.read_bytes()
+
+    prepared_state = state()
+    first = load_meta(data_dir)  # prepare recorded the scan: nothing to write
+    assert state() == prepared_state
+    raw = json.loads(meta_path.read_text())
+    del raw["scan"]  # as an older prepare wrote it
+    meta_path.write_text(json.dumps(raw))
+    assert load_meta(data_dir) == first  # scanned and recorded
+    recorded = state()
+    assert "scan" in json.loads(recorded[2])
+    assert load_meta(data_dir) == first
+    assert state() == recorded  # not scanned or written again
+    tokens = np.fromfile(data_dir / "train.bin", dtype=np.uint16)
+    tokens[0] = first["max_token_id"] + 1  # a rewritten train.bin: rescanned
+    tokens.tofile(data_dir / "train.bin")
+    os.utime(data_dir / "train.bin", ns=(3_000_000_000, 3_000_000_000))
+    again = load_meta(data_dir)
+    assert again["max_token_id"] == again["scan"]["train"]["max_token_id"] == first["max_token_id"] + 1
+    assert json.loads(meta_path.read_text())["scan"]["train"]["mtime_ns"] == 3_000_000_000
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root may write to a read-only directory")
+def test_a_read_only_data_dir_is_scanned_without_recording(data_dir):
+    raw = json.loads((data_dir / "meta.json").read_text())
+    del raw["scan"]
+    (data_dir / "meta.json").write_text(json.dumps(raw))
+    before = listing(data_dir)
+    data_dir.chmod(0o555)
+    try:
+        assert load_meta(data_dir)["max_token_id"] == raw["max_token_id"]
+    finally:
+        data_dir.chmod(0o755)
+    assert listing(data_dir) == before
 
 
 # --- TokenData and the sample stream -------------------------------------------------------------
