@@ -7,7 +7,6 @@ gets null objects, so the training loop has no rank guards (STYLE habit 6, USERS
 from __future__ import annotations
 
 import json
-import logging
 import math
 import os
 import sys
@@ -215,20 +214,6 @@ class NullProgress:
 def build_progress(is_main: bool, enabled: bool, total: int, initial: int = 0, desc: str = "train",
                    unit: str = "step", postfix: tuple[str, str] = ("train/loss", "loss")):
     return Progress(total, initial, desc, unit, postfix) if is_main and enabled else NullProgress()
-
-
-def build_rank_log(run_dir: Path, rank: int) -> logging.Logger:
-    """logs/rank_<r>.log: every rank writes its own file."""
-    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
-    log = logging.getLogger(f"ds_train.rank{rank}")
-    log.setLevel(logging.INFO)
-    log.propagate = False
-    for handler in list(log.handlers):
-        log.removeHandler(handler)
-    handler = logging.FileHandler(run_dir / "logs" / f"rank_{rank}.log")
-    handler.setFormatter(logging.Formatter("%(asctime)s rank" + str(rank) + " %(message)s"))
-    log.addHandler(handler)
-    return log
 
 
 def peak_flops(device_name: str, override_tflops: float) -> float | None:
