@@ -14,9 +14,11 @@
     ds-train estimate --config C --ds-config D --nodes 2 --gpus-per-node 8   # memory plan
     ds-train dry-run --config C --ds-config D --hostfile hostfile            # one-device rehearsal
 
-Exit codes: 0 done; 2 bad input (one line naming the file, key or value); 3 too many non-finite
-steps (train.nonfinite=stop); 4 CUDA out of memory (with the memory plan); 128+N stopped by signal
-N after every rank saved a checkpoint (SIGTERM: 143).
+Exit codes: 0 done; 1 a rank failed (the job's last line names the first one, its host and the
+end of its log); 2 bad input (one line naming the file, key or value); 3 too many non-finite
+steps (train.nonfinite=stop); 4 CUDA out of memory (with the memory plan); 5 a hang: ranks that
+never reached the rendezvous, or no progress for watchdog.stall_s (the report names the ranks);
+128+N stopped by signal N after every rank saved a checkpoint (SIGTERM 143, SIGUSR1 138).
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ import os
 import sys
 import traceback
 
-from ds_train.errors import AgreedError, OutOfMemory, RunStopped, UserError
+from ds_train.errors import AgreedError, OutOfMemory, RunStopped, Stalled, UserError
 from ds_train.launch import cli as launch_cli
 
 
@@ -261,7 +263,18 @@ def _split_overrides(args) -> None:
         args.sources = [s for s in args.sources if "=" not in s]
 
 
+def _tools_of_this_python_first() -> None:
+    """This Python's bin directory first on PATH, as if its virtualenv were activated. A rank that
+    pdsh or srun starts runs the venv's python without it: torch's JIT would then build DeepSpeed's
+    ops with the system's ninja, which hashes commands differently from the venv's and rebuilds
+    them (a minute) every time the other one built them last."""
+    bin_dir = os.path.dirname(sys.executable)
+    if bin_dir not in os.environ.get("PATH", "").split(os.pathsep):
+        os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
+
+
 def main(argv: list[str] | None = None) -> int:
+    _tools_of_this_python_first()
     parser = build_parser()
     args = parser.parse_args(argv)
     if not args.debug:
@@ -284,7 +297,7 @@ def main(argv: list[str] | None = None) -> int:
     _split_overrides(args)
     try:
         return args.func(args)
-    except (UserError, RunStopped, OutOfMemory) as e:
+    except (UserError, RunStopped, OutOfMemory, Stalled) as e:
         if args.debug and getattr(e, "is_error", True):
             traceback.print_exc()
         return _report(e)
@@ -298,11 +311,13 @@ def _report(e: Exception) -> int:
     from ds_train.dist import rank_for_messages
 
     rank = rank_for_messages()
-    agreed = isinstance(e, (RunStopped, AgreedError))
+    agreed = isinstance(e, (RunStopped, AgreedError)) or getattr(e, "agreed", False)
     if rank == 0 or not agreed:
         who = "ds-train" if rank == 0 else f"ds-train[rank {rank}]"
         kind = "error: " if getattr(e, "is_error", True) else ""
         print(f"{who}: {kind}{e}", file=sys.stderr if kind else sys.stdout, flush=True)
+    for note in getattr(e, "__notes__", ()):  # the job's verdict, on the rank that reports it
+        print(note, file=sys.stderr, flush=True)
     return e.exit_code
 
 

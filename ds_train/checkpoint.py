@@ -501,7 +501,7 @@ def config_changes(saved: dict, current: dict) -> tuple[list[str], list[str]]:
     old, new = _flatten(saved), _flatten(current)
     errors, notes = [], []
     for key in sorted(set(old) | set(new)):
-        if key not in old and key.startswith(("launch.", "ript.")):
+        if key not in old and key.startswith(("launch.", "ript.", "dist.", "watchdog.")):
             continue  # a section added since the checkpoint was written
         if old.get(key) != new.get(key) and key != "output_dir":
             line = f"{key}: {old.get(key)!r} -> {new.get(key)!r}"
@@ -634,12 +634,13 @@ class Checkpointer:
 
     def __init__(self, engine, run_dir: Path, cfg: CheckpointConfig, last: int, rank: int, world: int,
                  record: dict, stop, log, unit: str = "step", writer: bool | None = None, seq: int = 1,
-                 needed_bytes: int = 0, where: str = ""):
+                 needed_bytes: int = 0, where: str = "", beat: Callable[[int, str], None] = lambda step, phase: None):
         self.engine, self.ckpt_dir, self.cfg, self.last = engine, run_dir / "checkpoints", cfg, last
         self.rank, self.world, self.record, self.stop, self.log, self.unit = rank, world, record, stop, log, unit
         self.writer = rank == 0 if writer is None else writer
         self.seq, self.needed_bytes, self.where = seq, needed_bytes, where
         self.fault = fault_at(cfg.debug_fault)
+        self.beat = beat  # the heartbeat: the stop agreement is a collective, a save is long I/O
 
     def due(self, step: int) -> bool:
         every = self.cfg.every > 0 and step % self.cfg.every == 0
@@ -648,6 +649,7 @@ class Checkpointer:
     def maybe_save(self, step: int, state: Callable[[], dict] = dict, rank_state: Callable[[], dict] = dict) -> None:
         """Save when due or signalled; `state()` (called on every rank, may hold collectives) adds
         the loop's own position to the record, `rank_state()` this rank's own (its rank file)."""
+        self.beat(step, "agree-stop")
         signum = self.stop.agreed()
         if signum or self.due(step):
             self.save(step, state(), rank_state())
@@ -656,6 +658,7 @@ class Checkpointer:
 
     def save(self, step: int, state: dict, rank_state: dict | None = None) -> str:
         """Non-finite weights are never saved: the last good checkpoint stays the latest."""
+        self.beat(step, "save")
         if not weights_finite(self.engine):
             raise UserError(f"{self.unit} {step}: the weights are not finite; no checkpoint written, the last "
                             f"good one stays in {self.ckpt_dir}; lower optim.lr and resume")

@@ -201,6 +201,52 @@ class LaunchConfig:
 
 
 @dataclass(frozen=True)
+class DistConfig:
+    timeout_s: float = _f(1800.0, "Process-group timeout: a collective still waiting after this long fails "
+                                  "(torch's default, 30 minutes). The watchdog names a hang long before.")
+    join_timeout_s: float = _f(300.0, "Start-up: every rank must reach the rendezvous within this long; the "
+                                      "ranks that did not are named with their node and host.")
+
+    def check(self) -> list[str]:
+        return _not_positive(self, "dist", ("timeout_s", "join_timeout_s"))
+
+
+WATCHDOG_FAULTS = ("stall", "slow", "raise", "kill")
+
+
+@dataclass(frozen=True)
+class WatchdogConfig:
+    stall_s: float = _f(300.0, "A rank that makes no progress this long (no new phase of a step, no checkpoint "
+                               "I/O while saving) ends the job with a hang report naming it (exit 5); 0 "
+                               "turns the watchdog off. Must be below dist.timeout_s.")
+    heartbeat_s: float = _f(2.0, "How often each rank writes its heartbeat (output_dir/heartbeats/rank_<r>.json).")
+    straggler_ratio: float = _f(1.3, "On logging steps, a rank whose compute time per step (data + forward) "
+                                     "exceeds the median of all ranks by this factor is reported.")
+    debug_fault: str = _f("", "Fault injection: stall:RANK:STEP (the rank stops at STEP), "
+                              "slow:RANK:SECONDS[:FROM_STEP] (it sleeps that long every step), raise:RANK:STEP "
+                              "(an exception), kill:RANK:STEP (SIGKILL, as the OOM killer does).")
+
+    def check(self) -> list[str]:
+        errs = _not_positive(self, "watchdog", ("heartbeat_s",))
+        if self.stall_s < 0:
+            errs.append(f"watchdog.stall_s: {self.stall_s} must be >= 0 (0: off)")
+        if self.straggler_ratio <= 1:
+            errs.append(f"watchdog.straggler_ratio: {self.straggler_ratio} must be above 1")
+        if self.debug_fault:
+            parts = self.debug_fault.split(":")
+            ok = (len(parts) == 3 or len(parts) == 4 and parts[0] == "slow" and parts[3].isdigit()) and \
+                parts[0] in WATCHDOG_FAULTS and parts[1].isdigit()
+            try:
+                ok = ok and float(parts[2]) >= 0
+            except ValueError:
+                ok = False
+            if not ok:
+                errs.append(f"watchdog.debug_fault: {self.debug_fault!r} is not ACTION:RANK:ARG "
+                            f"({', '.join(WATCHDOG_FAULTS)}; a rank; a step, or seconds for slow)")
+        return errs
+
+
+@dataclass(frozen=True)
 class RiptConfig:
     tasks: list = _f(["add", "rev", "copy", "sort", "parity", "max", "guess"],
                      "Tasks to post-train on: built-in names or module:Class (see ds_train/ript/tasks.py).")
@@ -264,6 +310,8 @@ class RunConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     log: LogConfig = field(default_factory=LogConfig)
     launch: LaunchConfig = field(default_factory=LaunchConfig)
+    dist: DistConfig = field(default_factory=DistConfig)
+    watchdog: WatchdogConfig = field(default_factory=WatchdogConfig)
     ript: RiptConfig = field(default_factory=RiptConfig)
 
     def check(self) -> list[str]:
@@ -274,6 +322,10 @@ class RunConfig:
                 errs += value.check()
         if not self.output_dir:
             errs.append("output_dir: must not be empty")
+        if self.watchdog.stall_s >= self.dist.timeout_s:
+            errs.append(f"watchdog.stall_s: {self.watchdog.stall_s:g} must be below dist.timeout_s="
+                        f"{self.dist.timeout_s:g} (the watchdog names a hang before the process group "
+                        f"times out)")
         return errs
 
     def to_dict(self) -> dict:

@@ -11,10 +11,10 @@ import contextlib
 import os
 import re
 import socket
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Mapping
 
-from ds_train.errors import UserError
+from ds_train.errors import Stalled, UserError
 
 
 @dataclass(frozen=True)
@@ -104,11 +104,15 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def init(env: DistEnv, timeout_s: float = 1800) -> None:
-    """Join the process group through deepspeed.comm (gloo on the CPU, NCCL on GPUs)."""
+def init(env: DistEnv, timeout_s: float = 1800, join_timeout_s: float = 300, host: str = "") -> None:
+    """Join the process group through deepspeed.comm (gloo on the CPU, NCCL on GPUs).
+
+    Several ranks meet first in the rendezvous store (`rendezvous`), so ranks that never arrive are
+    named; the process group is then built on that store."""
     import datetime
 
     import deepspeed
+    import torch.distributed as tdist
     from deepspeed.accelerator import get_accelerator
 
     port = env.master_port or _free_port()
@@ -116,9 +120,164 @@ def init(env: DistEnv, timeout_s: float = 1800) -> None:
                       LOCAL_WORLD_SIZE=str(env.local_world_size), MASTER_ADDR=env.master_addr,
                       MASTER_PORT=str(port))
     accel = get_accelerator()
+    timeout = datetime.timedelta(seconds=timeout_s)
     if accel.device_name() == "cuda":
         accel.set_device(env.local_rank)
-    deepspeed.init_distributed(auto_mpi_discovery=False, timeout=datetime.timedelta(seconds=timeout_s))
+    if env.world_size > 1 and not tdist.is_initialized():
+        store = rendezvous(env, port, join_timeout_s, host or socket.gethostname())
+        kwargs = {"device_id": accel.device(env.local_rank)} if accel.device_name() == "cuda" else {}
+        tdist.init_process_group(accel.communication_backend_name(), store=store, rank=env.rank,
+                                 world_size=env.world_size, timeout=timeout, **kwargs)
+    deepspeed.init_distributed(auto_mpi_discovery=False, timeout=timeout)
+
+
+def _namespace() -> str:
+    """Store keys of this attempt: a restarted job (torchrun's restarts, a SLURM requeue) reuses
+    neither the keys nor the verdicts of the last one."""
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT") or os.environ.get("SLURM_RESTART_COUNT") or "0"
+    return f"ds_train/{attempt}/"
+
+
+def _open_store(env: DistEnv, port: int, timeout_s: float, server: bool):
+    import datetime
+
+    from torch.distributed import TCPStore
+
+    return TCPStore(env.master_addr, port, env.world_size, is_master=server,
+                    timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False)
+
+
+def node_hosts(environ: Mapping[str, str] | None = None) -> list[str]:
+    """The host of each node, in node order, where the launcher told us: DS_TRAIN_HOSTS (written by
+    `ds-train launch`) or SLURM's node list; empty when unknown."""
+    env = os.environ if environ is None else environ
+    if env.get("DS_TRAIN_HOSTS"):
+        return env["DS_TRAIN_HOSTS"].split(",")
+    if env.get("SLURM_JOB_NODELIST"):
+        return expand_slurm_nodelist(env["SLURM_JOB_NODELIST"])
+    return []
+
+
+def expand_slurm_nodelist(nodelist: str) -> list[str]:
+    """'gpu[003-005,009],cpu1' -> ['gpu003', 'gpu004', 'gpu005', 'gpu009', 'cpu1']."""
+    hosts = []
+    for prefix, ranges, plain in re.findall(r"([^,\[]+)\[([^\]]+)\]|([^,\[\]]+)", nodelist):
+        if plain:
+            hosts.append(plain)
+            continue
+        for part in ranges.split(","):
+            lo, _, hi = part.partition("-")
+            hosts += [f"{prefix}{i:0{len(lo)}d}" for i in range(int(lo), int(hi or lo) + 1)]
+    return hosts
+
+
+def missing_ranks_line(missing: list[int], joined: dict[int, dict], env: DistEnv, hosts: list[str],
+                       timeout_s: float) -> str:
+    """Which ranks never reached the rendezvous, by node and host (a pure function)."""
+    per_node = max(1, env.local_world_size)
+    by_node: dict[int, list[int]] = {}
+    for r in missing:
+        by_node.setdefault(r // per_node, []).append(r)
+    known = {info["node"]: info["host"] for info in joined.values()}
+    parts = []
+    for node, ranks in sorted(by_node.items()):
+        host = known.get(node) or (hosts[node] if node < len(hosts) else "host unknown")
+        parts.append(f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))} (node {node}, {host})")
+    return (f"start-up: {'; '.join(parts)} did not reach the rendezvous at {env.master_addr}:{env.master_port} "
+            f"within dist.join_timeout_s={timeout_s:g} s ({len(joined)} of {env.world_size} ranks did); their "
+            f"launcher did not start them, or they failed or hung before it (see that node's output)")
+
+
+def rendezvous(env: DistEnv, port: int, timeout_s: float, host: str):
+    """The store every rank meets in: rank 0 serves it (unless torchrun's agent does); each rank
+    announces itself, and waits until all have. Ranks missing at the timeout are named."""
+    import json
+    import time
+
+    from torch.distributed import DistError, PrefixStore
+
+    server = env.rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
+    try:
+        store = _open_store(env, port, timeout_s, server)
+    except DistError as e:
+        if server:
+            raise UserError(f"start-up: rank 0 cannot listen on {env.master_addr}:{port} ({str(e).splitlines()[0]}); "
+                            f"another job holds the port: choose another master port") from None
+        raise Stalled(f"start-up: rank {env.rank} ({host}) could not reach the rendezvous at "
+                      f"{env.master_addr}:{port} (rank 0) within dist.join_timeout_s={timeout_s:g} s: rank 0 did "
+                      f"not start, or this host cannot reach that address and port (firewall, wrong "
+                      f"interface)") from None
+    keys = PrefixStore(_namespace(), store)
+    keys.set(f"join/{env.rank}", json.dumps({"host": host, "node": env.node_rank, "pid": os.getpid()}))
+    wanted = [f"join/{r}" for r in range(env.world_size)]
+    deadline, pause = time.monotonic() + timeout_s, 0.05
+    try:
+        while not keys.check(wanted):
+            if keys.check(["join/failed"]):
+                keys.add("join/told", 1)
+                raise Stalled(keys.get("join/failed").decode(), agreed=True)
+            if time.monotonic() > deadline:
+                joined = {r: json.loads(keys.get(f"join/{r}")) for r in range(env.world_size)
+                          if keys.check([f"join/{r}"])}
+                missing = [r for r in range(env.world_size) if r not in joined]
+                line = missing_ranks_line(missing, joined, replace(env, master_port=port), node_hosts(), timeout_s)
+                if env.rank == 0:  # say it once, and serve the store until the others have read it
+                    keys.set("join/failed", line)
+                    told = time.monotonic() + 5
+                    while keys.add("join/told", 0) < len(joined) - 1 and time.monotonic() < told:
+                        time.sleep(0.1)
+                raise Stalled(line, agreed=env.rank != 0)
+            time.sleep(pause)
+            pause = min(2 * pause, 1.0)
+    except DistError:  # rank 0 gave up and took the store with it: it says why
+        raise Stalled(f"start-up: rank {env.rank}: the rendezvous at {env.master_addr}:{port} ended before every "
+                      f"rank joined", agreed=True) from None
+    return store
+
+
+class SideChannel:
+    """Small messages between ranks without a collective: a connection of its own to the
+    rendezvous store, safe to use from a thread while the main thread waits in a collective (the
+    watchdog's heartbeats and alarms, `ds-train launch`'s stop requests). Values are text."""
+
+    def __init__(self, addr: str, port: int, timeout_s: float = 10.0):
+        import datetime
+
+        from torch.distributed import PrefixStore, TCPStore
+
+        store = TCPStore(addr, port, is_master=False, timeout=datetime.timedelta(seconds=timeout_s))
+        self._keys = PrefixStore(_namespace(), store)
+
+    def set(self, key: str, value: str) -> None:
+        self._keys.set(key, value)
+
+    def get(self, key: str) -> str | None:
+        """The value, or None when the key is not set (never waits for it)."""
+        return self._keys.get(key).decode() if self._keys.check([key]) else None
+
+    def add(self, key: str, amount: int = 1) -> int:
+        return int(self._keys.add(key, amount))
+
+
+def side_channel(env: DistEnv) -> SideChannel | None:
+    """This rank's side channel (after `init`); None for a single process."""
+    if env.world_size == 1:
+        return None
+    return SideChannel(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]))
+
+
+def send_stop(addr: str, port: int, signum: int, timeout_s: float = 5.0) -> bool:
+    """Ask every rank of a running job to save and stop, as if each got `signum` (for `ds-train
+    launch`, which may not share a machine with any rank). False when the job cannot be reached."""
+    from torch.distributed import DistError
+
+    try:
+        channel = SideChannel(addr, port, timeout_s)
+        channel.set("signal", str(signum))
+        channel.add("alarm", 1)
+    except DistError:
+        return False
+    return True
 
 
 def device():
@@ -151,6 +310,19 @@ def all_reduce_sum(values: list[float]) -> list[float]:
 
 def all_reduce_max(values: list[float]) -> list[float]:
     return _reduce(values, "max")
+
+
+def all_gather_floats(values: list[float]) -> list[list[float]]:
+    """Every rank's list of numbers (all the same length), in rank order: one small collective."""
+    import torch
+    import deepspeed.comm as comm
+
+    t = torch.tensor(values, dtype=torch.float64, device=device())
+    if not comm.is_initialized() or comm.get_world_size() == 1:
+        return [t.tolist()]
+    out = [torch.empty_like(t) for _ in range(comm.get_world_size())]
+    comm.all_gather(out, t)
+    return [o.tolist() for o in out]
 
 
 def all_gather_object(obj: Any) -> list[Any]:

@@ -47,6 +47,17 @@ class NonFiniteStop(RunStopped):
                          f"with a lower optim.lr or train.nonfinite=skip")
 
 
+class Stalled(Exception):
+    """A job that stopped moving: ranks that never reached the rendezvous, or a hang the watchdog
+    found. Exit 5; the message names the ranks, their hosts, phases and steps."""
+
+    exit_code = 5
+
+    def __init__(self, message: str, agreed: bool = False):
+        super().__init__(message)
+        self.agreed = agreed  # every rank found the same: rank 0 says it
+
+
 class OutOfMemory(Exception):
     """A CUDA out-of-memory on this rank, with the memory plan and ranked fixes as the message."""
 

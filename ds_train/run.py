@@ -38,10 +38,12 @@ from ds_train.engine import initialize, read_ds_template, render_ds_config, zero
 from ds_train.errors import AgreedError, OutOfMemory, RunStopped, UserError
 from ds_train.export import export, locate_model, save_hf_metadata
 from ds_train.fs import check_writable, file_lock, write_atomic
-from ds_train.metrics import Logger, build_logger, build_progress, build_rank_log, peak_flops, rewind_jsonl
+from ds_train.logs import build_rank_log, capture_console
+from ds_train.metrics import Logger, build_logger, build_progress, peak_flops, rewind_jsonl
 from ds_train.memory import checkpoint_bytes
 from ds_train.model import build_hf_config, build_model, count_params, flops_per_token, resolve_dtype
 from ds_train.plan import oom_report
+from ds_train.watchdog import Heartbeat, Watchdog, fault_at, where as rank_where
 
 INIT_MODEL_DIR = "init_model"  # a ds_train run given as model.path, exported once into the run dir
 
@@ -86,15 +88,20 @@ def resolve_model(cfg: RunConfig, tokenizer_dir: str | Path = "") -> ModelSource
 
 
 class StopRequest:
-    """SIGTERM / SIGINT set a flag; the checkpointer agrees on it across ranks at step boundaries."""
+    """SIGTERM, SIGINT and SIGUSR1 (SLURM's signal before the time limit, `--signal=USR1@T`) set a
+    flag, as does a stop request `ds-train launch` sends through the store; the checkpointer agrees
+    on it across ranks at step boundaries."""
 
-    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+    SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
 
     def __init__(self):
         self.signum = 0
         self._previous = {sig: signal.signal(sig, self._handle) for sig in self.SIGNALS}
 
     def _handle(self, signum, frame) -> None:
+        self.request(signum)
+
+    def request(self, signum: int) -> None:
         # The first signal wins: Ctrl-C reaches the ranks as SIGINT, then as the SIGTERM that
         # DeepSpeed's launcher forwards; the exit code should say SIGINT (130).
         self.signum = self.signum or signum
@@ -124,19 +131,34 @@ class Run:
     flops_per_token: float
     peak_flops: float | None  # None off GPUs: no MFU
     logger: Logger  # real sinks on rank 0, a null logger elsewhere
-    rank_log: Any  # logs/rank_<r>.log on every rank
+    rank_log: Any  # logs/rank_<r>.log on every rank (its own events; the console is copied there too)
     say: Callable[..., None]  # print on rank 0, nothing elsewhere
     checkpointer: checkpoint.Checkpointer
     stop: StopRequest
     resume: checkpoint.ResumePoint | None
     resume_said: str  # how the ranks decided; said once the checkpoint is loaded
+    hosts: list[tuple[int, str]]  # (node rank, host name) of every rank
+    heartbeat: Heartbeat  # where this rank is: the loop calls run.beat(step, phase)
+    watchdog: Watchdog
+
+    def beat(self, step: int, phase: str) -> None:
+        """This rank entered `phase` of `step` (progress, for the heartbeat and the watchdog)."""
+        self.heartbeat.beat(step, phase)
+
+    def where(self, rank: int) -> str:
+        """`rank 1 on node 1 (gpu017)`: as the watchdog's reports name a rank."""
+        node, host = self.hosts[rank]
+        names = dist.node_hosts()
+        return rank_where({"rank": rank, "node": node, "host": host, "addr": names[node] if node < len(names) else ""})
 
     @property
     def zero_stage(self) -> int:
         return self.engine.zero_optimization_stage()
 
     def progress(self, initial: int, **kw):
-        """The loop's progress bar (rank 0, log.progress); closes when its block ends."""
+        """The loop starts: the watchdog is armed, and rank 0 gets a progress bar (log.progress)
+        that closes when its block ends."""
+        self.watchdog.arm()
         return build_progress(self.env.is_main, self.cfg.log.progress, self.spec.last, initial, **kw)
 
     def maybe_resume(self) -> dict | None:
@@ -145,6 +167,7 @@ class Run:
         under "rank"), or None for a fresh start."""
         if self.resume is None:
             return None
+        self.beat(int(self.resume.state["step"]), "load")
         state = checkpoint.load(self.engine, self.resume, self.env.rank, self.env.world_size)
         self.say(self.resume_said)
         return state
@@ -159,8 +182,13 @@ class Run:
             gib = torch.cuda.get_device_properties(self.engine.device).total_memory / 2**30
             exc = OutOfMemory(oom_report(self.cfg, self.ds_config, self.engine.module.config,
                                          self.env.world_size, gib))
+        if exc is not None and not isinstance(exc, (RunStopped, AgreedError)):  # this rank failed alone
+            verdict = self.watchdog.fail(exc)
+            if verdict:  # the reporting rank ends its output with the job's verdict
+                exc.add_note(f"ds-train: error: {verdict}")
         self.stop.restore()
         self.logger.close()
+        self.watchdog.stop("ended" if exc is None else "stopped" if isinstance(exc, RunStopped) else "failed")
         self.rank_log.info(_ending(exc))
         if exc is None or isinstance(exc, RunStopped):  # every rank is here: collectives cannot hang
             dist.barrier()
@@ -172,7 +200,20 @@ class Run:
 
 def build_run(cfg: RunConfig, ds_config_path: str, env: dist.DistEnv, spec: RunSpec, source: ModelSource,
               quiet: bool = False) -> Run:
-    """Everything before the first step. Bad input fails here, before anything is written."""
+    """Everything before the first step. Bad input fails here, before anything is written.
+
+    The signal handlers go in first: a stop asked for during start-up (SLURM's SIGUSR1 can come
+    early) is kept, and the run saves and stops at its first step."""
+    stop = StopRequest()
+    try:
+        return _build_run(cfg, ds_config_path, env, spec, source, stop, quiet)
+    except BaseException:
+        stop.restore()
+        raise
+
+
+def _build_run(cfg: RunConfig, ds_config_path: str, env: dist.DistEnv, spec: RunSpec, source: ModelSource,
+               stop: StopRequest, quiet: bool) -> Run:
     import torch
     from deepspeed.accelerator import get_accelerator
 
@@ -191,8 +232,8 @@ def build_run(cfg: RunConfig, ds_config_path: str, env: dist.DistEnv, spec: RunS
     checkpoint.locate(cfg.checkpoint.resume, run_dir / "checkpoints")
 
     # 2. Checks every rank makes together: the file-system layout and the resume point.
-    dist.init(env)
     host = socket.gethostname()
+    dist.init(env, cfg.dist.timeout_s, cfg.dist.join_timeout_s, host)
     try:
         layout = storage_layout(run_dir, env)
         decision = checkpoint.agree(cfg.checkpoint.resume, run_dir / "checkpoints", env, host, spec.unit)
@@ -207,8 +248,13 @@ def build_run(cfg: RunConfig, ds_config_path: str, env: dist.DistEnv, spec: RunS
         ds_config["checkpoint"] = {**ds_config.get("checkpoint", {}), "use_node_local_storage": True}
     writer = env.local_rank == 0 if layout == NODE_LOCAL else env.is_main
 
-    # 3. Writes: a fresh start's clean slate, a converted checkpoint, an exported initial model,
-    # then the engine and the run dir.
+    # 3. Writes: the logs, a fresh start's clean slate, a converted checkpoint, an exported initial
+    # model, then the engine and the run dir.
+    logs = run_dir / "logs"
+    capture_console(logs / f"rank_{env.rank}.log", logs / "train.log" if env.is_main else None, host, env.rank)
+    rank_log = build_rank_log(run_dir, env.rank, host)
+    rank_log.info(f"pid {os.getpid()} host {host} local_rank {env.local_rank} node {env.node_rank} "
+                  f"world {env.world_size} launcher {env.launcher}")
     if cfg.checkpoint.resume == "restart":
         start_over(run_dir, writer)
     resume = checkpoint.prepare_resume(resume_plan)
@@ -254,23 +300,25 @@ def build_run(cfg: RunConfig, ds_config_path: str, env: dist.DistEnv, spec: RunS
     device_name = torch.cuda.get_device_name() if on_gpu else platform.processor() or "cpu"
     logger = build_logger(env.is_main, run_dir, cfg.log.wandb, cfg.log.wandb_project, cfg.to_dict(),
                           console_keys=spec.console_keys)
-    rank_log = build_rank_log(run_dir, env.rank)
-    rank_log.info(f"pid {os.getpid()} host {host} local_rank {env.local_rank} node {env.node_rank} "
-                  f"world {env.world_size} launcher {env.launcher} device {device_name}")
-    rank_log.info(decision.said)
-    stop = StopRequest()
+    rank_log.info(f"device {device_name}; {decision.said}")
     record = {"kind": spec.kind, "zero_stage": engine.zero_optimization_stage(), "dtype": dtype,
               "layout": layout, "config": cfg.to_dict()}
     ranks_here = env.local_world_size if layout == NODE_LOCAL else env.world_size
     needed = checkpoint_bytes(n_params, engine.zero_optimization_stage(), dtype, env.world_size, ranks_here)
+    names = dist.node_hosts()
+    heartbeat = Heartbeat(env.rank, env.node_rank, host, names[env.node_rank] if env.node_rank < len(names) else "",
+                          fault=fault_at(cfg.watchdog.debug_fault, env.rank))
     ckpt = checkpoint.Checkpointer(engine, run_dir, cfg.checkpoint, spec.last, env.rank, env.world_size,
                                    record, stop, rank_log, spec.unit, writer=writer, seq=decision.next_seq,
-                                   needed_bytes=needed, where=f" (node {env.node_rank}, {host})")
+                                   needed_bytes=needed, where=f" (node {env.node_rank}, {host})",
+                                   beat=heartbeat.beat)
     fpt = flops_per_token(n_params, source.hf_config.num_hidden_layers, source.hf_config.hidden_size,
                           cfg.train.seq_len)
+    watchdog = Watchdog(heartbeat, run_dir, env.world_size, cfg.watchdog.stall_s, cfg.watchdog.heartbeat_s,
+                        dist.side_channel(env), env.local_rank if on_gpu else None, stop.request).start()
     return Run(cfg, env, spec, plan, run_dir, ds_config, dtype, lr, engine, source.tokenizer, n_params, fpt,
                peak_flops(device_name, cfg.log.peak_tflops) if on_gpu else None, logger, rank_log, say,
-               ckpt, stop, resume, decision.said)
+               ckpt, stop, resume, decision.said, hosts, heartbeat, watchdog)
 
 
 SHARED, NODE_LOCAL = "shared", "node-local"

@@ -8,12 +8,13 @@ the metrics meter, the evaluator, the logger, the checkpointer).
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -26,6 +27,7 @@ from ds_train.fs import write_atomic
 from ds_train.metrics import Interval, memory_gib, mfu
 from ds_train.ript.tasks import DEMOS_SOURCE, demonstrations
 from ds_train.run import ModelSource, Run, RunSpec, build_run, resolve_model
+from ds_train.watchdog import stragglers
 
 # Generated data sources (`name:arg` in data.sources) that `prepare` understands.
 GENERATED_SOURCES = {DEMOS_SOURCE: demonstrations}
@@ -78,14 +80,18 @@ def train_loop(run: Run, data: Datasets, start: int, stop: int) -> dict[str, Any
     """Steps start+1 .. stop: next batch, step, then each component acts if the step is its."""
     c, last = run.cfg, run.cfg.train.max_steps
     guard = NonFiniteGuard(c.train, run.rank_log)
-    meter = StepMeter(run, Interval(c.log.every, last))
+    clock = ComputeClock(run.engine.device.type == "cuda")
+    meter = StepMeter(run, Interval(c.log.every, last), clock)
     evaluator = Evaluator(run, data.val, Interval(c.train.eval_every, last))
     summary: dict[str, Any] = {}
     with run.progress(start) as progress:
         for step in range(start + 1, stop + 1):
-            batches = rank_micro_batches(data.train, step - 1, run.plan.global_batch_size,
-                                         run.plan.micro_batch_size, run.env.rank, run.env.world_size)
-            result = train_step(run.engine, batches, poison=step in c.train.debug_nonfinite_steps)
+            with clock.host():
+                run.beat(step, "data")
+                batches = rank_micro_batches(data.train, step - 1, run.plan.global_batch_size,
+                                             run.plan.micro_batch_size, run.env.rank, run.env.world_size)
+            result = train_step(run.engine, batches, poison=step in c.train.debug_nonfinite_steps,
+                                beat=functools.partial(run.beat, step), clock=clock)
             guard.observe(step, result.skipped)
             metrics = meter.maybe_measure(step, result, guard.skipped) | evaluator.maybe_evaluate(step)
             run.logger.log(metrics, step)
@@ -154,23 +160,30 @@ def _skipped_optimizer_step(optimizer):
         optimizer.overflow = False
 
 
-def train_step(engine, micro_batches: list[np.ndarray], poison: bool = False) -> StepResult:
+def train_step(engine, micro_batches: list[np.ndarray], poison: bool = False,
+               beat: Callable[[str], None] = lambda phase: None, clock: "ComputeClock | None" = None) -> StepResult:
     """One optimizer step: the engine owns accumulation scaling, clipping and the optimizer.
 
-    `poison` makes the loss infinite (fault injection for train.debug_nonfinite_steps).
+    `poison` makes the loss infinite (fault injection for train.debug_nonfinite_steps); `beat`
+    tells the heartbeat each phase; `clock` times the forward passes (this rank's own work).
     """
     loss_total, tokens_total, grad_norm = 0.0, 0, None
     skipped_before = engine.skipped_steps
+    clock = clock or ComputeClock(False)
     for batch in micro_batches:
-        loss_sum, n_tokens = forward_loss(engine, batch)
+        beat("forward")
+        with clock.device():
+            loss_sum, n_tokens = forward_loss(engine, batch)
         if poison:
             loss_sum = loss_sum * float("inf")
+        beat("backward")
         engine.backward(loss_sum / n_tokens)
         skip = contextlib.nullcontext()
         if engine.is_gradient_accumulation_boundary() and not _engine_checks_grads(engine):
             grad_norm = _grad_norm(engine)  # after the all-reduce in backward: the same on every rank
             if not math.isfinite(grad_norm):
                 skip = _skipped_optimizer_step(engine.optimizer)
+        beat("step")
         with skip:
             engine.step()
         loss_total = loss_total + loss_sum.detach()
@@ -196,19 +209,61 @@ class NonFiniteGuard:
             raise NonFiniteStop(step, self.in_a_row)
 
 
+class ComputeClock:
+    """The time a rank spends on its own work before a step's gradients are synchronised: loading
+    its data (host time) and its forward passes (CUDA events on a GPU, whose kernels run after the
+    host moves on). Compared across ranks on logging steps, it finds the straggler that everyone
+    else waits for: a slow GPU, a slow disk, a busy host."""
+
+    def __init__(self, cuda: bool):
+        self.cuda, self.seconds, self.events = cuda, 0.0, []
+
+    @contextlib.contextmanager
+    def host(self):
+        t0 = time.perf_counter()
+        yield
+        self.seconds += time.perf_counter() - t0
+
+    @contextlib.contextmanager
+    def device(self):
+        if not self.cuda:
+            with self.host():
+                yield
+            return
+        import torch
+
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        yield
+        end.record()
+        self.events.append((start, end))
+
+    def read(self) -> float:
+        """Seconds since the last read (waits for the timed kernels to finish)."""
+        for start, end in self.events:
+            end.synchronize()
+            self.seconds += start.elapsed_time(end) / 1000
+        total, self.seconds, self.events = self.seconds, 0.0, []
+        return total
+
+
 class StepMeter:
     """On logging steps: the step's loss (token-weighted over all ranks), throughput over the steps
-    since the last logging step, memory maxima over ranks. Empty on other steps."""
+    since the last logging step, memory maxima over ranks, and the slowest rank (one small gather
+    of every rank's compute time per step; a rank above watchdog.straggler_ratio x the median is
+    reported). Empty on other steps."""
 
-    def __init__(self, run: Run, interval: Interval):
-        self.run, self.interval = run, interval
+    def __init__(self, run: Run, interval: Interval, clock: ComputeClock):
+        self.run, self.interval, self.clock = run, interval, clock
         self.window_start, self.window_steps = time.perf_counter(), 0
+        self.warm = False  # the first window holds one-time costs (allocations, kernel choice)
 
     def maybe_measure(self, step: int, result: StepResult, skipped_steps: int) -> dict:
         self.window_steps += 1
         if step not in self.interval:
             return {}
         run = self.run
+        run.beat(step, "metrics")
         window_s = time.perf_counter() - self.window_start
         gpu_gib, rss_gib = memory_gib(run.engine.device.type)
         loss = token_mean(float(result.loss_sum), result.tokens)
@@ -227,9 +282,23 @@ class StepMeter:
             "mem/max_rank_gib": max_gpu,
             "mem/max_rank_rss_gib": max_rss,
             "world_size": run.env.world_size,
+            **self.slowest_rank(step),
         }
         self.window_start, self.window_steps = time.perf_counter(), 0
         return metrics
+
+    def slowest_rank(self, step: int) -> dict:
+        run = self.run
+        times = [t for (t,) in dist.all_gather_floats([self.clock.read() / self.window_steps])]
+        slowest, ratio, median, slow = stragglers(times, run.cfg.watchdog.straggler_ratio)
+        if slow and self.warm:
+            line = f"step {step}: straggler: " + "; ".join(
+                f"{run.where(r)} takes {times[r] / median:.2f}x the median compute time per step of the other "
+                f"ranks ({times[r]:.3f} s vs {median:.3f} s)" for r in slow)
+            run.say(line)
+            run.rank_log.warning(line)
+        self.warm = True
+        return {"perf/slowest_rank": slowest, "perf/straggler_ratio": ratio}
 
 
 class Evaluator:
@@ -239,9 +308,9 @@ class Evaluator:
         self.run, self.val, self.interval = run, val, interval
 
     def maybe_evaluate(self, step: int) -> dict[str, float]:
-        return self.evaluate() if step in self.interval else {}
+        return self.evaluate(step) if step in self.interval else {}
 
-    def evaluate(self) -> dict[str, float]:
+    def evaluate(self, step: int) -> dict[str, float]:
         import torch
 
         run, engine = self.run, self.run.engine
@@ -250,6 +319,7 @@ class Evaluator:
         with torch.no_grad():
             for batch in eval_micro_batches(self.val, run.cfg.train.eval_batches, run.plan.micro_batch_size,
                                             run.env.rank, run.env.world_size):
+                run.beat(step, "eval")
                 loss_sum, n = forward_loss(engine, batch)
                 loss, count = loss + float(loss_sum), count + n
         engine.train()
@@ -262,6 +332,7 @@ def generate_sample(run: Run) -> str:
     import torch
 
     prompt = run.cfg.log.sample_prompt
+    run.beat(run.cfg.train.max_steps, "sample")
     ids = run.tokenizer(prompt, return_tensors="pt").input_ids.to(run.engine.device)
     run.engine.eval()
     torch.manual_seed(run.cfg.seed)
@@ -279,6 +350,7 @@ def maybe_export_final(run: Run) -> str:
     from ds_train.checkpoint import tag_for
     from ds_train.export import export
 
+    run.beat(run.cfg.train.max_steps, "export")  # untimed: the other ranks wait for rank 0
     dist.barrier()
     tag = tag_for(run.cfg.train.max_steps)
     out = run.run_dir / f"hf_export_{tag}"

@@ -153,7 +153,7 @@ def ript_loop(run: Run, job: RiptJob, state: RiptState) -> None:
     with run.progress(state.iteration, desc="ript", unit="it", postfix=("ript/success_rate", "success")) as progress:
         for it in range(state.iteration + 1, r.iterations + 1):
             with counts.rollouts():
-                groups = sample(job, act, counts.window)
+                groups = sample(job, act, counts.window, it)
             counts.add_policy(update(job, groups, it))
             state.iteration = it
             metrics = counts.maybe_sync(it, state) | held_out.maybe_evaluate(it, state)
@@ -206,6 +206,7 @@ class SyncedCounts:
         self.iterations += 1
         if it not in self.interval:
             return {}
+        self.job.run.beat(it, "sync")
         self.job.run.rank_log.info(f"iteration {it} counts {json.dumps(self.window.as_dict())}")  # this rank's own
         counts = Tally.from_vector(self.names, dist.all_reduce_sum(self.window.vector()))
         rollout_s = dist.all_reduce_max([self.rollout_s])[0]
@@ -229,6 +230,7 @@ class HeldOut:
         return self.record(it, state) if it in self.interval else {}
 
     def record(self, it: int, state: RiptState) -> dict:
+        self.job.run.beat(it, "eval")
         result = evaluate(self.job)
         state.evals.append({"iteration": it, **result})
         write_results(self.job, state)
@@ -251,7 +253,7 @@ def run_episodes(job: RiptJob, act, jobs: list) -> list[Episode]:
     return episodes
 
 
-def sample(job: RiptJob, act, tally: Tally) -> list[list[Episode]]:
+def sample(job: RiptJob, act, tally: Tally, it: int) -> list[list[Episode]]:
     """Dynamic rollout sampling: this rank's accepted groups (each K episodes of one context)."""
     import torch
 
@@ -262,6 +264,7 @@ def sample(job: RiptJob, act, tally: Tally) -> list[list[Episode]]:
     checked = 0
     job.run.engine.eval()
     while True:
+        job.run.beat(it, "rollout")  # a round: every rank all-reduces its progress
         done = not job.mine or len(groups) >= quota or checked >= r.max_contexts_checked
         accepted, busy = dist.all_reduce_sum([float(min(len(groups), quota)), float(not done)])
         if busy == 0 or accepted >= target:
@@ -331,6 +334,7 @@ def update(job: RiptJob, groups: list[list[Episode]], iteration: int) -> list[fl
         for s in range(n_steps):
             scale = plan.world_size * plan.grad_accum_steps / max(global_counts[s], 1.0)
             for m in range(plan.grad_accum_steps):
+                run.beat(iteration, "update")
                 idx = order[s * per_step + m * micro: s * per_step + (m + 1) * micro]
                 logp = _token_logp(engine, ids[idx])
                 loss, st = clipped_policy_loss(logp, old[idx], adv[idx].to(logp.device),

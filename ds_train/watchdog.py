@@ -1,0 +1,547 @@
+"""Heartbeats, the hang watchdog and the job's failure report: where every rank is, and a named
+stall or failure instead of a silent hang.
+
+Every rank keeps a `Heartbeat` (step, phase, last progress) that its loop updates for the price of
+a few attribute writes (`run.beat(step, "forward")`). A daemon thread, the `Watchdog`, publishes it
+every watchdog.heartbeat_s: to RUN_DIR/heartbeats/rank_<r>.json (replaced atomically, so node-local
+run directories work) and to the rendezvous store, which every rank reads without a collective
+(`dist.SideChannel`). Progress is a new phase, or checkpoint I/O in a save or load phase.
+
+A rank that makes no progress for watchdog.stall_s raises the alarm in the store. Every rank then
+writes the stacks of its threads to logs/stacks_rank_<r>.txt (py-spy's native frames too, where
+installed) and publishes its state; the lowest rank still answering prints the hang report
+(`classify`): the ranks that wait inside a collective and the ones that never arrived, with host,
+phase and step. Every rank then exits with EXIT_STALL, long before the process-group timeout.
+
+A rank that dies of an exception publishes its error and the last lines of its log the same way
+(`publish_failure`); the rank that reports names the first failure in the job's last line.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import threading
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from ds_train.fs import replacing
+
+EXIT_STALL = 5
+# torch.distributed / deepspeed.comm functions that block until the other ranks take part.
+COLLECTIVES = {"all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_object", "broadcast",
+               "broadcast_object_list", "barrier", "monitored_barrier", "reduce", "reduce_scatter",
+               "reduce_scatter_tensor", "all_to_all", "all_to_all_single", "gather", "gather_object",
+               "scatter", "send", "recv", "inference_all_reduce", "all_reduce_coalesced",
+               "allreduce_coalesced", "reduce_scatter_fn", "all_gather_coalesced"}
+_COMM_FILES = re.compile(r"torch/distributed/|deepspeed/comm/")
+# Phases in which checkpoint I/O counts as progress (a large save writes for minutes).
+IO_PHASES = ("save", "load")
+# Phases the watchdog does not time: rank 0 alone writes the final export while the others wait.
+UNTIMED_PHASES = ("export",)
+# Exceptions a rank gets because another rank died (a secondary failure, not the cause).
+PEER_LOSS = re.compile(r"connection (closed|reset)|broken pipe|peer|socket|NCCL communicator was aborted|"
+                       r"ProcessGroup.*(abort|shut)|Connection refused|Gloo", re.I)
+
+
+@dataclass
+class Heartbeat:
+    """Where this rank is. The loop writes it (cheap: attribute writes); the watchdog thread reads it."""
+
+    rank: int
+    node: int
+    host: str
+    addr: str = ""  # the node's name in the hostfile or SLURM's node list, where it differs from `host`
+    step: int = 0
+    phase: str = "startup"
+    step_beats: int = 0  # phases entered in this step: with the step, how far this rank got
+    last_progress: float = field(default_factory=time.monotonic)
+    status: str = "running"  # running | stalled | waiting | failed | ended
+    fault: Callable[[int, str], None] | None = None  # watchdog.debug_fault, when set
+
+    def beat(self, step: int, phase: str) -> None:
+        """Progress: this rank entered `phase` of `step`."""
+        if step != self.step:
+            self.step, self.step_beats = step, 0
+        self.phase = phase
+        self.step_beats += 1
+        self.last_progress = time.monotonic()
+        if self.fault is not None:
+            self.fault(step, phase)
+
+    def idle_s(self) -> float:
+        return time.monotonic() - self.last_progress
+
+
+def memory_now(device_index: int | None) -> dict[str, float | None]:
+    """RSS; GPU allocated / reserved and utilisation (NVML, through torch) where there is a GPU."""
+    import psutil
+
+    out: dict[str, float | None] = {"rss_gib": psutil.Process().memory_info().rss / 2**30}
+    if device_index is None:
+        return out
+    import torch
+
+    out["gpu_allocated_gib"] = torch.cuda.memory_allocated(device_index) / 2**30
+    out["gpu_reserved_gib"] = torch.cuda.memory_reserved(device_index) / 2**30
+    try:
+        out["gpu_util_pct"] = float(torch.cuda.utilization(device_index))
+    except Exception:  # no NVML (pynvml) on this machine: utilisation unknown, not an error
+        out["gpu_util_pct"] = None
+    return out
+
+
+def main_frame():
+    """The current frame of the main thread (None if it cannot be read)."""
+    return sys._current_frames().get(threading.main_thread().ident)
+
+
+def collective_of(frame) -> str | None:
+    """`all_reduce in deepspeed/runtime/engine.py:2100 (allreduce_bucket)` when the frame's thread is
+    inside a collective call, else None."""
+    name, caller = None, None
+    while frame is not None:
+        code = frame.f_code
+        if _COMM_FILES.search(code.co_filename):
+            if code.co_name in COLLECTIVES:
+                name = code.co_name  # keep the outermost one: deepspeed.comm's name over torch's
+        elif name is not None:
+            caller = f"{_short(code.co_filename)}:{frame.f_lineno} ({code.co_name})"
+            break
+        frame = frame.f_back
+    return f"{name} in {caller}" if name and caller else name
+
+
+def _short(path: str) -> str:
+    """A path from its package on: ds_train/trainer.py, deepspeed/runtime/engine.py."""
+    m = re.search(r"(ds_train|deepspeed|torch|transformers)/.*$", path)
+    return m.group(0) if m else Path(path).name
+
+
+def format_stacks(header: str) -> str:
+    """Every thread's Python stack, the main thread first."""
+    frames = sys._current_frames()
+    frames.pop(threading.get_ident(), None)  # the thread writing this
+    names = {t.ident: t.name for t in threading.enumerate()}
+    main = threading.main_thread().ident
+    parts = [header]
+    for ident in sorted(frames, key=lambda i: i != main):
+        parts.append(f"\n--- thread {names.get(ident, ident)} ---\n" +
+                     "".join(traceback.format_stack(frames[ident])))
+    return "\n".join(parts)
+
+
+def native_stacks(pid: int, timeout_s: float = 20) -> str:
+    """py-spy's dump with native frames, where py-spy is installed ('' otherwise)."""
+    exe = shutil.which("py-spy")
+    if not exe:
+        return ""
+    try:
+        proc = subprocess.run([exe, "dump", "--native", "--pid", str(pid)], capture_output=True, text=True,
+                              timeout=timeout_s)
+        return f"\n--- py-spy dump --native ---\n{proc.stdout}{proc.stderr}"
+    except (OSError, subprocess.SubprocessError) as e:
+        return f"\n--- py-spy failed: {e} ---\n"
+
+
+# ---- verdicts: pure functions of what the ranks published -------------------------------------
+
+def where(rec: dict) -> str:
+    """`rank 1 on node 1 (gpu017)`, or `rank 1 on node 1 (10.0.0.3, host gpu017)` when the hostfile
+    names the node otherwise."""
+    addr = rec.get("addr")
+    named = f"{addr}, host {rec['host']}" if addr and addr != rec["host"] else rec["host"]
+    return f"rank {rec['rank']} on node {rec['node']} ({named})"
+
+
+def classify(records: dict[int, dict | None], answered: set[int]) -> dict[str, list[int]]:
+    """Which ranks of a hang wait inside a collective and which never arrived.
+
+    `records`: each rank's last heartbeat (None: it never published one); `answered`: the ranks
+    that took part in the alarm (wrote their stacks). A rank that did not answer is frozen or gone.
+    Of the others, a rank waits when its main thread is inside a collective or when it got further
+    (step, then phases entered in it) than a rank that is not; the ranks furthest behind outside
+    any collective never arrived."""
+    silent = sorted(r for r in records if r not in answered)
+    live = {r: rec for r, rec in records.items() if r in answered and rec is not None}
+    outside = {r: rec for r, rec in live.items() if not rec.get("collective")}
+    behind = min((tuple(rec["position"]) for rec in outside.values()), default=None)
+    laggards = sorted(r for r, rec in outside.items() if tuple(rec["position"]) == behind)
+    return {"never_arrived": laggards, "silent": silent, "waiting": sorted(r for r in live if r not in laggards)}
+
+
+def hang_report(records: dict[int, dict | None], answered: set[int], stall_s: float) -> dict:
+    """The hang report: its one line (the job's last) and what it is made of."""
+    v = classify(records, answered)
+    culprits = []
+    for r in v["never_arrived"]:
+        rec = records[r]
+        culprits.append(f"{where(rec)} stalled in phase {rec['phase']} of step {rec['step']} "
+                        f"({rec['idle_s']:.0f} s without progress) and never reached the collective")
+    for r in v["silent"]:
+        rec = records.get(r)
+        culprits.append(f"rank {r} stopped answering (no heartbeat ever: it never started)" if rec is None else
+                        f"{where(rec)} stopped answering (frozen or killed; last seen in phase {rec['phase']} "
+                        f"of step {rec['step']})")
+    if not culprits:
+        culprits.append("every rank waits inside a collective: they disagree on which (a code path that "
+                        "differs by rank) or the network between them is down")
+    waits = "; ".join(f"{where(records[r])} waits in {records[r]['collective'] or 'a collective'} (phase "
+                      f"{records[r]['phase']} of step {records[r]['step']})" for r in v["waiting"])
+    line = (f"hang: no progress for {stall_s:g} s (watchdog.stall_s): " + "; ".join(culprits) +
+            (f". Waiting for it: {waits}" if waits and v["never_arrived"] + v["silent"] else
+             f". {waits}" if waits else "") +
+            ". Stacks in logs/stacks_rank_<r>.txt on each rank's node")
+    return {"kind": "hang", "line": line, "stall_s": stall_s, **v,
+            "ranks": {str(r): rec for r, rec in sorted(records.items())}}
+
+
+def failure_report(failures: list[dict], silent: list[dict] = ()) -> dict:
+    """The first failure, named: the first that is not a consequence of another rank's death; when
+    every error is such a consequence, the rank that went silent (`silent`: last heartbeats of
+    ranks that died without a word)."""
+    primary = next((f for f in failures if f["primary"]), None)
+    if primary is None and silent:
+        dead = silent[0]
+        line = (f"{where(dead)} died without an error (its last heartbeat: phase {dead['phase']} of step "
+                f"{dead['step']}): killed by a signal (the kernel's OOM killer, see `dmesg` on {dead['host']}, or "
+                f"kill -9); then "
+                + ", ".join(f"rank {f['rank']}" for f in failures) + f" lost the connection ({failures[0]['error']})")
+        return {"kind": "killed", "line": line, "first": dead, "failures": failures}
+    first = primary or failures[0]
+    others = [f"rank {f['rank']}" for f in failures if f is not first]
+    tail = " | ".join(first["tail"])
+    line = (f"{where(first)} failed first, in phase {first['phase']} of step {first['step']}: {first['error']}"
+            + (f" (then {', '.join(others)})" if others else "") + f"; its log ({first['log']}) ends: {tail}")
+    return {"kind": "failure", "line": line, "first": first, "failures": failures}
+
+
+def stragglers(times: list[float], ratio: float) -> tuple[int, float, float, list[int]]:
+    """(the slowest rank, its time over the median of the other ranks, that median, the ranks above
+    `ratio` x the median of the others). Against the others, not all: with two ranks a rank ten
+    times slower is 10x the other, but under 2x the median of both."""
+    n = len(times)
+    if n < 2:
+        return 0, 1.0, times[0] if times else 0.0, []
+    order = sorted(range(n), key=lambda r: times[r])
+    position = {r: i for i, r in enumerate(order)}
+
+    def others_median(r: int) -> float:
+        skip = position[r]  # the k-th of the others is the k-th of all, or the next one past r
+        kth = [times[order[k if k < skip else k + 1]] for k in ((n - 2) // 2, (n - 1) // 2)]
+        return sum(kth) / 2
+
+    medians = [others_median(r) for r in range(n)]
+    ratios = [times[r] / medians[r] if medians[r] > 0 else 1.0 for r in range(n)]
+    slowest = max(range(n), key=lambda r: ratios[r])
+    return slowest, ratios[slowest], medians[slowest], [r for r in range(n) if ratios[r] > ratio]
+
+
+def is_secondary(exc: BaseException) -> bool:
+    """An error a rank gets because another rank died (its connection went), not a cause."""
+    return bool(PEER_LOSS.search(f"{type(exc).__name__}: {exc}"))
+
+
+# ---- fault injection (watchdog.debug_fault) -------------------------------------------------------
+
+def _injected_stall() -> None:
+    """watchdog.debug_fault=stall: this rank stops making progress (and sleeps, as a rank stuck on
+    I/O or a lock does)."""
+    while True:
+        time.sleep(3600)
+
+
+def fault_at(spec: str, rank: int) -> Callable[[int, str], None] | None:
+    """The hook Heartbeat.beat calls, for ACTION:RANK:ARG on this rank (None elsewhere)."""
+    if not spec:
+        return None
+    action, target, arg, *start = spec.split(":")
+    if int(target) != rank:
+        return None
+    if action == "slow":
+        def slow(step: int, phase: str) -> None:
+            if phase in ("data", "rollout") and step >= int((start or [0])[0]):
+                time.sleep(float(arg))
+        return slow
+    at = int(float(arg))
+
+    def hook(step: int, phase: str) -> None:
+        if step != at or phase not in ("data", "rollout"):
+            return
+        if action == "stall":
+            _injected_stall()
+        elif action == "kill":
+            os.kill(os.getpid(), 9)
+        else:
+            raise RuntimeError(f"injected failure on rank {rank} at step {step} (watchdog.debug_fault)")
+    return hook
+
+
+# ---- the thread ------------------------------------------------------------------------------
+
+class Watchdog:
+    """This rank's heartbeat publisher, stall detector and part of the alarm protocol.
+
+    Store keys (`channel`, None for one process): hb/<r> the heartbeats; alarm, a counter every
+    event bumps (the one key each rank polls); stall; failures and failure/<n>; signal (a stop
+    request from `ds-train launch`); answered/<r>; report (the verdict, once written)."""
+
+    GRACE_S = 10.0  # how long the ranks wait for each other in the alarm protocol
+
+    def __init__(self, hb: Heartbeat, run_dir: Path, world: int, stall_s: float, heartbeat_s: float,
+                 channel=None, device_index: int | None = None,
+                 on_signal: Callable[[int], None] = lambda signum: None):
+        self.hb, self.run_dir, self.world = hb, run_dir, world
+        self.stall_s, self.heartbeat_s = stall_s, heartbeat_s
+        self.channel, self.device_index, self.on_signal = channel, device_index, on_signal
+        self.path = run_dir / "heartbeats" / f"rank_{hb.rank}.json"
+        self.armed = False
+        self.verdict: dict | None = None
+        self._alarms = self._failures = 0
+        self._stalled = self._main_failed = False
+        self._published = 0.0
+        self._io = _io_bytes()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="ds_train-watchdog", daemon=True)
+
+    def start(self) -> "Watchdog":
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.publish()
+        self._thread.start()
+        return self
+
+    def arm(self) -> None:
+        """From now on a stall ends the job (the loop starts)."""
+        self.hb.last_progress = time.monotonic()
+        self.armed = self.stall_s > 0
+
+    def stop(self, status: str = "ended") -> None:
+        self.armed = False
+        self.hb.status = status
+        self._stop.set()
+        if self._thread.is_alive() and threading.current_thread() is not self._thread:
+            self._thread.join(timeout=5)
+        self.publish(to_store=False)  # the store may already be gone with rank 0
+
+    # -- what this rank publishes
+    def record(self) -> dict[str, Any]:
+        hb = self.hb
+        return {"rank": hb.rank, "node": hb.node, "host": hb.host, "addr": hb.addr, "pid": os.getpid(), "step": hb.step,
+                "phase": hb.phase, "status": hb.status, "position": [hb.step, hb.step_beats],
+                "idle_s": round(hb.idle_s(), 3), "time": time.time(),
+                "collective": collective_of(main_frame()), **memory_now(self.device_index)}
+
+    def publish(self, to_store: bool = True) -> dict:
+        rec = self.record()
+        text = json.dumps(rec)
+        tmp = self.path.with_name(f".{self.path.name}.tmp")
+        tmp.write_text(text)
+        os.replace(tmp, self.path)  # atomic, no fsync: a heartbeat is current or worthless
+        if to_store and self.channel is not None:
+            self.channel.set(f"hb/{self.hb.rank}", text)
+        self._published = time.monotonic()
+        return rec
+
+    # -- the thread's loop
+    def _run(self) -> None:
+        tick = min(1.0, self.heartbeat_s)
+        while not self._stop.wait(tick):
+            try:
+                self._tick()
+            except Exception as e:  # never take a run down: without the store, heartbeats stay local
+                if self.channel is not None and not self._stop.is_set():
+                    sys.stderr.write(f"ds-train[rank {self.hb.rank}]: watchdog: the rendezvous store stopped "
+                                     f"answering ({type(e).__name__}: {str(e).splitlines()[0][:120]}); rank 0 "
+                                     f"ended or its host is unreachable\n")
+                self.channel = None
+
+    def _tick(self) -> None:
+        io = _io_bytes()
+        if io != self._io and self.hb.phase in IO_PHASES:
+            self.hb.last_progress = time.monotonic()  # a save or load that writes or reads moves
+        self._io = io
+        if time.monotonic() - self._published >= self.heartbeat_s:
+            self.publish()
+        if self.channel is not None:
+            alarms = self.channel.add("alarm", 0)
+            if alarms > self._alarms:
+                self._alarms = alarms
+                self._on_alarm()
+        if self.armed and self.hb.idle_s() > self.stall_s and self.hb.phase not in UNTIMED_PHASES:
+            self.armed = False
+            if self.channel is None:
+                self._hang()
+            else:
+                self.channel.set("stall", str(self.hb.rank))
+                self.channel.add("alarm", 1)
+
+    def _on_alarm(self) -> None:
+        ch = self.channel
+        signum = ch.get("signal")
+        if signum is not None:
+            self.on_signal(int(signum))
+        if ch.get("stall") is not None and not self._stalled:
+            self._hang()
+        failures = int(ch.get("failures") or 0)
+        if failures > self._failures:
+            self._failures = failures
+            if self._reporter():
+                self._report_failure()
+
+    # -- hangs
+    def _hang(self) -> None:
+        """Stacks, state, then (on the reporting rank) the verdict; every rank exits EXIT_STALL."""
+        self._stalled = True
+        self.armed = False
+        self.hb.status = "hang"
+        self.write_stacks()
+        rec = self.publish()
+        ch = self.channel
+        if ch is None:
+            report = hang_report({self.hb.rank: rec}, {self.hb.rank}, self.stall_s)
+            self._conclude(report, "hang_report.json")
+            _exit(EXIT_STALL)
+        try:
+            ch.set(f"answered/{self.hb.rank}", "1")
+            if not self._reporter():
+                _wait(lambda: ch.get("report") is not None, self.GRACE_S + 5)
+                _exit(EXIT_STALL)
+            _wait(lambda: all(ch.get(f"answered/{r}") for r in range(self.world)), self.GRACE_S / 2)
+            answered = {r for r in range(self.world) if ch.get(f"answered/{r}")}
+            records = {r: _loads(ch.get(f"hb/{r}")) for r in range(self.world)}
+            report = hang_report(records, answered, self.stall_s)
+            self._conclude(report, "hang_report.json")
+            ch.set("report", report["line"])
+            time.sleep(1.0)  # the others see the verdict before this rank (and the store) goes
+        finally:  # also when the store went away under us: the job is over either way
+            _exit(EXIT_STALL)
+
+    def write_stacks(self) -> Path:
+        """logs/stacks_rank_<r>.txt: every thread's Python stack (and native frames via py-spy)."""
+        hb = self.hb
+        path = self.run_dir / "logs" / f"stacks_rank_{hb.rank}.txt"
+        header = (f"{where(self.record())} pid {os.getpid()} at "
+                  f"{time.strftime('%Y-%m-%d %H:%M:%S')}: step {hb.step}, phase {hb.phase}, "
+                  f"{hb.idle_s():.0f} s without progress; in a collective: {collective_of(main_frame()) or 'no'}")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(format_stacks(header) + native_stacks(os.getpid()))
+        return path
+
+    # -- failures
+    def _reporter(self) -> bool:
+        """Rank 0 reports, or, if it does not take part, the lowest rank that does."""
+        if self.hb.rank == 0 or self.channel is None:
+            return True
+        ch = self.channel
+        if _wait(lambda: ch.get("answered/0") or ch.get("hb/0") and _fresh(ch.get("hb/0"), 3 * self.heartbeat_s),
+                 1.0):
+            return False
+        return not any(ch.get(f"answered/{r}") for r in range(self.hb.rank))
+
+    def fail(self, exc: BaseException) -> str | None:
+        """The main thread's exception: published for the report. Returns the job's verdict on the
+        reporting rank (to end its traceback with), None elsewhere."""
+        self._main_failed = True
+        self.armed = False
+        self.hb.status = "failed"
+        ch = self.channel
+        if ch is None or self._stalled:
+            return None
+        lines = [l for l in "".join(traceback.format_exception_only(type(exc), exc)).splitlines() if l.strip()]
+        frames = traceback.extract_tb(exc.__traceback__)[-2:]
+        tail = [f"{_short(f.filename)}:{f.lineno} in {f.name}" for f in frames] + lines[-2:]
+        error = lines[-1] if lines else type(exc).__name__
+        rec = {**self.record(), "error": error if len(error) < 240 else error[:240] + "...", "tail": tail,
+               "primary": not is_secondary(exc), "log": f"{self.hb.host}:{self.run_dir / 'logs' / f'rank_{self.hb.rank}.log'}"}
+        try:
+            n = ch.add("failures", 1)
+            ch.set(f"failure/{n}", json.dumps(rec))
+            ch.add("alarm", 1)
+            _wait(lambda: ch.get("report") is not None, self.GRACE_S)
+        except Exception:
+            return None  # the store went with rank 0: its own output says what happened
+        return self.verdict["line"] if self.verdict else None
+
+    def _report_failure(self) -> None:
+        ch = self.channel
+        time.sleep(2.0)  # the failures that follow the first arrive now: tell cause from consequence
+        failures = self._failure_records()
+        silent = []
+        if not any(f["primary"] for f in failures):  # only consequences so far: who went silent?
+            before = {r: ch.get(f"hb/{r}") for r in range(self.world)}
+            time.sleep(2 * self.heartbeat_s + 0.5)  # every live rank publishes again meanwhile
+            failures = self._failure_records()
+            failed = {f["rank"] for f in failures}
+            silent = [_loads(before[r]) for r in range(self.world)
+                      if r not in failed and before[r] is not None and ch.get(f"hb/{r}") == before[r]]
+        if not failures or ch.get("report") is not None:
+            return
+        report = failure_report(failures, silent)
+        self._conclude(report, "failure.json", say=False)
+        ch.set("report", report["line"])
+        # The main thread ends its traceback with the verdict; stuck inside a collective (NCCL waits
+        # for the dead rank until its timeout), it never gets there: say it and end this rank now.
+        if not _wait(lambda: self._main_failed, 3.0):
+            _say(f"ds-train: error: {report['line']}")
+            _exit(1)
+
+    def _failure_records(self) -> list[dict]:
+        n = int(self.channel.get("failures") or 0)
+        return [f for f in (_loads(self.channel.get(f"failure/{i}")) for i in range(1, n + 1)) if f]
+
+    def _conclude(self, report: dict, name: str, say: bool = True) -> None:
+        self.verdict = report
+        path = self.run_dir / "logs" / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with replacing(path) as tmp:
+            tmp.write_text(json.dumps(report, indent=1, default=str))
+        if say:
+            _say(f"ds-train: error: {report['line']}")
+
+
+def _io_bytes() -> tuple[int, int]:
+    """Bytes this process read and wrote (page cache included): a save or load in progress moves."""
+    try:
+        fields = dict(line.split(": ") for line in Path("/proc/self/io").read_text().splitlines())
+        return int(fields["rchar"]), int(fields["wchar"])
+    except (OSError, ValueError, KeyError):
+        return 0, 0
+
+
+def _loads(text: str | None) -> dict | None:
+    return json.loads(text) if text else None
+
+
+def _fresh(text: str, within_s: float) -> bool:
+    rec = json.loads(text)
+    return time.time() - rec["time"] < within_s
+
+
+def _wait(cond: Callable[[], Any], timeout_s: float, every_s: float = 0.2) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if cond():
+            return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(every_s)
+
+
+def _say(line: str) -> None:
+    sys.stdout.flush()
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
+
+
+def _exit(code: int) -> None:
+    """End this rank now: its main thread is stuck where no exception reaches it."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

@@ -1,0 +1,255 @@
+"""The watchdog: heartbeats, the verdicts (pure), and hangs, stragglers and failures through the real
+deepspeed launcher with 2 processes (fault injection: watchdog.debug_fault)."""
+
+from __future__ import annotations
+
+import json
+import re
+import socket
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT, deepspeed_train, tiny_config, write_config
+from ds_train import watchdog as wd
+
+
+def rec(rank: int, step: int, beats: int, phase: str = "forward", collective: str | None = None, **kw) -> dict:
+    return {"rank": rank, "node": rank // 2, "host": f"h{rank // 2}", "step": step, "phase": phase,
+            "position": [step, beats], "idle_s": 60.0, "collective": collective, **kw}
+
+
+# --- verdicts ---------------------------------------------------------------------------------------
+
+def test_the_rank_that_never_arrived_is_told_from_the_ones_waiting_in_a_collective():
+    records = {0: rec(0, 5, 3, "backward", "all_reduce in deepspeed/runtime/engine.py:1 (x)"),
+               1: rec(1, 5, 1, "data"),
+               2: rec(2, 5, 3, "backward", "all_reduce in deepspeed/runtime/engine.py:1 (x)"),
+               3: rec(3, 5, 3, "backward")}  # NCCL: waits in a sync, not in the collective's call
+    v = wd.classify(records, answered={0, 1, 2, 3})
+    assert v == {"never_arrived": [1], "silent": [], "waiting": [0, 2, 3]}
+    report = wd.hang_report(records, {0, 1, 2, 3}, 300)
+    assert report["line"].startswith(
+        "hang: no progress for 300 s (watchdog.stall_s): rank 1 on node 0 (h0) stalled in phase data of step 5 "
+        "(60 s without progress) and never reached the collective. Waiting for it: rank 0 on node 0 (h0) waits "
+        "in all_reduce in deepspeed/runtime/engine.py:1 (x) (phase backward of step 5)")
+    assert report["line"].endswith("Stacks in logs/stacks_rank_<r>.txt on each rank's node")
+
+
+def test_a_rank_that_does_not_answer_is_named_as_frozen_or_killed():
+    records = {0: rec(0, 7, 2, "backward", "barrier"), 1: rec(1, 7, 2, "save", addr="10.0.0.2"), 2: None}
+    v = wd.classify(records, answered={0})
+    assert v == {"never_arrived": [], "silent": [1, 2], "waiting": [0]}
+    line = wd.hang_report(records, {0}, 60)["line"]
+    assert "rank 1 on node 0 (10.0.0.2, host h0) stopped answering (frozen or killed; last seen in phase save of step 7)" in line
+    assert "rank 2 stopped answering (no heartbeat ever: it never started)" in line
+
+
+def test_every_rank_inside_a_collective_points_at_a_mismatch():
+    records = {r: rec(r, 3, 4, "step", "all_reduce") for r in range(2)}
+    line = wd.hang_report(records, {0, 1}, 60)["line"]
+    assert "every rank waits inside a collective: they disagree on which" in line
+
+
+def test_the_first_failure_is_the_first_that_is_not_a_consequence():
+    peer = {**rec(0, 3, 2), "error": "RuntimeError: Connection closed by peer", "primary": False, "tail": [], "log": "h0:l0"}
+    cause = {**rec(1, 3, 1, "data"), "error": "ValueError: bad batch", "primary": True,
+             "tail": ["ds_train/data.py:9 in f", "ValueError: bad batch"], "log": "h0:/r/logs/rank_1.log"}
+    report = wd.failure_report([peer, cause])
+    assert report["line"] == ("rank 1 on node 0 (h0) failed first, in phase data of step 3: ValueError: bad batch "
+                              "(then rank 0); its log (h0:/r/logs/rank_1.log) ends: ds_train/data.py:9 in f | "
+                              "ValueError: bad batch")
+    killed = wd.failure_report([peer], silent=[rec(1, 2, 1, "forward")])
+    assert killed["line"].startswith("rank 1 on node 0 (h0) died without an error (its last heartbeat: phase forward "
+                                     "of step 2): killed by a signal (the kernel's OOM killer")
+
+
+def test_secondary_errors_are_recognised():
+    assert wd.is_secondary(RuntimeError("[gloo/transport/tcp/pair.cc:537] Read error: Connection reset by peer"))
+    assert wd.is_secondary(RuntimeError("NCCL communicator was aborted on rank 0"))
+    assert not wd.is_secondary(ValueError("token id 70000 >= vocab size"))
+
+
+def test_stragglers_are_measured_against_the_median():
+    assert wd.stragglers([1.0, 1.0, 1.1, 3.0], 1.3) == (3, 3.0, 1.0, [3])
+    assert wd.stragglers([0.02, 0.32], 1.3) == (1, 16.0, 0.02, [1])  # two ranks: against the other
+    assert wd.stragglers([0.1, 0.1], 1.3) == (0, 1.0, 0.1, [])
+    assert wd.stragglers([2.0, 1.0, 1.0, 1.0, 9.0], 1.3)[3] == [0, 4]
+    assert wd.stragglers([0.0, 0.0], 1.3)[3] == [] and wd.stragglers([0.5], 1.3) == (0, 1.0, 0.5, [])
+
+
+def test_the_collective_a_thread_waits_in_is_named_with_its_caller():
+    import torch.distributed as tdist  # noqa: F401  (the module the frame walk recognises)
+
+    inside = threading.Event()
+    release = threading.Event()
+
+    def all_reduce():  # stands in for torch.distributed's: same file pattern is not needed for the caller
+        inside.set()
+        release.wait()
+
+    all_reduce.__code__ = all_reduce.__code__.replace(co_filename="/x/torch/distributed/distributed_c10d.py")
+
+    def caller():
+        all_reduce()
+
+    t = threading.Thread(target=caller)
+    t.start()
+    inside.wait()
+    import sys
+
+    frame = sys._current_frames()[t.ident]
+    assert re.fullmatch(r"all_reduce in tests/test_watchdog\.py:\d+ \(caller\)|all_reduce in test_watchdog\.py:\d+ \(caller\)",
+                        wd.collective_of(frame)), wd.collective_of(frame)
+    release.set()
+    t.join()
+    assert wd.collective_of(sys._current_frames()[threading.get_ident()]) is None
+
+
+def test_faults_fire_on_their_rank_and_step_only():
+    assert wd.fault_at("", 0) is None and wd.fault_at("raise:1:3", 0) is None
+    hook = wd.fault_at("raise:1:3", 1)
+    hook(2, "data")
+    hook(3, "forward")
+    with pytest.raises(RuntimeError, match="injected failure on rank 1 at step 3"):
+        hook(3, "data")
+    slow = wd.fault_at("slow:0:0.05:2", 0)
+    t0 = time.perf_counter()
+    slow(1, "data")
+    slow(2, "forward")
+    assert time.perf_counter() - t0 < 0.05
+    slow(2, "data")
+    assert 0.05 <= time.perf_counter() - t0 < 1
+
+
+def test_a_heartbeat_file_is_written_and_a_stall_in_one_process_is_reported(tmp_path):
+    """One process, no store: the watchdog writes the heartbeat, and a stall ends the process with
+    exit 5, its stacks and the report (in a child process, since the watchdog ends it)."""
+    import subprocess
+    import sys
+
+    code = f"""
+import time
+from pathlib import Path
+from ds_train.watchdog import Heartbeat, Watchdog
+hb = Heartbeat(0, 0, "h0")
+w = Watchdog(hb, Path({str(tmp_path)!r}), 1, stall_s=1.5, heartbeat_s=0.2).start()
+hb.beat(1, "data")
+w.arm()
+hb.beat(1, "forward")
+def stuck_in_forward():
+    time.sleep(30)
+stuck_in_forward()
+"""
+    t0 = time.monotonic()
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 5, proc.stderr
+    assert time.monotonic() - t0 < 15
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("ds-train: error: hang: no progress for 1.5 s (watchdog.stall_s): rank 0 on node 0 (h0) "
+                           "stalled in phase forward of step 1"), last
+    stacks = (tmp_path / "logs" / "stacks_rank_0.txt").read_text()
+    assert "in stuck_in_forward" in stacks and "--- thread MainThread ---" in stacks
+    beat = json.loads((tmp_path / "heartbeats" / "rank_0.json").read_text())
+    assert beat["status"] == "hang" and beat["phase"] == "forward" and beat["step"] == 1 and beat["rss_gib"] > 0
+    assert json.loads((tmp_path / "logs" / "hang_report.json").read_text())["never_arrived"] == [0]
+
+
+# --- through the launcher ----------------------------------------------------------------------------
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_a_stalled_rank_is_named_with_its_stack_and_the_job_ends_in_time(tiny_data, tmp_path):
+    """Rank 1 stops at step 4 (before its forward); rank 0 goes on into backward and waits in the
+    gradient all-reduce. Within stall_s + 30 s the job ends with exit 5 and a report that tells the
+    rank that never arrived from the one waiting in the collective."""
+    cfg = write_config(tmp_path / "run.yaml", tiny_config(tiny_data, tmp_path / "run", train={"max_steps": 50}))
+    stall_s = 10
+    t0 = time.monotonic()
+    res = deepspeed_train(cfg, "zero2.json", f"watchdog.stall_s={stall_s}", "watchdog.debug_fault=stall:1:4",
+                          timeout=200)
+    elapsed = time.monotonic() - t0
+    assert res.returncode == 5, res.out[-4000:]
+    run, host = tmp_path / "run", socket.gethostname()
+    # the job's start-up (~10 s here) + stall_s + the report, well inside stall_s + 30 s of the stall
+    assert elapsed < 20 + stall_s + 30, elapsed
+    report = [line for line in res.out.splitlines() if line.startswith("ds-train: error: hang")]
+    assert len(report) == 1, res.out[-4000:]
+    assert report[0].startswith(f"ds-train: error: hang: no progress for {stall_s} s (watchdog.stall_s): rank 1 on "
+                                f"node 0 ({host}) stalled in phase data of step 4"), report[0]
+    assert f"Waiting for it: rank 0 on node 0 ({host}) waits in all_reduce in deepspeed/runtime/zero/" in report[0]
+    stacks1 = (run / "logs" / "stacks_rank_1.txt").read_text()
+    assert "in _injected_stall" in stacks1 and "in train_loop" in stacks1 and "a collective: no" in stacks1
+    stacks0 = (run / "logs" / "stacks_rank_0.txt").read_text()
+    assert re.search(r"in a collective: all_reduce in deepspeed/runtime/zero/\S+ \(\w+\)", stacks0), stacks0[:500]
+    assert "in all_reduce" in stacks0 and "in backward" in stacks0
+    beats = {r: json.loads((run / "heartbeats" / f"rank_{r}.json").read_text()) for r in (0, 1)}
+    assert beats[0]["status"] == beats[1]["status"] == "hang"
+    assert beats[1]["step"] == 4 and beats[1]["phase"] == "data" and beats[0]["phase"] == "backward"
+    hang = json.loads((run / "logs" / "hang_report.json").read_text())
+    assert hang["never_arrived"] == [1] and hang["waiting"] == [0] and hang["silent"] == []
+    # logs on disk: each rank's console output, timestamped with host and rank; rank 0's console
+    rank0 = (run / "logs" / "rank_0.log").read_text()
+    assert re.search(rf"^\d{{4}}-\d\d-\d\d \d\d:\d\d:\d\d\.\d{{3}} {host} rank0 out: step 3: train/loss", rank0, re.M)
+    assert re.search(rf"^\S+ \S+ {host} rank0 err: ds-train: error: hang", rank0, re.M)
+    assert re.search(rf"^\S+ \S+ {host} rank1 log: pid \d+ host {host}", (run / "logs" / "rank_1.log").read_text(), re.M)
+    console = (run / "logs" / "train.log").read_text().splitlines()
+    assert "step 3: train/loss" in "\n".join(console) and console[-1] == report[0]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_a_slow_rank_is_reported_as_a_straggler_and_an_even_run_reports_none(tiny_data, tmp_path):
+    """Steps 1-8 even; from step 9 rank 1 sleeps 0.3 s in its data phase every step. Logging every
+    4 steps: the first window (one-time costs) is never reported, the even one (step 8) reports
+    none, the slow ones name rank 1 with its ratio in the console, its log and the metrics."""
+    cfg = write_config(tmp_path / "run.yaml", tiny_config(tiny_data, tmp_path / "run", train={"max_steps": 16},
+                                                          log={"every": 4}))
+    res = deepspeed_train(cfg, "zero2.json", "watchdog.debug_fault=slow:1:0.3:9", timeout=200)
+    assert res.returncode == 0, res.out[-4000:]
+    host = socket.gethostname()
+    lines = [line for line in res.out.splitlines() if "straggler:" in line]
+    assert [line.split(":")[0] for line in lines] == ["step 12", "step 16"], res.out[-3000:]
+    m = re.fullmatch(rf"step 12: straggler: rank 1 on node 0 \({host}\) takes ([\d.]+)x the median compute time per "
+                     rf"step of the other ranks \(([\d.]+) s vs ([\d.]+) s\)", lines[0])
+    assert m and float(m.group(1)) > 3 and float(m.group(2)) >= 0.3, lines[0]
+    metrics = {m["step"]: m for m in map(json.loads, (tmp_path / "run" / "metrics.jsonl").read_text().splitlines())}
+    assert metrics[8]["perf/straggler_ratio"] < 1.3, metrics[8]  # the even window
+    assert all(metrics[s]["perf/slowest_rank"] == 1 and metrics[s]["perf/straggler_ratio"] > 3 for s in (12, 16))
+    log1 = (tmp_path / "run" / "logs" / "rank_1.log").read_text()
+    assert "log: step 12: straggler: rank 1" in log1
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(200)
+def test_ranks_that_never_join_are_named_with_their_node_and_host(tiny_data, tmp_path):
+    """World size 3 with only ranks 0 and 1 started (a node whose launcher never ran): both stop at
+    dist.join_timeout_s, and rank 0 names rank 2, its node and the host the launcher gave it."""
+    import subprocess
+    import sys
+
+    from conftest import free_port
+
+    cfg = write_config(tmp_path / "run.yaml", tiny_config(tiny_data, tmp_path / "run", train={"global_batch_size": 6},
+                                                          dist={"join_timeout_s": 6}))
+    port = free_port()
+    env = {"WORLD_SIZE": "3", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+           "DS_TRAIN_HOSTS": "nodeA,nodeB", "PYTHONWARNINGS": "ignore"}
+    import os
+
+    procs = [subprocess.Popen([sys.executable, "-m", "ds_train", "train", "--config", str(cfg), "--ds-config",
+                               str(ROOT / "ds_configs" / "zero2.json")], cwd=ROOT,
+                              env={**os.environ, **env, "RANK": str(r), "LOCAL_RANK": str(r), "NODE_RANK": "0"},
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in (0, 1)]
+    t0 = time.monotonic()
+    outs = [p.communicate(timeout=120) for p in procs]
+    assert time.monotonic() - t0 < 60
+    assert [p.returncode for p in procs] == [5, 5], outs
+    errors = [outs[0][1].strip().splitlines()[-1], outs[1][1].strip()]
+    assert errors[0] == (f"ds-train: error: start-up: rank 2 (node 1, nodeB) did not reach the rendezvous at "
+                         f"127.0.0.1:{port} within dist.join_timeout_s=6 s (2 of 3 ranks did); their launcher did "
+                         f"not start them, or they failed or hung before it (see that node's output)"), outs[0]
+    assert "ds-train" not in errors[1]  # the others found the same: rank 0 alone says it
+    assert not (tmp_path / "run").exists()  # nothing written before every rank is there
