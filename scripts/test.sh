@@ -5,16 +5,19 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 # tests/test_multinode.py starts a two-node cluster on loopback addresses (scripts/local_cluster.sh):
-# it needs pdsh and sshd. Installed once, non-interactively, where missing.
-if ! command -v pdsh >/dev/null || [ ! -x /usr/sbin/sshd ] || ! command -v ssh-keygen >/dev/null; then
+# it needs pdsh and sshd. tests/test_slurm.py submits jobs to a one-node SLURM (scripts/local_slurm.sh
+# starts it): slurmctld, slurmd, munge. Installed once, non-interactively, where missing.
+if ! command -v pdsh >/dev/null || [ ! -x /usr/sbin/sshd ] || ! command -v ssh-keygen >/dev/null ||
+   [ ! -x /usr/sbin/slurmctld ] || [ ! -x /usr/sbin/slurmd ] || ! command -v sbatch >/dev/null ||
+   [ ! -x /usr/sbin/munged ]; then
   sudo=""
   [ "$(id -u)" = 0 ] || sudo="sudo"
-  echo "test: installing pdsh and openssh-server (log: .venv/apt.log)"
+  echo "test: installing pdsh, openssh-server, slurm and munge (log: .venv/apt.log)"
   if ! { $sudo env DEBIAN_FRONTEND=noninteractive apt-get update -q &&
          $sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends \
-           pdsh openssh-server openssh-client; } > .venv/apt.log 2>&1; then
+           pdsh openssh-server openssh-client slurmd slurmctld slurm-client munge; } > .venv/apt.log 2>&1; then
     tail -20 .venv/apt.log
-    echo "test: could not install pdsh / openssh-server (full log: .venv/apt.log)" >&2
+    echo "test: could not install pdsh / openssh-server / slurm / munge (full log: .venv/apt.log)" >&2
     exit 1
   fi
 fi

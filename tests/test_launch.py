@@ -252,42 +252,49 @@ def test_arguments_the_remote_shell_would_change_are_refused():
 
 def test_sbatch_script_has_the_resources_quotes_user_values_and_passes_bash_n(tmp_path):
     job = SlurmJob(nodes=4, gpus_per_node=8, partition="gpu", time="24:00:00", job_name="my job $(id)",
-                   account="proj-1", requeue=True)
-    script = render_sbatch(job, "/venv/bin/python", "/work/ds train", ["--master_port", "29600"],
+                   account="proj-1", requeue=True, signal_lead_s=240)
+    script = render_sbatch(job, "/venv/bin/python", "/work/ds train", ["--cpus-per-task", "6"],
                            ["train", "--config", "recipes/a b.yaml", "--ds-config", "ds_configs/zero3.json"])
     path = tmp_path / "job.sbatch"
     path.write_text(script)
     subprocess.run(["bash", "-n", str(path)], check=True)
     directives = [line for line in script.splitlines() if line.startswith("#SBATCH")]
-    assert directives == ["#SBATCH --job-name='my job $(id)'", "#SBATCH --nodes=4", "#SBATCH --ntasks-per-node=1",
+    assert directives == ["#SBATCH --job-name='my job $(id)'", "#SBATCH --nodes=4", "#SBATCH --ntasks-per-node=8",
                           "#SBATCH --gpus-per-node=8", "#SBATCH --partition=gpu", "#SBATCH --time=24:00:00",
-                          "#SBATCH --account=proj-1", "#SBATCH --requeue"]
-    assert "checkpoint.resume=auto" in script
+                          "#SBATCH --account=proj-1", "#SBATCH --signal=USR1@240", "#SBATCH --open-mode=append",
+                          "#SBATCH --requeue"]
     assert "cd '/work/ds train'" in script
-    assert 'scontrol show hostnames "$SLURM_JOB_NODELIST"' in script
-    check = next(line for line in script.splitlines() if "--check" in line)
-    launch = next(line for line in script.splitlines() if line.startswith("exec "))
-    assert shlex.split(check) == ["/venv/bin/python", "-m", "ds_train", "launch", "--hostfile", "$hostfile",
-                                  "--check", "--master_port", "29600", "--", "train", "--config",
-                                  "recipes/a b.yaml", "--ds-config", "ds_configs/zero3.json"]
-    assert shlex.split(launch)[1:] == [w for w in shlex.split(check) if w != "--check"]
+    srun = next(line for line in script.splitlines() if line.startswith("srun "))
+    assert shlex.split(srun) == ["srun", "--kill-on-bad-exit=1", "--cpus-per-task", "6", "/venv/bin/python", "-u",
+                                 "-m", "ds_train", "train", "--config", "recipes/a b.yaml", "--ds-config",
+                                 "ds_configs/zero3.json"]
+    assert 'if [ "$code" -eq 138 ]; then' in script and 'scontrol requeue "$SLURM_JOB_ID"' in script
 
 
 def test_sbatch_without_optional_resources():
-    script = render_sbatch(SlurmJob(2, 1), "/py", "/w", [], ["train", "--config", "c", "--ds-config", "d"])
-    assert "--partition" not in script and "--requeue" not in script and "--account" not in script
+    script = render_sbatch(SlurmJob(2, 1, signal_lead_s=0, request_gpus=False), "/py", "/w", [],
+                           ["train", "--config", "c", "--ds-config", "d"])
+    for absent in ("--partition", "--requeue", "--account", "--signal=", "--gpus-per-node", "scontrol"):
+        assert absent not in script
     with pytest.raises(UserError, match="--nodes 0 must be positive"):
         render_sbatch(SlurmJob(0, 1), "/py", "/w", [], [])
 
 
-def test_sbatch_hostfile_lines_come_out_as_deepspeed_reads_them(tmp_path):
-    """The script's hostfile step, run with the node list `scontrol show hostnames` prints."""
-    script = render_sbatch(SlurmJob(2, 4), "/py", "/w", [], ["train"])
-    step = next(line for line in script.splitlines() if line.startswith("scontrol"))
-    step = step.replace('scontrol show hostnames "$SLURM_JOB_NODELIST"', "printf 'gpu003\\ngpu004\\n'")
-    out = subprocess.run(["bash", "-c", step.replace('"$hostfile"', str(tmp_path / "h"))], check=True)
-    assert out.returncode == 0
-    assert parse_hostfile((tmp_path / "h").read_text()) == [Host("gpu003", 4, 1), Host("gpu004", 4, 2)]
+@pytest.mark.parametrize("code, requeued", [(138, True), (143, False), (0, False), (1, False)])
+def test_the_script_requeues_only_after_the_save_before_the_time_limit(tmp_path, code, requeued):
+    """The script's tail, run by bash with srun and scontrol standing in as recorders."""
+    script = render_sbatch(SlurmJob(1, 2, requeue=True), "/py", "/w", [], ["train"])
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "srun").write_text(f"#!/bin/sh\nexit {code}\n")
+    (fake / "scontrol").write_text(f"#!/bin/sh\necho \"$@\" >> {tmp_path}/scontrol.log\n")
+    for f in fake.iterdir():
+        f.chmod(0o755)
+    env = {"PATH": f"{fake}:/usr/bin:/bin", "SLURM_JOB_ID": "42", "SLURM_JOB_NODELIST": "n1"}
+    proc = subprocess.run(["bash", "-c", script.replace("cd /w", "true")], env=env, capture_output=True, text=True)
+    assert proc.returncode == code
+    log = tmp_path / "scontrol.log"
+    assert (log.read_text() == "requeue 42\n") if requeued else not log.exists()
 
 
 # --- CLI ------------------------------------------------------------------------------------------
@@ -306,6 +313,7 @@ def test_slurm_cli_writes_the_script_and_checks_the_batch_math(run_config, tmp_p
     assert f"sbatch {out}" in res.out
     subprocess.run(["bash", "-n", str(out)], check=True)
     assert "#SBATCH --nodes=2" in out.read_text() and "train.max_steps=3" in out.read_text()
+    assert "#SBATCH --ntasks-per-node=2" in out.read_text() and "#SBATCH --signal=USR1@300" in out.read_text()
     res = ds_train("slurm", "--nodes", "3", "--gpus-per-node", "1", "--", "train", "--config", str(run_config),
                    "--ds-config", ZERO2, timeout=60)
     assert res.returncode == 2
@@ -323,8 +331,8 @@ def test_slurm_cli_takes_ript_checked_by_its_own_parser_and_batch_math(tiny_poli
                    str(cfg), "--ds-config", ZERO2, "ript.iterations=5", timeout=60, env=TESTS_ON_PATH)
     assert res.returncode == 0, res.out
     subprocess.run(["bash", "-n", str(out)], check=True)
-    launch = next(line for line in out.read_text().splitlines() if line.startswith("exec "))
-    assert shlex.split(launch)[-7:] == ["--", "ript", "--config", str(cfg), "--ds-config", ZERO2, "ript.iterations=5"]
+    srun = next(line for line in out.read_text().splitlines() if line.startswith("srun "))
+    assert shlex.split(srun)[-6:] == ["ript", "--config", str(cfg), "--ds-config", ZERO2, "ript.iterations=5"]
     res = ds_train("slurm", "--nodes", "3", "--gpus-per-node", "1", "--", "ript", "--config", str(cfg),
                    "--ds-config", ZERO2, timeout=60)
     assert res.returncode == 2 and "12 rollouts per rank must be a multiple of" in res.out, res.out

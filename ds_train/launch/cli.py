@@ -2,10 +2,10 @@
 
     ds-train launch --hostfile hostfile [deepspeed launcher flags] -- train --config C --ds-config D [k=v]
     ds-train launch --hostfile hostfile --check -- ript ...      # the preflight alone
-    ds-train slurm --nodes 2 --gpus-per-node 8 --out job.sbatch -- train --config C --ds-config D
+    ds-train slurm --nodes 2 --gpus-per-node 8 --time 24:00:00 --requeue --out job.sbatch -- train ...
 
-Both subcommands take their arguments raw (deepspeed launcher flags pass through unparsed) and
-split them at the first `--`: what follows is the command run on every rank (train or ript),
+Both subcommands take their arguments raw (deepspeed launcher or srun flags pass through
+unparsed) and split them at the first `--`: what follows is the command run on every rank (train or ript),
 checked by the function the CLI registers (its own parser, its config, its batch math at the
 target world size).
 """
@@ -168,30 +168,102 @@ def cmd_launch(args) -> int:
         print("preflight: ok", flush=True)
         return 0
 
+    # The host of each node, in rank order: a rank that never reaches the rendezvous is named by it.
+    variables = {**variables, "DS_TRAIN_HOSTS": ",".join(pool)}
     env_file = envfile.write_env_file(Path(cfg.output_dir) / envfile.ENV_FILE, variables)
     print(f"launch: wrote {env_file} ({', '.join(variables)})")
     cmd = _deepspeed_cmd(opts, passthrough, python, result.master_addr, result.master_port, command_argv)
     print(f"launch: {' '.join(cmd)}", flush=True)
-    sys.stderr.flush()
-    # Replace this process: signals reach the launcher, which stops the remote ranks through pdsh.
-    os.execve(python, cmd, {**os.environ, "DS_ENV_FILE": str(env_file)})
-    return 1  # not reached
+    return supervise(cmd, {**os.environ, "DS_ENV_FILE": str(env_file)}, result.master_addr, result.master_port,
+                     Path(cfg.output_dir))
+
+
+def supervise(cmd: list[str], env: dict[str, str], master_addr: str, master_port: int, run_dir: Path) -> int:
+    """Run the deepspeed launcher and wait for it. SIGTERM, SIGINT and SIGUSR1 (SLURM's warning
+    before the time limit) sent to this process reach every rank on every node through the
+    rendezvous store: each saves and stops, as if it had the signal itself (the launcher alone
+    cannot pass SIGUSR1 on, nor anything through pdsh). When the job is over, the last line says
+    how: the hang or failure report of the rank that wrote one, or the exit code."""
+    import signal
+    import subprocess
+    import threading
+    import time
+
+    from ds_train import dist
+
+    started = time.time()
+    proc = subprocess.Popen(cmd, env=env)
+    signals = []
+
+    def forward(signum, frame) -> None:
+        signals.append(signum)
+        if len(signals) > 1 and signum in (signal.SIGINT, signal.SIGTERM):
+            proc.send_signal(signal.SIGTERM)  # asked twice: DeepSpeed's launcher stops the ranks now
+            return
+
+        def send() -> None:
+            if not dist.send_stop(master_addr, master_port, signum) and signum != signal.SIGUSR1:
+                proc.send_signal(signum)  # the ranks are not up yet: the launcher stops them
+        threading.Thread(target=send, daemon=True).start()
+
+    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)}
+    try:
+        code = proc.wait()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    code = code if code >= 0 else 128 - code  # killed by a signal: as a shell reports it
+    line = final_line(run_dir, code, started)
+    if line:
+        print(line, file=sys.stderr if code else sys.stdout, flush=True)
+    return code
+
+
+def final_line(run_dir: Path, code: int, since: float) -> str | None:
+    """How the job ended, in one line: the report a rank wrote into run_dir/logs, else the code."""
+    import json
+
+    if code == 0:
+        return None
+    for name in ("hang_report.json", "failure.json"):
+        path = run_dir / "logs" / name
+        try:
+            if path.stat().st_mtime >= since:
+                return f"ds-train: error: {json.loads(path.read_text())['line']}"
+        except (OSError, ValueError, KeyError):
+            continue
+    if code > 128:
+        latest = run_dir / "checkpoints" / "latest"
+        saved = latest.read_text().strip() if latest.is_file() and latest.stat().st_mtime >= since else ""
+        return (f"ds-train: stopped by signal {code - 128}; " +
+                (f"checkpoint {saved} saved; the same command resumes from it" if saved else
+                 "no checkpoint was saved by this job"))
+    return (f"ds-train: error: the job ended with exit code {code}; each rank's output is in "
+            f"{run_dir / 'logs'}/rank_<r>.log on its node")
 
 
 def _slurm_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="ds-train slurm", allow_abbrev=False,
-        usage="ds-train slurm --nodes N --gpus-per-node G [options] [ds-train launch flags] -- {train,ript} "
+        usage="ds-train slurm --nodes N --gpus-per-node G [options] [srun flags] -- {train,ript} "
               "--config C --ds-config D [key=value ...]",
-        description="Write an sbatch script: hostfile from the allocation, `ds-train launch --check`, "
-                    "then `ds-train launch`. Flags not listed here go to `ds-train launch`.")
+        description="Write an sbatch script that runs every rank as a SLURM task (srun, no ssh), asks "
+                    "SLURM for SIGUSR1 --signal-lead seconds before the time limit (every rank saves and "
+                    "exits 138) and, with --requeue, queues the job again after that save. Flags not "
+                    "listed here go to srun.")
     p.add_argument("--nodes", type=int, required=True, help="nodes to allocate")
-    p.add_argument("--gpus-per-node", type=int, required=True, help="GPUs (processes) per node")
+    p.add_argument("--gpus-per-node", type=int, required=True, help="GPUs (ranks) per node")
     p.add_argument("--partition", default="", help="SLURM partition")
     p.add_argument("--time", default="", help="time limit, e.g. 24:00:00")
     p.add_argument("--job-name", default="ds_train", help="job name (default ds_train)")
     p.add_argument("--account", default="", help="SLURM account")
-    p.add_argument("--requeue", action="store_true", help="requeue on preemption; auto-resume continues")
+    p.add_argument("--requeue", action="store_true",
+                   help="queue the job again after its save before the time limit (and on preemption)")
+    p.add_argument("--signal-lead", type=int, default=300,
+                   help="seconds before the time limit to save (SIGUSR1; default 300, 0: none); SLURM may "
+                        "send it up to ~30 s earlier")
+    p.add_argument("--no-gpu-request", action="store_true",
+                   help="do not request GPUs (CPU nodes, or a site that gives them by partition)")
     p.add_argument("--out", default="", help="write the script here (default: stdout)")
     return p
 
@@ -200,11 +272,11 @@ def cmd_slurm(args) -> int:
     from ds_train.launch.slurm import SlurmJob, render_sbatch
 
     ours, command_argv = _split(args.argv, "slurm")
-    opts, launch_args = _slurm_parser().parse_known_args(ours)
+    opts, srun_args = _slurm_parser().parse_known_args(ours)
     job = SlurmJob(opts.nodes, opts.gpus_per_node, opts.partition, opts.time, opts.job_name, opts.account,
-                   opts.requeue)
+                   opts.requeue, opts.signal_lead, not opts.no_gpu_request)
     _check_run(args, command_argv, opts.nodes * opts.gpus_per_node)  # batch math fails here, not in the queue
-    script = render_sbatch(job, sys.executable, os.path.abspath("."), launch_args, command_argv)
+    script = render_sbatch(job, sys.executable, os.path.abspath("."), srun_args, command_argv)
     if not opts.out:
         sys.stdout.write(script)
         return 0
