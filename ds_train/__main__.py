@@ -82,6 +82,19 @@ def check_command(argv: list[str], world_size: int):
     return cfg, plan
 
 
+def plan_memory(argv: list[str], world_size: int) -> float:
+    """The memory plan's per-GPU peak (GiB) of the command after `--` at this world size (for the
+    GPU preflight of `ds-train launch`)."""
+    from ds_train.configfile import load_config
+    from ds_train.dryrun import run_estimate
+    from ds_train.plan import Target
+
+    args = build_parser().parse_args(argv)
+    cfg = load_config(args.config, args.overrides)
+    out = run_estimate(cfg, args.ds_config, Target(1, world_size, 80.0), preset=None)  # 80: only "fits" uses it
+    return next(r for r in out["rows"] if r["given"])["gpu_peak_gib"]
+
+
 def cmd_prepare(args) -> int:
     from ds_train.configfile import load_config
     from ds_train.data import load_meta, prepare
@@ -252,7 +265,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_plan_args(dr)
     dr.add_argument("--out", help="where to write dry_run.json (default: output_dir/dry_run.json)")
     dr.set_defaults(func=cmd_dry_run)
-    launch_cli.add_subcommands(sub, check_command)  # launch, slurm
+    launch_cli.add_subcommands(sub, check_command, plan_memory)  # launch, slurm
     return p
 
 

@@ -189,9 +189,11 @@ class LogConfig:
 @dataclass(frozen=True)
 class LaunchConfig:
     env: list = _f([], "Names of environment variables `ds-train launch` forwards to every node (through "
-                       "output_dir/.deepspeed_env). NCCL_*, DS_ACCELERATOR, WANDB_MODE, WANDB_PROJECT, "
-                       "HF_HOME and PYTHONPATH go anyway; names that look like secrets (*_TOKEN, "
-                       "*_API_KEY, *SECRET*, *PASSWORD*) only when listed here.")
+                       "output_dir/.deepspeed_env). NCCL_*, TORCH_NCCL_*, TORCH_DISTRIBUTED_DEBUG, "
+                       "GLOO_SOCKET_IFNAME, CUDA_LAUNCH_BLOCKING, PYTORCH_CUDA_ALLOC_CONF, DS_ACCELERATOR, "
+                       "WANDB_MODE, WANDB_PROJECT, HF_HOME, TORCH_EXTENSIONS_DIR and PYTHONPATH go anyway when "
+                       "set; names that look like secrets (*_TOKEN, *_API_KEY, *SECRET*, *PASSWORD*) only "
+                       "when listed here.")
 
     def check(self) -> list[str]:
         bad = [n for n in self.env if not isinstance(n, str) or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", n)]

@@ -1,4 +1,5 @@
-"""ds_train.launch: hostfile parsing, .deepspeed_env, shell safety, sbatch scripts, the launch CLI.
+"""ds_train.launch: hostfile parsing, .deepspeed_env, shell safety, the preflight (GPUs too), sbatch
+scripts, the launch CLI.
 
 Pure functions are tested directly; the CLI runs in a subprocess. Nothing here needs ssh (the real
 two-node launch is in test_multinode.py).
@@ -6,10 +7,14 @@ two-node launch is in test_multinode.py).
 
 from __future__ import annotations
 
+import json
+import os
+import platform
 import re
 import shlex
 import stat
 import subprocess
+import sys
 import uuid
 from pathlib import Path
 from types import SimpleNamespace
@@ -21,7 +26,8 @@ from ds_train.configfile import describe, load_config
 from ds_train.errors import UserError
 from ds_train.launch import envfile
 from ds_train.launch.hostfile import Host, is_valid_host, parse_hostfile, read_hostfile, select_hosts
-from ds_train.launch.preflight import HostProbe, SshOptions, check_probes, check_shell_safe, pick_master
+from ds_train.launch.preflight import (PROBE, HostProbe, SshOptions, check_gpus, check_probes, check_shell_safe,
+                                      local_versions, pick_master, run_preflight)
 from ds_train.launch.slurm import SlurmJob, render_sbatch
 
 ZERO2 = str(ROOT / "ds_configs" / "zero2.json")
@@ -185,6 +191,22 @@ def test_values_the_quoting_cannot_protect_are_refused_by_name(tmp_path, value):
     assert not (tmp_path / ".deepspeed_env").exists()
 
 
+def test_debug_network_and_allocator_variables_are_forwarded():
+    environ = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True,max_split_size_mb:128",
+               "TORCH_DISTRIBUTED_DEBUG": "DETAIL", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",
+               "TORCH_NCCL_BLOCKING_WAIT": "1", "CUDA_LAUNCH_BLOCKING": "1", "GLOO_SOCKET_IFNAME": "eth0",
+               "NCCL_IB_HCA": "mlx5_0,mlx5_1", "NCCL_SOCKET_IFNAME": "^docker0,lo",
+               "TORCH_NCCL_TOKEN": "t", "TORCH_HOME": "/cache", "CUDA_VISIBLE_DEVICES": "0,1"}
+    got = envfile.collect_env(environ, [], "/work")
+    # Not the secret-looking name; not CUDA_VISIBLE_DEVICES, which the launcher sets per slot.
+    assert got == {**{k: v for k, v in environ.items() if k not in ("TORCH_NCCL_TOKEN", "TORCH_HOME",
+                                                                      "CUDA_VISIBLE_DEVICES")},
+                   "PYTHONPATH": "/work"}
+    envfile.render(got)  # the values pass the launcher's quoting
+    with pytest.raises(UserError, match=r"cannot forward TORCH_DISTRIBUTED_DEBUG \(contains \['\$'\]\)"):
+        envfile.render({**got, "TORCH_DISTRIBUTED_DEBUG": "$LEVEL"})
+
+
 def test_launch_env_config_key():
     model = "model.config.model_type=llama"
     cfg = load_config(None, [model, "launch.env=[WANDB_API_KEY, MY_VAR]"])
@@ -246,6 +268,197 @@ def test_arguments_the_remote_shell_would_change_are_refused():
     assert len(problems) == 5
     assert "working directory '/work/my run'" in problems[0]
     assert all(re.search(r"argument .*: the deepspeed launcher passes it", p) for p in problems[1:])
+
+
+# --- preflight: GPUs ------------------------------------------------------------------------------
+
+H100_MIB = 81559.0  # nvidia-smi's memory.total of an H100 80GB, in MiB
+
+
+def _gpus(n, used_mib=None, driver="550.54.15"):
+    """nvidia-smi's answer as the probe reports it; used_mib maps a GPU index to its used MiB."""
+    return [{"index": i, "name": "NVIDIA H100 80GB HBM3", "memory_total_mib": H100_MIB,
+             "memory_used_mib": (used_mib or {}).get(i, 4.0), "driver": driver} for i in range(n)]
+
+
+def _gpu_probe(host, n=8, used_mib=None, driver="550.54.15", cuda="12.4", nccl="2.21.5", **info):
+    return _probe(host, **{"gpus": _gpus(n, used_mib, driver), "gpu_error": None, "torch_cuda": cuda,
+                           "torch_nccl": nccl, "torch_cuda_available": True, "torch_error": None, **info})
+
+
+def _cpu_probe(host, **info):
+    return _probe(host, **{"gpus": [], "gpu_error": None, "torch_cuda": None, "torch_nccl": None,
+                           "torch_cuda_available": None, "torch_error": None, **info})
+
+
+def _slots(**hosts):
+    return {host: list(range(n)) for host, n in hosts.items()}
+
+
+def test_fewer_gpus_than_slots_names_both_numbers_and_the_fixes():
+    problems, _ = check_gpus([_gpu_probe("a"), _gpu_probe("b", n=4)], _slots(a=8, b=8))
+    assert problems == ["b: 4 GPU(s) but the launch puts 8 process(es) there (its hostfile slots, --num_gpus or "
+                        "--include); lower its slots= to 4 in the hostfile, or choose its GPUs with "
+                        "--include b:0,1,2,3"]
+    # --include a:4,5 on a host with slots=8 and four GPUs: few enough, but GPUs 4 and 5 do not exist.
+    problems, _ = check_gpus([_gpu_probe("a", n=4)], {"a": [4, 5]})
+    assert problems == ["a: slot(s) 4, 5 have no GPU (nvidia-smi lists GPUs 0, 1, 2, 3); choose existing GPUs "
+                        "with --include a:0,1,2,3"]
+    assert check_gpus([_gpu_probe("a", n=4)], {"a": [0, 2]})[0] == []
+
+
+def test_too_little_free_memory_names_the_plan_the_gpu_and_who_holds_it():
+    probes = [_gpu_probe("a", used_mib={3: 70000.0}), _gpu_probe("b", used_mib={7: 60000.0})]
+    pool = {"a": list(range(8)), "b": list(range(7))}  # b's GPU 7 is not used (--include b:0,...,6)
+    problems, _ = check_gpus(probes, pool, needed_gib=30.0)
+    assert problems == ["a: the memory plan needs 30.0 GiB per GPU; GPU 3 on a has 11.3 GiB free (another "
+                        "process holds 68.4 GiB: nvidia-smi); stop that process or leave the GPU out "
+                        "(--exclude a:3)"]
+    # A plan bigger than the empty GPU: no other process to blame, every GPU named.
+    problems, _ = check_gpus([_gpu_probe("a", n=2)], _slots(a=2), needed_gib=90.0)
+    assert problems == [f"a: the memory plan needs 90.0 GiB per GPU; GPU {i} on a has 79.6 GiB free (79.6 GiB in "
+                        f"all); lower the per-GPU memory (`ds-train estimate` ranks the changes) or use larger GPUs"
+                        for i in (0, 1)]
+    assert check_gpus(probes, pool, needed_gib=None)[0] == []  # no plan given: no memory check
+    assert check_gpus(probes, pool, needed_gib=11.0)[0] == []
+    # nvidia-smi's [N/A] (read as None) is no number to compare
+    na = _gpu_probe("a", n=1)
+    na.info["gpus"][0]["memory_used_mib"] = None
+    assert check_gpus([na], _slots(a=1), needed_gib=100.0)[0] == []
+
+
+def test_driver_cuda_and_nccl_must_match_across_hosts():
+    probes = [_gpu_probe("a"), _gpu_probe("b", driver="535.104.05"), _gpu_probe("c", cuda="12.1", nccl="2.18.1")]
+    problems, _ = check_gpus(probes, _slots(a=8, b=8, c=8))
+    assert problems == [
+        "NVIDIA driver differs between hosts: 550.54.15 on a, c; 535.104.05 on b; use the same driver and image "
+        "(torch build) on every node",
+        "CUDA runtime (torch.version.cuda) differs between hosts: 12.4 on a, b; 12.1 on c; use the same driver "
+        "and image (torch build) on every node",
+        "NCCL (torch.cuda.nccl.version()) differs between hosts: 2.21.5 on a, b; 2.18.1 on c; use the same "
+        "driver and image (torch build) on every node"]
+
+
+def test_hosts_with_and_without_gpus_are_refused():
+    problems, notes = check_gpus([_gpu_probe("a"), _cpu_probe("b"), _gpu_probe("c"), _cpu_probe("d")],
+                                 _slots(a=8, b=8, c=8, d=8))
+    assert problems == ["GPUs on a, c but none on b, d (no nvidia-smi there, or it lists no GPU); one job runs on "
+                        "one kind of accelerator: leave those hosts out (--exclude b@d) or install the NVIDIA "
+                        "driver there"]
+    assert notes == []
+
+
+def test_cpu_only_hosts_are_a_note_not_a_problem():
+    probes = [_cpu_probe("a"), _cpu_probe("b")]
+    assert check_gpus(probes, _slots(a=2, b=2), needed_gib=30.0) == (
+        [], ["no GPUs on any host: DeepSpeed's CPU accelerator runs 2 processes per node"])
+    assert check_gpus(probes, _slots(a=2, b=1))[1] == [
+        "no GPUs on any host: DeepSpeed's CPU accelerator runs one process per slot (a: 2, b: 1)"]
+    assert check_gpus([_cpu_probe("a")], _slots(a=1))[1] == [
+        "no GPUs on any host: DeepSpeed's CPU accelerator runs 1 process per node"]
+
+
+def test_a_broken_driver_or_cuda_install_is_a_problem_of_its_host():
+    probes = [_gpu_probe("a", torch_error="RuntimeError: CUDA driver initialization failed"),
+              _gpu_probe("b", torch_cuda_available=False),
+              _gpu_probe("c", cuda=None, nccl=None),
+              _cpu_probe("d", gpu_error="nvidia-smi failed (exit 9: NVIDIA-SMI has failed because it couldn't "
+                                        "communicate with the NVIDIA driver.)")]
+    problems, _ = check_gpus(probes, _slots(a=8, b=8, c=8, d=8))
+    assert problems[0].startswith("d: nvidia-smi failed (exit 9: NVIDIA-SMI has failed") and \
+        problems[0].endswith("fix the NVIDIA driver there (`nvidia-smi` must list the GPUs) or leave the host out "
+                             "(--exclude d)")
+    assert problems[1] == ("a: torch cannot use the GPUs there (RuntimeError: CUDA driver initialization failed); "
+                           "every rank would fail the same way: install a driver that supports torch's CUDA 12.4, "
+                           "or the torch build that matches the driver")
+    assert problems[2].startswith("b: nvidia-smi lists 8 GPU(s) but torch.cuda.is_available() is False there")
+    assert problems[3] == ("c: nvidia-smi lists 8 GPU(s) but torch there is a CPU-only build (torch.version.cuda "
+                           "is None); install a CUDA build of torch on every node")
+    assert any(p.startswith("CUDA runtime (torch.version.cuda) differs between hosts") for p in problems[4:])
+    assert not any(p.startswith("GPUs on") for p in problems)  # d's broken nvidia-smi is not "a host without GPUs"
+
+
+def _here(host, probe, **info):
+    """A probe answer that matches this machine (python, versions), so only the GPU checks speak."""
+    return probe(host, python=sys.executable, python_version=platform.python_version(), versions=local_versions(),
+                 free_port=29500, **info)
+
+
+def test_run_preflight_reports_every_problem_at_once_and_notes_the_gpus(tmp_path):
+    ssh = SshOptions()
+    probes = [_here("a", _gpu_probe, used_mib={1: 70000.0}), _here("b", _gpu_probe, n=4, driver="535.104.05"),
+              _here("c", _cpu_probe), _here("d", _gpu_probe, cwd_exists=False)]
+    asked = []
+
+    def fake_probe(hosts, ssh_, python, cwd, port):
+        asked.append((hosts, python, cwd, port))
+        return probes
+
+    pool = _slots(a=8, b=8, c=8, d=8)
+    with pytest.raises(UserError) as e:
+        run_preflight(pool, ssh, sys.executable, str(tmp_path), "", 29500, needed_gib=30.0, probe=fake_probe)
+    assert asked == [(["a", "b", "c", "d"], sys.executable, str(tmp_path), 29500)]
+    lines = str(e.value).splitlines()
+    assert lines[0] == "preflight: 5 problems:"
+    assert [line.strip().split(" ")[0] for line in lines[1:]] == ["d:", "a:", "b:", "GPUs", "NVIDIA"]
+    assert "a: the memory plan needs 30.0 GiB per GPU; GPU 1 on a has 11.3 GiB free" in lines[2]
+    assert "b: 4 GPU(s) but the launch puts 8 process(es) there" in lines[3]
+
+    ok = [_here("a", _gpu_probe), _here("b", _gpu_probe)]
+    result = run_preflight(_slots(a=8, b=8), ssh, sys.executable, str(tmp_path), "", 29500, needed_gib=30.0,
+                           probe=lambda *args: ok)
+    assert (result.master_addr, result.master_port, result.world_size) == ("10.0.0.1", 29500, 16)
+    assert result.notes == ["GPUs: 8 x NVIDIA H100 80GB HBM3 on a, b (driver 550.54.15, CUDA 12.4, NCCL 2.21.5); "
+                            "the memory plan needs 30.0 GiB per GPU, the least free is 79.6 GiB"]
+    cpu = [_here("a", _cpu_probe), _here("b", _cpu_probe)]
+    result = run_preflight(_slots(a=2, b=2), ssh, sys.executable, str(tmp_path), "", 29500, needed_gib=30.0,
+                           probe=lambda *args: cpu)
+    assert result.notes == ["no GPUs on any host: DeepSpeed's CPU accelerator runs 2 processes per node"]
+
+
+def _run_probe(cwd, env=None):
+    """PROBE as probe_host runs it on a host (`python -c PROBE cwd port`), here without ssh."""
+    proc = subprocess.run([sys.executable, "-c", PROBE, str(cwd), "0"], capture_output=True, text=True,
+                          timeout=120, env={**os.environ, **(env or {})})
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_the_probe_runs_here_and_reports_no_gpus_and_torchs_cuda_build(tmp_path):
+    import torch
+
+    # PATH without nvidia-smi (and without `hostname`): a CPU host, whatever this machine has.
+    info = _run_probe(tmp_path, env={"PATH": str(tmp_path)})
+    assert info["python"] == sys.executable and info["cwd_exists"] is True and info["free_port"] is None
+    assert info["gpus"] == [] and info["gpu_error"] is None
+    assert info["torch_cuda"] == torch.version.cuda  # None on a CPU build of torch
+    assert "torch_nccl" in info and (info["torch_nccl"] is None) == (torch.version.cuda is None)
+    assert info["torch_cuda_available"] is None and info["torch_error"] is None  # not asked: nothing listed
+    assert check_gpus([HostProbe("here", info=info)], _slots(here=2)) == (
+        [], ["no GPUs on any host: DeepSpeed's CPU accelerator runs 2 processes per node"])
+
+
+@pytest.mark.parametrize("script, gpus, error", [
+    ('printf "0, NVIDIA H100 80GB HBM3, 81559, 4, 550.54.15\\n1, NVIDIA A100-SXM4-80GB, 81920, [N/A], '
+     '550.54.15\\n"',
+     [{"index": 0, "name": "NVIDIA H100 80GB HBM3", "memory_total_mib": 81559.0, "memory_used_mib": 4.0,
+       "driver": "550.54.15"},
+      {"index": 1, "name": "NVIDIA A100-SXM4-80GB", "memory_total_mib": 81920.0, "memory_used_mib": None,
+       "driver": "550.54.15"}], None),
+    ('echo "NVIDIA-SMI has failed because it couldn\'t communicate with the NVIDIA driver."; exit 9', [],
+     "nvidia-smi failed (exit 9: NVIDIA-SMI has failed because it couldn't communicate with the NVIDIA driver.)"),
+    ('echo "No devices were found"; exit 6', [], None),
+])
+def test_the_probe_reads_nvidia_smi(tmp_path, script, gpus, error):
+    """A stand-in nvidia-smi on PATH: the probe's query and how it reads the answer."""
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "nvidia-smi").write_text(f"#!/bin/sh\n"
+                                     f'[ "$*" = "--query-gpu=index,name,memory.total,memory.used,driver_version '
+                                     f'--format=csv,noheader,nounits" ] || exit 2\n{script}\n')
+    (fake / "nvidia-smi").chmod(0o755)
+    info = _run_probe(tmp_path, env={"PATH": f"{fake}:/usr/bin:/bin"})
+    assert (info["gpus"], info["gpu_error"]) == (gpus, error)
 
 
 # --- SLURM ----------------------------------------------------------------------------------------

@@ -27,9 +27,11 @@ DEFAULT_MASTER_PORT = 29500
 
 # The command after `--` and the target world size -> (run config, batch plan), or a UserError.
 CheckCommand = Callable[[list[str], int], tuple]
+# The command after `--` and the target world size -> the memory plan's per-GPU peak in GiB.
+PlanMemory = Callable[[list[str], int], float]
 
 
-def add_subcommands(sub, check_command: CheckCommand) -> None:
+def add_subcommands(sub, check_command: CheckCommand, plan_memory: PlanMemory) -> None:
     """Register `launch` and `slurm` on ds_train.__main__'s subparsers."""
     # prefix_chars="+": every `-flag` reaches our own parser untouched (argparse would otherwise
     # reject the deepspeed flags it does not know before we see them).
@@ -38,7 +40,7 @@ def add_subcommands(sub, check_command: CheckCommand) -> None:
             ("slurm", "write an sbatch script that launches through the deepspeed launcher", cmd_slurm)):
         p = sub.add_parser(name, help=help_, prefix_chars="+", add_help=False)
         p.add_argument("argv", nargs=argparse.REMAINDER)
-        p.set_defaults(func=func, check_command=check_command)
+        p.set_defaults(func=func, check_command=check_command, plan_memory=plan_memory)
 
 
 def _launch_parser() -> argparse.ArgumentParser:
@@ -50,7 +52,9 @@ def _launch_parser() -> argparse.ArgumentParser:
                     "and every host of the hostfile (ssh without a password, same Python and "
                     "versions, working directory, free master port), write "
                     "output_dir/.deepspeed_env, then run the deepspeed launcher (pdsh) and exit with "
-                    "its exit code. Other flags before `--` go to the deepspeed launcher unchanged.")
+                    "its exit code; its last line says how the job ended (the hang or failure report). "
+                    "SIGTERM, SIGINT or SIGUSR1 sent to it reach every rank on every node: each saves a "
+                    "checkpoint and stops. Other flags before `--` go to the deepspeed launcher unchanged.")
     p.add_argument("-H", "--hostfile", required=True, help="DeepSpeed hostfile: '<host> slots=<n>' per line")
     p.add_argument("--check", action="store_true", help="run the preflight only")
     p.add_argument("--ssh-timeout", type=int, default=10, help="ssh connect timeout per host, seconds")
@@ -156,7 +160,8 @@ def cmd_launch(args) -> int:
     _check_local(cwd, python, command_argv, variables)
 
     ssh = SshOptions.from_env(os.environ, opts.ssh_timeout, opts.ssh_port)
-    result = run_preflight(pool, ssh, python, cwd, opts.master_addr, opts.master_port)
+    result = run_preflight(pool, ssh, python, cwd, opts.master_addr, opts.master_port,
+                           needed_gib=lambda: args.plan_memory(command_argv, world_size))
     print(f"preflight: {len(pool)} host(s), world size {world_size} "
           f"({', '.join(f'{h}: {len(s)}' for h, s in pool.items())}); ssh, Python {python}, versions and "
           f"working directory {cwd} ok on every host")
@@ -220,10 +225,11 @@ def supervise(cmd: list[str], env: dict[str, str], master_addr: str, master_port
 
 
 def final_line(run_dir: Path, code: int, since: float) -> str | None:
-    """How the job ended, in one line: the report a rank wrote into run_dir/logs, else the code."""
+    """How the job ended, in one line: the report a rank wrote into run_dir/logs, else the code
+    (None when the ranks' own last lines say it: bad input, non-finite steps, out of memory)."""
     import json
 
-    if code == 0:
+    if code in (0, 2, 3, 4):  # done, or the ranks said why (bad input, non-finite steps, out of memory)
         return None
     for name in ("hang_report.json", "failure.json"):
         path = run_dir / "logs" / name

@@ -5,6 +5,12 @@ The deepspeed launcher forwards only NCCL*/PYTHON*/UCX*/MV2* variables by itself
 (a blank line crashes it) and exports each value inside double quotes on the remote shell's
 command line (`export KEY="value"`), where `$`, backticks, `"` and `\\` are still expanded. So a
 value holding one of those, or a newline, is refused by name instead of being written.
+
+Forwarded when set: the job's own variables (DS_ACCELERATOR, WANDB_MODE, WANDB_PROJECT, HF_HOME,
+TORCH_EXTENSIONS_DIR, PYTHONPATH), the communication and debugging knobs every rank must agree on
+(NCCL_*, TORCH_NCCL_*, TORCH_DISTRIBUTED_DEBUG, GLOO_SOCKET_IFNAME, CUDA_LAUNCH_BLOCKING,
+PYTORCH_CUDA_ALLOC_CONF), and the names listed under launch.env; a name that looks like a secret
+travels only when listed.
 """
 
 from __future__ import annotations
@@ -20,8 +26,13 @@ from ds_train.fs import replacing
 ENV_FILE = ".deepspeed_env"
 # Forwarded when set, unless the name looks like a secret.
 FORWARD_NAMES = ("DS_ACCELERATOR", "WANDB_MODE", "WANDB_PROJECT", "HF_HOME", "PYTHONPATH",
-                 "TORCH_EXTENSIONS_DIR")
-FORWARD_PREFIXES = ("NCCL_",)
+                 "TORCH_EXTENSIONS_DIR",
+                 # Debugging and allocator knobs: set on the launching shell, they must reach every rank.
+                 "TORCH_DISTRIBUTED_DEBUG", "CUDA_LAUNCH_BLOCKING", "PYTORCH_CUDA_ALLOC_CONF",
+                 "GLOO_SOCKET_IFNAME")
+# NCCL's own variables and PyTorch's NCCL process-group ones (TORCH_NCCL_ASYNC_ERROR_HANDLING,
+# TORCH_NCCL_BLOCKING_WAIT, ...).
+FORWARD_PREFIXES = ("NCCL_", "TORCH_NCCL_")
 # Forwarded by the deepspeed launcher itself from its environment (runner.EXPORT_ENVS, plus the
 # CUDA accelerator's NCCL): their values meet the same quoting.
 LAUNCHER_PREFIXES = ("MLFLOW", "PYTHON", "MV2", "UCX", "NCCL")

@@ -3,7 +3,11 @@
 Every host is probed in parallel over `ssh -o BatchMode=yes -o ConnectTimeout=N` (argv lists only;
 host names were validated by the hostfile parser and never enter a shell string). One probe runs
 the launcher's own Python on the host and reports its path, the ds_train / deepspeed / torch
-versions, whether the working directory exists and, on the master host, the first free port.
+versions, whether the working directory exists and, on the master host, the first free port. It
+also lists the host's GPUs (`nvidia-smi --query-gpu`, no CUDA context) and the CUDA runtime and NCCL
+versions torch was built with; a host without nvidia-smi has no GPUs (DeepSpeed's CPU accelerator
+then runs one process per slot). check_gpus() compares them with the slots the launch gives each
+host, the memory plan's per-GPU peak (`needed_gib`, computed by the caller) and the other hosts.
 Every problem on every host is reported at once.
 """
 
@@ -17,17 +21,21 @@ import shlex
 import subprocess
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Mapping
+from typing import Callable, Mapping
 
 from ds_train.errors import UserError
 from ds_train.launch.hostfile import is_ip_address
 
 PACKAGES = ("ds_train", "deepspeed", "torch")
 PORT_TRIES = 10  # the master port and the next nine
+# Seconds a probe may take beyond the ssh connect timeout: it imports torch, which takes seconds
+# from a local disk and can take tens of seconds from a cold shared file system.
+PROBE_TIME_S = 60
+MiB_PER_GiB = 1024  # nvidia-smi reports memory in MiB
 
 # Runs on each host as `<python> -c PROBE <cwd> <port>`; port 0 means "not the master".
 PROBE = r"""
-import importlib.metadata as md, json, os, platform, socket, subprocess, sys
+import importlib.metadata as md, json, os, platform, shutil, socket, subprocess, sys, warnings
 cwd, port = sys.argv[1], int(sys.argv[2])
 def version(name):
     try:
@@ -44,15 +52,62 @@ def free(p):
             return True
         except OSError:
             return False
+def mib(text):
+    try:
+        return float(text)
+    except ValueError:  # [N/A]
+        return None
+def gpus():
+    # nvidia-smi answers from the driver without a CUDA context. Not on PATH: a CPU host.
+    if shutil.which("nvidia-smi") is None:
+        return [], None
+    try:
+        proc = subprocess.run(["nvidia-smi", "--query-gpu=index,name,memory.total,memory.used,driver_version",
+                               "--format=csv,noheader,nounits"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError) as e:
+        return [], f"nvidia-smi failed ({e})"
+    said = " ".join((proc.stdout + proc.stderr).split())
+    if "No devices were found" in said:  # a driver without devices (exits non-zero): as a CPU host
+        return [], None
+    if proc.returncode != 0:
+        return [], f"nvidia-smi failed (exit {proc.returncode}: {said[-200:]})"
+    rows = []
+    for line in proc.stdout.splitlines():
+        parts = [part.strip() for part in line.split(",")]
+        if len(parts) < 5 or not parts[0].isdigit():
+            return [], f"nvidia-smi printed an unreadable line {line!r}"
+        rows.append({"index": int(parts[0]), "name": ", ".join(parts[1:-3]), "memory_total_mib": mib(parts[-3]),
+                     "memory_used_mib": mib(parts[-2]), "driver": parts[-1]})
+    return rows, None
+def torch_cuda(listed):
+    out = {"torch_cuda": None, "torch_nccl": None, "torch_cuda_available": None, "torch_error": None}
+    # The launcher sets CUDA_VISIBLE_DEVICES per slot itself; a login shell's value would only mislead.
+    os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+    try:
+        import torch
+        out["torch_cuda"] = torch.version.cuda
+        if torch.version.cuda:  # a CPU build has no NCCL to ask
+            out["torch_nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
+        if listed and torch.version.cuda:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                out["torch_cuda_available"] = torch.cuda.is_available()
+            if not out["torch_cuda_available"] and caught:
+                out["torch_error"] = " ".join(str(caught[-1].message).split())[:300]
+    except Exception as e:  # a broken CUDA install is the answer, not a crash of the probe
+        out["torch_error"] = f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"
+    return out
 try:
     addresses = subprocess.run(["hostname", "-I"], capture_output=True, text=True, timeout=5).stdout.split()
 except (OSError, subprocess.SubprocessError):
     addresses = []
+listed, gpu_error = gpus()
 print(json.dumps({
     "python": sys.executable, "python_version": platform.python_version(),
     "versions": {name: version(name) for name in %(packages)r},
     "cwd_exists": os.path.isdir(cwd), "hostname": socket.gethostname(), "addresses": addresses,
-    "free_port": next((p for p in range(port, port + %(tries)d) if free(p)), None) if port else None}))
+    "free_port": next((p for p in range(port, port + %(tries)d) if free(p)), None) if port else None,
+    "gpus": listed, "gpu_error": gpu_error, **torch_cuda(listed)}))
 """ % {"packages": PACKAGES, "tries": PORT_TRIES}
 
 # What passes through the deepspeed launcher's pdsh command line unchanged: it writes the working
@@ -116,9 +171,9 @@ def probe_host(host: str, ssh: SshOptions, python: str, cwd: str, port: int) -> 
     argv = ssh.argv(host, [python, "-c", PROBE, cwd, str(port)])
     try:
         proc = subprocess.run(argv, capture_output=True, text=True, stdin=subprocess.DEVNULL,
-                              timeout=ssh.timeout_s + 20)
+                              timeout=ssh.timeout_s + PROBE_TIME_S)
     except subprocess.TimeoutExpired:
-        return HostProbe(host, problem=f"{host}: no answer within {ssh.timeout_s + 20} s over ssh",
+        return HostProbe(host, problem=f"{host}: no answer within {ssh.timeout_s + PROBE_TIME_S} s over ssh",
                          unreachable=True)
     except FileNotFoundError:
         raise UserError("ssh: command not found; install the OpenSSH client (apt-get install "
@@ -171,6 +226,129 @@ def check_probes(probes: list[HostProbe], python: str, cwd: str, versions: Mappi
     return problems
 
 
+def check_gpus(probes: list[HostProbe], pool: Mapping[str, list[int]],
+               needed_gib: float | None = None) -> tuple[list[str], list[str]]:
+    """GPU problems and notes (pure: takes the probes' answers and the slot ids each host runs).
+
+    `needed_gib` is the memory plan's per-GPU peak; None skips the free-memory check.
+    """
+    problems: list[str] = []
+    with_gpus, without = [], []
+    for p in probes:
+        if not p.info:
+            continue  # check_probes names it
+        if p.info.get("gpu_error"):
+            problems.append(f"{p.host}: {p.info['gpu_error']}; fix the NVIDIA driver there (`nvidia-smi` must "
+                            f"list the GPUs) or leave the host out (--exclude {p.host})")
+        else:
+            (with_gpus if p.info.get("gpus") else without).append(p)
+    for p in with_gpus:
+        problems += _host_gpu_problems(p, pool.get(p.host, []), needed_gib)
+    if with_gpus and without:
+        problems.append(f"GPUs on {', '.join(p.host for p in with_gpus)} but none on "
+                        f"{', '.join(p.host for p in without)} (no nvidia-smi there, or it lists no GPU); one job "
+                        f"runs on one kind of accelerator: leave those hosts out (--exclude "
+                        f"{'@'.join(p.host for p in without)}) or install the NVIDIA driver there")
+    problems += _version_mismatches(with_gpus)
+    notes = []
+    if without and not with_gpus and not problems:
+        counts = [len(pool.get(p.host, [])) for p in without]
+        processes = (f"{counts[0]} process{'es' if counts[0] != 1 else ''} per node" if len(set(counts)) == 1
+                     else "one process per slot (" + ", ".join(f"{p.host}: {n}" for p, n in zip(without, counts)) + ")")
+        notes.append(f"no GPUs on any host: DeepSpeed's CPU accelerator runs {processes}")
+    elif with_gpus and not without:
+        notes.append(_gpu_summary(with_gpus, pool, needed_gib))
+    return problems, notes
+
+
+def _gib(mib: float) -> float:
+    return mib / MiB_PER_GiB
+
+
+def _host_gpu_problems(p: HostProbe, slots: list[int], needed_gib: float | None) -> list[str]:
+    """One host with GPUs: torch can use them, each slot has a GPU, each GPU has the memory."""
+    info, gpus = p.info, {g["index"]: g for g in p.info["gpus"]}
+    problems = []
+    if info.get("torch_error"):
+        problems.append(f"{p.host}: torch cannot use the GPUs there ({info['torch_error']}); every rank would fail "
+                        f"the same way: install a driver that supports torch's CUDA "
+                        f"{info.get('torch_cuda') or '?'}, or the torch build that matches the driver")
+    elif "torch_cuda" in info and not info["torch_cuda"]:
+        problems.append(f"{p.host}: nvidia-smi lists {len(gpus)} GPU(s) but torch there is a CPU-only build "
+                        f"(torch.version.cuda is None); install a CUDA build of torch on every node")
+    elif info.get("torch_cuda_available") is False:
+        problems.append(f"{p.host}: nvidia-smi lists {len(gpus)} GPU(s) but torch.cuda.is_available() is False "
+                        f"there; check the driver against torch's CUDA {info['torch_cuda']} (`nvidia-smi` shows "
+                        f"the highest CUDA version the driver supports)")
+    if len(gpus) < len(slots):
+        problems.append(f"{p.host}: {len(gpus)} GPU(s) but the launch puts {len(slots)} process(es) there (its "
+                        f"hostfile slots, --num_gpus or --include); lower its slots= to {len(gpus)} in the "
+                        f"hostfile, or choose its GPUs with --include {p.host}:{','.join(map(str, sorted(gpus)))}")
+    elif any(s not in gpus for s in slots):
+        problems.append(f"{p.host}: slot(s) {', '.join(str(s) for s in slots if s not in gpus)} have no GPU "
+                        f"(nvidia-smi lists GPUs {', '.join(map(str, sorted(gpus)))}); choose existing GPUs with "
+                        f"--include {p.host}:{','.join(map(str, sorted(gpus)))}")
+    for s in slots:
+        gpu = gpus.get(s)
+        if needed_gib is None or gpu is None or None in (gpu["memory_total_mib"], gpu["memory_used_mib"]):
+            continue
+        total, used = _gib(gpu["memory_total_mib"]), _gib(gpu["memory_used_mib"])
+        if total - used >= needed_gib:
+            continue
+        head = (f"{p.host}: the memory plan needs {needed_gib:.1f} GiB per GPU; GPU {s} on {p.host} has "
+                f"{total - used:.1f} GiB free")
+        if total >= needed_gib:  # it would fit on the empty GPU
+            problems.append(f"{head} (another process holds {used:.1f} GiB: nvidia-smi); stop that process "
+                            f"or leave the GPU out (--exclude {p.host}:{s})")
+        else:
+            problems.append(f"{head} ({total:.1f} GiB in all); lower the per-GPU memory (`ds-train estimate` "
+                            f"ranks the changes) or use larger GPUs")
+    return problems
+
+
+# What must match on every GPU host: (probe key, name in the message).
+_MATCHING = (("driver", "NVIDIA driver"), ("torch_cuda", "CUDA runtime (torch.version.cuda)"),
+             ("torch_nccl", "NCCL (torch.cuda.nccl.version())"))
+
+
+def _host_value(info: dict, key: str) -> str:
+    if key == "driver":  # one driver per host; nvidia-smi repeats it per GPU
+        return ", ".join(sorted({g["driver"] for g in info["gpus"]}))
+    return info.get(key) or "none"
+
+
+def _version_mismatches(with_gpus: list[HostProbe]) -> list[str]:
+    problems = []
+    for key, what in _MATCHING:
+        if key != "driver" and not all(key in p.info for p in with_gpus):
+            continue
+        hosts_by_value: dict[str, list[str]] = {}
+        for p in with_gpus:
+            hosts_by_value.setdefault(_host_value(p.info, key), []).append(p.host)
+        if len(hosts_by_value) > 1:
+            problems.append(f"{what} differs between hosts: " +
+                            "; ".join(f"{value} on {', '.join(hosts)}" for value, hosts in hosts_by_value.items()) +
+                            "; use the same driver and image (torch build) on every node")
+    return problems
+
+
+def _gpu_summary(with_gpus: list[HostProbe], pool: Mapping[str, list[int]], needed_gib: float | None) -> str:
+    """One line: which GPUs on which hosts, the versions, and the least free memory among the used ones."""
+    hosts_by_kind: dict[str, list[str]] = {}
+    for p in with_gpus:
+        names = sorted({g["name"] for g in p.info["gpus"]})
+        hosts_by_kind.setdefault(f"{len(p.info['gpus'])} x {' / '.join(names)}", []).append(p.host)
+    first = with_gpus[0].info
+    line = ("GPUs: " + "; ".join(f"{kind} on {', '.join(hosts)}" for kind, hosts in hosts_by_kind.items()) +
+            f" (driver {_host_value(first, 'driver')}, CUDA {_host_value(first, 'torch_cuda')}, "
+            f"NCCL {_host_value(first, 'torch_nccl')})")
+    free = [_gib(g["memory_total_mib"] - g["memory_used_mib"]) for p in with_gpus for g in p.info["gpus"]
+            if g["index"] in pool.get(p.host, []) and None not in (g["memory_total_mib"], g["memory_used_mib"])]
+    if needed_gib is not None and free:
+        line += f"; the memory plan needs {needed_gib:.1f} GiB per GPU, the least free is {min(free):.1f} GiB"
+    return line
+
+
 def pick_master(probe: HostProbe, master_addr: str, master_port: int) -> tuple[str, int, list[str]]:
     """Master address and port from the first host's probe; a busy port moves to the next free one."""
     notes = []
@@ -206,13 +384,23 @@ def check_shell_safe(cwd: str, python: str, train_args: list[str]) -> list[str]:
 
 
 def run_preflight(pool: Mapping[str, list[int]], ssh: SshOptions, python: str, cwd: str,
-                  master_addr: str, master_port: int) -> PreflightResult:
-    """Probe every host; raise one UserError naming every problem, else the master and world size."""
+                  master_addr: str, master_port: int, needed_gib: float | Callable[[], float] | None = None,
+                  probe: Callable[..., list[HostProbe]] = probe_hosts) -> PreflightResult:
+    """Probe every host; raise one UserError naming every problem, else the master and world size.
+
+    `needed_gib`: the memory plan's per-GPU peak, checked against each used GPU's free memory; a
+    callable is asked only when some host has GPUs (the plan takes seconds to build).
+    `probe` stands in for probe_hosts (same arguments) in tests.
+    """
     hosts = list(pool)
-    probes = probe_hosts(hosts, ssh, python, cwd, master_port)
+    probes = probe(hosts, ssh, python, cwd, master_port)
     problems = check_probes(probes, python, cwd, local_versions(), platform.python_version())
+    if callable(needed_gib):
+        needed_gib = needed_gib() if any(p.info and p.info.get("gpus") for p in probes) else None
+    gpu_problems, gpu_notes = check_gpus(probes, pool, needed_gib)
+    problems += gpu_problems
     if problems:
         raise UserError(f"preflight: {len(problems)} problem{'s' if len(problems) > 1 else ''}:\n  " +
                         "\n  ".join(problems))
     addr, port, notes = pick_master(probes[0], master_addr, master_port)
-    return PreflightResult(addr, port, sum(len(slots) for slots in pool.values()), notes)
+    return PreflightResult(addr, port, sum(len(slots) for slots in pool.values()), gpu_notes + notes)
