@@ -38,7 +38,7 @@ from ds_train.engine import initialize, read_ds_template, render_ds_config, zero
 from ds_train.errors import AgreedError, OutOfMemory, RunStopped, UserError
 from ds_train.export import export, locate_model, save_hf_metadata
 from ds_train.fs import check_writable, file_lock, write_atomic
-from ds_train.logs import build_rank_log, capture_console
+from ds_train.logs import build_rank_log, capture_console, release_console
 from ds_train.metrics import Logger, build_logger, build_progress, peak_flops, rewind_jsonl
 from ds_train.memory import checkpoint_bytes
 from ds_train.model import build_hf_config, build_model, count_params, flops_per_token, resolve_dtype
@@ -194,6 +194,8 @@ class Run:
             dist.barrier()
             dist.release_shared_memory(self.env)
             dist.shutdown()
+        if exc is None:  # all said; after an error, what the CLI prints next belongs in the log too
+            release_console()
         if isinstance(exc, OutOfMemory):
             raise exc from None
 
