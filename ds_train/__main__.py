@@ -29,7 +29,7 @@ import os
 import sys
 import traceback
 
-from ds_train.errors import AgreedError, OutOfMemory, RunStopped, Stalled, UserError
+from ds_train.errors import AgreedError, OneLineParser, OutOfMemory, RunStopped, Stalled, UserError
 from ds_train.launch import cli as launch_cli
 
 
@@ -125,13 +125,19 @@ def cmd_prepare(args) -> int:
 def cmd_convert(args) -> int:
     from pathlib import Path
 
-    from ds_train.checkpoint import convert_to_universal, find_resume
+    from ds_train.checkpoint import convert_to_universal, find_resume, newer_incomplete
 
     source = Path(args.source)
+    if not source.is_dir():
+        raise UserError(f"convert: {str(source)!r} is not a directory; give a run directory, its checkpoints/ "
+                        f"or a tag directory")
     ckpt_dir = source / "checkpoints" if (source / "checkpoints").is_dir() else source
-    point = find_resume(args.tag or str(ckpt_dir), ckpt_dir)
+    point = find_resume(args.tag or str(ckpt_dir), ckpt_dir, key="convert")
     if point is None:
         raise UserError(f"convert: no checkpoint found in {str(source)!r}")
+    skipped = newer_incomplete(point) if not args.tag else []
+    if skipped:
+        print(f"note: converting {point.tag}, the newest complete checkpoint; skipped: {', '.join(skipped)}")
     out = convert_to_universal(point.load_dir / point.tag)
     print(f"wrote {out} (DeepSpeed universal checkpoint); resume from it at any world size with "
           f"checkpoint.resume={out}")
@@ -180,6 +186,7 @@ def cmd_dry_run(args) -> int:
 
 
 def _add_plan_args(p) -> None:
+    _add_debug(p)
     p.add_argument("--config", required=True, help="run config YAML")
     p.add_argument("--ds-config", required=True, help="DeepSpeed JSON")
     p.add_argument("--hostfile", help="target cluster as a DeepSpeed hostfile")
@@ -189,8 +196,14 @@ def _add_plan_args(p) -> None:
     p.add_argument("overrides", nargs="*", metavar="key=value", default=[])
 
 
+def _add_debug(p) -> None:
+    """--debug after the subcommand too (`ds-train train --debug ...`); default: the top level's."""
+    p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks")
+
+
 def _add_run_args(p, example: str) -> None:
     """train and ript: a run config, a DeepSpeed JSON and key=value overrides."""
+    _add_debug(p)
     p.add_argument("--config", help=f"run config YAML ({example})")
     p.add_argument("--ds-config", help="DeepSpeed JSON (ds_configs/zero*.json)")
     p.add_argument("--help-config", action="store_true", help="list every config key and exit")
@@ -198,8 +211,7 @@ def _add_run_args(p, example: str) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="ds-train", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = OneLineParser(prog="ds-train", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--debug", action="store_true", help="show tracebacks and DeepSpeed's info logs")
     # --local_rank from the deepspeed launcher, --local-rank from python -m torch.distributed.launch;
     # the rank itself is read from the environment both set (ds_train/dist.py).
@@ -220,6 +232,7 @@ def build_parser() -> argparse.ArgumentParser:
     rp.set_defaults(func=cmd_ript)
 
     pr = sub.add_parser("prepare", help="tokenise text/JSONL files into train.bin / val.bin / meta.json")
+    _add_debug(pr)
     pr.add_argument("sources", nargs="*", metavar="SOURCE",
                     help="files or directories (.txt/.md/.py/... one document each, .jsonl one per "
                          "line), or python-stdlib")
@@ -235,6 +248,7 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Convert a checkpoint (run dir, checkpoints dir or tag dir) into "
                                    "DeepSpeed's universal format, loadable at any world size and "
                                    "ZeRO stage. Resume does this by itself when they change.")
+    _add_debug(c)
     c.add_argument("source", help="run directory, its checkpoints/ directory, or a tag directory")
     c.add_argument("--to", choices=["universal"], default="universal", help="target format")
     c.add_argument("--tag", help="tag to convert (default: the latest complete one)")
@@ -243,6 +257,7 @@ def build_parser() -> argparse.ArgumentParser:
     e = sub.add_parser("export", help="write a Hugging Face model directory from a checkpoint",
                        description="Export a checkpoint (ZeRO 0-3) as config.json, model.safetensors "
                                    "(sharded when large), generation_config.json and the tokenizer.")
+    _add_debug(e)
     e.add_argument("source", help="run directory, its checkpoints/ directory, or a tag directory")
     e.add_argument("--out", required=True, help="output directory (must not exist or be empty)")
     e.add_argument("--tag", help="tag to export (default: the latest complete one)")
@@ -289,7 +304,10 @@ def _tools_of_this_python_first() -> None:
 def main(argv: list[str] | None = None) -> int:
     _tools_of_this_python_first()
     parser = build_parser()
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except UserError as e:
+        return _report(e)
     if not args.debug:
         import warnings
 
@@ -306,7 +324,8 @@ def main(argv: list[str] | None = None) -> int:
             print(describe())
             return 0
         if not args.config or not args.ds_config:
-            parser.error(f"{args.command} needs --config and --ds-config")
+            return _report(UserError(f"{args.command} needs --config and --ds-config (see `ds-train "
+                                     f"{args.command} --help`)"))
     _split_overrides(args)
     try:
         return args.func(args)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import random
 import re
 import shutil
@@ -45,6 +46,8 @@ PHASES = SAVE_PHASES
 # Keys that may not change on resume: the model's shape, and what defines the data stream
 # (sample g of step s is a function of seed, seq_len and global batch). Training knobs may change.
 FIXED_KEYS = ("model.", "seed", "data.dir", "train.seq_len", "train.global_batch_size")
+# What a marker must hold, and of which type, for its tag to count as saved (ds_train writes them all).
+MARKER_FIELDS = {"world_size": int, "step": int, "seq": int, "zero_stage": int, "config": dict}
 
 
 def tag_for(step: int) -> str:
@@ -66,10 +69,14 @@ def read_marker(tag_dir: Path) -> tuple[dict | None, str]:
     path = tag_dir / STATE_FILE
     try:
         state = json.loads(path.read_text())
-        int(state["world_size"]), int(state["step"])
+        for key, kind in MARKER_FIELDS.items():
+            if not isinstance(state[key], kind) or isinstance(state[key], bool):
+                raise TypeError(f"{key} is {type(state[key]).__name__}, not {kind.__name__}")
     except FileNotFoundError:
         return None, f"no {STATE_FILE}: a save that did not finish"
-    except (OSError, ValueError, KeyError, TypeError) as e:
+    except KeyError as e:
+        return None, f"{STATE_FILE} is damaged (no {e.args[0]!r})"
+    except (OSError, ValueError, TypeError, AttributeError) as e:
         return None, f"{STATE_FILE} is damaged ({type(e).__name__}: {str(e)[:80]})"
     return state, ""
 
@@ -117,7 +124,8 @@ def complete_tags(ckpt_dir: Path) -> list[str]:
     """Complete tags, oldest save first."""
     if not ckpt_dir.is_dir():
         return []
-    tags = [(read_marker(p)[0], p.name) for p in ckpt_dir.iterdir() if TAG_RE.match(p.name) and is_complete(p)]
+    tags = [(read_marker(p)[0], p.name) for p in ckpt_dir.iterdir()
+            if TAG_RE.match(p.name) and p.is_dir() and is_complete(p)]
     return [name for state, name in sorted(tags, key=lambda t: _order(t[0]))]
 
 
@@ -209,7 +217,7 @@ def unmark(ckpt_dir: Path, tag: str) -> None:
     """Before a tag is (re)written: `latest` stops naming it, its marker goes, then its files."""
     tag_dir = ckpt_dir / tag
     latest = ckpt_dir / "latest"
-    if latest.is_file() and latest.read_text().strip() == tag:
+    if latest.is_file() and latest.read_text(errors="replace").strip() == tag:
         older = [t for t in complete_tags(ckpt_dir) if t != tag]
         if older:
             write_atomic(latest, older[-1])
@@ -276,8 +284,8 @@ def prunable(ckpt_dir: Path, keep: int, saved: str) -> list[str]:
     (saves that did not finish). Never `saved`. keep=0 keeps every marked tag."""
     marked, unmarked = [], []
     for p in ckpt_dir.iterdir() if ckpt_dir.is_dir() else ():
-        if not TAG_RE.match(p.name) or p.name == saved:
-            continue
+        if not TAG_RE.match(p.name) or p.name == saved or not p.is_dir():
+            continue  # (a file named like a tag is not ours to delete)
         state, _ = read_marker(p)
         (marked if state else unmarked).append((state, p.name))
     if keep <= 0:
@@ -311,24 +319,32 @@ class ResumePoint:
     state: dict  # ds_train_state.json: step, samples, world_size, zero_stage, config
 
 
-def find_resume(resume: str, ckpt_dir: Path) -> ResumePoint | None:
+def find_resume(resume: str, ckpt_dir: Path, key: str = "checkpoint.resume") -> ResumePoint | None:
     """checkpoint.resume on one file system holding the whole checkpoint (`ds-train convert`, tools):
-    auto (the newest complete tag, if any), none, a tag, or a path."""
+    auto (the newest complete tag, if any), none, a tag, or a path. `key`: what the user gave it as."""
     if resume in ("none", "restart"):
         return None
-    load_dir, wanted = locate(resume, ckpt_dir)
+    load_dir, wanted = locate(resume, ckpt_dir, key)
     if wanted is None:
         tag = latest_complete(load_dir)
         if tag is None and resume != "auto":
-            raise UserError(f"checkpoint.resume: {str(load_dir)!r} holds no complete checkpoint")
+            raise UserError(f"{key}: {str(load_dir)!r} holds no complete checkpoint")
         return _point(load_dir, tag) if tag else None
     if not is_complete(load_dir / wanted):
-        raise UserError(f"checkpoint.resume: {str(load_dir / wanted)!r} is incomplete (a save that did not "
-                        f"finish); resume from another tag or use resume=auto")
+        raise UserError(f"{key}: {str(load_dir / wanted)!r} is incomplete (a save that did not finish, or "
+                        f"damaged files); use another tag")
     return _point(load_dir, wanted)
 
 
-def locate(resume: str, ckpt_dir: Path) -> tuple[Path, str | None]:
+def newer_incomplete(point: ResumePoint) -> list[str]:
+    """Tags after `point` (by step) that are not complete: what choosing the newest complete one
+    skipped, to say so."""
+    step = int(point.state["step"])
+    return [f"{p.name} ({read_marker(p)[1] or 'files missing or damaged'})" for p in sorted(point.load_dir.iterdir())
+            if TAG_RE.match(p.name) and p.is_dir() and int(TAG_RE.match(p.name).group(1)) > step and not is_complete(p)]
+
+
+def locate(resume: str, ckpt_dir: Path, key: str = "checkpoint.resume") -> tuple[Path, str | None]:
     """checkpoint.resume -> (the directory of tags, the tag asked for; None: the newest)."""
     if resume in ("auto", "none", "restart"):
         return ckpt_dir, None
@@ -340,6 +356,8 @@ def locate(resume: str, ckpt_dir: Path) -> tuple[Path, str | None]:
             return cand.parent, cand.name
         if cand.is_dir():
             return (cand / "checkpoints" if (cand / "checkpoints").is_dir() else cand), None
+    if key != "checkpoint.resume":
+        raise UserError(f"{key}: {resume!r} is not a run directory, checkpoints directory or tag directory")
     raise UserError(f"checkpoint.resume: {resume!r} is neither a tag in {str(ckpt_dir)!r} nor a "
                     f"checkpoint directory; use auto, none, restart, a tag (step_00000100) or a path")
 
@@ -368,6 +386,7 @@ class RankView:
     host: str
     tags: dict  # tag -> TagSeen
     max_seq: int = 0  # the newest save in this run's own checkpoints directory
+    own: tuple[str, ...] = ()  # marked tags in this run's own checkpoints directory
 
     def where(self) -> str:
         return f"node {self.node} ({self.host}) rank {self.rank}"
@@ -382,7 +401,7 @@ def _manifest_seq(tag_dir: Path, rank: int) -> int | None:
 
 def scan(load_dir: Path, wanted: str | None, rank: int, world: int) -> dict[str, TagSeen]:
     """What this rank holds: every tag of `load_dir` (and the one wanted), marker and own files."""
-    names = sorted(p.name for p in load_dir.iterdir() if TAG_RE.match(p.name)) if load_dir.is_dir() else []
+    names = sorted(p.name for p in load_dir.iterdir() if TAG_RE.match(p.name) and p.is_dir()) if load_dir.is_dir() else []
     if wanted is not None and wanted not in names:
         names.append(wanted)
     seen = {}
@@ -414,7 +433,7 @@ def _listed(items: list[str], n: int = 3) -> str:
 
 
 def decide(resume: str, load_dir: Path, wanted: str | None, views: list[RankView], world: int,
-           unit: str = "step") -> Decision:
+           unit: str = "step", own_dir: Path | None = None) -> Decision:
     """The one resume point of every rank (a pure function of what every rank reported): the
     newest marked tag, which every rank must hold whole; a rank that lacks it is an error."""
     names = sorted({t for v in views for t in v.tags})
@@ -432,8 +451,16 @@ def decide(resume: str, load_dir: Path, wanted: str | None, views: list[RankView
                             f"another output_dir, or start over with checkpoint.resume=restart (deletes "
                             f"them and its metrics)")
         return Decision(None, f"starting at {unit} 0 (checkpoint.resume={resume})", next_seq)
+    why = f"; tags present but none complete: {_listed(unfinished, 5)}" if unfinished else ""
+    if wanted is None and not marked and resume != "auto":  # a path asked for: not a fresh start
+        raise UserError(f"checkpoint.resume: {load_dir} holds no complete checkpoint{why}; give a checkpoint "
+                        f"directory or tag, or checkpoint.resume=auto to start afresh where there is none")
+    own = sorted({t for v in views for t in v.own})
+    if own and own_dir is not None and load_dir.resolve() != own_dir.resolve():
+        raise UserError(f"checkpoint.resume={resume}: output_dir's {own_dir} holds checkpoints of its own "
+                        f"({_listed(own)}); continue them with checkpoint.resume=auto, or give this run another "
+                        f"output_dir (checkpoint.resume=restart deletes them)")
     if wanted is None and not marked:
-        why = f"; tags present but none complete: {_listed(unfinished, 5)}" if unfinished else ""
         return Decision(None, f"nothing to resume in {load_dir}{why}; starting at {unit} 0", next_seq)
     if wanted is not None and wanted not in marked:
         why = next((v.tags[wanted].why for v in views if wanted in v.tags), "not found")
@@ -480,10 +507,12 @@ def _lacking(tag: str, state: dict, views: list[RankView], world: int) -> list[s
 def agree(resume: str, ckpt_dir: Path, env, host: str, unit: str = "step") -> Decision:
     """Every rank reports what it holds (one all-gather), then every rank decides the same."""
     load_dir, wanted = locate(resume, ckpt_dir)
-    own = [read_marker(p)[0] for p in ckpt_dir.iterdir() if TAG_RE.match(p.name)] if ckpt_dir.is_dir() else []
+    own = {p.name: read_marker(p)[0] for p in ckpt_dir.iterdir() if TAG_RE.match(p.name) and p.is_dir()} \
+        if ckpt_dir.is_dir() else {}
     mine = RankView(env.rank, env.node_rank, host, scan(load_dir, wanted, env.rank, env.world_size),
-                    max((int(s.get("seq", 0)) for s in own if s), default=0))
-    return decide(resume, load_dir, wanted, dist.all_gather_object(mine), env.world_size, unit)
+                    max((int(s["seq"]) for s in own.values() if s), default=0),
+                    tuple(sorted(name for name, s in own.items() if s)))
+    return decide(resume, load_dir, wanted, dist.all_gather_object(mine), env.world_size, unit, ckpt_dir)
 
 
 def _flatten(d: dict, prefix: str = "") -> dict[str, Any]:
@@ -517,6 +546,10 @@ def convert_to_universal(tag_dir: Path) -> Path:
     """DeepSpeed's ds_to_universal on a complete tag, into `<tag>_universal` (once, under a lock)."""
     if not is_complete(tag_dir):
         raise UserError(f"{tag_dir}: not a complete ds_train checkpoint; cannot convert it")
+    state = read_marker(tag_dir)[0]
+    if uses_torch_optimizer(state["zero_stage"], state.get("dtype", "fp32")):
+        raise UserError(f"{tag_dir}: an fp32 ZeRO-0 checkpoint (a plain torch optimizer, replicated) has no "
+                        f"partitions to convert: it resumes at any world size as it is, under fp32 ZeRO-0")
     out = universal_dir(tag_dir)
     with file_lock(tag_dir.parent / ".convert.lock"):
         if is_complete(out):
@@ -544,24 +577,33 @@ def uses_torch_optimizer(stage: int, dtype: str) -> bool:
 
 
 def check_resume(point: ResumePoint | None, cfg: RunConfig, kind: str, world: int,
-                 same_world: bool = False) -> list[str]:
+                 same_world: bool = False, data: dict | None = None) -> list[str]:
     """Refuse a resume that would change the model, the data stream or the kind of run (or, for
-    `same_world`, the world size); return the allowed changes as notes."""
+    `same_world`, the world size); return the allowed changes as notes. `data`: what identifies the
+    tokenizer and the prepared data now (a checkpoint records it): the same data.dir re-prepared
+    with another tokenizer would feed the saved weights other token ids."""
     if point is None:
         return []
     where = point.load_dir / point.tag
+    saved_data = point.state.get("data") or {}
+    changed = sorted(k for k in set(saved_data) & set(data or {}) if saved_data[k] != data[k])
+    if changed:
+        raise UserError(f"{where}: the data changed since this checkpoint ({', '.join(changed)}: "
+                        f"{', '.join(f'{saved_data[k]} -> {data[k]}' for k in changed)}; data.dir re-prepared?): "
+                        f"its weights were trained on the old token ids; restore the old data.dir, or start over "
+                        f"with checkpoint.resume=restart")
     saved_kind = point.state.get("kind", "train")
     if saved_kind != kind:
         raise UserError(f"{where}: a {saved_kind} checkpoint; `{kind}` cannot resume from it (use "
-                        f"another output_dir or checkpoint.resume=none)")
+                        f"another output_dir, or checkpoint.resume=restart to delete it)")
     if same_world and point.state["world_size"] != world:
         raise UserError(f"{where}: saved with {point.state['world_size']} ranks; resume {kind} with the "
                         f"same world size (its work is sharded per rank)")
     errors, notes = config_changes(point.state["config"], cfg.to_dict())
     if errors:
         raise UserError(f"{where}: cannot resume with a changed " + "; ".join(errors) +
-                        " (these fix the model or the data order; use another output_dir or "
-                        "checkpoint.resume=none)")
+                        " (these fix the model or the data order); use another output_dir, or start over "
+                        "with checkpoint.resume=restart (deletes this run's checkpoints)")
     return notes
 
 
@@ -613,15 +655,22 @@ def load(engine, point: ResumePoint, rank: int, world: int) -> dict:
     own loop state under "rank" when the world size is the one saved."""
     import torch
 
-    load_path, _ = engine.load_checkpoint(str(point.load_dir), tag=point.tag,
-                                          load_optimizer_states=True, load_lr_scheduler_states=True)
-    if load_path is None:
-        raise UserError(f"{point.load_dir / point.tag}: DeepSpeed could not load this checkpoint")
-    if point.state["world_size"] != world:  # per-rank state only where the ranks are the same ranks
-        return point.state
-    saved = torch.load(rank_file(point.load_dir / point.tag, rank), weights_only=False)
-    set_rng_state(saved["rng"])
-    return {**point.state, "rank": saved["loop"]}
+    where = point.load_dir / point.tag
+    try:
+        load_path, _ = engine.load_checkpoint(str(point.load_dir), tag=point.tag,
+                                              load_optimizer_states=True, load_lr_scheduler_states=True)
+        if load_path is None:
+            raise UserError(f"{where}: DeepSpeed could not load this checkpoint")
+        if point.state["world_size"] != world:  # per-rank state only where the ranks are the same ranks
+            return point.state
+        saved = torch.load(rank_file(where, rank), weights_only=False)
+        set_rng_state(saved["rng"])
+        return {**point.state, "rank": saved["loop"]}
+    except (pickle.UnpicklingError, EOFError, RuntimeError, OSError, KeyError, TypeError, ValueError) as e:
+        # A file of the right size with other bytes in it (the sizes were checked when the ranks agreed).
+        raise UserError(f"{where}: cannot be loaded, a file in it is damaged ({type(e).__name__}: "
+                        f"{str(e).splitlines()[0][:160] if str(e) else 'no detail'}); resume from an older tag "
+                        f"(checkpoint.resume=step_...), or start over with checkpoint.resume=restart") from None
 
 
 class Checkpointer:
@@ -660,17 +709,18 @@ class Checkpointer:
         """Non-finite weights are never saved: the last good checkpoint stays the latest."""
         self.beat(step, "save")
         if not weights_finite(self.engine):
-            raise UserError(f"{self.unit} {step}: the weights are not finite; no checkpoint written, the last "
-                            f"good one stays in {self.ckpt_dir}; lower optim.lr and resume")
+            raise UserError(f"{self.unit} {step}: the weights are not finite; no checkpoint written ("
+                            f"{self._latest()}); if model.path's weights are finite, lower optim.lr and resume")
         self.check_space(step)
         try:
             tag = save(self.engine, self.ckpt_dir, step, {**self.record, **state, "step": step}, self.rank,
                        self.world, self.cfg.keep, self.writer, self.seq, rank_state, self.fault)
-        except OSError as e:
-            free = shutil.disk_usage(self.ckpt_dir).free if self.ckpt_dir.is_dir() else 0
-            raise UserError(f"checkpoint {tag_for(step)}: writing {e.filename or self.ckpt_dir} failed: "
-                            f"{e.strerror or e}; a tag needs about {_gib(self.needed_bytes)}, "
-                            f"{_gib(free)} free; {self._latest()}") from None
+        except (OSError, RuntimeError) as e:
+            # torch.save reports a failed write as a RuntimeError ("... file write failed", "No space left")
+            if isinstance(e, RuntimeError) and not _IO_ERROR.search(str(e)):
+                raise
+            raise UserError(f"checkpoint {tag_for(step)}: writing {getattr(e, 'filename', None) or self.ckpt_dir} "
+                            f"failed: {_why(e)}; {self._room()}; {self._latest()}") from None
         self.seq += 1
         self.log.info(f"saved checkpoint {tag}")
         return tag
@@ -690,9 +740,29 @@ class Checkpointer:
                               f"or lower checkpoint.keep; {self._latest()}")
 
     def _latest(self) -> str:
-        latest = self.ckpt_dir / "latest"
-        tag = latest.read_text().strip() if latest.is_file() else ""
-        return f"latest still names {tag}" if tag else "no checkpoint of this run was completed"
+        """Which checkpoint a resume would take now (the newest complete one; `latest` may lag it)."""
+        tag = latest_complete(self.ckpt_dir) if self.ckpt_dir.is_dir() else None
+        return (f"the newest complete checkpoint is {tag}, where a resume starts" if tag else
+                "no checkpoint of this run was completed")
+
+    def _room(self) -> str:
+        if not self.ckpt_dir.is_dir():
+            return f"a tag needs about {_gib(self.needed_bytes)}"
+        usage, inodes = shutil.disk_usage(self.ckpt_dir), os.statvfs(self.ckpt_dir).f_favail
+        return (f"a tag needs about {_gib(self.needed_bytes)}, {_gib(usage.free)} free" +
+                (f", {inodes} inodes free (df -i)" if inodes < 1000 else ""))
+
+
+# What a failed write looks like when torch.save or DeepSpeed report it as a RuntimeError.
+_IO_ERROR = re.compile(r"No space left|file write failed|open file failed|Disk quota|Read-only file system|"
+                       r"Input/output error|errno", re.I)
+
+
+def _why(e: BaseException) -> str:
+    if isinstance(e, OSError):
+        return str(e.strerror or e)
+    m = re.search(r"strerror: ([^\n]+)|(No space left on device|Disk quota exceeded|Read-only file system)", str(e))
+    return (m.group(1) or m.group(2)).strip() if m else str(e).splitlines()[0][:160]
 
 
 def _gib(n: float) -> str:

@@ -62,3 +62,11 @@ class OutOfMemory(Exception):
     """A CUDA out-of-memory on this rank, with the memory plan and ranked fixes as the message."""
 
     exit_code = 4
+
+
+class OneLineParser(__import__("argparse").ArgumentParser):
+    """An argparse parser whose errors are bad input like any other: one `ds-train: error:` line
+    (exit 2), pointing at --help instead of printing the usage block first."""
+
+    def error(self, message: str):
+        raise UserError(f"{message} (see `{self.prog} --help`)")

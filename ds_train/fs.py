@@ -3,6 +3,7 @@ the check that a directory can be written before any work starts."""
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import os
 from contextlib import contextmanager
@@ -10,6 +11,24 @@ from pathlib import Path
 from typing import Iterator
 
 from ds_train.errors import UserError
+
+
+def hold_lock(path: Path) -> tuple[int | None, str]:
+    """Take an exclusive lock on `path` for as long as this process lives, without waiting:
+    (its file descriptor, "") or (None, what the holder wrote: "pid P on HOST since TIME")."""
+    import socket
+    import time
+
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 200, 0).decode(errors="replace").strip()
+        os.close(fd)
+        return None, holder or "another process"
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%d %H:%M:%S')}".encode(), 0)
+    return fd, ""
 
 
 @contextmanager
@@ -57,7 +76,7 @@ def write_atomic(path: Path, text: str) -> None:
 
 def check_writable(path: Path, key: str) -> None:
     """`path` is a writable directory, or can be created as one (its nearest existing ancestor is a
-    writable directory). Writes nothing."""
+    writable directory, and a directory made there to try is removed again). Leaves nothing."""
     path = Path(path)
     probe = path.absolute()
     while not probe.exists() and probe != probe.parent:
@@ -71,3 +90,12 @@ def check_writable(path: Path, key: str) -> None:
     if not os.access(probe, os.W_OK | os.X_OK):
         raise UserError(f"{key}: {str(probe)!r} is not writable by this user; choose another {key} or "
                         f"fix its permissions")
+    made = [p for p in [path.absolute(), *path.absolute().parents] if not p.exists()]
+    try:  # some file systems refuse what the checks above allow (/proc, /sys): try, and leave no trace
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UserError(f"{key}: cannot create {str(path)!r} ({e.strerror or e}); choose another {key}") from None
+    finally:
+        for p in made:  # deepest first
+            with contextlib.suppress(OSError):
+                p.rmdir()

@@ -6,6 +6,7 @@ gets null objects, so the training loop has no rank guards (STYLE habit 6, USERS
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -14,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+from ds_train.errors import UserError
 from ds_train.fs import replacing, write_atomic
 
 # Peak dense bf16 tensor TFLOP/s per device, from the vendors' data sheets (SXM parts).
@@ -83,7 +85,7 @@ class JsonlLogger:
     ALIASES = {"train/loss": "loss", "optim/lr": "lr", "perf/tokens_per_s": "tokens_per_s"}
 
     def __init__(self, path: Path):
-        self.fh = open(path, "a", buffering=1)
+        self.path, self.fh = path, None  # opened at the first record: after a resume has rewound it
 
     def log(self, metrics: dict[str, Any], step: int) -> None:
         flat = {"step": step}
@@ -93,10 +95,18 @@ class JsonlLogger:
             flat[key] = value
             if key in self.ALIASES:
                 flat[self.ALIASES[key]] = value
-        self.fh.write(json.dumps(flat) + "\n")
+        try:
+            if self.fh is None:
+                self.fh = open(self.path, "a", buffering=1)
+            self.fh.write(json.dumps(flat) + "\n")
+        except OSError as e:
+            raise UserError(f"{self.path}: writing step {step}'s metrics failed ({e.strerror or e}); free space "
+                            f"and launch again to resume from the last checkpoint") from None
 
     def close(self) -> None:
-        self.fh.close()
+        if self.fh is not None:
+            with contextlib.suppress(OSError):  # a full disk already said so
+                self.fh.close()
 
 
 def rewind_jsonl(path: Path, step: int) -> int:

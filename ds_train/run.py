@@ -37,7 +37,7 @@ from ds_train.data import load_tokenizer
 from ds_train.engine import initialize, read_ds_template, render_ds_config, zero_stage
 from ds_train.errors import AgreedError, OutOfMemory, RunStopped, UserError
 from ds_train.export import export, locate_model, save_hf_metadata
-from ds_train.fs import check_writable, file_lock, write_atomic
+from ds_train.fs import check_writable, file_lock, hold_lock, write_atomic
 from ds_train.logs import build_rank_log, capture_console, release_console
 from ds_train.metrics import Logger, build_logger, build_progress, peak_flops, rewind_jsonl
 from ds_train.memory import checkpoint_bytes
@@ -140,6 +140,8 @@ class Run:
     hosts: list[tuple[int, str]]  # (node rank, host name) of every rank
     heartbeat: Heartbeat  # where this rank is: the loop calls run.beat(step, phase)
     watchdog: Watchdog
+    describe_run: Callable[[int], None]  # writes config.yaml ... and rewinds metrics (see maybe_resume)
+    lock: int | None  # the run directory's lock (writers), held until the process ends
 
     def beat(self, step: int, phase: str) -> None:
         """This rank entered `phase` of `step` (progress, for the heartbeat and the watchdog)."""
@@ -166,9 +168,11 @@ class Run:
         rank's RNG. Returns the saved record (step, the command's state, this rank's own loop state
         under "rank"), or None for a fresh start."""
         if self.resume is None:
+            self.describe_run(-1)
             return None
         self.beat(int(self.resume.state["step"]), "load")
         state = checkpoint.load(self.engine, self.resume, self.env.rank, self.env.world_size)
+        self.describe_run(int(self.resume.state["step"]))
         self.say(self.resume_said)
         return state
 
@@ -194,6 +198,8 @@ class Run:
             dist.barrier()
             dist.release_shared_memory(self.env)
             dist.shutdown()
+        if self.lock is not None:
+            os.close(self.lock)  # the run directory is free for the next run
         if exc is None:  # all said; after an error, what the CLI prints next belongs in the log too
             release_console()
         if isinstance(exc, OutOfMemory):
@@ -201,27 +207,30 @@ class Run:
 
 
 def build_run(cfg: RunConfig, ds_config_path: str, env: dist.DistEnv, spec: RunSpec, source: ModelSource,
-              quiet: bool = False) -> Run:
+              quiet: bool = False, data: dict | None = None) -> Run:
     """Everything before the first step. Bad input fails here, before anything is written.
+    `data`: what identifies the prepared data (token counts), recorded in every checkpoint.
 
     The signal handlers go in first: a stop asked for during start-up (SLURM's SIGUSR1 can come
     early) is kept, and the run saves and stops at its first step."""
     stop = StopRequest()
     try:
-        return _build_run(cfg, ds_config_path, env, spec, source, stop, quiet)
+        return _build_run(cfg, ds_config_path, env, spec, source, stop, quiet, data or {})
     except BaseException:
         stop.restore()
         raise
 
 
 def _build_run(cfg: RunConfig, ds_config_path: str, env: dist.DistEnv, spec: RunSpec, source: ModelSource,
-               stop: StopRequest, quiet: bool) -> Run:
+               stop: StopRequest, quiet: bool, data: dict) -> Run:
     import torch
     from deepspeed.accelerator import get_accelerator
 
     # 1. Checks that need no peers: each rank fails fast on its own.
     run_dir = Path(cfg.output_dir)
     check_writable(run_dir, "output_dir")
+    check_run_dir(run_dir)
+    data = {**data, "tokenizer": vocabulary_id(source.tokenizer)}
     template = read_ds_template(ds_config_path)
     plan, total_steps = spec.check(cfg, env.world_size)
     accel = get_accelerator()
@@ -239,7 +248,7 @@ def _build_run(cfg: RunConfig, ds_config_path: str, env: dist.DistEnv, spec: Run
     try:
         layout = storage_layout(run_dir, env)
         decision = checkpoint.agree(cfg.checkpoint.resume, run_dir / "checkpoints", env, host, spec.unit)
-        changes = checkpoint.check_resume(decision.point, cfg, spec.kind, env.world_size, spec.same_world)
+        changes = checkpoint.check_resume(decision.point, cfg, spec.kind, env.world_size, spec.same_world, data)
         resume_plan = checkpoint.plan_resume(decision.point, env.world_size, zero_stage(template), dtype,
                                              cfg.checkpoint.load_universal)
         check_layout(layout, cfg, resume_plan, env)
@@ -250,8 +259,11 @@ def _build_run(cfg: RunConfig, ds_config_path: str, env: dist.DistEnv, spec: Run
         ds_config["checkpoint"] = {**ds_config.get("checkpoint", {}), "use_node_local_storage": True}
     writer = env.local_rank == 0 if layout == NODE_LOCAL else env.is_main
 
-    # 3. Writes: the logs, a fresh start's clean slate, a converted checkpoint, an exported initial
-    # model, then the engine and the run dir.
+    # 3. Writes: the run directory (held: one run at a time), the logs, a fresh start's clean slate,
+    # a converted checkpoint, an exported initial model, then the engine. What describes the run
+    # (config.yaml, ds_config.json, env.json, hf_model/, metrics rewound) is written once a resume
+    # has loaded (Run.maybe_resume), so a checkpoint that fails to load leaves them as they were.
+    lock = hold_run_dir(run_dir, writer, env, host)
     logs = run_dir / "logs"
     capture_console(logs / f"rank_{env.rank}.log", logs / "train.log" if env.is_main else None, host, env.rank)
     rank_log = build_rank_log(run_dir, env.rank, host)
@@ -272,19 +284,28 @@ def _build_run(cfg: RunConfig, ds_config_path: str, env: dist.DistEnv, spec: Run
     n_params = count_params(built.model)
     engine = initialize(built.model, ds_config)
 
-    run_dir.mkdir(parents=True, exist_ok=True)
     hosts = dist.all_gather_object((env.node_rank, host))  # node rank: loopback nodes share a name
     say = print if env.is_main and not quiet else _silent
-    if env.is_main:
-        save_config(cfg, run_dir / "config.yaml")
-        write_atomic(run_dir / "ds_config.json", json.dumps(ds_config, indent=2))
-        write_atomic(run_dir / "env.json", json.dumps(env_record(env, hosts, dtype, spec.kind, layout), indent=2))
-        save_hf_metadata(source.hf_config, source.tokenizer, run_dir / "hf_model")
-        # A resumed run's metrics continue from the checkpoint; a fresh run's start afresh.
-        damaged = rewind_jsonl(run_dir / "metrics.jsonl", int(resume.state["step"]) if resume else -1)
+
+    def describe_run(start: int) -> None:
+        """config.yaml, ds_config.json, env.json, hf_model/; metrics.jsonl cut back to `start`."""
+        if not env.is_main:
+            return
+        try:
+            save_config(cfg, run_dir / "config.yaml")
+            write_atomic(run_dir / "ds_config.json", json.dumps(ds_config, indent=2))
+            write_atomic(run_dir / "env.json", json.dumps(env_record(env, hosts, dtype, spec.kind, layout),
+                                                          indent=2))
+            save_hf_metadata(source.hf_config, source.tokenizer, run_dir / "hf_model")
+            # A resumed run's metrics continue from the checkpoint; a fresh run's start afresh.
+            damaged = rewind_jsonl(run_dir / "metrics.jsonl", start)
+        except OSError as e:
+            raise UserError(f"output_dir: writing {e.filename or run_dir} failed ({e.strerror or e}); free "
+                            f"space or choose another output_dir") from None
         if damaged:
-            say(f"metrics.jsonl: dropped {damaged} damaged line(s) (a write cut short); kept the "
-                f"records before them")
+            say(f"metrics.jsonl: dropped {damaged} line(s) that do not parse (a write cut short, or damage); "
+                f"kept every other record")
+
     if decision.point is None:
         say(decision.said)
     if changes:
@@ -304,7 +325,7 @@ def _build_run(cfg: RunConfig, ds_config_path: str, env: dist.DistEnv, spec: Run
                           console_keys=spec.console_keys)
     rank_log.info(f"device {device_name}; {decision.said}")
     record = {"kind": spec.kind, "zero_stage": engine.zero_optimization_stage(), "dtype": dtype,
-              "layout": layout, "config": cfg.to_dict()}
+              "layout": layout, "config": cfg.to_dict(), "data": data}
     ranks_here = env.local_world_size if layout == NODE_LOCAL else env.world_size
     needed = checkpoint_bytes(n_params, engine.zero_optimization_stage(), dtype, env.world_size, ranks_here)
     names = dist.node_hosts()
@@ -320,7 +341,44 @@ def _build_run(cfg: RunConfig, ds_config_path: str, env: dist.DistEnv, spec: Run
                         dist.side_channel(env), env.local_rank if on_gpu else None, stop.request).start()
     return Run(cfg, env, spec, plan, run_dir, ds_config, dtype, lr, engine, source.tokenizer, n_params, fpt,
                peak_flops(device_name, cfg.log.peak_tflops) if on_gpu else None, logger, rank_log, say,
-               ckpt, stop, resume, decision.said, hosts, heartbeat, watchdog)
+               ckpt, stop, resume, decision.said, hosts, heartbeat, watchdog, describe_run, lock)
+
+
+# What a run directory holds, and of which kind: anything else under these names is in the way.
+RUN_DIR_ENTRIES = {"checkpoints": "dir", "logs": "dir", "heartbeats": "dir", "hf_model": "dir",
+                   "metrics.jsonl": "file", "results.json": "file", "config.yaml": "file",
+                   "ds_config.json": "file", "env.json": "file"}
+
+
+def check_run_dir(run_dir: Path) -> None:
+    """Names the run directory uses, taken by something of another kind (a file `checkpoints`)."""
+    wrong = [f"{name} is a {'file' if kind == 'dir' else 'directory'}" for name, kind in RUN_DIR_ENTRIES.items()
+             if (run_dir / name).exists() and (run_dir / name).is_dir() != (kind == "dir")]
+    if wrong:
+        raise UserError(f"output_dir {run_dir}: {'; '.join(wrong)}, where the run keeps its own; move "
+                        f"{'them' if len(wrong) > 1 else 'it'} away or choose another output_dir")
+
+
+def vocabulary_id(tokenizer) -> str:
+    """A short hash of the tokenizer's vocabulary: the same ids mean the same strings."""
+    import hashlib
+
+    vocab = sorted(tokenizer.get_vocab().items(), key=lambda kv: kv[1])
+    return hashlib.sha256(json.dumps(vocab).encode()).hexdigest()[:16]
+
+
+def hold_run_dir(run_dir: Path, writer: bool, env: dist.DistEnv, host: str) -> int | None:
+    """One run at a time in a run directory: each file system's writer holds its lock (the ranks
+    agree: if any writer finds it held, every rank stops)."""
+    fd, holder = None, ""
+    if writer:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        fd, holder = hold_lock(run_dir / ".ds_train.lock")
+    busy = [h for h in dist.all_gather_object(holder) if h]
+    if busy:
+        raise AgreedError(f"output_dir {run_dir} is in use by another run ({busy[0]}); wait for it to end, or "
+                          f"use another output_dir")
+    return fd
 
 
 SHARED, NODE_LOCAL = "shared", "node-local"

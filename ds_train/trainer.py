@@ -65,12 +65,19 @@ def build_inputs(cfg: RunConfig) -> tuple[Datasets, ModelSource]:
 
 def train(cfg: RunConfig, ds_config_path: str) -> dict:
     data, source = build_inputs(cfg)
-    with build_run(cfg, ds_config_path, dist.detect_env(), train_spec(cfg), source) as run:
+    identity = {"train_tokens": len(data.train.tokens), "val_tokens": len(data.val.tokens)}
+    with build_run(cfg, ds_config_path, dist.detect_env(), train_spec(cfg), source, data=identity) as run:
         run.say(f"data: {len(data.train.tokens):,} train tokens in {cfg.data.dir}")
         start = int((run.maybe_resume() or {}).get("step", 0))
         if start >= cfg.train.max_steps:  # its results stay as they were
             run.say(f"already trained to step {start} >= train.max_steps={cfg.train.max_steps}; nothing "
                     f"to do; raise train.max_steps to continue, or set another output_dir")
+            results = run.run_dir / "results.json"
+            try:
+                json.loads(results.read_text())
+            except (OSError, ValueError):
+                run.say(f"note: {results} is missing or damaged; the trained weights are whole in the checkpoint "
+                        f"of step {start}: `ds-train export {run.run_dir} --out DIR` writes a model directory")
             return {"steps": start, "run_dir": str(run.run_dir.resolve())}
         metrics = train_loop(run, data, start, cfg.train.max_steps)
         return finish(run, metrics)

@@ -32,7 +32,7 @@ def fake_tag(ckpt_dir, step, world=2, complete=True, seq=None):
             {"rank": r, "seq": seq, "files": {f: (tag_dir / f).stat().st_size for f in files}}))
     if complete:
         (tag_dir / checkpoint.STATE_FILE).write_text(json.dumps(
-            {"step": step, "world_size": world, "seq": seq, "config": {}}))
+            {"step": step, "world_size": world, "seq": seq, "zero_stage": 2, "config": {}}))
     return tag_dir.name
 
 
@@ -159,6 +159,67 @@ def test_a_fresh_run_into_a_used_directory_is_refused_and_restart_is_named(tmp_p
         checkpoint.decide("none", tmp_path, None, views([tmp_path, tmp_path]), 2)
     d = checkpoint.decide("restart", tmp_path, None, views([tmp_path, tmp_path]), 2)
     assert d.point is None and d.next_seq == 3
+
+
+def test_a_path_asked_for_must_hold_a_checkpoint_and_may_not_mix_with_this_runs_own(tmp_path):
+    """checkpoint.resume=<a directory>: nothing there is an error, not a fresh start over this run's
+    checkpoints; loading another run's while output_dir holds its own is refused (it would mix)."""
+    own, other = tmp_path / "run" / "checkpoints", tmp_path / "other"
+    other.mkdir()
+    fake_tag(own, 4)
+    with pytest.raises(UserError, match=f"checkpoint.resume: {other} holds no complete checkpoint; give a checkpoint "
+                                        f"directory or tag, or checkpoint.resume=auto"):
+        checkpoint.decide(str(other), other, None, views([other, other]), 2, own_dir=own)
+    fake_tag(other, 2)
+    mine = [checkpoint.RankView(r, 0, "h", checkpoint.scan(other, None, r, 2), own=("step_00000004",)) for r in (0, 1)]
+    with pytest.raises(UserError, match=r"output_dir's .*run/checkpoints holds checkpoints of its own "
+                                        r"\(step_00000004\); continue them with checkpoint.resume=auto"):
+        checkpoint.decide(str(other), other, None, mine, 2, own_dir=own)
+    fresh = [checkpoint.RankView(r, 0, "h", checkpoint.scan(other, None, r, 2)) for r in (0, 1)]
+    assert checkpoint.decide(str(other), other, None, fresh, 2, own_dir=own).point.tag == "step_00000002"
+
+
+def test_a_marker_without_what_a_save_writes_is_damaged_and_said(tmp_path):
+    tag = tmp_path / fake_tag(tmp_path, 4)
+    good = json.loads((tag / checkpoint.STATE_FILE).read_text())
+    for key, value in (("seq", None), ("config", None), ("zero_stage", None), ("step", "abc"), ("seq", True)):
+        broken = {k: v for k, v in good.items() if k != key} if value is None else {**good, key: value}
+        (tag / checkpoint.STATE_FILE).write_text(json.dumps(broken))
+        state, why = checkpoint.read_marker(tag)
+        assert state is None and why.startswith("ds_train_state.json is damaged") and key in why, (key, why)
+
+
+def test_a_checkpoint_of_other_data_is_refused(tmp_path):
+    from ds_train.config import ModelConfig, RunConfig
+
+    cfg = RunConfig(model=ModelConfig(config={"model_type": "llama"}))
+    state = {"step": 4, "world_size": 1, "seq": 1, "zero_stage": 2, "config": cfg.to_dict(), "kind": "train",
+             "data": {"tokenizer": "aaaa", "train_tokens": 100, "val_tokens": 10}}
+    point = checkpoint.ResumePoint(tmp_path, "step_00000004", state)
+    same = {"tokenizer": "aaaa", "train_tokens": 100, "val_tokens": 10}
+    assert checkpoint.check_resume(point, cfg, "train", 1, data=same) == []
+    with pytest.raises(UserError, match=r"the data changed since this checkpoint \(tokenizer: aaaa -> bbbb; "
+                                        r"data.dir re-prepared\?\): its weights were trained on the old token ids"):
+        checkpoint.check_resume(point, cfg, "train", 1, data={**same, "tokenizer": "bbbb"})
+
+
+def test_latest_that_is_not_text_and_files_named_like_tags_are_survived(tmp_path):
+    fake_tag(tmp_path, 2)
+    (tmp_path / "latest").write_bytes(b"\x00\xffgarbage")
+    (tmp_path / "step_00000008").write_text("a stray file, not a tag")
+    checkpoint.unmark(tmp_path, "step_00000004")  # reads `latest` without choking
+    assert checkpoint.complete_tags(tmp_path) == ["step_00000002"]
+    assert checkpoint.prunable(tmp_path, 1, "step_00000004") == ["step_00000002"]  # the file is not deleted
+    assert (tmp_path / "step_00000008").is_file()
+
+
+def test_failed_writes_name_their_cause():
+    torch_message = ("[enforce fail at inline_container.cc:747] . open file failed with strerror: No space left on "
+                     "device")
+    assert checkpoint._IO_ERROR.search(torch_message)
+    assert checkpoint._why(RuntimeError(torch_message)) == "No space left on device"
+    assert checkpoint._why(OSError(28, "No space left on device")) == "No space left on device"
+    assert not checkpoint._IO_ERROR.search("CUDA error: an illegal memory access was encountered")
 
 
 def test_a_named_tag_must_be_complete_and_a_new_world_size_needs_every_rank_in_one_place(tmp_path):
@@ -487,7 +548,7 @@ def test_fresh_finished_and_damaged_runs(tiny_data, tmp_path):
     metrics.write_text(metrics.read_text()[:-25])  # a kill in the middle of writing step 4's line
     res = single(cfg, "train.max_steps=6")
     assert res.returncode == 0, res.out[-3000:]
-    assert "metrics.jsonl: dropped 1 damaged line(s) (a write cut short)" in res.out
+    assert "metrics.jsonl: dropped 1 line(s) that do not parse (a write cut short, or damage)" in res.out
     assert f"resumed from {run / 'checkpoints' / 'step_00000004'} at step 4" in res.out
     assert sorted(metrics_by_step(run)) == [1, 2, 3, 5, 6]
 
@@ -498,12 +559,30 @@ def test_fresh_finished_and_damaged_runs(tiny_data, tmp_path):
     assert (run / "results.json").read_bytes() == results and sorted(metrics_by_step(run)) == [1, 2, 3, 5, 6]
     assert tree_listing(run / "checkpoints") == before
 
+    (run / "results.json").unlink()  # a finished run whose results went: said, the weights are whole
+    res = single(cfg, "train.max_steps=6")
+    assert res.returncode == 0 and f"note: {run / 'results.json'} is missing or damaged" in res.out
+    (run / "results.json").write_bytes(results)
+
+    args = ["train", "--config", str(cfg), "--ds-config", str(ROOT / "ds_configs" / "zero2.json")]
     listing = tree_listing(tmp_path)
-    expect_error(["train", "--config", str(cfg), "--ds-config", str(ROOT / "ds_configs" / "zero2.json"),
-                  "checkpoint.resume=none"],
+    expect_error([*args, "checkpoint.resume=none"],
                  f"checkpoint.resume=none: {run / 'checkpoints'} holds checkpoints of an earlier run "
                  f"(step_00000004, step_00000006)", "checkpoint.resume=restart")
-    assert tree_listing(tmp_path) == listing
+    (tmp_path / "elsewhere").mkdir()  # a path that holds nothing: not a fresh start over this run
+    expect_error([*args, f"checkpoint.resume={tmp_path / 'elsewhere'}"],
+                 f"checkpoint.resume: {tmp_path / 'elsewhere'} holds no complete checkpoint")
+    expect_error([*args, "seed=8"], "cannot resume with a changed seed: 7 -> 8",
+                 "start over with checkpoint.resume=restart")
+    assert tree_listing(tmp_path) == {**listing, "elsewhere": tree_listing(tmp_path)["elsewhere"]}
+
+    # a rank file of the right size with other bytes: one line, the run's records left as they were
+    rank_file = checkpoint.rank_file(run / "checkpoints" / "step_00000006", 0)
+    rank_file.write_bytes(os.urandom(rank_file.stat().st_size))
+    kept = {name: (run / name).read_bytes() for name in ("config.yaml", "metrics.jsonl", "ds_config.json")}
+    expect_error([*args, "train.max_steps=8"], f"{run / 'checkpoints' / 'step_00000006'}: cannot be loaded, a file "
+                 f"in it is damaged (UnpicklingError", "resume from an older tag")
+    assert {name: (run / name).read_bytes() for name in kept} == kept
 
     res = single(cfg, "checkpoint.resume=restart", "train.max_steps=2")
     assert res.returncode == 0 and "starting at step 0 (checkpoint.resume=restart)" in res.out
@@ -528,7 +607,7 @@ def test_no_room_for_a_checkpoint_is_one_line_and_latest_stays(tiny_data, tmp_pa
     assert "MiB free" in line
     line = expect_error([*args, "checkpoint.debug_fault=enospc:written:4"],
                         "checkpoint step_00000004: writing", "failed: No space left on device",
-                        "latest still names step_00000002")
+                        "the newest complete checkpoint is step_00000002, where a resume starts")
     assert (run / "checkpoints" / "latest").read_text() == "step_00000002"
     assert agreed_tag(run / "checkpoints") == "step_00000002"
 

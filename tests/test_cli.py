@@ -119,6 +119,24 @@ def test_debug_shows_the_traceback(tmp_path):
     assert res.returncode != 0 and "Traceback" in res.out and "UserError" in res.out
 
 
+@pytest.mark.parametrize("argv, needle", [
+    (["train", "--ds-config", "x"], "train needs --config and --ds-config (see `ds-train train --help`)"),
+    (["train", "--config", "c", "--ds-config", "d", "--bogus"], "unrecognized arguments: --bogus"),
+    (["trian"], "invalid choice: 'trian'"),
+    (["convert", "--to", "zip", "x"], "argument --to: invalid choice: 'zip' (choose from 'universal') (see "
+                                      "`ds-train convert --help`)"),
+    (["slurm", "--nodes", "x", "--gpus-per-node", "1", "--", "train"], "argument --nodes: invalid int value: 'x'"),
+])
+def test_command_line_mistakes_are_one_line_too(capsys, run_dir, argv, needle):
+    """argparse's own errors: one `ds-train: error:` line pointing at --help, no usage block."""
+    expect_error(capsys, run_dir, argv, needle)
+
+
+def test_debug_goes_before_or_after_the_command(tmp_path):
+    res = ds_train("train", "--debug", "--config", str(tmp_path / "missing.yaml"), "--ds-config", ZERO0, timeout=120)
+    assert res.returncode == 2 and "Traceback" in res.out and "UserError" in res.out
+
+
 def test_help_config_lists_every_key(capsys):
     from ds_train.configfile import all_keys
 

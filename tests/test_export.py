@@ -198,7 +198,7 @@ def fake_tag(ckpt_dir, step, complete=True):
         {"rank": 0, "seq": step, "files": {checkpoint.rank_file(tag_dir, 0).name: 1}}))
     if complete:
         (tag_dir / checkpoint.STATE_FILE).write_text(json.dumps(
-            {"step": step, "world_size": 1, "zero_stage": 2, "seq": step}))
+            {"step": step, "world_size": 1, "zero_stage": 2, "seq": step, "config": {}}))
     return tag_dir
 
 
@@ -217,7 +217,8 @@ def test_bad_sources_name_the_path_and_the_fix(tmp_path):
     # as checkpoint.convert_to_universal marks its output
     universal = shutil.copytree(step8, step8.with_name("step_00000008_universal"))
     (universal / checkpoint.STATE_FILE).write_text(json.dumps(
-        {"step": 8, "world_size": 0, "zero_stage": 2, "universal": True, "source_tag": "step_00000008"}))
+        {"step": 8, "world_size": 0, "zero_stage": 2, "seq": 8, "config": {}, "universal": True,
+         "source_tag": "step_00000008"}))
     with pytest.raises(UserError, match=r"universal checkpoint .*; export '.*/step_00000008' instead"):
         export(universal, tmp_path / "out")
     assert not (tmp_path / "out").exists()

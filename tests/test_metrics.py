@@ -178,3 +178,16 @@ def test_rewind_keeps_records_up_to_the_step_and_drops_a_line_cut_short(tmp_path
     assert path.read_text() == '{"step": 1, "loss": 5.0}\n{"step": 2, "loss": 4.0}\n'
     assert rewind_jsonl(path, -1) == 0 and path.read_text() == ""  # a fresh run starts afresh
     assert rewind_jsonl(tmp_path / "absent.jsonl", 3) == 0
+
+
+def test_a_metrics_write_that_fails_is_one_line_naming_the_file():
+    from pathlib import Path
+
+    from ds_train.errors import UserError
+    from ds_train.metrics import JsonlLogger
+
+    logger = JsonlLogger(Path("/dev/full"))  # every write: ENOSPC
+    with pytest.raises(UserError, match=r"/dev/full: writing step 3's metrics failed \(No space left on device\); "
+                                        r"free space and launch again"):
+        logger.log({"train/loss": 1.0}, 3)
+    logger.close()

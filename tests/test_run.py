@@ -72,3 +72,30 @@ def test_host_table_is_keyed_by_node_rank():
     assert host_table([(0, "a"), (1, "b")]) == "hosts: node0 a -> ranks 0; node1 b -> ranks 1"
     assert nodes([(1, "b"), (0, "a")]) == [{"node": 0, "host": "a", "ranks": [1]},
                                            {"node": 1, "host": "b", "ranks": [0]}]
+
+
+def test_names_the_run_uses_taken_by_the_wrong_kind_are_refused(tmp_path):
+    from ds_train.errors import UserError
+    from ds_train.run import check_run_dir
+
+    check_run_dir(tmp_path / "nothing yet")
+    (tmp_path / "checkpoints").write_text("x")
+    (tmp_path / "metrics.jsonl").mkdir()
+    with pytest.raises(UserError, match=r"checkpoints is a file; metrics.jsonl is a directory, where the run keeps "
+                                        r"its own; move them away or choose another output_dir"):
+        check_run_dir(tmp_path)
+
+
+def test_one_run_at_a_time_holds_the_run_directory(tmp_path):
+    import os
+
+    from ds_train.fs import hold_lock
+
+    fd, holder = hold_lock(tmp_path / ".ds_train.lock")
+    assert fd is not None and holder == ""
+    again, holder = hold_lock(tmp_path / ".ds_train.lock")  # another open file: as another process
+    assert again is None and holder.startswith(f"pid {os.getpid()} on ")
+    os.close(fd)
+    fd, holder = hold_lock(tmp_path / ".ds_train.lock")
+    assert fd is not None
+    os.close(fd)

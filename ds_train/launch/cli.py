@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 from typing import Callable
 
-from ds_train.errors import UserError
+from ds_train.errors import OneLineParser, UserError
 from ds_train.fs import write_atomic
 
 # DeepSpeed's runner default (deepspeed.constants.TORCH_DISTRIBUTED_DEFAULT_PORT).
@@ -44,7 +44,7 @@ def add_subcommands(sub, check_command: CheckCommand, plan_memory: PlanMemory) -
 
 
 def _launch_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = OneLineParser(
         prog="ds-train launch", allow_abbrev=False,
         usage="ds-train launch --hostfile H [--check] [deepspeed launcher flags] -- {train,ript} --config C "
               "--ds-config D [key=value ...]",
@@ -249,7 +249,7 @@ def final_line(run_dir: Path, code: int, since: float) -> str | None:
 
 
 def _slurm_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = OneLineParser(
         prog="ds-train slurm", allow_abbrev=False,
         usage="ds-train slurm --nodes N --gpus-per-node G [options] [srun flags] -- {train,ript} "
               "--config C --ds-config D [key=value ...]",
