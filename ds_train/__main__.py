@@ -106,7 +106,8 @@ def cmd_prepare(args) -> int:
         d, out = cfg.data, cfg.data.dir
         # The tokenizer `train` will check the data against: data.tokenizer, else model.path's.
         tokenizer = d.tokenizer or (str(locate_model(cfg.model.path)[0]) if cfg.model.path else "")
-        prepare(d.sources, d.dir, tokenizer, d.vocab_size, d.val_fraction, d.text_key, GENERATED_SOURCES)
+        prepare(d.sources, d.dir, tokenizer, d.vocab_size, d.val_fraction, d.text_key, GENERATED_SOURCES,
+                overwrite=args.overwrite)
     else:
         if not args.sources or not args.out:
             raise UserError("prepare: give SOURCE... --out DIR, or --config C (uses its data section)")
@@ -114,7 +115,7 @@ def cmd_prepare(args) -> int:
             raise UserError("prepare: key=value overrides need --config")
         out = args.out
         prepare(args.sources, out, args.tokenizer, args.vocab_size, args.val_fraction, args.text_key,
-                GENERATED_SOURCES)
+                GENERATED_SOURCES, overwrite=args.overwrite)
     meta = load_meta(out)
     print(f"wrote {out}/train.bin ({meta['train_tokens']:,} tokens), val.bin "
           f"({meta['val_tokens']:,} tokens), meta.json; vocab {meta['vocab_size']} ({meta['dtype']}); "
@@ -242,6 +243,7 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--val-fraction", type=float, default=0.02, help="documents held out (default 0.02)")
     pr.add_argument("--text-key", default="text", help="JSONL text field (default text)")
     pr.add_argument("--config", help="take the data section of this run config instead")
+    pr.add_argument("--overwrite", action="store_true", help="replace the prepared data already in --out")
     pr.add_argument("overrides", nargs="*", metavar="key=value", default=[])
     pr.set_defaults(func=cmd_prepare)
     c = sub.add_parser("convert", help="convert a checkpoint with DeepSpeed's ds_to_universal",

@@ -43,6 +43,9 @@ class ModelConfig:
                         "or model.config (an architecture to train from scratch)")
         if self.config and "model_type" not in self.config:
             errs.append("model.config: missing `model_type` (for example `model_type: llama`)")
+        elif self.config and not isinstance(self.config["model_type"], str):
+            errs.append(f"model.config.model_type: {self.config['model_type']!r} must be a string (for "
+                        f"example `model_type: llama`)")
         if self.path and not Path(self.path).is_dir():
             errs.append(f"model.path: {self.path!r} is not a directory (the hub is not reachable; "
                         "point it at a local model directory)")
@@ -65,6 +68,9 @@ class DataConfig:
 
     def check(self) -> list[str]:
         errs = []
+        if not self.dir.strip():
+            errs.append("data.dir: must not be empty (it would prepare into the current directory); give "
+                        "the directory that holds or will hold train.bin, val.bin and meta.json")
         if not 0 < self.val_fraction < 1:
             errs.append(f"data.val_fraction: {self.val_fraction} must be between 0 and 1")
         if self.vocab_size < 260:

@@ -30,8 +30,44 @@ _Loader.add_implicit_resolver(
     list("-+0123456789."))
 
 
+class DuplicateKey(yaml.YAMLError):
+    """A mapping that gives one key twice: YAML keeps the last silently, we refuse it."""
+
+    def __init__(self, key: str, first_line: int, second_line: int):
+        super().__init__(f"duplicate key {key!r} at lines {first_line} and {second_line}")
+        self.key, self.lines = key, (first_line, second_line)
+
+
+def _check_duplicates(node: yaml.Node, prefix: str = "") -> None:
+    """Raise DuplicateKey for the first key given twice in one mapping, anywhere in the document
+    (`<<` merge keys are YAML's own way to repeat keys and are left alone)."""
+    if isinstance(node, yaml.MappingNode):
+        seen: dict[str, int] = {}
+        for key_node, value_node in node.value:
+            if isinstance(key_node, yaml.ScalarNode) and key_node.tag != "tag:yaml.org,2002:merge":
+                key, line = f"{prefix}{key_node.value}", key_node.start_mark.line + 1
+                if key in seen:
+                    raise DuplicateKey(key, seen[key], line)
+                seen[key] = line
+                _check_duplicates(value_node, f"{key}.")
+            else:
+                _check_duplicates(value_node, prefix)
+    elif isinstance(node, yaml.SequenceNode):
+        for i, item in enumerate(node.value):
+            _check_duplicates(item, f"{prefix.rstrip('.')}[{i}].")
+
+
 def yaml_load(text: str):
-    return yaml.load(text, Loader=_Loader)
+    """Like yaml.safe_load (plus YAML 1.2 floats); a key given twice in a mapping is DuplicateKey."""
+    loader = _Loader(text)
+    try:
+        node = loader.get_single_node()
+        if node is None:
+            return None
+        _check_duplicates(node)
+        return loader.construct_document(node)
+    finally:
+        loader.dispose()
 
 
 def _hints(cls) -> dict:
@@ -161,19 +197,42 @@ def parse_overrides(items: list[str]) -> list[tuple[str, Any]]:
     return out
 
 
-def read_yaml(path: str | Path) -> dict:
-    """Load a YAML mapping; a syntax error names the file and line."""
-    path = Path(path)
+def read_text(path: Path, what: str, flag: str) -> str:
+    """A UTF-8 text file given on the command line (`flag`); one line naming it when it is missing,
+    a directory, unreadable or not UTF-8."""
+    if path.is_dir():
+        raise UserError(f"{flag}: {str(path)!r} is a directory, not a {what}; give the file itself")
     if not path.is_file():
-        raise UserError(f"{path}: config file not found")
+        raise UserError(f"{path}: {what} not found")
     try:
-        raw = yaml_load(path.read_text())
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        line = e.object[:e.start].count(b"\n") + 1
+        raise UserError(f"{path}: not UTF-8 text (byte 0x{e.object[e.start]:02x} on line {line}); save the "
+                        f"{what} as UTF-8") from None
+    except OSError as e:
+        raise UserError(f"{path}: cannot read the {what}: {e.strerror or e}") from None
+
+
+def read_yaml(path: str | Path) -> dict:
+    """Load a YAML mapping; a syntax error or a key given twice names the file and line."""
+    path = Path(path)
+    text = read_text(path, "config file", "--config")
+    try:
+        raw = yaml_load(text)
+    except DuplicateKey as e:
+        first, second = e.lines
+        raise UserError(f"{path}: {e.key!r} is given twice, at lines {first} and {second} (YAML would keep "
+                        f"only the second); remove one of them") from None
     except yaml.MarkedYAMLError as e:
         mark = e.problem_mark
         where = f"line {mark.line + 1}, column {mark.column + 1}" if mark else "?"
         raise UserError(f"{path}: invalid YAML at {where}: {e.problem}") from None
+    except yaml.reader.ReaderError as e:  # a control character YAML does not allow
+        raise UserError(f"{path}: invalid YAML: character #x{e.character:04x} at offset {e.position} is not "
+                        f"allowed in YAML; remove it") from None
     except yaml.YAMLError as e:
-        raise UserError(f"{path}: invalid YAML: {e}") from None
+        raise UserError(f"{path}: invalid YAML: {' '.join(str(e).split())}") from None
     if raw is None:
         return {}
     if not isinstance(raw, dict):
@@ -182,26 +241,51 @@ def read_yaml(path: str | Path) -> dict:
 
 
 def load_config(path: str | Path | None, overrides: list[str] = ()) -> RunConfig:
-    """YAML file (optional) + `key=value` overrides -> validated, frozen RunConfig."""
+    """YAML file (optional) + `key=value` overrides -> validated, frozen RunConfig. A problem with a
+    value given on the command line names the override, not the file."""
     raw = read_yaml(path) if path else {}
-    unknown = []
-    for key, value in parse_overrides(list(overrides)):
+    unknown, given = [], {}
+    for item, (key, value) in zip(overrides, parse_overrides(list(overrides))):
         if not key.startswith("model.config.") and key not in all_keys():
             unknown.append(f"override {key!r}: unknown key{_suggest(key)}")
         _set_dotted(raw, key, value)
+        given[key] = (item.partition("=")[2], value)
     if unknown:
         raise UserError("; ".join(unknown))
-    return build_config(raw, source=str(path) if path else "overrides")
+    return build_config(raw, source=str(path) if path else "overrides", overrides=given)
 
 
-def build_config(raw: dict, source: str = "config") -> RunConfig:
+def _blame(err: str, overrides: dict[str, tuple[str, Any]]) -> str | None:
+    """`override KEY=TEXT: problem` when `err` ("KEY: VALUE problem") is about an override's value,
+    else None (the value came from the file or is a default)."""
+    for key, (text, value) in overrides.items():
+        if err.startswith(f"{key}: "):
+            problem = err[len(key) + 2:]
+            as_float = [repr(float(value))] if type(value) is int else []  # an int given for a float field
+            for shown in dict.fromkeys((repr(value), str(value), text, *as_float)):
+                if shown and problem.startswith(f"{shown} "):
+                    problem = problem[len(shown) + 1:]
+                    break
+            return f"override {key}={text}: {problem}"
+    return None
+
+
+def build_config(raw: dict, source: str = "config",
+                 overrides: dict[str, tuple[str, Any]] | None = None) -> RunConfig:
+    """`raw` -> RunConfig, every problem reported at once. A problem with one of `overrides` (key ->
+    (text as given, value)) is blamed on the override, the others on `source`."""
     errs: list[str] = []
     cfg = _build(RunConfig, raw, "", errs)
     errs += cfg.check()  # fields with a type error kept their default, so these checks still run
-    if errs:
-        raise UserError(f"{source}: " + "; ".join(errs) if len(errs) == 1 else
-                        f"{source}: {len(errs)} problems:\n  " + "\n  ".join(errs))
-    return cfg
+    if not errs:
+        return cfg
+    blamed = [_blame(err, overrides or {}) for err in errs]
+    if len(errs) == 1:
+        raise UserError(blamed[0] or f"{source}: {errs[0]}")
+    on_source, on_overrides = None in blamed, any(blamed)
+    header = (f"{source} and overrides" if on_source and on_overrides and source != "overrides"
+              else source if on_source else "overrides")
+    raise UserError(f"{header}: {len(errs)} problems: " + "; ".join(b or e for e, b in zip(errs, blamed)))
 
 
 def save_config(cfg: RunConfig, path: Path) -> None:

@@ -20,7 +20,7 @@ from typing import Callable, Iterator, Mapping
 import numpy as np
 
 from ds_train.errors import UserError
-from ds_train.fs import file_lock, replacing, write_atomic
+from ds_train.fs import check_writable, file_lock, replacing, write_atomic
 
 STDLIB = "python-stdlib"
 # A generated source `name:arg` (for instance `ript-demos:32`): the caller maps each name to a
@@ -53,22 +53,69 @@ def _is_text_file(path: Path) -> bool:
     return path.suffix == ".jsonl" or path.suffix in TEXT_SUFFIXES or not path.suffix
 
 
+DIRECTORY_FILES = (f"files named *{', *'.join(sorted(TEXT_SUFFIXES | {'.jsonl'}))} or without a suffix; "
+                   f"hidden files and directories are skipped")
+
+
 def _source_files(source: str) -> list[tuple[str, Path]]:
-    """(name relative to the source, path) of each file a path source contributes, in order.
+    """(name relative to the source, path) of each file a path source contributes, in order: a file
+    named in data.sources whatever its suffix; in a directory, the DIRECTORY_FILES. Every one must
+    be UTF-8 text (_read_text).
 
     Names, not paths, decide the train/val split, which must not depend on where the corpus sits.
     """
     path = Path(source)
     if not path.exists():
-        raise UserError(f"data.sources: {source!r} does not exist")
+        raise UserError(f"data.sources: {source!r} does not exist; correct the path or remove it from "
+                        f"data.sources")
     if not path.is_dir():
-        return [(path.name, path)] if _is_text_file(path) else []
-    return [(str(p.relative_to(path)), p) for p in sorted(path.rglob("*")) if p.is_file() and _is_text_file(p)]
+        return [(path.name, path)]
+    files = (p for p in sorted(path.rglob("*")) if p.is_file() and _is_text_file(p))
+    return [(str(p.relative_to(path)), p) for p in files
+            if not any(part.startswith(".") for part in p.relative_to(path).parts)]
+
+
+def _read_text(path: Path, source: str) -> str:
+    """A source file's text: UTF-8 without NUL bytes, else one line naming the file and the fix (a
+    binary file in a source directory would otherwise be tokenised as replacement characters)."""
+    data = path.read_bytes()
+    why = f"a NUL byte at offset {data.index(0)}" if 0 in data else ""
+    if not why:
+        try:
+            return data.decode("utf-8")
+        except UnicodeDecodeError as e:
+            why = f"byte 0x{data[e.start]:02x} at offset {e.start} is not UTF-8"
+    if Path(source).is_dir():
+        fix = f"remove it from {source!r}, or list only its text files in data.sources"
+    else:
+        fix = "convert it to UTF-8 or remove it from data.sources"
+    raise UserError(f"data.sources: {str(path)!r} is not UTF-8 text ({why}: a binary file?); {fix}")
 
 
 def _stdlib_files() -> list[tuple[str, Path]]:
     root = Path(sysconfig.get_paths()["stdlib"])
     return [(str(p.relative_to(root)), p) for p in python_stdlib_files()]
+
+
+def _check_source_files(sources: list[str], generators: Generators) -> None:
+    """Every path source exists and contributes a file."""
+    for i, source in enumerate(sources):
+        if source != STDLIB and source.partition(":")[0] not in generators and not _source_files(source):
+            raise UserError(f"data.sources[{i}]: {source!r} holds no text documents (a directory source "
+                            f"reads {DIRECTORY_FILES}); remove it from data.sources or add text files")
+
+
+def _no_documents(sources: list[str]) -> UserError:
+    return UserError(f"data.sources: {sources} hold no text documents (every file or record is empty); add "
+                     f"text to them or name other sources")
+
+
+def check_sources(sources: list[str], text_key: str = "text", generators: Generators = {}) -> None:
+    """Every source exists and every document reads (UTF-8 text, JSONL records with a text field),
+    and there is one at least: checked before anything is written, so a bad source leaves nothing."""
+    _check_source_files(sources, generators)
+    if sum(1 for _ in iter_documents(sources, text_key, generators)) == 0:  # reads them all
+        raise _no_documents(sources)
 
 
 def iter_documents(sources: list[str], text_key: str = "text",
@@ -86,10 +133,11 @@ def _documents(sources: list[str], text_key: str, generators: Generators) -> Ite
             yield from generators[name](arg)
             continue
         for rel, p in _stdlib_files() if source == STDLIB else _source_files(source):
+            text = _read_text(p, source)
             if p.suffix != ".jsonl":
-                yield rel, p.read_text(errors="replace")
+                yield rel, text
                 continue
-            for lineno, line in enumerate(p.read_text().splitlines(), 1):
+            for lineno, line in enumerate(text.splitlines(), 1):
                 if not line.strip():
                     continue
                 try:
@@ -187,6 +235,13 @@ def fingerprint_differences(recorded: dict | None, current: dict,
     readable phrase each; empty when they are the same."""
     if not isinstance(recorded, dict) or recorded.get("version") != FINGERPRINT_VERSION:
         return [NO_RECORD]
+    try:
+        return _differences(recorded, current, sha256)
+    except (KeyError, TypeError, AttributeError, IndexError):  # a record edited or cut short
+        return ["meta.json's record of its inputs is damaged"]
+
+
+def _differences(recorded: dict, current: dict, sha256: Callable[[Path], str]) -> list[str]:
     diffs = []
     old_sources, new_sources = recorded["sources"], current["sources"]
     for i in range(max(len(old_sources), len(new_sources))):
@@ -252,41 +307,103 @@ def train_tokenizer(texts: list[str], vocab_size: int, out_dir: Path):
     return fast
 
 
+def _is_prepared_tokenizer(path: Path) -> bool:
+    """`path` is the BPE `prepare` trained into a data directory (data.dir/tokenizer)."""
+    return path.name == "tokenizer" and (path.parent / "meta.json").is_file()
+
+
+def _tokenizer_fix(path: Path) -> str:
+    """How to repair the tokenizer directory `path`: it is a prepared data.dir's own, a model
+    directory's, or one given as data.tokenizer."""
+    if _is_prepared_tokenizer(path):
+        return (f"it is the tokenizer `ds-train prepare` trained into {str(path.parent)!r}: prepare that "
+                f"directory again (data.reprepare=true with data.sources, or `ds-train prepare --overwrite`)")
+    if (path / "config.json").is_file():
+        return "re-export or re-download the model directory"
+    return "save the tokenizer there again (save_pretrained), or point data.tokenizer at another one"
+
+
+def _tokenizer_file_problem(path: Path) -> str:
+    """The first tokenizer JSON file in `path` that is not a UTF-8 JSON object, as `FILE is ...`."""
+    for name in (*[n for n in TOKENIZER_FILES if n.endswith(".json")], "config.json"):
+        file = path / name
+        if not file.is_file():
+            continue
+        try:
+            value = json.loads(file.read_bytes().decode("utf-8"))
+        except UnicodeDecodeError:
+            return f"{str(file)!r} is not UTF-8 text"
+        except json.JSONDecodeError as e:
+            return f"{str(file)!r} is not valid JSON (line {e.lineno}, column {e.colno}: {e.msg})"
+        if not isinstance(value, dict):
+            return f"{str(file)!r} is not a JSON object"
+    return ""
+
+
 def load_tokenizer(path: str | Path):
+    """The Hugging Face tokenizer in directory `path`; one line naming the file and the fix when it
+    cannot be loaded."""
+    from huggingface_hub.errors import StrictDataclassError  # transformers' config validators
     from transformers import AutoTokenizer
 
     path = Path(path)
     if not path.is_dir():
-        raise UserError(f"tokenizer: {str(path)!r} is not a directory")
+        fix = (_tokenizer_fix(path) if _is_prepared_tokenizer(path) else
+               "point data.tokenizer (or model.path) at a tokenizer directory")
+        raise UserError(f"tokenizer: {str(path)!r} is not a directory; {fix}")
+    problem = _tokenizer_file_problem(path)
+    if problem:
+        raise UserError(f"tokenizer: {problem}; {_tokenizer_fix(path)}")
     try:
         return AutoTokenizer.from_pretrained(str(path))
-    except (OSError, ValueError) as e:
-        raise UserError(f"tokenizer: cannot load {str(path)!r}: {str(e).splitlines()[0]}") from None
+    except (OSError, ValueError, TypeError, KeyError, AttributeError, StrictDataclassError) as e:
+        said = " ".join(f"{type(e).__name__}: {e}".split())
+        said = said if len(said) <= 200 else said[:200] + "..."
+        raise UserError(f"tokenizer: cannot load {str(path)!r} ({said}); {_tokenizer_fix(path)}") from None
 
 
 def _is_val(name: str, val_fraction: float) -> bool:
     return zlib.crc32(name.encode()) % 10_000 < val_fraction * 10_000
 
 
+PREPARED = ("meta.json", "train.bin", "val.bin", "tokenizer")  # what prepare writes into out_dir
+OUT_KEY = "--out (data.dir)"
+
+
 def prepare(sources: list[str], out_dir: str | Path, tokenizer: str = "", vocab_size: int = 4096,
-            val_fraction: float = 0.02, text_key: str = "text", generators: Generators = {}) -> dict:
-    """Tokenise `sources` into out_dir/{train,val}.bin and meta.json (written last: the done marker)."""
+            val_fraction: float = 0.02, text_key: str = "text", generators: Generators = {},
+            overwrite: bool = False) -> dict:
+    """Tokenise `sources` into out_dir/{train,val}.bin and meta.json (written last: the done marker).
+
+    Every input is checked before the first write; an out_dir that already holds prepared data is
+    refused unless `overwrite`."""
     out = Path(out_dir)
+    held = [name for name in PREPARED if (out / name).exists()]
+    if held and not overwrite:
+        raise UserError(f"prepare: {str(out)!r} already holds prepared data ({', '.join(held)}); give "
+                        f"another {OUT_KEY}, or --overwrite to replace it")
+    check_writable(out, OUT_KEY)
+    _check_source_files(sources, generators)
+    tok = load_tokenizer(tokenizer) if tokenizer else None
     # Taken before the sources are read: a file edited meanwhile then differs from the record.
     fingerprint = input_fingerprint(sources, tokenizer, vocab_size, val_fraction, text_key, generators)
-    docs = list(iter_documents(sources, text_key, generators))
+    docs = list(iter_documents(sources, text_key, generators))  # every document read before any write
     if not docs:
-        raise UserError(f"data.sources: {sources} hold no text documents")
+        raise _no_documents(sources)
     out.mkdir(parents=True, exist_ok=True)
     val_docs = [t for n, t in docs if _is_val(n, val_fraction)]
     train_docs = [t for n, t in docs if not _is_val(n, val_fraction)]
     if not val_docs or not train_docs:  # too few documents for a hashed split: hold out the last one
         train_docs, val_docs = [t for _, t in docs[:-1]] or [docs[0][1]], [docs[-1][1]]
-    if tokenizer:
-        tok, tok_dir = load_tokenizer(tokenizer), Path(tokenizer).resolve()
+    if tok is not None:
+        tok_dir = Path(tokenizer).resolve()
     else:
         tok_dir = (out / "tokenizer").resolve()
         tok = train_tokenizer(train_docs, vocab_size, tok_dir)
+        if len(tok) < vocab_size:
+            print(f"note: the BPE trained on {len(train_docs)} document(s) has {len(tok)} tokens, fewer than "
+                  f"the {vocab_size} asked for (data.vocab_size, --vocab-size): the corpus has no more "
+                  f"merges to learn; a model built from this data gets vocab_size {len(tok)}")
     vocab = len(tok)
     dtype = np.uint16 if vocab <= 2**16 else np.uint32
     eos = tok.eos_token_id
@@ -318,46 +435,102 @@ def ensure_prepared(data_dir: str | Path, sources: list[str], tokenizer: str, vo
     settings) stops the run, or is prepared again (reprepare). Without, data.dir is used as it is.
     """
     data_dir = Path(data_dir)
+    _check_is_dir(data_dir)
+
     meta_path = data_dir / "meta.json"
 
-    def differences() -> list[str]:
-        current = input_fingerprint(sources, tokenizer, vocab_size, val_fraction, text_key, generators,
-                                    hashed=False)
-        return fingerprint_differences(_read_meta_json(data_dir).get("fingerprint"), current)
+    def problem() -> str:
+        """Why the prepared data.dir cannot be used as it is ("" when it can): damaged (meta.json,
+        the .bin files, its own tokenizer) or, with sources, prepared from other inputs."""
+        try:
+            if sources:
+                current = input_fingerprint(sources, tokenizer, vocab_size, val_fraction, text_key,
+                                            generators, hashed=False)
+                diffs = fingerprint_differences(_read_meta_json(data_dir).get("fingerprint"), current)
+                if diffs:
+                    return _inputs_changed(data_dir, diffs)
+            own = data_dir / _read_meta(data_dir)["tokenizer"]  # reads, never waits for the lock
+            if not tokenizer and own.resolve().parent == data_dir.resolve():  # the BPE prepare trained
+                load_tokenizer(own)
+        except UserError as e:
+            return str(e)
+        return ""
 
     if meta_path.is_file():
-        if not sources:
+        why = problem()
+        if not why:
             return load_meta(data_dir)
-        diffs = differences()
-        if not diffs:
-            return load_meta(data_dir)
-        if not reprepare:
-            raise UserError(_inputs_changed(data_dir, diffs))
+        if not (sources and reprepare):
+            raise UserError(why)
     elif not sources:
         raise UserError(f"data.dir: {str(data_dir)!r} has no meta.json and data.sources is empty; "
                         f"run `ds-train prepare` or set data.sources")
+    # Checked before the lock file is made: a bad source, tokenizer or data.dir leaves nothing behind.
+    _check_can_prepare(data_dir)
+    check_sources(sources, text_key, generators)
+    if tokenizer:
+        load_tokenizer(tokenizer)
     with file_lock(data_dir / ".prepare.lock"):
-        if not meta_path.is_file() or differences():  # another rank may have prepared it meanwhile
-            prepare(sources, data_dir, tokenizer, vocab_size, val_fraction, text_key, generators)
+        if not meta_path.is_file() or problem():  # another rank may have prepared it meanwhile
+            prepare(sources, data_dir, tokenizer, vocab_size, val_fraction, text_key, generators,
+                    overwrite=True)
     return load_meta(data_dir)
+
+
+def _check_can_prepare(data_dir: Path) -> None:
+    """data.dir is, or can be made as, a writable directory. Only its nearest existing ancestor is
+    checked: check_writable would create and remove data.dir itself, under another rank's lock."""
+    existing = next(p for p in (data_dir.absolute(), *data_dir.absolute().parents) if p.exists())
+    try:
+        check_writable(existing, "data.dir")  # an existing directory: check_writable makes nothing
+    except UserError as e:
+        if existing == data_dir.absolute():
+            raise
+        why = str(e).removeprefix("data.dir: ")
+        raise UserError(f"data.dir: {str(data_dir)!r} cannot be created: {why}") from None
+
+
+def _check_is_dir(data_dir: Path) -> None:
+    if data_dir.exists() and not data_dir.is_dir():
+        raise UserError(f"data.dir: {str(data_dir)!r} is a file, not a directory; point data.dir at the "
+                        f"directory that holds (or will hold) train.bin, val.bin and meta.json")
 
 
 # --- reading prepared data -----------------------------------------------------------------------
 
 SPLITS = ("train", "val")
 DTYPES = {"uint16": 2**16, "uint32": 2**32}  # dtype -> ids it can hold
-META_KEYS = ("vocab_size", "dtype", "tokenizer", "train_tokens", "val_tokens")
-PREPARE_AGAIN = "prepare it again with `ds-train prepare`"
+PREPARE_AGAIN = "prepare it again (data.reprepare=true with data.sources, or `ds-train prepare --overwrite`)"
+# meta.json fields: (what a valid value is, the test); optional ones are checked when present.
+META_FIELDS = {
+    "vocab_size": ("a positive integer", lambda v: _whole(v) and v > 0),
+    "dtype": ("uint16 or uint32", lambda v: isinstance(v, str) and v in DTYPES),
+    "tokenizer": ("a directory name", lambda v: isinstance(v, str) and bool(v)),
+    "train_tokens": ("a token count (an integer >= 0)", lambda v: _whole(v) and v >= 0),
+    "val_tokens": ("a token count (an integer >= 0)", lambda v: _whole(v) and v >= 0),
+}
+OPTIONAL_META_FIELDS = {
+    "eos_token_id": ("a token id (an integer >= 0)", lambda v: _whole(v) and v >= 0),
+    "max_token_id": ("a token id (an integer)", lambda v: _whole(v)),
+    "scan": ("a mapping", lambda v: isinstance(v, dict)),
+}
+
+
+def _whole(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _read_meta_json(data_dir: Path) -> dict:
+    _check_is_dir(data_dir)
     path = data_dir / "meta.json"
     if not path.is_file():
         raise UserError(f"data.dir: {str(data_dir)!r} has no meta.json; run `ds-train prepare` first")
     try:
-        meta = json.loads(path.read_text())
+        meta = json.loads(path.read_bytes().decode("utf-8"))
+    except UnicodeDecodeError:
+        raise UserError(f"{path}: not UTF-8 text (damaged); {PREPARE_AGAIN}") from None
     except json.JSONDecodeError as e:
-        raise UserError(f"{path}: invalid JSON at line {e.lineno}: {e.msg}") from None
+        raise UserError(f"{path}: invalid JSON at line {e.lineno}: {e.msg}; {PREPARE_AGAIN}") from None
     if not isinstance(meta, dict):
         raise UserError(f"{path}: expected a JSON object; {PREPARE_AGAIN}")
     return meta
@@ -366,20 +539,20 @@ def _read_meta_json(data_dir: Path) -> dict:
 def _read_meta(data_dir: Path) -> dict:
     """meta.json as written, checked against the .bin files it describes. Writes nothing."""
     meta = _read_meta_json(data_dir)
-    missing = [k for k in META_KEYS if k not in meta]
+    missing = [k for k in META_FIELDS if k not in meta]
     if missing:
         raise UserError(f"{data_dir / 'meta.json'}: missing {', '.join(map(repr, missing))}; {PREPARE_AGAIN}")
+    for key, (valid, ok) in {**META_FIELDS, **OPTIONAL_META_FIELDS}.items():
+        if key in meta and not ok(meta[key]):
+            raise UserError(f"{data_dir / 'meta.json'}: {key!r} is {meta[key]!r}, not {valid}; "
+                            f"{PREPARE_AGAIN}")
     dtype, vocab = meta["dtype"], meta["vocab_size"]
-    if dtype not in DTYPES:
-        raise UserError(f"data.dir {str(data_dir)!r}: meta.json dtype {dtype!r} is not uint16 or uint32; "
-                        f"{PREPARE_AGAIN}")
     if vocab > DTYPES[dtype]:
         raise UserError(f"data.dir {str(data_dir)!r}: meta.json dtype {dtype} cannot hold vocab_size {vocab} "
                         f"(ids below {DTYPES[dtype]}); {PREPARE_AGAIN}")
     for split in SPLITS:
         if not (data_dir / f"{split}.bin").is_file():
-            raise UserError(f"data.dir: {str(data_dir / f'{split}.bin')!r} is missing; "
-                            f"run `ds-train prepare` again")
+            raise UserError(f"data.dir: {str(data_dir / f'{split}.bin')!r} is missing; {PREPARE_AGAIN}")
     itemsize = np.dtype(dtype).itemsize
     for split in SPLITS:
         size, tokens = (data_dir / f"{split}.bin").stat().st_size, meta[f"{split}_tokens"]
@@ -405,7 +578,8 @@ def _scans(data_dir: Path, meta: dict, rescan: bool) -> dict | None:
     for split in SPLITS:
         path = data_dir / f"{split}.bin"
         st, rec = path.stat(), meta.get("scan", {}).get(split)
-        if not (isinstance(rec, dict) and rec.get("size") == st.st_size and rec.get("mtime_ns") == st.st_mtime_ns):
+        if not (isinstance(rec, dict) and rec.get("size") == st.st_size
+                and rec.get("mtime_ns") == st.st_mtime_ns and _whole(rec.get("max_token_id"))):
             if not rescan:
                 return None
             rec = {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "max_token_id": max_token_id(path, meta["dtype"])}

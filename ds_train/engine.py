@@ -50,11 +50,21 @@ def _owned(cfg: RunConfig, plan: BatchPlan, dtype: str) -> dict[tuple, tuple[str
 
 
 def read_ds_template(path: str | Path) -> dict:
+    """The DeepSpeed JSON given as --ds-config; one line naming it when it cannot be read."""
     path = Path(path)
+    if path.is_dir():
+        raise UserError(f"--ds-config: {str(path)!r} is a directory, not a DeepSpeed JSON file; give one "
+                        f"file (ds_configs/zero2.json, for example)")
     if not path.is_file():
         raise UserError(f"--ds-config: {str(path)!r} not found (see ds_configs/ for the ZeRO stages)")
     try:
-        raw = json.loads(path.read_text())
+        raw = json.loads(path.read_bytes().decode("utf-8"))
+    except UnicodeDecodeError as e:
+        line = e.object[:e.start].count(b"\n") + 1
+        raise UserError(f"{path}: not UTF-8 text (byte 0x{e.object[e.start]:02x} on line {line}); save the "
+                        f"DeepSpeed JSON as UTF-8") from None
+    except OSError as e:
+        raise UserError(f"--ds-config: cannot read {str(path)!r}: {e.strerror or e}") from None
     except json.JSONDecodeError as e:
         raise UserError(f"{path}: invalid JSON at line {e.lineno}, column {e.colno}: {e.msg}") from None
     if not isinstance(raw, dict):

@@ -26,7 +26,8 @@ from pathlib import Path
 
 from ds_train import checkpoint
 from ds_train.errors import UserError
-from ds_train.fs import write_atomic
+from ds_train.fs import check_writable, write_atomic
+from ds_train.model import check_model_dir
 
 HF_METADATA_DIR = "hf_model"  # written into every run directory by save_hf_metadata
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".index.json")
@@ -143,17 +144,22 @@ def save_hf_metadata(hf_config, tokenizer, out: Path) -> None:
 
 def locate_model(path: str | Path) -> tuple[Path, Path | None]:
     """model.path -> (the directory with config.json and the tokenizer, and the ds_train run or
-    checkpoint directory whose weights `export` must write first; None for a HF directory)."""
+    checkpoint directory whose weights `export` must write first; None for a HF directory). A HF
+    directory's config.json and weights files are checked (cheaply: headers) before anything is
+    written."""
     src = Path(path)
     if (src / "config.json").is_file():
+        check_model_dir(src)
         return src, None
     if not any((src / name).exists() for name in ("checkpoints", "latest", checkpoint.STATE_FILE)):
         raise UserError(f"model.path: {str(src)!r} is neither a Hugging Face directory (config.json) nor a "
                         f"ds_train run or checkpoint directory")
     try:
-        return _hf_metadata_dir(resolve_source(src)), src
+        hf_dir = _hf_metadata_dir(resolve_source(src))
     except UserError as e:
         raise UserError(f"model.path: {str(e).removeprefix('export: ')}") from None
+    check_model_dir(hf_dir, weights=False)  # the weights come from the checkpoint
+    return hf_dir, src
 
 
 def load_fp32_state_dict(src: ExportSource) -> dict:
@@ -267,23 +273,35 @@ def export(source: str | Path, out: str | Path, tag: str | None = None, max_shar
     src = resolve_source(source, tag)
     hf_dir = _hf_metadata_dir(src)
     _check_out(out)
+    # The export is written beside `out` and renamed over it: both must be writable.
+    for path in (out, out.parent) if out.exists() else (out,):
+        check_writable(path, "--out")
     _check_shard_size(max_shard_size)  # every check before the weights are read
 
-    out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.parent / f".{out.name}.export-{os.getpid()}-{secrets.token_hex(4)}"
-    tmp.mkdir()
+    cannot_write = f"export: cannot write the export beside {str(out)!r}"
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp.mkdir()
+    except OSError as e:
+        raise UserError(f"{cannot_write} ({e.strerror or e}); choose another --out") from None
     try:
         model = build_model(hf_dir, load_fp32_state_dict(src), src.tag_dir)
-        save_weights(model, tmp, max_shard_size)
-        save_config(model, tmp)
-        del model
-        _copy_metadata(hf_dir, tmp)
-        _match_modes(tmp)
+        try:
+            save_weights(model, tmp, max_shard_size)
+            save_config(model, tmp)
+            del model
+            _copy_metadata(hf_dir, tmp)
+            _match_modes(tmp)
+        except OSError as e:  # a full disk, a quota: nothing is left behind (tmp goes below)
+            raise UserError(f"{cannot_write} ({e.strerror or e}); free space there or choose another "
+                            f"--out") from None
         _check_out(out)  # again: something may have appeared while the weights were written
         try:
             os.replace(tmp, out)  # atomic; replaces only a missing or empty directory
         except OSError as e:
-            raise UserError(f"export: cannot move the export into {str(out)!r}: {e.strerror}") from None
+            raise UserError(f"export: cannot move the export into {str(out)!r}: {e.strerror}; give a new "
+                            f"directory as --out") from None
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)

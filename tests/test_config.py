@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import expect_error, tree_listing
 from ds_train.config import RunConfig
 from ds_train.configfile import (all_keys, build_config, describe, load_config, parse_overrides,
                                  read_yaml)
@@ -181,9 +182,9 @@ def test_several_bad_values_are_reported_in_one_error():
     with pytest.raises(UserError) as e:
         load_config(QUICKSTART, ["train.max_steps=-5", "optim.lr=-0.5"])
     msg = str(e.value)
-    assert "2 problems" in msg
-    assert "train.max_steps: -5" in msg
-    assert "optim.lr: -0.5" in msg
+    assert msg.startswith("overrides: 2 problems:")  # the recipe's own values are fine
+    assert "override train.max_steps=-5: must be positive" in msg
+    assert "override optim.lr=-0.5: must be positive" in msg
 
 
 def test_several_type_errors_are_reported_in_one_error():
@@ -201,8 +202,8 @@ def test_type_error_and_range_error_are_reported_together():
     with pytest.raises(UserError) as e:
         load_config(QUICKSTART, ["train.max_steps=abc", "optim.lr=-1"])
     msg = str(e.value)
-    assert "train.max_steps: 'abc'" in msg
-    assert "optim.lr: -1" in msg
+    assert "override train.max_steps=abc: must be an integer" in msg
+    assert "override optim.lr=-1: must be positive" in msg
 
 
 def test_cross_field_check_names_both_keys():
@@ -213,18 +214,19 @@ def test_cross_field_check_names_both_keys():
 # --- type errors ---------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("override, needle", [
-    ("train.max_steps=ten", "train.max_steps: 'ten' must be an integer"),
-    ("train.max_steps=true", "train.max_steps: True must be an integer"),
-    ("train.seq_len=12.5", "train.seq_len: 12.5 must be an integer"),
-    ("optim.lr=fast", "optim.lr: 'fast' must be a number"),
-    ("log.progress=maybe", "log.progress: 'maybe' must be true or false"),
-    ("model.dtype=fp8", "model.dtype: 'fp8' is not one of auto, bf16, fp16, fp32"),
-    ("optim.betas=0.9", "optim.betas: must be a list"),
+    ("train.max_steps=ten", "override train.max_steps=ten: must be an integer"),
+    ("train.max_steps=true", "override train.max_steps=true: must be an integer"),
+    ("train.seq_len=12.5", "override train.seq_len=12.5: must be an integer"),
+    ("optim.lr=fast", "override optim.lr=fast: must be a number"),
+    ("log.progress=maybe", "override log.progress=maybe: must be true or false"),
+    ("model.dtype=fp8", "override model.dtype=fp8: is not one of auto, bf16, fp16, fp32"),
+    ("optim.betas=0.9", "override optim.betas=0.9: must be a list"),
 ])
-def test_type_errors_name_key_and_value(override, needle):
+def test_type_errors_of_overrides_name_the_override(override, needle):
+    """A bad value given on the command line is the override's problem, not the recipe's."""
     with pytest.raises(UserError) as e:
         load_config(QUICKSTART, [override])
-    assert needle in str(e.value)
+    assert str(e.value) == needle
 
 
 def test_section_that_is_not_a_mapping_is_an_error():
@@ -307,5 +309,92 @@ def test_ript_recipes_load_and_agree_with_two_ranks(tmp_path):
     assert cfg.ript.tasks == ["add", "guess", "max", "parity"] and cfg.ript.rloo_batch_size == 8
     rows_per_rank = cfg.ript.contexts_per_rank * cfg.ript.rloo_batch_size
     assert rows_per_rank % (cfg.train.global_batch_size // 2) == 0  # what `ript` checks at 2 ranks
-    with pytest.raises(UserError, match=r"ript.early_stop_fraction: 0.0 must be in \(0, 1\]"):
+    with pytest.raises(UserError, match=r"override ript.early_stop_fraction=0: must be in \(0, 1\]"):
         load_config(None, [f"model.path={tmp_path}", "ript.early_stop_fraction=0"])
+
+
+# --- bad input: one line naming the file, key or value and the fix --------------------------------
+
+def test_an_empty_data_dir_is_refused_like_an_empty_output_dir(tmp_path):
+    """`data.dir=` would prepare the dataset into the current directory."""
+    fix = ("must not be empty (it would prepare into the current directory); give the directory that "
+           "holds or will hold train.bin, val.bin and meta.json")
+    with pytest.raises(UserError) as e:
+        load_config(QUICKSTART, ["data.dir="])
+    assert str(e.value) == f"override data.dir=: {fix}"
+    path = tmp_path / "c.yaml"
+    path.write_text("model: {config: {model_type: llama}}\ndata:\n  dir: ''\n")
+    with pytest.raises(UserError) as e:
+        load_config(path)
+    assert str(e.value) == f"{path}: data.dir: {fix}"
+
+
+def test_a_key_given_twice_names_the_key_the_file_and_both_lines(tmp_path):
+    path = tmp_path / "base.yaml"
+    path.write_text("seed: 7\nmodel: {config: {model_type: llama}}\ntrain:\n  seq_len: 64\n  max_steps: 3\n"
+                    "  seq_len: 128\nseed: 99\n")
+    with pytest.raises(UserError) as e:
+        load_config(path)
+    assert str(e.value) == (f"{path}: 'train.seq_len' is given twice, at lines 4 and 6 (YAML would keep only "
+                            f"the second); remove one of them")
+
+
+def test_yaml_merge_keys_are_not_duplicates(tmp_path):
+    path = tmp_path / "merge.yaml"
+    path.write_text("base: &b {lr: 0.1, warmup_steps: 2}\n"
+                    "optim:\n  <<: *b\n  lr: 0.01\n")
+    assert read_yaml(path)["optim"] == {"lr": 0.01, "warmup_steps": 2}
+
+
+def test_a_config_file_that_is_not_utf8_is_one_line(tmp_path):
+    path = tmp_path / "latin1.yaml"
+    path.write_bytes("seed: 7\n# caf\xe9\n".encode("latin-1"))
+    with pytest.raises(UserError) as e:
+        load_config(path)
+    assert str(e.value) == f"{path}: not UTF-8 text (byte 0xe9 on line 2); save the config file as UTF-8"
+
+
+def test_a_control_character_in_the_config_file_is_one_line(tmp_path):
+    path = tmp_path / "ctl.yaml"
+    path.write_text("seed: 7\x00\n")
+    with pytest.raises(UserError) as e:
+        load_config(path)
+    assert str(e.value) == f"{path}: invalid YAML: character #x0000 at offset 7 is not allowed in YAML; remove it"
+
+
+def test_a_directory_given_as_the_config_file(tmp_path):
+    with pytest.raises(UserError) as e:
+        load_config(tmp_path)
+    assert str(e.value) == f"--config: '{tmp_path}' is a directory, not a config file; give the file itself"
+
+
+def test_a_bad_override_is_blamed_on_the_override_and_a_bad_file_value_on_the_file(tmp_path):
+    """The file says seq_len 64; `train.seq_len=1.5` on the command line is the problem."""
+    path = tmp_path / "base.yaml"
+    path.write_text("model: {config: {model_type: llama}}\ntrain: {seq_len: 64}\noptim: {lr: -1}\n")
+    with pytest.raises(UserError) as e:
+        load_config(path, ["train.seq_len=1.5", "optim.lr=0.1"])
+    assert str(e.value) == "override train.seq_len=1.5: must be an integer"
+    with pytest.raises(UserError) as e:
+        load_config(path)
+    assert str(e.value) == f"{path}: optim.lr: -1.0 must be positive"
+    with pytest.raises(UserError) as e:
+        load_config(path, ["train.seq_len=1.5"])
+    assert str(e.value) == (f"{path} and overrides: 2 problems: override train.seq_len=1.5: must be an "
+                            f"integer; optim.lr: -1.0 must be positive")
+
+
+def test_bad_config_input_on_the_command_line_is_one_line_and_writes_nothing(tmp_path):
+    (tmp_path / "base.yaml").write_text(f"output_dir: {tmp_path / 'run'}\nmodel: {{config: {{model_type: llama}}}}\n"
+                                        f"train: {{seq_len: 64}}\nseed: 7\nseed: 99\n")
+    before = tree_listing(tmp_path)
+    args = ["train", "--config", str(tmp_path / "base.yaml"), "--ds-config", str(ROOT / "ds_configs" / "zero0.json")]
+    expect_error(args, f"{tmp_path / 'base.yaml'}: 'seed' is given twice, at lines 4 and 5")
+    (tmp_path / "base.yaml").write_text(f"output_dir: {tmp_path / 'run'}\nmodel: {{config: {{model_type: llama}}}}\n")
+    before = tree_listing(tmp_path)
+    expect_error([*args, "train.seq_len=1.5", "data.dir="],
+                 "overrides: 2 problems: override train.seq_len=1.5: must be an integer; override data.dir=: "
+                 "must not be empty")
+    expect_error([*args, "--ds-config", str(tmp_path)], f"--ds-config: '{tmp_path}' is a directory, not a "
+                                                        f"DeepSpeed JSON file")
+    assert tree_listing(tmp_path) == before

@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from conftest import ROOT, expect_error, tiny_config, tree_listing, write_config
 from ds_train.data import (TokenData, check_vocab, ensure_prepared, eval_micro_batches, fingerprint_differences,
                            input_fingerprint, load_meta, load_tokenizer, prepare, rank_micro_batches,
                            train_tokenizer)
@@ -415,7 +416,7 @@ def test_a_bin_whose_size_disagrees_with_the_token_count(data_dir):
 
 
 @pytest.mark.parametrize("change, expected", [
-    ({"dtype": "int8"}, "meta.json dtype 'int8' is not uint16 or uint32"),
+    ({"dtype": "int8"}, "meta.json: 'dtype' is 'int8', not uint16 or uint32"),
     ({"vocab_size": 70_000}, "meta.json dtype uint16 cannot hold vocab_size 70000"),
 ])
 def test_a_meta_dtype_that_cannot_hold_the_vocabulary(data_dir, change, expected):
@@ -620,3 +621,177 @@ def test_ensure_prepared_from_two_processes_at_once_prepares_once(tmp_path):
     assert sorted(p.name for p in data_dir.iterdir() if not p.name.startswith(".")) == [
         "meta.json", "tokenizer", "train.bin", "val.bin"]
     assert not list(data_dir.glob(".*.tmp"))
+
+
+# --- bad input: one line naming the file and the fix, nothing written -----------------------------
+
+ELF = b"\x7fELF\x02\x01\x01\x00" + bytes(range(256)) * 4  # what a compiled program starts like
+
+
+def test_a_binary_file_in_a_source_directory_names_it_and_the_fix(corpus, tmp_path):
+    (corpus / "a.out.d").mkdir()
+    (corpus / "a.out.d" / "prog").write_bytes(ELF)  # no suffix: read, as README or Makefile would be
+    with pytest.raises(UserError) as e:
+        prepare([str(corpus)], tmp_path / "out", vocab_size=300)
+    assert str(e.value) == (f"data.sources: '{corpus / 'a.out.d' / 'prog'}' is not UTF-8 text (a NUL byte at "
+                            f"offset 7: a binary file?); remove it from '{corpus}', or list only its text files "
+                            f"in data.sources")
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_binary_file_named_as_a_source_names_it_and_the_fix(tmp_path):
+    path = tmp_path / "random.txt"
+    path.write_bytes(b"text, then \xff\xfe\xfa")
+    with pytest.raises(UserError) as e:
+        prepare([str(path)], tmp_path / "out", vocab_size=300)
+    assert str(e.value) == (f"data.sources: '{path}' is not UTF-8 text (byte 0xff at offset 11 is not UTF-8: "
+                            f"a binary file?); convert it to UTF-8 or remove it from data.sources")
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_source_directory_skips_hidden_files_and_reads_a_named_file_whatever_its_suffix(corpus, tmp_path):
+    (corpus / ".git" / "objects").mkdir(parents=True)
+    (corpus / ".git" / "objects" / "ab12").write_bytes(ELF)
+    (corpus / ".DS_Store").write_bytes(ELF)
+    (corpus / "image.png").write_bytes(ELF)  # not a text suffix: not read
+    (tmp_path / "notes.csv").write_text("a,b\n1,2\n" * 40)
+    meta = prepare([str(corpus), str(tmp_path / "notes.csv")], tmp_path / "out", vocab_size=300)
+    assert meta["train_documents"] + meta["val_documents"] == len(CORPUS) + 1
+    assert sorted(meta["fingerprint"]["sources"][0]["files"]) == sorted(CORPUS)
+
+
+def test_a_small_corpus_notes_the_smaller_vocabulary_on_stdout(corpus, tmp_path, capsys):
+    meta = prepare([str(corpus)], tmp_path / "out", vocab_size=4096, val_fraction=0.5)
+    out = capsys.readouterr().out.strip().splitlines()
+    assert out == [f"note: the BPE trained on {meta['train_documents']} document(s) has {meta['vocab_size']} "
+                   f"tokens, fewer than the 4096 asked for (data.vocab_size, --vocab-size): the corpus has no "
+                   f"more merges to learn; a model built from this data gets vocab_size {meta['vocab_size']}"]
+
+
+@pytest.mark.parametrize("make, expected", [
+    (lambda src: None, "data.sources: '{src}' does not exist; correct the path or remove it from data.sources"),
+    (lambda src: src.mkdir(), "data.sources[0]: '{src}' holds no text documents (a directory source reads files "
+                              "named *.c, *.h, *.json, *.jsonl, *.md, *.py, *.rst, *.toml, *.txt, *.yaml, *.yml or "
+                              "without a suffix; hidden files and directories are skipped); remove it from "
+                              "data.sources or add text files"),
+    (lambda src: src.write_text("  \n"), "data.sources: ['{src}'] hold no text documents (every file or record "
+                                         "is empty); add text to them or name other sources"),
+])
+def test_missing_or_empty_sources_are_refused_before_data_dir_is_made(make, expected, tmp_path):
+    src = tmp_path / "src"
+    make(src)
+    with pytest.raises(UserError) as e:
+        ensure(tmp_path / "data", [src])
+    assert str(e.value) == expected.format(src=src)
+    assert not (tmp_path / "data").exists()  # no empty data.dir holding a .prepare.lock
+
+
+def test_a_data_dir_that_is_a_file(corpus, tmp_path):
+    (tmp_path / "data").write_text("x")
+    for call in (lambda: ensure(tmp_path / "data", [corpus]), lambda: load_meta(tmp_path / "data")):
+        with pytest.raises(UserError) as e:
+            call()
+        assert str(e.value) == (f"data.dir: '{tmp_path / 'data'}' is a file, not a directory; point data.dir at "
+                                f"the directory that holds (or will hold) train.bin, val.bin and meta.json")
+    with pytest.raises(UserError) as e:
+        ensure(tmp_path / "data" / "sub", [corpus])
+    assert str(e.value) == (f"data.dir: '{tmp_path / 'data' / 'sub'}' cannot be created: '{tmp_path / 'data'}' "
+                            f"cannot be a directory: '{tmp_path / 'data'}' is a file; choose another data.dir")
+    assert (tmp_path / "data").read_text() == "x"
+
+
+def test_a_read_only_data_dir_that_must_be_prepared_again_is_one_line(corpus, tmp_path):
+    data_dir = tmp_path / "data"
+    ensure(data_dir, [corpus])
+    cfg = write_config(tmp_path / "c.yaml", tiny_config(data_dir, tmp_path / "run", data={
+        "sources": [str(corpus)], "vocab_size": 320, "reprepare": True}))
+    before = tree_listing(tmp_path)
+    readonly = ["unshare", "-m", "--propagation", "private", "sh", "-c",
+                f'mount --bind {data_dir} {data_dir} && mount -o remount,ro,bind {data_dir} && exec "$0" "$@"']
+    expect_error(["train", "--config", str(cfg), "--ds-config", str(ROOT / "ds_configs" / "zero0.json")],
+                 f"data.dir: '{data_dir}' is on a read-only file system ('{data_dir}'); choose a writable data.dir",
+                 wrap=readonly)
+    assert tree_listing(tmp_path) == before
+
+
+def test_a_damaged_tokenizer_of_the_data_dir_names_the_file_and_reprepare_repairs_it(corpus, tmp_path):
+    data_dir = tmp_path / "data"
+    meta = ensure(data_dir, [corpus])
+    (data_dir / "tokenizer" / "tokenizer.json").write_text("garbage")
+    expected = (f"tokenizer: '{data_dir / 'tokenizer' / 'tokenizer.json'}' is not valid JSON (line 1, column 1: "
+                f"Expecting value); it is the tokenizer `ds-train prepare` trained into '{data_dir}': prepare "
+                f"that directory again (data.reprepare=true with data.sources, or `ds-train prepare --overwrite`)")
+    for call in (lambda: ensure(data_dir, [corpus]), lambda: ensure(data_dir, []),
+                 lambda: load_tokenizer(data_dir / "tokenizer")):
+        assert refused(call, data_dir) == expected
+    again = ensure(data_dir, [corpus], reprepare=True)
+    assert len(load_tokenizer(again["tokenizer"])) == meta["vocab_size"]
+    assert again["train_tokens"] == meta["train_tokens"]
+
+
+def test_a_model_tokenizer_that_cannot_load_names_it_and_the_fix_in_full(tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "tokenizer.json").write_text("{}")  # JSON, but not a tokenizer
+    with pytest.raises(UserError) as e:
+        load_tokenizer(tmp_path)
+    assert str(e.value) == (f"tokenizer: cannot load '{tmp_path}' (KeyError: 'added_tokens'); re-export or "
+                            f"re-download the model directory")
+    (tmp_path / "tokenizer_config.json").write_text("[]")
+    with pytest.raises(UserError) as e:
+        load_tokenizer(tmp_path)
+    assert str(e.value) == (f"tokenizer: '{tmp_path / 'tokenizer_config.json'}' is not a JSON object; re-export "
+                            f"or re-download the model directory")
+
+
+@pytest.mark.parametrize("field, value, valid", [
+    ("train_tokens", "many", "a token count (an integer >= 0)"),
+    ("val_tokens", -1, "a token count (an integer >= 0)"),
+    ("vocab_size", 4.5, "a positive integer"),
+    ("tokenizer", None, "a directory name"),
+    ("scan", [], "a mapping"),
+])
+def test_meta_json_fields_of_the_wrong_type_name_the_field_and_the_fix(data_dir, field, value, valid):
+    meta = json.loads((data_dir / "meta.json").read_text())
+    (data_dir / "meta.json").write_text(json.dumps({**meta, field: value}))
+    message = refused(lambda: load_meta(data_dir), data_dir)
+    assert message == (f"{data_dir / 'meta.json'}: {field!r} is {value!r}, not {valid}; prepare it again "
+                       f"(data.reprepare=true with data.sources, or `ds-train prepare --overwrite`)")
+
+
+def test_reprepare_repairs_a_damaged_meta_json(corpus, tmp_path):
+    data_dir = tmp_path / "data"
+    meta = ensure(data_dir, [corpus])
+    (data_dir / "meta.json").write_text(json.dumps({**meta, "train_tokens": "many"}))
+    refused(lambda: ensure(data_dir, [corpus]), data_dir, "'train_tokens' is 'many'")
+    assert ensure(data_dir, [corpus], reprepare=True)["train_tokens"] == meta["train_tokens"]
+    (data_dir / "meta.json").write_text(json.dumps({**meta, "fingerprint": {"version": 1}}))
+    refused(lambda: ensure(data_dir, [corpus]), data_dir, "meta.json's record of its inputs is damaged",
+            "data.reprepare=true")
+
+
+def test_prepare_refuses_a_directory_holding_prepared_data_unless_overwrite(corpus, tmp_path):
+    out = tmp_path / "out"
+    first = prepare([str(corpus)], out, vocab_size=300)
+    (corpus / "doc0.txt").write_text("other text " * 50)
+    message = refused(lambda: prepare([str(corpus)], out, vocab_size=300), out)
+    assert message == (f"prepare: '{out}' already holds prepared data (meta.json, train.bin, val.bin, tokenizer); "
+                       f"give another --out (data.dir), or --overwrite to replace it")
+    again = prepare([str(corpus)], out, vocab_size=300, overwrite=True)
+    assert again["fingerprint"] != first["fingerprint"]
+
+
+def test_a_bad_record_late_in_a_source_leaves_no_data_dir(tmp_path):
+    """Every document is read before data.dir (or its lock file) is made."""
+    path = tmp_path / "records.jsonl"
+    path.write_text("".join(json.dumps({"text": f"record {i} " * 20}) + "\n" for i in range(50)) + "{oops\n")
+    with pytest.raises(UserError, match=f"^{path}:51: expected a JSON object with a string 'text' field"):
+        ensure(tmp_path / "data", [path])
+    assert not (tmp_path / "data").exists()
+
+
+def test_a_tokenizer_that_cannot_load_leaves_no_data_dir(corpus, tmp_path):
+    with pytest.raises(UserError) as e:
+        ensure(tmp_path / "data", [corpus], tokenizer=tmp_path / "nope")
+    assert str(e.value) == (f"tokenizer: '{tmp_path / 'nope'}' is not a directory; point data.tokenizer (or "
+                            f"model.path) at a tokenizer directory")
+    assert not (tmp_path / "data").exists()

@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from conftest import ROOT, deepspeed_train, ds_train, run_cmd, tiny_config, write_config
+from conftest import ROOT, deepspeed_train, ds_train, expect_error, run_cmd, tiny_config, tree_listing, write_config
 from ds_train import checkpoint
 from ds_train.errors import UserError
 from ds_train.export import export, resolve_source
@@ -222,3 +222,46 @@ def test_bad_sources_name_the_path_and_the_fix(tmp_path):
     with pytest.raises(UserError, match=r"universal checkpoint .*; export '.*/step_00000008' instead"):
         export(universal, tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+# --- bad input: model.path directories and --out targets -----------------------------------------
+
+@pytest.mark.parametrize("content, problem", [
+    ("[]", "is a JSON list, not an object"),
+    ("{not json", "is not valid JSON (line 1, column 2: Expecting property name enclosed in double quotes)"),
+])
+def test_a_damaged_config_json_in_model_path_is_named(tmp_path, content, problem):
+    from ds_train.export import locate_model
+
+    (tmp_path / "config.json").write_text(content)
+    (tmp_path / "tokenizer.json").write_text("{}")
+    with pytest.raises(UserError) as e:
+        locate_model(tmp_path)
+    assert str(e.value) == (f"model.path: '{tmp_path / 'config.json'}' {problem}; re-export or re-download the "
+                            f"model directory")
+
+
+def fake_run(tmp_path):
+    """A run directory export accepts up to the point it reads the weights."""
+    fake_tag(tmp_path / "run" / "checkpoints", 8)
+    (tmp_path / "run" / "hf_model").mkdir()
+    (tmp_path / "run" / "hf_model" / "config.json").write_text("{}")
+    return tmp_path / "run"
+
+
+def test_an_out_that_cannot_be_written_is_one_line_naming_out(tmp_path):
+    run = fake_run(tmp_path)
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(UserError) as e:
+        export(run, tmp_path / "file" / "hf")
+    assert str(e.value) == (f"--out: '{tmp_path / 'file' / 'hf'}' cannot be a directory: '{tmp_path / 'file'}' "
+                            f"is a file; choose another --out")
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    before = tree_listing(tmp_path)
+    readonly = ["unshare", "-m", "--propagation", "private", "sh", "-c",
+                f'mount -t tmpfs -o ro tmpfs {ro} && exec "$0" "$@"']
+    for out in (ro / "hf", ro):
+        expect_error(["export", str(run), "--out", str(out)],
+                     f"--out: '{out}' is on a read-only file system ('{ro}'); choose a writable --out", wrap=readonly)
+    assert tree_listing(tmp_path) == before

@@ -211,7 +211,7 @@ def test_launch_env_config_key():
     model = "model.config.model_type=llama"
     cfg = load_config(None, [model, "launch.env=[WANDB_API_KEY, MY_VAR]"])
     assert cfg.launch.env == ["WANDB_API_KEY", "MY_VAR"]
-    with pytest.raises(UserError, match=r"launch.env: 'A-B', 'x y' not a variable name"):
+    with pytest.raises(UserError, match=r"override launch.env=\[A-B, 'x y'\]: 'A-B', 'x y' not a variable name"):
         load_config(None, [model, "launch.env=[A-B, 'x y']"])
     assert "launch.env = []" in describe()
 
@@ -478,7 +478,7 @@ def test_sbatch_script_has_the_resources_quotes_user_values_and_passes_bash_n(tm
                           "#SBATCH --requeue"]
     assert "cd '/work/ds train'" in script
     srun = next(line for line in script.splitlines() if line.startswith("srun "))
-    assert shlex.split(srun) == ["srun", "--kill-on-bad-exit=1", "--cpus-per-task", "6", "/venv/bin/python", "-u",
+    assert shlex.split(srun) == ["srun", "--wait=60", "--cpus-per-task", "6", "/venv/bin/python", "-u",
                                  "-m", "ds_train", "train", "--config", "recipes/a b.yaml", "--ds-config",
                                  "ds_configs/zero3.json"]
     assert 'if [ "$code" -eq 138 ]; then' in script and 'scontrol requeue "$SLURM_JOB_ID"' in script

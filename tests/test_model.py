@@ -12,9 +12,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from conftest import ROOT, expect_error, tiny_config, tree_listing, write_config
 from ds_train.config import ModelConfig
 from ds_train.errors import UserError
-from ds_train.model import build_hf_config, build_model, check_loading_info
+from ds_train.model import build_hf_config, build_model, check_loading_info, check_model_dir, resolve_dtype
 
 TINY = dict(hidden_size=64, intermediate_size=176, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=4, vocab_size=300, max_position_embeddings=128)
@@ -135,3 +136,137 @@ def test_every_problem_is_reported_in_one_line():
     msg = str(e.value)
     assert "\n" not in msg
     assert all(k in msg for k in ("lm_head.weight", "head.weight", "model.norm.weight [64] vs [32]"))
+
+
+# --- bad input: model.config, model.dtype and model.path, one line each ---------------------------
+
+def hf_config(**config):
+    cfg = ModelConfig(config={"model_type": "llama", **TINY, **config}, dtype="fp32")
+    return build_hf_config(cfg, 300, 64)
+
+
+def config_error(**config) -> str:
+    with pytest.raises(UserError) as e:
+        hf_config(**config)
+    assert "\n" not in str(e.value)
+    return str(e.value)
+
+
+def test_a_misspelt_model_config_key_names_the_closest_valid_one():
+    assert config_error(hidden_sizee=32) == (
+        "model.config.hidden_sizee: unknown key for LlamaConfig (model_type llama), which Hugging Face would "
+        "leave unused (did you mean 'hidden_size'?)")
+    assert config_error(zzz=1).endswith("which Hugging Face would leave unused; remove it")
+
+
+def test_valid_model_config_keys_are_accepted_also_those_transformers_converts():
+    hf = hf_config(rope_theta=5e4, rope_scaling={"rope_type": "linear", "factor": 2.0}, head_dim=16,
+                   tie_word_embeddings=True, rms_norm_eps=1e-5, initializer_range=0.01)
+    assert hf.rope_parameters["rope_theta"] == 5e4 and hf.head_dim == 16
+    gpt2 = build_hf_config(ModelConfig(config={"model_type": "gpt2", "hidden_size": 64, "n_layer": 2,
+                                               "n_head": 4}), 300, 64)  # hidden_size: an alias of n_embd
+    assert (gpt2.n_embd, gpt2.n_layer) == (64, 2)
+
+
+def test_an_unknown_model_type_suggests_the_closest_in_a_short_line():
+    with pytest.raises(UserError) as e:
+        build_hf_config(ModelConfig(config={"model_type": "llamaa"}), 300, 64)
+    assert str(e.value) == ("model.config.model_type: 'llamaa' is not a Hugging Face model type; did you mean "
+                            "'llama' or 'mllama' or 'llama4'?")
+    with pytest.raises(UserError) as e:
+        build_hf_config(ModelConfig(config={"model_type": "t5"}), 300, 64)
+    assert str(e.value) == ("model.config: model_type 't5' has no causal LM in transformers "
+                            "(AutoModelForCausalLM); choose a decoder model type, for example llama")
+
+
+def test_what_transformers_rejects_is_one_line_naming_model_config():
+    assert config_error(num_attention_heads=5) == (
+        "model.config: Hugging Face rejects it: The hidden size (64) is not a multiple of the number of "
+        "attention heads (5); fix model.config")
+    assert config_error(hidden_act="gelux") == (
+        "model.config: Hugging Face cannot build the llama model from it (KeyError: 'gelux'); fix it")
+    with pytest.raises(UserError, match=r"^model.attn_implementation: 'nope' cannot be used here \(Specified "
+                                        r"`attn_implementation=\"nope\"` is not supported.*\); use sdpa or eager$"):
+        build_hf_config(ModelConfig(config={"model_type": "llama", **TINY}, attn_implementation="nope"), 300, 64)
+
+
+def test_a_precision_the_device_lacks_is_refused_when_the_dtype_is_resolved():
+    with pytest.raises(UserError) as e:
+        resolve_dtype("fp16", "cpu", True)
+    assert str(e.value) == ("model.dtype: fp16 is not supported on the CPU (DeepSpeed's CPU accelerator has no "
+                            "fp16); use model.dtype=fp32 or bf16 there (auto picks fp32)")
+    with pytest.raises(UserError) as e:
+        resolve_dtype("bf16", "cuda", False)
+    assert str(e.value) == ("model.dtype: bf16 is not supported on this GPU; use model.dtype=fp16 or fp32 (auto "
+                            "picks fp32 there)")
+    assert [resolve_dtype(d, "cpu", True) for d in ("auto", "bf16", "fp32")] == ["fp32", "bf16", "fp32"]
+    assert resolve_dtype("fp16", "cuda", True) == "fp16"
+
+
+def test_nan_and_inf_weights_are_named_when_the_weights_are_loaded(tmp_path):
+    save_tiny(tmp_path)
+
+    def poison(tensors):
+        for name in sorted(tensors)[:6]:
+            tensors[name].view(-1)[0] = float("nan")
+        tensors["model.norm.weight"][3] = float("inf")
+
+    edit_weights(tmp_path, poison)
+    assert one_line_error(tmp_path) == (
+        f"model.path '{tmp_path}': 7 tensors hold NaN or inf values (lm_head.weight, model.embed_tokens.weight, "
+        f"model.layers.0.input_layernorm.weight, model.layers.0.mlp.down_proj.weight, "
+        f"model.layers.0.mlp.gate_proj.weight and 2 more); the weights are damaged: re-export or re-download "
+        f"the model directory")
+
+
+@pytest.mark.parametrize("damage, problem", [
+    (lambda f: f.write_bytes(f.read_bytes()[:5000]),
+     "is not a whole weights file (Error while deserializing header: incomplete metadata, file not fully covered)"),
+    (lambda f: f.write_bytes(bytes(range(256)) * 40),
+     "is not a whole weights file (Error while deserializing header: header too large)"),
+    (lambda f: f.write_bytes(b""),
+     "(empty) is not a whole weights file (Error while deserializing header: header too small)"),
+])
+def test_a_damaged_weights_file_names_it_and_the_fix(tmp_path, damage, problem):
+    save_tiny(tmp_path)
+    damage(tmp_path / WEIGHTS)
+    with pytest.raises(UserError) as e:
+        check_model_dir(tmp_path)
+    assert str(e.value) == (f"model.path: '{tmp_path / WEIGHTS}' {problem}; re-export or re-download the "
+                            f"model directory")
+
+
+def test_missing_weights_and_shards_name_the_directory_and_the_fix(tmp_path):
+    save_tiny(tmp_path)
+    (tmp_path / WEIGHTS).unlink()
+    with pytest.raises(UserError) as e:
+        check_model_dir(tmp_path)
+    assert str(e.value) == (f"model.path: '{tmp_path}' holds no weights (model.safetensors, "
+                            f"model.safetensors.index.json and its shards, or pytorch_model.bin); re-export or "
+                            f"re-download the model directory")
+    index = {"weight_map": {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}}
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(UserError) as e:
+        check_model_dir(tmp_path)
+    assert str(e.value) == (f"model.path: '{tmp_path / 'model.safetensors.index.json'}' names "
+                            f"model-00001-of-00002.safetensors, model-00002-of-00002.safetensors, which are not in "
+                            f"'{tmp_path}'; re-export or re-download the model directory")
+
+
+def test_loading_weights_prints_no_progress_bar(tmp_path, capfd):
+    save_tiny(tmp_path)
+    capfd.readouterr()
+    build(tmp_path)
+    assert "Loading weights" not in capfd.readouterr().err
+
+
+def test_damaged_weights_on_the_command_line_are_one_line_and_write_nothing(tiny_data, tmp_path):
+    model_dir = tmp_path / "model"
+    save_tiny(model_dir)
+    (model_dir / WEIGHTS).write_bytes((model_dir / WEIGHTS).read_bytes()[:5000])
+    cfg = write_config(tmp_path / "c.yaml", tiny_config(tiny_data, tmp_path / "run",
+                                                        model={"config": {}, "path": str(model_dir)}))
+    before = tree_listing(tmp_path)
+    expect_error(["train", "--config", str(cfg), "--ds-config", str(ROOT / "ds_configs" / "zero0.json")],
+                 f"model.path: '{model_dir / WEIGHTS}' is not a whole weights file", "re-download")
+    assert tree_listing(tmp_path) == before

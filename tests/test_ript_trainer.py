@@ -208,7 +208,7 @@ def test_bad_ript_input_is_one_line_and_changes_nothing(scripted_run, tiny_polic
     cases = [(["train.global_batch_size=8"], "must be a multiple of train.global_batch_size / world size"),
              ([f"model.path={tmp_path}"], "neither a Hugging Face directory"),
              (["ript.tasks=[add,nosuch]"], "'nosuch' is neither a built-in task"),
-             (["ript.rloo_batch_size=1"], "ript.rloo_batch_size: 1 must be at least 2"),
+             (["ript.rloo_batch_size=1"], "ript.rloo_batch_size=1: must be at least 2"),
              (["ript.policy=nosuch:Policy"], "ript.policy: cannot load 'nosuch:Policy'"),
              ([], "saved with 2 ranks; resume ript with the same world size"),  # one process, checkpoints of 2
              ([f"model.path={source}", "checkpoint.resume=none", "train.global_batch_size=8"],
