@@ -59,7 +59,12 @@ def test_each_zero_stage_trains_through_the_deepspeed_launcher(stage, stage_run)
     env = json.loads((run_dir / "env.json").read_text())
     assert env["world_size"] == 2 and env["launcher"] == "deepspeed"
     assert env["hosts"] == [{"node": 0, "host": socket.gethostname(), "ranks": [0, 1]}]
-    assert {p.name for p in (run_dir / "logs").iterdir()} == {"rank_0.log", "rank_1.log"}
+    assert {p.name for p in (run_dir / "logs").iterdir()} == {"rank_0.log", "rank_1.log", "train.log"}
+    assert {p.name for p in (run_dir / "heartbeats").iterdir()} == {"rank_0.json", "rank_1.json"}
+    beats = [json.loads((run_dir / "heartbeats" / f"rank_{r}.json").read_text()) for r in (0, 1)]
+    assert [b["status"] for b in beats] == ["ended", "ended"] and all(b["step"] == 8 for b in beats)
+    console = (run_dir / "logs" / "train.log").read_text()
+    assert "step 8: train/loss" in console and console in res.out.replace("\r", "") or "run directory:" in console
     results = json.loads((run_dir / "results.json").read_text())
     assert results["steps"] == 8 and results["tokens"] == 8 * 8 * 64
     assert len(res.lines("batch: global 8 seqs = micro 2 x accum 2 x world 2")) == 1  # printed once
