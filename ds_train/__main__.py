@@ -126,7 +126,7 @@ def cmd_prepare(args) -> int:
 def cmd_convert(args) -> int:
     from pathlib import Path
 
-    from ds_train.checkpoint import convert_to_universal, find_resume, newer_incomplete
+    from ds_train.resume import convert_to_universal, find_resume, newer_incomplete
 
     source = Path(args.source)
     if not source.is_dir():

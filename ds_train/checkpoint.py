@@ -1,4 +1,4 @@
-"""Partitioned checkpoints in DeepSpeed's own layout, made crash-safe, and a resume all ranks agree on.
+"""Partitioned checkpoints in DeepSpeed's own layout, made crash-safe; the checkpointer.
 
 A tag is written in phases (`PHASES`, each a fault-injection point): the writer of each file
 system first takes the tag's completeness marker away (and `latest`, if it names the tag) and
@@ -10,42 +10,34 @@ leaves either a whole tag or one without a marker, which is never loaded.
 
 The writer is global rank 0 when output_dir is one shared file system, and the first rank of each
 node when every node has its own (node-local disks): each node then holds its own ranks' files,
-marker and `latest` (DeepSpeed's use_node_local_storage). At start-up every rank reports what it
-holds; the newest marked tag wins when every rank holds its files of it, and a rank that lacks
-them stops the job with a line naming the node, host, rank and files. DeepSpeed's tools
-(zero_to_fp32.py, ds_to_universal) work on the same directories.
+marker and `latest` (DeepSpeed's use_node_local_storage). Which tag a run resumes from, agreed by
+every rank, is ds_train/resume.py's. DeepSpeed's tools (zero_to_fp32.py, ds_to_universal) work on
+the same directories.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import pickle
 import random
 import re
 import shutil
 import signal
-import subprocess
-import sys
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Callable
 
 import numpy as np
 
 from ds_train import dist
-from ds_train.config import SAVE_PHASES, CheckpointConfig, RunConfig
+from ds_train.config import SAVE_PHASES, CheckpointConfig
 from ds_train.errors import AgreedError, Preempted, UserError
-from ds_train.fs import file_lock, fsync_dir, write_atomic
+from ds_train.fs import fsync_dir, write_atomic
 
 STATE_FILE = "ds_train_state.json"  # the tag-level completeness marker
 UNIVERSAL_SUFFIX = "_universal"
 TAG_RE = re.compile(r"^step_(\d{8})$")
 # The phases of a save, in order: checkpoint.debug_fault stops the process at one of them.
 PHASES = SAVE_PHASES
-# Keys that may not change on resume: the model's shape, and what defines the data stream
-# (sample g of step s is a function of seed, seq_len and global batch). Training knobs may change.
-FIXED_KEYS = ("model.", "seed", "data.dir", "train.seq_len", "train.global_batch_size")
 # What a marker must hold, and of which type, for its tag to count as saved (ds_train writes them all).
 MARKER_FIELDS = {"world_size": int, "step": int, "seq": int, "zero_stage": int, "config": dict}
 
@@ -115,7 +107,7 @@ def is_complete(tag_dir: Path) -> bool:
     return not any(rank_missing(tag_dir, r, seq) for r in range(int(state["world_size"])))
 
 
-def _order(state: dict) -> tuple[int, int]:
+def save_order(state: dict) -> tuple[int, int]:
     """Newest first by save sequence (a resume from an older tag saves with a higher one), then step."""
     return int(state.get("seq", 0)), int(state["step"])
 
@@ -126,7 +118,7 @@ def complete_tags(ckpt_dir: Path) -> list[str]:
         return []
     tags = [(read_marker(p)[0], p.name) for p in ckpt_dir.iterdir()
             if TAG_RE.match(p.name) and p.is_dir() and is_complete(p)]
-    return [name for state, name in sorted(tags, key=lambda t: _order(t[0]))]
+    return [name for state, name in sorted(tags, key=lambda t: save_order(t[0]))]
 
 
 def latest_complete(ckpt_dir: Path) -> str | None:
@@ -290,7 +282,7 @@ def prunable(ckpt_dir: Path, keep: int, saved: str) -> list[str]:
         (marked if state else unmarked).append((state, p.name))
     if keep <= 0:
         return []
-    marked.sort(key=lambda t: _order(t[0]))
+    marked.sort(key=lambda t: save_order(t[0]))
     return sorted([name for _, name in marked[:max(0, len(marked) - (keep - 1))]] +
                   [name for _, name in unmarked])
 
@@ -312,365 +304,8 @@ def prune(ckpt_dir: Path, keep: int) -> None:
         remove_tags(ckpt_dir, prunable(ckpt_dir, keep, newest))
 
 
-@dataclass(frozen=True)
-class ResumePoint:
-    load_dir: Path  # the checkpoints directory DeepSpeed loads from
-    tag: str
-    state: dict  # ds_train_state.json: step, samples, world_size, zero_stage, config
-
-
-def find_resume(resume: str, ckpt_dir: Path, key: str = "checkpoint.resume") -> ResumePoint | None:
-    """checkpoint.resume on one file system holding the whole checkpoint (`ds-train convert`, tools):
-    auto (the newest complete tag, if any), none, a tag, or a path. `key`: what the user gave it as."""
-    if resume in ("none", "restart"):
-        return None
-    load_dir, wanted = locate(resume, ckpt_dir, key)
-    if wanted is None:
-        tag = latest_complete(load_dir)
-        if tag is None and resume != "auto":
-            raise UserError(f"{key}: {str(load_dir)!r} holds no complete checkpoint")
-        return _point(load_dir, tag) if tag else None
-    if not is_complete(load_dir / wanted):
-        raise UserError(f"{key}: {str(load_dir / wanted)!r} is incomplete (a save that did not finish, or "
-                        f"damaged files); use another tag")
-    return _point(load_dir, wanted)
-
-
-def newer_incomplete(point: ResumePoint) -> list[str]:
-    """Tags after `point` (by step) that are not complete: what choosing the newest complete one
-    skipped, to say so."""
-    step = int(point.state["step"])
-    return [f"{p.name} ({read_marker(p)[1] or 'files missing or damaged'})" for p in sorted(point.load_dir.iterdir())
-            if TAG_RE.match(p.name) and p.is_dir() and int(TAG_RE.match(p.name).group(1)) > step and not is_complete(p)]
-
-
-def locate(resume: str, ckpt_dir: Path, key: str = "checkpoint.resume") -> tuple[Path, str | None]:
-    """checkpoint.resume -> (the directory of tags, the tag asked for; None: the newest)."""
-    if resume in ("auto", "none", "restart"):
-        return ckpt_dir, None
-    if TAG_RE.match(resume) or resume.endswith(UNIVERSAL_SUFFIX) and "/" not in resume:
-        return ckpt_dir, resume  # a tag of this run: whether every rank has it is agreed later
-    path = Path(resume)
-    for cand in [ckpt_dir / resume, path] if not path.is_absolute() else [path]:
-        if cand.is_dir() and ((cand / STATE_FILE).exists() or TAG_RE.match(cand.name)):
-            return cand.parent, cand.name
-        if cand.is_dir():
-            return (cand / "checkpoints" if (cand / "checkpoints").is_dir() else cand), None
-    if key != "checkpoint.resume":
-        raise UserError(f"{key}: {resume!r} is not a run directory, checkpoints directory or tag directory")
-    raise UserError(f"checkpoint.resume: {resume!r} is neither a tag in {str(ckpt_dir)!r} nor a "
-                    f"checkpoint directory; use auto, none, restart, a tag (step_00000100) or a path")
-
-
-def _point(load_dir: Path, tag: str) -> ResumePoint:
-    return ResumePoint(load_dir, tag, read_marker(load_dir / tag)[0])
-
-
-# ---- the resume every rank agrees on ---------------------------------------------------------
-
-@dataclass(frozen=True)
-class TagSeen:
-    """One tag as one rank sees it."""
-
-    state: dict | None  # the marker, where this rank can read it
-    why: str  # why not, where it cannot
-    missing: tuple[str, ...] = ()  # this rank's files that are absent or damaged (same world size)
-    files_seq: int | None = None  # the save this rank's manifest comes from
-    all_missing: dict = field(default_factory=dict)  # rank 0 at another world size: saved rank -> files
-
-
-@dataclass(frozen=True)
-class RankView:
-    rank: int
-    node: int
-    host: str
-    tags: dict  # tag -> TagSeen
-    max_seq: int = 0  # the newest save in this run's own checkpoints directory
-    own: tuple[str, ...] = ()  # marked tags in this run's own checkpoints directory
-
-    def where(self) -> str:
-        return f"node {self.node} ({self.host}) rank {self.rank}"
-
-
-def _manifest_seq(tag_dir: Path, rank: int) -> int | None:
-    try:
-        return int(json.loads(manifest_file(tag_dir, rank).read_text())["seq"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-
-
-def scan(load_dir: Path, wanted: str | None, rank: int, world: int) -> dict[str, TagSeen]:
-    """What this rank holds: every tag of `load_dir` (and the one wanted), marker and own files."""
-    names = sorted(p.name for p in load_dir.iterdir() if TAG_RE.match(p.name) and p.is_dir()) if load_dir.is_dir() else []
-    if wanted is not None and wanted not in names:
-        names.append(wanted)
-    seen = {}
-    for name in names:
-        tag_dir = load_dir / name
-        if not tag_dir.is_dir():
-            seen[name] = TagSeen(None, "no such directory", (f"{name}/",))
-            continue
-        state, why = read_marker(tag_dir)
-        saved_world = int(state["world_size"]) if state else world
-        if saved_world == world:
-            seen[name] = TagSeen(state, why, tuple(rank_missing(tag_dir, rank)), _manifest_seq(tag_dir, rank))
-        else:  # another world size: rank 0 converts it and needs every saved rank's files
-            seq = state.get("seq")
-            everyone = {r: rank_missing(tag_dir, r, seq) for r in range(saved_world)} if rank == 0 else {}
-            seen[name] = TagSeen(state, why, all_missing={r: m for r, m in everyone.items() if m})
-    return seen
-
-
-@dataclass(frozen=True)
-class Decision:
-    point: ResumePoint | None
-    said: str  # printed once and logged on every rank
-    next_seq: int  # the save sequence number of this run's first save
-
-
-def _listed(items: list[str], n: int = 3) -> str:
-    return ", ".join(items[:n]) + (f" and {len(items) - n} more" if len(items) > n else "")
-
-
-def decide(resume: str, load_dir: Path, wanted: str | None, views: list[RankView], world: int,
-           unit: str = "step", own_dir: Path | None = None) -> Decision:
-    """The one resume point of every rank (a pure function of what every rank reported): the
-    newest marked tag, which every rank must hold whole; a rank that lacks it is an error."""
-    names = sorted({t for v in views for t in v.tags})
-    marked: dict[str, dict] = {}
-    for t in names:
-        states = [v.tags[t].state for v in views if t in v.tags and v.tags[t].state]
-        if states:
-            marked[t] = max(states, key=_order)
-    next_seq = 1 + max([int(s.get("seq", 0)) for s in marked.values()] + [v.max_seq for v in views])
-    unfinished = [f"{t} ({next(v.tags[t].why for v in views if t in v.tags)})" for t in names if t not in marked]
-    if resume in ("none", "restart"):
-        if resume == "none" and marked:
-            raise UserError(f"checkpoint.resume=none: {load_dir} holds checkpoints of an earlier run "
-                            f"({_listed(sorted(marked))}); continue it with checkpoint.resume=auto, use "
-                            f"another output_dir, or start over with checkpoint.resume=restart (deletes "
-                            f"them and its metrics)")
-        return Decision(None, f"starting at {unit} 0 (checkpoint.resume={resume})", next_seq)
-    why = f"; tags present but none complete: {_listed(unfinished, 5)}" if unfinished else ""
-    if wanted is None and not marked and resume != "auto":  # a path asked for: not a fresh start
-        raise UserError(f"checkpoint.resume: {load_dir} holds no complete checkpoint{why}; give a checkpoint "
-                        f"directory or tag, or checkpoint.resume=auto to start afresh where there is none")
-    own = sorted({t for v in views for t in v.own})
-    if own and own_dir is not None and load_dir.resolve() != own_dir.resolve():
-        raise UserError(f"checkpoint.resume={resume}: output_dir's {own_dir} holds checkpoints of its own "
-                        f"({_listed(own)}); continue them with checkpoint.resume=auto, or give this run another "
-                        f"output_dir (checkpoint.resume=restart deletes them)")
-    if wanted is None and not marked:
-        return Decision(None, f"nothing to resume in {load_dir}{why}; starting at {unit} 0", next_seq)
-    if wanted is not None and wanted not in marked:
-        why = next((v.tags[wanted].why for v in views if wanted in v.tags), "not found")
-        raise UserError(f"checkpoint.resume: {load_dir / wanted} is not a complete checkpoint ({why}); "
-                        f"resume from another tag ({_listed(sorted(marked)) or 'none complete'}) or "
-                        f"use checkpoint.resume=auto")
-    chosen = wanted or max(marked, key=lambda t: _order(marked[t]))
-    state = marked[chosen]
-    lacking = _lacking(chosen, state, views, world)
-    if lacking:
-        older = [t for t in sorted(marked, key=lambda t: _order(marked[t])) if t != chosen and
-                 not _lacking(t, marked[t], views, world)]
-        alt = f"resume from {older[-1]} with checkpoint.resume={older[-1]}, " if older else ""
-        raise UserError(f"checkpoint {load_dir / chosen} ({unit} {state['step']}, the newest complete save) "
-                        f"is incomplete on {'; '.join(lacking)}; restore those files, {alt}or start over "
-                        f"with checkpoint.resume=restart")
-    skipped = [u for u in unfinished if u.split()[0] != chosen]
-    said = f"resumed from {load_dir / chosen} at {unit} {state['step']}"
-    if skipped:
-        said += f"; not complete, skipped: {_listed(skipped, 5)}"
-    return Decision(ResumePoint(load_dir, chosen, state), said, next_seq)
-
-
-def _lacking(tag: str, state: dict, views: list[RankView], world: int) -> list[str]:
-    """`node n (host) rank r: missing f1, f2` for each rank that cannot load `tag`."""
-    out = []
-    if int(state["world_size"]) != world:
-        zero = next(v for v in views if v.rank == 0)
-        seen = zero.tags.get(tag)
-        for r, files in sorted((seen.all_missing if seen else {}).items()):
-            out.append(f"{zero.where()} (converting it for world size {world}): saved rank {r}'s "
-                       f"{_listed(files)} missing (a new world size needs every rank's files in one place)")
-        return out
-    for v in views:
-        seen = v.tags.get(tag)
-        files = list(seen.missing) if seen else [f"{tag}/"]
-        if seen and not files and seen.files_seq != state.get("seq"):
-            files = [f"{manifest_file(Path(tag), v.rank).name} (from another save)"]
-        if files:
-            out.append(f"{v.where()}: missing {_listed(files)}")
-    return out
-
-
-def agree(resume: str, ckpt_dir: Path, env, host: str, unit: str = "step") -> Decision:
-    """Every rank reports what it holds (one all-gather), then every rank decides the same."""
-    load_dir, wanted = locate(resume, ckpt_dir)
-    own = {p.name: read_marker(p)[0] for p in ckpt_dir.iterdir() if TAG_RE.match(p.name) and p.is_dir()} \
-        if ckpt_dir.is_dir() else {}
-    mine = RankView(env.rank, env.node_rank, host, scan(load_dir, wanted, env.rank, env.world_size),
-                    max((int(s["seq"]) for s in own.values() if s), default=0),
-                    tuple(sorted(name for name, s in own.items() if s)))
-    return decide(resume, load_dir, wanted, dist.all_gather_object(mine), env.world_size, unit, ckpt_dir)
-
-
-def _flatten(d: dict, prefix: str = "") -> dict[str, Any]:
-    out = {}
-    for k, v in d.items():
-        if isinstance(v, dict):
-            out |= _flatten(v, f"{prefix}{k}.")
-        else:
-            out[f"{prefix}{k}"] = v
-    return out
-
-
-def config_changes(saved: dict, current: dict) -> tuple[list[str], list[str]]:
-    """(errors, notes): changes to FIXED_KEYS are errors; other changed keys are listed as notes."""
-    old, new = _flatten(saved), _flatten(current)
-    errors, notes = [], []
-    for key in sorted(set(old) | set(new)):
-        if key not in old and key.startswith(("launch.", "ript.", "dist.", "watchdog.")):
-            continue  # a section added since the checkpoint was written
-        if old.get(key) != new.get(key) and key != "output_dir":
-            line = f"{key}: {old.get(key)!r} -> {new.get(key)!r}"
-            (errors if key.startswith(FIXED_KEYS) else notes).append(line)
-    return errors, notes
-
-
 def universal_dir(tag_dir: Path) -> Path:
     return tag_dir.with_name(tag_dir.name + UNIVERSAL_SUFFIX)
-
-
-def convert_to_universal(tag_dir: Path) -> Path:
-    """DeepSpeed's ds_to_universal on a complete tag, into `<tag>_universal` (once, under a lock)."""
-    if not is_complete(tag_dir):
-        raise UserError(f"{tag_dir}: not a complete ds_train checkpoint; cannot convert it")
-    state = read_marker(tag_dir)[0]
-    if uses_torch_optimizer(state["zero_stage"], state.get("dtype", "fp32")):
-        raise UserError(f"{tag_dir}: an fp32 ZeRO-0 checkpoint (a plain torch optimizer, replicated) has no "
-                        f"partitions to convert: it resumes at any world size as it is, under fp32 ZeRO-0")
-    out = universal_dir(tag_dir)
-    with file_lock(tag_dir.parent / ".convert.lock"):
-        if is_complete(out):
-            return out
-        tmp = out.with_name(f".{out.name}.tmp")
-        shutil.rmtree(tmp, ignore_errors=True)
-        cmd = [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
-               str(tag_dir), "--output_folder", str(tmp), "--num_extract_workers", "2",
-               "--num_merge_workers", "1"]
-        proc = subprocess.run(cmd, capture_output=True, text=True)
-        if proc.returncode != 0:
-            last = (proc.stderr.strip() or proc.stdout.strip() or "no output").splitlines()[-1]
-            raise UserError(f"{tag_dir}: DeepSpeed's ds_to_universal failed: {last}")
-        state = json.loads((tag_dir / STATE_FILE).read_text())
-        state |= {"universal": True, "source_tag": tag_dir.name, "source_world_size": state["world_size"],
-                  "world_size": 0}  # no per-rank files: a universal checkpoint fits any world size
-        write_atomic(tmp / STATE_FILE, json.dumps(state, indent=2))
-        tmp.rename(out)
-    return out
-
-
-def uses_torch_optimizer(stage: int, dtype: str) -> bool:
-    """fp32 ZeRO-0 steps a plain torch optimizer, whose states DeepSpeed cannot re-partition."""
-    return stage == 0 and dtype == "fp32"
-
-
-def check_resume(point: ResumePoint | None, cfg: RunConfig, kind: str, world: int,
-                 same_world: bool = False, data: dict | None = None) -> list[str]:
-    """Refuse a resume that would change the model, the data stream or the kind of run (or, for
-    `same_world`, the world size); return the allowed changes as notes. `data`: what identifies the
-    tokenizer and the prepared data now (a checkpoint records it): the same data.dir re-prepared
-    with another tokenizer would feed the saved weights other token ids."""
-    if point is None:
-        return []
-    where = point.load_dir / point.tag
-    saved_data = point.state.get("data") or {}
-    changed = sorted(k for k in set(saved_data) & set(data or {}) if saved_data[k] != data[k])
-    if changed:
-        raise UserError(f"{where}: the data changed since this checkpoint ({', '.join(changed)}: "
-                        f"{', '.join(f'{saved_data[k]} -> {data[k]}' for k in changed)}; data.dir re-prepared?): "
-                        f"its weights were trained on the old token ids; restore the old data.dir, or start over "
-                        f"with checkpoint.resume=restart")
-    saved_kind = point.state.get("kind", "train")
-    if saved_kind != kind:
-        raise UserError(f"{where}: a {saved_kind} checkpoint; `{kind}` cannot resume from it (use "
-                        f"another output_dir, or checkpoint.resume=restart to delete it)")
-    if same_world and point.state["world_size"] != world:
-        raise UserError(f"{where}: saved with {point.state['world_size']} ranks; resume {kind} with the "
-                        f"same world size (its work is sharded per rank)")
-    errors, notes = config_changes(point.state["config"], cfg.to_dict())
-    if errors:
-        raise UserError(f"{where}: cannot resume with a changed " + "; ".join(errors) +
-                        " (these fix the model or the data order); use another output_dir, or start over "
-                        "with checkpoint.resume=restart (deletes this run's checkpoints)")
-    return notes
-
-
-@dataclass(frozen=True)
-class ResumePlan:
-    """How to load: as saved, or through DeepSpeed's universal checkpoint (converted first when
-    `convert`). Deciding writes nothing; `prepare_resume` does the conversion."""
-
-    point: ResumePoint | None
-    notes: tuple[str, ...] = ()
-    universal: bool = False  # the engine loads with checkpoint.load_universal
-    convert: bool = False  # ds_to_universal must run on `point` first
-
-
-def plan_resume(point: ResumePoint | None, world: int, stage: int, dtype: str,
-                force_universal: bool) -> ResumePlan:
-    """Directly, or through a universal checkpoint when the world size or the ZeRO stage changed."""
-    if point is None:
-        return ResumePlan(None)
-    if point.state.get("universal"):
-        return ResumePlan(point, (f"loading universal checkpoint {point.tag}",), universal=True)
-    saved_world, saved_stage = point.state["world_size"], point.state["zero_stage"]
-    saved_torch = uses_torch_optimizer(saved_stage, point.state.get("dtype", "fp32"))
-    target_torch = uses_torch_optimizer(stage, dtype)
-    if saved_world == world and saved_stage == stage and not force_universal:
-        return ResumePlan(point)
-    change = f"world size {saved_world} -> {world}, ZeRO stage {saved_stage} -> {stage}"
-    if saved_torch and target_torch:  # replicated weights and optimizer: loadable at any world size
-        return ResumePlan(point, (f"{change}: the fp32 ZeRO-0 checkpoint loads as it is",))
-    if saved_torch or target_torch:
-        raise UserError(f"{point.load_dir / point.tag}: {change}: DeepSpeed cannot move optimizer "
-                        f"states between fp32 ZeRO-0 (a plain torch optimizer) and ZeRO-{max(stage, saved_stage)} "
-                        f"or bf16; resume with the stage and dtype it was saved with")
-    name = universal_dir(point.load_dir / point.tag).name
-    return ResumePlan(point, (f"{change}: loading through DeepSpeed's universal checkpoint {name}",),
-                      universal=True, convert=True)
-
-
-def prepare_resume(plan: ResumePlan) -> ResumePoint | None:
-    """The point to load, after running ds_to_universal where the plan needs it."""
-    if not plan.convert:
-        return plan.point
-    universal = convert_to_universal(plan.point.load_dir / plan.point.tag)
-    return _point(plan.point.load_dir, universal.name)
-
-
-def load(engine, point: ResumePoint, rank: int, world: int) -> dict:
-    """Load weights, optimizer, scheduler, this rank's RNG; returns the saved state, with this rank's
-    own loop state under "rank" when the world size is the one saved."""
-    import torch
-
-    where = point.load_dir / point.tag
-    try:
-        load_path, _ = engine.load_checkpoint(str(point.load_dir), tag=point.tag,
-                                              load_optimizer_states=True, load_lr_scheduler_states=True)
-        if load_path is None:
-            raise UserError(f"{where}: DeepSpeed could not load this checkpoint")
-        if point.state["world_size"] != world:  # per-rank state only where the ranks are the same ranks
-            return point.state
-        saved = torch.load(rank_file(where, rank), weights_only=False)
-        set_rng_state(saved["rng"])
-        return {**point.state, "rank": saved["loop"]}
-    except (pickle.UnpicklingError, EOFError, RuntimeError, OSError, KeyError, TypeError, ValueError) as e:
-        # A file of the right size with other bytes in it (the sizes were checked when the ranks agreed).
-        raise UserError(f"{where}: cannot be loaded, a file in it is damaged ({type(e).__name__}: "
-                        f"{str(e).splitlines()[0][:160] if str(e) else 'no detail'}); resume from an older tag "
-                        f"(checkpoint.resume=step_...), or start over with checkpoint.resume=restart") from None
 
 
 class Checkpointer:

@@ -30,6 +30,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ds_train import checkpoint, dist
+from ds_train.resume import (ResumePlan, ResumePoint, agree, check_resume, load_resume, locate, plan_resume,
+                             prepare_resume)
 from ds_train.batch import BatchPlan, plan_batch, scaled_lr
 from ds_train.config import RunConfig
 from ds_train.configfile import save_config
@@ -43,7 +45,8 @@ from ds_train.metrics import Logger, build_logger, build_progress, peak_flops, r
 from ds_train.memory import checkpoint_bytes
 from ds_train.model import build_hf_config, build_model, count_params, flops_per_token, resolve_dtype
 from ds_train.plan import oom_report
-from ds_train.watchdog import Heartbeat, Watchdog, fault_at, where as rank_where
+from ds_train.reports import where as rank_where
+from ds_train.watchdog import Heartbeat, Watchdog, fault_at
 
 INIT_MODEL_DIR = "init_model"  # a ds_train run given as model.path, exported once into the run dir
 
@@ -135,7 +138,7 @@ class Run:
     say: Callable[..., None]  # print on rank 0, nothing elsewhere
     checkpointer: checkpoint.Checkpointer
     stop: StopRequest
-    resume: checkpoint.ResumePoint | None
+    resume: ResumePoint | None
     resume_said: str  # how the ranks decided; said once the checkpoint is loaded
     hosts: list[tuple[int, str]]  # (node rank, host name) of every rank
     heartbeat: Heartbeat  # where this rank is: the loop calls run.beat(step, phase)
@@ -171,7 +174,7 @@ class Run:
             self.describe_run(-1)
             return None
         self.beat(int(self.resume.state["step"]), "load")
-        state = checkpoint.load(self.engine, self.resume, self.env.rank, self.env.world_size)
+        state = load_resume(self.engine, self.resume, self.env.rank, self.env.world_size)
         self.describe_run(int(self.resume.state["step"]))
         self.say(self.resume_said)
         return state
@@ -240,16 +243,16 @@ def _build_run(cfg: RunConfig, ds_config_path: str, env: dist.DistEnv, spec: Run
     render = partial(render_ds_config, template, cfg, plan, dtype=dtype, hidden_size=source.hf_config.hidden_size,
                      lr=lr, total_steps=total_steps, on_gpu=on_gpu, source=str(ds_config_path))
     render(load_universal=False)
-    checkpoint.locate(cfg.checkpoint.resume, run_dir / "checkpoints")
+    locate(cfg.checkpoint.resume, run_dir / "checkpoints")
 
     # 2. Checks every rank makes together: the file-system layout and the resume point.
     host = socket.gethostname()
     dist.init(env, cfg.dist.timeout_s, cfg.dist.join_timeout_s, host)
     try:
         layout = storage_layout(run_dir, env)
-        decision = checkpoint.agree(cfg.checkpoint.resume, run_dir / "checkpoints", env, host, spec.unit)
-        changes = checkpoint.check_resume(decision.point, cfg, spec.kind, env.world_size, spec.same_world, data)
-        resume_plan = checkpoint.plan_resume(decision.point, env.world_size, zero_stage(template), dtype,
+        decision = agree(cfg.checkpoint.resume, run_dir / "checkpoints", env, host, spec.unit)
+        changes = check_resume(decision.point, cfg, spec.kind, env.world_size, spec.same_world, data)
+        resume_plan = plan_resume(decision.point, env.world_size, zero_stage(template), dtype,
                                              cfg.checkpoint.load_universal)
         check_layout(layout, cfg, resume_plan, env)
     except UserError as e:  # every rank found the same: rank 0 says it
@@ -271,7 +274,7 @@ def _build_run(cfg: RunConfig, ds_config_path: str, env: dist.DistEnv, spec: Run
                   f"world {env.world_size} launcher {env.launcher}")
     if cfg.checkpoint.resume == "restart":
         start_over(run_dir, writer)
-    resume = checkpoint.prepare_resume(resume_plan)
+    resume = prepare_resume(resume_plan)
     weights = _export_initial_model(source, run_dir)
     if on_gpu:
         torch.backends.cuda.matmul.allow_tf32 = True
@@ -411,7 +414,7 @@ def storage_layout(run_dir: Path, env: dist.DistEnv) -> str:
                     f"every node its own, or one shared by all")
 
 
-def check_layout(layout: str, cfg: RunConfig, plan: checkpoint.ResumePlan, env: dist.DistEnv) -> None:
+def check_layout(layout: str, cfg: RunConfig, plan: ResumePlan, env: dist.DistEnv) -> None:
     """What a node-local output_dir cannot do: gather every rank's files in one place."""
     if layout != NODE_LOCAL:
         return

@@ -27,7 +27,7 @@ from ds_train.fs import write_atomic
 from ds_train.metrics import Interval, memory_gib, mfu
 from ds_train.ript.tasks import DEMOS_SOURCE, demonstrations
 from ds_train.run import ModelSource, Run, RunSpec, build_run, resolve_model
-from ds_train.watchdog import stragglers
+from ds_train.reports import stragglers
 
 # Generated data sources (`name:arg` in data.sources) that `prepare` understands.
 GENERATED_SOURCES = {DEMOS_SOURCE: demonstrations}

@@ -1,5 +1,5 @@
-"""Heartbeats, the hang watchdog and the job's failure report: where every rank is, and a named
-stall or failure instead of a silent hang.
+"""Heartbeats and the hang watchdog: where every rank is, and a named stall or failure instead of a
+silent hang.
 
 Every rank keeps a `Heartbeat` (step, phase, last progress) that its loop updates for the price of
 a few attribute writes (`run.beat(step, "forward")`). A daemon thread, the `Watchdog`, publishes it
@@ -10,20 +10,18 @@ run directories work) and to the rendezvous store, which every rank reads withou
 A rank that makes no progress for watchdog.stall_s raises the alarm in the store. Every rank then
 writes the stacks of its threads to logs/stacks_rank_<r>.txt (py-spy's native frames too, where
 installed) and publishes its state; the lowest rank still answering prints the hang report
-(`classify`): the ranks that wait inside a collective and the ones that never arrived, with host,
-phase and step. Every rank then exits with EXIT_STALL, long before the process-group timeout.
+(ds_train/reports.py): the ranks that wait inside a collective and the ones that never arrived,
+with host, phase and step. Every rank then exits with EXIT_STALL, long before the process-group
+timeout.
 
-A rank that dies of an exception publishes its error and the last lines of its log the same way
-(`publish_failure`); the rank that reports names the first failure in the job's last line.
+A rank that dies of an exception publishes its error and the end of its traceback the same way
+(`Watchdog.fail`); the rank that reports names the first failure in the job's last line.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import re
-import shutil
-import subprocess
 import sys
 import threading
 import time
@@ -33,22 +31,14 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ds_train.fs import replacing
+from ds_train.reports import (collective_of, failure_report, format_stacks, hang_report, is_secondary, main_frame,
+                              native_stacks, short_path, where)
 
 EXIT_STALL = 5
-# torch.distributed / deepspeed.comm functions that block until the other ranks take part.
-COLLECTIVES = {"all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_object", "broadcast",
-               "broadcast_object_list", "barrier", "monitored_barrier", "reduce", "reduce_scatter",
-               "reduce_scatter_tensor", "all_to_all", "all_to_all_single", "gather", "gather_object",
-               "scatter", "send", "recv", "inference_all_reduce", "all_reduce_coalesced",
-               "allreduce_coalesced", "reduce_scatter_fn", "all_gather_coalesced"}
-_COMM_FILES = re.compile(r"torch/distributed/|deepspeed/comm/")
 # Phases in which checkpoint I/O counts as progress (a large save writes for minutes).
 IO_PHASES = ("save", "load")
 # Phases the watchdog does not time: rank 0 alone writes the final export while the others wait.
 UNTIMED_PHASES = ("export",)
-# Exceptions a rank gets because another rank died (a secondary failure, not the cause).
-PEER_LOSS = re.compile(r"connection (closed|reset)|broken pipe|peer|socket|NCCL communicator was aborted|"
-                       r"ProcessGroup.*(abort|shut)|Connection refused|Gloo", re.I)
 
 
 @dataclass
@@ -96,157 +86,6 @@ def memory_now(device_index: int | None) -> dict[str, float | None]:
     except Exception:  # no NVML (pynvml) on this machine: utilisation unknown, not an error
         out["gpu_util_pct"] = None
     return out
-
-
-def main_frame():
-    """The current frame of the main thread (None if it cannot be read)."""
-    return sys._current_frames().get(threading.main_thread().ident)
-
-
-def collective_of(frame) -> str | None:
-    """`all_reduce in deepspeed/runtime/engine.py:2100 (allreduce_bucket)` when the frame's thread is
-    inside a collective call, else None."""
-    name, caller = None, None
-    while frame is not None:
-        code = frame.f_code
-        if _COMM_FILES.search(code.co_filename):
-            if code.co_name in COLLECTIVES:
-                name = code.co_name  # keep the outermost one: deepspeed.comm's name over torch's
-        elif name is not None:
-            caller = f"{_short(code.co_filename)}:{frame.f_lineno} ({code.co_name})"
-            break
-        frame = frame.f_back
-    return f"{name} in {caller}" if name and caller else name
-
-
-def _short(path: str) -> str:
-    """A path from its package on: ds_train/trainer.py, deepspeed/runtime/engine.py."""
-    m = re.search(r"(ds_train|deepspeed|torch|transformers)/.*$", path)
-    return m.group(0) if m else Path(path).name
-
-
-def format_stacks(header: str) -> str:
-    """Every thread's Python stack, the main thread first."""
-    frames = sys._current_frames()
-    frames.pop(threading.get_ident(), None)  # the thread writing this
-    names = {t.ident: t.name for t in threading.enumerate()}
-    main = threading.main_thread().ident
-    parts = [header]
-    for ident in sorted(frames, key=lambda i: i != main):
-        parts.append(f"\n--- thread {names.get(ident, ident)} ---\n" +
-                     "".join(traceback.format_stack(frames[ident])))
-    return "\n".join(parts)
-
-
-def native_stacks(pid: int, timeout_s: float = 20) -> str:
-    """py-spy's dump with native frames, where py-spy is installed ('' otherwise)."""
-    exe = shutil.which("py-spy")
-    if not exe:
-        return ""
-    try:
-        proc = subprocess.run([exe, "dump", "--native", "--pid", str(pid)], capture_output=True, text=True,
-                              timeout=timeout_s)
-        return f"\n--- py-spy dump --native ---\n{proc.stdout}{proc.stderr}"
-    except (OSError, subprocess.SubprocessError) as e:
-        return f"\n--- py-spy failed: {e} ---\n"
-
-
-# ---- verdicts: pure functions of what the ranks published -------------------------------------
-
-def where(rec: dict) -> str:
-    """`rank 1 on node 1 (gpu017)`, or `rank 1 on node 1 (10.0.0.3, host gpu017)` when the hostfile
-    names the node otherwise."""
-    addr = rec.get("addr")
-    named = f"{addr}, host {rec['host']}" if addr and addr != rec["host"] else rec["host"]
-    return f"rank {rec['rank']} on node {rec['node']} ({named})"
-
-
-def classify(records: dict[int, dict | None], answered: set[int]) -> dict[str, list[int]]:
-    """Which ranks of a hang wait inside a collective and which never arrived.
-
-    `records`: each rank's last heartbeat (None: it never published one); `answered`: the ranks
-    that took part in the alarm (wrote their stacks). A rank that did not answer is frozen or gone.
-    Of the others, a rank waits when its main thread is inside a collective or when it got further
-    (step, then phases entered in it) than a rank that is not; the ranks furthest behind outside
-    any collective never arrived."""
-    silent = sorted(r for r in records if r not in answered)
-    live = {r: rec for r, rec in records.items() if r in answered and rec is not None}
-    outside = {r: rec for r, rec in live.items() if not rec.get("collective")}
-    behind = min((tuple(rec["position"]) for rec in outside.values()), default=None)
-    laggards = sorted(r for r, rec in outside.items() if tuple(rec["position"]) == behind)
-    return {"never_arrived": laggards, "silent": silent, "waiting": sorted(r for r in live if r not in laggards)}
-
-
-def hang_report(records: dict[int, dict | None], answered: set[int], stall_s: float) -> dict:
-    """The hang report: its one line (the job's last) and what it is made of."""
-    v = classify(records, answered)
-    culprits = []
-    for r in v["never_arrived"]:
-        rec = records[r]
-        culprits.append(f"{where(rec)} stalled in phase {rec['phase']} of step {rec['step']} "
-                        f"({rec['idle_s']:.0f} s without progress) and never reached the collective")
-    for r in v["silent"]:
-        rec = records.get(r)
-        culprits.append(f"rank {r} stopped answering (no heartbeat ever: it never started)" if rec is None else
-                        f"{where(rec)} stopped answering (frozen or killed; last seen in phase {rec['phase']} "
-                        f"of step {rec['step']})")
-    if not culprits:
-        culprits.append("every rank waits inside a collective: they disagree on which (a code path that "
-                        "differs by rank) or the network between them is down")
-    waits = "; ".join(f"{where(records[r])} waits in {records[r]['collective'] or 'a collective'} (phase "
-                      f"{records[r]['phase']} of step {records[r]['step']})" for r in v["waiting"])
-    line = (f"hang: no progress for {stall_s:g} s (watchdog.stall_s): " + "; ".join(culprits) +
-            (f". Waiting for it: {waits}" if waits and v["never_arrived"] + v["silent"] else
-             f". {waits}" if waits else "") +
-            ". Stacks in logs/stacks_rank_<r>.txt on each rank's node")
-    return {"kind": "hang", "line": line, "stall_s": stall_s, **v,
-            "ranks": {str(r): rec for r, rec in sorted(records.items())}}
-
-
-def failure_report(failures: list[dict], silent: list[dict] = ()) -> dict:
-    """The first failure, named: the first that is not a consequence of another rank's death; when
-    every error is such a consequence, the rank that went silent (`silent`: last heartbeats of
-    ranks that died without a word)."""
-    primary = next((f for f in failures if f["primary"]), None)
-    if primary is None and silent:
-        dead = silent[0]
-        line = (f"{where(dead)} died without an error (its last heartbeat: phase {dead['phase']} of step "
-                f"{dead['step']}): killed by a signal (the kernel's OOM killer, see `dmesg` on {dead['host']}, or "
-                f"kill -9); then "
-                + ", ".join(f"rank {f['rank']}" for f in failures) + f" lost the connection ({failures[0]['error']})")
-        return {"kind": "killed", "line": line, "first": dead, "failures": failures}
-    first = primary or failures[0]
-    others = [f"rank {f['rank']}" for f in failures if f is not first]
-    tail = " | ".join(first["tail"])
-    line = (f"{where(first)} failed first, in phase {first['phase']} of step {first['step']}: {first['error']}"
-            + (f" (then {', '.join(others)})" if others else "") + f"; its log ({first['log']}) ends: {tail}")
-    return {"kind": "failure", "line": line, "first": first, "failures": failures}
-
-
-def stragglers(times: list[float], ratio: float) -> tuple[int, float, float, list[int]]:
-    """(the slowest rank, its time over the median of the other ranks, that median, the ranks above
-    `ratio` x the median of the others). Against the others, not all: with two ranks a rank ten
-    times slower is 10x the other, but under 2x the median of both."""
-    n = len(times)
-    if n < 2:
-        return 0, 1.0, times[0] if times else 0.0, []
-    order = sorted(range(n), key=lambda r: times[r])
-    position = {r: i for i, r in enumerate(order)}
-
-    def others_median(r: int) -> float:
-        skip = position[r]  # the k-th of the others is the k-th of all, or the next one past r
-        kth = [times[order[k if k < skip else k + 1]] for k in ((n - 2) // 2, (n - 1) // 2)]
-        return sum(kth) / 2
-
-    medians = [others_median(r) for r in range(n)]
-    ratios = [times[r] / medians[r] if medians[r] > 0 else 1.0 for r in range(n)]
-    slowest = max(range(n), key=lambda r: ratios[r])
-    return slowest, ratios[slowest], medians[slowest], [r for r in range(n) if ratios[r] > ratio]
-
-
-def is_secondary(exc: BaseException) -> bool:
-    """An error a rank gets because another rank died (its connection went), not a cause."""
-    return bool(PEER_LOSS.search(f"{type(exc).__name__}: {exc}"))
 
 
 # ---- fault injection (watchdog.debug_fault) -------------------------------------------------------
@@ -456,7 +295,7 @@ class Watchdog:
             return None
         lines = [l for l in "".join(traceback.format_exception_only(type(exc), exc)).splitlines() if l.strip()]
         frames = traceback.extract_tb(exc.__traceback__)[-2:]
-        tail = [f"{_short(f.filename)}:{f.lineno} in {f.name}" for f in frames] + lines[-2:]
+        tail = [f"{short_path(f.filename)}:{f.lineno} in {f.name}" for f in frames] + lines[-2:]
         error = lines[-1] if lines else type(exc).__name__
         rec = {**self.record(), "error": error if len(error) < 240 else error[:240] + "...", "tail": tail,
                "primary": not is_secondary(exc), "log": f"{self.hb.host}:{self.run_dir / 'logs' / f'rank_{self.hb.rank}.log'}"}

@@ -84,7 +84,8 @@ def ds_train(*args: str, timeout: float = 300, env: dict | None = None) -> Resul
 @pytest.fixture(scope="session")
 def tiny_data(tmp_path_factory) -> Path:
     """A small corpus (a slice of the stdlib) prepared with a 512-token BPE, shared by all tests."""
-    from ds_train.data import prepare, python_stdlib_files
+    from ds_train.data import prepare
+    from ds_train.sources import python_stdlib_files
 
     src = tmp_path_factory.mktemp("corpus")
     for i, path in enumerate(python_stdlib_files(max_bytes=300_000)):

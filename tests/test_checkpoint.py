@@ -13,8 +13,7 @@ import pytest
 
 from conftest import (ROOT, deepspeed_args, deepspeed_train, ds_train, expect_error, reap, spawn, tiny_config,
                       tree_listing, write_config)
-from ds_train import checkpoint
-from ds_train.errors import UserError
+from ds_train import checkpoint, resume
 
 
 def fake_tag(ckpt_dir, step, world=2, complete=True, seq=None):
@@ -80,105 +79,6 @@ def test_pruning_keeps_the_newest_saves_and_never_the_tag_just_saved(tmp_path):
     assert checkpoint.complete_tags(tmp_path) == ["step_00000008", "step_00000004"]
 
 
-def test_find_resume(tmp_path):
-    assert checkpoint.find_resume("auto", tmp_path / "nothing") is None
-    assert checkpoint.find_resume("none", tmp_path) is None
-    tag = fake_tag(tmp_path, 4)
-    assert checkpoint.find_resume("auto", tmp_path).tag == tag
-    assert checkpoint.find_resume(tag, tmp_path).state["step"] == 4
-    assert checkpoint.find_resume(str(tmp_path / tag), tmp_path / "elsewhere").tag == tag
-    fake_tag(tmp_path, 6, complete=False)
-    with pytest.raises(UserError, match="incomplete"):
-        checkpoint.find_resume("step_00000006", tmp_path)
-    with pytest.raises(UserError, match="neither a tag"):
-        checkpoint.find_resume(str(tmp_path / "nowhere"), tmp_path)
-
-
-# ---- the resume every rank agrees on (what each rank reports, then the one decision) ----------
-
-def views(ckpt_dirs: list, world: int = 2, wanted=None) -> list:
-    """Each rank's report, rank r reading ckpt_dirs[r] (one directory: shared; several: node-local)."""
-    return [checkpoint.RankView(r, r, f"host{r}", checkpoint.scan(d, wanted, r, world))
-            for r, d in enumerate(ckpt_dirs)]
-
-
-def test_every_rank_resumes_from_the_newest_save_and_unfinished_tags_are_named(tmp_path):
-    fake_tag(tmp_path, 2, seq=1)
-    fake_tag(tmp_path, 4, seq=2)
-    fake_tag(tmp_path, 6, complete=False)
-    d = checkpoint.decide("auto", tmp_path, None, views([tmp_path, tmp_path]), 2)
-    assert d.point.tag == "step_00000004" and d.point.state["step"] == 4 and d.next_seq == 3
-    assert d.said == (f"resumed from {tmp_path / 'step_00000004'} at step 4; not complete, skipped: "
-                      f"step_00000006 (no ds_train_state.json: a save that did not finish)")
-
-
-def test_nothing_to_resume_says_why(tmp_path):
-    d = checkpoint.decide("auto", tmp_path, None, views([tmp_path, tmp_path]), 2)
-    assert d.point is None and d.said == f"nothing to resume in {tmp_path}; starting at step 0"
-    fake_tag(tmp_path, 2, complete=False)
-    d = checkpoint.decide("auto", tmp_path, None, views([tmp_path, tmp_path]), 2, unit="iteration")
-    assert d.point is None and d.said == (
-        f"nothing to resume in {tmp_path}; tags present but none complete: step_00000002 (no "
-        f"ds_train_state.json: a save that did not finish); starting at iteration 0")
-
-
-def test_node_local_directories_agree_and_a_node_missing_files_is_named(tmp_path):
-    node0, node1 = tmp_path / "node0", tmp_path / "node1"
-    for node, rank in ((node0, 0), (node1, 1)):  # each node holds its own rank's files and a marker
-        for step in (2, 4):
-            fake_tag(node, step)
-            other = node / checkpoint.tag_for(step)
-            for f in (checkpoint.manifest_file(other, 1 - rank), checkpoint.rank_file(other, 1 - rank)):
-                f.unlink()
-    d = checkpoint.decide("auto", node0, None, views([node0, node1]), 2)
-    assert d.point.tag == "step_00000004"
-    (node1 / "step_00000004" / "zero_pp_rank_1_mp_rank_00_optim_states.pt").unlink()
-    with pytest.raises(UserError) as e:
-        checkpoint.decide("auto", node0, None, views([node0, node1]), 2)
-    assert str(e.value) == (
-        f"checkpoint {node0 / 'step_00000004'} (step 4, the newest complete save) is incomplete on node 1 "
-        f"(host1) rank 1: missing zero_pp_rank_1_mp_rank_00_optim_states.pt; restore those files, resume "
-        f"from step_00000002 with checkpoint.resume=step_00000002, or start over with checkpoint.resume=restart")
-    shutil.rmtree(node1 / "step_00000004")  # the whole tag gone from node 1: named the same way
-    with pytest.raises(UserError, match="incomplete on node 1 \\(host1\\) rank 1: missing step_00000004/"):
-        checkpoint.decide("auto", node0, None, views([node0, node1]), 2)
-
-
-def test_a_rank_file_from_another_save_into_the_same_tag_is_not_whole(tmp_path):
-    fake_tag(tmp_path, 4, seq=7)
-    man = checkpoint.manifest_file(tmp_path / "step_00000004", 1)
-    man.write_text(man.read_text().replace('"seq": 7', '"seq": 5'))
-    with pytest.raises(UserError, match="rank 1: missing ds_train_rank_1.json \\(from another save\\)"):
-        checkpoint.decide("auto", tmp_path, None, views([tmp_path, tmp_path]), 2)
-
-
-def test_a_fresh_run_into_a_used_directory_is_refused_and_restart_is_named(tmp_path):
-    fake_tag(tmp_path, 2)
-    with pytest.raises(UserError, match="checkpoint.resume=none: .* holds checkpoints of an earlier run "
-                                        "\\(step_00000002\\); .*checkpoint.resume=restart"):
-        checkpoint.decide("none", tmp_path, None, views([tmp_path, tmp_path]), 2)
-    d = checkpoint.decide("restart", tmp_path, None, views([tmp_path, tmp_path]), 2)
-    assert d.point is None and d.next_seq == 3
-
-
-def test_a_path_asked_for_must_hold_a_checkpoint_and_may_not_mix_with_this_runs_own(tmp_path):
-    """checkpoint.resume=<a directory>: nothing there is an error, not a fresh start over this run's
-    checkpoints; loading another run's while output_dir holds its own is refused (it would mix)."""
-    own, other = tmp_path / "run" / "checkpoints", tmp_path / "other"
-    other.mkdir()
-    fake_tag(own, 4)
-    with pytest.raises(UserError, match=f"checkpoint.resume: {other} holds no complete checkpoint; give a checkpoint "
-                                        f"directory or tag, or checkpoint.resume=auto"):
-        checkpoint.decide(str(other), other, None, views([other, other]), 2, own_dir=own)
-    fake_tag(other, 2)
-    mine = [checkpoint.RankView(r, 0, "h", checkpoint.scan(other, None, r, 2), own=("step_00000004",)) for r in (0, 1)]
-    with pytest.raises(UserError, match=r"output_dir's .*run/checkpoints holds checkpoints of its own "
-                                        r"\(step_00000004\); continue them with checkpoint.resume=auto"):
-        checkpoint.decide(str(other), other, None, mine, 2, own_dir=own)
-    fresh = [checkpoint.RankView(r, 0, "h", checkpoint.scan(other, None, r, 2)) for r in (0, 1)]
-    assert checkpoint.decide(str(other), other, None, fresh, 2, own_dir=own).point.tag == "step_00000002"
-
-
 def test_a_marker_without_what_a_save_writes_is_damaged_and_said(tmp_path):
     tag = tmp_path / fake_tag(tmp_path, 4)
     good = json.loads((tag / checkpoint.STATE_FILE).read_text())
@@ -187,20 +87,6 @@ def test_a_marker_without_what_a_save_writes_is_damaged_and_said(tmp_path):
         (tag / checkpoint.STATE_FILE).write_text(json.dumps(broken))
         state, why = checkpoint.read_marker(tag)
         assert state is None and why.startswith("ds_train_state.json is damaged") and key in why, (key, why)
-
-
-def test_a_checkpoint_of_other_data_is_refused(tmp_path):
-    from ds_train.config import ModelConfig, RunConfig
-
-    cfg = RunConfig(model=ModelConfig(config={"model_type": "llama"}))
-    state = {"step": 4, "world_size": 1, "seq": 1, "zero_stage": 2, "config": cfg.to_dict(), "kind": "train",
-             "data": {"tokenizer": "aaaa", "train_tokens": 100, "val_tokens": 10}}
-    point = checkpoint.ResumePoint(tmp_path, "step_00000004", state)
-    same = {"tokenizer": "aaaa", "train_tokens": 100, "val_tokens": 10}
-    assert checkpoint.check_resume(point, cfg, "train", 1, data=same) == []
-    with pytest.raises(UserError, match=r"the data changed since this checkpoint \(tokenizer: aaaa -> bbbb; "
-                                        r"data.dir re-prepared\?\): its weights were trained on the old token ids"):
-        checkpoint.check_resume(point, cfg, "train", 1, data={**same, "tokenizer": "bbbb"})
 
 
 def test_latest_that_is_not_text_and_files_named_like_tags_are_survived(tmp_path):
@@ -220,55 +106,6 @@ def test_failed_writes_name_their_cause():
     assert checkpoint._why(RuntimeError(torch_message)) == "No space left on device"
     assert checkpoint._why(OSError(28, "No space left on device")) == "No space left on device"
     assert not checkpoint._IO_ERROR.search("CUDA error: an illegal memory access was encountered")
-
-
-def test_a_named_tag_must_be_complete_and_a_new_world_size_needs_every_rank_in_one_place(tmp_path):
-    fake_tag(tmp_path, 2)
-    fake_tag(tmp_path, 4, complete=False)
-    with pytest.raises(UserError, match="step_00000004 is not a complete checkpoint \\(no ds_train_state"):
-        checkpoint.decide("step_00000004", tmp_path, "step_00000004",
-                          views([tmp_path, tmp_path], wanted="step_00000004"), 2)
-    d = checkpoint.decide("auto", tmp_path, None, views([tmp_path], world=1), 1)  # 2 ranks' tag, 1 rank now
-    assert d.point.tag == "step_00000002"
-    checkpoint.manifest_file(tmp_path / "step_00000002", 1).unlink()
-    with pytest.raises(UserError, match="saved rank 1's ds_train_rank_1.json missing"):
-        checkpoint.decide("auto", tmp_path, None, views([tmp_path], world=1), 1)
-
-
-def test_config_changes_split_into_errors_and_notes():
-    saved = {"seed": 1, "model": {"config": {"hidden_size": 64}}, "optim": {"lr": 1e-3},
-             "train": {"max_steps": 10, "seq_len": 64}}
-    now = {"seed": 1, "model": {"config": {"hidden_size": 128}}, "optim": {"lr": 5e-4},
-           "train": {"max_steps": 20, "seq_len": 64}}
-    errors, notes = checkpoint.config_changes(saved, now)
-    assert errors == ["model.config.hidden_size: 64 -> 128"]
-    assert notes == ["optim.lr: 0.001 -> 0.0005", "train.max_steps: 10 -> 20"]
-
-
-def test_check_resume_refuses_another_kind_and_for_ript_another_world_size(tmp_path):
-    from ds_train.configfile import build_config
-
-    cfg = build_config({"model": {"config": {"model_type": "llama"}}})
-    state = {"step": 4, "world_size": 2, "config": cfg.to_dict()}
-    train_point = checkpoint.ResumePoint(tmp_path, "step_00000004", state)  # written before `kind` existed
-    ript_point = checkpoint.ResumePoint(tmp_path, "step_00000004", {**state, "kind": "ript"})
-    assert checkpoint.check_resume(train_point, cfg, "train", world=1) == []  # world size may change
-    with pytest.raises(UserError, match="a train checkpoint; `ript` cannot resume from it"):
-        checkpoint.check_resume(train_point, cfg, "ript", world=2, same_world=True)
-    with pytest.raises(UserError, match="a ript checkpoint; `train` cannot resume from it"):
-        checkpoint.check_resume(ript_point, cfg, "train", world=2)
-    with pytest.raises(UserError, match="saved with 2 ranks; resume ript with the same world size"):
-        checkpoint.check_resume(ript_point, cfg, "ript", world=3, same_world=True)
-
-
-def test_plan_resume_decides_without_writing(tmp_path):
-    point = checkpoint.ResumePoint(tmp_path, "step_00000004", {"world_size": 2, "zero_stage": 2, "dtype": "fp32"})
-    assert checkpoint.plan_resume(point, 2, 2, "fp32", False) == checkpoint.ResumePlan(point)
-    moved = checkpoint.plan_resume(point, 1, 3, "fp32", False)
-    assert moved.universal and moved.convert and "world size 2 -> 1, ZeRO stage 2 -> 3" in moved.notes[0]
-    with pytest.raises(UserError, match="fp32 ZeRO-0"):
-        checkpoint.plan_resume(point, 2, 0, "fp32", False)
-    assert list(tmp_path.iterdir()) == []  # deciding wrote nothing; prepare_resume converts
 
 
 class _Stop:
@@ -499,8 +336,8 @@ def single(cfg, *overrides, timeout=180):
 
 def agreed_tag(ckpts):
     """What a one-rank resume of this directory would choose."""
-    view = checkpoint.RankView(0, 0, "h", checkpoint.scan(ckpts, None, 0, 1))
-    point = checkpoint.decide("auto", ckpts, None, [view], 1).point
+    view = resume.RankView(0, 0, "h", resume.scan(ckpts, None, 0, 1))
+    point = resume.decide("auto", ckpts, None, [view], 1).point
     return point.tag if point else None
 
 

@@ -12,9 +12,8 @@ import numpy as np
 import pytest
 
 from conftest import ROOT, expect_error, tiny_config, tree_listing, write_config
-from ds_train.data import (TokenData, check_vocab, ensure_prepared, eval_micro_batches, fingerprint_differences,
-                           input_fingerprint, load_meta, load_tokenizer, prepare, rank_micro_batches,
-                           train_tokenizer)
+from ds_train.data import (TokenData, check_vocab, ensure_prepared, eval_micro_batches, load_meta, load_tokenizer,
+                           prepare, rank_micro_batches, train_tokenizer)
 from ds_train.errors import UserError
 
 TEXTS = [f"def f{i}(x):\n    return x * {i} + {i * i}\n" * (3 + i) for i in range(5)]
@@ -350,41 +349,6 @@ def test_a_meta_without_a_record_of_its_inputs(corpus, tmp_path):
             "data.reprepare=true", "data.sources=[]")
     assert ensure_prepared(data_dir, [], "", 300, 0.5, "text")["train_tokens"] == meta["train_tokens"]
     assert "fingerprint" in ensure(data_dir, [corpus], reprepare=True)
-
-
-def test_fingerprint_hashes_only_files_whose_size_matches_and_mtime_does_not(tmp_path):
-    for name in "abc":
-        (tmp_path / f"{name}.txt").write_text(f"{name} text\n")
-    recorded = input_fingerprint([str(tmp_path)], "", 300, 0.5, "text")
-    assert recorded["sources"][0]["files"]["a.txt"]["sha256"] == hashlib.sha256(b"a text\n").hexdigest()
-    hashed = []
-
-    def sha256(path: Path) -> str:
-        hashed.append(path.name)
-        return hashlib.sha256(path.read_bytes()).hexdigest()
-
-    def differences() -> list[str]:
-        return fingerprint_differences(recorded, input_fingerprint([str(tmp_path)], "", 300, 0.5, "text",
-                                                                   hashed=False), sha256)
-
-    assert differences() == [] and hashed == []
-    os.utime(tmp_path / "a.txt", ns=(1, 1))
-    (tmp_path / "b.txt").write_text("b much longer text\n")
-    assert differences() == ["data.sources[0] " + repr(str(tmp_path)) + ": b.txt size 7 -> 19"]
-    assert hashed == ["a.txt"]  # b.txt: the size alone says it changed; c.txt: untouched
-    assert fingerprint_differences(None, recorded) == ["prepared without a record of its inputs"]
-
-
-def test_fingerprint_of_generated_and_stdlib_sources(tmp_path):
-    generators = {"demo": lambda arg: iter([("d", "text " * int(arg))])}
-    recorded = input_fingerprint(["demo:3", "python-stdlib"], "", 300, 0.5, "text", generators)
-    assert recorded["sources"][0] == {"source": "demo:3", "kind": "generated"}
-    assert recorded["sources"][1]["files"] and recorded["sources"][1]["python"]
-    current = input_fingerprint(["demo:4", "python-stdlib"], "", 300, 0.5, "text", generators, hashed=False)
-    assert fingerprint_differences(recorded, current) == ["data.sources[0] 'demo:4' (prepared from 'demo:3')"]
-    recorded["sources"][1]["python"] = "2.7.18"
-    assert fingerprint_differences(recorded, current)[1].startswith("data.sources[1] 'python-stdlib': "
-                                                                     "Python 2.7.18 -> ")
 
 
 # --- the .bin files against meta.json ------------------------------------------------------------

@@ -1,0 +1,174 @@
+"""The resume every rank agrees on (pure: built from fake tags laid out as a save lays them out),
+what a resume may change, and how it loads (as saved, or through a universal checkpoint)."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+
+from ds_train import checkpoint, resume
+from ds_train.errors import UserError
+from test_checkpoint import fake_tag
+
+
+def test_find_resume(tmp_path):
+    assert resume.find_resume("auto", tmp_path / "nothing") is None
+    assert resume.find_resume("none", tmp_path) is None
+    tag = fake_tag(tmp_path, 4)
+    assert resume.find_resume("auto", tmp_path).tag == tag
+    assert resume.find_resume(tag, tmp_path).state["step"] == 4
+    assert resume.find_resume(str(tmp_path / tag), tmp_path / "elsewhere").tag == tag
+    fake_tag(tmp_path, 6, complete=False)
+    with pytest.raises(UserError, match="incomplete"):
+        resume.find_resume("step_00000006", tmp_path)
+    with pytest.raises(UserError, match="neither a tag"):
+        resume.find_resume(str(tmp_path / "nowhere"), tmp_path)
+
+
+# ---- the resume every rank agrees on (what each rank reports, then the one decision) ----------
+
+def views(ckpt_dirs: list, world: int = 2, wanted=None) -> list:
+    """Each rank's report, rank r reading ckpt_dirs[r] (one directory: shared; several: node-local)."""
+    return [resume.RankView(r, r, f"host{r}", resume.scan(d, wanted, r, world))
+            for r, d in enumerate(ckpt_dirs)]
+
+
+def test_every_rank_resumes_from_the_newest_save_and_unfinished_tags_are_named(tmp_path):
+    fake_tag(tmp_path, 2, seq=1)
+    fake_tag(tmp_path, 4, seq=2)
+    fake_tag(tmp_path, 6, complete=False)
+    d = resume.decide("auto", tmp_path, None, views([tmp_path, tmp_path]), 2)
+    assert d.point.tag == "step_00000004" and d.point.state["step"] == 4 and d.next_seq == 3
+    assert d.said == (f"resumed from {tmp_path / 'step_00000004'} at step 4; not complete, skipped: "
+                      f"step_00000006 (no ds_train_state.json: a save that did not finish)")
+
+
+def test_nothing_to_resume_says_why(tmp_path):
+    d = resume.decide("auto", tmp_path, None, views([tmp_path, tmp_path]), 2)
+    assert d.point is None and d.said == f"nothing to resume in {tmp_path}; starting at step 0"
+    fake_tag(tmp_path, 2, complete=False)
+    d = resume.decide("auto", tmp_path, None, views([tmp_path, tmp_path]), 2, unit="iteration")
+    assert d.point is None and d.said == (
+        f"nothing to resume in {tmp_path}; tags present but none complete: step_00000002 (no "
+        f"ds_train_state.json: a save that did not finish); starting at iteration 0")
+
+
+def test_node_local_directories_agree_and_a_node_missing_files_is_named(tmp_path):
+    node0, node1 = tmp_path / "node0", tmp_path / "node1"
+    for node, rank in ((node0, 0), (node1, 1)):  # each node holds its own rank's files and a marker
+        for step in (2, 4):
+            fake_tag(node, step)
+            other = node / checkpoint.tag_for(step)
+            for f in (checkpoint.manifest_file(other, 1 - rank), checkpoint.rank_file(other, 1 - rank)):
+                f.unlink()
+    d = resume.decide("auto", node0, None, views([node0, node1]), 2)
+    assert d.point.tag == "step_00000004"
+    (node1 / "step_00000004" / "zero_pp_rank_1_mp_rank_00_optim_states.pt").unlink()
+    with pytest.raises(UserError) as e:
+        resume.decide("auto", node0, None, views([node0, node1]), 2)
+    assert str(e.value) == (
+        f"checkpoint {node0 / 'step_00000004'} (step 4, the newest complete save) is incomplete on node 1 "
+        f"(host1) rank 1: missing zero_pp_rank_1_mp_rank_00_optim_states.pt; restore those files, resume "
+        f"from step_00000002 with checkpoint.resume=step_00000002, or start over with checkpoint.resume=restart")
+    shutil.rmtree(node1 / "step_00000004")  # the whole tag gone from node 1: named the same way
+    with pytest.raises(UserError, match="incomplete on node 1 \\(host1\\) rank 1: missing step_00000004/"):
+        resume.decide("auto", node0, None, views([node0, node1]), 2)
+
+
+def test_a_rank_file_from_another_save_into_the_same_tag_is_not_whole(tmp_path):
+    fake_tag(tmp_path, 4, seq=7)
+    man = checkpoint.manifest_file(tmp_path / "step_00000004", 1)
+    man.write_text(man.read_text().replace('"seq": 7', '"seq": 5'))
+    with pytest.raises(UserError, match="rank 1: missing ds_train_rank_1.json \\(from another save\\)"):
+        resume.decide("auto", tmp_path, None, views([tmp_path, tmp_path]), 2)
+
+
+def test_a_fresh_run_into_a_used_directory_is_refused_and_restart_is_named(tmp_path):
+    fake_tag(tmp_path, 2)
+    with pytest.raises(UserError, match="checkpoint.resume=none: .* holds checkpoints of an earlier run "
+                                        "\\(step_00000002\\); .*checkpoint.resume=restart"):
+        resume.decide("none", tmp_path, None, views([tmp_path, tmp_path]), 2)
+    d = resume.decide("restart", tmp_path, None, views([tmp_path, tmp_path]), 2)
+    assert d.point is None and d.next_seq == 3
+
+
+def test_a_path_asked_for_must_hold_a_checkpoint_and_may_not_mix_with_this_runs_own(tmp_path):
+    """checkpoint.resume=<a directory>: nothing there is an error, not a fresh start over this run's
+    checkpoints; loading another run's while output_dir holds its own is refused (it would mix)."""
+    own, other = tmp_path / "run" / "checkpoints", tmp_path / "other"
+    other.mkdir()
+    fake_tag(own, 4)
+    with pytest.raises(UserError, match=f"checkpoint.resume: {other} holds no complete checkpoint; give a checkpoint "
+                                        f"directory or tag, or checkpoint.resume=auto"):
+        resume.decide(str(other), other, None, views([other, other]), 2, own_dir=own)
+    fake_tag(other, 2)
+    mine = [resume.RankView(r, 0, "h", resume.scan(other, None, r, 2), own=("step_00000004",)) for r in (0, 1)]
+    with pytest.raises(UserError, match=r"output_dir's .*run/checkpoints holds checkpoints of its own "
+                                        r"\(step_00000004\); continue them with checkpoint.resume=auto"):
+        resume.decide(str(other), other, None, mine, 2, own_dir=own)
+    fresh = [resume.RankView(r, 0, "h", resume.scan(other, None, r, 2)) for r in (0, 1)]
+    assert resume.decide(str(other), other, None, fresh, 2, own_dir=own).point.tag == "step_00000002"
+
+
+def test_a_checkpoint_of_other_data_is_refused(tmp_path):
+    from ds_train.config import ModelConfig, RunConfig
+
+    cfg = RunConfig(model=ModelConfig(config={"model_type": "llama"}))
+    state = {"step": 4, "world_size": 1, "seq": 1, "zero_stage": 2, "config": cfg.to_dict(), "kind": "train",
+             "data": {"tokenizer": "aaaa", "train_tokens": 100, "val_tokens": 10}}
+    point = resume.ResumePoint(tmp_path, "step_00000004", state)
+    same = {"tokenizer": "aaaa", "train_tokens": 100, "val_tokens": 10}
+    assert resume.check_resume(point, cfg, "train", 1, data=same) == []
+    with pytest.raises(UserError, match=r"the data changed since this checkpoint \(tokenizer: aaaa -> bbbb; "
+                                        r"data.dir re-prepared\?\): its weights were trained on the old token ids"):
+        resume.check_resume(point, cfg, "train", 1, data={**same, "tokenizer": "bbbb"})
+
+
+def test_a_named_tag_must_be_complete_and_a_new_world_size_needs_every_rank_in_one_place(tmp_path):
+    fake_tag(tmp_path, 2)
+    fake_tag(tmp_path, 4, complete=False)
+    with pytest.raises(UserError, match="step_00000004 is not a complete checkpoint \\(no ds_train_state"):
+        resume.decide("step_00000004", tmp_path, "step_00000004",
+                          views([tmp_path, tmp_path], wanted="step_00000004"), 2)
+    d = resume.decide("auto", tmp_path, None, views([tmp_path], world=1), 1)  # 2 ranks' tag, 1 rank now
+    assert d.point.tag == "step_00000002"
+    checkpoint.manifest_file(tmp_path / "step_00000002", 1).unlink()
+    with pytest.raises(UserError, match="saved rank 1's ds_train_rank_1.json missing"):
+        resume.decide("auto", tmp_path, None, views([tmp_path], world=1), 1)
+
+
+def test_config_changes_split_into_errors_and_notes():
+    saved = {"seed": 1, "model": {"config": {"hidden_size": 64}}, "optim": {"lr": 1e-3},
+             "train": {"max_steps": 10, "seq_len": 64}}
+    now = {"seed": 1, "model": {"config": {"hidden_size": 128}}, "optim": {"lr": 5e-4},
+           "train": {"max_steps": 20, "seq_len": 64}}
+    errors, notes = resume.config_changes(saved, now)
+    assert errors == ["model.config.hidden_size: 64 -> 128"]
+    assert notes == ["optim.lr: 0.001 -> 0.0005", "train.max_steps: 10 -> 20"]
+
+
+def test_check_resume_refuses_another_kind_and_for_ript_another_world_size(tmp_path):
+    from ds_train.configfile import build_config
+
+    cfg = build_config({"model": {"config": {"model_type": "llama"}}})
+    state = {"step": 4, "world_size": 2, "config": cfg.to_dict()}
+    train_point = resume.ResumePoint(tmp_path, "step_00000004", state)  # written before `kind` existed
+    ript_point = resume.ResumePoint(tmp_path, "step_00000004", {**state, "kind": "ript"})
+    assert resume.check_resume(train_point, cfg, "train", world=1) == []  # world size may change
+    with pytest.raises(UserError, match="a train checkpoint; `ript` cannot resume from it"):
+        resume.check_resume(train_point, cfg, "ript", world=2, same_world=True)
+    with pytest.raises(UserError, match="a ript checkpoint; `train` cannot resume from it"):
+        resume.check_resume(ript_point, cfg, "train", world=2)
+    with pytest.raises(UserError, match="saved with 2 ranks; resume ript with the same world size"):
+        resume.check_resume(ript_point, cfg, "ript", world=3, same_world=True)
+
+
+def test_plan_resume_decides_without_writing(tmp_path):
+    point = resume.ResumePoint(tmp_path, "step_00000004", {"world_size": 2, "zero_stage": 2, "dtype": "fp32"})
+    assert resume.plan_resume(point, 2, 2, "fp32", False) == resume.ResumePlan(point)
+    moved = resume.plan_resume(point, 1, 3, "fp32", False)
+    assert moved.universal and moved.convert and "world size 2 -> 1, ZeRO stage 2 -> 3" in moved.notes[0]
+    with pytest.raises(UserError, match="fp32 ZeRO-0"):
+        resume.plan_resume(point, 2, 0, "fp32", False)
+    assert list(tmp_path.iterdir()) == []  # deciding wrote nothing; prepare_resume converts

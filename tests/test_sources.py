@@ -1,0 +1,45 @@
+"""ds_train.sources: the fingerprint of prepare's inputs and how it tells what changed (reading the
+sources, and their errors, are exercised through prepare in test_data.py)."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+
+from ds_train.sources import fingerprint_differences, input_fingerprint
+
+
+def test_fingerprint_hashes_only_files_whose_size_matches_and_mtime_does_not(tmp_path):
+    for name in "abc":
+        (tmp_path / f"{name}.txt").write_text(f"{name} text\n")
+    recorded = input_fingerprint([str(tmp_path)], "", 300, 0.5, "text")
+    assert recorded["sources"][0]["files"]["a.txt"]["sha256"] == hashlib.sha256(b"a text\n").hexdigest()
+    hashed = []
+
+    def sha256(path: Path) -> str:
+        hashed.append(path.name)
+        return hashlib.sha256(path.read_bytes()).hexdigest()
+
+    def differences() -> list[str]:
+        return fingerprint_differences(recorded, input_fingerprint([str(tmp_path)], "", 300, 0.5, "text",
+                                                                   hashed=False), sha256)
+
+    assert differences() == [] and hashed == []
+    os.utime(tmp_path / "a.txt", ns=(1, 1))
+    (tmp_path / "b.txt").write_text("b much longer text\n")
+    assert differences() == ["data.sources[0] " + repr(str(tmp_path)) + ": b.txt size 7 -> 19"]
+    assert hashed == ["a.txt"]  # b.txt: the size alone says it changed; c.txt: untouched
+    assert fingerprint_differences(None, recorded) == ["prepared without a record of its inputs"]
+
+
+def test_fingerprint_of_generated_and_stdlib_sources(tmp_path):
+    generators = {"demo": lambda arg: iter([("d", "text " * int(arg))])}
+    recorded = input_fingerprint(["demo:3", "python-stdlib"], "", 300, 0.5, "text", generators)
+    assert recorded["sources"][0] == {"source": "demo:3", "kind": "generated"}
+    assert recorded["sources"][1]["files"] and recorded["sources"][1]["python"]
+    current = input_fingerprint(["demo:4", "python-stdlib"], "", 300, 0.5, "text", generators, hashed=False)
+    assert fingerprint_differences(recorded, current) == ["data.sources[0] 'demo:4' (prepared from 'demo:3')"]
+    recorded["sources"][1]["python"] = "2.7.18"
+    assert fingerprint_differences(recorded, current)[1].startswith("data.sources[1] 'python-stdlib': "
+                                                                     "Python 2.7.18 -> ")
