@@ -153,10 +153,16 @@ def failure_report(failures: list[dict], silent: list[dict] = ()) -> dict:
     return {"kind": "failure", "line": line, "first": first, "failures": failures}
 
 
+# A straggler is also slower by this much a step: below it, the difference is timer noise (a CPU
+# step of tiny models takes ~20 ms, and 1.3x of that is scheduling jitter, not a slow rank).
+STRAGGLER_MIN_EXCESS_S = 0.01
+
+
 def stragglers(times: list[float], ratio: float) -> tuple[int, float, float, list[int]]:
     """(the slowest rank, its time over the median of the other ranks, that median, the ranks above
-    `ratio` x the median of the others). Against the others, not all: with two ranks a rank ten
-    times slower is 10x the other, but under 2x the median of both."""
+    `ratio` x the median of the others and STRAGGLER_MIN_EXCESS_S over it). Against the others,
+    not all: with two ranks a rank ten times slower is 10x the other, but under 2x the median of
+    both."""
     n = len(times)
     if n < 2:
         return 0, 1.0, times[0] if times else 0.0, []
@@ -171,7 +177,8 @@ def stragglers(times: list[float], ratio: float) -> tuple[int, float, float, lis
     medians = [others_median(r) for r in range(n)]
     ratios = [times[r] / medians[r] if medians[r] > 0 else 1.0 for r in range(n)]
     slowest = max(range(n), key=lambda r: ratios[r])
-    return slowest, ratios[slowest], medians[slowest], [r for r in range(n) if ratios[r] > ratio]
+    slow = [r for r in range(n) if ratios[r] > ratio and times[r] - medians[r] > STRAGGLER_MIN_EXCESS_S]
+    return slowest, ratios[slowest], medians[slowest], slow
 
 
 def is_secondary(exc: BaseException) -> bool:

@@ -21,13 +21,15 @@ import numpy as np
 from ds_train import dist
 from ds_train.config import DataConfig, RunConfig, TrainConfig
 from ds_train.data import TokenData, check_vocab, ensure_prepared, eval_micro_batches, rank_micro_batches
+from ds_train.engine import read_ds_template
 from ds_train.errors import NonFiniteStop
 from ds_train.export import locate_model
 from ds_train.fs import write_atomic
 from ds_train.metrics import Interval, memory_gib, mfu
+from ds_train.model import build_hf_config
 from ds_train.ript.tasks import DEMOS_SOURCE, demonstrations
-from ds_train.run import ModelSource, Run, RunSpec, build_run, resolve_model
 from ds_train.reports import stragglers
+from ds_train.run import ModelSource, Run, RunSpec, build_run, resolve_model
 
 # Generated data sources (`name:arg` in data.sources) that `prepare` understands.
 GENERATED_SOURCES = {DEMOS_SOURCE: demonstrations}
@@ -51,8 +53,11 @@ class Datasets:
 
 
 def build_inputs(cfg: RunConfig) -> tuple[Datasets, ModelSource]:
-    """The data (prepared on first use) and the model it fits; every check, nothing in the run dir."""
+    """The data (prepared on first use) and the model it fits; every check, nothing in the run dir.
+    The model's own checks come first: preparing a corpus takes a while, a bad key does not."""
     d = cfg.data
+    if cfg.model.config:  # the architecture, at a stand-in vocabulary size until the data's is known
+        build_hf_config(cfg.model, int(cfg.model.config.get("vocab_size") or d.vocab_size), cfg.train.seq_len)
     model_dir = locate_model(cfg.model.path)[0] if cfg.model.path else ""
     tokenizer_dir = d.tokenizer or str(model_dir)
     meta = prepare_data(d, tokenizer_dir)
@@ -64,6 +69,7 @@ def build_inputs(cfg: RunConfig) -> tuple[Datasets, ModelSource]:
 
 
 def train(cfg: RunConfig, ds_config_path: str) -> dict:
+    read_ds_template(ds_config_path)  # before the data is prepared (build_run reads it again)
     data, source = build_inputs(cfg)
     identity = {"train_tokens": len(data.train.tokens), "val_tokens": len(data.val.tokens)}
     with build_run(cfg, ds_config_path, dist.detect_env(), train_spec(cfg), source, data=identity) as run:

@@ -116,6 +116,19 @@ def node_local_cluster(tmp_path_factory):
         assert down.returncode == 0, down.out
 
 
+@pytest.fixture(scope="module")
+def straight_run(tiny_data, tmp_path_factory) -> dict[int, float]:
+    """The losses of an uninterrupted 12-step run (2 processes, one machine): what a run stopped and
+    resumed on two nodes must give, bitwise (checkpoints and logging change no number)."""
+    out = tmp_path_factory.mktemp("straight")
+    cfg = write_config(out / "run.yaml", tiny_config(tiny_data, out / "run", train={"max_steps": 12}))
+    res = run_cmd([sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_port",
+                   str(free_port()), "--module", "ds_train", "train", "--config", str(cfg), "--ds-config", ZERO2],
+                  timeout=240)
+    assert res.returncode == 0, res.out[-3000:]
+    return {m["step"]: m["loss"] for m in map(json.loads, (out / "run" / "metrics.jsonl").read_text().splitlines())}
+
+
 def launch_args(hostfile: Path, config: Path, *extra: str, overrides: tuple[str, ...] = (),
                 command: str = "train") -> list[str]:
     return [sys.executable, "-m", "ds_train", "launch", "--hostfile", str(hostfile), *extra, "--",
@@ -135,16 +148,12 @@ def _wait_for_step(beat: Path, step: int, proc, timeout_s: float = 180) -> None:
         time.sleep(0.2)
 
 
-def test_two_nodes_train_through_pdsh_and_ssh_and_sigusr1_saves_and_resumes_exactly(cluster, tiny_data, tmp_path):
+def test_two_nodes_train_through_pdsh_and_ssh_and_sigusr1_saves_and_resumes_exactly(cluster, straight_run, tiny_data,
+                                                                                   tmp_path):
     """SIGUSR1 (SLURM's warning before the time limit) to `ds-train launch` reaches the ranks on
     both nodes through the rendezvous store: every rank saves, the job exits 138 and its last line
     names the checkpoint; the same command continues, and its losses equal a straight run's."""
     sections = dict(train={"max_steps": 12}, launch={"env": ["DS_TRAIN_TEST_TOKEN"]})
-    ref_cfg = write_config(tmp_path / "ref.yaml", tiny_config(tiny_data, tmp_path / "ref", **sections))
-    ref = run_cmd([sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_port",
-                   str(free_port()), "--module", "ds_train", "train", "--config", str(ref_cfg), "--ds-config", ZERO2],
-                  timeout=240)
-    assert ref.returncode == 0, ref.out[-3000:]
     config = write_config(tmp_path / "run.yaml", tiny_config(tiny_data, tmp_path / "run", **sections))
     env = {**cluster["env"], "WANDB_API_KEY": "must-not-travel", "DS_TRAIN_TEST_TOKEN": "listed"}
     assert cluster["hostfile"].read_text() == "127.0.0.2 slots=1\n127.0.0.3 slots=1\n"
@@ -178,8 +187,7 @@ def test_two_nodes_train_through_pdsh_and_ssh_and_sigusr1_saves_and_resumes_exac
     assert res.lines("127.0.0.3: ") and res.lines("127.0.0.2: ")  # pdsh's per-node prefixes
     metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics] == list(range(1, 13))
-    want = [json.loads(line)["loss"] for line in (tmp_path / "ref" / "metrics.jsonl").read_text().splitlines()]
-    assert [m["loss"] for m in metrics] == want  # bitwise, before and after the save
+    assert [m["loss"] for m in metrics] == [straight_run[s] for s in range(1, 13)]  # bitwise, before and after the save
     assert all(m["world_size"] == 2 for m in metrics)
     assert json.loads((run / "env.json").read_text())["hosts"] == [
         {"node": 0, "host": host, "ranks": [0]}, {"node": 1, "host": host, "ranks": [1]}]
@@ -243,8 +251,11 @@ def test_a_traceback_on_node1_is_in_its_log_and_the_last_line_names_it(cluster, 
                            f"step 3: RuntimeError: injected failure on rank 1 at step 3 (watchdog.debug_fault); its log "
                            f"({host}:{tmp_path / 'run' / 'logs' / 'rank_1.log'}) ends: "), last
     log1 = (tmp_path / "run" / "logs" / "rank_1.log").read_text()
-    assert re.search(rf"^\S+ \S+ {host} rank1 err: Traceback \(most recent call last\):$", log1, re.M), log1[-2000:]
-    assert re.search(rf"^\S+ \S+ {host} rank1 err: RuntimeError: injected failure on rank 1 at step 3", log1, re.M)
+    # (torch prefixes the lines of an uncaught exception with the rank, "[rank1]: ")
+    assert re.search(rf"^\S+ \S+ {host} rank1 err: (\[rank1\]: )?Traceback \(most recent call last\):$", log1, re.M), \
+        log1[-2000:]
+    assert re.search(rf"^\S+ \S+ {host} rank1 err: (\[rank1\]: )?RuntimeError: injected failure on rank 1 at step 3",
+                     log1, re.M)
     failure = json.loads((tmp_path / "run" / "logs" / "failure.json").read_text())
     assert failure["first"]["rank"] == 1 and failure["first"]["primary"] and failure["first"]["addr"] == "127.0.0.3"
 
@@ -268,7 +279,7 @@ def test_a_stalled_rank_on_node1_is_named_through_pdsh(cluster, tiny_data, tmp_p
     with exit 5 and the last line names rank 1, node 1, its phase and step."""
     config = write_config(tmp_path / "run.yaml", tiny_config(tiny_data, tmp_path / "run", train={"max_steps": 50}))
     proc = spawn(launch_args(cluster["hostfile"], config, "--master_port", str(free_port()),
-                             overrides=("watchdog.stall_s=10", "watchdog.debug_fault=stall:1:4")), env=cluster["env"])
+                             overrides=("watchdog.stall_s=6", "watchdog.debug_fault=stall:1:4")), env=cluster["env"])
     try:
         _wait_for_step(tmp_path / "run" / "heartbeats" / "rank_1.json", 4, proc)
         stalled = time.monotonic()
@@ -277,12 +288,12 @@ def test_a_stalled_rank_on_node1_is_named_through_pdsh(cluster, tiny_data, tmp_p
         proc.communicate()
         raise
     res = reap(proc, 120)
-    assert time.monotonic() - stalled < 10 + 30
+    assert time.monotonic() - stalled < 6 + 30
     assert res.returncode == 5, res.out[-4000:]
     _assert_nothing_left(str(config))
     host = socket.gethostname()
     last = res.out.strip().splitlines()[-1]
-    assert last.startswith(f"ds-train: error: hang: no progress for 10 s (watchdog.stall_s): rank 1 on node 1 (127.0.0.3, "
+    assert last.startswith(f"ds-train: error: hang: no progress for 6 s (watchdog.stall_s): rank 1 on node 1 (127.0.0.3, "
                            f"host {host}) stalled in phase data of step 4"), res.out[-3000:]
     assert f"Waiting for it: rank 0 on node 0 (127.0.0.2, host {host}) waits in all_reduce" in last
     assert "in _injected_stall" in (tmp_path / "run" / "logs" / "stacks_rank_1.txt").read_text()
@@ -315,17 +326,13 @@ def test_shell_metacharacters_in_the_hostfile_are_rejected(cluster, tiny_data, t
     assert not marker.exists() and not (tmp_path / "run").exists()
 
 
-def test_node_local_output_dirs_resume_exactly_and_a_node_missing_files_is_named(node_local_cluster, tiny_data,
-                                                                                 tmp_path):
+def test_node_local_output_dirs_resume_exactly_and_a_node_missing_files_is_named(node_local_cluster, straight_run,
+                                                                                 tiny_data, tmp_path):
     """Each node sees only its own run directory: every rank writes its own files there, each node
     its marker and `latest`. Killed (SIGKILL on both nodes) right after the save of step 4, the job
     resumes exactly; then node 1 loses a file of the newest tag: the job stops naming it."""
     c = node_local_cluster
-    sections = dict(train={"max_steps": 6}, checkpoint={"every": 2, "keep": 2, "debug_fault": "kill:latest:4"})
-    ref_cfg = write_config(tmp_path / "ref.yaml", tiny_config(tiny_data, tmp_path / "ref", **sections))
-    ref = run_cmd([sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_port", str(free_port()), "--module", "ds_train", "train",
-                   "--config", str(ref_cfg), "--ds-config", ZERO2, "checkpoint.debug_fault="], timeout=240)
-    assert ref.returncode == 0, ref.out[-3000:]
+    sections = dict(train={"max_steps": 12}, checkpoint={"every": 4, "keep": 2, "debug_fault": "kill:latest:4"})
     cfg = write_config(tmp_path / "run.yaml", tiny_config(tiny_data, c["run"], **sections))
 
     def launch(*overrides):
@@ -348,20 +355,19 @@ def test_node_local_output_dirs_resume_exactly_and_a_node_missing_files_is_named
     assert res.returncode == 0, res.out[-4000:]
     assert f"resumed from {c['run'] / 'checkpoints' / 'step_00000004'} at step 4" in res.out
     got = {m["step"]: m for m in map(json.loads, (node0 / "metrics.jsonl").read_text().splitlines())}
-    want = {m["step"]: m for m in map(json.loads, (tmp_path / "ref" / "metrics.jsonl").read_text().splitlines())}
-    assert sorted(got) == list(range(1, 7))
-    assert [got[s]["loss"] for s in (5, 6)] == [want[s]["loss"] for s in (5, 6)]  # bitwise
-    assert sorted(p.name for p in (node1 / "checkpoints").glob("step_*")) == ["step_00000004", "step_00000006"]
+    assert sorted(got) == list(range(1, 13))
+    assert [got[s]["loss"] for s in range(5, 13)] == [straight_run[s] for s in range(5, 13)]  # bitwise
+    assert sorted(p.name for p in (node1 / "checkpoints").glob("step_*")) == ["step_00000008", "step_00000012"]
 
-    (node1 / "checkpoints" / "step_00000006" / "zero_pp_rank_1_mp_rank_00_optim_states.pt").unlink()
-    res = launch("train.max_steps=8")
+    (node1 / "checkpoints" / "step_00000012" / "zero_pp_rank_1_mp_rank_00_optim_states.pt").unlink()
+    res = launch("train.max_steps=14")
     assert res.returncode != 0
     _assert_nothing_left(str(cfg))
     errors = [line for line in res.out.splitlines() if "ds-train" in line and "error:" in line]
     assert len(errors) == 1, res.out[-4000:]  # every rank found it; rank 0 alone says it
     assert errors[0].endswith(
-        f"ds-train: error: checkpoint {c['run'] / 'checkpoints' / 'step_00000006'} (step 6, the newest complete "
+        f"ds-train: error: checkpoint {c['run'] / 'checkpoints' / 'step_00000012'} (step 12, the newest complete "
         f"save) is incomplete on node 1 ({socket.gethostname()}) rank 1: missing "
-        f"zero_pp_rank_1_mp_rank_00_optim_states.pt; restore those files, resume from step_00000004 with "
-        f"checkpoint.resume=step_00000004, or start over with checkpoint.resume=restart"), errors[0]
-    assert not any(p.name == "step_00000008" for node in (node0, node1) for p in (node / "checkpoints").iterdir())
+        f"zero_pp_rank_1_mp_rank_00_optim_states.pt; restore those files, resume from step_00000008 with "
+        f"checkpoint.resume=step_00000008, or start over with checkpoint.resume=restart"), errors[0]
+    assert not any(p.name == "step_00000014" for node in (node0, node1) for p in (node / "checkpoints").iterdir())

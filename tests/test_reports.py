@@ -70,6 +70,7 @@ def test_stragglers_are_measured_against_the_median():
     assert rp.stragglers([1.0, 1.0, 1.1, 3.0], 1.3) == (3, 3.0, 1.0, [3])
     assert rp.stragglers([0.02, 0.32], 1.3) == (1, 16.0, 0.02, [1])  # two ranks: against the other
     assert rp.stragglers([0.1, 0.1], 1.3) == (0, 1.0, 0.1, [])
+    assert rp.stragglers([0.021, 0.028], 1.3)[3] == []  # 1.33x, but 7 ms: noise on a tiny step
     assert rp.stragglers([2.0, 1.0, 1.0, 1.0, 9.0], 1.3)[3] == [0, 4]
     assert rp.stragglers([0.0, 0.0], 1.3)[3] == [] and rp.stragglers([0.5], 1.3) == (0, 1.0, 0.5, [])
 

@@ -72,7 +72,7 @@ def test_a_stalled_rank_is_named_with_its_stack_and_the_job_ends_in_time(tiny_da
     gradient all-reduce. Within stall_s + 30 s the job ends with exit 5 and a report that tells the
     rank that never arrived from the one waiting in the collective."""
     cfg = write_config(tmp_path / "run.yaml", tiny_config(tiny_data, tmp_path / "run", train={"max_steps": 50}))
-    stall_s = 10
+    stall_s = 6
     t0 = time.monotonic()
     res = deepspeed_train(cfg, "zero2.json", f"watchdog.stall_s={stall_s}", "watchdog.debug_fault=stall:1:4",
                           timeout=200)

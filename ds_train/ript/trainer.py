@@ -20,6 +20,7 @@ from typing import Any
 from ds_train import dist
 from ds_train.batch import rollout_update_steps
 from ds_train.config import RunConfig
+from ds_train.engine import read_ds_template
 from ds_train.errors import UserError
 from ds_train.fs import write_atomic
 from ds_train.metrics import Interval
@@ -110,6 +111,7 @@ def ript(cfg: RunConfig, ds_config_path: str) -> dict:
     import torch
 
     env = dist.detect_env()
+    read_ds_template(ds_config_path)  # before the model is exported or loaded (build_run reads it again)
     inputs = RiptInputs.check(cfg, env.world_size)
     with build_run(cfg, ds_config_path, env, ript_spec(cfg), inputs.source) as run:
         torch.manual_seed(cfg.seed * 1000 + env.rank)  # each rank samples its own rollouts
