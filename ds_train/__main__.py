@@ -13,6 +13,9 @@
     ds-train slurm --nodes 2 --gpus-per-node 8 -- ript ...           # an sbatch script
     ds-train estimate --config C --ds-config D --nodes 2 --gpus-per-node 8   # memory plan
     ds-train dry-run --config C --ds-config D --hostfile hostfile            # one-device rehearsal
+    ds-train monitor RUN_DIR [--once]                    # watch a run from another terminal
+    ds-train doctor RUN_DIR | LOGFILE                    # what went wrong, and what to do
+    ds-train plot RUN_DIR [RUN_DIR ...]                  # PNG plots, several runs overlaid
 
 Exit codes: 0 done; 1 a rank failed (the job's last line names the first one, its host and the
 end of its log); 2 bad input (one line naming the file, key or value); 3 too many non-finite
@@ -155,6 +158,42 @@ def cmd_export(args) -> int:
     return 0
 
 
+def cmd_monitor(args) -> int:
+    from ds_train.monitor import monitor
+
+    return monitor(args.run_dir, args.interval, args.once)
+
+
+def cmd_doctor(args) -> int:
+    from ds_train.doctor import doctor
+
+    return doctor(args.path)
+
+
+def cmd_plot(args) -> int:
+    from pathlib import Path
+
+    from ds_train.plots import write_plots
+    from ds_train.rundir import read_run
+
+    views = []
+    for run_dir in args.run_dirs:
+        view = read_run(run_dir)
+        if not Path(run_dir).is_dir() or not view.metrics:
+            raise UserError(f"plot: {run_dir!r} holds no metrics.jsonl records; give run directories (output_dir)")
+        views.append(view)
+    kinds = {v.kind for v in views}
+    if len(kinds) > 1:
+        raise UserError("plot: give train runs or RIPT runs, not both (their metrics differ)")
+    labels = [Path(v.path).resolve().name for v in views]
+    if len(set(labels)) < len(labels):
+        labels = [str(v.path) for v in views]
+    out = Path(args.out) if args.out else (views[0].path / "plots" if len(views) == 1 else Path("plots"))
+    paths = write_plots([(label, v.metrics) for label, v in zip(labels, views)], out, kinds.pop())
+    print(f"wrote {', '.join(str(p) for p in paths)}")
+    return 0
+
+
 def _plan_inputs(args):
     from ds_train.configfile import load_config
     from ds_train.dryrun import target_from_args
@@ -283,6 +322,38 @@ def build_parser() -> argparse.ArgumentParser:
     dr.add_argument("--out", help="where to write dry_run.json (default: output_dir/dry_run.json)")
     dr.set_defaults(func=cmd_dry_run)
     launch_cli.add_subcommands(sub, check_command, plan_memory)  # launch, slurm
+
+    mo = sub.add_parser("monitor", help="watch a run from its directory: progress, curves, ranks",
+                        description="A live view of a run (in progress or ended) from its output_dir alone, "
+                                    "read-only: progress and ETA, loss / eval loss / lr curves, tokens/s and MFU, "
+                                    "one row per rank (host, step, phase, heartbeat age, memory, GPU use) with "
+                                    "stalled ranks and stragglers marked; RIPT runs show success per task. "
+                                    "Ends when the run ends, saying how and why.")
+    _add_debug(mo)
+    mo.add_argument("run_dir", help="the run's output_dir (mounted from another node is fine)")
+    mo.add_argument("--interval", type=float, default=2.0, help="seconds between refreshes (default 2)")
+    mo.add_argument("--once", action="store_true", help="print one frame and exit")
+    mo.set_defaults(func=cmd_monitor)
+
+    do = sub.add_parser("doctor", help="what went wrong in a run or a log, and what to do",
+                        description="Read a run directory (its rank logs, hang and failure reports, metrics) or "
+                                    "any log (pdsh or SLURM output) and name what went wrong: CUDA or CPU out of "
+                                    "memory, a killed rank, NCCL errors and timeouts, a port in use, ssh / pdsh, a "
+                                    "module missing on a node, wandb login, rendezvous, disk full, non-finite "
+                                    "loss, a hang, bad input; causes first, each with fixes. Exit 0: nothing "
+                                    "wrong found; 1: a problem found.")
+    _add_debug(do)
+    do.add_argument("path", metavar="RUN_DIR|LOGFILE", help="a run's output_dir, or a log file")
+    do.set_defaults(func=cmd_doctor)
+
+    pl = sub.add_parser("plot", help="PNG plots of one run or several overlaid",
+                        description="Plot metrics.jsonl: loss and eval loss against steps and tokens, lr, "
+                                    "tokens/s and memory per rank (RIPT: success per task and held-out "
+                                    "success). Several run directories are overlaid.")
+    _add_debug(pl)
+    pl.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run directories (output_dir)")
+    pl.add_argument("--out", help="output directory (default: RUN_DIR/plots for one run, ./plots for several)")
+    pl.set_defaults(func=cmd_plot)
     return p
 
 

@@ -178,6 +178,8 @@ class LogConfig:
     every: int = _f(10, "Log rank-aggregated metrics every N steps.")
     wandb: Literal["off", "offline", "online"] = _f("off", "Weights & Biases logging (rank 0 only).")
     wandb_project: str = _f("ds_train", "Weights & Biases project name.")
+    tensorboard: bool = _f(False, "Also write the metrics as TensorBoard events (rank 0, output_dir/tensorboard/).")
+    plots: bool = _f(True, "A finished run writes PNG plots of its metrics into output_dir/plots/.")
     progress: bool = _f(True, "Show a progress bar with ETA on rank 0.")
     peak_tflops: float = _f(0.0, "Peak dense TFLOP/s per device for MFU (0: look up the GPU).")
     sample_prompt: str = _f("", "Text to continue with the trained model at the end ('' skips it).")

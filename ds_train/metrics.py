@@ -11,6 +11,7 @@ import json
 import math
 import os
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -79,7 +80,8 @@ class ConsoleLogger:
 class JsonlLogger:
     """metrics.jsonl: one JSON object per logged step, flushed at once (a crash loses nothing).
 
-    Keys are the namespaced ones plus the short aliases loss, lr and tokens_per_s.
+    Keys are the namespaced ones plus the short aliases loss, lr and tokens_per_s, and `time` (Unix
+    seconds) when the record was written.
     """
 
     ALIASES = {"train/loss": "loss", "optim/lr": "lr", "perf/tokens_per_s": "tokens_per_s"}
@@ -88,7 +90,7 @@ class JsonlLogger:
         self.path, self.fh = path, None  # opened at the first record: after a resume has rewound it
 
     def log(self, metrics: dict[str, Any], step: int) -> None:
-        flat = {"step": step}
+        flat: dict[str, Any] = {"step": step, "time": round(time.time(), 3)}
         for key, value in metrics.items():
             if isinstance(value, float) and not math.isfinite(value):
                 value = str(value)
@@ -159,6 +161,33 @@ def _wandb_id(run_dir: Path) -> str:
     return run_id
 
 
+class TensorBoardLogger:
+    """TensorBoard event files in run_dir/tensorboard (log.tensorboard), numbers under the same keys
+    as metrics.jsonl. A resumed run purges the events past its checkpoint (the steps it trains
+    again), as metrics.jsonl is rewound."""
+
+    def __init__(self, log_dir: Path):
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError:
+            raise UserError("log.tensorboard: true needs the tensorboard package: pip install tensorboard "
+                            "(or set log.tensorboard=false)") from None
+
+        self.log_dir, self.writer_class, self.writer = log_dir, SummaryWriter, None
+
+    def log(self, metrics: dict[str, Any], step: int) -> None:
+        if self.writer is None:  # the first step this process logs: every later event is redone
+            self.writer = self.writer_class(log_dir=str(self.log_dir), purge_step=step)
+        for key, value in metrics.items():
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                self.writer.add_scalar(key, value, step)
+        self.writer.flush()
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+
+
 class MultiLogger:
     def __init__(self, sinks: list[Logger]):
         self.sinks = sinks
@@ -174,12 +203,14 @@ class MultiLogger:
 
 
 def build_logger(is_main: bool, run_dir: Path, wandb_mode: str, project: str, config: dict,
-                 console_keys: tuple[str, ...] = ()) -> Logger:
+                 console_keys: tuple[str, ...] = (), tensorboard: bool = False) -> Logger:
     """Real sinks on global rank 0, a null logger everywhere else."""
     if not is_main:
         return NullLogger()
     console = ConsoleLogger(console_keys) if console_keys else ConsoleLogger()
     sinks: list[Logger] = [console, JsonlLogger(run_dir / "metrics.jsonl")]
+    if tensorboard:
+        sinks.append(TensorBoardLogger(run_dir / "tensorboard"))
     if wandb_mode != "off":
         sinks.append(WandbLogger(wandb_mode, project, run_dir, run_dir.name, config))
     return MultiLogger(sinks)

@@ -81,6 +81,11 @@ def native_stacks(pid: int, timeout_s: float = 20) -> str:
         return f"\n--- py-spy failed: {e} ---\n"
 
 
+def doctor_hint(run_dir) -> str:
+    """The line a failed run ends with: where to look next."""
+    return f"diagnose: ds-train doctor {run_dir}   (what went wrong, and what to do)"
+
+
 # ---- verdicts: pure functions of what the ranks published -------------------------------------
 
 def where(rec: dict) -> str:

@@ -37,7 +37,7 @@ from ds_train.config import RunConfig
 from ds_train.configfile import save_config
 from ds_train.data import load_tokenizer
 from ds_train.engine import initialize, read_ds_template, render_ds_config, zero_stage
-from ds_train.errors import AgreedError, OutOfMemory, RunStopped, UserError
+from ds_train.errors import AgreedError, OutOfMemory, Preempted, RunStopped, UserError
 from ds_train.export import export, locate_model, save_hf_metadata
 from ds_train.fs import check_writable, file_lock, hold_lock, write_atomic
 from ds_train.logs import build_rank_log, capture_console, release_console
@@ -45,6 +45,7 @@ from ds_train.metrics import Logger, build_logger, build_progress, peak_flops, r
 from ds_train.memory import checkpoint_bytes
 from ds_train.model import build_hf_config, build_model, count_params, flops_per_token, resolve_dtype
 from ds_train.plan import oom_report
+from ds_train.reports import doctor_hint
 from ds_train.reports import where as rank_where
 from ds_train.watchdog import Heartbeat, Watchdog, fault_at
 
@@ -179,6 +180,18 @@ class Run:
         self.say(self.resume_said)
         return state
 
+    def write_plots(self) -> None:
+        """Rank 0 plots the run's metrics into run_dir/plots (log.plots) and says where."""
+        if not (self.env.is_main and self.cfg.log.plots):
+            return
+        from ds_train.plots import write_plots
+        from ds_train.rundir import read_metrics
+
+        self.beat(self.spec.last, "plots")
+        paths = write_plots([(self.run_dir.name, read_metrics(self.run_dir / "metrics.jsonl"))],
+                            self.run_dir / "plots", self.spec.kind)
+        self.say(f"plots: {self.run_dir / 'plots'}/{{{','.join(p.stem for p in paths)}}}.png")
+
     def __enter__(self) -> "Run":
         return self
 
@@ -189,10 +202,13 @@ class Run:
             gib = torch.cuda.get_device_properties(self.engine.device).total_memory / 2**30
             exc = OutOfMemory(oom_report(self.cfg, self.ds_config, self.engine.module.config,
                                          self.env.world_size, gib))
+        verdict = None
         if exc is not None and not isinstance(exc, (RunStopped, AgreedError)):  # this rank failed alone
             verdict = self.watchdog.fail(exc)
-            if verdict:  # the reporting rank ends its output with the job's verdict
-                exc.add_note(f"ds-train: error: {verdict}")
+        if exc is not None and not isinstance(exc, (Preempted, UserError)) and (self.env.is_main or verdict):
+            exc.add_note(doctor_hint(self.run_dir))
+        if verdict:  # the reporting rank ends its output with the job's verdict
+            exc.add_note(f"ds-train: error: {verdict}")
         self.stop.restore()
         self.logger.close()
         self.watchdog.stop("ended" if exc is None else "stopped" if isinstance(exc, RunStopped) else "failed")
@@ -325,7 +341,7 @@ def _build_run(cfg: RunConfig, ds_config_path: str, env: dist.DistEnv, spec: Run
 
     device_name = torch.cuda.get_device_name() if on_gpu else platform.processor() or "cpu"
     logger = build_logger(env.is_main, run_dir, cfg.log.wandb, cfg.log.wandb_project, cfg.to_dict(),
-                          console_keys=spec.console_keys)
+                          console_keys=spec.console_keys, tensorboard=cfg.log.tensorboard)
     rank_log.info(f"device {device_name}; {decision.said}")
     record = {"kind": spec.kind, "zero_stage": engine.zero_optimization_stage(), "dtype": dtype,
               "layout": layout, "config": cfg.to_dict(), "data": data}
@@ -350,7 +366,7 @@ def _build_run(cfg: RunConfig, ds_config_path: str, env: dist.DistEnv, spec: Run
 # What a run directory holds, and of which kind: anything else under these names is in the way.
 RUN_DIR_ENTRIES = {"checkpoints": "dir", "logs": "dir", "heartbeats": "dir", "hf_model": "dir",
                    "metrics.jsonl": "file", "results.json": "file", "config.yaml": "file",
-                   "ds_config.json": "file", "env.json": "file"}
+                   "ds_config.json": "file", "env.json": "file", "tensorboard": "dir", "plots": "dir"}
 
 
 def check_run_dir(run_dir: Path) -> None:
@@ -432,7 +448,8 @@ def start_over(run_dir: Path, writer: bool) -> None:
     """checkpoint.resume=restart: this file system's checkpoints and the earlier run's metrics and
     results go; everything else is rewritten by the new run."""
     if writer:
-        shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
+        for name in ("checkpoints", "tensorboard", "plots"):
+            shutil.rmtree(run_dir / name, ignore_errors=True)
         for name in ("metrics.jsonl", "results.json", "ript_results.json"):
             (run_dir / name).unlink(missing_ok=True)
     dist.barrier()

@@ -278,9 +278,7 @@ class StepMeter:
         run = self.run
         run.beat(step, "metrics")
         window_s = time.perf_counter() - self.window_start
-        gpu_gib, rss_gib = memory_gib(run.engine.device.type)
         loss = token_mean(float(result.loss_sum), result.tokens)
-        max_gpu, max_rss = dist.all_reduce_max([gpu_gib, rss_gib])
         tokens_per_s = run.plan.tokens_per_step * self.window_steps / window_s
         grad_norm = result.grad_norm if result.grad_norm is not None else run.engine.get_global_grad_norm()
         metrics = {
@@ -292,17 +290,19 @@ class StepMeter:
             "perf/tokens_per_s": tokens_per_s,
             "perf/step_time_s": window_s / self.window_steps,
             "perf/mfu": mfu(tokens_per_s / run.env.world_size, run.flops_per_token, run.peak_flops),
-            "mem/max_rank_gib": max_gpu,
-            "mem/max_rank_rss_gib": max_rss,
             "world_size": run.env.world_size,
-            **self.slowest_rank(step),
+            **self.per_rank(step),
         }
         self.window_start, self.window_steps = time.perf_counter(), 0
         return metrics
 
-    def slowest_rank(self, step: int) -> dict:
+    def per_rank(self, step: int) -> dict:
+        """Every rank's compute time per step and memory (one small gather): the slowest rank, a
+        straggler report, memory per rank and its maximum."""
         run = self.run
-        times = [t for (t,) in dist.all_gather_floats([self.clock.read() / self.window_steps])]
+        gpu_gib, rss_gib = memory_gib(run.engine.device.type)
+        ranks = dist.all_gather_floats([self.clock.read() / self.window_steps, gpu_gib, rss_gib])
+        times, gpu, rss = ([r[i] for r in ranks] for i in range(3))
         slowest, ratio, median, slow = stragglers(times, run.cfg.watchdog.straggler_ratio)
         if slow and self.warm:
             line = f"step {step}: straggler: " + "; ".join(
@@ -311,7 +311,8 @@ class StepMeter:
             run.say(line)
             run.rank_log.warning(line)
         self.warm = True
-        return {"perf/slowest_rank": slowest, "perf/straggler_ratio": ratio}
+        return {"perf/slowest_rank": slowest, "perf/straggler_ratio": ratio, "mem/max_rank_gib": max(gpu),
+                "mem/max_rank_rss_gib": max(rss), "mem/rank_gpu_gib": gpu, "mem/rank_rss_gib": rss}
 
 
 class Evaluator:
@@ -388,5 +389,7 @@ def finish(run: Run, metrics: dict) -> dict:
         write_atomic(run.run_dir / "results.json", json.dumps(results, indent=2))
         if sample is not None:
             print(f"\n--- sample ---\n{sample}\n--------------")
+    run.write_plots()
+    if run.env.is_main:
         print(f"run directory: {results['run_dir']}")
     return results

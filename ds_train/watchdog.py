@@ -31,14 +31,14 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ds_train.fs import replacing
-from ds_train.reports import (collective_of, failure_report, format_stacks, hang_report, is_secondary, main_frame,
-                              native_stacks, short_path, where)
+from ds_train.reports import (collective_of, doctor_hint, failure_report, format_stacks, hang_report, is_secondary,
+                              main_frame, native_stacks, short_path, where)
 
 EXIT_STALL = 5
 # Phases in which checkpoint I/O counts as progress (a large save writes for minutes).
 IO_PHASES = ("save", "load")
-# Phases the watchdog does not time: rank 0 alone writes the final export while the others wait.
-UNTIMED_PHASES = ("export",)
+# Phases the watchdog does not time: rank 0 alone writes the final export and plots while the others wait.
+UNTIMED_PHASES = ("export", "plots")
 
 
 @dataclass
@@ -328,7 +328,7 @@ class Watchdog:
         # The main thread ends its traceback with the verdict; stuck inside a collective (NCCL waits
         # for the dead rank until its timeout), it never gets there: say it and end this rank now.
         if not _wait(lambda: self._main_failed, 3.0):
-            _say(f"ds-train: error: {report['line']}")
+            _say(f"{doctor_hint(self.run_dir)}\nds-train: error: {report['line']}")
             _exit(1)
 
     def _failure_records(self) -> list[dict]:
@@ -342,7 +342,7 @@ class Watchdog:
         with replacing(path) as tmp:
             tmp.write_text(json.dumps(report, indent=1, default=str))
         if say:
-            _say(f"ds-train: error: {report['line']}")
+            _say(f"{doctor_hint(self.run_dir)}\nds-train: error: {report['line']}")
 
 
 def _io_bytes() -> tuple[int, int]:

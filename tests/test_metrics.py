@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 
 import pytest
 
@@ -79,6 +80,7 @@ def test_jsonl_logger_writes_one_object_per_call(tmp_path):
     assert first["optim/lr"] == first["lr"] == 1e-3
     assert first["perf/tokens_per_s"] == first["tokens_per_s"] == 1234.5
     assert first["world_size"] == 2
+    assert abs(second.pop("time") - time.time()) < 60  # when it was written (the monitor's ETA)
     assert second == {"step": 2, "train/loss": 2.25, "loss": 2.25, "eval/loss": 2.4,
                       "optim/lr": 9e-4, "lr": 9e-4}
 
@@ -191,3 +193,28 @@ def test_a_metrics_write_that_fails_is_one_line_naming_the_file():
                                         r"free space and launch again"):
         logger.log({"train/loss": 1.0}, 3)
     logger.close()
+
+
+def read_events(log_dir) -> dict[str, list[tuple[int, float]]]:
+    """The scalars as TensorBoard itself reads them (its event accumulator)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(log_dir))
+    acc.Reload()
+    return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+
+
+def test_tensorboard_sink_writes_events_that_tensorboard_reads_and_a_resume_redoes_its_steps(tmp_path):
+    from ds_train.metrics import TensorBoardLogger
+
+    first = TensorBoardLogger(tmp_path / "tb")
+    for step in (1, 2, 3):
+        first.log({"train/loss": 5.0 - step, "optim/lr": 0.1, "mem/rank_rss_gib": [1.0, 2.0], "world_size": 2}, step)
+    first.close()
+    events = read_events(tmp_path / "tb")
+    assert events["train/loss"] == [(1, 4.0), (2, 3.0), (3, 2.0)]
+    assert "mem/rank_rss_gib" not in events and events["world_size"][0] == (1, 2.0)
+    resumed = TensorBoardLogger(tmp_path / "tb")  # resumed from the checkpoint of step 1
+    resumed.log({"train/loss": 1.5}, 2)
+    resumed.close()
+    assert read_events(tmp_path / "tb")["train/loss"] == [(1, 4.0), (2, 1.5)]

@@ -36,12 +36,20 @@ def stage_run(tiny_data, tmp_path_factory):
     def get(stage):
         if stage not in cache:
             out = tmp_path_factory.mktemp(stage)
+            ds_config = f"{stage}.json"
             extra = {"log": {"wandb": "offline"}} if stage == "zero2" else {}
             if stage == "zero1":  # recomputation changes no number: the stages must still agree
                 extra = {"model": {"config": dict(TINY_MODEL), "dtype": "fp32",
                                    "activation_checkpointing": True}}
+            if stage == "zero2":  # our TensorBoard sink beside DeepSpeed's own monitors
+                extra = {"log": {"wandb": "offline", "tensorboard": True}}
+                ds = json.loads((ROOT / "ds_configs" / ds_config).read_text())
+                ds["tensorboard"] = {"enabled": True, "output_path": str(out / "ds_tb"), "job_name": "ds"}
+                ds["csv_monitor"] = {"enabled": True, "output_path": str(out / "ds_csv"), "job_name": "ds"}
+                ds_config = str(out / "zero2_monitors.json")
+                (out / "zero2_monitors.json").write_text(json.dumps(ds))
             cfg = write_config(out / "run.yaml", tiny_config(tiny_data, out / "run", **extra))
-            cache[stage] = (deepspeed_train(cfg, f"{stage}.json"), out / "run")
+            cache[stage] = (deepspeed_train(cfg, ds_config), out / "run")
         return cache[stage]
 
     return get
@@ -68,6 +76,12 @@ def test_each_zero_stage_trains_through_the_deepspeed_launcher(stage, stage_run)
     results = json.loads((run_dir / "results.json").read_text())
     assert results["steps"] == 8 and results["tokens"] == 8 * 8 * 64
     assert len(res.lines("batch: global 8 seqs = micro 2 x accum 2 x world 2")) == 1  # printed once
+    # a finished run plots its metrics (memory per rank from one gather) and says where
+    assert res.lines(f"plots: {run_dir}/plots/{{loss,lr,throughput,memory}}.png"), res.out[-2000:]
+    assert sorted(p.name for p in (run_dir / "plots").iterdir()) == ["loss.png", "lr.png", "memory.png",
+                                                                     "throughput.png"]
+    assert all(len(m["mem/rank_rss_gib"]) == 2 and m["mem/max_rank_rss_gib"] == max(m["mem/rank_rss_gib"])
+               for m in read_metrics(run_dir))
 
 
 def test_zero_stages_agree_on_the_loss(stage_run):
@@ -89,6 +103,22 @@ def test_wandb_offline_run_is_written_by_rank_0_only(stage_run):
     assert len(runs) == 1, runs
     assert any(p.suffix == ".wandb" and p.stat().st_size > 0 for p in runs[0].iterdir())
     assert not list(ROOT.glob("wandb/offline-run-*"))  # nothing leaked into the working directory
+
+
+def test_tensorboard_events_hold_the_metrics_and_deepspeeds_own_monitors_still_write(stage_run):
+    from test_metrics import read_events
+
+    res, run_dir = stage_run("zero2")
+    assert res.returncode == 0
+    events = read_events(run_dir / "tensorboard")
+    losses = {m["step"]: m["train/loss"] for m in read_metrics(run_dir)}
+    assert [s for s, _ in events["train/loss"]] == list(range(1, 9))
+    assert all(v == pytest.approx(losses[s], rel=1e-6) for s, v in events["train/loss"])
+    assert {"optim/lr", "perf/tokens_per_s", "perf/straggler_ratio"} <= set(events)
+    out = run_dir.parent
+    ds_events = read_events(next((out / "ds_tb").rglob("events.out.tfevents.*")).parent)
+    assert any(tag.startswith("Train/Samples/") for tag in ds_events), ds_events.keys()
+    assert list((out / "ds_csv").rglob("*.csv")), list((out / "ds_csv").rglob("*"))
 
 
 def test_logged_loss_is_the_token_weighted_mean_over_all_ranks(stage_run, tiny_data):

@@ -125,6 +125,7 @@ def ript(cfg: RunConfig, ds_config_path: str) -> dict:
         state = resume(job) or start(job)
         ript_loop(run, job, state)
         report(job, state)
+        run.write_plots()
         return asdict(state)
 
 

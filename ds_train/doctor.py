@@ -1,0 +1,345 @@
+"""`ds-train doctor RUN_DIR | LOGFILE`: what went wrong, and what to do, from a run directory or any
+log (a pdsh or SLURM output file).
+
+Every line of the logs is given at most one class (the most specific pattern that matches it);
+the run directory's own records add the watchdog's hang and failure reports and a non-finite
+loss. Findings are ranked with causes before their consequences (a missing module before the
+connection errors it leaves on the other ranks), each with fixes in order. A CUDA OOM in a run
+directory gets the memory plan's fix: the cheapest change the planner says fits.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from ds_train.errors import UserError
+from ds_train.rundir import read_run
+
+# (class, title, pattern). Order: most specific first; a line takes the first class that matches.
+PATTERNS: list[tuple[str, str, str]] = [
+    ("cuda_oom", "CUDA out of memory",
+     r"CUDA out of memory|OutOfMemoryError: CUDA|CUBLAS_STATUS_ALLOC_FAILED|out of GPU memory; the plan"),
+    ("cpu_oom", "host (CPU) memory exhausted",
+     r"DefaultCPUAllocator: can't allocate memory|std::bad_alloc|\bMemoryError\b|Cannot allocate memory|"
+     r"oom[-_]kill(ed)? event|OOM Killed|Out of memory: Killed process|Memory cgroup out of memory"),
+    ("disk_full", "disk full", r"No space left on device|ENOSPC|Disk quota exceeded|\[Errno 28\]|"
+                               r"PytorchStreamWriter failed writing"),
+    ("missing_module", "a Python module missing on a node",
+     r"ModuleNotFoundError: No module named|ImportError: cannot import name|No module named '|"
+     r"[\w.-]+: (command not found|No such file or directory)$"),
+    ("wandb_login", "Weights & Biases login", r"wandb.*(api[_ ]key|API key|wandb login|not logged in)|"
+                                              r"wandb\.errors\.(AuthenticationError|UsageError|CommError)|"
+                                              r"wandb: (ERROR|Network error).*(connect|resolve|retry|timed out)"),
+    ("port_in_use", "address or port in use",
+     r"[Aa]ddress already in use|EADDRINUSE|errno: 98|cannot listen on .*another job holds the port"),
+    ("ssh", "ssh / pdsh could not reach a node",
+     r"^(pdsh@\S+: )?\S+: ssh: (connect to host|Could not resolve hostname)|ssh exited with exit code 255|"
+     r"Permission denied \((publickey|password)|Host key verification failed|pdsh@\S+: \S+: (connect|ssh)|"
+     r"ssh: connect to host .* (Connection refused|No route to host|Connection timed out)|"
+     r"preflight: .*(cannot be reached|ssh)"),
+    ("nccl_timeout", "NCCL collective timed out",
+     r"Watchdog caught collective operation timeout|ran for \d+ milliseconds before timing out|"
+     r"NCCL.*[Tt]imeout|collective operation timeout"),
+    ("nccl_error", "NCCL error", r"NCCL error|nccl\w*Error|NCCL WARN|NET/IB|ncclSystemError|ncclInternalError|"
+                                 r"ncclRemoteError|ncclUnhandledCudaError|ncclInvalidUsage"),
+    ("rendezvous", "rendezvous (TCPStore / libuv) failed",
+     r"DistStoreError|TCPStore|libuv|use_libuv|did not reach the rendezvous|could not reach the rendezvous|"
+     r"Rendezvous(Timeout|Connection|Closed)Error|waiting for clients|rendezvous at .* ended before|"
+     r"DistNetworkError|failed to connect to .*\d+\.\d+\.\d+\.\d+"),
+    ("nonfinite", "non-finite loss or gradients",
+     r"consecutive steps with non-finite gradients|NonFiniteStop|loss (is )?(nan|inf)\b|non-finite weights"),
+    ("hang", "a hang: ranks stopped making progress", r"hang: no progress for|watchdog\.stall_s\)"),
+    ("killed_rank", "a rank was killed", r"died without an error|exits with return code = -9|\bKilled\b|"
+                                        r"signal 9\b|SIGKILL|return code = -(9|15)\b"),
+    ("config_error", "bad input (config, batch math, command line)",
+     r"ds-train(\[rank \d+\])?: error: (?!hang:|rank \d+ on node|the job ended|start-up:)|"
+     r"global_batch_size.*(divisible|must be)|unknown key|ds-train: error: .*(see `ds-train)"),
+    ("rank_error", "an exception on a rank", r"failed first, in phase|^(\S+: )?(\[rank\d+\]: )?Traceback \(most recent|"
+                                             r"^(\S+: )?(\[rank\d+\]: )?(\w+\.)*\w+(Error|Exception): "),
+]
+# Causes before consequences: the finding of the class listed first heads the report.
+PRIORITY = ["config_error", "missing_module", "ssh", "port_in_use", "wandb_login", "disk_full", "cuda_oom",
+            "cpu_oom", "nccl_error", "nccl_timeout", "rendezvous", "nonfinite", "hang", "killed_rank", "rank_error"]
+COMPILED = [(cls, title, re.compile(p)) for cls, title, p in PATTERNS]
+TITLES = {cls: title for cls, title, _ in PATTERNS}
+# Lines that look alarming and are not: DeepSpeed's and torch's routine warnings.
+BENIGN = re.compile(r"\[WARNING\].*(get_lr|Setting accelerator|real_accelerator)|UserWarning|FutureWarning|"
+                    r"DeprecationWarning|^\s*warnings\.warn")
+# Who said it: a pdsh prefix (host:), torch's [rankN]: prefix, or our rank log's `HOST rankN`.
+PDSH_HOST = re.compile(r"^(?:pdsh@\S+: )?([\w.-]+): ")
+TORCH_RANK = re.compile(r"\[rank(\d+)\]")
+RANK_LOG = re.compile(r"^\d{4}-\d\d-\d\d [\d:.]+ (\S+) rank(\d+) ")
+
+
+@dataclass
+class Finding:
+    cls: str
+    title: str
+    evidence: list[str] = field(default_factory=list)  # `file:line: text`, the first few
+    fixes: list[str] = field(default_factory=list)
+    where: str = ""  # host / rank when the lines say
+
+
+@dataclass
+class Source:
+    name: str
+    lines: list[str]
+    offset: int = 0  # lines skipped before these (line numbers stay the file's)
+
+
+# The first line a rank writes to its log in each attempt (run.py): earlier lines are history.
+ATTEMPT = re.compile(r"^\S+ \S+ \S+ rank\d+ log: pid \d+ host ")
+
+
+def read_sources(path: Path) -> list[Source]:
+    """The logs to read: a file; or a run directory's rank logs (from the start of the last attempt:
+    a resumed run appends), train.log where there are none, and any *.log / *.out saved in it (a
+    console or SLURM output)."""
+    if path.is_file():
+        files = [path]
+    else:
+        files = sorted((path / "logs").glob("rank_*.log")) or sorted((path / "logs").glob("*.log"))
+        files += sorted(p for p in path.glob("*") if p.suffix in (".log", ".out") and p.is_file())
+    out = []
+    for f in files:
+        try:
+            lines = f.read_text(errors="replace").splitlines()
+        except OSError as e:
+            raise UserError(f"doctor: cannot read {f} ({e.strerror or e})") from None
+        start = max((i for i, line in enumerate(lines) if ATTEMPT.match(line)), default=0)
+        name = str(f.relative_to(path)) if path.is_dir() else str(f)
+        out.append(Source(name, lines[start:], offset=start))
+    return out
+
+
+def classify_line(line: str) -> str | None:
+    if BENIGN.search(line):
+        return None
+    for cls, _, pattern in COMPILED:
+        if pattern.search(line):
+            return cls
+    return None
+
+
+def who(line: str) -> str:
+    m = RANK_LOG.match(line)
+    if m:
+        return f"rank {m.group(2)} on {m.group(1)}"
+    host = PDSH_HOST.match(line)
+    rank = TORCH_RANK.search(line)
+    parts = ([f"rank {rank.group(1)}"] if rank else []) + ([f"on {host.group(1)}"] if host and not
+                                                             host.group(1).startswith(("ds-train", "[")) else [])
+    return " ".join(parts)
+
+
+def scan(sources: list[Source]) -> dict[str, Finding]:
+    found: dict[str, Finding] = {}
+    for src in sources:
+        for i, line in enumerate(src.lines, src.offset + 1):
+            cls = classify_line(line)
+            if cls is None:
+                continue
+            f = found.setdefault(cls, Finding(cls, TITLES[cls]))
+            if len(f.evidence) < 3 and not any(line.strip()[:120] in e for e in f.evidence):
+                f.evidence.append(f"{src.name}:{i}: {line.strip()[:300]}")
+            if not f.where:
+                f.where = who(line)
+    return found
+
+
+def diagnose(path_arg: str) -> list[Finding]:
+    """The findings for a run directory or a log file, most likely cause first."""
+    path = Path(path_arg)
+    if not path.exists():
+        raise UserError(f"doctor: {path_arg!r} does not exist; give a run directory (output_dir) or a log file")
+    found = scan(read_sources(path))
+    view = read_run(path) if path.is_dir() else None
+    if view is not None:
+        _from_records(view, found)
+    for f in found.values():
+        f.fixes = FIXES[f.cls](f, view)
+    return sorted(found.values(), key=lambda f: PRIORITY.index(f.cls))
+
+
+def _from_records(view, found: dict[str, Finding]) -> None:
+    """What the run directory's records say beyond its logs."""
+    if view.hang:
+        f = found.setdefault("hang", Finding("hang", TITLES["hang"]))
+        f.evidence.insert(0, f"logs/hang_report.json: {view.hang.get('line', '')[:300]}")
+        ranks = view.hang.get("ranks") or {}
+        culprits = [ranks.get(str(r)) for r in view.hang.get("never_arrived", []) + view.hang.get("silent", [])]
+        f.where = ", ".join(f"rank {c['rank']} on {c.get('addr') or c.get('host')}" for c in culprits if c)
+    if view.failure:
+        cls = "killed_rank" if view.failure.get("kind") == "killed" else "rank_error"
+        f = found.setdefault(cls, Finding(cls, TITLES[cls]))
+        f.evidence.insert(0, f"logs/failure.json: {view.failure.get('line', '')[:300]}")
+        first = view.failure.get("first") or {}
+        f.where = f"rank {first.get('rank')} on {first.get('host')}" if first else f.where
+    losses = [r.get("train/loss") for r in view.metrics[-3:]]
+    bad = [x for x in losses if isinstance(x, float) and not math.isfinite(x)]
+    if bad:
+        f = found.setdefault("nonfinite", Finding("nonfinite", TITLES["nonfinite"]))
+        f.evidence.append(f"metrics.jsonl: train/loss {bad[-1]} at step {view.metrics[-1]['step']}")
+
+
+# ---- fixes: the first is what to try first ----------------------------------------------------
+
+def _match(f: Finding, pattern: str) -> str:
+    for e in f.evidence:
+        m = re.search(pattern, e)
+        if m:
+            return m.group(1)
+    return ""
+
+
+def _fix_cuda_oom(f: Finding, view) -> list[str]:
+    gib = _match(f, r"total capacity of ([\d.]+) GiB")
+    planned = _planned_fix(view, float(gib)) if view is not None and gib else []
+    return planned + [
+        "lower train.micro_batch_size (the global batch stays: more accumulation), turn on "
+        "model.activation_checkpointing=true, or move to a higher ZeRO stage (--ds-config ds_configs/zero3.json)",
+        "`ds-train estimate --config C --ds-config D --nodes N --gpus-per-node G --gpu-memory GIB --preset balanced` "
+        "prints the configuration that fits, before queueing the job",
+        "fragmentation (much reserved but unallocated): export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True "
+        "(ds-train launch forwards it)"]
+
+
+def _planned_fix(view, gpu_gib: float) -> list[str]:
+    """The cheapest change the memory planner says fits this run on GPUs of `gpu_gib`."""
+    from ds_train.configfile import load_config
+    from ds_train.plan import Target, pick_preset, plan_rows, suggestions
+    from ds_train.rundir import read_json
+
+    try:
+        cfg = load_config(str(view.path / "config.yaml"), [])
+        ds_config = read_json(view.path / "ds_config.json") or {}
+        from ds_train.memory import model_shape
+        from ds_train.model import build_hf_config
+
+        shape = model_shape(build_hf_config(cfg.model, int(cfg.model.config.get("vocab_size") or cfg.data.vocab_size),
+                                            cfg.train.seq_len))
+    except (UserError, OSError, ValueError, KeyError, TypeError) as e:
+        return [f"(the memory plan needs the run's config.yaml and ds_config.json: {str(e).splitlines()[0][:120]})"]
+    world = int(view.env.get("world_size") or 1)
+    target = Target(1, world, gpu_gib)
+    dtype = "bf16" if ds_config.get("bf16", {}).get("enabled") else \
+        "fp16" if ds_config.get("fp16", {}).get("enabled") else "fp32"
+    zero = ds_config.get("zero_optimization", {"stage": 0})
+    given = next((r for r in plan_rows(shape, cfg, zero, target, dtype) if r["given"]), None)
+    plan = f" (this run: {given['gpu_peak_gib']:.1f} GiB planned)" if given else ""
+    for s in suggestions(shape, cfg, zero, target, dtype):
+        if s["fits"]:
+            return [f"{s['change']}: the memory plan puts the per-GPU peak at {s['gpu_peak_gib']:.1f} GiB of "
+                    f"{gpu_gib:.1f} GiB{plan}"]
+    try:
+        p = pick_preset(shape, cfg, target, dtype, "balanced")
+    except UserError as e:
+        return [str(e)]
+    return [f"--ds-config {p['ds_config']} {p['overrides']}: the memory plan puts the per-GPU peak at "
+            f"{p['gpu_peak_gib']:.1f} GiB of {gpu_gib:.1f} GiB{plan}"]
+
+
+def _on(f: Finding) -> str:
+    return f" on {f.where}" if f.where else ""
+
+
+FIXES: dict[str, Callable] = {
+    "cuda_oom": _fix_cuda_oom,
+    "cpu_oom": lambda f, v: [
+        f"host memory ran out{_on(f)}: offloaded optimizer states (ds_configs/*_offload.json) and every rank's "
+        "copy of the model live in CPU RAM; use a ds_config without offload, fewer ranks per node, or nodes "
+        "with more memory",
+        "check the limit the job ran under: `ulimit -v`, the SLURM job's --mem (sacct -j JOB -o MaxRSS,ReqMem), "
+        "or the container's memory limit",
+        "`dmesg -T | grep -i -E 'killed process|out of memory'` on that host confirms an OOM kill"],
+    "killed_rank": lambda f, v: [
+        f"a rank was killed by a signal{_on(f)} (SIGKILL leaves no traceback): `dmesg -T | grep -i 'killed process'` "
+        "on its host shows whether the kernel's OOM killer did it; if so, lower host memory (no offload, fewer "
+        "ranks per node)",
+        "under SLURM, `sacct -j JOB -o JobID,State,ExitCode,MaxRSS` tells a time or memory limit from a node failure",
+        "the other ranks' connection errors that follow are consequences, not causes"],
+    "nccl_timeout": lambda f, v: [
+        "a collective waited past dist.timeout_s: some rank never reached it. The rank whose log ends first, or "
+        "with an error, is the cause; set watchdog.stall_s (below dist.timeout_s) so ds_train names the stuck "
+        "rank, its phase and its stack long before NCCL's timeout",
+        "TORCH_DISTRIBUTED_DEBUG=DETAIL shows mismatched collectives (a code path taken by some ranks only); "
+        "ds-train launch forwards it to every node",
+        "if the steps are just slow (a huge save, a slow file system), raise dist.timeout_s"],
+    "nccl_error": lambda f, v: [
+        "rerun with NCCL_DEBUG=INFO (ds-train launch forwards NCCL_* to every node) and read the first "
+        "`NCCL WARN` line: it names the failing transport and interface",
+        "choose the interface the nodes reach each other on: NCCL_SOCKET_IFNAME=<iface> (see `ip -br addr`; not "
+        "lo or docker0)",
+        "InfiniBand: `ibstat` must show the ports Active on every node; NCCL_IB_DISABLE=1 tests over TCP, "
+        "NCCL_IB_HCA selects the adapters"],
+    "port_in_use": lambda f, v: [
+        f"another process holds the master port{_on(f)}: a previous job still running, or another user; choose "
+        "another port (`deepspeed --master_port P`, `ds-train launch --master_port P`)",
+        "`ss -ltnp | grep :PORT` on the first host shows who holds it; stop a stale job with `pkill -f ds_train`"],
+    "ssh": lambda f, v: [
+        f"the launcher could not ssh to a node{_on(f)}: `ssh HOST true` from the launching node must work without "
+        "a password (key in ~/.ssh/authorized_keys, host key in known_hosts)",
+        "the hostfile must name hosts as ssh resolves them: fix the name, or add it to /etc/hosts or ~/.ssh/config",
+        "extra ssh options (port, identity file) go in PDSH_SSH_ARGS_APPEND; `ds-train launch` checks every host "
+        "before starting"],
+    "missing_module": lambda f, v: [
+        f"module {_match(f, chr(39) + r'([^' + chr(39) + r']+)' + chr(39)) or '?'} is missing{_on(f)}: install "
+        "the same environment on every node (the same venv path, e.g. on a shared file system, with pip install "
+        "-r requirements.txt), or forward PYTHONPATH (ds-train launch does when it is set)",
+        "`ds-train launch` compares Python, torch, DeepSpeed and ds_train versions on every host before it starts"],
+    "wandb_login": lambda f, v: [
+        "log in to Weights & Biases on every node that logs (rank 0's): `wandb login`, or export WANDB_API_KEY "
+        "(ds-train launch forwards it only when listed in launch.env, as it looks like a secret)",
+        "no network to wandb from the nodes: log.wandb=offline, then `wandb sync RUN_DIR/wandb/offline-run-*` "
+        "from a machine that has one; or log.wandb=off"],
+    "rendezvous": lambda f, v: [
+        "every rank must reach MASTER_ADDR:MASTER_PORT (rank 0's host): use an address of the first host that "
+        "the others reach, and open the port in the firewall (`nc -zv ADDR PORT` from another node)",
+        "ranks that start late (slow file systems, container pulls) need a longer dist.join_timeout_s",
+        "a torch built without libuv (some Windows and older builds): export USE_LIBUV=0"],
+    "disk_full": lambda f, v: [
+        "the file system ran full: free space (`df -h` on output_dir), lower checkpoint.keep, or choose an "
+        "output_dir with room; the same command resumes from the last complete checkpoint",
+        "`ds-train estimate` prints the size of one checkpoint"],
+    "nonfinite": lambda f, v: [
+        "the loss or gradients became NaN/inf: resume from the last good checkpoint with a lower optim.lr, a "
+        "longer optim.warmup_steps, or train.grad_clip set",
+        "fp16 overflows where bf16 does not: use a ds_config with bf16 on GPUs that have it",
+        "train.nonfinite=skip skips such steps instead of stopping (DeepSpeed never applies them)"],
+    "hang": lambda f, v: [
+        (f"{f.where} stopped making progress" if f.where else "the hang report names the rank that never arrived")
+        + ": its logs/stacks_rank_<r>.txt (on its node) shows where it is stuck; the ranks waiting in a "
+        "collective are consequences",
+        "usual causes: a code path that skips a collective on some ranks, a slow or stuck file system read, a "
+        "dead peer; py-spy dump --native --pid PID shows native frames",
+        "a long save or evaluation that is not a hang: raise watchdog.stall_s"],
+    "config_error": lambda f, v: [
+        "fix the input the line names (file, key or value); `ds-train train --help-config` lists every key",
+        "`ds-train estimate --config C --ds-config D --nodes N --gpus-per-node G` checks the batch math for the "
+        "target cluster on any machine"],
+    "rank_error": lambda f, v: [
+        f"an exception{_on(f)}: its traceback is in logs/rank_<r>.log of that rank (on its node); the other "
+        "ranks' errors that follow are consequences",
+        "rerun with `--debug` for full tracebacks and DeepSpeed's info logs"],
+}
+
+
+def format_findings(target: str, findings: list[Finding]) -> str:
+    if not findings:
+        return f"ds-train doctor: {target}: nothing wrong found"
+    lines = [f"ds-train doctor: {target}: {len(findings)} finding(s), the most likely cause first"]
+    for i, f in enumerate(findings, 1):
+        lines.append(f"{i}. {f.title}{f' ({f.where})' if f.where else ''} [{f.cls}]")
+        lines += [f"   seen: {e}" for e in f.evidence[:2]]
+        lines += [f"   fix: {x}" for x in f.fixes]
+    return "\n".join(lines)
+
+
+def doctor(path: str) -> int:
+    findings = diagnose(path)
+    print(format_findings(path, findings))
+    return 1 if findings else 0

@@ -1,0 +1,91 @@
+"""ds-train monitor: the frame it draws from a run directory (the live 2-process runs it watches
+are in test_watchdog.py)."""
+
+from __future__ import annotations
+
+import json
+
+from conftest import ds_train
+from ds_train.monitor import duration, eta_s, rank_marks, render, sparkline
+from ds_train.rundir import read_run
+from test_rundir import make_run
+
+
+def frame(path, width=120) -> str:
+    from rich.console import Console
+
+    console = Console(width=width, record=True, file=open("/dev/null", "w"))
+    console.print(render(read_run(path)))
+    return console.export_text()
+
+
+def test_sparkline_and_duration():
+    assert sparkline([1, 2, 3, 4]) == "▁▃▆█"
+    assert sparkline([2, 2]) == "▄▄" and sparkline([]) == ""
+    assert sparkline([1.0, float("nan"), 3.0]) == "▁█"
+    assert len(sparkline(list(range(100)), width=10)) == 10
+    assert (duration(59), duration(61), duration(3700)) == ("59s", "1m01s", "1h01m")
+
+
+def test_eta_from_the_pace_of_the_latest_records(tmp_path):
+    view = read_run(make_run(tmp_path / "r", steps=(10, 20, 30), target=50))  # 10 s per 10 steps
+    assert abs(eta_s(view) - 20.0) < 0.5
+    recs = view.metrics
+    recs.append({**recs[0], "step": 12, "time": recs[-1]["time"] + 5})  # a resume: steps go back
+    assert eta_s(view) is None
+
+
+def test_a_running_run_shows_progress_curves_and_every_rank(tmp_path):
+    run = make_run(tmp_path / "run", steps=(10, 20), target=40)
+    text = frame(run)
+    assert "RUNNING" in text and "step 20 of 40" in text and "ETA " in text
+    assert "50%" in text
+    curves = {line.split()[1]: line.split()[2:-1] for line in text.splitlines() if line.startswith("│ ")}
+    assert curves["loss"] == ["4", "█▁"] and curves["tokens/s"] == ["1,001", "▁█"], text
+    rows = [line.split() for line in text.splitlines() if line.strip().startswith(("0 ", "1 "))]
+    assert [(r[0], r[1]) for r in rows] == [("0", "n0/0"), ("1", "n1/1")], text
+
+
+def test_stalled_waiting_and_straggling_ranks_are_marked(tmp_path):
+    hang = {"kind": "hang", "line": "hang: no progress for 6 s (watchdog.stall_s): rank 1 ...",
+            "never_arrived": [1], "waiting": [0], "silent": []}
+    text = frame(make_run(tmp_path / "h", hang=hang))
+    assert "HUNG" in text and "hang: no progress for 6 s" in text
+    assert "STALLED" in text and "rank 1 (n1, node 1, phase forward of step 20): stalled" in text
+    assert "rank 0 (n0, node 0, phase forward of step 20): waits in a collective" in text
+
+    run = make_run(tmp_path / "s")
+    with open(run / "metrics.jsonl", "a") as fh:
+        fh.write(json.dumps({"step": 21, "perf/slowest_rank": 1, "perf/straggler_ratio": 2.5}) + "\n")
+    marks = rank_marks(read_run(run))
+    assert marks[1][0] == "slow 2.50x" and 0 not in marks
+
+    quiet = make_run(tmp_path / "q")
+    beat = json.loads((quiet / "heartbeats" / "rank_1.json").read_text())
+    (quiet / "heartbeats" / "rank_1.json").write_text(json.dumps({**beat, "idle_s": 45.0}))
+    beat0 = json.loads((quiet / "heartbeats" / "rank_0.json").read_text())
+    (quiet / "heartbeats" / "rank_0.json").write_text(json.dumps(
+        {**beat0, "idle_s": 44.0, "collective": "all_reduce in deepspeed/runtime/engine.py:2100 (allreduce_bucket)"}))
+    marks = rank_marks(read_run(quiet))
+    assert marks[1][0] == "NO PROGRESS" and marks[0][0] == "all_reduce"
+
+
+def test_once_prints_one_frame_and_a_dead_run_says_why(tmp_path):
+    run = make_run(tmp_path / "run", beat_age=300)
+    res = ds_train("monitor", str(run), "--once", timeout=60)
+    assert res.returncode == 0, res.out
+    assert "DEAD" in res.out and "no heartbeat from rank(s) 0, 1" in res.out
+    bad = ds_train("monitor", str(tmp_path / "missing"), "--once", timeout=60)
+    assert bad.returncode == 2 and "is not a directory; give a run's output_dir" in bad.out
+
+
+def test_ript_runs_show_success_per_task(tmp_path):
+    run = make_run(tmp_path / "r", kind="ript", target=6, steps=(2,), statuses=("running",))
+    with open(run / "metrics.jsonl", "a") as fh:
+        for it, (a, b) in enumerate([(0.2, 0.5), (0.4, 0.75)], start=3):
+            fh.write(json.dumps({"step": it, "ript/success_rate": (a + b) / 2, "task/arith/success_rate": a,
+                                 "task/guess/success_rate": b, "eval/success": a, "eval/arith/success": a}) + "\n")
+    text = frame(run)
+    assert "ript" in text and "iteration 4 of 6" in text
+    task_rows = {line.split()[0]: line.split()[1:] for line in text.splitlines() if line.strip().startswith(("arith", "guess"))}
+    assert task_rows["arith"][:2] == ["0.400", "0.400"] and task_rows["guess"][:2] == ["0.750", "-"], text
