@@ -10,8 +10,11 @@ import time
 
 import pytest
 
-from conftest import ROOT, deepspeed_train, tiny_config, write_config
+from conftest import ROOT, deepspeed_args, deepspeed_train, reap, spawn, tiny_config, write_config
 from ds_train import watchdog as wd
+from ds_train.doctor import diagnose
+from ds_train.rundir import read_metrics
+from test_monitor import frame
 
 
 def test_faults_fire_on_their_rank_and_step_only():
@@ -103,6 +106,13 @@ def test_a_stalled_rank_is_named_with_its_stack_and_the_job_ends_in_time(tiny_da
     assert re.search(rf"^\S+ \S+ {host} rank1 log: pid \d+ host {host}", (run / "logs" / "rank_1.log").read_text(), re.M)
     console = (run / "logs" / "train.log").read_text().splitlines()
     assert "step 3: train/loss" in "\n".join(console) and console[-1] == report[0]
+    assert console[-2] == f"diagnose: ds-train doctor {run}   (what went wrong, and what to do)"
+    # what the monitor and the doctor make of it, from the directory alone
+    text = frame(run)
+    assert "HUNG" in text and f"rank 1 ({host}, node 0, phase data of step 4): stalled" in text, text
+    assert re.search(r"^\s*1\s+\S+\s+4\s+data\s+\d+s\s+[\d.]+\s+-\s+-\s+STALLED$", text, re.M), text
+    findings = diagnose(str(run))
+    assert findings[0].cls == "hang" and findings[0].where == f"rank 1 on {host}", findings
 
 
 @pytest.mark.slow
@@ -111,10 +121,23 @@ def test_a_slow_rank_is_reported_as_a_straggler_and_an_even_run_reports_none(tin
     """Steps 1-8 even; from step 9 rank 1 sleeps 0.3 s in its data phase every step. Logging every
     4 steps: the first window (one-time costs) is never reported, the even one (step 8) reports
     none, the slow ones name rank 1 with its ratio in the console, its log and the metrics."""
-    cfg = write_config(tmp_path / "run.yaml", tiny_config(tiny_data, tmp_path / "run", train={"max_steps": 16},
+    run = tmp_path / "run"
+    cfg = write_config(tmp_path / "run.yaml", tiny_config(tiny_data, run, train={"max_steps": 16},
                                                           log={"every": 4}))
-    res = deepspeed_train(cfg, "zero2.json", "watchdog.debug_fault=slow:1:0.3:9", timeout=200)
+    proc = spawn(deepspeed_args(cfg, "zero2.json", "watchdog.debug_fault=slow:1:0.3:9"))
+    live = ""
+    try:  # `ds-train monitor` on the live run: both ranks, the straggler marked
+        deadline = time.monotonic() + 180
+        while proc.poll() is None and time.monotonic() < deadline and "slow " not in live:
+            time.sleep(0.3)
+            if any(r["step"] == 12 for r in read_metrics(run / "metrics.jsonl")):
+                live = frame(run)
+    finally:
+        res = reap(proc, 200)
     assert res.returncode == 0, res.out[-4000:]
+    assert "RUNNING" in live and re.search(r"^\s*0\s+\S+/0\s+\d+\s", live, re.M), live
+    assert re.search(r"^\s*1\s+\S+/0\s+\d+\s.*slow [\d.]+x$", live, re.M), live
+    assert "FINISHED" in frame(run)
     host = socket.gethostname()
     lines = [line for line in res.out.splitlines() if "straggler:" in line]
     assert [line.split(":")[0] for line in lines] == ["step 12", "step 16"], res.out[-3000:]
