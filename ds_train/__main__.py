@@ -14,7 +14,7 @@
     ds-train estimate --config C --ds-config D --nodes 2 --gpus-per-node 8   # memory plan
     ds-train dry-run --config C --ds-config D --hostfile hostfile            # one-device rehearsal
     ds-train monitor RUN_DIR [--once]                    # watch a run from another terminal
-    ds-train doctor RUN_DIR | LOGFILE                    # what went wrong, and what to do
+    ds-train doctor RUN_DIR [LOGFILE ...]                # what went wrong, and what to do
     ds-train plot RUN_DIR [RUN_DIR ...]                  # PNG plots, several runs overlaid
 
 Exit codes: 0 done; 1 a rank failed (the job's last line names the first one, its host and the
@@ -167,7 +167,7 @@ def cmd_monitor(args) -> int:
 def cmd_doctor(args) -> int:
     from ds_train.doctor import doctor
 
-    return doctor(args.path)
+    return doctor(args.paths)
 
 
 def cmd_plot(args) -> int:
@@ -343,7 +343,9 @@ def build_parser() -> argparse.ArgumentParser:
                                     "loss, a hang, bad input; causes first, each with fixes. Exit 0: nothing "
                                     "wrong found; 1: a problem found.")
     _add_debug(do)
-    do.add_argument("path", metavar="RUN_DIR|LOGFILE", help="a run's output_dir, or a log file")
+    do.add_argument("paths", nargs="+", metavar="RUN_DIR|LOGFILE",
+                    help="a run's output_dir and/or log files of the same job (the launcher's console, a SLURM "
+                         "output file, `dmesg` of a node)")
     do.set_defaults(func=cmd_doctor)
 
     pl = sub.add_parser("plot", help="PNG plots of one run or several overlaid",

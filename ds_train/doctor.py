@@ -27,37 +27,38 @@ PATTERNS: list[tuple[str, str, str]] = [
      r"DefaultCPUAllocator: can't allocate memory|std::bad_alloc|\bMemoryError\b|Cannot allocate memory|"
      r"oom[-_]kill(ed)? event|OOM Killed|Out of memory: Killed process|Memory cgroup out of memory"),
     ("disk_full", "disk full", r"No space left on device|ENOSPC|Disk quota exceeded|\[Errno 28\]|"
-                               r"PytorchStreamWriter failed writing"),
-    ("missing_module", "a Python module missing on a node",
+                               r"PytorchStreamWriter failed writing|needs about [\d.]+ \w+, [\d.]+ \w+ free"),
+    ("missing_module", "a Python module or version missing on a node",
      r"ModuleNotFoundError: No module named|ImportError: cannot import name|No module named '|"
-     r"[\w.-]+: (command not found|No such file or directory)$"),
+     r"install the same versions on every node|differs from this machine's|"
+     r"^(\S+: )?\S*(python|deepspeed|ds-train)\S*: (command not found|No such file or directory)$"),
     ("wandb_login", "Weights & Biases login", r"wandb.*(api[_ ]key|API key|wandb login|not logged in)|"
                                               r"wandb\.errors\.(AuthenticationError|UsageError|CommError)|"
                                               r"wandb: (ERROR|Network error).*(connect|resolve|retry|timed out)"),
     ("port_in_use", "address or port in use",
      r"[Aa]ddress already in use|EADDRINUSE|errno: 98|cannot listen on .*another job holds the port"),
     ("ssh", "ssh / pdsh could not reach a node",
-     r"^(pdsh@\S+: )?\S+: ssh: (connect to host|Could not resolve hostname)|ssh exited with exit code 255|"
-     r"Permission denied \((publickey|password)|Host key verification failed|pdsh@\S+: \S+: (connect|ssh)|"
-     r"ssh: connect to host .* (Connection refused|No route to host|Connection timed out)|"
-     r"preflight: .*(cannot be reached|ssh)"),
+     r"not reachable by password-less ssh|^\s*unreachable: |^(pdsh@\S+: )?[\w.-]+: ssh: |"
+     r"ssh exited with exit code 255|Permission denied \((publickey|password)|Host key verification failed|"
+     r"was not reachable via ssh|'ssh', .*exit status 255"),
     ("nccl_timeout", "NCCL collective timed out",
      r"Watchdog caught collective operation timeout|ran for \d+ milliseconds before timing out|"
      r"NCCL.*[Tt]imeout|collective operation timeout"),
     ("nccl_error", "NCCL error", r"NCCL error|nccl\w*Error|NCCL WARN|NET/IB|ncclSystemError|ncclInternalError|"
                                  r"ncclRemoteError|ncclUnhandledCudaError|ncclInvalidUsage"),
     ("rendezvous", "rendezvous (TCPStore / libuv) failed",
-     r"DistStoreError|TCPStore|libuv|use_libuv|did not reach the rendezvous|could not reach the rendezvous|"
+     r"DistStoreError|libuv|did not reach the rendezvous|could not reach the rendezvous|"
      r"Rendezvous(Timeout|Connection|Closed)Error|waiting for clients|rendezvous at .* ended before|"
-     r"DistNetworkError|failed to connect to .*\d+\.\d+\.\d+\.\d+"),
+     r"DistNetworkError|(client|server) socket has (failed|timed out)|failed to connect to .*\d+\.\d+\.\d+\.\d+"),
     ("nonfinite", "non-finite loss or gradients",
      r"consecutive steps with non-finite gradients|NonFiniteStop|loss (is )?(nan|inf)\b|non-finite weights"),
     ("hang", "a hang: ranks stopped making progress", r"hang: no progress for|watchdog\.stall_s\)"),
     ("killed_rank", "a rank was killed", r"died without an error|exits with return code = -9|\bKilled\b|"
-                                        r"signal 9\b|SIGKILL|return code = -(9|15)\b"),
+                                        r"signal 9\b|SIGKILL|return code = -(9|15)\b|ssh exited with exit code 247|"
+                                        r"log ends without a word"),
     ("config_error", "bad input (config, batch math, command line)",
-     r"ds-train(\[rank \d+\])?: error: (?!hang:|rank \d+ on node|the job ended|start-up:)|"
-     r"global_batch_size.*(divisible|must be)|unknown key|ds-train: error: .*(see `ds-train)"),
+     r"ds-train(\[rank \d+\])?: error: (?!hang:|rank \d+ on node|the job ended|start-up:|preflight:)|"
+     r"global_batch_size.*(divisible|must be)|unknown key"),
     ("rank_error", "an exception on a rank", r"failed first, in phase|^(\S+: )?(\[rank\d+\]: )?Traceback \(most recent|"
                                              r"^(\S+: )?(\[rank\d+\]: )?(\w+\.)*\w+(Error|Exception): "),
 ]
@@ -65,14 +66,21 @@ PATTERNS: list[tuple[str, str, str]] = [
 PRIORITY = ["config_error", "missing_module", "ssh", "port_in_use", "wandb_login", "disk_full", "cuda_oom",
             "cpu_oom", "nccl_error", "nccl_timeout", "rendezvous", "nonfinite", "hang", "killed_rank", "rank_error"]
 COMPILED = [(cls, title, re.compile(p)) for cls, title, p in PATTERNS]
+RANK_ERROR = next(p for cls, _, p in COMPILED if cls == "rank_error")
 TITLES = {cls: title for cls, title, _ in PATTERNS}
 # Lines that look alarming and are not: DeepSpeed's and torch's routine warnings.
 BENIGN = re.compile(r"\[WARNING\].*(get_lr|Setting accelerator|real_accelerator)|UserWarning|FutureWarning|"
                     r"DeprecationWarning|^\s*warnings\.warn")
+# A C++ stack frame of a torch error (its class names say nothing of the cause).
+NATIVE_FRAME = re.compile(r"^(\S+: )?(\[rank\d+\]:)?\s*frame #\d+: ")
+# What a rank prints when another rank died: connection errors, the store of a dead rank 0.
+CONSEQUENCE = re.compile(r"Connection (closed|reset) by peer|stopped answering|remote worker crashing|Broken pipe|"
+                         r"Failed to recv, got 0 bytes")
 # Who said it: a pdsh prefix (host:), torch's [rankN]: prefix, or our rank log's `HOST rankN`.
 PDSH_HOST = re.compile(r"^(?:pdsh@\S+: )?([\w.-]+): ")
 TORCH_RANK = re.compile(r"\[rank(\d+)\]")
 RANK_LOG = re.compile(r"^\d{4}-\d\d-\d\d [\d:.]+ (\S+) rank(\d+) ")
+RANK_LOG_LINE = re.compile(r"^\d{4}-\d\d-\d\d [\d:.]+ \S+ rank\d+ (out|err|log|[A-Z]+): ")  # what the rank printed
 
 
 @dataclass
@@ -82,6 +90,7 @@ class Finding:
     evidence: list[str] = field(default_factory=list)  # `file:line: text`, the first few
     fixes: list[str] = field(default_factory=list)
     where: str = ""  # host / rank when the lines say
+    context: list[str] = field(default_factory=list)  # the lines after the first evidence
 
 
 @dataclass
@@ -117,8 +126,10 @@ def read_sources(path: Path) -> list[Source]:
 
 
 def classify_line(line: str) -> str | None:
-    if BENIGN.search(line):
+    if BENIGN.search(line) or NATIVE_FRAME.match(line):
         return None
+    if CONSEQUENCE.search(line):  # another rank died: at most an exception on this one, never a cause
+        return "rank_error" if RANK_ERROR.search(line) else None
     for cls, _, pattern in COMPILED:
         if pattern.search(line):
             return cls
@@ -130,20 +141,25 @@ def who(line: str) -> str:
     if m:
         return f"rank {m.group(2)} on {m.group(1)}"
     host = PDSH_HOST.match(line)
+    if host and re.search(r"(Error|Exception|Warning|Exit)$|^(File|Traceback|frame)$", host.group(1)):
+        host = None  # `RuntimeError: ...` is not a host's output
     rank = TORCH_RANK.search(line)
-    parts = ([f"rank {rank.group(1)}"] if rank else []) + ([f"on {host.group(1)}"] if host and not
-                                                             host.group(1).startswith(("ds-train", "[")) else [])
-    return " ".join(parts)
+    host_name = host.group(1) if host and not host.group(1).startswith(("ds-train", "[")) else ""
+    if rank:
+        return f"rank {rank.group(1)}" + (f" on {host_name}" if host_name else "")
+    return host_name
 
 
 def scan(sources: list[Source]) -> dict[str, Finding]:
     found: dict[str, Finding] = {}
     for src in sources:
         for i, line in enumerate(src.lines, src.offset + 1):
-            cls = classify_line(line)
+            cls = classify_line(RANK_LOG_LINE.sub("", line))
             if cls is None:
                 continue
             f = found.setdefault(cls, Finding(cls, TITLES[cls]))
+            if not f.evidence:
+                f.context = src.lines[i - src.offset:i - src.offset + 5]  # the lines after the first one
             if len(f.evidence) < 3 and not any(line.strip()[:120] in e for e in f.evidence):
                 f.evidence.append(f"{src.name}:{i}: {line.strip()[:300]}")
             if not f.where:
@@ -151,15 +167,27 @@ def scan(sources: list[Source]) -> dict[str, Finding]:
     return found
 
 
-def diagnose(path_arg: str) -> list[Finding]:
-    """The findings for a run directory or a log file, most likely cause first."""
-    path = Path(path_arg)
-    if not path.exists():
-        raise UserError(f"doctor: {path_arg!r} does not exist; give a run directory (output_dir) or a log file")
-    found = scan(read_sources(path))
-    view = read_run(path) if path.is_dir() else None
-    if view is not None:
+def diagnose(*path_args: str) -> list[Finding]:
+    """The findings for run directories and log files (a run directory, the launcher's console,
+    `dmesg` of a node: one job), most likely cause first."""
+    sources, views, found = [], [], {}
+    for path_arg in path_args:
+        path = Path(path_arg)
+        if not path.exists():
+            raise UserError(f"doctor: {path_arg!r} does not exist; give a run directory (output_dir) or a log file")
+        these = read_sources(path)
+        view = read_run(path) if path.is_dir() else None
+        if view is not None and not these and not view.metrics and not view.heartbeats:
+            raise UserError(f"doctor: {path_arg} holds no logs (logs/*.log, *.log, *.out) and no run records; give "
+                            f"a run directory or the launcher's console output (a pdsh or SLURM log)")
+        sources += these
+        views += [view] if view is not None else []
+    for cls, f in scan(sources).items():
+        found[cls] = f
+    for view in views:
         _from_records(view, found)
+        _silent_ranks([s for s in sources if s.name.startswith("logs/")], found)
+    view = views[0] if views else None
     for f in found.values():
         f.fixes = FIXES[f.cls](f, view)
     return sorted(found.values(), key=lambda f: PRIORITY.index(f.cls))
@@ -179,6 +207,8 @@ def _from_records(view, found: dict[str, Finding]) -> None:
         f.evidence.insert(0, f"logs/failure.json: {view.failure.get('line', '')[:300]}")
         first = view.failure.get("first") or {}
         f.where = f"rank {first.get('rank')} on {first.get('host')}" if first else f.where
+    if not view.hang and view.state()[0] in ("dead", "not started") and view.heartbeats:
+        _stuck_without_report(view, found)
     losses = [r.get("train/loss") for r in view.metrics[-3:]]
     bad = [x for x in losses if isinstance(x, float) and not math.isfinite(x)]
     if bad:
@@ -186,18 +216,64 @@ def _from_records(view, found: dict[str, Finding]) -> None:
         f.evidence.append(f"metrics.jsonl: train/loss {bad[-1]} at step {view.metrics[-1]['step']}")
 
 
+def _stuck_without_report(view, found: dict[str, Finding]) -> None:
+    """A job that ended (no live heartbeat) while its ranks had stopped moving, and no watchdog said
+    so (watchdog.stall_s=0, or killed from outside first): the heartbeats tell who waited for whom."""
+    from ds_train.reports import classify, where
+
+    quiet = max(60.0, 30 * view.heartbeat_s)
+    records = view.heartbeats
+    if not all(float(hb.get("idle_s") or 0) > quiet for hb in records.values()):
+        return
+    verdict = classify(records, set(records))
+    culprits = verdict["never_arrived"] or sorted(records)
+    f = found.setdefault("hang", Finding("hang", TITLES["hang"]))
+    for r in culprits:
+        hb = records[r]
+        f.evidence.insert(0, f"heartbeats/rank_{r}.json: {where(hb)} made no progress for {hb['idle_s']:.0f} s in "
+                             f"phase {hb['phase']} of step {hb['step']}, outside any collective")
+    for r in verdict["waiting"]:
+        f.evidence.append(f"heartbeats/rank_{r}.json: {where(records[r])} waited in "
+                          f"{records[r].get('collective') or 'a collective'} for {records[r]['idle_s']:.0f} s")
+    f.where = ", ".join(f"rank {r} on {records[r].get('addr') or records[r].get('host')}" for r in culprits)
+
+
+ENDED = re.compile(r" rank\d+ log: (run ended|exit \d+)")
+SAID_ERROR = re.compile(r" rank\d+ err: .*(Error|error|Exception|Killed)")
+
+
+def _silent_ranks(sources: list[Source], found: dict[str, Finding]) -> None:
+    """A rank whose log (this attempt) ends without its exit line or any error, while another rank's
+    says how it ended: it died without a word (SIGKILL: the OOM killer, kill -9, its node)."""
+    logs = {s.name: s for s in sources if re.fullmatch(r"logs/rank_\d+\.log", s.name)}
+    spoke = {name for name, s in logs.items() if any(ENDED.search(l) or SAID_ERROR.search(l) for l in s.lines)}
+    if not spoke or spoke == set(logs) or set(found) - {"rank_error", "killed_rank"}:
+        return  # nobody ended, or everybody did, or a cause is known (a hang, an OOM, ...)
+    causes = [l for s in logs.values() for l in s.lines if SAID_ERROR.search(l) and RANK_ERROR.search(
+        RANK_LOG_LINE.sub("", l)) and not CONSEQUENCE.search(l)]
+    if causes:
+        return  # a rank raised: the silent ones were stopped by the launcher after it
+    for name in sorted(set(logs) - spoke):
+        src = logs[name]
+        last = src.lines[-1] if src.lines else ""
+        f = found.setdefault("killed_rank", Finding("killed_rank", TITLES["killed_rank"]))
+        f.evidence.insert(0, f"{name}:{src.offset + len(src.lines)}: the log ends without a word (no exit line, no "
+                             f"error) while other ranks' say how they ended; its last line: {last[:160]}")
+        f.where = who(last) or f.where
+
+
 # ---- fixes: the first is what to try first ----------------------------------------------------
 
 def _match(f: Finding, pattern: str) -> str:
-    for e in f.evidence:
+    for e in f.evidence + f.context:
         m = re.search(pattern, e)
         if m:
-            return m.group(1)
+            return next((g for g in m.groups() if g is not None), "")
     return ""
 
 
 def _fix_cuda_oom(f: Finding, view) -> list[str]:
-    gib = _match(f, r"total capacity of ([\d.]+) GiB")
+    gib = _match(f, r"total capacity of ([\d.]+) GiB|world \d+, ([\d.]+) GiB each")  # torch's line, or ours
     planned = _planned_fix(view, float(gib)) if view is not None and gib else []
     return planned + [
         "lower train.micro_batch_size (the global batch stays: more accumulation), turn on "
@@ -241,6 +317,9 @@ def _planned_fix(view, gpu_gib: float) -> list[str]:
         return [str(e)]
     return [f"--ds-config {p['ds_config']} {p['overrides']}: the memory plan puts the per-GPU peak at "
             f"{p['gpu_peak_gib']:.1f} GiB of {gpu_gib:.1f} GiB{plan}"]
+
+
+MISSING_MODULE = r"No module named '([^']+)'"
 
 
 def _on(f: Finding) -> str:
@@ -287,7 +366,7 @@ FIXES: dict[str, Callable] = {
         "extra ssh options (port, identity file) go in PDSH_SSH_ARGS_APPEND; `ds-train launch` checks every host "
         "before starting"],
     "missing_module": lambda f, v: [
-        f"module {_match(f, chr(39) + r'([^' + chr(39) + r']+)' + chr(39)) or '?'} is missing{_on(f)}: install "
+        f"module {_match(f, MISSING_MODULE) or '?'} is missing{_on(f)}: install "
         "the same environment on every node (the same venv path, e.g. on a shared file system, with pip install "
         "-r requirements.txt), or forward PYTHONPATH (ds-train launch does when it is set)",
         "`ds-train launch` compares Python, torch, DeepSpeed and ds_train versions on every host before it starts"],
@@ -339,7 +418,7 @@ def format_findings(target: str, findings: list[Finding]) -> str:
     return "\n".join(lines)
 
 
-def doctor(path: str) -> int:
-    findings = diagnose(path)
-    print(format_findings(path, findings))
+def doctor(paths: list[str]) -> int:
+    findings = diagnose(*paths)
+    print(format_findings(" ".join(paths), findings))
     return 1 if findings else 0

@@ -482,13 +482,15 @@ def _export_initial_model(source: ModelSource, run_dir: Path) -> Path | None:
 
 def env_record(env: dist.DistEnv, hosts: list[tuple[int, str]], dtype: str, kind: str, layout: str = SHARED) -> dict:
     import deepspeed
+    import psutil
     import torch
     import transformers
 
     return {"command": kind, "torch": torch.__version__, "deepspeed": deepspeed.__version__,
             "transformers": transformers.__version__, "python": platform.python_version(),
             "world_size": env.world_size, "launcher": env.launcher, "hosts": nodes(hosts),
-            "accelerator": dist.accelerator_name(), "dtype": dtype, "output_dir": layout}
+            "accelerator": dist.accelerator_name(), "dtype": dtype, "output_dir": layout,
+            "started": round(psutil.Process().create_time(), 3)}  # this attempt (reports older than it are history)
 
 
 def nodes(hosts: list[tuple[int, str]]) -> list[dict]:

@@ -172,14 +172,14 @@ def read_run(path: str | Path) -> RunView:
         rec = read_json(hb_path)
         if isinstance(rec, dict) and isinstance(rec.get("rank"), int):
             view.heartbeats[rec["rank"]] = rec
-    started = _mtime(run_dir / "env.json")
+    started = float(view.env.get("started") or _mtime(run_dir / "env.json"))
     newest_beat = max((float(hb.get("time") or 0) for hb in view.heartbeats.values()
                        if hb.get("status") == "running"), default=0.0)
     for name in ("hang_report.json", "failure.json"):  # this attempt's: a resumed run starts clean
-        report_path = run_dir / "logs" / name
-        at = _mtime(report_path)
-        if at and at >= started and newest_beat <= at + 1.0:
-            setattr(view, "hang" if name.startswith("hang") else "failure", read_json(report_path))
+        report = read_json(run_dir / "logs" / name)
+        at = _report_time(report) or _mtime(run_dir / "logs" / name)
+        if isinstance(report, dict) and at >= started - 1.0 and newest_beat <= at + 1.0:
+            setattr(view, "hang" if name.startswith("hang") else "failure", report)
     for name in ("results.json", "ript_results.json"):
         if view.results is None:
             view.results = read_json(run_dir / name)
@@ -190,6 +190,15 @@ def read_run(path: str | Path) -> RunView:
         pass
     view.holder = lock_holder(run_dir)
     return view
+
+
+def _report_time(report) -> float:
+    """When the ranks a report names last published (their heartbeats' times), 0 if it says none."""
+    if not isinstance(report, dict):
+        return 0.0
+    records = list((report.get("ranks") or {}).values()) + [report.get("first")] + list(report.get("failures") or [])
+    return max((float(r["time"]) for r in records if isinstance(r, dict) and isinstance(r.get("time"), (int, float))),
+               default=0.0)
 
 
 def _mtime(path: Path) -> float:

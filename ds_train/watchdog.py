@@ -146,6 +146,7 @@ class Watchdog:
         self._alarms = self._failures = 0
         self._stalled = self._main_failed = False
         self._published = 0.0
+        self._unwritable = False
         self._io = _io_bytes()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="ds_train-watchdog", daemon=True)
@@ -181,8 +182,14 @@ class Watchdog:
         rec = self.record()
         text = json.dumps(rec)
         tmp = self.path.with_name(f".{self.path.name}.tmp")
-        tmp.write_text(text)
-        os.replace(tmp, self.path)  # atomic, no fsync: a heartbeat is current or worthless
+        try:
+            tmp.write_text(text)
+            os.replace(tmp, self.path)  # atomic, no fsync: a heartbeat is current or worthless
+        except OSError as e:  # a full disk: the store still has it; say so once, not as a store failure
+            if not self._unwritable:
+                self._unwritable = True
+                sys.stderr.write(f"ds-train[rank {self.hb.rank}]: watchdog: cannot write {self.path} "
+                                 f"({e.strerror or e}); heartbeats go to the rendezvous store only\n")
         if to_store and self.channel is not None:
             self.channel.set(f"hb/{self.hb.rank}", text)
         self._published = time.monotonic()
@@ -296,7 +303,8 @@ class Watchdog:
         lines = [l for l in "".join(traceback.format_exception_only(type(exc), exc)).splitlines() if l.strip()]
         frames = traceback.extract_tb(exc.__traceback__)[-2:]
         tail = [f"{short_path(f.filename)}:{f.lineno} in {f.name}" for f in frames] + lines[-2:]
-        error = lines[-1] if lines else type(exc).__name__
+        message = str(exc).strip().splitlines()  # a multi-line message (an OOM's plan) is named by its first
+        error = f"{type(exc).__name__}: {message[0]}" if message else (lines[-1] if lines else type(exc).__name__)
         rec = {**self.record(), "error": error if len(error) < 240 else error[:240] + "...", "tail": tail,
                "primary": not is_secondary(exc), "log": f"{self.hb.host}:{self.run_dir / 'logs' / f'rank_{self.hb.rank}.log'}"}
         try:

@@ -38,7 +38,7 @@ def tiny_config(data_dir: Path, output_dir: Path, **sections) -> dict:
                      "eval_every": 0, "eval_batches": 2},
            "optim": {"lr": 1e-2, "warmup_steps": 2},
            "checkpoint": {"every": 0, "save_final": False},
-           "log": {"every": 1, "progress": False, "sample_prompt": ""}}
+           "log": {"every": 1, "progress": False, "sample_prompt": "", "plots": False}}  # plots: test_trainer
     for section, values in sections.items():
         if isinstance(values, dict):
             cfg.setdefault(section, {}).update(values)
@@ -227,14 +227,14 @@ TESTS_ON_PATH = {"PYTHONPATH": str(ROOT / "tests")}  # ript.policy: ript_policie
 
 
 def ript_config(tmp: Path, model_dir: Path, train: dict | None = None, optim: dict | None = None,
-                **ript) -> Path:
+                log: dict | None = None, **ript) -> Path:
     """A RIPT run of `model_dir` (scripted policy, 4 tasks, 2 iterations); `ript` keys override."""
     cfg = {"output_dir": str(tmp / "run"), "seed": 3,
            "model": {"path": str(model_dir), "dtype": "fp32"},
            "train": {"micro_batch_size": 4, "global_batch_size": 24, "seq_len": 64, **(train or {})},
            "optim": {"lr": 1e-3, "warmup_steps": 0, "weight_decay": 0.0, "min_lr_ratio": 1.0, **(optim or {})},
            "checkpoint": {"every": 0, "save_final": True},
-           "log": {"progress": False},
+           "log": {"progress": False, "plots": False, **(log or {})},
            "ript": {"tasks": SCRIPTED_TASKS, "policy": "ript_policies:Scripted", "iterations": 2,
                     "rloo_batch_size": 4, "contexts_per_rank": 3, "rollout_contexts": 1,  # K: ript_policies.K
                     "max_contexts_checked": 6, "train_contexts": 20, "eval_contexts": 8,

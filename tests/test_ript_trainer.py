@@ -67,7 +67,7 @@ def logged(run_dir: Path) -> dict[int, dict]:
 def scripted_run(tiny_policy, tmp_path_factory) -> tuple:
     """Two iterations with the scripted policy (2 ranks): a finished RIPT run directory."""
     tmp = tmp_path_factory.mktemp("scripted")
-    return launch_ript(ript_config(tmp, tiny_policy)), tmp / "run"
+    return launch_ript(ript_config(tmp, tiny_policy, log={"plots": True})), tmp / "run"
 
 
 def test_scripted_policy_counts_are_exact_and_summed_over_ranks(scripted_run):
@@ -92,6 +92,8 @@ def test_scripted_policy_counts_are_exact_and_summed_over_ranks(scripted_run):
         rollouts = sum(r[t]["rollouts"] for r in ranks for t in SCRIPTED_TASKS)
         assert m["ript/success_rate"] == pytest.approx(successes / rollouts)  # not a mean of rank means
         assert ranks[0]["add"]["checked"] + ranks[0]["rev"]["checked"] == 6  # rank 0 hit its cap
+    assert sorted(p.name for p in (run_dir / "plots").iterdir()) == ["heldout.png", "success.png"]
+    assert res.lines(f"plots: {run_dir}/plots/{{success,heldout}}.png"), res.out[-2000:]
     results = json.loads((run_dir / "ript_results.json").read_text())
     for task in SCRIPTED_TASKS:  # greedy eval is rollout 0: a success wherever wins >= 1
         heldout = load_task(task).contexts("heldout", 8, 3)

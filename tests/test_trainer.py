@@ -37,12 +37,11 @@ def stage_run(tiny_data, tmp_path_factory):
         if stage not in cache:
             out = tmp_path_factory.mktemp(stage)
             ds_config = f"{stage}.json"
-            extra = {"log": {"wandb": "offline"}} if stage == "zero2" else {}
+            extra = {"log": {"plots": True}}
             if stage == "zero1":  # recomputation changes no number: the stages must still agree
-                extra = {"model": {"config": dict(TINY_MODEL), "dtype": "fp32",
-                                   "activation_checkpointing": True}}
-            if stage == "zero2":  # our TensorBoard sink beside DeepSpeed's own monitors
-                extra = {"log": {"wandb": "offline", "tensorboard": True}}
+                extra["model"] = {"config": dict(TINY_MODEL), "dtype": "fp32", "activation_checkpointing": True}
+            if stage == "zero2":  # wandb, and our TensorBoard sink beside DeepSpeed's own monitors
+                extra = {"log": {"plots": True, "wandb": "offline", "tensorboard": True}}
                 ds = json.loads((ROOT / "ds_configs" / ds_config).read_text())
                 ds["tensorboard"] = {"enabled": True, "output_path": str(out / "ds_tb"), "job_name": "ds"}
                 ds["csv_monitor"] = {"enabled": True, "output_path": str(out / "ds_csv"), "job_name": "ds"}
