@@ -184,6 +184,8 @@ def diagnose(*path_args: str) -> list[Finding]:
         views += [view] if view is not None else []
     for cls, f in scan(sources).items():
         found[cls] = f
+    if "rank_error" in found and all(CONSEQUENCE.search(e) for e in found["rank_error"].evidence if "Error" in e):
+        found["rank_error"].title = "connection errors after another rank died (consequences)"
     for view in views:
         _from_records(view, found)
         _silent_ranks([s for s in sources if s.name.startswith("logs/")], found)
@@ -206,7 +208,7 @@ def _from_records(view, found: dict[str, Finding]) -> None:
         f = found.setdefault(cls, Finding(cls, TITLES[cls]))
         f.evidence.insert(0, f"logs/failure.json: {view.failure.get('line', '')[:300]}")
         first = view.failure.get("first") or {}
-        f.where = f"rank {first.get('rank')} on {first.get('host')}" if first else f.where
+        f.where = f"rank {first.get('rank')} on {first.get('addr') or first.get('host')}" if first else f.where
     if not view.hang and view.state()[0] in ("dead", "not started") and view.heartbeats:
         _stuck_without_report(view, found)
     losses = [r.get("train/loss") for r in view.metrics[-3:]]
@@ -256,10 +258,12 @@ def _silent_ranks(sources: list[Source], found: dict[str, Finding]) -> None:
     for name in sorted(set(logs) - spoke):
         src = logs[name]
         last = src.lines[-1] if src.lines else ""
+        known = "killed_rank" in found  # the launcher's exit code or the failure report said it first
         f = found.setdefault("killed_rank", Finding("killed_rank", TITLES["killed_rank"]))
-        f.evidence.insert(0, f"{name}:{src.offset + len(src.lines)}: the log ends without a word (no exit line, no "
-                             f"error) while other ranks' say how they ended; its last line: {last[:160]}")
-        f.where = who(last) or f.where
+        f.evidence.insert(len(f.evidence) if known else 0,
+                          f"{name}:{src.offset + len(src.lines)}: the log ends without a word (no exit line, no "
+                          f"error) while other ranks' say how they ended; its last line: {last[:160]}")
+        f.where = f.where or who(last)
 
 
 # ---- fixes: the first is what to try first ----------------------------------------------------
@@ -336,9 +340,9 @@ FIXES: dict[str, Callable] = {
         "or the container's memory limit",
         "`dmesg -T | grep -i -E 'killed process|out of memory'` on that host confirms an OOM kill"],
     "killed_rank": lambda f, v: [
-        f"a rank was killed by a signal{_on(f)} (SIGKILL leaves no traceback): `dmesg -T | grep -i 'killed process'` "
-        "on its host shows whether the kernel's OOM killer did it; if so, lower host memory (no offload, fewer "
-        "ranks per node)",
+        f"{f.where or 'a rank'} was killed by a signal (SIGKILL leaves no traceback): `dmesg -T | grep -i 'killed "
+        "process'` on its host shows whether the kernel's OOM killer did it; if so, lower host memory (no offload, "
+        "fewer ranks per node)",
         "under SLURM, `sacct -j JOB -o JobID,State,ExitCode,MaxRSS` tells a time or memory limit from a node failure",
         "the other ranks' connection errors that follow are consequences, not causes"],
     "nccl_timeout": lambda f, v: [
