@@ -126,7 +126,8 @@ def render(view: RunView):
         bar.add_row(ProgressBar(total=view.target, completed=min(view.step, view.target), width=50),
                     f"{min(view.step, view.target) / view.target:.0%}")
         parts.append(bar)
-    parts.append(Text(why, style=STYLE.get(state, "")))
+    if state != "running":  # running: the header says it all
+        parts.append(Text(why, style=STYLE.get(state, "")))
 
     curves = Table.grid(padding=(0, 2))
     curves.add_column(style="bold")
