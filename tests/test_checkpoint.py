@@ -415,7 +415,8 @@ def test_fresh_finished_and_damaged_runs(tiny_data, tmp_path):
 
     # a rank file of the right size with other bytes: one line, the run's records left as they were
     rank_file = checkpoint.rank_file(run / "checkpoints" / "step_00000006", 0)
-    rank_file.write_bytes(os.urandom(rank_file.stat().st_size))
+    size = rank_file.stat().st_size  # other bytes, always the same (random ones fail in other ways each time)
+    rank_file.write_bytes((b"not a checkpoint " * (size // 17 + 1))[:size])
     kept = {name: (run / name).read_bytes() for name in ("config.yaml", "metrics.jsonl", "ds_config.json")}
     expect_error([*args, "train.max_steps=8"], f"{run / 'checkpoints' / 'step_00000006'}: cannot be loaded, a file "
                  f"in it is damaged (UnpicklingError", "resume from an older tag")
