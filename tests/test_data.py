@@ -220,7 +220,7 @@ def listing(root: Path) -> dict[str, tuple[int, str]]:
             for p in sorted(root.rglob("*")) if p.is_file()}
 
 
-def refused(call, data_dir: Path, *parts: str) -> str:
+def assert_refused(call, data_dir: Path, *parts: str) -> str:
     """call() raises a one-line UserError holding every part and changes nothing in data_dir."""
     before = listing(data_dir)
     with pytest.raises(UserError) as e:
@@ -239,7 +239,7 @@ def test_a_grown_source_file_stops_the_run_and_names_it(corpus, tmp_path):
     size = (corpus / "doc1.txt").stat().st_size
     with open(corpus / "doc1.txt", "a") as fh:
         fh.write("more = 1\n")
-    message = refused(lambda: ensure(data_dir, [corpus]), data_dir,
+    message = assert_refused(lambda: ensure(data_dir, [corpus]), data_dir,
                       f"data.dir {str(data_dir)!r} was prepared from other inputs",
                       f"data.sources[0] {str(corpus)!r}: doc1.txt size {size} -> {size + 9}",
                       "data.reprepare=true", "point data.dir elsewhere")
@@ -263,7 +263,7 @@ def test_same_size_other_content_is_a_change(corpus, tmp_path):
     data_dir = tmp_path / "data"
     ensure(data_dir, [corpus])
     (corpus / "doc3.txt").write_text(CORPUS["doc3.txt"].replace("value", "VALUE"))
-    refused(lambda: ensure(data_dir, [corpus]), data_dir, "doc3.txt content changed (same size)",
+    assert_refused(lambda: ensure(data_dir, [corpus]), data_dir, "doc3.txt content changed (same size)",
             "data.reprepare=true")
 
 
@@ -272,13 +272,13 @@ def test_added_files_and_sources_are_changes(corpus, tmp_path):
     ensure(data_dir, [corpus])
     (corpus / "sub").mkdir()
     (corpus / "sub" / "new.txt").write_text("x = 1\n")
-    refused(lambda: ensure(data_dir, [corpus]), data_dir, f"data.sources[0] {str(corpus)!r}: sub/new.txt added")
+    assert_refused(lambda: ensure(data_dir, [corpus]), data_dir, f"data.sources[0] {str(corpus)!r}: sub/new.txt added")
     (corpus / "sub" / "new.txt").unlink()
     extra = tmp_path / "extra.txt"
     extra.write_text("y = 2\n")
-    refused(lambda: ensure(data_dir, [corpus, extra]), data_dir, f"data.sources[1] {str(extra)!r} added")
+    assert_refused(lambda: ensure(data_dir, [corpus, extra]), data_dir, f"data.sources[1] {str(extra)!r} added")
     (corpus / "doc0.txt").unlink()
-    refused(lambda: ensure(data_dir, [corpus]), data_dir, "doc0.txt removed")
+    assert_refused(lambda: ensure(data_dir, [corpus]), data_dir, "doc0.txt removed")
 
 
 def test_many_differences_are_counted_not_listed(corpus, tmp_path):
@@ -287,7 +287,7 @@ def test_many_differences_are_counted_not_listed(corpus, tmp_path):
     for name in CORPUS:
         with open(corpus / name, "a") as fh:
             fh.write("z = 0\n")
-    message = refused(lambda: ensure(data_dir, [corpus], vocab_size=320), data_dir, "; and 3 more)")
+    message = assert_refused(lambda: ensure(data_dir, [corpus], vocab_size=320), data_dir, "; and 3 more)")
     assert message.count(" size ") == 3
 
 
@@ -297,27 +297,27 @@ def test_a_changed_tokenizer_is_a_change(corpus, tmp_path):
     train_tokenizer(RECORDS, 290, tok_b)
     data_dir = tmp_path / "data"
     meta = ensure(data_dir, [corpus], tokenizer=tok_a)
-    refused(lambda: ensure(data_dir, [corpus], tokenizer=tok_b), data_dir,
+    assert_refused(lambda: ensure(data_dir, [corpus], tokenizer=tok_b), data_dir,
             f"tokenizer {str(tok_a.resolve())!r} -> {str(tok_b.resolve())!r}", "data.reprepare=true")
-    refused(lambda: ensure(data_dir, [corpus]), data_dir,
+    assert_refused(lambda: ensure(data_dir, [corpus]), data_dir,
             f"tokenizer: {str(tok_a.resolve())!r} -> a BPE trained on the sources")
     copy = tmp_path / "tok_copy"
     shutil.copytree(tok_a, copy, copy_function=shutil.copy)
     assert ensure(data_dir, [corpus], tokenizer=copy) == meta  # the same files elsewhere: the same
     (tok_a / "tokenizer.json").write_text((tok_b / "tokenizer.json").read_text())
-    refused(lambda: ensure(data_dir, [corpus], tokenizer=tok_a), data_dir,
+    assert_refused(lambda: ensure(data_dir, [corpus], tokenizer=tok_a), data_dir,
             f"tokenizer {str(tok_a.resolve())!r} changed")
     other = tmp_path / "data2"
     ensure(other, [corpus])
-    refused(lambda: ensure(other, [corpus], tokenizer=tok_b), other,
+    assert_refused(lambda: ensure(other, [corpus], tokenizer=tok_b), other,
             f"tokenizer: a BPE trained on the sources -> {str(tok_b.resolve())!r}")
 
 
 def test_a_changed_vocab_size_of_the_trained_bpe_is_a_change(corpus, tmp_path):
     data_dir = tmp_path / "data"
     ensure(data_dir, [corpus], vocab_size=300)
-    refused(lambda: ensure(data_dir, [corpus], vocab_size=320), data_dir, "data.vocab_size 300 -> 320")
-    refused(lambda: ensure_prepared(data_dir, [str(corpus)], "", 300, 0.25, "body"), data_dir,
+    assert_refused(lambda: ensure(data_dir, [corpus], vocab_size=320), data_dir, "data.vocab_size 300 -> 320")
+    assert_refused(lambda: ensure_prepared(data_dir, [str(corpus)], "", 300, 0.25, "body"), data_dir,
             "data.val_fraction 0.5 -> 0.25", "data.text_key 'text' -> 'body'")
 
 
@@ -345,7 +345,7 @@ def test_a_meta_without_a_record_of_its_inputs(corpus, tmp_path):
     meta = json.loads((data_dir / "meta.json").read_text())
     del meta["fingerprint"]
     (data_dir / "meta.json").write_text(json.dumps(meta))
-    refused(lambda: ensure(data_dir, [corpus]), data_dir, "was prepared without a record of its inputs",
+    assert_refused(lambda: ensure(data_dir, [corpus]), data_dir, "was prepared without a record of its inputs",
             "data.reprepare=true", "data.sources=[]")
     assert ensure_prepared(data_dir, [], "", 300, 0.5, "text")["train_tokens"] == meta["train_tokens"]
     assert "fingerprint" in ensure(data_dir, [corpus], reprepare=True)
@@ -366,7 +366,7 @@ def test_a_truncated_bin_names_the_file_and_the_sizes(data_dir):
     tokens = meta["train_tokens"]
     with open(data_dir / "train.bin", "rb+") as fh:
         fh.truncate(tokens * 2 - 1)
-    refused(lambda: load_meta(data_dir), data_dir,
+    assert_refused(lambda: load_meta(data_dir), data_dir,
             f"data.dir {str(data_dir)!r}: train.bin is {tokens * 2 - 1} bytes, not {tokens} uint16 tokens "
             f"({tokens * 2} bytes) as meta.json records (truncated or overwritten); prepare it again")
 
@@ -375,7 +375,7 @@ def test_a_bin_whose_size_disagrees_with_the_token_count(data_dir):
     meta = json.loads((data_dir / "meta.json").read_text())
     with open(data_dir / "val.bin", "ab") as fh:
         fh.write(b"\x01\x00")  # one whole token more
-    refused(lambda: load_meta(data_dir), data_dir,
+    assert_refused(lambda: load_meta(data_dir), data_dir,
             f"val.bin is {meta['val_tokens'] * 2 + 2} bytes, not {meta['val_tokens']} uint16 tokens")
 
 
@@ -386,7 +386,7 @@ def test_a_bin_whose_size_disagrees_with_the_token_count(data_dir):
 def test_a_meta_dtype_that_cannot_hold_the_vocabulary(data_dir, change, expected):
     meta = json.loads((data_dir / "meta.json").read_text())
     (data_dir / "meta.json").write_text(json.dumps({**meta, **change}))
-    refused(lambda: load_meta(data_dir), data_dir, expected, "prepare it again")
+    assert_refused(lambda: load_meta(data_dir), data_dir, expected, "prepare it again")
 
 
 def test_a_token_id_beyond_the_vocab_names_the_file_and_the_id(data_dir):
@@ -396,7 +396,7 @@ def test_a_token_id_beyond_the_vocab_names_the_file_and_the_id(data_dir):
     os.utime(data_dir / "val.bin", ns=(2_000_000_000, 2_000_000_000))
     meta = load_meta(data_dir)
     assert meta["scan"]["val"]["max_token_id"] == meta["max_token_id"] == 65_000
-    refused(lambda: check_vocab(meta, 32_000, data_dir), data_dir,
+    assert_refused(lambda: check_vocab(meta, 32_000, data_dir), data_dir,
             f"data.dir {str(data_dir)!r}: val.bin holds token id 65000 >= the model's vocab_size 32000 (a GPU "
             f"run would stop with a device-side assert); prepare the data with the model's tokenizer or raise "
             f"model.config.vocab_size")
@@ -687,7 +687,7 @@ def test_a_damaged_tokenizer_of_the_data_dir_names_the_file_and_reprepare_repair
                 f"that directory again (data.reprepare=true with data.sources, or `ds-train prepare --overwrite`)")
     for call in (lambda: ensure(data_dir, [corpus]), lambda: ensure(data_dir, []),
                  lambda: load_tokenizer(data_dir / "tokenizer")):
-        assert refused(call, data_dir) == expected
+        assert assert_refused(call, data_dir) == expected
     again = ensure(data_dir, [corpus], reprepare=True)
     assert len(load_tokenizer(again["tokenizer"])) == meta["vocab_size"]
     assert again["train_tokens"] == meta["train_tokens"]
@@ -717,7 +717,7 @@ def test_a_model_tokenizer_that_cannot_load_names_it_and_the_fix_in_full(tmp_pat
 def test_meta_json_fields_of_the_wrong_type_name_the_field_and_the_fix(data_dir, field, value, valid):
     meta = json.loads((data_dir / "meta.json").read_text())
     (data_dir / "meta.json").write_text(json.dumps({**meta, field: value}))
-    message = refused(lambda: load_meta(data_dir), data_dir)
+    message = assert_refused(lambda: load_meta(data_dir), data_dir)
     assert message == (f"{data_dir / 'meta.json'}: {field!r} is {value!r}, not {valid}; prepare it again "
                        f"(data.reprepare=true with data.sources, or `ds-train prepare --overwrite`)")
 
@@ -726,10 +726,10 @@ def test_reprepare_repairs_a_damaged_meta_json(corpus, tmp_path):
     data_dir = tmp_path / "data"
     meta = ensure(data_dir, [corpus])
     (data_dir / "meta.json").write_text(json.dumps({**meta, "train_tokens": "many"}))
-    refused(lambda: ensure(data_dir, [corpus]), data_dir, "'train_tokens' is 'many'")
+    assert_refused(lambda: ensure(data_dir, [corpus]), data_dir, "'train_tokens' is 'many'")
     assert ensure(data_dir, [corpus], reprepare=True)["train_tokens"] == meta["train_tokens"]
     (data_dir / "meta.json").write_text(json.dumps({**meta, "fingerprint": {"version": 1}}))
-    refused(lambda: ensure(data_dir, [corpus]), data_dir, "meta.json's record of its inputs is damaged",
+    assert_refused(lambda: ensure(data_dir, [corpus]), data_dir, "meta.json's record of its inputs is damaged",
             "data.reprepare=true")
 
 
@@ -737,7 +737,7 @@ def test_prepare_refuses_a_directory_holding_prepared_data_unless_overwrite(corp
     out = tmp_path / "out"
     first = prepare([str(corpus)], out, vocab_size=300)
     (corpus / "doc0.txt").write_text("other text " * 50)
-    message = refused(lambda: prepare([str(corpus)], out, vocab_size=300), out)
+    message = assert_refused(lambda: prepare([str(corpus)], out, vocab_size=300), out)
     assert message == (f"prepare: '{out}' already holds prepared data (meta.json, train.bin, val.bin, tokenizer); "
                        f"give another --out (data.dir), or --overwrite to replace it")
     again = prepare([str(corpus)], out, vocab_size=300, overwrite=True)
