@@ -291,7 +291,7 @@ def _fix_cuda_oom(f: Finding, view) -> list[str]:
 def _planned_fix(view, gpu_gib: float) -> list[str]:
     """The cheapest change the memory planner says fits this run on GPUs of `gpu_gib`."""
     from ds_train.configfile import load_config
-    from ds_train.plan import Target, pick_preset, plan_rows, suggestions
+    from ds_train.plan import Target, ds_config_dtype, pick_preset, plan_rows, suggestions
     from ds_train.rundir import read_json
 
     try:
@@ -306,8 +306,7 @@ def _planned_fix(view, gpu_gib: float) -> list[str]:
         return [f"(the memory plan needs the run's config.yaml and ds_config.json: {str(e).splitlines()[0][:120]})"]
     world = int(view.env.get("world_size") or 1)
     target = Target(1, world, gpu_gib)
-    dtype = "bf16" if ds_config.get("bf16", {}).get("enabled") else \
-        "fp16" if ds_config.get("fp16", {}).get("enabled") else "fp32"
+    dtype = ds_config_dtype(ds_config)
     zero = ds_config.get("zero_optimization", {"stage": 0})
     given = next((r for r in plan_rows(shape, cfg, zero, target, dtype) if r["given"]), None)
     plan = f" (this run: {given['gpu_peak_gib']:.1f} GiB planned)" if given else ""

@@ -223,6 +223,6 @@ def monitor(run_dir: str, interval: float = 2.0, once: bool = False) -> int:
                 if view.state()[0] in ENDED:
                     break
                 time.sleep(interval)
-        except KeyboardInterrupt:
-            pass
+        except KeyboardInterrupt:  # Ctrl-C: the user has seen enough; the run goes on
+            return 0
     return 0

@@ -148,12 +148,17 @@ def pick_preset(shape: ModelShape, cfg: RunConfig, target: Target, dtype: str, p
                     f"micro-batch 1 and activation checkpointing; use offload or more GPUs")
 
 
+def ds_config_dtype(ds_config: dict) -> str:
+    """The training dtype a rendered ds_config asks for."""
+    return "bf16" if ds_config.get("bf16", {}).get("enabled") else \
+        "fp16" if ds_config.get("fp16", {}).get("enabled") else "fp32"
+
+
 def oom_report(cfg: RunConfig, ds_config: dict, hf_config, world: int, gpu_memory_gib: float) -> str:
     """What to change after a real out-of-memory: the estimate for this run and the ranked fixes."""
     shape = model_shape(hf_config)
     target = Target(1, world, gpu_memory_gib)
-    dtype = "bf16" if ds_config.get("bf16", {}).get("enabled") else \
-        "fp16" if ds_config.get("fp16", {}).get("enabled") else "fp32"
+    dtype = ds_config_dtype(ds_config)
     zero = ds_config.get("zero_optimization", {"stage": 0})
     rows = [r for r in plan_rows(shape, cfg, zero, target, dtype) if r["given"]]
     lines = ["out of GPU memory; the plan for this run:", format_rows(rows, target),

@@ -99,19 +99,15 @@ def figures(runs: list[tuple[str, list[dict]]], kind: str = "train") -> dict:
     finish(fig, [by_step, by_tokens], "loss")
     figs["loss"] = fig
 
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for label, recs in runs:
-        line(ax, *series(recs, "optim/lr"), name(label, "lr"))
-    ax.set(xlabel="step", ylabel="learning rate")
-    finish(fig, [ax], "learning rate")
-    figs["lr"] = fig
-
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for label, recs in runs:
-        line(ax, *series(recs, "perf/tokens_per_s"), name(label, "tokens/s"))
-    ax.set(xlabel="step", ylabel="tokens/s (all ranks)")
-    finish(fig, [ax], "throughput")
-    figs["throughput"] = fig
+    for fig_name, key, what, ylabel, title in (("lr", "optim/lr", "lr", "learning rate", "learning rate"),
+                                               ("throughput", "perf/tokens_per_s", "tokens/s",
+                                                "tokens/s (all ranks)", "throughput")):
+        fig, ax = plt.subplots(figsize=(7, 4))
+        for label, recs in runs:
+            line(ax, *series(recs, key), name(label, what))
+        ax.set(xlabel="step", ylabel=ylabel)
+        finish(fig, [ax], title)
+        figs[fig_name] = fig
 
     fig, ax = plt.subplots(figsize=(7, 4))
     for label, recs in runs:

@@ -7,6 +7,7 @@ being written (a torn last line, a heartbeat replaced under us) is skipped, neve
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import os
@@ -183,11 +184,8 @@ def read_run(path: str | Path) -> RunView:
     for name in ("results.json", "ript_results.json"):
         if view.results is None:
             view.results = read_json(run_dir / name)
-    latest = run_dir / "checkpoints" / "latest"
-    try:
-        view.latest = latest.read_text().strip()
-    except OSError:
-        pass
+    with contextlib.suppress(OSError):  # no checkpoint yet: latest stays ""
+        view.latest = (run_dir / "checkpoints" / "latest").read_text().strip()
     view.holder = lock_holder(run_dir)
     return view
 
