@@ -6,6 +6,7 @@ session, so a timeout kills the whole tree and no rank outlives its test.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -240,3 +241,62 @@ def ript_config(tmp: Path, model_dir: Path, train: dict | None = None, optim: di
                     "max_contexts_checked": 6, "train_contexts": 20, "eval_contexts": 8,
                     "eval_every": 0, **ript}}
     return write_config(tmp / "ript.yaml", cfg)
+
+
+# ---- shared runs: launched once per session, read-only for the tests (copy before changing) ----
+
+STAGE_TRAIN = {"micro_batch_size": 4}  # global 8 = 4 x 1 micro-step x 2 ranks: ZeRO 0-2 sum the same a+b
+
+
+@pytest.fixture(scope="session")
+def stage_run(tiny_data, tmp_path_factory):
+    """One 2-process deepspeed run per ZeRO stage, 8 steps, saved at steps 4 and 8: what test_trainer
+    checks of each stage, what test_export exports, and test_checkpoint's zero3 reference. One
+    micro-step per step, so that ZeRO 0-2 reduce gradients in the same order and agree bitwise (with
+    accumulation ZeRO-2 reduces every micro-step: (a1+b1)+(a2+b2) against ZeRO-0's (a1+a2)+(b1+b2)).
+    zero1 recomputes activations; zero2 also logs to wandb, TensorBoard and DeepSpeed's own monitors."""
+    cache = {}
+
+    def get(stage):
+        if stage not in cache:
+            out = tmp_path_factory.mktemp(stage)
+            ds_config = f"{stage}.json"
+            extra = {"log": {"plots": True}}
+            if stage == "zero1":  # recomputation changes no number: the stages must still agree
+                extra["model"] = {"config": dict(TINY_MODEL), "dtype": "fp32", "activation_checkpointing": True}
+            if stage == "zero2":  # wandb, and our TensorBoard sink beside DeepSpeed's own monitors
+                extra = {"log": {"plots": True, "wandb": "offline", "tensorboard": True}}
+                ds = json.loads((ROOT / "ds_configs" / ds_config).read_text())
+                ds["tensorboard"] = {"enabled": True, "output_path": str(out / "ds_tb"), "job_name": "ds"}
+                ds["csv_monitor"] = {"enabled": True, "output_path": str(out / "ds_csv"), "job_name": "ds"}
+                ds_config = str(out / "zero2_monitors.json")
+                (out / "zero2_monitors.json").write_text(json.dumps(ds))
+            cfg = write_config(out / "run.yaml", tiny_config(
+                tiny_data, out / "run", train=STAGE_TRAIN, checkpoint={"every": 4, "keep": 0, "save_final": True},
+                **extra))
+            cache[stage] = (deepspeed_train(cfg, ds_config), out / "run")
+        return cache[stage]
+
+    return get
+
+
+STRAIGHT_STEPS = 12
+
+
+@pytest.fixture(scope="session")
+def straight_zero2(tiny_data, tmp_path_factory) -> Path:
+    """An uninterrupted 12-step zero2 run (2 processes, 2 micro-steps a step, saved every 4 steps),
+    launched as `python -m deepspeed.launcher.runner`: what runs stopped and resumed must give,
+    bitwise (test_checkpoint, test_multinode; checkpoints and logging change no number)."""
+    out = tmp_path_factory.mktemp("straight_zero2")
+    cfg = write_config(out / "run.yaml", tiny_config(tiny_data, out / "run", train={"max_steps": STRAIGHT_STEPS},
+                                                     checkpoint={"every": 4, "keep": 0}))
+    res = run_cmd([sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_port",
+                   str(free_port()), "--module", "ds_train", "train", "--config", str(cfg), "--ds-config",
+                   str(ROOT / "ds_configs" / "zero2.json")], timeout=240)
+    assert res.returncode == 0, res.out[-3000:]
+    return out / "run"
+
+
+def losses_by_step(run_dir: Path) -> dict[int, float]:
+    return {m["step"]: m["loss"] for m in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())}

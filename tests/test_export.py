@@ -1,4 +1,4 @@
-"""export: real checkpoints from the real launcher (ZeRO 2 and 3 with 2 processes, ZeRO 0 alone) become
+"""export: real checkpoints from the real launcher (conftest.stage_run: ZeRO 0, 2 and 3 with 2 processes) become
 Hugging Face directories that load without missing keys and hold exactly the weights DeepSpeed's own
 zero_to_fp32.py recovers; bad sources, incomplete tags and an occupied `out` are refused."""
 
@@ -19,24 +19,15 @@ from ds_train.export import export, resolve_source
 METADATA = ("generation_config.json", "tokenizer.json", "tokenizer_config.json")
 
 
-@pytest.fixture(scope="module")
-def trained(tiny_data, tmp_path_factory):
-    """One 8-step run per ZeRO stage, saved at steps 4 and 8, shared by the tests below."""
-    cache = {}
+@pytest.fixture
+def trained(stage_run):
+    """The run directory of conftest's shared 2-process run of a ZeRO stage (8 steps, saved at 4 and
+    8). Shared with other tests: a test that changes one copies it first."""
 
     def get(stage):
-        if stage not in cache:
-            out = tmp_path_factory.mktemp(f"export_{stage}")
-            cfg = write_config(out / "run.yaml", tiny_config(
-                tiny_data, out / "run", checkpoint={"every": 4, "save_final": True, "keep": 0}))
-            if stage == "zero0":  # one process, no launcher
-                res = ds_train("train", "--config", str(cfg), "--ds-config",
-                               str(ROOT / "ds_configs" / "zero0.json"))
-            else:
-                res = deepspeed_train(cfg, f"{stage}.json")
-            assert res.returncode == 0, res.out[-3000:]
-            cache[stage] = out / "run"
-        return cache[stage]
+        res, run = stage_run(stage)
+        assert res.returncode == 0, res.out[-3000:]
+        return run
 
     return get
 

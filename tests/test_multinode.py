@@ -23,7 +23,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import TESTS_ON_PATH, ROOT, free_port, reap, ript_config, run_cmd, spawn, tiny_config, write_config
+from conftest import (TESTS_ON_PATH, ROOT, free_port, losses_by_step, reap, ript_config, run_cmd, spawn, tiny_config,
+                      write_config)
 from ds_train import checkpoint
 
 pytestmark = pytest.mark.slow
@@ -117,16 +118,10 @@ def node_local_cluster(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def straight_run(tiny_data, tmp_path_factory) -> dict[int, float]:
-    """The losses of an uninterrupted 12-step run (2 processes, one machine): what a run stopped and
-    resumed on two nodes must give, bitwise (checkpoints and logging change no number)."""
-    out = tmp_path_factory.mktemp("straight")
-    cfg = write_config(out / "run.yaml", tiny_config(tiny_data, out / "run", train={"max_steps": 12}))
-    res = run_cmd([sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_port",
-                   str(free_port()), "--module", "ds_train", "train", "--config", str(cfg), "--ds-config", ZERO2],
-                  timeout=240)
-    assert res.returncode == 0, res.out[-3000:]
-    return {m["step"]: m["loss"] for m in map(json.loads, (out / "run" / "metrics.jsonl").read_text().splitlines())}
+def straight_run(straight_zero2) -> dict[int, float]:
+    """The losses of conftest's uninterrupted 12-step run (2 processes, one machine): what a run
+    stopped and resumed on two nodes must give, bitwise (checkpoints and logging change no number)."""
+    return losses_by_step(straight_zero2)
 
 
 def launch_args(hostfile: Path, config: Path, *extra: str, overrides: tuple[str, ...] = (),

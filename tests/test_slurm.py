@@ -1,12 +1,14 @@
 """A real SLURM (scripts/local_slurm.sh: slurmctld, slurmd and munge on this machine, one node):
 scripts written by `ds-train slurm` are submitted with sbatch, train under srun with the
 environment SLURM sets, get SIGUSR1 before a short time limit, save, and continue exactly, through
-SLURM's requeue (training) or a second submission (RIPT).
+SLURM's requeue (training) or a second submission queued behind the first (RIPT,
+`sbatch --dependency=afterany`).
 
     bash scripts/local_slurm.sh        # what the fixture runs: installs and starts, idempotently
 
-Both jobs run side by side (the node offers twice its CPUs; their ranks mostly wait: rank 0 of
-each is slowed by watchdog.debug_fault so the signal comes mid-run), beside their reference runs.
+The jobs run side by side with their reference runs (the node offers twice its CPUs; the jobs'
+ranks mostly wait: rank 0 of each first job is slowed by watchdog.debug_fault, so the signal comes
+mid-run, and the config is made fast again once its ranks have read it, for the next start).
 """
 
 from __future__ import annotations
@@ -36,12 +38,35 @@ def slurm():
 
 @pytest.fixture(scope="module")
 def first_jobs(slurm, tiny_data, tiny_policy, tmp_path_factory):
-    """Both tests' first jobs, submitted together: they wait for their signal side by side."""
+    """Both tests' jobs, submitted together (RIPT's second submission queued behind its first), and
+    both reference runs, launched while the first jobs wait for their signal."""
     jobs = {"train": submit_train(tmp_path_factory.mktemp("slurm_train"), tiny_data),
             "ript": submit_ript(tmp_path_factory.mktemp("slurm_ript"), tiny_policy)}
-    yield jobs
-    for job in jobs.values():
-        cancel(job["id"])
+    try:
+        for j in jobs.values():  # once its ranks have read the slow config, the next start runs at full speed
+            wait_for(lambda: all((j["run"] / "logs" / f"rank_{r}.log").is_file() for r in (0, 1)), 120,
+                     f"the ranks of {j['out']}", every_s=0.2)
+            j["fast"]()
+        jobs["train"]["ref"] = reference(jobs["train"]["tmp"], tiny_config(
+            tiny_data, jobs["train"]["tmp"] / "ref", **TRAIN), "train")
+        ref_dir = jobs["ript"]["tmp"] / "ref"
+        ref_dir.mkdir()
+        jobs["ript"]["ref"] = reference(ref_dir, yaml.safe_load(ript_config(ref_dir, tiny_policy, **RIPT).read_text()),
+                                        "ript")
+        yield jobs
+    finally:
+        for j in jobs.values():
+            for job in j["ids"]:
+                cancel(job)
+
+
+def reference(tmp: Path, cfg: dict, command: str) -> Path:
+    """The same run straight through, through the deepspeed launcher beside SLURM: its run dir."""
+    path = write_config(tmp / f"ref_{command}.yaml", cfg)
+    res = run_cmd([str(BIN / "deepspeed"), "--num_gpus", "2", "--master_port", str(free_port()), "--module",
+                   "ds_train", command, "--config", str(path), "--ds-config", ZERO2], timeout=300, env=TESTS_ON_PATH)
+    assert res.returncode == 0, res.out[-3000:]
+    return Path(cfg["output_dir"])
 
 
 def job_state(job: str) -> dict[str, str]:
@@ -66,12 +91,12 @@ def write_script(path: Path, *args: str, env: dict | None = None) -> Path:
     return path
 
 
-def sbatch(script: Path, out: Path, env: dict | None = None) -> str:
+def sbatch(script: Path, out: Path, *options: str, env: dict | None = None) -> str:
     import os
 
     full = {**os.environ, "PATH": f"{BIN}:{os.environ.get('PATH', '')}", "WANDB_MODE": "offline", **(env or {})}
-    proc = subprocess.run(["sbatch", "--parsable", f"--output={out}", str(script)], capture_output=True, text=True,
-                          env=full, cwd=ROOT)
+    proc = subprocess.run(["sbatch", "--parsable", f"--output={out}", *options, str(script)], capture_output=True,
+                          text=True, env=full, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr
     return proc.stdout.strip().split(";")[0]
 
@@ -81,7 +106,7 @@ def cancel(job: str) -> None:
 
 
 TRAIN = dict(train={"max_steps": 100}, log={"every": 5}, checkpoint={"every": 0, "save_final": True})
-RIPT = dict(iterations=40, eval_every=10)
+RIPT = dict(iterations=40, eval_every=10, skip_solved=True, retest_after=2)
 SLOW = {"debug_fault": "slow:0:1.0"}  # rank 0 sleeps 1 s a step (a rollout round): the signal comes mid-run
 
 
@@ -89,15 +114,23 @@ def submit_train(tmp: Path, tiny_data: Path) -> dict:
     cfg = write_config(tmp / "run.yaml", tiny_config(tiny_data, tmp / "run", **TRAIN, watchdog=SLOW))
     script = write_script(tmp / "job.sbatch", "--time", "2", "--signal-lead", "60", "--requeue", "--", "train",
                           "--config", str(cfg), "--ds-config", ZERO2)
-    return {"tmp": tmp, "cfg": cfg, "out": tmp / "job.out", "id": sbatch(script, tmp / "job.out")}
+    job = sbatch(script, tmp / "job.out")
+    return {"tmp": tmp, "run": tmp / "run", "out": tmp / "job.out", "id": job, "ids": [job],
+            "fast": lambda: write_config(cfg, tiny_config(tiny_data, tmp / "run", **TRAIN))}
 
 
 def submit_ript(tmp: Path, tiny_policy: Path) -> dict:
     cfg = ript_config(tmp, tiny_policy, **RIPT)
-    cfg.write_text(yaml.safe_dump({**yaml.safe_load(cfg.read_text()), "watchdog": SLOW}))
-    script = write_script(tmp / "first.sbatch", "--time", "2", "--signal-lead", "60", "--", "ript", "--config",
-                          str(cfg), "--ds-config", ZERO2, env=TESTS_ON_PATH)
-    return {"tmp": tmp, "cfg": cfg, "out": tmp / "first.out", "id": sbatch(script, tmp / "first.out", env=TESTS_ON_PATH)}
+    fast = cfg.read_text()
+    cfg.write_text(yaml.safe_dump({**yaml.safe_load(fast), "watchdog": SLOW}))
+    first = write_script(tmp / "first.sbatch", "--time", "2", "--signal-lead", "60", "--", "ript", "--config",
+                         str(cfg), "--ds-config", ZERO2, env=TESTS_ON_PATH)
+    job = sbatch(first, tmp / "first.out", env=TESTS_ON_PATH)
+    second = write_script(tmp / "second.sbatch", "--time", "10", "--", "ript", "--config", str(cfg),
+                          "--ds-config", ZERO2, env=TESTS_ON_PATH)
+    job2 = sbatch(second, tmp / "second.out", f"--dependency=afterany:{job}", env=TESTS_ON_PATH)
+    return {"tmp": tmp, "run": tmp / "run", "out": tmp / "first.out", "out2": tmp / "second.out", "id": job,
+            "id2": job2, "ids": [job, job2], "fast": lambda: cfg.write_text(fast)}
 
 
 def finished(job: str) -> dict | None:
@@ -105,20 +138,14 @@ def finished(job: str) -> dict | None:
     return state if state.get("JobState") not in ("PENDING", "RUNNING", "COMPLETING", "REQUEUED", None) else None
 
 
-def test_sigusr1_before_the_time_limit_saves_and_the_requeued_job_resumes_exactly(first_jobs, tiny_data):
+def test_sigusr1_before_the_time_limit_saves_and_the_requeued_job_resumes_exactly(first_jobs):
     """Training: `--time 2 --signal-lead 60 --requeue`. SIGUSR1 reaches both srun tasks 60-90 s
     before the limit: every rank saves and exits 138, the script requeues the job, and the same job
     (restart 1, same output file) resumes from the save and finishes. Its losses equal a straight
     run's, bitwise. Rank 0 sleeps 1 s a step until the save (watchdog.debug_fault, dropped from the
-    config file before the requeued job starts), so the signal comes mid-run."""
+    config file once the first start has read it), so the signal comes mid-run."""
     j = first_jobs["train"]
     tmp, out, job = j["tmp"], j["out"], j["id"]
-    wait_for(lambda: out.exists() and "requeueing job" in out.read_text(), 240, "the save before the time limit")
-    write_config(j["cfg"], tiny_config(tiny_data, tmp / "run", **TRAIN))  # the next start runs at full speed
-    ref_cfg = write_config(tmp / "ref.yaml", tiny_config(tiny_data, tmp / "ref", **TRAIN))
-    ref = run_cmd([str(BIN / "deepspeed"), "--num_gpus", "2", "--master_port", str(free_port()), "--module",
-                   "ds_train", "train", "--config", str(ref_cfg), "--ds-config", ZERO2], timeout=300)
-    assert ref.returncode == 0, ref.out[-3000:]
     state = wait_for(lambda: (s := job_state(job)).get("Restarts", "0") != "0" and finished(job), 240,
                      "the requeued job")
     text = out.read_text()
@@ -133,51 +160,36 @@ def test_sigusr1_before_the_time_limit_saves_and_the_requeued_job_resumes_exactl
         log = (run / "logs" / "rank_1.log").read_text()
         assert f"exit 138: stopped by signal 10 at step {step}" in log and "launcher slurm" in log
     got = {m["step"]: m["loss"] for m in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())}
-    want = {m["step"]: m["loss"] for m in map(json.loads, (tmp / "ref" / "metrics.jsonl").read_text().splitlines())}
+    want = {m["step"]: m["loss"] for m in map(json.loads, (j["ref"] / "metrics.jsonl").read_text().splitlines())}
     assert got == want  # every logged step, before and after the save, bitwise
 
 
-def test_ript_saves_before_the_time_limit_and_a_second_submission_continues_exactly(first_jobs, tiny_policy):
+def test_ript_saves_before_the_time_limit_and_a_second_submission_continues_exactly(first_jobs):
     """RIPT: the same signal, save and exit 138 (no --requeue: the script says to submit again); a
-    second submission with a longer limit continues, and its counts, losses and evaluations equal
-    a straight run's."""
+    second submission queued behind it (`sbatch --dependency=afterany`, a longer limit) continues,
+    and its counts (skip_solved's skips too), losses and evaluations equal a straight run's."""
     j = first_jobs["ript"]
-    tmp, out, job = j["tmp"], j["out"], j["id"]
-    ref_dir = tmp / "ref"
-    ref_dir.mkdir()
-    ref_cfg = ript_config(ref_dir, tiny_policy, **RIPT)
-    ref = run_cmd([str(BIN / "deepspeed"), "--num_gpus", "2", "--master_port", str(free_port()), "--module",
-                   "ds_train", "ript", "--config", str(ref_cfg), "--ds-config", ZERO2], timeout=300,
-                  env=TESTS_ON_PATH)
-    assert ref.returncode == 0, ref.out[-3000:]
+    out, job, out2, job2 = j["out"], j["id"], j["out2"], j["id2"]
     state = wait_for(lambda: finished(job), 240, "the first job")
     text = out.read_text()
     assert state["ExitCode"] == "138:0", (state, text[-3000:])
     assert "ds-train slurm: saved before the time limit; submit this script again to continue" in text
     m = re.search(r"ds-train: stopped by signal 10 at iteration (\d+); checkpoint saved", text)
     assert m and 1 <= int(m.group(1)) < 40, text[-3000:]
-
-    ript_config(tmp, tiny_policy, **RIPT)  # the same config, without the slow rank
-    second = write_script(tmp / "second.sbatch", "--time", "10", "--", "ript", "--config", str(j["cfg"]),
-                          "--ds-config", ZERO2, env=TESTS_ON_PATH)
-    out2 = tmp / "second.out"
-    job2 = sbatch(second, out2, env=TESTS_ON_PATH)
-    try:
-        state = wait_for(lambda: finished(job2), 240, "the second job")
-    finally:
-        cancel(job2)
+    state = wait_for(lambda: finished(job2), 240, "the second job")
     text2 = out2.read_text()
     assert state["JobState"] == "COMPLETED", (state, text2[-3000:])
     assert f"at iteration {m.group(1)}" in text2 and "resumed from" in text2
-    got = json.loads((tmp / "run" / "ript_results.json").read_text())
-    want = json.loads((ref_dir / "run" / "ript_results.json").read_text())
+    got = json.loads((j["run"] / "ript_results.json").read_text())
+    want = json.loads((j["ref"] / "ript_results.json").read_text())
     assert got["iteration"] == want["iteration"] == 40
     assert got["train_counts"] == want["train_counts"] and got["evals"] == want["evals"]
+    assert sum(c["skipped"] for c in got["train_counts"].values()) > 0  # solved contexts skipped, before and after
 
     def policy_losses(run: Path) -> dict:
         return {m["step"]: m["policy/loss"] for m in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())
                 if "policy/loss" in m}
 
-    want_losses = policy_losses(ref_dir / "run")
-    assert sorted(policy_losses(tmp / "run")) == sorted(want_losses) == list(range(1, 41))
-    assert policy_losses(tmp / "run") == pytest.approx(want_losses, rel=1e-6)
+    want_losses = policy_losses(j["ref"])
+    assert sorted(policy_losses(j["run"])) == sorted(want_losses) == list(range(1, 41))
+    assert policy_losses(j["run"]) == pytest.approx(want_losses, rel=1e-6)

@@ -120,11 +120,13 @@ def test_a_stalled_rank_is_named_with_its_stack_and_the_job_ends_in_time(tiny_da
 def test_a_slow_rank_is_reported_as_a_straggler_and_an_even_run_reports_none(tiny_data, tmp_path):
     """Steps 1-8 even; from step 9 rank 1 sleeps 0.3 s in its data phase every step. Logging every
     4 steps: the first window (one-time costs) is never reported, the even one (step 8) reports
-    none, the slow ones name rank 1 with its ratio in the console, its log and the metrics."""
+    none, the slow ones name rank 1 with its ratio in the console, its log and the metrics.
+    watchdog.straggler_ratio=2: tiny CPU steps of two ranks sharing two cores (and the test) jitter
+    by 30% under load, so the default 1.3 would flag noise here; the slowed rank is 3x and more."""
     run = tmp_path / "run"
     cfg = write_config(tmp_path / "run.yaml", tiny_config(tiny_data, run, train={"max_steps": 16},
                                                           log={"every": 4}))
-    proc = spawn(deepspeed_args(cfg, "zero2.json", "watchdog.debug_fault=slow:1:0.3:9"))
+    proc = spawn(deepspeed_args(cfg, "zero2.json", "watchdog.debug_fault=slow:1:0.3:9", "watchdog.straggler_ratio=2"))
     live = ""
     try:  # `ds-train monitor` on the live run: both ranks, the straggler marked
         deadline = time.monotonic() + 180
@@ -145,7 +147,7 @@ def test_a_slow_rank_is_reported_as_a_straggler_and_an_even_run_reports_none(tin
                      rf"step of the other ranks \(([\d.]+) s vs ([\d.]+) s\)", lines[0])
     assert m and float(m.group(1)) > 3 and float(m.group(2)) >= 0.3, lines[0]
     metrics = {m["step"]: m for m in map(json.loads, (tmp_path / "run" / "metrics.jsonl").read_text().splitlines())}
-    assert metrics[8]["perf/straggler_ratio"] < 1.3, metrics[8]  # the even window
+    assert metrics[8]["perf/straggler_ratio"] < 2, metrics[8]  # the even window
     assert all(metrics[s]["perf/slowest_rank"] == 1 and metrics[s]["perf/straggler_ratio"] > 3 for s in (12, 16))
     log1 = (tmp_path / "run" / "logs" / "rank_1.log").read_text()
     assert "log: step 12: straggler: rank 1" in log1
