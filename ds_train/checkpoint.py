@@ -94,7 +94,8 @@ def rank_missing(tag_dir: Path, rank: int, seq: int | None = None) -> list[str]:
             missing.append(name)
             continue
         if actual != size:
-            missing.append(f"{name} ({actual} bytes, {size} written)")
+            missing.append(f"{name} ({f'cut short: {actual} of' if actual < size else f'{actual} bytes, not'} {size} "
+                           f"bytes written)")
     return missing
 
 
@@ -126,6 +127,20 @@ def latest_complete(ckpt_dir: Path) -> str | None:
     between the two leaves the newer tag complete and `latest` one behind."""
     tags = complete_tags(ckpt_dir)
     return tags[-1] if tags else None
+
+
+def read_latest(ckpt_dir: Path) -> str:
+    """What `latest` names, as said to a user: '' when there is none. Resuming never depends on it
+    (the newest complete save wins); a `latest` that names something else is worth a word."""
+    try:
+        text = (ckpt_dir / "latest").read_bytes()
+    except OSError:
+        return ""
+    try:
+        name = text.decode().strip()
+    except UnicodeDecodeError:
+        return f"{len(text)} bytes that are not text"
+    return name if TAG_RE.match(name) or name.endswith(UNIVERSAL_SUFFIX) else f"{name[:40]!r}, not a tag"
 
 
 def rng_state() -> dict:

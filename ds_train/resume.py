@@ -22,7 +22,8 @@ from typing import Any
 
 from ds_train import dist
 from ds_train.checkpoint import (STATE_FILE, TAG_RE, UNIVERSAL_SUFFIX, is_complete, latest_complete, manifest_file,
-                                 rank_file, rank_missing, read_marker, save_order, set_rng_state, universal_dir)
+                                 rank_file, rank_missing, read_latest, read_marker, save_order, set_rng_state,
+                                 universal_dir)
 from ds_train.config import RunConfig
 from ds_train.errors import UserError
 from ds_train.fs import file_lock, write_atomic
@@ -105,6 +106,7 @@ class RankView:
     tags: dict  # tag -> TagSeen
     max_seq: int = 0  # the newest save in this run's own checkpoints directory
     own: tuple[str, ...] = ()  # marked tags in this run's own checkpoints directory
+    latest: str = ""  # what `latest` in the directory resumed from names (checkpoint.read_latest)
 
     def where(self) -> str:
         return f"node {self.node} ({self.host}) rank {self.rank}"
@@ -199,6 +201,9 @@ def decide(resume: str, load_dir: Path, wanted: str | None, views: list[RankView
     said = f"resumed from {load_dir / chosen} at {unit} {state['step']}"
     if skipped:
         said += f"; not complete, skipped: {_listed(skipped, 5)}"
+    off = sorted({v.latest for v in views if v.latest and v.latest != chosen}) if wanted is None else []
+    if off:  # a save cut short between its marker and `latest`, or a hand-edited or damaged file
+        said += f"; `latest` names {_listed(off)}, not the newest complete save (rewritten at the next save)"
     return Decision(ResumePoint(load_dir, chosen, state), said, next_seq)
 
 
@@ -229,7 +234,7 @@ def agree(resume: str, ckpt_dir: Path, env, host: str, unit: str = "step") -> De
         if ckpt_dir.is_dir() else {}
     mine = RankView(env.rank, env.node_rank, host, scan(load_dir, wanted, env.rank, env.world_size),
                     max((int(s["seq"]) for s in own.values() if s), default=0),
-                    tuple(sorted(name for name, s in own.items() if s)))
+                    tuple(sorted(name for name, s in own.items() if s)), read_latest(load_dir))
     return decide(resume, load_dir, wanted, dist.all_gather_object(mine), env.world_size, unit, ckpt_dir)
 
 

@@ -50,7 +50,9 @@ def test_a_tag_is_complete_when_marked_and_every_rank_file_is_as_written(tmp_pat
     assert checkpoint.rank_missing(tmp_path / bad, 1) == ["ds_train_rank_1.json"]
     shard = tmp_path / good / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
     shard.write_bytes(b"cut")  # truncated after it was recorded
-    assert checkpoint.rank_missing(tmp_path / good, 1) == [f"{shard.name} (3 bytes, 10 written)"]
+    assert checkpoint.rank_missing(tmp_path / good, 1) == [f"{shard.name} (cut short: 3 of 10 bytes written)"]
+    shard.write_bytes(b"overwritten!")  # another writer's file
+    assert checkpoint.rank_missing(tmp_path / good, 1) == [f"{shard.name} (12 bytes, not 10 bytes written)"]
     assert not checkpoint.is_complete(tmp_path / good)
     (tmp_path / good / checkpoint.STATE_FILE).write_text('{"step": 2, "world')  # a damaged marker
     assert checkpoint.read_marker(tmp_path / good)[1].startswith("ds_train_state.json is damaged")

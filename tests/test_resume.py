@@ -30,7 +30,7 @@ def test_find_resume(tmp_path):
 
 def views(ckpt_dirs: list, world: int = 2, wanted=None) -> list:
     """Each rank's report, rank r reading ckpt_dirs[r] (one directory: shared; several: node-local)."""
-    return [resume.RankView(r, r, f"host{r}", resume.scan(d, wanted, r, world))
+    return [resume.RankView(r, r, f"host{r}", resume.scan(d, wanted, r, world), latest=checkpoint.read_latest(d))
             for r, d in enumerate(ckpt_dirs)]
 
 
@@ -42,6 +42,25 @@ def test_every_rank_resumes_from_the_newest_save_and_unfinished_tags_are_named(t
     assert d.point.tag == "step_00000004" and d.point.state["step"] == 4 and d.next_seq == 3
     assert d.said == (f"resumed from {tmp_path / 'step_00000004'} at step 4; not complete, skipped: "
                       f"step_00000006 (no ds_train_state.json: a save that did not finish)")
+
+
+@pytest.mark.parametrize("latest, said", [
+    (b"step_00000004", ""),  # as it should be: nothing to say
+    (b"step_00000002\n", "; `latest` names step_00000002, not the newest complete save (rewritten at the next save)"),
+    (b"step_00000008", "; `latest` names step_00000008, not the newest complete save (rewritten at the next save)"),
+    (bytes(range(128, 138)), "; `latest` names 10 bytes that are not text, not the newest complete save "
+                             "(rewritten at the next save)"),
+    (b"../elsewhere", "; `latest` names '../elsewhere', not a tag, not the newest complete save (rewritten at the "
+                      "next save)")])
+def test_a_latest_that_names_another_tag_or_is_damaged_is_said_and_not_followed(tmp_path, latest, said):
+    """A crash between a save's marker and `latest` leaves it one behind; a deleted tag or damage
+    leaves it naming nothing usable. The newest complete save wins either way, and the line says so."""
+    fake_tag(tmp_path, 2, seq=1)
+    fake_tag(tmp_path, 4, seq=2)
+    (tmp_path / "latest").write_bytes(latest)
+    d = resume.decide("auto", tmp_path, None, views([tmp_path, tmp_path]), 2)
+    assert d.point.tag == "step_00000004"
+    assert d.said == f"resumed from {tmp_path / 'step_00000004'} at step 4" + said
 
 
 def test_nothing_to_resume_says_why(tmp_path):
