@@ -93,9 +93,10 @@ def rank_missing(tag_dir: Path, rank: int, seq: int | None = None) -> list[str]:
         except OSError:
             missing.append(name)
             continue
-        if actual != size:
-            missing.append(f"{name} ({f'cut short: {actual} of' if actual < size else f'{actual} bytes, not'} {size} "
-                           f"bytes written)")
+        if actual < size:
+            missing.append(f"{name} (cut short: {actual} of {size} bytes written)")
+        elif actual > size:
+            missing.append(f"{name} ({actual} bytes, not {size} bytes written)")
     return missing
 
 

@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from conftest import ROOT, deepspeed_train, ds_train, expect_error, run_cmd, tiny_config, tree_listing, write_config
+from conftest import expect_error, run_cmd, tree_listing
 from ds_train import checkpoint
 from ds_train.errors import UserError
 from ds_train.export import export, resolve_source

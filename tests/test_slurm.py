@@ -23,7 +23,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import BIN, ROOT, TESTS_ON_PATH, free_port, ript_config, run_cmd, tiny_config, write_config
+from conftest import (BIN, ROOT, TESTS_ON_PATH, free_port, losses_by_step, ript_config, run_cmd, tiny_config,
+                      write_config)
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 ZERO2 = str(ROOT / "ds_configs" / "zero2.json")
@@ -47,12 +48,12 @@ def first_jobs(slurm, tiny_data, tiny_policy, tmp_path_factory):
             wait_for(lambda: all((j["run"] / "logs" / f"rank_{r}.log").is_file() for r in (0, 1)), 120,
                      f"the ranks of {j['out']}", every_s=0.2)
             j["fast"]()
-        jobs["train"]["ref"] = reference(jobs["train"]["tmp"], tiny_config(
-            tiny_data, jobs["train"]["tmp"] / "ref", **TRAIN), "train")
+        tmp = jobs["train"]["tmp"]
+        jobs["train"]["ref"] = reference(write_config(tmp / "ref.yaml", tiny_config(tiny_data, tmp / "ref", **TRAIN)),
+                                         "train")
         ref_dir = jobs["ript"]["tmp"] / "ref"
         ref_dir.mkdir()
-        jobs["ript"]["ref"] = reference(ref_dir, yaml.safe_load(ript_config(ref_dir, tiny_policy, **RIPT).read_text()),
-                                        "ript")
+        jobs["ript"]["ref"] = reference(ript_config(ref_dir, tiny_policy, **RIPT), "ript")
         yield jobs
     finally:
         for j in jobs.values():
@@ -60,13 +61,12 @@ def first_jobs(slurm, tiny_data, tiny_policy, tmp_path_factory):
                 cancel(job)
 
 
-def reference(tmp: Path, cfg: dict, command: str) -> Path:
+def reference(config: Path, command: str) -> Path:
     """The same run straight through, through the deepspeed launcher beside SLURM: its run dir."""
-    path = write_config(tmp / f"ref_{command}.yaml", cfg)
     res = run_cmd([str(BIN / "deepspeed"), "--num_gpus", "2", "--master_port", str(free_port()), "--module",
-                   "ds_train", command, "--config", str(path), "--ds-config", ZERO2], timeout=300, env=TESTS_ON_PATH)
+                   "ds_train", command, "--config", str(config), "--ds-config", ZERO2], timeout=300, env=TESTS_ON_PATH)
     assert res.returncode == 0, res.out[-3000:]
-    return Path(cfg["output_dir"])
+    return Path(yaml.safe_load(config.read_text())["output_dir"])
 
 
 def job_state(job: str) -> dict[str, str]:
@@ -159,9 +159,7 @@ def test_sigusr1_before_the_time_limit_saves_and_the_requeued_job_resumes_exactl
         assert f"resumed from {run / 'checkpoints' / f'step_{step:08d}'} at step {step}" in text
         log = (run / "logs" / "rank_1.log").read_text()
         assert f"exit 138: stopped by signal 10 at step {step}" in log and "launcher slurm" in log
-    got = {m["step"]: m["loss"] for m in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())}
-    want = {m["step"]: m["loss"] for m in map(json.loads, (j["ref"] / "metrics.jsonl").read_text().splitlines())}
-    assert got == want  # every logged step, before and after the save, bitwise
+    assert losses_by_step(run) == losses_by_step(j["ref"])  # every logged step, before and after the save, bitwise
 
 
 def test_ript_saves_before_the_time_limit_and_a_second_submission_continues_exactly(first_jobs):

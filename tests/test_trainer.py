@@ -8,7 +8,7 @@ import socket
 
 import pytest
 
-from conftest import BIN, ROOT, TINY_MODEL, deepspeed_train, ds_train, free_port, run_cmd, tiny_config, write_config
+from conftest import BIN, ROOT, deepspeed_train, ds_train, free_port, run_cmd, tiny_config, write_config
 
 pytestmark = pytest.mark.slow  # every test here runs the trainer through a launcher
 STAGES = ["zero0", "zero1", "zero2", "zero3"]
