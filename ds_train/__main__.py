@@ -102,14 +102,16 @@ def cmd_prepare(args) -> int:
     from ds_train.configfile import load_config
     from ds_train.data import load_meta, prepare
     from ds_train.export import locate_model
-    from ds_train.trainer import GENERATED_SOURCES
 
+    if args.workers is not None and args.workers < 0:
+        raise UserError(f"prepare: --workers {args.workers}: give 0 (one per core) or more")
     if args.config:
         cfg = load_config(args.config, args.overrides)
         d, out = cfg.data, cfg.data.dir
         # The tokenizer `train` will check the data against: data.tokenizer, else model.path's.
         tokenizer = d.tokenizer or (str(locate_model(cfg.model.path)[0]) if cfg.model.path else "")
-        prepare(d.sources, d.dir, tokenizer, d.vocab_size, d.val_fraction, d.text_key, GENERATED_SOURCES,
+        prepare(d.sources, d.dir, tokenizer, d.vocab_size, d.val_fraction, d.text_key, fmt=d.format,
+                chat_template=d.chat_template, workers=args.workers if args.workers is not None else d.workers,
                 overwrite=args.overwrite)
     else:
         if not args.sources or not args.out:
@@ -117,8 +119,15 @@ def cmd_prepare(args) -> int:
         if args.overrides:
             raise UserError("prepare: key=value overrides need --config")
         out = args.out
+        template = ""
+        if args.chat_template:
+            try:
+                template = open(args.chat_template, encoding="utf-8").read()
+            except (OSError, UnicodeDecodeError) as e:
+                raise UserError(f"prepare: --chat-template {args.chat_template!r} cannot be read ({e}); give a "
+                                f"file holding a Jinja chat template") from None
         prepare(args.sources, out, args.tokenizer, args.vocab_size, args.val_fraction, args.text_key,
-                GENERATED_SOURCES, overwrite=args.overwrite)
+                fmt=args.format, chat_template=template, workers=args.workers or 0, overwrite=args.overwrite)
     meta = load_meta(out)
     print(f"wrote {out}/train.bin ({meta['train_tokens']:,} tokens), val.bin "
           f"({meta['val_tokens']:,} tokens), meta.json; vocab {meta['vocab_size']} ({meta['dtype']}); "
@@ -271,16 +280,26 @@ def build_parser() -> argparse.ArgumentParser:
     _add_run_args(rp, "recipes/ript_demo.yaml")
     rp.set_defaults(func=cmd_ript)
 
-    pr = sub.add_parser("prepare", help="tokenise text/JSONL files into train.bin / val.bin / meta.json")
+    pr = sub.add_parser("prepare", help="tokenise text, JSONL, parquet or datasets sources into train.bin / "
+                                        "val.bin / meta.json, streaming, on every core")
     _add_debug(pr)
     pr.add_argument("sources", nargs="*", metavar="SOURCE",
-                    help="files or directories (.txt/.md/.py/... one document each, .jsonl one per "
-                         "line), or python-stdlib")
+                    help="files or directories (.txt/.md/.py/... one document each; .jsonl, .jsonl.gz, "
+                         ".parquet, .csv, .arrow a record per line or row), a `datasets` save_to_disk "
+                         "directory, or python-stdlib")
     pr.add_argument("--out", help="output directory")
     pr.add_argument("--tokenizer", default="", help="tokenizer directory (default: train a byte-level BPE)")
     pr.add_argument("--vocab-size", type=int, default=4096, help="BPE vocabulary size (default 4096)")
     pr.add_argument("--val-fraction", type=float, default=0.02, help="documents held out (default 0.02)")
-    pr.add_argument("--text-key", default="text", help="JSONL text field (default text)")
+    pr.add_argument("--text-key", default="text", help="the records' text field (default text)")
+    pr.add_argument("--format", choices=("text", "sft"), default="text",
+                    help="text (default): pretraining documents; sft: conversations ('messages') or "
+                         "'prompt'/'completion' records, rendered with the chat template, targets on the "
+                         "assistant's tokens")
+    pr.add_argument("--chat-template", default="", metavar="FILE",
+                    help="sft: a file holding the Jinja chat template (default: the tokenizer's)")
+    pr.add_argument("--workers", type=int, default=None,
+                    help="tokenising processes (default: data.workers with --config, else 0: one per core)")
     pr.add_argument("--config", help="take the data section of this run config instead")
     pr.add_argument("--overwrite", action="store_true", help="replace the prepared data already in --out")
     pr.add_argument("overrides", nargs="*", metavar="key=value", default=[])

@@ -55,9 +55,23 @@ class ModelConfig:
 @dataclass(frozen=True)
 class DataConfig:
     dir: str = _f("data/cache/python_stdlib", "Directory holding train.bin, val.bin and meta.json.")
-    sources: list = _f([], "Text/JSONL files or directories tokenised into data.dir when its .bin "
-                           "files are missing; `python-stdlib` is the bundled default corpus, "
-                           "`ript-demos:N` N demonstrations per built-in RIPT task.")
+    sources: list = _f([], "Files or directories tokenised into data.dir when its .bin files are "
+                           "missing: text (.txt, .py, .md, ...: a document each), JSONL (.jsonl, "
+                           ".jsonl.gz), parquet, .csv/.arrow, a `datasets` save_to_disk directory; "
+                           "`python-stdlib` is the bundled default corpus.")
+    weights: list = _f([], "A mixture: one weight per source, the share of training samples drawn "
+                           "from it (normalised). Empty: every source in proportion to its size.")
+    format: Literal["text", "sft"] = _f("text", "text: pretraining on raw text. sft: conversations ('messages') or "
+                             "'prompt'/'completion' pairs, rendered with the chat template, loss on "
+                             "the assistant's tokens only.")
+    chat_template: str = _f("", "sft: a Jinja chat template to render with. Empty: the tokenizer's.")
+    pack: Literal["auto", True, False] = _f("auto", "sft: pack several examples per sequence (no attention across them; "
+                           "positions restart per example): auto (where the model's attention "
+                           "supports it, else one padded example per sequence), true, false.")
+    overlong: Literal["drop", "truncate"] = _f("drop", "sft: an example longer than train.seq_len is dropped or truncated "
+                               "(counted and reported at the start of a run).")
+    workers: int = _f(0, "Processes that tokenise during prepare. 0: one per core (one for a "
+                         "corpus under 8 MiB).")
     tokenizer: str = _f("", "Tokenizer directory. Empty: model.path's, else a byte-level BPE trained "
                             "on the sources into data.dir/tokenizer.")
     vocab_size: int = _f(4096, "Vocabulary size of the BPE trained when no tokenizer is given.")
@@ -75,6 +89,17 @@ class DataConfig:
             errs.append(f"data.val_fraction: {self.val_fraction} must be between 0 and 1")
         if self.vocab_size < 260:
             errs.append(f"data.vocab_size: {self.vocab_size} is below 260 (256 bytes + specials)")
+        if self.workers < 0:
+            errs.append(f"data.workers: {self.workers} must be 0 (one per core) or more")
+        if self.weights:
+            if len(self.weights) != len(self.sources):
+                errs.append(f"data.weights: {len(self.weights)} weight(s) for {len(self.sources)} source(s); give "
+                            f"one per entry of data.sources, or none")
+            elif not all(isinstance(w, (int, float)) and not isinstance(w, bool) and w > 0 for w in self.weights):
+                errs.append(f"data.weights: {self.weights} must all be numbers > 0")
+            elif self.format == "sft":
+                errs.append("data.weights: a mixture is for pretraining (data.format text); for sft, repeat "
+                            "or subsample the files instead")
         return errs
 
 

@@ -1,29 +1,37 @@
-"""Data sources: which files a source holds, their documents, and the fingerprint of prepare's inputs.
+"""Data sources: which files a source holds, their records streamed in chunks, and the fingerprint
+of prepare's inputs.
 
-A source (an entry of data.sources) is a text or JSONL file, a directory of them, the bundled
-`python-stdlib` corpus, or a generated source `name:arg`. iter_documents reads their documents
-(UTF-8 text, a JSONL record's text field), and check_sources checks them all before anything is
-written. input_fingerprint records what `prepare` read (every file, the tokenizer, the split
-settings) and fingerprint_differences names what changed since.
+A source (an entry of data.sources) is a file, a directory of them, a Hugging Face `datasets`
+directory (saved with `save_to_disk`), or the bundled `python-stdlib` corpus. Files by kind:
+text (.txt, .py, .md, ...: one document each), JSONL (.jsonl, .jsonl.gz: a record per line),
+parquet (a record per row) and files `datasets` loads locally (.csv, .arrow). `chunks` streams
+them in bounded pieces (raw lines, texts or rows, never a whole corpus) and `records` turns a
+chunk into (name, record) pairs, checking each one; prepare's worker processes do that part.
+input_fingerprint records what `prepare` read (every file, the tokenizer, the split settings)
+and fingerprint_differences names what changed since.
 """
 
 from __future__ import annotations
 
+import gzip
 import hashlib
 import json
+import os
 import platform
 import sysconfig
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator, Mapping
+from typing import Callable, Iterator
 
 from ds_train.errors import UserError
 
 STDLIB = "python-stdlib"
-# A generated source `name:arg` (for instance `ript-demos:32`): the caller maps each name to a
-# function of `arg` that yields (document name, text). This module knows none of them itself.
-Generators = Mapping[str, Callable[[str], Iterator[tuple[str, str]]]]
 STDLIB_MAX_BYTES = 6 * 1024 * 1024  # "a few MB": enough text for a small model to learn from
 TEXT_SUFFIXES = {".txt", ".md", ".py", ".rst", ".json", ".yaml", ".yml", ".toml", ".c", ".h"}
+RECORD_SUFFIXES = (".jsonl", ".jsonl.gz", ".parquet", ".csv", ".arrow")  # a record per line / row
+DATASET_MARKERS = ("dataset_info.json", "dataset_dict.json", "state.json")  # save_to_disk writes these
+CHUNK_BYTES = 2 << 20  # the text a chunk carries at most (one larger document goes alone)
+CHUNK_ROWS = 2048  # the rows of a table a chunk carries at most
 
 
 def python_stdlib_files(max_bytes: int = STDLIB_MAX_BYTES) -> list[Path]:
@@ -44,18 +52,34 @@ def python_stdlib_files(max_bytes: int = STDLIB_MAX_BYTES) -> list[Path]:
     return files
 
 
-def _is_text_file(path: Path) -> bool:
-    return path.suffix == ".jsonl" or path.suffix in TEXT_SUFFIXES or not path.suffix
+def _kind(path: Path) -> str:
+    """How a file is read: 'text' (one document), 'jsonl', 'parquet' or 'table' (via `datasets`)."""
+    name = path.name.lower()
+    if name.endswith((".jsonl", ".jsonl.gz")):
+        return "jsonl"
+    if name.endswith(".parquet"):
+        return "parquet"
+    if name.endswith((".csv", ".arrow")):
+        return "table"
+    return "text"
 
 
-DIRECTORY_FILES = (f"files named *{', *'.join(sorted(TEXT_SUFFIXES | {'.jsonl'}))} or without a suffix; "
-                   f"hidden files and directories are skipped")
+def _is_source_file(path: Path) -> bool:
+    return path.name.lower().endswith(RECORD_SUFFIXES) or path.suffix in TEXT_SUFFIXES or not path.suffix
+
+
+def is_dataset_dir(path: Path) -> bool:
+    return path.is_dir() and any((path / m).is_file() for m in DATASET_MARKERS)
+
+
+DIRECTORY_FILES = (f"files named *{', *'.join(sorted(TEXT_SUFFIXES | set(RECORD_SUFFIXES)))} or without a "
+                   f"suffix; hidden files and directories are skipped")
 
 
 def _source_files(source: str) -> list[tuple[str, Path]]:
     """(name relative to the source, path) of each file a path source contributes, in order: a file
-    named in data.sources whatever its suffix; in a directory, the DIRECTORY_FILES. Every one must
-    be UTF-8 text (_read_text).
+    named in data.sources whatever its suffix; in a directory, the DIRECTORY_FILES; a `datasets`
+    directory is one unit (every file in it is fingerprinted).
 
     Names, not paths, decide the train/val split, which must not depend on where the corpus sits.
     """
@@ -63,28 +87,11 @@ def _source_files(source: str) -> list[tuple[str, Path]]:
     if not path.exists():
         raise UserError(f"data.sources: {source!r} does not exist; correct the path or remove it from "
                         f"data.sources")
-    if not path.is_dir():
+    if not path.is_dir() or is_dataset_dir(path):
         return [(path.name, path)]
-    files = (p for p in sorted(path.rglob("*")) if p.is_file() and _is_text_file(p))
+    files = (p for p in sorted(path.rglob("*")) if p.is_file() and _is_source_file(p))
     return [(str(p.relative_to(path)), p) for p in files
             if not any(part.startswith(".") for part in p.relative_to(path).parts)]
-
-
-def _read_text(path: Path, source: str) -> str:
-    """A source file's text: UTF-8 without NUL bytes, else one line naming the file and the fix (a
-    binary file in a source directory would otherwise be tokenised as replacement characters)."""
-    data = path.read_bytes()
-    why = f"a NUL byte at offset {data.index(0)}" if 0 in data else ""
-    if not why:
-        try:
-            return data.decode("utf-8")
-        except UnicodeDecodeError as e:
-            why = f"byte 0x{data[e.start]:02x} at offset {e.start} is not UTF-8"
-    if Path(source).is_dir():
-        fix = f"remove it from {source!r}, or list only its text files in data.sources"
-    else:
-        fix = "convert it to UTF-8 or remove it from data.sources"
-    raise UserError(f"data.sources: {str(path)!r} is not UTF-8 text ({why}: a binary file?); {fix}")
 
 
 def _stdlib_files() -> list[tuple[str, Path]]:
@@ -92,12 +99,16 @@ def _stdlib_files() -> list[tuple[str, Path]]:
     return [(str(p.relative_to(root)), p) for p in python_stdlib_files()]
 
 
-def check_source_files(sources: list[str], generators: Generators) -> None:
+def source_files(source: str) -> list[tuple[str, Path]]:
+    return _stdlib_files() if source == STDLIB else _source_files(source)
+
+
+def check_source_files(sources: list[str]) -> None:
     """Every path source exists and contributes a file."""
     for i, source in enumerate(sources):
-        if source != STDLIB and source.partition(":")[0] not in generators and not _source_files(source):
-            raise UserError(f"data.sources[{i}]: {source!r} holds no text documents (a directory source "
-                            f"reads {DIRECTORY_FILES}); remove it from data.sources or add text files")
+        if source != STDLIB and not _source_files(source):
+            raise UserError(f"data.sources[{i}]: {source!r} holds no documents (a directory source "
+                            f"reads {DIRECTORY_FILES}); remove it from data.sources or add files")
 
 
 def no_documents_error(sources: list[str]) -> UserError:
@@ -105,44 +116,202 @@ def no_documents_error(sources: list[str]) -> UserError:
                      f"text to them or name other sources")
 
 
-def check_sources(sources: list[str], text_key: str = "text", generators: Generators = {}) -> None:
-    """Every source exists and every document reads (UTF-8 text, JSONL records with a text field),
-    and there is one at least: checked before anything is written, so a bad source leaves nothing."""
-    check_source_files(sources, generators)
-    if sum(1 for _ in iter_documents(sources, text_key, generators)) == 0:  # reads them all
-        raise no_documents_error(sources)
-
-
-def iter_documents(sources: list[str], text_key: str = "text",
-                   generators: Generators = {}) -> Iterator[tuple[str, str]]:
-    """(name, text) for each non-empty document: a text file is one document, each JSONL line one."""
-    for name, text in _documents(sources, text_key, generators):
-        if text.strip():
-            yield name, text
-
-
-def _documents(sources: list[str], text_key: str, generators: Generators) -> Iterator[tuple[str, str]]:
+def input_bytes(sources: list[str]) -> int:
+    """The size of every file the sources hold (a progress bar's total)."""
+    total = 0
     for source in sources:
-        name, _, arg = source.partition(":")
-        if source != STDLIB and name in generators:
-            yield from generators[name](arg)
-            continue
-        for rel, p in _stdlib_files() if source == STDLIB else _source_files(source):
-            text = _read_text(p, source)
-            if p.suffix != ".jsonl":
-                yield rel, text
+        for _, path in source_files(source):
+            files = path.rglob("*") if path.is_dir() else [path]
+            total += sum(p.stat().st_size for p in files if p.is_file())
+    return total
+
+
+# --- streaming the records -----------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Chunk:
+    """A bounded piece of one file: raw JSONL lines, a text file's bytes, or a table's rows."""
+    source: int  # index in data.sources
+    file: str  # the path, for messages
+    name: str  # the file's name within its source (documents are named after it)
+    kind: str  # "text", "jsonl" or "rows"
+    first: int  # line (jsonl, from 1) or row (rows, from 0) of items[0]
+    items: list  # bytes (text, jsonl) or dicts (rows)
+    nbytes: int  # input bytes this chunk moves the progress on by
+    directory: str = ""  # the directory source the file came from (for the fix a message names)
+
+
+def chunks(sources: list[str], columns: tuple[str, ...]) -> Iterator[Chunk]:
+    """Every source's files in order, in chunks of at most CHUNK_BYTES of text or CHUNK_ROWS rows.
+    `columns`: the record fields a table must have (a table without them is refused by name)."""
+    for index, source in enumerate(sources):
+        directory = source if source != STDLIB and Path(source).is_dir() and not is_dataset_dir(Path(source)) else ""
+        for name, path in source_files(source):
+            kind = "dataset" if path.is_dir() else _kind(path)
+            if kind == "text":
+                data = path.read_bytes()
+                yield Chunk(index, str(path), name, "text", 1, [data], len(data), directory)
+            elif kind == "jsonl":
+                yield from _jsonl_chunks(index, path, name)
+            else:
+                yield from _table_chunks(index, path, name, kind, columns)
+
+
+def _jsonl_chunks(index: int, path: Path, name: str) -> Iterator[Chunk]:
+    with open(path, "rb") as raw:
+        fh = gzip.GzipFile(fileobj=raw) if path.name.lower().endswith(".gz") else raw
+        lines, size, first, lineno, done = [], 0, 1, 0, 0
+        try:
+            for lineno, line in enumerate(fh, 1):
+                lines.append(line)
+                size += len(line)
+                if size >= CHUNK_BYTES:
+                    yield Chunk(index, str(path), name, "jsonl", first, lines, raw.tell() - done)
+                    lines, size, first, done = [], 0, lineno + 1, raw.tell()
+        except (OSError, EOFError) as e:  # gzip.BadGzipFile is an OSError
+            raise UserError(f"{path}: cannot be read after line {lineno} ({e}); replace the file or remove "
+                            f"it from data.sources") from None
+        if lines:
+            yield Chunk(index, str(path), name, "jsonl", first, lines, raw.tell() - done)
+
+
+def _table_chunks(index: int, path: Path, name: str, kind: str, columns: tuple[str, ...]) -> Iterator[Chunk]:
+    """Rows of a parquet file (pyarrow, by row group), a `datasets` directory (memory-mapped) or a
+    .csv / .arrow file (`datasets`, streamed), CHUNK_ROWS at a time."""
+    try:
+        if kind == "parquet":
+            import pyarrow.parquet as pq
+
+            table = pq.ParquetFile(path)
+            names, rows = table.schema_arrow.names, table.metadata.num_rows
+            _check_columns(path, names, columns)
+            batches = (b.to_pylist() for b in table.iter_batches(batch_size=CHUNK_ROWS, columns=_present(names, columns)))
+        else:
+            dataset = _open_dataset(path, kind)
+            names = list(dataset.column_names or next(iter(dataset.take(1)), {}))  # streamed: from its first row
+            _check_columns(path, names, columns)
+            dataset = dataset.select_columns(_present(names, columns))
+            rows = getattr(dataset, "num_rows", None)
+            batches = ([dict(zip(b, vals)) for vals in zip(*b.values())] for b in dataset.iter(batch_size=CHUNK_ROWS))
+        size = sum(p.stat().st_size for p in (path.rglob("*") if path.is_dir() else [path]) if p.is_file())
+        first = 0
+        for batch in batches:
+            step = size * len(batch) // rows if rows else 0
+            yield Chunk(index, str(path), name, "rows", first, batch, step)
+            first += len(batch)
+    except UserError:
+        raise
+    except Exception as e:  # pyarrow's and datasets' own errors: a damaged or foreign file
+        said = " ".join(f"{type(e).__name__}: {e}".split())[:300]
+        raise UserError(f"{path}: cannot be read as {kind} ({said}); replace it or remove it from "
+                        f"data.sources") from None
+
+
+def _present(names: list[str], columns: tuple[str, ...]) -> list[str]:
+    return [c for c in columns if c in names]
+
+
+def _check_columns(path: Path, names: list[str], columns: tuple[str, ...]) -> None:
+    """A table holds the text column (text) or the conversation columns (sft)."""
+    if columns == SFT_FIELDS:
+        if "messages" in names or {"prompt", "completion"} <= set(names):
+            return
+        want = "a 'messages' column, or 'prompt' and 'completion'"
+    elif set(columns) <= set(names):
+        return
+    else:
+        want = f"column {columns[0]!r}"
+    raise UserError(f"{path}: no {want} (columns: {', '.join(names) or 'none'}); "
+                    + ("set data.text_key to the text column" if columns != SFT_FIELDS else
+                       "data.format sft reads conversations from those"))
+
+
+def _open_dataset(path: Path, kind: str):
+    """A `datasets` Dataset: load_from_disk for a saved directory (its 'train' split, or its only
+    one, of a DatasetDict); a streamed local .csv / .arrow file otherwise. Never the hub."""
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+    import datasets
+
+    datasets.disable_progress_bars()
+    if kind == "table":
+        builder = "csv" if path.suffix.lower() == ".csv" else "arrow"
+        return datasets.load_dataset(builder, data_files=str(path), split="train", streaming=True)
+    loaded = datasets.load_from_disk(str(path))
+    if isinstance(loaded, datasets.DatasetDict):
+        if "train" in loaded:
+            return loaded["train"]
+        if len(loaded) != 1:
+            raise UserError(f"{path}: a DatasetDict with splits {', '.join(loaded)} and no 'train'; save the "
+                            f"split to train on alone (dataset_dict[split].save_to_disk(dir))")
+        return next(iter(loaded.values()))
+    return loaded
+
+
+SFT_FIELDS = ("messages", "prompt", "completion")
+
+
+def records(chunk: Chunk, fields: tuple[str, ...]) -> Iterator[tuple[str, object]]:
+    """(document name, record) for each non-empty record of a chunk, checked: text (fields =
+    (text_key,)) is a str; sft (fields = SFT_FIELDS) a dict holding some of those fields, checked
+    further by ds_train.chat. A bad one is one line naming the file and its line or row."""
+    if chunk.kind == "text":
+        text = _decode_text(chunk)
+        if fields == SFT_FIELDS:
+            raise UserError(f"data.sources: {chunk.file!r} is a text file, and data.format sft reads "
+                            f"conversations (JSONL, parquet, datasets); remove it or set data.format=text")
+        if text.strip():
+            yield chunk.name, text
+        return
+    for offset, item in enumerate(chunk.items):
+        if chunk.kind == "jsonl":
+            lineno = chunk.first + offset
+            if not item.strip():
                 continue
-            for lineno, line in enumerate(text.splitlines(), 1):
-                if not line.strip():
-                    continue
-                try:
-                    text = json.loads(line)[text_key]
-                except (json.JSONDecodeError, KeyError, TypeError, IndexError):
-                    text = None
-                if not isinstance(text, str):
-                    raise UserError(f"{p}:{lineno}: expected a JSON object with a string "
-                                    f"{text_key!r} field (set data.text_key)")
-                yield f"{rel}:{lineno}", text
+            where, name = f"{chunk.file}:{lineno}", f"{chunk.name}:{lineno}"
+            try:
+                item = json.loads(item)
+            except UnicodeDecodeError as e:
+                raise UserError(f"{where}: not UTF-8 text ({e.reason}); convert the file to UTF-8") from None
+            except json.JSONDecodeError:
+                item = None
+        else:
+            row = chunk.first + offset
+            where, name = f"{chunk.file} row {row}", f"{chunk.name}:{row}"
+        record = _field_record(item, fields, where, chunk.kind == "jsonl")
+        if record is not None:
+            yield name, record
+
+
+def _field_record(item, fields: tuple[str, ...], where: str, jsonl: bool):
+    """The checked record of a parsed line or row; None when it holds no text."""
+    if fields == SFT_FIELDS:
+        if not isinstance(item, dict):
+            raise UserError(f"{where}: expected a JSON object (a conversation: 'messages', or 'prompt' and "
+                            f"'completion')")
+        return item
+    key = fields[0]
+    text = item.get(key) if isinstance(item, dict) else None
+    if not isinstance(text, str):
+        what = "a JSON object with a string" if jsonl else "a string in the"
+        raise UserError(f"{where}: expected {what} {key!r} field (set data.text_key)")
+    return text if text.strip() else None
+
+
+def _decode_text(chunk: Chunk) -> str:
+    """A text file's content: UTF-8 without NUL bytes, else one line naming the file and the fix (a
+    binary file in a source directory would otherwise be tokenised as replacement characters)."""
+    data = chunk.items[0]
+    why = f"a NUL byte at offset {data.index(0)}" if 0 in data else ""
+    if not why:
+        try:
+            return data.decode("utf-8")
+        except UnicodeDecodeError as e:
+            why = f"byte 0x{data[e.start]:02x} at offset {e.start} is not UTF-8"
+    if chunk.directory:
+        fix = f"remove it from {chunk.directory!r}, or list only its text files in data.sources"
+    else:
+        fix = "convert it to UTF-8 or remove it from data.sources"
+    raise UserError(f"data.sources: {chunk.file!r} is not UTF-8 text ({why}: a binary file?); {fix}")
 
 
 # --- the fingerprint of prepare's inputs ---------------------------------------------------------
@@ -151,6 +320,7 @@ def _documents(sources: list[str], text_key: str, generators: Generators) -> Ite
 # run, so it is cheap: a file whose size and mtime are unchanged is not read again.
 
 FINGERPRINT_VERSION = 1
+SETTING_DEFAULTS = {"format": "text"}  # settings recorded since (an older record did not name them)
 NO_RECORD = "prepared without a record of its inputs"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
                    "vocab.json", "vocab.txt", "merges.txt", "tokenizer.model", "spiece.model",
@@ -175,15 +345,21 @@ def _file_records(files: list[tuple[str, Path]], hashed: bool) -> dict[str, dict
     return out
 
 
-def _source_record(source: str, generators: Generators, hashed: bool) -> dict:
+def _unit_files(name: str, path: Path) -> list[tuple[str, Path]]:
+    """A `datasets` directory is fingerprinted file by file."""
+    if not path.is_dir():
+        return [(name, path)]
+    return [(f"{name}/{p.relative_to(path)}", p) for p in sorted(path.rglob("*")) if p.is_file()]
+
+
+def _source_record(source: str, hashed: bool) -> dict:
     if source == STDLIB:
         return {"source": source, "kind": "stdlib", "python": platform.python_version(),
                 "files": _file_records(_stdlib_files(), hashed)}
-    if source.partition(":")[0] in generators:
-        return {"source": source, "kind": "generated"}
     if not hashed and not Path(source).exists():  # a difference to report, not an error here
         return {"source": source, "kind": "path", "missing": True, "files": {}}
-    return {"source": source, "kind": "path", "files": _file_records(_source_files(source), hashed)}
+    files = [f for name, path in _source_files(source) for f in _unit_files(name, path)]
+    return {"source": source, "kind": "path", "files": _file_records(files, hashed)}
 
 
 def _tokenizer_record(tokenizer: str, vocab_size: int, hashed: bool) -> dict:
@@ -199,14 +375,14 @@ def _tokenizer_record(tokenizer: str, vocab_size: int, hashed: bool) -> dict:
 
 
 def input_fingerprint(sources: list[str], tokenizer: str, vocab_size: int, val_fraction: float,
-                      text_key: str, generators: Generators = {}, hashed: bool = True) -> dict:
+                      text_key: str, fmt: str = "text", chat_template: str = "", hashed: bool = True) -> dict:
     """What `prepare` reads: every file of every source (size, mtime_ns, sha256), the tokenizer (its
-    files' hashes, or the vocab_size of the BPE trained on the sources) and the split settings.
+    files' hashes, or the vocab_size of the BPE trained on the sources), the split and format settings.
     hashed=False: the current inputs to compare with a recorded fingerprint (hashes taken on demand)."""
     return {"version": FINGERPRINT_VERSION,
-            "sources": [_source_record(s, generators, hashed) for s in sources],
+            "sources": [_source_record(s, hashed) for s in sources],
             "tokenizer": _tokenizer_record(tokenizer, vocab_size, hashed),
-            "val_fraction": val_fraction, "text_key": text_key}
+            "val_fraction": val_fraction, "text_key": text_key, "format": fmt, "chat_template": chat_template}
 
 
 def _file_differences(old: dict, new: dict, sha256: Callable[[Path], str]) -> list[str]:
@@ -247,13 +423,13 @@ def _differences(recorded: dict, current: dict, sha256: Callable[[Path], str]) -
         label = f"data.sources[{i}] {n['source']!r}"
         if o is None:
             diffs.append(f"{label} added")
-        elif o["kind"] != n["kind"] or (n["kind"] == "generated" and o["source"] != n["source"]):
+        elif o["kind"] != n["kind"]:
             diffs.append(f"{label} (prepared from {o['source']!r})")
         elif n.get("missing"):
             diffs.append(f"{label} no longer exists")
         elif n["kind"] == "stdlib" and o["python"] != n["python"]:
             diffs.append(f"{label}: Python {o['python']} -> {n['python']}")
-        elif n["kind"] != "generated":
+        else:
             diffs += [f"{label}: {d}" for d in _file_differences(o["files"], n["files"], sha256)]
     o, n = recorded["tokenizer"], current["tokenizer"]
     if o.get("trained") and n.get("trained"):
@@ -268,7 +444,9 @@ def _differences(recorded: dict, current: dict, sha256: Callable[[Path], str]) -
     elif _file_differences(o["files"], n["files"], sha256):
         diffs.append(f"tokenizer {n['path']!r} changed" if o["path"] == n["path"]
                      else f"tokenizer {o['path']!r} -> {n['path']!r}")
-    for key in ("val_fraction", "text_key"):
-        if recorded[key] != current[key]:
-            diffs.append(f"data.{key} {recorded[key]!r} -> {current[key]!r}")
+    for key in ("val_fraction", "text_key", "format"):
+        if recorded.get(key, SETTING_DEFAULTS.get(key)) != current[key]:
+            diffs.append(f"data.{key} {recorded.get(key, SETTING_DEFAULTS.get(key))!r} -> {current[key]!r}")
+    if recorded.get("chat_template", "") != current["chat_template"]:
+        diffs.append("data.chat_template changed")
     return diffs

@@ -14,6 +14,7 @@ import pytest
 from conftest import ROOT, expect_error, tiny_config, tree_listing, write_config
 from ds_train.data import (TokenData, check_vocab, ensure_prepared, eval_micro_batches, load_meta, load_tokenizer,
                            prepare, rank_micro_batches, train_tokenizer)
+from ds_train.config import DataConfig
 from ds_train.errors import UserError
 
 TEXTS = [f"def f{i}(x):\n    return x * {i} + {i * i}\n" * (3 + i) for i in range(5)]
@@ -34,6 +35,12 @@ def sources(tmp_path_factory) -> Path:
 def prepared(sources, tmp_path_factory) -> tuple[Path, dict]:
     out = tmp_path_factory.mktemp("prepared")
     return out, prepare([str(sources)], out, vocab_size=300, val_fraction=0.5)
+
+
+def data_config(data_dir, sources, **data) -> DataConfig:
+    """The data section of a run config (ensure_prepared's input); vocab 300, half held out."""
+    return DataConfig(**{"dir": str(data_dir), "sources": [str(s) for s in sources], "vocab_size": 300,
+                         "val_fraction": 0.5, **data})
 
 
 def split_docs(path: Path, dtype: str, eos: int) -> list[list[int]]:
@@ -143,7 +150,7 @@ def test_missing_source_is_a_user_error(tmp_path):
 def test_sources_without_documents_is_a_user_error(tmp_path):
     (tmp_path / "src").mkdir()
     (tmp_path / "src" / "image.png").write_bytes(b"\x89PNG")
-    with pytest.raises(UserError, match="no text documents"):
+    with pytest.raises(UserError, match="holds no documents"):
         prepare([str(tmp_path / "src")], tmp_path / "out", vocab_size=300)
 
 
@@ -151,16 +158,15 @@ def test_sources_without_documents_is_a_user_error(tmp_path):
 
 def test_ensure_prepared_prepares_once(sources, tmp_path):
     data_dir = tmp_path / "data"
-    args = ([str(sources / "doc0.txt"), str(sources / "doc1.txt"), str(sources / "doc2.txt")],
-            "", 300, 0.5, "text")
-    meta = ensure_prepared(data_dir, *args)
+    d = data_config(data_dir, [sources / "doc0.txt", sources / "doc1.txt", sources / "doc2.txt"])
+    meta = ensure_prepared(d)
     assert (data_dir / "meta.json").is_file()
     old = 1_000_000_000  # back-date files rewritten in place so a rewrite would show whatever the clock
     for name in ["meta.json", "tokenizer/tokenizer.json"]:  # resolution; the .bins' mtimes are on record
         os.utime(data_dir / name, ns=(old, old))
     files = ["train.bin", "val.bin", "meta.json", "tokenizer/tokenizer.json"]
     stats = {name: ((data_dir / name).stat().st_ino, (data_dir / name).stat().st_mtime_ns) for name in files}
-    again = ensure_prepared(data_dir, *args)
+    again = ensure_prepared(d)
     assert again == meta
     for name in files:  # a replaced file has a new inode
         assert ((data_dir / name).stat().st_ino, (data_dir / name).stat().st_mtime_ns) == stats[name], name
@@ -168,7 +174,7 @@ def test_ensure_prepared_prepares_once(sources, tmp_path):
 
 def test_ensure_prepared_without_sources_or_data(tmp_path):
     with pytest.raises(UserError, match="data.sources is empty"):
-        ensure_prepared(tmp_path, [], "", 300, 0.5, "text")
+        ensure_prepared(data_config(tmp_path, []))
 
 
 def test_load_meta_on_an_empty_dir(tmp_path):
@@ -209,9 +215,9 @@ def corpus(tmp_path) -> Path:
     return src
 
 
-def ensure(data_dir, sources, tokenizer="", vocab_size=300, reprepare=False) -> dict:
-    return ensure_prepared(data_dir, [str(s) for s in sources], str(tokenizer or ""), vocab_size, 0.5, "text",
-                           reprepare=reprepare)
+def ensure(data_dir, sources, tokenizer="", vocab_size=300, reprepare=False, **data) -> dict:
+    return ensure_prepared(data_config(data_dir, sources, vocab_size=vocab_size, reprepare=reprepare, **data),
+                           str(tokenizer or ""))
 
 
 def listing(root: Path) -> dict[str, tuple[int, str]]:
@@ -317,7 +323,7 @@ def test_a_changed_vocab_size_of_the_trained_bpe_is_a_change(corpus, tmp_path):
     data_dir = tmp_path / "data"
     ensure(data_dir, [corpus], vocab_size=300)
     assert_refused(lambda: ensure(data_dir, [corpus], vocab_size=320), data_dir, "data.vocab_size 300 -> 320")
-    assert_refused(lambda: ensure_prepared(data_dir, [str(corpus)], "", 300, 0.25, "body"), data_dir,
+    assert_refused(lambda: ensure(data_dir, [corpus], val_fraction=0.25, text_key="body"), data_dir,
             "data.val_fraction 0.5 -> 0.25", "data.text_key 'text' -> 'body'")
 
 
@@ -347,7 +353,7 @@ def test_a_meta_without_a_record_of_its_inputs(corpus, tmp_path):
     (data_dir / "meta.json").write_text(json.dumps(meta))
     assert_refused(lambda: ensure(data_dir, [corpus]), data_dir, "was prepared without a record of its inputs",
             "data.reprepare=true", "data.sources=[]")
-    assert ensure_prepared(data_dir, [], "", 300, 0.5, "text")["train_tokens"] == meta["train_tokens"]
+    assert ensure(data_dir, [])["train_tokens"] == meta["train_tokens"]
     assert "fingerprint" in ensure(data_dir, [corpus], reprepare=True)
 
 
@@ -566,7 +572,7 @@ def _prepare_in_child(args):
     from ds_train.data import ensure_prepared
 
     data_dir, src = args
-    return ensure_prepared(data_dir, [src], "", 300, 0.3, "text")["train_tokens"]
+    return ensure_prepared(data_config(data_dir, [src], val_fraction=0.3))["train_tokens"]
 
 
 @pytest.mark.slow
@@ -618,8 +624,8 @@ def test_a_source_directory_skips_hidden_files_and_reads_a_named_file_whatever_i
     (corpus / ".git" / "objects" / "ab12").write_bytes(ELF)
     (corpus / ".DS_Store").write_bytes(ELF)
     (corpus / "image.png").write_bytes(ELF)  # not a text suffix: not read
-    (tmp_path / "notes.csv").write_text("a,b\n1,2\n" * 40)
-    meta = prepare([str(corpus), str(tmp_path / "notes.csv")], tmp_path / "out", vocab_size=300)
+    (tmp_path / "notes.data").write_text("a,b\n1,2\n" * 40)
+    meta = prepare([str(corpus), str(tmp_path / "notes.data")], tmp_path / "out", vocab_size=300)
     assert meta["train_documents"] + meta["val_documents"] == len(CORPUS) + 1
     assert sorted(meta["fingerprint"]["sources"][0]["files"]) == sorted(CORPUS)
 
@@ -634,10 +640,10 @@ def test_a_small_corpus_notes_the_smaller_vocabulary_on_stdout(corpus, tmp_path,
 
 @pytest.mark.parametrize("make, expected", [
     (lambda src: None, "data.sources: '{src}' does not exist; correct the path or remove it from data.sources"),
-    (lambda src: src.mkdir(), "data.sources[0]: '{src}' holds no text documents (a directory source reads files "
-                              "named *.c, *.h, *.json, *.jsonl, *.md, *.py, *.rst, *.toml, *.txt, *.yaml, *.yml or "
-                              "without a suffix; hidden files and directories are skipped); remove it from "
-                              "data.sources or add text files"),
+    (lambda src: src.mkdir(), "data.sources[0]: '{src}' holds no documents (a directory source reads files named "
+                              "*.arrow, *.c, *.csv, *.h, *.json, *.jsonl, *.jsonl.gz, *.md, *.parquet, *.py, *.rst, "
+                              "*.toml, *.txt, *.yaml, *.yml or without a suffix; hidden files and directories are "
+                              "skipped); remove it from data.sources or add files"),
     (lambda src: src.write_text("  \n"), "data.sources: ['{src}'] hold no text documents (every file or record "
                                          "is empty); add text to them or name other sources"),
 ])
@@ -759,3 +765,269 @@ def test_a_tokenizer_that_cannot_load_leaves_no_data_dir(corpus, tmp_path):
     assert str(e.value) == (f"tokenizer: '{tmp_path / 'nope'}' is not a directory; point data.tokenizer (or "
                             f"model.path) at a tokenizer directory")
     assert not (tmp_path / "data").exists()
+
+
+# --- sources at scale: formats, workers, mixtures -------------------------------------------------
+
+DOCS = [f"document {i}: " + "the quick brown fox jumps over the lazy dog " * (1 + i % 7) for i in range(60)]
+
+
+def _docs_of(out: Path) -> list[str]:
+    """Every document prepared into `out` (train and val), decoded, sorted."""
+    meta = load_meta(out)
+    tok = load_tokenizer(meta["tokenizer"])
+    docs = []
+    for split in ("train", "val"):
+        docs += [tok.decode(d) for d in split_docs(out / f"{split}.bin", meta["dtype"], meta["eos_token_id"])]
+    return sorted(docs)
+
+
+def test_parquet_jsonl_gz_a_datasets_directory_and_csv_prepare_the_same_documents(prepared, tmp_path):
+    import gzip
+
+    import datasets
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = [{"text": t, "n": i} for i, t in enumerate(DOCS)]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "docs.parquet", row_group_size=16)
+    with gzip.open(tmp_path / "docs.jsonl.gz", "wt") as fh:
+        fh.writelines(json.dumps(r) + "\n" for r in rows)
+    datasets.Dataset.from_list(rows).save_to_disk(str(tmp_path / "saved"))
+    datasets.Dataset.from_list(rows).to_csv(str(tmp_path / "docs.csv"))
+    tokenizer = load_meta(prepared[0])["tokenizer"]
+    seen = {}
+    for name in ("docs.parquet", "docs.jsonl.gz", "saved", "docs.csv"):
+        meta = prepare([str(tmp_path / name)], tmp_path / f"out-{name}", tokenizer, val_fraction=0.2)
+        assert meta["train_documents"] + meta["val_documents"] == len(DOCS)
+        seen[name] = _docs_of(tmp_path / f"out-{name}")
+    assert all(docs == sorted(DOCS) for docs in seen.values())
+
+
+@pytest.mark.parametrize("make, said", [
+    (lambda p: __import__("pyarrow.parquet").parquet.write_table(
+        __import__("pyarrow").table({"body": ["a", "b"]}), p / "t.parquet"),
+     "{p}/t.parquet: no column 'text' (columns: body); set data.text_key to the text column"),
+    (lambda p: __import__("pyarrow.parquet").parquet.write_table(
+        __import__("pyarrow").table({"text": ["a", None, "c"]}), p / "t.parquet"),
+     "{p}/t.parquet row 1: expected a string in the 'text' field (set data.text_key)"),
+    (lambda p: (p / "t.jsonl.gz").write_bytes(b"not gzip at all"),
+     "{p}/t.jsonl.gz: cannot be read after line 0 (Not a gzipped file (b'no')); replace the file or remove it "
+     "from data.sources"),
+    (lambda p: (p / "t.parquet").write_bytes(b"PAR1 but not really"),
+     "{p}/t.parquet: cannot be read as parquet (ArrowInvalid:"),
+])
+def test_a_bad_table_or_archive_names_the_file_row_and_field_and_leaves_nothing(make, said, tmp_path):
+    make(tmp_path)
+    source = next(p for p in tmp_path.iterdir())
+    with pytest.raises(UserError) as e:
+        ensure(tmp_path / "data", [source])
+    assert str(e.value).startswith(said.format(p=tmp_path))
+    assert not (tmp_path / "data").exists()
+
+
+CHAT_TEMPLATE = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] "
+                 "+ '<|im_end|>\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}"
+                 "{% endif %}")
+
+
+def _conversations(n: int) -> list[dict]:
+    out = []
+    for i in range(n):
+        messages = [{"role": "user", "content": f"What is {i} plus {i % 5}?"},
+                    {"role": "assistant", "content": f"It is {i + i % 5}." + " Indeed." * (i % 4)}]
+        if i % 3 == 0:
+            messages += [{"role": "user", "content": "Twice?"}, {"role": "assistant", "content": f"{2 * (i + i % 5)}."}]
+        out.append({"messages": messages} if i % 2 else {"prompt": messages[0]["content"],
+                                                          "completion": messages[1]["content"]})
+    return out
+
+
+@pytest.mark.parametrize("bad, said", [
+    ({"messages": [{"role": "user", "content": "hi"}]}, "{f}:3: no assistant turn (roles: user)"),
+    ({"messages": [{"role": "human", "content": "hi"}]}, "{f}:3: messages[0].role is 'human', not one of"),
+    ({"question": "hi"}, "{f}:3: no 'messages' field"),
+])
+def test_bad_sft_records_name_the_file_the_line_and_the_field(bad, said, tmp_path):
+    path = tmp_path / "chat.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in [*_conversations(2), bad, *_conversations(3)]))
+    with pytest.raises(UserError) as e:
+        ensure(tmp_path / "data", [path], format="sft", chat_template=CHAT_TEMPLATE)
+    assert str(e.value).startswith(said.format(f=path))
+    assert not (tmp_path / "data").exists()
+
+
+def test_sft_in_a_parquet_without_the_conversation_columns_is_refused_by_name(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"text": ["a"]}), tmp_path / "chat.parquet")
+    with pytest.raises(UserError) as e:
+        ensure(tmp_path / "data", [tmp_path / "chat.parquet"], format="sft", chat_template=CHAT_TEMPLATE)
+    assert str(e.value) == (f"{tmp_path / 'chat.parquet'}: no a 'messages' column, or 'prompt' and 'completion' "
+                            f"(columns: text); data.format sft reads conversations from those")
+
+
+def _tree(out: Path) -> dict[str, bytes]:
+    meta = json.loads((out / "meta.json").read_text())
+    for key in ("fingerprint", "scan"):
+        meta.pop(key)
+    files = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file() and p.name != "meta.json"}
+    return files | {"meta": json.dumps(meta, sort_keys=True).encode(),
+                    "tokenizer": (out / "tokenizer" / "tokenizer.json").read_bytes()}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_one_and_two_workers_write_identical_data_text_and_sft(tmp_path, monkeypatch):
+    """Many small chunks, so both workers tokenise and their results interleave."""
+    import ds_train.sources
+
+    monkeypatch.setattr(ds_train.sources, "CHUNK_BYTES", 2048)
+    monkeypatch.setattr(ds_train.sources, "CHUNK_ROWS", 16)
+    (tmp_path / "docs.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in DOCS * 3))
+    (tmp_path / "chat.jsonl").write_text("".join(json.dumps(r) + "\n" for r in _conversations(90)))
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.Table.from_pylist([{"text": t} for t in DOCS]), tmp_path / "more.parquet")
+    text = [str(tmp_path / "docs.jsonl"), str(tmp_path / "more.parquet")]
+    for fmt, sources, extra in (("text", text, {}), ("sft", [str(tmp_path / "chat.jsonl")],
+                                                     {"chat_template": CHAT_TEMPLATE})):
+        trees = [_tree(Path(prepare(sources, tmp_path / f"{fmt}{w}", vocab_size=300, val_fraction=0.1, fmt=fmt,
+                                    workers=w, **extra) and tmp_path / f"{fmt}{w}")) for w in (1, 2)]
+        assert trees[0] == trees[1], fmt
+        assert not [p for p in (tmp_path / f"{fmt}2").iterdir() if ".partial" in p.name]
+    assert json.loads(trees[0]["meta"])["format"] == "sft"
+
+
+def test_an_interrupted_prepare_leaves_nothing_that_looks_prepared_and_the_old_data_whole(corpus, tmp_path,
+                                                                                         monkeypatch):
+    import ds_train.data
+
+    out = tmp_path / "out"
+    prepare([str(corpus)], out, vocab_size=300)
+    before = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
+    calls = []
+
+    def interrupted(self, part):
+        calls.append(1)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(ds_train.data.SplitWriter, "write", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        prepare([str(corpus)], out, vocab_size=300, overwrite=True)
+    assert calls and {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()} == before
+    assert not [p for p in out.iterdir() if "partial" in p.name]
+
+
+def test_the_bpe_learns_from_a_bounded_sample_of_each_source(tmp_path, monkeypatch):
+    import ds_train.data
+
+    monkeypatch.setattr(ds_train.data, "BPE_SAMPLE_BYTES", 2000)
+    for name in ("a", "b"):
+        (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps({"text": f"{name} {t}"}) + "\n" for t in DOCS))
+    sample = ds_train.data._bpe_sample([str(tmp_path / "a.jsonl"), str(tmp_path / "b.jsonl")], ("text",), "text",
+                                       "", 0.0)
+    for name in ("a", "b"):  # each source's first ~1000 characters, then one document more at most
+        taken = [t for t in sample if t.startswith(name)]
+        assert taken and 1000 <= sum(map(len, taken)) < 1000 + max(map(len, DOCS)) + 2
+
+
+def test_a_mixture_draws_each_source_by_its_weight_and_never_across_sources(tmp_path):
+    for name, n in (("big", 50), ("small", 10)):
+        (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps({"text": f"{name} " + t}) + "\n"
+                                                        for t in DOCS[:n]))
+    sources = [str(tmp_path / "big.jsonl"), str(tmp_path / "small.jsonl")]
+    meta = prepare(sources, tmp_path / "out", vocab_size=300, val_fraction=0.1)
+    (a0, a1), (b0, b1) = meta["source_ranges"]
+    assert a0 == 0 and a1 == b0 and b1 == meta["train_tokens"]
+    data = TokenData(tmp_path / "out" / "train.bin", meta["dtype"], 16, 3, meta["source_ranges"], [1, 3], sources)
+    starts = [data.start(g) for g in range(4000)]
+    from_small = sum(b0 <= s for s in starts)
+    assert from_small == 3000  # 750 of each 1000-slot cycle, exactly
+    assert all(s + 17 <= a1 if s < b0 else s + 17 <= b1 for s in starts)  # windows stay inside a source
+    again = TokenData(tmp_path / "out" / "train.bin", meta["dtype"], 16, 3, meta["source_ranges"], [1, 3], sources)
+    assert [again.start(g) for g in range(3990, 4000)] == starts[3990:]  # a pure function of (seed, g)
+    small = [s for s in starts if s >= b0][:data.mix[1][1]]  # the small source's first epoch: each window once
+    assert len(set(small)) == len(small) == data.mix[1][1]
+    with pytest.raises(UserError, match="^data.weights: source 'x' has"):
+        TokenData(tmp_path / "out" / "train.bin", meta["dtype"], 16, 3, [[0, 10], [10, 20]], [1, 1], ["x", "y"])
+
+
+# --- sft data: packing, targets, sharding -------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def sft_dir(tmp_path_factory) -> Path:
+    tmp = tmp_path_factory.mktemp("sft")
+    (tmp / "chat.jsonl").write_text("".join(json.dumps(r) + "\n" for r in _conversations(120)))
+    prepare([str(tmp / "chat.jsonl")], tmp / "out", vocab_size=320, val_fraction=0.1, fmt="sft",
+            chat_template=CHAT_TEMPLATE)
+    return tmp / "out"
+
+
+def test_sft_sequences_hold_whole_examples_with_targets_on_the_assistant_tokens_only(sft_dir):
+    from ds_train.data import IGNORE, SftData
+
+    meta = load_meta(sft_dir)
+    data = SftData(sft_dir, "train", meta["dtype"], 96, 0, True, "drop", meta["eos_token_id"])
+    mask = np.fromfile(sft_dir / "train.mask", np.uint8)
+    tokens = np.fromfile(sft_dir / "train.bin", meta["dtype"])
+    offsets = np.fromfile(sft_dir / "train.idx", np.int64)
+    assert meta["train_targets"] == int(mask.sum()) and len(offsets) == meta["train_documents"] + 1
+    assert sorted(data.order.tolist()) == list(range(meta["train_documents"]))  # every example, once
+    assert data.fill > 0.7
+    for s in range(data.num_samples):
+        inputs, targets, positions = data.window(s, shuffle=False)
+        assert ((targets == IGNORE) | ((0 <= targets) & (targets < meta["vocab_size"]))).all()
+        starts = np.flatnonzero(positions == 0)
+        for a, b in zip(starts, [*starts[1:], 96]):
+            e = next((e for e in data.order if np.array_equal(tokens[offsets[e]:offsets[e + 1]], inputs[a:b])), None)
+            if e is None:  # the padding after the last example
+                assert (targets[a:b] == IGNORE).all() and (inputs[a:b] == meta["eos_token_id"]).all()
+                continue
+            o = offsets[e]
+            want = np.where(mask[o + 1:o + b - a] > 0, tokens[o + 1:o + b - a].astype(np.int64), IGNORE)
+            assert np.array_equal(targets[a:b - 1], want) and targets[b - 1] == IGNORE
+
+
+def test_sft_batches_shard_a_global_batch_alike_at_any_world_size(sft_dir):
+    from ds_train.data import SftData
+
+    meta = load_meta(sft_dir)
+    data = SftData(sft_dir, "train", meta["dtype"], 64, 5, True, "truncate", meta["eos_token_id"])
+    whole = rank_micro_batches(data, 3, 8, 8, 0, 1)[0]
+    parts = [b for r in range(4) for b in rank_micro_batches(data, 3, 8, 2, r, 4)]
+    for field in ("inputs", "targets", "positions"):
+        assert np.array_equal(getattr(whole, field), np.concatenate([getattr(p, field) for p in parts]))
+    padded = SftData(sft_dir, "train", meta["dtype"], 64, 5, False, "drop", meta["eos_token_id"])
+    assert padded.batch(0, 2).positions is None and padded.num_samples < meta["train_documents"]
+    assert "dropped (data.overlong)" in padded.summary() and "truncated" in data.summary()
+
+
+@pytest.mark.parametrize("model_type", ["llama", "gpt2"])
+def test_a_packed_example_gets_the_same_logits_as_alone(sft_dir, model_type):
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from ds_train.data import SftData
+    from ds_train.model import supports_packing
+
+    meta = load_meta(sft_dir)
+    small = {"llama": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                           num_key_value_heads=2),
+             "gpt2": dict(n_embd=64, n_layer=2, n_head=4)}[model_type]
+    cfg = AutoConfig.for_model(model_type, vocab_size=meta["vocab_size"], **small)
+    assert supports_packing(cfg)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg).eval()
+    data = SftData(sft_dir, "train", meta["dtype"], 128, 0, True, "drop", meta["eos_token_id"])
+    inputs, _, positions = data.window(0, shuffle=False)
+    starts = np.flatnonzero(positions == 0)
+    assert len(starts) >= 3  # two examples or more, and padding
+    with torch.no_grad():
+        packed = model(input_ids=torch.from_numpy(inputs)[None], position_ids=torch.from_numpy(positions)[None],
+                       use_cache=False).logits[0]
+        for a, b in zip(starts[:-1], starts[1:]):
+            alone = model(input_ids=torch.from_numpy(inputs[a:b])[None], use_cache=False).logits[0]
+            torch.testing.assert_close(packed[a:b], alone, atol=1e-5, rtol=1e-4)

@@ -33,13 +33,20 @@ def test_fingerprint_hashes_only_files_whose_size_matches_and_mtime_does_not(tmp
     assert fingerprint_differences(None, recorded) == ["prepared without a record of its inputs"]
 
 
-def test_fingerprint_of_generated_and_stdlib_sources(tmp_path):
-    generators = {"demo": lambda arg: iter([("d", "text " * int(arg))])}
-    recorded = input_fingerprint(["demo:3", "python-stdlib"], "", 300, 0.5, "text", generators)
-    assert recorded["sources"][0] == {"source": "demo:3", "kind": "generated"}
+def test_fingerprint_of_stdlib_and_datasets_directory_sources(tmp_path):
+    """A `datasets` directory is one source unit whose every file is fingerprinted; format and chat
+    template are settings whose change is named."""
+    import datasets
+
+    datasets.Dataset.from_dict({"text": ["a", "b"]}).save_to_disk(str(tmp_path / "ds"))
+    recorded = input_fingerprint([str(tmp_path / "ds"), "python-stdlib"], "", 300, 0.5, "text")
+    files = recorded["sources"][0]["files"]
+    assert {"ds/dataset_info.json", "ds/state.json"} <= set(files) and any(f.endswith(".arrow") for f in files)
     assert recorded["sources"][1]["files"] and recorded["sources"][1]["python"]
-    current = input_fingerprint(["demo:4", "python-stdlib"], "", 300, 0.5, "text", generators, hashed=False)
-    assert fingerprint_differences(recorded, current) == ["data.sources[0] 'demo:4' (prepared from 'demo:3')"]
+    current = input_fingerprint([str(tmp_path / "ds"), "python-stdlib"], "", 300, 0.5, "text", "sft", "{{ x }}",
+                                hashed=False)
+    assert fingerprint_differences(recorded, current) == ["data.format 'text' -> 'sft'", "data.chat_template changed"]
     recorded["sources"][1]["python"] = "2.7.18"
-    assert fingerprint_differences(recorded, current)[1].startswith("data.sources[1] 'python-stdlib': "
+    del recorded["format"]  # a record from before data.format: it was text
+    assert fingerprint_differences(recorded, current)[0].startswith("data.sources[1] 'python-stdlib': "
                                                                      "Python 2.7.18 -> ")
