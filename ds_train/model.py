@@ -394,3 +394,21 @@ def count_params(model) -> int:
 def flops_per_token(n_params: int, n_layers: int, hidden: int, seq_len: int) -> float:
     """Training FLOPs per token: 6N for the matmuls plus 12 L h s for attention (PaLM, App. B)."""
     return 6 * n_params + 12 * n_layers * hidden * seq_len
+
+
+def supports_packing(hf_config) -> bool:
+    """Whether the model keeps packed examples apart given position ids that restart at each one:
+    its modeling code builds its attention mask with transformers' masking_utils, which finds the
+    packed sequences in position_ids (for eager, sdpa, flex and flash attention alike)."""
+    import inspect
+    import sys
+
+    from transformers import AutoModelForCausalLM
+
+    try:
+        cls = AutoModelForCausalLM._model_mapping[type(hf_config)]
+    except (KeyError, AttributeError):
+        return False
+    module = sys.modules.get(cls.__module__)
+    return (hasattr(module, "create_causal_mask")
+            and "position_ids" in inspect.signature(cls.forward).parameters)

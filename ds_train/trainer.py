@@ -20,20 +20,16 @@ import numpy as np
 
 from ds_train import dist
 from ds_train.config import DataConfig, RunConfig, TrainConfig
-from ds_train.data import TokenData, check_vocab, ensure_prepared, eval_micro_batches, rank_micro_batches
+from ds_train.data import (IGNORE, Batch, SftData, TokenData, check_vocab, ensure_prepared, eval_micro_batches,
+                           rank_micro_batches)
 from ds_train.engine import read_ds_template
-from ds_train.errors import NonFiniteStop
+from ds_train.errors import NonFiniteStop, UserError
 from ds_train.export import locate_model
 from ds_train.fs import write_atomic
 from ds_train.metrics import Interval, memory_gib, mfu
-from ds_train.model import build_hf_config
-from ds_train.ript.tasks import DEMOS_SOURCE, demonstrations
+from ds_train.model import build_hf_config, supports_packing
 from ds_train.reports import stragglers
 from ds_train.run import ModelSource, Run, RunSpec, build_run, resolve_model
-
-# Generated data sources (`name:arg` in data.sources) that `prepare` understands.
-GENERATED_SOURCES = {DEMOS_SOURCE: demonstrations}
-
 
 def train_spec(cfg: RunConfig) -> RunSpec:
     return RunSpec("train", last=cfg.train.max_steps, steps=lambda plan: cfg.train.max_steps)
@@ -42,14 +38,23 @@ def train_spec(cfg: RunConfig) -> RunSpec:
 def prepare_data(d: DataConfig, tokenizer: str = "") -> dict:
     """data.dir's meta.json, tokenising data.sources into it on first use (once, under a lock), and
     again when they changed and data.reprepare is set."""
-    return ensure_prepared(d.dir, d.sources, tokenizer, d.vocab_size, d.val_fraction, d.text_key,
-                           GENERATED_SOURCES, reprepare=d.reprepare)
+    return ensure_prepared(d, tokenizer)
 
 
 @dataclass(frozen=True)
 class Datasets:
-    train: TokenData
-    val: TokenData
+    train: TokenData | SftData
+    val: TokenData | SftData
+    summary: str = ""  # how sft examples became sequences (said at the start of a run)
+
+    def identity(self) -> dict:
+        """What identifies the sample stream, recorded in every checkpoint (a resume checks it)."""
+        out = {"train_tokens": len(self.train.tokens), "val_tokens": len(self.val.tokens)}
+        if isinstance(self.train, SftData):
+            out |= {"format": "sft", "train_samples": self.train.num_samples, "packed": self.train.pack}
+        elif self.train.mix is not None:
+            out["mixture_slots"] = self.train.mix[2].tolist()
+        return out
 
 
 def build_inputs(cfg: RunConfig) -> tuple[Datasets, ModelSource]:
@@ -63,17 +68,44 @@ def build_inputs(cfg: RunConfig) -> tuple[Datasets, ModelSource]:
     meta = prepare_data(d, tokenizer_dir)
     source = resolve_model(cfg, tokenizer_dir or meta["tokenizer"])
     check_vocab(meta, getattr(source.hf_config, "vocab_size", None), d.dir)
-    data = Datasets(*(TokenData(Path(d.dir) / f"{split}.bin", meta["dtype"], cfg.train.seq_len, cfg.seed)
-                      for split in ("train", "val")))
+    if meta.get("format", "text") != d.format:
+        raise UserError(f"data.dir {d.dir!r} holds {meta.get('format', 'text')} data and data.format is "
+                        f"{d.format}; prepare it again (data.reprepare=true) or set data.format")
+    if d.format == "sft":
+        return sft_datasets(cfg, meta, source), source
+    ranges = meta.get("source_ranges") if d.weights else None
+    if d.weights and (not isinstance(ranges, list) or len(ranges) != len(d.weights)):
+        raise UserError(f"data.weights: data.dir {d.dir!r} does not record where each of the "
+                        f"{len(d.weights)} sources lies (prepared by an older ds_train, or from other "
+                        f"sources); prepare it again with data.reprepare=true")
+    data = Datasets(*(TokenData(Path(d.dir) / f"{split}.bin", meta["dtype"], cfg.train.seq_len, cfg.seed,
+                                ranges if split == "train" else None, d.weights if split == "train" else None,
+                                d.sources) for split in ("train", "val")))
     return data, source
+
+
+def sft_datasets(cfg: RunConfig, meta: dict, source: ModelSource) -> Datasets:
+    """Instruction data: packed where the model's attention keeps packed examples apart."""
+    d = cfg.data
+    can_pack = supports_packing(source.hf_config)
+    if d.pack is True and not can_pack:
+        raise UserError(f"data.pack: {type(source.hf_config).__name__} does not separate packed examples "
+                        f"(its attention mask ignores position_ids); set data.pack=auto or false")
+    pack = can_pack if d.pack == "auto" else bool(d.pack)
+    pad = meta.get("eos_token_id") or 0
+    train, val = (SftData(Path(d.dir), split, meta["dtype"], cfg.train.seq_len, cfg.seed, pack, d.overlong,
+                          pad, shuffle_pack=split == "train") for split in ("train", "val"))
+    why = "" if pack or d.pack is False else " (the model's attention cannot keep packed examples apart)"
+    return Datasets(train, val, f"sft, {train.summary()}{why}")
 
 
 def train(cfg: RunConfig, ds_config_path: str) -> dict:
     read_ds_template(ds_config_path)  # before the data is prepared (build_run reads it again)
     data, source = build_inputs(cfg)
-    identity = {"train_tokens": len(data.train.tokens), "val_tokens": len(data.val.tokens)}
-    with build_run(cfg, ds_config_path, dist.detect_env(), train_spec(cfg), source, data=identity) as run:
+    with build_run(cfg, ds_config_path, dist.detect_env(), train_spec(cfg), source, data=data.identity()) as run:
         run.say(f"data: {len(data.train.tokens):,} train tokens in {cfg.data.dir}")
+        if data.summary:
+            run.say(f"data: {data.summary}")
         start = int((run.maybe_resume() or {}).get("step", 0))
         if start >= cfg.train.max_steps:  # its results stay as they were
             run.say(f"already trained to step {start} >= train.max_steps={cfg.train.max_steps}; nothing "
@@ -126,17 +158,25 @@ def token_mean(loss_sum: float, tokens: int) -> float:
     return loss / count
 
 
-def forward_loss(engine, batch: np.ndarray):
-    """Summed next-token cross-entropy and the token count of one micro-batch."""
+def forward_loss(engine, batch: np.ndarray | Batch):
+    """Summed next-token cross-entropy and the count of target tokens of one micro-batch: windows
+    of seq_len + 1 tokens (pretraining), or a Batch (sft: targets on the assistant's tokens, and
+    position ids restarting at each packed example, which keep examples from attending across)."""
     import torch
     import torch.nn.functional as F
 
-    tokens = torch.from_numpy(batch).to(engine.device)
-    logits = engine(input_ids=tokens[:, :-1], use_cache=False).logits
-    targets = tokens[:, 1:]
-    loss_sum = F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1),
-                               reduction="sum")
-    return loss_sum, targets.numel()
+    if isinstance(batch, Batch):
+        inputs, targets = torch.from_numpy(batch.inputs), torch.from_numpy(batch.targets)
+        extra = {} if batch.positions is None else {"position_ids": torch.from_numpy(batch.positions).to(engine.device)}
+        count = batch.n_targets
+    else:
+        tokens = torch.from_numpy(batch)
+        inputs, targets, extra = tokens[:, :-1], tokens[:, 1:], {}
+        count = targets.numel()
+    logits = engine(input_ids=inputs.to(engine.device), use_cache=False, **extra).logits
+    loss_sum = F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), targets.to(engine.device).reshape(-1),
+                               reduction="sum", ignore_index=IGNORE)
+    return loss_sum, count
 
 
 def _engine_checks_grads(engine) -> bool:
@@ -173,9 +213,14 @@ def _skipped_optimizer_step(optimizer):
         optimizer.overflow = False
 
 
-def train_step(engine, micro_batches: list[np.ndarray], poison: bool = False,
+def train_step(engine, micro_batches: list[np.ndarray] | list[Batch], poison: bool = False,
                beat: Callable[[str], None] = lambda phase: None, clock: "ComputeClock | None" = None) -> StepResult:
     """One optimizer step: the engine owns accumulation scaling, clipping and the optimizer.
+
+    The gradient is that of the mean loss over the step's target tokens on every rank. Windows all
+    hold the same number; sft micro-batches do not, so each one's summed loss is divided by the
+    step's total over all ranks (one all-reduce of a count), times the engine's own averaging over
+    micro-batches and ranks, which backward undoes.
 
     `poison` makes the loss infinite (fault injection for train.debug_nonfinite_steps); `beat`
     tells the heartbeat each phase; `clock` times the forward passes (this rank's own work).
@@ -183,6 +228,10 @@ def train_step(engine, micro_batches: list[np.ndarray], poison: bool = False,
     loss_total, tokens_total, grad_norm = 0.0, 0, None
     skipped_before = engine.skipped_steps
     clock = clock or ComputeClock(False)
+    per_step = None
+    if micro_batches and isinstance(micro_batches[0], Batch):
+        step_targets = dist.all_reduce_sum([sum(b.n_targets for b in micro_batches)])[0]
+        per_step = max(step_targets, 1) / (engine.dp_world_size * engine.gradient_accumulation_steps())
     for batch in micro_batches:
         beat("forward")
         with clock.device():
@@ -190,7 +239,7 @@ def train_step(engine, micro_batches: list[np.ndarray], poison: bool = False,
         if poison:
             loss_sum = loss_sum * float("inf")
         beat("backward")
-        engine.backward(loss_sum / n_tokens)
+        engine.backward(loss_sum / (per_step or n_tokens))
         skip = contextlib.nullcontext()
         if engine.is_gradient_accumulation_boundary() and not _engine_checks_grads(engine):
             grad_norm = _grad_norm(engine)  # after the all-reduce in backward: the same on every rank

@@ -182,3 +182,68 @@ def test_the_loss_is_a_mean_over_all_tokens_when_ranks_hold_different_counts(tmp
     assert ranks[0]["token_mean"] == ranks[1]["token_mean"]  # one all-reduce: every rank the same
     assert ranks[0]["token_mean"] == pytest.approx(ranks[0]["reference"], rel=1e-9)
     assert abs(ranks[0]["token_mean"] - ranks[0]["mean_of_means"]) > 1e-3
+
+
+def _chat_records(n: int) -> list[dict]:
+    """Arithmetic conversations: a system turn, a question, an answer (and a second pair in a third)."""
+    out = []
+    for i in range(n):
+        a, b = i % 17, (i * 7) % 13
+        messages = [{"role": "system", "content": "Answer with the number."},
+                    {"role": "user", "content": f"{a} plus {b}?"}, {"role": "assistant", "content": f"{a + b}"}]
+        if i % 3 == 0:
+            messages += [{"role": "user", "content": "times 2?"}, {"role": "assistant", "content": f"{2 * (a + b)}"}]
+        out.append({"messages": messages})
+    return out
+
+
+def test_fine_tuning_a_local_pretrained_model_on_conversations_lowers_the_held_out_loss_and_resumes_exactly(tmp_path):
+    """model.path + data.format sft through the deepspeed launcher: packed examples, loss on the
+    assistant's tokens, held-out assistant loss before and after, and an exact resume mid-run."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from conftest import TINY_MODEL
+    from ds_train.data import SftData, eval_micro_batches, load_meta, train_tokenizer
+    from ds_train.trainer import forward_loss
+    from test_data import CHAT_TEMPLATE
+
+    records = _chat_records(240)
+    (tmp_path / "chat.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    model_dir = tmp_path / "pretrained"  # a local Hugging Face directory: weights, config, tokenizer + template
+    tok = train_tokenizer([json.dumps(r) for r in records], 300, model_dir, CHAT_TEMPLATE)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(AutoConfig.for_model(**{**TINY_MODEL, "vocab_size": len(tok)})) \
+        .save_pretrained(model_dir)
+    cfg = tiny_config(tmp_path / "data", tmp_path / "run", model={"path": str(model_dir)},
+                      data={"sources": [str(tmp_path / "chat.jsonl")], "format": "sft", "val_fraction": 0.2},
+                      train={"max_steps": 24, "micro_batch_size": 4, "global_batch_size": 16, "seq_len": 96,
+                             "eval_every": 24, "eval_batches": 3},
+                      optim={"lr": 3e-3, "warmup_steps": 2}, checkpoint={"every": 12, "save_final": True},
+                      log={"every": 1})
+    del cfg["model"]["config"]
+    config = write_config(tmp_path / "sft.yaml", cfg)
+    res = deepspeed_train(config, str(ROOT / "ds_configs" / "zero2.json"))
+    assert res.returncode == 0, res.out[-4000:]
+    said = [line for line in res.out.splitlines() if "data: sft, " in line]
+    assert said and " packed into " in said[0] and "% non-pad tokens)" in said[0], said
+    metrics = read_metrics(tmp_path / "run")
+    assert [m["step"] for m in metrics] == list(range(1, 25))
+
+    # The held-out loss of the model before fine-tuning, as the evaluator computes it (both ranks' batches).
+    meta = load_meta(tmp_path / "data")
+    val = SftData(tmp_path / "data", "val", meta["dtype"], 96, 7, True, "drop", meta["eos_token_id"], False)
+    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    with torch.no_grad():
+        parts = [forward_loss(model, b) for r in range(2) for b in eval_micro_batches(val, 3, 4, r, 2)]
+    before = sum(float(p[0]) for p in parts) / sum(p[1] for p in parts)
+    after = metrics[-1]["eval/loss"]
+    assert after < before - 1.0, (before, after)
+
+    # Resume from the save at step 12 in a fresh run directory: the same batches, the same losses.
+    res = deepspeed_train(config, str(ROOT / "ds_configs" / "zero2.json"), f"output_dir={tmp_path / 'resumed'}",
+                          f"checkpoint.resume={tmp_path / 'run' / 'checkpoints' / 'step_00000012'}")
+    assert res.returncode == 0, res.out[-4000:]
+    resumed = read_metrics(tmp_path / "resumed")
+    assert [m["step"] for m in resumed] == list(range(13, 25))
+    assert [m["loss"] for m in resumed] == [m["loss"] for m in metrics[12:]]
