@@ -74,8 +74,12 @@ class SingleTurn(abc.ABC):
         got = action.strip().split("\n")[0].strip()
         return Step("", True, got == self.answer(context))
 
+    def demonstration_messages(self, context: str) -> list[dict]:
+        return [{"role": "user", "content": self.reset(context)},
+                {"role": "assistant", "content": f" {self.answer(context)}\n"}]
+
     def demonstration(self, context: str) -> str:
-        return f"{self.reset(context)} {self.answer(context)}\n"
+        return "".join(m["content"] for m in self.demonstration_messages(context))
 
 
 class Add(SingleTurn):
@@ -153,36 +157,34 @@ class GuessNumber:
             return Step("", True, False)
         return Step(f"{'higher' if int(got) < hidden else 'lower'} =", False)
 
-    def demonstration(self, context) -> str:
-        """Binary search, the behaviour a policy should learn."""
+    def demonstration_messages(self, context) -> list[dict]:
+        """Binary search, the behaviour a policy should learn: the game's turns and the guesses."""
         hidden, lo, hi = context
-        text = self.reset(context)
+        messages = [{"role": "user", "content": self.reset(context)}]
         for turn in range(self.max_turns):
             g = (lo + hi) // 2
-            text += f" {g}\n"
+            messages.append({"role": "assistant", "content": f" {g}\n"})
             step = self.step(context, turn, str(g))
             if step.done:
                 break
-            text += step.observation
+            messages.append({"role": "user", "content": step.observation})
             lo, hi = (g + 1, hi) if g < hidden else (lo, g - 1)
-        return text
+        return messages
+
+    def demonstration(self, context) -> str:
+        return "".join(m["content"] for m in self.demonstration_messages(context))
 
 
 BUILTIN: dict[str, type] = {t.name: t for t in (Add, Reverse, Copy, SortDigits, Parity, MaxDigit, GuessNumber)}
 
 
-DEMOS_SOURCE = "ript-demos"  # data source `ript-demos:N`: N demonstrations per built-in task (SFT data)
-
-
-def demonstrations(count: str) -> Iterator[tuple[str, str]]:
-    """`ript-demos:N`: each built-in task's solved transcript of N training contexts (seed 0)."""
-    if not count.isdigit() or int(count) <= 0:
-        raise UserError(f"data.sources: '{DEMOS_SOURCE}:{count}': write {DEMOS_SOURCE}:N with N "
-                        f"demonstrations per task")
+def demonstration_records(per_task: int) -> Iterator[dict]:
+    """Each built-in task's solved conversation for `per_task` training contexts (seed 0): the SFT
+    data of recipes/ript_sft.yaml (recipes/data/ript_demos.jsonl, written by scripts/ript_demos.py)."""
     for name, cls in BUILTIN.items():
         task = cls()
-        for i, context in enumerate(task.contexts("train", int(count), seed=0)):
-            yield f"{DEMOS_SOURCE}/{name}/{i}", task.demonstration(context)
+        for context in task.contexts("train", per_task, seed=0):
+            yield {"task": name, "messages": task.demonstration_messages(context)}
 
 
 def load_object(spec: str, what: str):
