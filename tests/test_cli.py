@@ -155,3 +155,26 @@ def test_prepare_command(tmp_path, capsys):
     meta = json.loads((tmp_path / "out" / "meta.json").read_text())
     assert 257 <= meta["vocab_size"] <= 300 and meta["train_tokens"] > 0 and meta["val_tokens"] > 0
     assert "wrote" in capsys.readouterr().out
+
+
+def test_prepare_sft_from_the_command_line_and_its_bad_input(tmp_path, capsys):
+    chat = tmp_path / "chat.jsonl"
+    chat.write_text("".join(json.dumps({"prompt": f"q{i} " * 5, "completion": f"a{i} " * 5}) + "\n"
+                            for i in range(30)))
+    template = tmp_path / "t.jinja"
+    template.write_text("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                        "{% if add_generation_prompt %}assistant: {% endif %}")
+    assert main(["prepare", str(chat), "--out", str(tmp_path / "out"), "--vocab-size", "300", "--format", "sft",
+                 "--chat-template", str(template), "--workers", "1"]) == 0
+    meta = json.loads((tmp_path / "out" / "meta.json").read_text())
+    assert meta["format"] == "sft" and 0 < meta["train_targets"] < meta["train_tokens"]
+    assert (tmp_path / "out" / "tokenizer" / "chat_template.jinja").read_text() == template.read_text()
+    for args, said in ((["--format", "sft"], "data.chat_template: the tokenizer has no chat template; set"),
+                       (["--workers", "-1"], "prepare: --workers -1: give 0 (one per core) or more"),
+                       (["--format", "sft", "--chat-template", str(tmp_path / "none.jinja")],
+                        f"prepare: --chat-template '{tmp_path / 'none.jinja'}' cannot be read")):
+        capsys.readouterr()
+        assert main(["prepare", str(chat), "--out", str(tmp_path / "bad"), "--vocab-size", "300", *args]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith(f"ds-train: error: {said}"), err
+        assert not (tmp_path / "bad").exists()

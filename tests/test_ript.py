@@ -145,3 +145,27 @@ def test_tally_travels_as_one_vector():
     assert back.counts["a"]["successes"] == 6 and back.counts["b"]["rejected"] == 2
     m = t.metrics()
     assert m["ript/success_rate"] == 3 / 16 and m["ript/accepted"] == 1 and m["ript/checked"] == 2
+
+
+def test_the_shipped_demonstrations_file_is_what_scripts_ript_demos_writes(tmp_path):
+    """recipes/ript_sft.yaml trains on it: conversations whose plain rendering is each task's
+    demonstration transcript."""
+    import json
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+    from ds_train.ript.tasks import BUILTIN
+
+    subprocess.run([sys.executable, str(ROOT / "scripts" / "ript_demos.py"), "--out", str(tmp_path / "d.jsonl")],
+                   check=True, capture_output=True, env={"PYTHONPATH": str(ROOT)})
+    shipped = (ROOT / "recipes" / "data" / "ript_demos.jsonl").read_text()
+    assert (tmp_path / "d.jsonl").read_text() == shipped
+    records = [json.loads(line) for line in shipped.splitlines()]
+    assert len(records) == 32 * len(BUILTIN)
+    for r in records[::16]:
+        task = BUILTIN[r["task"]]()
+        context = next(c for c in task.contexts("train", 32, 0)
+                       if task.demonstration_messages(c) == r["messages"])
+        assert "".join(m["content"] for m in r["messages"]) == task.demonstration(context)
+        assert [m["role"] for m in r["messages"]][:2] == ["user", "assistant"]
