@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import itertools
 import json
 import multiprocessing as mp
 import os
@@ -134,18 +135,24 @@ class Encoded:
 
 class Encoder:
     """Records -> token arrays per split: what a worker process does with each chunk. Text: each
-    document's tokens and EOS; sft: each conversation's tokens and its target mask (ds_train.chat)."""
+    document's tokens and EOS, through the tokenizer's Rust backend alone (`backend`: its JSON, as
+    the main process loaded it; a worker then never imports transformers); sft: each
+    conversation's tokens and its target mask (ds_train.chat, the whole Hugging Face tokenizer)."""
 
-    def __init__(self, tokenizer_dir: str, fmt: str, text_key: str, chat_template: str, val_fraction: float):
-        self.tok = load_tokenizer(tokenizer_dir)
-        self.fmt, self.val_fraction = fmt, val_fraction
+    def __init__(self, tokenizer_dir: str, backend: str, eos: int, vocab: int, fmt: str, text_key: str,
+                 chat_template: str, val_fraction: float):
+        self.fmt, self.val_fraction, self.eos = fmt, val_fraction, eos
         self.fields = SFT_FIELDS if fmt == "sft" else (text_key,)
-        self.dtype = encoder_dtype(self.tok)
-        self.renderer = Renderer(self.tok, chat_template) if fmt == "sft" else None
-        backend = getattr(self.tok, "backend_tokenizer", None)  # fast: skip the Python wrapper's extras
-        self._batch = (lambda texts: [e.ids for e in backend.encode_batch_fast(texts, add_special_tokens=False)]) \
-            if backend is not None and hasattr(backend, "encode_batch_fast") else \
-            (lambda texts: self.tok(texts, add_special_tokens=False)["input_ids"])
+        self.dtype = np.uint16 if vocab <= 2**16 else np.uint32
+        if fmt == "text" and backend:
+            from tokenizers import Tokenizer
+
+            fast = Tokenizer.from_str(backend)
+            self._batch = lambda texts: [e.ids for e in fast.encode_batch_fast(texts, add_special_tokens=False)]
+        else:
+            tok = load_tokenizer(tokenizer_dir)
+            self.renderer = Renderer(tok, chat_template) if fmt == "sft" else None
+            self._batch = lambda texts: tok(texts, add_special_tokens=False)["input_ids"]
 
     def __call__(self, chunk: Chunk) -> dict[str, Encoded]:
         splits: dict[str, list] = {"train": [], "val": []}
@@ -155,11 +162,10 @@ class Encoder:
 
     def _encode(self, docs: list, chunk: Chunk) -> Encoded:
         if self.fmt == "text":
-            eos = self.tok.eos_token_id
             ids = self._batch([text for _, text in docs])
-            lengths = np.fromiter((len(d) + 1 for d in ids), dtype=np.int64, count=len(ids))
-            tokens = np.fromiter((t for d in ids for t in (*d, eos)), dtype=self.dtype, count=int(lengths.sum()))
-            return Encoded(tokens, lengths)
+            lengths = np.array([len(d) + 1 for d in ids], dtype=np.int64)
+            flat = list(itertools.chain.from_iterable(d + [self.eos] for d in ids))
+            return Encoded(np.array(flat, dtype=self.dtype), lengths)
         pairs = [self.renderer.encode(record, _where(chunk, name)) for name, record in docs]
         lengths = np.array([len(t) for t, _ in pairs], dtype=np.int64)
         if not pairs:
@@ -340,7 +346,9 @@ def prepare(sources: list[str], out_dir: str | Path, tokenizer: str = "", vocab_
                 print(f"note: the BPE trained on {len(sample)} document(s) has {len(tok)} tokens, fewer than "
                       f"the {vocab_size} asked for (data.vocab_size, --vocab-size): the corpus has no more "
                       f"merges to learn; a model built from this data gets vocab_size {len(tok)}")
-        encoder_args = (str(partial_tok if not tokenizer else tok_dir), fmt, text_key, chat_template, val_fraction)
+        backend = getattr(tok, "backend_tokenizer", None)
+        encoder_args = (str(partial_tok if not tokenizer else tok_dir), backend.to_str() if backend else "",
+                        tok.eos_token_id, len(tok), fmt, text_key, chat_template, val_fraction)
         writers[:] = [SplitWriter(out, "train", fmt == "sft"), SplitWriter(out, "val", fmt == "sft")]
         train, val = writers
         n_workers = _workers(workers, sources)
