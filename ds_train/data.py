@@ -30,7 +30,7 @@ from tqdm import tqdm
 
 from ds_train.config import DataConfig
 from ds_train.errors import UserError
-from ds_train.fs import check_writable, file_lock, replacing, write_atomic
+from ds_train.fs import check_writable, file_lock, write_atomic
 from ds_train.chat import Renderer, conversation
 from ds_train.sources import (NO_RECORD, SFT_FIELDS, TOKENIZER_FILES, Chunk, check_source_files, chunks,
                               fingerprint_differences, input_bytes, input_fingerprint, no_documents_error, records)
@@ -337,7 +337,9 @@ def prepare(sources: list[str], out_dir: str | Path, tokenizer: str = "", vocab_
         if tok is not None:
             tok_dir = Path(tokenizer).resolve()
         else:
-            sample = _bpe_sample(sources, fields, fmt, chat_template, val_fraction)
+            # Too few documents for a hashed split: they are all the sample (as they will all train).
+            sample = (_bpe_sample(sources, fields, fmt, chat_template, val_fraction)
+                      or _bpe_sample(sources, fields, fmt, chat_template, 0.0))
             if not sample:
                 raise no_documents_error(sources)
             tok = train_tokenizer(sample, vocab_size, partial_tok, chat_template)
