@@ -143,7 +143,7 @@ class Encoder:
                  chat_template: str, val_fraction: float):
         self.fmt, self.val_fraction, self.eos = fmt, val_fraction, eos
         self.fields = SFT_FIELDS if fmt == "sft" else (text_key,)
-        self.dtype = np.uint16 if vocab <= 2**16 else np.uint32
+        self.dtype = token_dtype(vocab)
         if fmt == "text" and backend:
             from tokenizers import Tokenizer
 
@@ -299,10 +299,10 @@ def _bpe_sample(sources: list[str], fields: tuple[str, ...], fmt: str, chat_temp
     return texts
 
 
-def _workers(workers: int, sources: list[str]) -> int:
+def _workers(workers: int, total_bytes: int) -> int:
     if workers > 0:
         return workers
-    return 1 if input_bytes(sources) < SMALL_CORPUS_BYTES else len(os.sched_getaffinity(0))
+    return 1 if total_bytes < SMALL_CORPUS_BYTES else len(os.sched_getaffinity(0))
 
 
 def prepare(sources: list[str], out_dir: str | Path, tokenizer: str = "", vocab_size: int = 4096,
@@ -353,9 +353,10 @@ def prepare(sources: list[str], out_dir: str | Path, tokenizer: str = "", vocab_
                         tok.eos_token_id, len(tok), fmt, text_key, chat_template, val_fraction)
         writers[:] = [SplitWriter(out, "train", fmt == "sft"), SplitWriter(out, "val", fmt == "sft")]
         train, val = writers
-        n_workers = _workers(workers, sources)
+        total = input_bytes(sources)
+        n_workers = _workers(workers, total)
         ranges: list = [None] * len(sources)  # each source's train range (tokens; sft: examples)
-        started, total = time.monotonic(), input_bytes(sources)
+        started = time.monotonic()
         with tqdm(total=total, unit="B", unit_scale=True, desc="prepare", file=sys.stderr, mininterval=2,
                   disable=not sys.stderr.isatty()) as bar:
             for source, nbytes, parts in encoded_chunks(sources, fields, encoder_args, n_workers):
@@ -376,7 +377,7 @@ def prepare(sources: list[str], out_dir: str | Path, tokenizer: str = "", vocab_
         for w in writers:
             w.close()
         seconds = time.monotonic() - started
-        meta = {"format": fmt, "vocab_size": len(tok), "dtype": np.dtype(encoder_dtype(tok)).name,
+        meta = {"format": fmt, "vocab_size": len(tok), "dtype": np.dtype(token_dtype(len(tok))).name,
                 "tokenizer": "", "eos_token_id": tok.eos_token_id, "sources": sources,
                 "source_ranges": ranges, "max_token_id": max(train.max_id, val.max_id), "scan": {}}
         (out / "meta.json").unlink(missing_ok=True)  # from here on, out_dir does not look prepared
@@ -413,8 +414,9 @@ def prepare(sources: list[str], out_dir: str | Path, tokenizer: str = "", vocab_
     return meta
 
 
-def encoder_dtype(tok):
-    return np.uint16 if len(tok) <= 2**16 else np.uint32
+def token_dtype(vocab: int):
+    """The smallest unsigned type that holds every id of a vocabulary (see DTYPES)."""
+    return np.uint16 if vocab <= 2**16 else np.uint32
 
 
 def _position(writer: SplitWriter, fmt: str) -> int:

@@ -118,12 +118,12 @@ def no_documents_error(sources: list[str]) -> UserError:
 
 def input_bytes(sources: list[str]) -> int:
     """The size of every file the sources hold (a progress bar's total)."""
-    total = 0
-    for source in sources:
-        for _, path in source_files(source):
-            files = path.rglob("*") if path.is_dir() else [path]
-            total += sum(p.stat().st_size for p in files if p.is_file())
-    return total
+    return sum(_size(path) for source in sources for _, path in source_files(source))
+
+
+def _size(path: Path) -> int:
+    """A file's size, or the sum of a (`datasets`) directory's files."""
+    return sum(p.stat().st_size for p in (path.rglob("*") if path.is_dir() else [path]) if p.is_file())
 
 
 # --- streaming the records -----------------------------------------------------------------------
@@ -193,7 +193,7 @@ def _table_chunks(index: int, path: Path, name: str, kind: str, columns: tuple[s
             dataset = dataset.select_columns(_present(names, columns))
             rows = getattr(dataset, "num_rows", None)
             batches = ([dict(zip(b, vals)) for vals in zip(*b.values())] for b in dataset.iter(batch_size=CHUNK_ROWS))
-        size = sum(p.stat().st_size for p in (path.rglob("*") if path.is_dir() else [path]) if p.is_file())
+        size = _size(path)
         first = 0
         for batch in batches:
             step = size * len(batch) // rows if rows else 0
