@@ -3,9 +3,9 @@ the check that a directory can be written before any work starts."""
 
 from __future__ import annotations
 
-import contextlib
 import fcntl
 import os
+import tempfile
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
@@ -75,8 +75,10 @@ def write_atomic(path: Path, text: str) -> None:
 
 
 def check_writable(path: Path, key: str) -> None:
-    """`path` is a writable directory, or can be created as one (its nearest existing ancestor is a
-    writable directory, and a directory made there to try is removed again). Leaves nothing."""
+    """`path` is a writable directory, or can be created as one: its nearest existing ancestor is a
+    writable directory where a directory can be made. Creates nothing at `path` itself, so ranks
+    checking the same path at once cannot see each other's probe (the probe is a uniquely named
+    directory, removed again)."""
     path = Path(path)
     probe = path.absolute()
     while not probe.exists() and probe != probe.parent:
@@ -90,12 +92,7 @@ def check_writable(path: Path, key: str) -> None:
     if not os.access(probe, os.W_OK | os.X_OK):
         raise UserError(f"{key}: {str(probe)!r} is not writable by this user; choose another {key} or "
                         f"fix its permissions")
-    made = [p for p in [path.absolute(), *path.absolute().parents] if not p.exists()]
     try:  # some file systems refuse what the checks above allow (/proc, /sys): try, and leave no trace
-        path.mkdir(parents=True, exist_ok=True)
+        os.rmdir(tempfile.mkdtemp(prefix=".ds_train-probe-", dir=probe))
     except OSError as e:
         raise UserError(f"{key}: cannot create {str(path)!r} ({e.strerror or e}); choose another {key}") from None
-    finally:
-        for p in made:  # deepest first
-            with contextlib.suppress(OSError):
-                p.rmdir()
