@@ -111,7 +111,7 @@ def cmd_prepare(args) -> int:
         # The tokenizer `train` will check the data against: data.tokenizer, else model.path's.
         tokenizer = d.tokenizer or (str(locate_model(cfg.model.path)[0]) if cfg.model.path else "")
         prepare(d.sources, d.dir, tokenizer, d.vocab_size, d.val_fraction, d.text_key, fmt=d.format,
-                chat_template=d.chat_template, workers=args.workers if args.workers is not None else d.workers,
+                chat_template=d.chat_template, split_digits=d.split_digits, workers=args.workers if args.workers is not None else d.workers,
                 overwrite=args.overwrite)
     else:
         if not args.sources or not args.out:
@@ -127,7 +127,8 @@ def cmd_prepare(args) -> int:
                 raise UserError(f"prepare: --chat-template {args.chat_template!r} cannot be read ({e}); give a "
                                 f"file holding a Jinja chat template") from None
         prepare(args.sources, out, args.tokenizer, args.vocab_size, args.val_fraction, args.text_key,
-                fmt=args.format, chat_template=template, workers=args.workers or 0, overwrite=args.overwrite)
+                fmt=args.format, chat_template=template, split_digits=args.split_digits, workers=args.workers or 0,
+                overwrite=args.overwrite)
     meta = load_meta(out)
     print(f"wrote {out}/train.bin ({meta['train_tokens']:,} tokens), val.bin "
           f"({meta['val_tokens']:,} tokens), meta.json; vocab {meta['vocab_size']} ({meta['dtype']}); "
@@ -290,6 +291,8 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--out", help="output directory")
     pr.add_argument("--tokenizer", default="", help="tokenizer directory (default: train a byte-level BPE)")
     pr.add_argument("--vocab-size", type=int, default=4096, help="BPE vocabulary size (default 4096)")
+    pr.add_argument("--split-digits", action="store_true",
+                    help="the trained BPE makes every digit its own token (data.split_digits)")
     pr.add_argument("--val-fraction", type=float, default=0.02, help="documents held out (default 0.02)")
     pr.add_argument("--text-key", default="text", help="the records' text field (default text)")
     pr.add_argument("--format", choices=("text", "sft"), default="text",

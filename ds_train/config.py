@@ -75,6 +75,8 @@ class DataConfig:
     tokenizer: str = _f("", "Tokenizer directory. Empty: model.path's, else a byte-level BPE trained "
                             "on the sources into data.dir/tokenizer.")
     vocab_size: int = _f(4096, "Vocabulary size of the BPE trained when no tokenizer is given.")
+    split_digits: bool = _f(False, "The BPE trained when no tokenizer is given makes every digit its own "
+                                   "token (as Llama's and DeepSeek's do): numbers read digit by digit.")
     val_fraction: float = _f(0.02, "Share of the source documents held out into val.bin.")
     text_key: str = _f("text", "Field holding the text in JSONL sources.")
     reprepare: bool = _f(False, "Re-prepare data.dir when its sources, tokenizer or vocabulary changed "
@@ -361,6 +363,10 @@ class RunConfig:
             errs.append(f"watchdog.stall_s: {self.watchdog.stall_s:g} must be below dist.timeout_s="
                         f"{self.dist.timeout_s:g} (the watchdog names a hang before the process group "
                         f"times out)")
+        if self.data.split_digits and (self.data.tokenizer or self.model.path):
+            errs.append(f"data.split_digits: applies to the BPE prepare trains when no tokenizer is given, but "
+                        f"{'data.tokenizer' if self.data.tokenizer else 'model.path'} gives one; drop "
+                        f"data.split_digits")
         return errs
 
     def to_dict(self) -> dict:

@@ -40,13 +40,18 @@ EOS = "<|endoftext|>"
 
 # --- prepare -------------------------------------------------------------------------------------
 
-def train_tokenizer(texts: list[str], vocab_size: int, out_dir: Path, chat_template: str = ""):
-    """A byte-level BPE (GPT-2 style) trained locally: no hub needed. Saved as a HF tokenizer dir."""
+def train_tokenizer(texts: list[str], vocab_size: int, out_dir: Path, chat_template: str = "",
+                    split_digits: bool = False):
+    """A byte-level BPE (GPT-2 style) trained locally: no hub needed. Saved as a HF tokenizer dir.
+    split_digits: every digit is its own token (as in Llama's and DeepSeek's tokenizers), so a number
+    reads the same digit by digit wherever it stands."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level]) \
+        if split_digits else byte_level
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOS], show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
@@ -307,7 +312,7 @@ def _workers(workers: int, total_bytes: int) -> int:
 
 def prepare(sources: list[str], out_dir: str | Path, tokenizer: str = "", vocab_size: int = 4096,
             val_fraction: float = 0.02, text_key: str = "text", *, fmt: str = "text", chat_template: str = "",
-            workers: int = 0, overwrite: bool = False) -> dict:
+            split_digits: bool = False, workers: int = 0, overwrite: bool = False) -> dict:
     """Tokenise `sources` into out_dir/{train,val}.bin (sft: and .mask, .idx) and meta.json.
 
     Streams: chunks of documents are tokenised by `workers` processes (0: one per core; one for a
@@ -327,7 +332,11 @@ def prepare(sources: list[str], out_dir: str | Path, tokenizer: str = "", vocab_
     if fmt == "sft" and tok is not None:
         Renderer(tok, chat_template)  # the template is there
     # Taken before the sources are read: a file edited meanwhile then differs from the record.
-    fingerprint = input_fingerprint(sources, tokenizer, vocab_size, val_fraction, text_key, fmt, chat_template)
+    if split_digits and tok is not None:
+        raise UserError("data.split_digits (--split-digits) applies to the BPE prepare trains; the tokenizer "
+                        f"{tokenizer!r} splits numbers its own way: drop split_digits, or give no tokenizer")
+    fingerprint = input_fingerprint(sources, tokenizer, vocab_size, val_fraction, text_key, fmt, chat_template,
+                                    split_digits=split_digits)
     made = [p for p in (out.absolute(), *out.absolute().parents) if not p.exists()]
     out.mkdir(parents=True, exist_ok=True)
     partial_tok = out / ".tokenizer.partial"
@@ -342,7 +351,7 @@ def prepare(sources: list[str], out_dir: str | Path, tokenizer: str = "", vocab_
                       or _bpe_sample(sources, fields, fmt, chat_template, 0.0))
             if not sample:
                 raise no_documents_error(sources)
-            tok = train_tokenizer(sample, vocab_size, partial_tok, chat_template)
+            tok = train_tokenizer(sample, vocab_size, partial_tok, chat_template, split_digits)
             tok_dir = (out / "tokenizer").resolve()
             if len(tok) < vocab_size:
                 print(f"note: the BPE trained on {len(sample)} document(s) has {len(tok)} tokens, fewer than "
@@ -467,7 +476,7 @@ def ensure_prepared(d: DataConfig, tokenizer: str = "") -> dict:
         try:
             if sources:
                 current = input_fingerprint(sources, tokenizer, d.vocab_size, d.val_fraction, d.text_key,
-                                            d.format, d.chat_template, hashed=False)
+                                            d.format, d.chat_template, split_digits=d.split_digits, hashed=False)
                 diffs = fingerprint_differences(_read_meta_json(data_dir).get("fingerprint"), current)
                 if diffs:
                     return _inputs_changed(data_dir, diffs)
@@ -497,7 +506,8 @@ def ensure_prepared(d: DataConfig, tokenizer: str = "") -> dict:
         with file_lock(data_dir / ".prepare.lock"):
             if not meta_path.is_file() or problem():  # another rank may have prepared it meanwhile
                 prepare(sources, data_dir, tokenizer, d.vocab_size, d.val_fraction, d.text_key, fmt=d.format,
-                        chat_template=d.chat_template, workers=d.workers, overwrite=True)
+                        chat_template=d.chat_template, split_digits=d.split_digits, workers=d.workers,
+                        overwrite=True)
     except BaseException:
         if made:  # a bad record met while streaming: leave no data.dir holding a lock file
             (data_dir / ".prepare.lock").unlink(missing_ok=True)

@@ -362,9 +362,9 @@ def _source_record(source: str, hashed: bool) -> dict:
     return {"source": source, "kind": "path", "files": _file_records(files, hashed)}
 
 
-def _tokenizer_record(tokenizer: str, vocab_size: int, hashed: bool) -> dict:
+def _tokenizer_record(tokenizer: str, vocab_size: int, split_digits: bool, hashed: bool) -> dict:
     if not tokenizer:
-        return {"trained": True, "vocab_size": vocab_size}
+        return {"trained": True, "vocab_size": vocab_size, "split_digits": split_digits}
     tok_dir = Path(tokenizer).resolve()
     files = _file_records([(n, tok_dir / n) for n in TOKENIZER_FILES if (tok_dir / n).is_file()], hashed)
     record = {"path": str(tok_dir), "files": files}
@@ -375,13 +375,14 @@ def _tokenizer_record(tokenizer: str, vocab_size: int, hashed: bool) -> dict:
 
 
 def input_fingerprint(sources: list[str], tokenizer: str, vocab_size: int, val_fraction: float,
-                      text_key: str, fmt: str = "text", chat_template: str = "", hashed: bool = True) -> dict:
+                      text_key: str, fmt: str = "text", chat_template: str = "", *, split_digits: bool = False,
+                      hashed: bool = True) -> dict:
     """What `prepare` reads: every file of every source (size, mtime_ns, sha256), the tokenizer (its
     files' hashes, or the vocab_size of the BPE trained on the sources), the split and format settings.
     hashed=False: the current inputs to compare with a recorded fingerprint (hashes taken on demand)."""
     return {"version": FINGERPRINT_VERSION,
             "sources": [_source_record(s, hashed) for s in sources],
-            "tokenizer": _tokenizer_record(tokenizer, vocab_size, hashed),
+            "tokenizer": _tokenizer_record(tokenizer, vocab_size, split_digits, hashed),
             "val_fraction": val_fraction, "text_key": text_key, "format": fmt, "chat_template": chat_template}
 
 
@@ -435,6 +436,8 @@ def _differences(recorded: dict, current: dict, sha256: Callable[[Path], str]) -
     if o.get("trained") and n.get("trained"):
         if o["vocab_size"] != n["vocab_size"]:
             diffs.append(f"data.vocab_size {o['vocab_size']} -> {n['vocab_size']}")
+        if o.get("split_digits", False) != n["split_digits"]:  # not recorded before: False
+            diffs.append(f"data.split_digits {o.get('split_digits', False)} -> {n['split_digits']}")
     elif o.get("trained"):
         diffs.append(f"tokenizer: a BPE trained on the sources -> {n['path']!r}")
     elif n.get("trained"):

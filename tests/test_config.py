@@ -54,6 +54,15 @@ def test_no_file_and_no_overrides_still_needs_a_model():
         load_config(None)
 
 
+def test_split_digits_is_refused_where_a_tokenizer_is_given(tmp_path):
+    assert load_config(QUICKSTART, ["data.split_digits=true"]).data.split_digits is True
+    with pytest.raises(UserError, match="override data.split_digits=true: applies to the BPE prepare trains when "
+                                        "no tokenizer is given, but data.tokenizer gives one; drop data.split_digits"):
+        load_config(QUICKSTART, ["data.split_digits=true", "data.tokenizer=/tok"])
+    with pytest.raises(UserError, match="data.split_digits: applies to .* but model.path gives one"):
+        build_config({"model": {"path": str(tmp_path)}, "data": {"split_digits": True}})
+
+
 # --- key=value overrides -------------------------------------------------------------------------
 
 def test_int_override():

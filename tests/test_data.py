@@ -327,6 +327,26 @@ def test_a_changed_vocab_size_of_the_trained_bpe_is_a_change(corpus, tmp_path):
             "data.val_fraction 0.5 -> 0.25", "data.text_key 'text' -> 'body'")
 
 
+def test_split_digits_makes_every_digit_a_token_and_is_part_of_the_record(corpus, tmp_path):
+    data_dir = tmp_path / "data"
+    ensure(data_dir, [corpus], split_digits=True)
+    tok = load_tokenizer(data_dir / "tokenizer")
+    pieces = tok.convert_ids_to_tokens(tok("x = 12345 + 67\n", add_special_tokens=False)["input_ids"])
+    assert [p for p in pieces if any(c.isdigit() for c in p)] == list("1234567"), pieces
+    assert tok.decode(tok("x = 12345 + 67\n")["input_ids"]) == "x = 12345 + 67\n"
+    assert_refused(lambda: ensure(data_dir, [corpus]), data_dir, "data.split_digits True -> False")
+    other = tmp_path / "data2"
+    ensure(other, [corpus])  # recorded before split_digits existed reads as False: no change
+    meta = other / "meta.json"
+    record = json.loads(meta.read_text())
+    del record["fingerprint"]["tokenizer"]["split_digits"]
+    meta.write_text(json.dumps(record))
+    ensure(other, [corpus])
+    with pytest.raises(UserError, match=r"^data.split_digits \(--split-digits\) applies to the BPE prepare trains"):
+        prepare([str(corpus)], tmp_path / "data3", str(data_dir / "tokenizer"), split_digits=True)
+    assert not (tmp_path / "data3").exists()
+
+
 def test_reprepare_prepares_again_for_the_new_inputs(corpus, tmp_path):
     data_dir = tmp_path / "data"
     old = ensure(data_dir, [corpus])
