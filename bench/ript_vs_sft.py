@@ -1,21 +1,32 @@
-"""RIPT against continued SFT for the same wall-clock time, from the same SFT policy (2 processes).
+"""The README's RIPT demo, run as written, against continued SFT for the same wall time; rewrites
+the README's and BENCHMARKS.md's RIPT figures from what it measured.
 
-    python bench/ript_vs_sft.py [--out runs/bench_ript] [--ds-config ds_configs/zero2.json] [overrides...]
+    python bench/ript_vs_sft.py [--replace] [--no-write]
 
-1. SFT: recipes/ript_sft.yaml (a few demonstrations per task); skipped when already trained.
-2. RIPT: recipes/ript_demo.yaml from that SFT run, timed (launcher start to exit).
-3. Continued SFT: the SFT run resumed into another directory for at least as long as RIPT took
-   (launcher start-ups included on both sides; topped up from its own checkpoint if short).
-4. Held-out success of all three with RIPT's own evaluation (greedy, the same held-out contexts).
-Prints a table and writes OUT/summary.json. Overrides (key=value) go to the RIPT run.
+1. SFT, the README's command: `deepspeed --num_gpus 2 --module ds_train train --config
+   recipes/ript_sft.yaml --ds-config ds_configs/zero2.json` (into runs/ript_sft).
+2. RIPT, the README's command: `deepspeed --num_gpus 2 --module ds_train ript --config
+   recipes/ript_demo.yaml --ds-config ds_configs/zero2.json` (into runs/ript_demo); the line it
+   prints last ("held-out success A (iteration 0) -> B (iteration N)") is the README's figure.
+3. Continued SFT: runs/ript_sft resumed into runs/bench_ript/sft_continued for at least as long as
+   RIPT took (launcher start-ups included on both sides; topped up from its own checkpoint if short).
+4. Held-out success per task of all three with RIPT's own evaluation (greedy, the same contexts).
+
+runs/ript_sft, runs/ript_demo and runs/bench_ript must not exist (the commands would resume them):
+--replace removes them, and the SFT data prepared in data/cache/ript_demos, first. Writes runs/bench_ript/summary.json and, unless --no-write, the marked blocks of
+README.md and BENCHMARKS.md (date, machine, versions, commands, numbers).
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import math
 import os
+import platform
+import re
+import shutil
 import statistics
 import subprocess
 import sys
@@ -25,14 +36,25 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+SFT_CMD = "deepspeed --num_gpus 2 --module ds_train train --config recipes/ript_sft.yaml --ds-config ds_configs/zero2.json"
+RIPT_CMD = "deepspeed --num_gpus 2 --module ds_train ript --config recipes/ript_demo.yaml --ds-config ds_configs/zero2.json"
+SFT_DIR, RIPT_DIR, OUT = ROOT / "runs" / "ript_sft", ROOT / "runs" / "ript_demo", ROOT / "runs" / "bench_ript"
+DATA_DIR = ROOT / "data" / "cache" / "ript_demos"  # recipes/ript_sft.yaml's data.dir, prepared by its first run
+REPORTED = re.compile(r"held-out success (\d\.\d{3}) \(iteration 0\) -> (\d\.\d{3}) \(iteration (\d+)\)")
 
-def launch(command: str, config: str, ds_config: str, *overrides: str) -> float:
-    """Run `deepspeed --num_gpus 2 --module ds_train COMMAND ...`; returns the wall time."""
-    args = [str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", "2", "--module", "ds_train",
-            command, "--config", config, "--ds-config", ds_config, *overrides]
+
+def run(command: str, *overrides: str, log: Path) -> tuple[float, str]:
+    """Run a README command (plus overrides) from the repository root, its output teed to `log`;
+    returns the wall time and the output."""
+    args = command.split() + list(overrides)
+    args[0] = str(Path(sys.executable).parent / args[0])  # the venv's launcher
     t0 = time.perf_counter()
-    subprocess.run(args, cwd=ROOT, check=True, stdout=subprocess.DEVNULL if command == "train" else None)
-    return time.perf_counter() - t0
+    proc = subprocess.run(args, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    seconds = time.perf_counter() - t0
+    log.write_text(proc.stdout)
+    if proc.returncode:
+        sys.exit(f"bench: `{' '.join([command, *overrides])}` failed (exit {proc.returncode}); see {log}")
+    return seconds, proc.stdout
 
 
 def heldout_success(model_dir: Path, cfg) -> dict:
@@ -57,54 +79,118 @@ def heldout_success(model_dir: Path, cfg) -> dict:
     return {"success_rate": wins / total, "per_task": per_task}
 
 
+def continued_sft(ript_s: float) -> tuple[float, int]:
+    """SFT resumed from runs/ript_sft for at least ript_s seconds; returns (seconds, extra steps)."""
+    from ds_train.configfile import load_config
+
+    final = load_config(ROOT / "recipes" / "ript_sft.yaml").train.max_steps
+    steps = [m["perf/step_time_s"] for m in map(json.loads, (SFT_DIR / "metrics.jsonl").read_text().splitlines())
+             if m.get("perf/step_time_s")]
+    extra = math.ceil(ript_s / statistics.median(steps))  # launcher start-up counted as training time
+    more = OUT / "sft_continued"
+    common = (f"output_dir={more}", "log.progress=false")
+    more_s, _ = run(SFT_CMD, *common, f"checkpoint.resume={SFT_DIR / 'checkpoints'}", f"train.max_steps={final + extra}",
+                    log=OUT / "sft_continued.log")
+    while more_s < ript_s:  # at least as long as RIPT: top up at the rate it just ran (from its checkpoint)
+        extra += math.ceil((ript_s - more_s) * extra / more_s) + 1
+        more_s += run(SFT_CMD, *common, f"train.max_steps={final + extra}", log=OUT / "sft_continued.log")[0]
+    return more_s, extra
+
+
+def machine() -> str:
+    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")), platform.processor())
+    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    return f"{cpu}, {os.cpu_count()} cores, {mem:.0f} GiB, no GPU"
+
+
+def versions() -> str:
+    import deepspeed
+    import torch
+    import transformers
+    return f"torch {torch.__version__}, DeepSpeed {deepspeed.__version__}, transformers {transformers.__version__}"
+
+
+def tables(s: dict) -> tuple[str, str]:
+    """(the README's paragraph, BENCHMARKS.md's section body) from the summary."""
+    rows, tasks = s["rows"], list(s["rows"]["RIPT"]["per_task"])
+    start, end, more = (rows[k]["success_rate"] for k in ("SFT (start)", "RIPT", "SFT continued"))
+    head = "| policy | wall s | held-out success | " + " | ".join(tasks) + " |\n|---|---|---|" + "---|" * len(tasks)
+    lines = [head] + [f"| {name} | {row['seconds']:.0f} | {row['success_rate']:.3f} | " +
+                      " | ".join(f"{row['per_task'][t]:.2f}" for t in tasks) + " |" for name, row in rows.items()]
+    printed = s["printed"]
+    readme = (f"Measured on this 2-core CPU ({s['date']}, 2 processes, ZeRO-2, fp32; `python bench/ript_vs_sft.py` "
+              f"runs the two commands above as written and writes these figures): the RIPT command prints "
+              f"\"held-out success {printed[0]} (iteration 0) -> {printed[1]} (iteration {printed[2]})\", "
+              f"**{100 * (end - start):+.1f} points** over the SFT start (greedy, {s['eval_contexts']} held-out "
+              f"contexts per task, all seven tasks), in {s['sft_s'] + s['ript_s']:.0f} s for both commands "
+              f"(SFT {s['sft_s']:.0f} s, RIPT {s['ript_s']:.0f} s, start-ups included). SFT continued for "
+              f"{rows['SFT continued']['seconds']:.0f} s instead reaches {more:.3f} ({100 * (end - more):+.1f} points "
+              f"for RIPT). Per task:\n\n" + "\n".join(lines) + "\n")
+    bench = (f"- Date: {s['date']}. Machine: {s['machine']}; {s['versions']}.\n"
+             f"- Commands (the README's, as written): `{SFT_CMD}` ({s['sft_s']:.0f} s), then `{RIPT_CMD}` "
+             f"({s['ript_s']:.0f} s; it printed \"held-out success {printed[0]} (iteration 0) -> {printed[1]} "
+             f"(iteration {printed[2]})\"); continued SFT: the first command resumed from runs/ript_sft for "
+             f"{s['rows']['SFT continued']['steps']} more steps. All by `python bench/ript_vs_sft.py`, which "
+             f"wrote this section.\n"
+             f"- Held-out success: greedy, {s['eval_contexts']} held-out contexts per task, the evaluation "
+             f"`ds_train ript` logs (recomputed in-process from each exported model; the RIPT column's start and "
+             f"end equal what the command printed).\n\n" + "\n".join(lines) + "\n\n"
+             f"RIPT - SFT start: **{100 * (end - start):+.1f} points**; RIPT - SFT continued for the same wall "
+             f"time: **{100 * (end - more):+.1f} points**.\n")
+    return readme, bench
+
+
+def rewrite(path: Path, name: str, text: str) -> None:
+    """Replace the block between `<!-- NAME:start -->` and `<!-- NAME:end -->` in path."""
+    begin, end = f"<!-- {name}:start -->\n", f"<!-- {name}:end -->"
+    doc = path.read_text()
+    i, j = doc.index(begin) + len(begin), doc.index(end)
+    path.write_text(doc[:i] + text + doc[j:])
+
+
 def main() -> None:
     from ds_train.configfile import load_config
     from ds_train.export import export
 
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default="runs/bench_ript")
-    ap.add_argument("--ds-config", default="ds_configs/zero2.json")
-    ap.add_argument("overrides", nargs="*", default=[])
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--replace", action="store_true", help="remove runs/ript_sft, runs/ript_demo, runs/bench_ript "
+                                                           "and data/cache/ript_demos first")
+    ap.add_argument("--no-write", action="store_true", help="leave README.md and BENCHMARKS.md as they are")
     args = ap.parse_args()
+    held = [str(p.relative_to(ROOT)) for p in (SFT_DIR, RIPT_DIR, OUT) if p.exists()]
+    if held and not args.replace:
+        sys.exit(f"bench: {', '.join(held)} exist: the README's commands would resume them; give --replace "
+                 f"to remove them first")
+    for p in (SFT_DIR, RIPT_DIR, OUT, DATA_DIR):
+        shutil.rmtree(p, ignore_errors=True)
+    OUT.mkdir(parents=True)
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(sys.prefix) / "torch_extensions"))
-    out = (ROOT / args.out).resolve()
-    sft, ript_dir, more = out / "sft", out / "ript", out / "sft_continued"
-    launch("train", "recipes/ript_sft.yaml", args.ds_config, f"output_dir={sft}", "log.progress=false")
-    ript_overrides = [f"output_dir={ript_dir}", f"model.path={sft}", *args.overrides]
-    cfg = load_config(ROOT / "recipes" / "ript_demo.yaml", ript_overrides)
-    ript_s = launch("ript", "recipes/ript_demo.yaml", args.ds_config, *ript_overrides)
+    sft_s, _ = run(SFT_CMD, log=OUT / "sft.log")
+    ript_s, out = run(RIPT_CMD, log=OUT / "ript.log")
+    printed = REPORTED.findall(out)[-1]
+    more_s, extra = continued_sft(ript_s)
 
-    sft_cfg = load_config(ROOT / "recipes" / "ript_sft.yaml")
-    steps = [m["perf/step_time_s"] for m in map(json.loads, (sft / "metrics.jsonl").read_text().splitlines())
-             if m.get("perf/step_time_s")]
-    final = sft_cfg.train.max_steps
-    extra = math.ceil(ript_s / statistics.median(steps))  # launcher start-up counted as training time
-    more_s = launch("train", "recipes/ript_sft.yaml", args.ds_config, f"output_dir={more}",
-                    f"checkpoint.resume={sft / 'checkpoints'}", f"train.max_steps={final + extra}",
-                    "log.progress=false")
-    while more_s < ript_s:  # at least as long as RIPT: top up at the rate it just ran (from its checkpoint)
-        extra += math.ceil((ript_s - more_s) * extra / more_s) + 1
-        more_s += launch("train", "recipes/ript_sft.yaml", args.ds_config, f"output_dir={more}",
-                         f"train.max_steps={final + extra}", "log.progress=false")
+    cfg = load_config(ROOT / "recipes" / "ript_demo.yaml")
     rows = {}
-    for name, run_dir, seconds in (("SFT (start)", sft, 0.0), ("RIPT", ript_dir, ript_s),
-                                   ("SFT continued", more, more_s)):
-        hf = out / f"hf_{run_dir.name}"
-        if not (hf / "config.json").is_file():
-            export(run_dir, hf)
+    for name, run_dir, seconds in (("SFT (start)", SFT_DIR, 0.0), ("RIPT", RIPT_DIR, ript_s),
+                                   ("SFT continued", OUT / "sft_continued", more_s)):
+        hf = OUT / f"hf_{run_dir.name}"
+        export(run_dir, hf)
         rows[name] = {"seconds": round(seconds, 1), **heldout_success(hf, cfg)}
-    logged = json.loads((ript_dir / "ript_results.json").read_text())
-    rows["RIPT"]["logged_by_ript"] = logged["eval"]["success_rate"]
-    rows["SFT (start)"]["logged_by_ript"] = logged["evals"][0]["success_rate"]
     rows["SFT continued"]["steps"] = extra
-    (out / "summary.json").write_text(json.dumps(rows, indent=2))
-    tasks = list(rows["RIPT"]["per_task"])
-    print(f"{'':14} {'wall s':>7} {'held-out':>9} " + " ".join(f"{t:>7}" for t in tasks))
-    for name, row in rows.items():
-        print(f"{name:14} {row['seconds']:>7.0f} {row['success_rate']:>9.3f} " +
-              " ".join(f"{row['per_task'][t]:>7.2f}" for t in tasks))
-    print(f"RIPT - SFT start: {100 * (rows['RIPT']['success_rate'] - rows['SFT (start)']['success_rate']):+.1f} points; "
-          f"RIPT - SFT continued: {100 * (rows['RIPT']['success_rate'] - rows['SFT continued']['success_rate']):+.1f} points")
+    for name, value in (("SFT (start)", printed[0]), ("RIPT", printed[1])):
+        assert f"{rows[name]['success_rate']:.3f}" == value, (name, rows[name]["success_rate"], value)
+    summary = {"date": datetime.date.today().isoformat(), "machine": machine(), "versions": versions(),
+               "sft_s": round(sft_s, 1), "ript_s": round(ript_s, 1), "printed": list(printed),
+               "eval_contexts": cfg.ript.eval_contexts, "rows": rows}
+    (OUT / "summary.json").write_text(json.dumps(summary, indent=2))
+    readme, bench = tables(summary)
+    print(bench)
+    if not args.no_write:
+        rewrite(ROOT / "README.md", "ript-bench", readme)
+        rewrite(ROOT / "BENCHMARKS.md", "ript-bench", bench)
+        print("rewrote the ript-bench blocks of README.md and BENCHMARKS.md")
 
 
 if __name__ == "__main__":

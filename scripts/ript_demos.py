@@ -1,6 +1,6 @@
 """Write the RIPT demonstrations as a conversations file (data.format sft), one JSON record a line:
 
-    python scripts/ript_demos.py [--per-task 32] [--out recipes/data/ript_demos.jsonl]
+    python scripts/ript_demos.py [--per-task 48] [--out recipes/data/ript_demos.jsonl]
 
 Each built-in task's solved transcript of N training contexts: the prompt and each observation a
 user turn, each answer an assistant turn. recipes/ript_sft.yaml trains on it; the file in the
@@ -18,7 +18,7 @@ from ds_train.ript.tasks import demonstration_records
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--per-task", type=int, default=32)
+    ap.add_argument("--per-task", type=int, default=48)
     ap.add_argument("--out", default=str(Path(__file__).resolve().parents[1] / "recipes/data/ript_demos.jsonl"))
     args = ap.parse_args()
     lines = [json.dumps(r) for r in demonstration_records(args.per_task)]

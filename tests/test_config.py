@@ -315,7 +315,7 @@ def test_ript_recipes_load_and_agree_with_two_ranks(tmp_path):
     sft = load_config(QUICKSTART.parent / "ript_sft.yaml")
     assert sft.data.sources == ["recipes/data/ript_demos.jsonl"] and sft.data.format == "sft" and sft.output_dir == "runs/ript_sft"
     cfg = load_config(QUICKSTART.parent / "ript_demo.yaml", [f"model.path={tmp_path}"])
-    assert cfg.ript.tasks == ["add", "guess", "max", "parity"] and cfg.ript.rloo_batch_size == 8
+    assert cfg.ript.tasks == ["add", "rev", "copy", "sort", "parity", "max", "guess"] and cfg.ript.rloo_batch_size == 8
     rows_per_rank = cfg.ript.contexts_per_rank * cfg.ript.rloo_batch_size
     assert rows_per_rank % (cfg.train.global_batch_size // 2) == 0  # what `ript` checks at 2 ranks
     with pytest.raises(UserError, match=r"override ript.early_stop_fraction=0: must be in \(0, 1\]"):

@@ -162,10 +162,10 @@ def test_the_shipped_demonstrations_file_is_what_scripts_ript_demos_writes(tmp_p
     shipped = (ROOT / "recipes" / "data" / "ript_demos.jsonl").read_text()
     assert (tmp_path / "d.jsonl").read_text() == shipped
     records = [json.loads(line) for line in shipped.splitlines()]
-    assert len(records) == 32 * len(BUILTIN)
+    assert len(records) == 48 * len(BUILTIN)
     for r in records[::16]:
         task = BUILTIN[r["task"]]()
-        context = next(c for c in task.contexts("train", 32, 0)
+        context = next(c for c in task.contexts("train", 48, 0)
                        if task.demonstration_messages(c) == r["messages"])
         assert "".join(m["content"] for m in r["messages"]) == task.demonstration(context)
         assert [m["role"] for m in r["messages"]][:2] == ["user", "assistant"]
