@@ -92,6 +92,8 @@ def check_writable(path: Path, key: str) -> None:
     if not os.access(probe, os.W_OK | os.X_OK):
         raise UserError(f"{key}: {str(probe)!r} is not writable by this user; choose another {key} or "
                         f"fix its permissions")
+    if probe == path.absolute():
+        return  # an existing directory: nothing to make, so nothing made (its mtime stays too)
     try:  # some file systems refuse what the checks above allow (/proc, /sys): try, and leave no trace
         os.rmdir(tempfile.mkdtemp(prefix=".ds_train-probe-", dir=probe))
     except OSError as e:

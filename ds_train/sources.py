@@ -364,7 +364,7 @@ def _source_record(source: str, hashed: bool) -> dict:
 
 def _tokenizer_record(tokenizer: str, vocab_size: int, split_digits: bool, hashed: bool) -> dict:
     if not tokenizer:
-        return {"trained": True, "vocab_size": vocab_size, "split_digits": split_digits}
+        return {"trained": True, "vocab_size": vocab_size, **({"split_digits": True} if split_digits else {})}
     tok_dir = Path(tokenizer).resolve()
     files = _file_records([(n, tok_dir / n) for n in TOKENIZER_FILES if (tok_dir / n).is_file()], hashed)
     record = {"path": str(tok_dir), "files": files}
@@ -436,8 +436,8 @@ def _differences(recorded: dict, current: dict, sha256: Callable[[Path], str]) -
     if o.get("trained") and n.get("trained"):
         if o["vocab_size"] != n["vocab_size"]:
             diffs.append(f"data.vocab_size {o['vocab_size']} -> {n['vocab_size']}")
-        if o.get("split_digits", False) != n["split_digits"]:  # not recorded before: False
-            diffs.append(f"data.split_digits {o.get('split_digits', False)} -> {n['split_digits']}")
+        if o.get("split_digits", False) != n.get("split_digits", False):  # recorded only when true
+            diffs.append(f"data.split_digits {o.get('split_digits', False)} -> {n.get('split_digits', False)}")
     elif o.get("trained"):
         diffs.append(f"tokenizer: a BPE trained on the sources -> {n['path']!r}")
     elif n.get("trained"):

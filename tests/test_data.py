@@ -336,12 +336,9 @@ def test_split_digits_makes_every_digit_a_token_and_is_part_of_the_record(corpus
     assert tok.decode(tok("x = 12345 + 67\n")["input_ids"]) == "x = 12345 + 67\n"
     assert_refused(lambda: ensure(data_dir, [corpus]), data_dir, "data.split_digits True -> False")
     other = tmp_path / "data2"
-    ensure(other, [corpus])  # recorded before split_digits existed reads as False: no change
-    meta = other / "meta.json"
-    record = json.loads(meta.read_text())
-    del record["fingerprint"]["tokenizer"]["split_digits"]
-    meta.write_text(json.dumps(record))
-    ensure(other, [corpus])
+    ensure(other, [corpus])  # recorded only when true: a record from before split_digits reads the same
+    assert "split_digits" not in json.loads((other / "meta.json").read_text())["fingerprint"]["tokenizer"]
+    assert_refused(lambda: ensure(other, [corpus], split_digits=True), other, "data.split_digits False -> True")
     with pytest.raises(UserError, match=r"^data.split_digits \(--split-digits\) applies to the BPE prepare trains"):
         prepare([str(corpus)], tmp_path / "data3", str(data_dir / "tokenizer"), split_digits=True)
     assert not (tmp_path / "data3").exists()

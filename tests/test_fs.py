@@ -47,7 +47,8 @@ def test_ranks_checking_the_same_new_output_dir_at_once_do_not_see_each_others_p
     assert errors == [[]] * 4
     assert list(tmp_path.iterdir()) == []  # nothing made, nothing left
     run.mkdir(parents=True)
+    mtime = run.stat().st_mtime_ns
     check_writable(run, "output_dir")
-    assert list(run.iterdir()) == []
+    assert list(run.iterdir()) == [] and run.stat().st_mtime_ns == mtime  # an existing directory: untouched
     with pytest.raises(UserError, match=r"cannot create '/proc/ds_train_run' \("):
         check_writable(Path("/proc/ds_train_run"), "output_dir")
