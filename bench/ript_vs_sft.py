@@ -13,8 +13,9 @@ the README's and BENCHMARKS.md's RIPT figures from what it measured.
 4. Held-out success per task of all three with RIPT's own evaluation (greedy, the same contexts).
 
 runs/ript_sft, runs/ript_demo and runs/bench_ript must not exist (the commands would resume them):
---replace removes them, and the SFT data prepared in data/cache/ript_demos, first. Writes runs/bench_ript/summary.json and, unless --no-write, the marked blocks of
-README.md and BENCHMARKS.md (date, machine, versions, commands, numbers).
+--replace removes them, and the SFT data prepared in data/cache/ript_demos, first. Writes
+runs/bench_ript/summary.json and, unless --no-write, the marked blocks of README.md and
+BENCHMARKS.md (date, machine, versions, commands, numbers).
 """
 
 from __future__ import annotations

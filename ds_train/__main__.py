@@ -111,8 +111,8 @@ def cmd_prepare(args) -> int:
         # The tokenizer `train` will check the data against: data.tokenizer, else model.path's.
         tokenizer = d.tokenizer or (str(locate_model(cfg.model.path)[0]) if cfg.model.path else "")
         prepare(d.sources, d.dir, tokenizer, d.vocab_size, d.val_fraction, d.text_key, fmt=d.format,
-                chat_template=d.chat_template, split_digits=d.split_digits, workers=args.workers if args.workers is not None else d.workers,
-                overwrite=args.overwrite)
+                chat_template=d.chat_template, split_digits=d.split_digits,
+                workers=args.workers if args.workers is not None else d.workers, overwrite=args.overwrite)
     else:
         if not args.sources or not args.out:
             raise UserError("prepare: give SOURCE... --out DIR, or --config C (uses its data section)")

@@ -519,8 +519,8 @@ def ensure_prepared(d: DataConfig, tokenizer: str = "") -> dict:
 
 
 def _check_can_prepare(data_dir: Path) -> None:
-    """data.dir is, or can be made as, a writable directory. Only its nearest existing ancestor is
-    checked: check_writable would create and remove data.dir itself, under another rank's lock."""
+    """data.dir is, or can be made as, a writable directory: its nearest existing ancestor is
+    checked, and a data.dir that cannot be made is named as such."""
     existing = next(p for p in (data_dir.absolute(), *data_dir.absolute().parents) if p.exists())
     try:
         check_writable(existing, "data.dir")  # an existing directory: check_writable makes nothing
