@@ -32,6 +32,8 @@ class ModelConfig:
     dtype: Literal["auto", "bf16", "fp16", "fp32"] = _f(
         "auto", "Training precision. auto: bf16 on a GPU that supports it, else fp32.")
     activation_checkpointing: bool = _f(False, "Recompute activations in backward to save memory.")
+    compile: bool = _f(False, "torch.compile the model through DeepSpeed's engine.compile() (the first "
+                              "steps are slow while it compiles).")
     attn_implementation: str = _f("sdpa", "Hugging Face attention implementation (sdpa, eager, ...).")
     allow_new_weights: bool = _f(False, "Allow tensors missing from model.path's weights (a new head); "
                                         "they are initialised and listed.")

@@ -23,6 +23,7 @@ import platform
 import shutil
 import signal
 import socket
+import time
 import uuid
 from dataclasses import dataclass, replace
 from functools import partial
@@ -175,7 +176,9 @@ class Run:
             self.describe_run(-1)
             return None
         self.beat(int(self.resume.state["step"]), "load")
+        t0 = time.perf_counter()
         state = load_resume(self.engine, self.resume, self.env.rank, self.env.world_size)
+        self.rank_log.info(f"loaded checkpoint {self.resume.tag} in {time.perf_counter() - t0:.2f} s")
         self.describe_run(int(self.resume.state["step"]))
         self.say(self.resume_said)
         return state
@@ -302,6 +305,12 @@ def _build_run(cfg: RunConfig, ds_config_path: str, env: dist.DistEnv, spec: Run
     built = build_model(model_cfg, source.hf_config, ds_config, cfg.seed)
     n_params = count_params(built.model)
     engine = initialize(built.model, ds_config)
+    if cfg.model.compile:  # torch.compile through DeepSpeed, with the accelerator's backend
+        from deepspeed.accelerator import get_accelerator
+
+        backend = get_accelerator().get_compile_backend()
+        engine.compile(backend=backend)
+        rank_log.info(f"engine.compile(backend={backend!r}): compiled {engine.is_compiled}")
 
     hosts = dist.all_gather_object((env.node_rank, host))  # node rank: loopback nodes share a name
     say = print if env.is_main and not quiet else _silent
