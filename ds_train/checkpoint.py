@@ -23,6 +23,7 @@ import random
 import re
 import shutil
 import signal
+import time
 from pathlib import Path
 from typing import Callable
 
@@ -363,6 +364,7 @@ class Checkpointer:
             raise UserError(f"{self.unit} {step}: the weights are not finite; no checkpoint written ("
                             f"{self._latest()}); if model.path's weights are finite, lower optim.lr and resume")
         self.check_space(step)
+        t0 = time.perf_counter()
         try:
             tag = save(self.engine, self.ckpt_dir, step, {**self.record, **state, "step": step}, self.rank,
                        self.world, self.cfg.keep, self.writer, self.seq, rank_state, self.fault)
@@ -373,7 +375,7 @@ class Checkpointer:
             raise UserError(f"checkpoint {tag_for(step)}: writing {getattr(e, 'filename', None) or self.ckpt_dir} "
                             f"failed: {_why(e)}; {self._room()}; {self._latest()}") from None
         self.seq += 1
-        self.log.info(f"saved checkpoint {tag}")
+        self.log.info(f"saved checkpoint {tag} in {time.perf_counter() - t0:.2f} s")
         return tag
 
     def check_space(self, step: int) -> None:
