@@ -1,0 +1,264 @@
+"""MFU and tokens/s of a ~1B Llama: ds_train against a bare DeepSpeed loop and the HF Trainer.
+
+    python bench/gpu/mfu.py --out OUT [--sides ds_train,bare,hf,ckpt,compile] [--steps 20]
+    python bench/gpu/mfu.py --out OUT --reduced --data DIR      # the CPU check the suite runs
+
+One GPU, ZeRO-2 (ds_configs/zero2.json), bf16, seq 2048, micro-batch 8 x accumulation 4. Sides,
+each in its own process, one after another:
+
+  ds_train  `ds-train train` on the bundled corpus; tokens/s between its log records after warm-up
+  bare      deepspeed.initialize on the same HF model with the ds_config ds_train rendered, then
+            forward (HF loss) / engine.backward / engine.step on random tokens, nothing else
+  hf        the Hugging Face Trainer with that same ds_config (every value it owns agrees), random
+            tokens, timed by a callback from the end of warm-up to the last step
+  ckpt      ds_train with model.activation_checkpointing=true
+  compile   ds_train with model.compile=true (DeepSpeed's engine.compile())
+
+Every side times the same steps (after --warmup) with the device synchronised at both ends, and
+MFU = tokens/s x (6 N + 12 L h s) / peak, one formula for all. results: OUT/mfu.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import (LLAMA_1B, ROOT, TINY, add_common_args, check_device, ds_train, launch, metrics,  # noqa: E402
+                    prepare, run_config, tail, versions, write_results)
+
+SIDES = ("ds_train", "bare", "hf", "ckpt", "compile")
+DS_CONFIG = ROOT / "ds_configs" / "zero2.json"
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_common_args(p)
+    p.add_argument("--sides", default=",".join(SIDES), help=f"comma-separated, from {', '.join(SIDES)}")
+    p.add_argument("--steps", type=int, default=20, help="timed optimizer steps per side (default 20)")
+    p.add_argument("--warmup", type=int, default=10, help="untimed steps first (default 10)")
+    p.add_argument("--micro", type=int, default=8, help="micro-batch size (default 8)")
+    p.add_argument("--accum", type=int, default=4, help="gradient accumulation steps (default 4)")
+    p.add_argument("--side", choices=("bare", "hf"), help=argparse.SUPPRESS)  # a worker process
+    p.add_argument("--config", help=argparse.SUPPRESS)
+    p.add_argument("--ds-config", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    args.sides = [s.strip() for s in args.sides.split(",") if s.strip()]
+    if unknown := [s for s in args.sides if s not in SIDES]:
+        p.error(f"--sides: unknown {unknown}; choose from {', '.join(SIDES)}")
+    if args.reduced:
+        args.steps, args.warmup, args.micro, args.accum = min(args.steps, 4), min(args.warmup, 2), 2, 2
+    if args.steps <= 0 or args.warmup <= 0:
+        p.error("--steps and --warmup must be positive")
+    return args
+
+
+def shape(args) -> tuple[dict, int, str]:
+    """(model config, seq_len, dtype)."""
+    return (TINY, 64, "fp32") if args.reduced else (LLAMA_1B, 2048, "bf16")
+
+
+# ---------------------------------------------------------------- worker sides (own process each)
+def load_run(config: str):
+    """The model config, batch and rendered ds_config of the ds_train side's run."""
+    import yaml
+
+    cfg = yaml.safe_load(Path(config).read_text())
+    return cfg, cfg["train"]
+
+
+def build_model(cfg: dict):
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    kwargs = dict(cfg["model"]["config"])
+    hf = AutoConfig.for_model(kwargs.pop("model_type"), **kwargs)
+    if hf.vocab_size is None or "vocab_size" not in cfg["model"]["config"]:
+        from ds_train.data import load_tokenizer
+
+        hf.vocab_size = len(load_tokenizer(Path(cfg["data"]["dir"]) / "tokenizer"))
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(hf, attn_implementation="sdpa"), hf
+
+
+def synchronize() -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def side_bare(args) -> dict:
+    """The DeepSpeed tutorial's loop: initialize, then forward / backward / step."""
+    import deepspeed
+    import torch
+
+    cfg, train = load_run(args.config)
+    ds_config = json.loads(Path(args.ds_config).read_text())
+    model, hf = build_model(cfg)
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=[p for p in model.parameters()],
+                                      config=ds_config)
+    micro, seq, gas = train["micro_batch_size"], train["seq_len"], ds_config["gradient_accumulation_steps"]
+    gen = torch.Generator().manual_seed(0)
+    times = []
+    for step in range(args.warmup + args.steps):
+        if step == args.warmup:
+            synchronize()
+            t0 = time.perf_counter()
+        for _ in range(gas):
+            x = torch.randint(0, hf.vocab_size, (micro, seq), generator=gen).to(engine.device)
+            loss = engine(input_ids=x, labels=x, use_cache=False).loss
+            engine.backward(loss)
+            engine.step()
+    synchronize()
+    times.append(time.perf_counter() - t0)
+    return {"seconds": times[0], "steps": args.steps, "params": sum(p.numel() for p in model.parameters())}
+
+
+def side_hf(args) -> dict:
+    """The HF Trainer with the same ds_config; TrainingArguments agree with every value it checks."""
+    import torch
+    from transformers import Trainer, TrainerCallback, TrainingArguments
+
+    cfg, train = load_run(args.config)
+    ds_config = json.loads(Path(args.ds_config).read_text())
+    model, hf = build_model(cfg)
+    micro, seq, gas = train["micro_batch_size"], train["seq_len"], ds_config["gradient_accumulation_steps"]
+    total = args.warmup + args.steps
+    gen = torch.Generator().manual_seed(0)
+    rows = torch.randint(0, hf.vocab_size, (total * gas * micro, seq), generator=gen)
+
+    class Rows(torch.utils.data.Dataset):
+        def __len__(self):
+            return len(rows)
+
+        def __getitem__(self, i):
+            return {"input_ids": rows[i], "labels": rows[i]}
+
+    marks = {}
+
+    class Clock(TrainerCallback):
+        def on_step_end(self, _args, state, control, **kw):
+            if state.global_step in (args.warmup, total):
+                synchronize()
+                marks[state.global_step] = time.perf_counter()
+
+    opt, sched = ds_config["optimizer"]["params"], ds_config["scheduler"]["params"]
+    targs = TrainingArguments(
+        output_dir=str(Path(args.out) / "runs" / "hf"), per_device_train_batch_size=micro,
+        gradient_accumulation_steps=gas, max_steps=total, learning_rate=opt["lr"],
+        adam_beta1=opt["betas"][0], adam_beta2=opt["betas"][1], adam_epsilon=opt["eps"],
+        weight_decay=opt["weight_decay"], warmup_steps=sched["warmup_num_steps"], max_grad_norm=ds_config["gradient_clipping"],
+        bf16=ds_config.get("bf16", {}).get("enabled", False), deepspeed=ds_config, save_strategy="no",
+        report_to=[], logging_steps=10**6, disable_tqdm=True, dataloader_num_workers=0,
+        remove_unused_columns=False, seed=0, use_cpu=not torch.cuda.is_available())
+    Trainer(model=model, args=targs, train_dataset=Rows(), callbacks=[Clock()]).train()
+    return {"seconds": marks[total] - marks[args.warmup], "steps": args.steps,
+            "params": sum(p.numel() for p in model.parameters())}
+
+
+# ---------------------------------------------------------------- the driver
+def ds_train_side(args, out: Path, name: str, model: dict, seq: int, dtype: str, **flags) -> dict:
+    log_every = args.warmup if args.warmup <= args.steps else 1
+    cfg = run_config(out, name, model, args.data, seq=seq, micro=args.micro, global_batch=args.micro * args.accum,
+                     steps=args.warmup + args.steps, dtype=dtype, log_every=log_every, **flags)
+    log = out / "logs" / f"{name}.log"
+    rc, wall = launch(ds_train("train", "--config", str(cfg), "--ds-config", str(DS_CONFIG)), log, args.timeout)
+    if rc:
+        return {"error": f"exit {rc}", "log_tail": tail(log)}
+    # The logged windows after warm-up: each is the wall time of the steps since the last log record
+    # (the final evaluation, written into the last record, comes after its window closes).
+    recs = [r for r in metrics(out / "runs" / name) if "perf/step_time_s" in r]
+    steps = [r["step"] for r in recs]
+    timed = [(r, r["step"] - prev) for prev, r in zip(steps, recs[1:]) if prev >= args.warmup]
+    seconds = sum(r["perf/step_time_s"] * n for r, n in timed)
+    end = recs[-1]
+    env = json.loads((out / "runs" / name / "env.json").read_text())
+    return {"seconds": seconds, "steps": sum(n for _, n in timed), "wall_s": wall, "config": str(cfg),
+            "dtype": env.get("dtype"), "logged_mfu_last": end.get("perf/mfu")}
+
+
+def worker_side(args, out: Path, side: str) -> dict:
+    run = out / "runs" / "ds_train"
+    if not (run / "ds_config.json").is_file():
+        return {"error": "needs the ds_train side first (its rendered ds_config.json)"}
+    log = out / "logs" / f"{side}.log"
+    result = out / f"{side}.side.json"
+    rc, wall = launch([sys.executable, __file__, "--side", side, "--out", str(out), "--data", args.data,
+                       "--config", str(out / "configs" / "ds_train.yaml"), "--ds-config", str(run / "ds_config.json"),
+                       "--steps", str(args.steps), "--warmup", str(args.warmup)], log, args.timeout)
+    if rc or not result.is_file():
+        return {"error": f"exit {rc}", "log_tail": tail(log)}
+    return {**json.loads(result.read_text()), "wall_s": wall}
+
+
+def summarise(args, sides: dict, model: dict, seq: int) -> dict:
+    from transformers import AutoConfig
+
+    from ds_train.metrics import peak_flops
+    from ds_train.model import flops_per_token
+
+    v = versions()
+    kwargs = dict(model)
+    hf = AutoConfig.for_model(kwargs.pop("model_type"), **kwargs)
+    params = next((s["params"] for s in sides.values() if "params" in s), None)
+    peak = peak_flops(v["device"], 0.0) if v["device"] != "cpu" else None
+    tokens_per_step = args.micro * args.accum * seq
+    for s in sides.values():
+        if "seconds" in s:
+            s["tokens_per_s"] = tokens_per_step * s["steps"] / s["seconds"]
+            if params and peak:
+                s["mfu"] = s["tokens_per_s"] * flops_per_token(params, hf.num_hidden_layers, hf.hidden_size, seq) / peak
+    ratio = {}
+    base = sides.get("ds_train", {}).get("tokens_per_s")
+    for other in ("bare", "hf"):
+        if base and sides.get(other, {}).get("tokens_per_s"):
+            ratio[f"ds_train/{other}"] = base / sides[other]["tokens_per_s"]
+    return {"what": "tokens/s and MFU, one GPU, ZeRO-2", "model": model, "params": params, "seq_len": seq,
+            "micro_batch_size": args.micro, "grad_accum": args.accum, "tokens_per_step": tokens_per_step,
+            "warmup_steps": args.warmup, "timed_steps": args.steps, "peak_flops": peak, "sides": sides,
+            "ratios": ratio, "targets": {"ds_train/bare": 0.98, "ds_train/hf": 1.0, "mfu": 0.45},
+            "reduced": args.reduced, "versions": v}
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    out = Path(args.out).resolve()
+    if args.side:  # a worker: measure one side, write it, exit
+        result = side_bare(args) if args.side == "bare" else side_hf(args)
+        (out / f"{args.side}.side.json").write_text(json.dumps(result))
+        return 0
+    check_device(args.reduced)
+    model, seq, dtype = shape(args)
+    prepare(out, args.data, args.timeout)
+    sides = {}
+    for side in args.sides:
+        if side == "ds_train":
+            sides[side] = ds_train_side(args, out, "ds_train", model, seq, dtype)
+        elif side == "ckpt":
+            sides[side] = ds_train_side(args, out, "ckpt", model, seq, dtype, ckpt=True)
+        elif side == "compile":
+            sides[side] = ds_train_side(args, out, "compile", model, seq, dtype, compile=True)
+        else:
+            sides[side] = worker_side(args, out, side)
+        s = sides[side]
+        print(f"{side}: " + (f"{args.micro * args.accum * seq * s['steps'] / s['seconds']:,.0f} tokens/s"
+                             if "seconds" in s else f"FAILED {s['error']}\n{s.get('log_tail', '')}"), flush=True)
+    results = summarise(args, sides, model, seq)
+    path = write_results(out, "mfu", results)
+    for side, s in sides.items():
+        mfu = f", MFU {s['mfu']:.1%}" if s.get("mfu") else ""
+        if "tokens_per_s" in s:
+            print(f"  {side:9s} {s['tokens_per_s']:>12,.0f} tokens/s{mfu}")
+    for k, r in results["ratios"].items():
+        print(f"  {k}: {r:.3f}")
+    print(f"results: {path}")
+    return 1 if any("error" in s for s in sides.values()) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

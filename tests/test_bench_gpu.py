@@ -1,0 +1,67 @@
+"""bench/gpu's scripts end to end in their reduced CPU mode (a tiny model, a few steps), so they do
+not rot between the sessions that have a GPU. What they measure is checked on the GPU; here, that
+every side runs, every figure is computed and written, and the OOM report's fix is parsed and run."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+
+from conftest import ROOT, run_cmd
+
+pytestmark = pytest.mark.slow
+
+
+def bench(script: str, out, tiny_data, *extra: str, timeout: float = 600):
+    r = run_cmd([sys.executable, str(ROOT / "bench" / "gpu" / script), "--out", str(out), "--reduced",
+                 "--data", str(tiny_data), *extra], timeout=timeout)
+    assert r.returncode == 0, r.out[-3000:]
+    return r
+
+
+def test_mfu_measures_every_side_and_the_ratios(tiny_data, tmp_path):
+    r = bench("mfu.py", tmp_path, tiny_data)
+    d = json.loads((tmp_path / "mfu.json").read_text())
+    assert set(d["sides"]) == {"ds_train", "bare", "hf", "ckpt", "compile"}
+    for side, s in d["sides"].items():
+        assert s["tokens_per_s"] > 0 and s["steps"] == d["timed_steps"], (side, s)
+    assert set(d["ratios"]) == {"ds_train/bare", "ds_train/hf"} and all(x > 0 for x in d["ratios"].values())
+    assert d["versions"]["deepspeed"] and d["versions"]["device"] == "cpu" and d["peak_flops"] is None
+    assert "ds_train/hf:" in r.out and "results:" in r.out
+    compiled = (tmp_path / "runs" / "compile" / "logs" / "rank_0.log").read_text()
+    assert "engine.compile(backend='inductor'): compiled True" in compiled
+    ckpt = (tmp_path / "configs" / "ckpt.yaml").read_text()
+    assert "activation_checkpointing: true" in ckpt
+
+
+def test_memory_predicts_and_measures_each_case(tiny_data, tmp_path):
+    bench("memory.py", tmp_path, tiny_data)
+    d = json.loads((tmp_path / "memory.json").read_text())
+    assert [(c["zero_stage"], c["micro_batch_size"]) for c in d["cases"]] == [(2, 2), (3, 2)]
+    for c in d["cases"]:
+        assert c["error"] is None and c["predicted_gib"] > 0 and c["measured_kind"] == "process RSS growth"
+        assert c["relative_error"] is None or c["relative_error"] > -1
+    assert d["tolerance"] == 0.10
+
+
+def test_oom_report_fix_is_parsed_and_runs(tiny_data, tmp_path):
+    bench("oom.py", tmp_path, tiny_data)
+    d = json.loads((tmp_path / "oom.json").read_text())
+    first = d["attempts"][0]
+    assert first["micro_batch_size"] == 2 and first["predicted_gib"] > d["gpu_memory_gib"] and first["exit"] == 0
+    assert "out of GPU memory" in d["oom_report"] and " fits " in d["oom_report"]
+    assert d["fix"]["change"][1:] == ["train.micro_batch_size=1"] and d["fix"]["exit"] == 0 and d["verified"]
+
+
+def test_steps_overhead_precision_checkpoint_export(tiny_data, tmp_path):
+    bench("steps.py", tmp_path, tiny_data)
+    d = json.loads((tmp_path / "steps.json").read_text())
+    assert d["overhead"]["median_ratio"] > 0
+    p = d["precision"]
+    assert set(p["bf16"]) == set(p["fp32"]) and len(p["bf16"]) >= 3
+    assert 0 < p["max_relative_difference"] < 0.01  # bf16 really ran, and agrees with fp32 early on
+    c = d["checkpoint"]
+    assert c["resume"] and c["save_s"] is not None and c["load_s"] is not None and c["bytes"] > 0
+    assert d["export"]["bytes"] > 0 and (tmp_path / "export" / "config.json").is_file()
