@@ -29,7 +29,7 @@ from ds_train.errors import UserError
 from ds_train.fs import write_atomic
 from ds_train.memory import GiB, ModelShape, model_shape
 from ds_train.metrics import PEAK_TFLOPS, memory_gib, peak_flops
-from ds_train.model import build_hf_config, count_params, flops_per_token, resolve_dtype
+from ds_train.model import build_hf_config, count_params, flops_per_token, lookup_params, resolve_dtype
 from ds_train.plan import (Target, format_rows, format_suggestions, pick_preset, plan_rows, resolved_zero,
                            suggestions)
 from ds_train.trainer import build_inputs, forward_loss, prepare_data, train_spec, train_step
@@ -152,7 +152,7 @@ def dry_run(cfg: RunConfig, ds_config_path: str, target: Target, steps: int = 3,
             gpu_gib, rss_gib = memory_gib(engine.device.type)
             measured_peak = gpu_gib if on_gpu else max(rss_gib - rss_before, 0.0)
             round_trip = _checkpoint_round_trip(run, data.val, Path(work))
-            n_params = count_params(engine.module)
+            n_params, lookups = count_params(engine.module), lookup_params(engine.module.config)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     given = next(r for r in estimate_out["rows"] if r["given"])
@@ -161,7 +161,7 @@ def dry_run(cfg: RunConfig, ds_config_path: str, target: Target, steps: int = 3,
     device_name = torch.cuda.get_device_name() if on_gpu else "cpu"
     peak = peak_flops(device_name, cfg.log.peak_tflops) if on_gpu else None
     fpt = flops_per_token(n_params, estimate_out["model"]["layers"], estimate_out["model"]["hidden"],
-                          cfg.train.seq_len)
+                          cfg.train.seq_len, lookups)
     return {
         **estimate_out,
         "batch": {"global_batch_size": plan.global_batch_size, "micro_batch_size": plan.micro_batch_size,

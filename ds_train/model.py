@@ -391,9 +391,18 @@ def count_params(model) -> int:
     return sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
 
 
-def flops_per_token(n_params: int, n_layers: int, hidden: int, seq_len: int) -> float:
-    """Training FLOPs per token: 6N for the matmuls plus 12 L h s for attention (PaLM, App. B)."""
-    return 6 * n_params + 12 * n_layers * hidden * seq_len
+def flops_per_token(n_params: int, n_layers: int, hidden: int, seq_len: int, lookup_params: int = 0) -> float:
+    """Training FLOPs per token: 6N for the matmuls plus 12 L h s for attention (PaLM, App. B).
+    N leaves out `lookup_params`, an input embedding that is only indexed (as torchtitan does)."""
+    return 6 * (n_params - lookup_params) + 12 * n_layers * hidden * seq_len
+
+
+def lookup_params(hf_config) -> int:
+    """Parameters that do no matmul: the input embedding when it is not tied to the output head (a
+    tied matrix does the head's matmul, so it counts once)."""
+    if getattr(hf_config, "tie_word_embeddings", False):
+        return 0
+    return int(getattr(hf_config, "vocab_size", 0) or 0) * int(getattr(hf_config, "hidden_size", 0) or 0)
 
 
 def supports_packing(hf_config) -> bool:

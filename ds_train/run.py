@@ -44,7 +44,7 @@ from ds_train.fs import check_writable, file_lock, hold_lock, write_atomic
 from ds_train.logs import build_rank_log, capture_console, release_console
 from ds_train.metrics import Logger, build_logger, build_progress, peak_flops, rewind_jsonl
 from ds_train.memory import checkpoint_bytes
-from ds_train.model import build_hf_config, build_model, count_params, flops_per_token, resolve_dtype
+from ds_train.model import build_hf_config, build_model, count_params, flops_per_token, lookup_params, resolve_dtype
 from ds_train.plan import oom_report
 from ds_train.reports import doctor_hint
 from ds_train.reports import where as rank_where
@@ -364,7 +364,7 @@ def _build_run(cfg: RunConfig, ds_config_path: str, env: dist.DistEnv, spec: Run
                                    needed_bytes=needed, where=f" (node {env.node_rank}, {host})",
                                    beat=heartbeat.beat)
     fpt = flops_per_token(n_params, source.hf_config.num_hidden_layers, source.hf_config.hidden_size,
-                          cfg.train.seq_len)
+                          cfg.train.seq_len, lookup_params(source.hf_config))
     watchdog = Watchdog(heartbeat, run_dir, env.world_size, cfg.watchdog.stall_s, cfg.watchdog.heartbeat_s,
                         dist.side_channel(env), env.local_rank if on_gpu else None, stop.request).start()
     return Run(cfg, env, spec, plan, run_dir, ds_config, dtype, lr, engine, source.tokenizer, n_params, fpt,

@@ -9,7 +9,7 @@ import time
 import pytest
 
 from ds_train.metrics import JsonlLogger, NullLogger, build_logger, mfu, peak_flops
-from ds_train.model import flops_per_token, resolve_dtype
+from ds_train.model import flops_per_token, lookup_params, resolve_dtype
 
 
 # --- peak FLOP/s and MFU -------------------------------------------------------------------------
@@ -130,6 +130,16 @@ def test_main_rank_logger_writes_jsonl_and_console(tmp_path, capsys):
 def test_flops_per_token_is_6n_plus_attention():
     assert flops_per_token(n_params=1_000_000, n_layers=4, hidden=128, seq_len=256) == (
         6 * 1_000_000 + 12 * 4 * 128 * 256)
+
+
+def test_an_untied_input_embedding_does_no_matmul():
+    from transformers import LlamaConfig
+
+    untied = LlamaConfig(vocab_size=32000, hidden_size=2048, tie_word_embeddings=False)
+    tied = LlamaConfig(vocab_size=32000, hidden_size=2048, tie_word_embeddings=True)
+    assert lookup_params(untied) == 32000 * 2048 and lookup_params(tied) == 0
+    assert flops_per_token(10**9, 22, 2048, 2048, lookup_params(untied)) == (
+        flops_per_token(10**9, 22, 2048, 2048) - 6 * 32000 * 2048)
 
 
 def test_flops_per_token_known_value():

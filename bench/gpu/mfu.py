@@ -200,7 +200,7 @@ def summarise(args, sides: dict, model: dict, seq: int) -> dict:
     from transformers import AutoConfig
 
     from ds_train.metrics import peak_flops
-    from ds_train.model import flops_per_token
+    from ds_train.model import flops_per_token, lookup_params
 
     v = versions()
     kwargs = dict(model)
@@ -212,7 +212,8 @@ def summarise(args, sides: dict, model: dict, seq: int) -> dict:
         if "seconds" in s:
             s["tokens_per_s"] = tokens_per_step * s["steps"] / s["seconds"]
             if params and peak:
-                s["mfu"] = s["tokens_per_s"] * flops_per_token(params, hf.num_hidden_layers, hf.hidden_size, seq) / peak
+                fpt = flops_per_token(params, hf.num_hidden_layers, hf.hidden_size, seq, lookup_params(hf))
+                s["mfu"] = s["tokens_per_s"] * fpt / peak
     ratio = {}
     base = sides.get("ds_train", {}).get("tokens_per_s")
     for other in ("bare", "hf"):
