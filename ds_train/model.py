@@ -391,10 +391,11 @@ def count_params(model) -> int:
     return sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
 
 
-def flops_per_token(n_params: int, n_layers: int, hidden: int, seq_len: int, lookup_params: int = 0) -> float:
+def flops_per_token(n_params: int, n_layers: int, hidden: int, seq_len: int, lookups: int = 0) -> float:
     """Training FLOPs per token: 6N for the matmuls plus 12 L h s for attention (PaLM, App. B).
-    N leaves out `lookup_params`, an input embedding that is only indexed (as torchtitan does)."""
-    return 6 * (n_params - lookup_params) + 12 * n_layers * hidden * seq_len
+    N leaves out `lookups`, the parameters of an input embedding that is only indexed (torchtitan's
+    count; see lookup_params)."""
+    return 6 * (n_params - lookups) + 12 * n_layers * hidden * seq_len
 
 
 def lookup_params(hf_config) -> int:

@@ -44,7 +44,8 @@ from ds_train.fs import check_writable, file_lock, hold_lock, write_atomic
 from ds_train.logs import build_rank_log, capture_console, release_console
 from ds_train.metrics import Logger, build_logger, build_progress, peak_flops, rewind_jsonl
 from ds_train.memory import checkpoint_bytes
-from ds_train.model import build_hf_config, build_model, count_params, flops_per_token, lookup_params, resolve_dtype
+from ds_train.model import (build_hf_config, build_model, count_params, flops_per_token, lookup_params,
+                            resolve_dtype)
 from ds_train.plan import oom_report
 from ds_train.reports import doctor_hint
 from ds_train.reports import where as rank_where
