@@ -51,7 +51,8 @@ def case(args, out: Path, model: dict, seq: int, dtype: str, micro: int, stage: 
     cfg = run_config(out, name, model, args.data, seq=seq, micro=micro, global_batch=2 * micro, steps=100,
                      dtype=dtype, ckpt=ckpt)
     report, log = out / "dry_runs" / f"{name}.json", out / "logs" / f"{name}.log"
-    rc, wall = launch(ds_train("dry-run", "--config", str(cfg), "--ds-config", str(ROOT / "ds_configs" / STAGE_FILES[stage]),
+    ds_config = str(ROOT / "ds_configs" / STAGE_FILES[stage])
+    rc, wall = launch(ds_train("dry-run", "--config", str(cfg), "--ds-config", ds_config,
                                "--nodes", "1", "--gpus-per-node", "1", "--out", str(report)), log, args.timeout)
     row = {"case": name, "micro_batch_size": micro, "zero_stage": stage, "activation_checkpointing": ckpt,
            "wall_s": wall}
@@ -59,7 +60,8 @@ def case(args, out: Path, model: dict, seq: int, dtype: str, micro: int, stage: 
         return {**row, "error": f"exit {rc}", "log_tail": tail(log)}
     d = json.loads(report.read_text())
     predicted, measured = d["predicted"]["per_gpu_peak_gib"], d["measured"]["peak_memory_gib"]
-    return {**row, "predicted_gib": predicted, "measured_gib": measured, "measured_kind": d["measured"]["peak_memory_kind"],
+    return {**row, "predicted_gib": predicted, "measured_gib": measured,
+            "measured_kind": d["measured"]["peak_memory_kind"],
             "error": None, "relative_error": predicted / measured - 1 if measured > 0 else None,
             "step_time_s": d["measured"]["step_time_s"], "params": d["model"]["params"]}
 

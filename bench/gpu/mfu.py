@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -104,7 +103,6 @@ def side_bare(args) -> dict:
                                       config=ds_config)
     micro, seq, gas = train["micro_batch_size"], train["seq_len"], ds_config["gradient_accumulation_steps"]
     gen = torch.Generator().manual_seed(0)
-    times = []
     for step in range(args.warmup + args.steps):
         if step == args.warmup:
             synchronize()
@@ -115,8 +113,7 @@ def side_bare(args) -> dict:
             engine.backward(loss)
             engine.step()
     synchronize()
-    times.append(time.perf_counter() - t0)
-    return {"seconds": times[0], "steps": args.steps, "params": sum(p.numel() for p in model.parameters())}
+    return {"seconds": time.perf_counter() - t0, "steps": args.steps, "params": sum(p.numel() for p in model.parameters())}
 
 
 def side_hf(args) -> dict:
@@ -152,7 +149,8 @@ def side_hf(args) -> dict:
         output_dir=str(Path(args.out) / "runs" / "hf"), per_device_train_batch_size=micro,
         gradient_accumulation_steps=gas, max_steps=total, learning_rate=opt["lr"],
         adam_beta1=opt["betas"][0], adam_beta2=opt["betas"][1], adam_epsilon=opt["eps"],
-        weight_decay=opt["weight_decay"], warmup_steps=sched["warmup_num_steps"], max_grad_norm=ds_config["gradient_clipping"],
+        weight_decay=opt["weight_decay"], warmup_steps=sched["warmup_num_steps"],
+        max_grad_norm=ds_config["gradient_clipping"],
         bf16=ds_config.get("bf16", {}).get("enabled", False), deepspeed=ds_config, save_strategy="no",
         report_to=[], logging_steps=10**6, disable_tqdm=True, dataloader_num_workers=0,
         remove_unused_columns=False, seed=0, use_cpu=not torch.cuda.is_available())

@@ -108,8 +108,9 @@ def main(argv=None) -> int:
         tags = sorted((run / "checkpoints").glob("step_*"))
         size = sum(p.stat().st_size for p in tags[0].rglob("*") if p.is_file()) if tags else 0
         res["checkpoint"] = {"save_s": seconds_in_log(run, "saved"), "load_s": seconds_in_log(run, "loaded"),
-                             "bytes": size, "resume": "error" not in resumed,
-                             **({"error": resumed["error"], "log_tail": resumed["log_tail"]} if "error" in resumed else {})}
+                             "bytes": size, "resume": "error" not in resumed}
+        if "error" in resumed:
+            res["checkpoint"].update(error=resumed["error"], log_tail=resumed["log_tail"])
         log = out / "logs" / "export.log"
         target = out / "export"
         shutil.rmtree(target, ignore_errors=True)
