@@ -305,6 +305,9 @@ class RiptConfig:
     skip_solved: bool = _f(False, "Per-context statistics: skip a context whose last K rollouts all "
                                   "succeeded, and re-test it after retest_after skips.")
     retest_after: int = _f(5, "Skips before a solved context is rolled out again.")
+    task_weighting: Literal["uniform", "accepted"] = _f(
+        "uniform", "How a rank shares its rollouts among its tasks: in turn (uniform), or in proportion "
+                   "to each task's recent rate of accepted contexts (accepted; at least 0.1 each).")
     ppo_epochs: int = _f(1, "Passes over the accepted rollouts per iteration.")
     clip_low: float = _f(0.2, "PPO ratio clip below 1 (ratio >= 1 - clip_low).")
     clip_high: float = _f(0.28, "PPO ratio clip above 1 (ratio <= 1 + clip_high).")

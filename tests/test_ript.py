@@ -169,3 +169,28 @@ def test_the_shipped_demonstrations_file_is_what_scripts_ript_demos_writes(tmp_p
                        if task.demonstration_messages(c) == r["messages"])
         assert "".join(m["content"] for m in r["messages"]) == task.demonstration(context)
         assert [m["role"] for m in r["messages"]][:2] == ["user", "assistant"]
+
+
+def test_task_weighting_accepted_shares_rollouts_by_accept_rate_and_resumes_exactly():
+    from ds_train.ript.sampler import FLOOR, ContextSampler, Tally
+
+    names = ["add", "copy", "sort"]
+    tasks = [load_task(n) for n in names]
+    rate = {"add": 0.0, "copy": 0.5, "sort": 1.0}  # sort: every context accepted, add: none
+
+    def feed(sampler, picks):
+        for task, index, _ in picks:
+            accepted = (index % 100) < rate[task.name] * 100
+            sampler.record(task.name, index, 4 if accepted else 0, 8)
+
+    a = ContextSampler(tasks, 100, seed=1, weighting="accepted")
+    uniform = ContextSampler(tasks, 100, seed=1)
+    feed(a, a.next(300, Tally(names)))
+    w = a.weights()
+    assert w["add"] == FLOOR and w["sort"] > w["copy"] > w["add"]
+    got = [t.name for t, _, _ in a.next(120, Tally(names))]
+    assert got.count("sort") > got.count("copy") > got.count("add") >= 1  # the floor: add still drawn
+    assert [t.name for t, _, _ in uniform.next(6, Tally(names))] == names * 2  # the default: in turn
+    b = ContextSampler(tasks, 100, seed=1, weighting="accepted")
+    b.load_state(json.loads(json.dumps({"tasks": a.state()["tasks"], "turns": {"add,copy,sort": a.state()["turn"]}})))
+    assert [(t.name, i) for t, i, _ in a.next(50, Tally(names))] == [(t.name, i) for t, i, _ in b.next(50, Tally(names))]

@@ -34,16 +34,43 @@ class TaskStream:
         return index
 
 
+DECAY = 0.95  # per context recorded: a task's accept rate is over about its last 20 contexts
+FLOOR = 0.1  # the least weight a task keeps under task_weighting=accepted
+
+
 class ContextSampler:
-    """One rank's stream of (task, context index, context) over the tasks it owns."""
+    """One rank's stream of (task, context index, context) over the tasks it owns.
+
+    uniform: the tasks draw in turn. accepted: each task draws in proportion to its recent rate of
+    accepted contexts (decayed counts; at least FLOOR, so none starves and each rate stays
+    measured), by smooth weighted round-robin: deterministic, and carried by a checkpoint."""
 
     def __init__(self, tasks: list, train_contexts: int, seed: int, skip_solved: bool = False,
-                 retest_after: int = 5):
+                 retest_after: int = 5, weighting: str = "uniform"):
         self.streams = {t.name: TaskStream(t, t.contexts("train", train_contexts, seed), seed) for t in tasks}
         self.names = sorted(self.streams)
-        self.turn = 0  # which task draws next
+        self.turn = 0  # which task draws next (uniform), draws so far (accepted)
         self.skip_solved = skip_solved
         self.retest_after = retest_after
+        self.weighting = weighting
+        self.rates = {n: [1.0, 2.0] for n in self.names}  # decayed (accepted, checked): a prior of 1 in 2
+        self.credit = dict.fromkeys(self.names, 0.0)
+
+    def weights(self) -> dict[str, float]:
+        return {n: max(FLOOR, a / c) for n, (a, c) in self.rates.items()}
+
+    def _next_stream(self) -> TaskStream:
+        if self.weighting == "uniform":
+            name = self.names[self.turn % len(self.names)]
+        else:
+            weights = self.weights()
+            total = sum(weights.values())
+            for n in self.names:
+                self.credit[n] += weights[n] / total
+            name = max(self.names, key=lambda n: self.credit[n])  # ties: the first name
+            self.credit[name] -= 1.0
+        self.turn += 1
+        return self.streams[name]
 
     def next(self, n: int, tally: "Tally") -> list[tuple[Any, int, Any]]:
         """Up to n contexts to roll out; solved contexts are skipped (and counted) until re-tested."""
@@ -53,8 +80,7 @@ class ContextSampler:
         budget = n + sum(len(s.contexts) for s in self.streams.values()) * (self.retest_after + 1)
         while len(picked) < n and budget > 0:
             budget -= 1
-            stream = self.streams[self.names[self.turn % len(self.names)]]
-            self.turn += 1
+            stream = self._next_stream()
             index = stream.draw()
             if self.skip_solved and index in stream.solved:
                 if stream.solved[index] < self.retest_after:
@@ -66,7 +92,10 @@ class ContextSampler:
         return picked
 
     def record(self, task_name: str, index: int, successes: int, k: int) -> None:
-        """After a context's K rollouts: solved when all K succeeded, else forgotten."""
+        """After a context's K rollouts: the task's accept rate; solved when all K succeeded, else
+        forgotten."""
+        accepted, checked = self.rates[task_name]
+        self.rates[task_name] = [accepted * DECAY + float(0 < successes < k), checked * DECAY + 1.0]
         if not self.skip_solved:
             return
         stream = self.streams[task_name]
@@ -76,8 +105,10 @@ class ContextSampler:
             stream.solved.pop(index, None)
 
     def state(self) -> dict:
-        return {"turn": self.turn, "tasks": {name: {"drawn": s.drawn, "solved": {str(i): c for i, c in s.solved.items()}}
-                                             for name, s in self.streams.items()}}
+        return {"turn": self.turn,
+                "tasks": {name: {"drawn": s.drawn, "solved": {str(i): c for i, c in s.solved.items()},
+                                 "rate": self.rates[name], "credit": self.credit[name]}
+                          for name, s in self.streams.items()}}
 
     def load_state(self, state: dict) -> None:
         """This rank's tasks from a checkpoint's merged state (any earlier sharding)."""
@@ -87,6 +118,8 @@ class ContextSampler:
             if saved:
                 stream.drawn = int(saved["drawn"])
                 stream.solved = {int(i): int(c) for i, c in saved["solved"].items()}
+                self.rates[name] = [float(x) for x in saved.get("rate", self.rates[name])]
+                self.credit[name] = float(saved.get("credit", 0.0))
 
 
 def merge_states(states: list[dict], shards: list[list[str]]) -> dict:

@@ -117,7 +117,7 @@ def ript(cfg: RunConfig, ds_config_path: str) -> dict:
         torch.manual_seed(cfg.seed * 1000 + env.rank)  # each rank samples its own rollouts
         r = cfg.ript
         sampler = ContextSampler([inputs.tasks[n] for n in inputs.shards[env.rank]], r.train_contexts,
-                                 cfg.seed, r.skip_solved, r.retest_after)
+                                 cfg.seed, r.skip_solved, r.retest_after, r.task_weighting)
         job = RiptJob(run, inputs.tasks, inputs.shards, sampler, inputs.scripted)
         run.say(format_shards(inputs.shards, RiptInputs.costs(cfg, inputs.tasks)))
         run.say(f"K={r.rloo_batch_size}; quota {r.contexts_per_rank} contexts per rank; policy "
