@@ -56,6 +56,15 @@ def check_device(reduced: bool) -> None:
         raise SystemExit("no CUDA device here: run on a GPU machine, or add --reduced for the CPU check")
 
 
+def start(args, model: dict) -> tuple[Path, dict, int, str]:
+    """Checks the device and prepares the corpus; (output dir, model, seq_len, dtype): `model` at seq
+    2048 in bf16 on a GPU, the tiny one at 64 in fp32 under --reduced."""
+    check_device(args.reduced)
+    out = Path(args.out).resolve()
+    prepare(out, args.data, args.timeout)
+    return (out, TINY, 64, "fp32") if args.reduced else (out, model, 2048, "bf16")
+
+
 def run_config(out: Path, name: str, model: dict, data: str, *, seq: int, micro: int, global_batch: int,
                steps: int, dtype: str, ckpt: bool = False, compile: bool = False, log_every: int = 5,
                **sections) -> Path:

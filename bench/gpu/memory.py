@@ -20,8 +20,8 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import (LLAMA_124M, ROOT, TINY, add_common_args, check_device, ds_train, launch, prepare,  # noqa: E402
-                    run_config, tail, write_results)
+from common import (LLAMA_124M, ROOT, add_common_args, ds_train, launch, run_config, start, tail,  # noqa: E402
+                    write_results)
 
 STAGE_FILES = {0: "zero0.json", 1: "zero1.json", 2: "zero2.json", 3: "zero3.json"}
 TOLERANCE = 0.10
@@ -68,10 +68,7 @@ def case(args, out: Path, model: dict, seq: int, dtype: str, micro: int, stage: 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    check_device(args.reduced)
-    out = Path(args.out).resolve()
-    model, seq, dtype = (TINY, 64, "fp32") if args.reduced else (LLAMA_124M, 2048, "bf16")
-    prepare(out, args.data, args.timeout)
+    out, model, seq, dtype = start(args, LLAMA_124M)
     rows = []
     for micro, stage, ckpt in itertools.product(args.micro, args.stages, args.ckpt):
         row = case(args, out, model, seq, dtype, micro, stage, ckpt)

@@ -27,8 +27,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import (LLAMA_1B, ROOT, TINY, add_common_args, check_device, ds_train, launch, metrics,  # noqa: E402
-                    prepare, run_config, tail, versions, write_results)
+from common import (LLAMA_1B, ROOT, add_common_args, ds_train, launch, metrics,  # noqa: E402
+                    run_config, start, tail, versions, write_results)
 
 SIDES = ("ds_train", "bare", "hf", "ckpt", "compile")
 DS_CONFIG = ROOT / "ds_configs" / "zero2.json"
@@ -54,11 +54,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.steps <= 0 or args.warmup <= 0:
         p.error("--steps and --warmup must be positive")
     return args
-
-
-def shape(args) -> tuple[dict, int, str]:
-    """(model config, seq_len, dtype)."""
-    return (TINY, 64, "fp32") if args.reduced else (LLAMA_1B, 2048, "bf16")
 
 
 # ---------------------------------------------------------------- worker sides (own process each)
@@ -231,9 +226,7 @@ def main(argv=None) -> int:
         result = side_bare(args) if args.side == "bare" else side_hf(args)
         (out / f"{args.side}.side.json").write_text(json.dumps(result))
         return 0
-    check_device(args.reduced)
-    model, seq, dtype = shape(args)
-    prepare(out, args.data, args.timeout)
+    out, model, seq, dtype = start(args, LLAMA_1B)
     sides = {}
     for side in args.sides:
         if side == "ds_train":

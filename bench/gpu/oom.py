@@ -27,8 +27,8 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import (LLAMA_1B, ROOT, TINY, add_common_args, check_device, ds_train, launch, metrics,  # noqa: E402
-                    prepare, run_config, tail, write_results)
+from common import (LLAMA_1B, ROOT, add_common_args, ds_train, launch, metrics,  # noqa: E402
+                    run_config, start, tail, write_results)
 
 DS_CONFIG = ROOT / "ds_configs" / "zero2.json"
 FIX = re.compile(r"^\s*([\d.]+) GiB fits\s+(.+)$")
@@ -81,10 +81,7 @@ def train(out: Path, name: str, cfg: Path, ds_config: str, overrides: list[str],
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    check_device(args.reduced)
-    out = Path(args.out).resolve()
-    model, seq, dtype = (TINY, 64, "fp32") if args.reduced else (LLAMA_1B, 2048, "bf16")
-    prepare(out, args.data, args.timeout)
+    out, model, seq, dtype = start(args, LLAMA_1B)
 
     @functools.cache  # written once: run_config empties the run directory
     def config(micro: int, suffix: str = "") -> Path:

@@ -24,8 +24,8 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import (LLAMA_124M, ROOT, TINY, add_common_args, check_device, ds_train, launch, metrics,  # noqa: E402
-                    prepare, run_config, tail, write_results)
+from common import (LLAMA_124M, ROOT, add_common_args, ds_train, launch, metrics,  # noqa: E402
+                    run_config, start, tail, write_results)
 
 DS_CONFIG = str(ROOT / "ds_configs" / "zero2.json")
 PARTS = ("overhead", "precision", "checkpoint", "export")
@@ -79,11 +79,8 @@ def train(args, out: Path, name: str, model: dict, dtype: str, steps: int, reduc
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    check_device(args.reduced)
-    out = Path(args.out).resolve()
-    model = TINY if args.reduced else LLAMA_124M
+    out, model, _, _ = start(args, LLAMA_124M)  # its parts choose their own seq_len and dtype
     steps = min(args.steps, 6) if args.reduced else args.steps
-    prepare(out, args.data, args.timeout)
     res: dict = {"what": "loop overhead, bf16 vs fp32, checkpoint save/load, export", "model": model,
                  "reduced": args.reduced}
     res["overhead"] = overhead(args, out, model, args.reduced)
