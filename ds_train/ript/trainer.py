@@ -323,15 +323,18 @@ def update(job: RiptJob, groups: list[list[Episode]], iteration: int) -> list[fl
         mask[i, :len(e.ids) - 1] = torch.tensor(e.action_mask[1:], dtype=torch.float)
     ids = ids.to(engine.device)
     micro = plan.micro_batch_size
+    orders = [_order(len(rows), n, f"{run.cfg.seed}:{iteration}:{epoch}:{run.env.rank}") for epoch in range(r.ppo_epochs)]
+    # The policy before the update: the rows of the first optimizer step take it from that step's own
+    # forward (no update has happened yet); the others from one no-grad pass now.
+    first, later = orders[0][:per_step], orders[0][per_step:]
+    old = torch.zeros((n, width - 1), device=engine.device)
     engine.eval()
     with torch.no_grad():
-        old = torch.cat([_token_logp(engine, ids[i:i + micro]) for i in range(0, n, micro)])
+        for i in range(0, len(later), micro):
+            old[later[i:i + micro]] = _token_logp(engine, ids[later[i:i + micro]])
     engine.train()
     stats = torch.zeros(5, dtype=torch.float64)  # loss x tokens, tokens, clipped tokens, ratio sum, adv x tokens
-    for epoch in range(r.ppo_epochs):
-        order = list(range(len(rows)))
-        random.Random(f"{run.cfg.seed}:{iteration}:{epoch}:{run.env.rank}").shuffle(order)
-        order += list(range(len(rows), n))  # padding rows last
+    for epoch, order in enumerate(orders):
         global_counts = dist.all_reduce_sum([float(mask[order[s * per_step:(s + 1) * per_step]].sum())
                                              for s in range(n_steps)])
         for s in range(n_steps):
@@ -340,6 +343,8 @@ def update(job: RiptJob, groups: list[list[Episode]], iteration: int) -> list[fl
                 run.beat(iteration, "update")
                 idx = order[s * per_step + m * micro: s * per_step + (m + 1) * micro]
                 logp = _token_logp(engine, ids[idx])
+                if epoch == 0 and s == 0:
+                    old[idx] = logp.detach()
                 loss, st = clipped_policy_loss(logp, old[idx], adv[idx].to(logp.device),
                                                mask[idx].to(logp.device), r.clip_low, r.clip_high)
                 engine.backward(loss * scale)
@@ -348,6 +353,13 @@ def update(job: RiptJob, groups: list[list[Episode]], iteration: int) -> list[fl
                 stats += torch.tensor([float(loss.detach()), st["tokens"], st["clipped_tokens"], st["ratio_sum"],
                                        weighted_adv], dtype=torch.float64)
     return stats.tolist()
+
+
+def _order(rows: int, n: int, seed: str) -> list[int]:
+    """An epoch's order: the rollouts shuffled (seeded), then the padding rows."""
+    order = list(range(rows))
+    random.Random(seed).shuffle(order)
+    return order + list(range(rows, n))
 
 
 def evaluate(job: RiptJob) -> dict:
