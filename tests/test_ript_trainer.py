@@ -91,6 +91,8 @@ def test_scripted_policy_counts_are_exact_and_summed_over_ranks(scripted_run):
         successes = sum(r[t]["successes"] for r in ranks for t in SCRIPTED_TASKS)
         rollouts = sum(r[t]["rollouts"] for r in ranks for t in SCRIPTED_TASKS)
         assert m["ript/success_rate"] == pytest.approx(successes / rollouts)  # not a mean of rank means
+        # one optimizer step per iteration: it starts from the rollout policy, so the PPO ratio is 1
+        assert m["policy/ratio"] == 1.0 and m["policy/clip_frac"] == 0.0 and m["policy/tokens"] > 0
         assert ranks[0]["add"]["checked"] + ranks[0]["rev"]["checked"] == 6  # rank 0 hit its cap
     assert sorted(p.name for p in (run_dir / "plots").iterdir()) == ["heldout.png", "success.png"]
     assert res.lines(f"plots: {run_dir}/plots/{{success,heldout}}.png"), res.out[-2000:]
