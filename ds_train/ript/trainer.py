@@ -323,10 +323,11 @@ def update(job: RiptJob, groups: list[list[Episode]], iteration: int) -> list[fl
         mask[i, :len(e.ids) - 1] = torch.tensor(e.action_mask[1:], dtype=torch.float)
     ids = ids.to(engine.device)
     micro = plan.micro_batch_size
-    orders = [_order(len(rows), n, f"{run.cfg.seed}:{iteration}:{epoch}:{run.env.rank}") for epoch in range(r.ppo_epochs)]
+    orders = [_order(len(rows), n, f"{run.cfg.seed}:{iteration}:{epoch}:{run.env.rank}")
+              for epoch in range(r.ppo_epochs)]
     # The policy before the update: the rows of the first optimizer step take it from that step's own
     # forward (no update has happened yet); the others from one no-grad pass now.
-    first, later = orders[0][:per_step], orders[0][per_step:]
+    later = orders[0][per_step:]
     old = torch.zeros((n, width - 1), device=engine.device)
     engine.eval()
     with torch.no_grad():
