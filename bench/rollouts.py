@@ -23,7 +23,7 @@ def build_policy(seed: int = 0):
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from ds_train.data import train_tokenizer
+    from ds_train.data.tokenizer import train_tokenizer
     from ds_train.ript.tasks import BUILTIN
 
     texts = [t().demonstration(c) for t in BUILTIN.values() for c in t().contexts("train", 200, seed)]

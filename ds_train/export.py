@@ -27,9 +27,8 @@ from pathlib import Path
 from ds_train import checkpoint
 from ds_train.errors import UserError
 from ds_train.fs import check_writable, write_atomic
-from ds_train.model import check_model_dir
+from ds_train.rundir import RunPaths
 
-HF_METADATA_DIR = "hf_model"  # written into every run directory by save_hf_metadata
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".index.json")
 
 
@@ -61,8 +60,8 @@ def resolve_source(source: str | Path, tag: str | None = None) -> ExportSource:
     if not src.is_dir():
         raise UserError(f"export: {str(src)!r} is not a directory; give a run directory (output_dir), "
                         f"its checkpoints/ directory or a tag directory (checkpoints/step_00000100)")
-    if (src / "checkpoints").is_dir():
-        ckpt_dir, wanted = src / "checkpoints", tag
+    if RunPaths(src).checkpoints.is_dir():
+        ckpt_dir, wanted = RunPaths(src).checkpoints, tag
     elif _is_tag_dir(src):
         ckpt_dir, wanted = src.parent, src.name
         if tag is not None and tag != src.name:
@@ -115,11 +114,11 @@ def _check_out(out: Path) -> None:
 
 
 def _hf_metadata_dir(src: ExportSource) -> Path:
-    hf_dir = src.run_dir / HF_METADATA_DIR
+    hf_dir = RunPaths(src.run_dir).hf_model
     if not (hf_dir / "config.json").is_file():
         raise UserError(f"export: {str(hf_dir / 'config.json')!r} not found; export needs the run "
-                        f"directory's {HF_METADATA_DIR}/ (the model config and tokenizer) beside "
-                        f"checkpoints/: export from the run directory, or copy {HF_METADATA_DIR}/ there")
+                        f"directory's {hf_dir.name}/ (the model config and tokenizer) beside "
+                        f"checkpoints/: export from the run directory, or copy {hf_dir.name}/ there")
     return hf_dir
 
 
@@ -144,21 +143,18 @@ def save_hf_metadata(hf_config, tokenizer, out: Path) -> None:
 
 def locate_model(path: str | Path) -> tuple[Path, Path | None]:
     """model.path -> (the directory with config.json and the tokenizer, and the ds_train run or
-    checkpoint directory whose weights `export` must write first; None for a HF directory). A HF
-    directory's config.json and weights files are checked (cheaply: headers) before anything is
-    written."""
+    checkpoint directory whose weights `export` must write first; None for a HF directory). What
+    the directory holds is checked once, by ds_train.model.hfconfig.build_hf_config."""
     src = Path(path)
     if (src / "config.json").is_file():
-        check_model_dir(src)
         return src, None
-    if not any((src / name).exists() for name in ("checkpoints", "latest", checkpoint.STATE_FILE)):
+    if not any(path.exists() for path in (RunPaths(src).checkpoints, src / "latest", src / checkpoint.STATE_FILE)):
         raise UserError(f"model.path: {str(src)!r} is neither a Hugging Face directory (config.json) nor a "
                         f"ds_train run or checkpoint directory")
     try:
         hf_dir = _hf_metadata_dir(resolve_source(src))
     except UserError as e:
         raise UserError(f"model.path: {str(e).removeprefix('export: ')}") from None
-    check_model_dir(hf_dir, weights=False)  # the weights come from the checkpoint
     return hf_dir, src
 
 

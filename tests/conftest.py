@@ -85,8 +85,8 @@ def ds_train(*args: str, timeout: float = 300, env: dict | None = None) -> Resul
 @pytest.fixture(scope="session")
 def tiny_data(tmp_path_factory) -> Path:
     """A small corpus (a slice of the stdlib) prepared with a 512-token BPE, shared by all tests."""
-    from ds_train.data import prepare
-    from ds_train.sources import python_stdlib_files
+    from ds_train.data.prepare import prepare
+    from ds_train.data.sources import python_stdlib_files
 
     src = tmp_path_factory.mktemp("corpus")
     for i, path in enumerate(python_stdlib_files(max_bytes=300_000)):
@@ -184,7 +184,7 @@ def tiny_policy(tmp_path_factory) -> Path:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from ds_train.data import train_tokenizer
+    from ds_train.data.tokenizer import train_tokenizer
 
     out = tmp_path_factory.mktemp("policy")
     tok = train_tokenizer(demonstration_texts(), 300, out)

@@ -1,11 +1,11 @@
-"""ds_train.chat: conversations rendered with a chat template, targets on the assistant's tokens only."""
+"""ds_train.data.chat: conversations rendered with a chat template, targets on the assistant's tokens only."""
 
 from __future__ import annotations
 
 import pytest
 
-from ds_train.chat import Renderer, conversation
-from ds_train.data import train_tokenizer
+from ds_train.data.chat import Renderer, conversation
+from ds_train.data.tokenizer import train_tokenizer
 from ds_train.errors import UserError
 
 CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + "

@@ -12,8 +12,10 @@ import numpy as np
 import pytest
 
 from conftest import ROOT, expect_error, tiny_config, tree_listing, write_config
-from ds_train.data import (TokenData, check_vocab, ensure_prepared, eval_micro_batches, load_meta, load_tokenizer,
-                           prepare, rank_micro_batches, train_tokenizer)
+from ds_train.data.datasets import TokenData, eval_micro_batches, rank_micro_batches
+from ds_train.data.meta import check_vocab, load_meta
+from ds_train.data.prepare import ensure_prepared, prepare
+from ds_train.data.tokenizer import load_tokenizer, train_tokenizer
 from ds_train.config import DataConfig
 from ds_train.errors import UserError
 
@@ -457,7 +459,7 @@ def test_the_scan_is_recorded_once_per_file_version(data_dir):
 def test_a_read_only_data_dir_is_scanned_without_recording(data_dir, monkeypatch):
     """A data dir this user cannot write (os.access says so; root would write through a chmod, so
     the answer is given here) is scanned on each load and left as it is."""
-    import ds_train.data as data_module
+    import ds_train.data.meta as data_module
 
     raw = json.loads((data_dir / "meta.json").read_text())
     del raw["scan"]
@@ -518,27 +520,27 @@ def test_an_epoch_is_a_permutation(bin_path):
 def test_world_size_invariance_of_the_stream(bin_path, step):
     global_batch, micro = 8, 2
     d = data(bin_path)
-    whole = sample_ids(rank_micro_batches(d, step, global_batch, micro, rank=0, world=1))
-    r0 = sample_ids(rank_micro_batches(d, step, global_batch, micro, rank=0, world=2))
-    r1 = sample_ids(rank_micro_batches(d, step, global_batch, micro, rank=1, world=2))
+    whole = sample_ids(rank_micro_batches(d, step, global_batch, micro, data_rank=0, data_parallel=1))
+    r0 = sample_ids(rank_micro_batches(d, step, global_batch, micro, data_rank=0, data_parallel=2))
+    r1 = sample_ids(rank_micro_batches(d, step, global_batch, micro, data_rank=1, data_parallel=2))
     assert len(whole) == global_batch and len(r0) == len(r1) == global_batch // 2
     assert not set(r0) & set(r1)
     assert r0 + r1 == whole
-    r = [sample_ids(rank_micro_batches(d, step, global_batch, 1, rank=k, world=4)) for k in range(4)]
+    r = [sample_ids(rank_micro_batches(d, step, global_batch, 1, data_rank=k, data_parallel=4)) for k in range(4)]
     assert sum(r, []) == whole  # micro 1 x accum 2 x world 4: the same global batch again
 
 
 def test_micro_batch_shapes(bin_path):
-    batches = rank_micro_batches(data(bin_path), 3, global_batch=16, micro=2, rank=1, world=2)
+    batches = rank_micro_batches(data(bin_path), 3, global_batch=16, micro=2, data_rank=1, data_parallel=2)
     assert len(batches) == 4  # 16 / 2 ranks / micro 2 = 4 accumulation steps
     assert all(b.shape == (2, SEQ + 1) and b.dtype == np.int64 for b in batches)
 
 
 def test_same_seed_and_step_give_the_same_batch(bin_path):
-    a = rank_micro_batches(data(bin_path, seed=7), 11, 8, 2, rank=1, world=2)
+    a = rank_micro_batches(data(bin_path, seed=7), 11, 8, 2, data_rank=1, data_parallel=2)
     fresh = data(bin_path, seed=7)  # a resumed process: new object, no warm permutation cache
-    rank_micro_batches(fresh, 70, 8, 2, rank=0, world=2)  # visit another epoch first
-    b = rank_micro_batches(fresh, 11, 8, 2, rank=1, world=2)
+    rank_micro_batches(fresh, 70, 8, 2, data_rank=0, data_parallel=2)  # visit another epoch first
+    b = rank_micro_batches(fresh, 11, 8, 2, data_rank=1, data_parallel=2)
     assert all(np.array_equal(x, y) for x, y in zip(a, b, strict=True))
 
 
@@ -560,12 +562,12 @@ def test_steps_within_an_epoch_never_repeat_a_window(bin_path):
 
 def test_eval_batches_are_deterministic_and_in_file_order(bin_path):
     d1, d2 = data(bin_path, seed=1), data(bin_path, seed=2)
-    a = eval_micro_batches(d1, batches=3, micro=2, rank=1, world=2)
-    b = eval_micro_batches(d2, batches=3, micro=2, rank=1, world=2)
+    a = eval_micro_batches(d1, batches=3, micro=2, data_rank=1, data_parallel=2)
+    b = eval_micro_batches(d2, batches=3, micro=2, data_rank=1, data_parallel=2)
     assert len(a) == 3 and all(x.shape == (2, SEQ + 1) for x in a)
     assert all(np.array_equal(x, y) for x, y in zip(a, b, strict=True))  # seed plays no part
-    r0 = sample_ids(eval_micro_batches(d1, 3, 2, rank=0, world=2))
-    r1 = sample_ids(eval_micro_batches(d1, 3, 2, rank=1, world=2))
+    r0 = sample_ids(eval_micro_batches(d1, 3, 2, data_rank=0, data_parallel=2))
+    r1 = sample_ids(eval_micro_batches(d1, 3, 2, data_rank=1, data_parallel=2))
     assert not set(r0) & set(r1)
     assert sorted(r0 + r1) == list(range(12))
 
@@ -574,7 +576,7 @@ def test_eval_wraps_around_a_small_val_set(tmp_path):
     path = tmp_path / "val.bin"
     np.arange(3 * SEQ + 1, dtype=np.uint16).tofile(path)  # 3 windows
     d = TokenData(path, "uint16", SEQ, 0)
-    ids = sample_ids(eval_micro_batches(d, batches=2, micro=2, rank=0, world=1))
+    ids = sample_ids(eval_micro_batches(d, batches=2, micro=2, data_rank=0, data_parallel=1))
     assert ids == [0, 1, 2, 0]
 
 
@@ -586,7 +588,7 @@ def test_too_few_tokens_is_a_user_error(tmp_path):
 
 
 def _prepare_in_child(args):
-    from ds_train.data import ensure_prepared
+    from ds_train.data.prepare import ensure_prepared
 
     data_dir, src = args
     return ensure_prepared(data_config(data_dir, [src], val_fraction=0.3))["train_tokens"]
@@ -898,10 +900,10 @@ def _tree(out: Path) -> dict[str, bytes]:
 @pytest.mark.timeout(300)
 def test_one_and_two_workers_write_identical_data_text_and_sft(tmp_path, monkeypatch):
     """Many small chunks, so both workers tokenise and their results interleave."""
-    import ds_train.sources
+    import ds_train.data.sources
 
-    monkeypatch.setattr(ds_train.sources, "CHUNK_BYTES", 2048)
-    monkeypatch.setattr(ds_train.sources, "CHUNK_ROWS", 16)
+    monkeypatch.setattr(ds_train.data.sources, "CHUNK_BYTES", 2048)
+    monkeypatch.setattr(ds_train.data.sources, "CHUNK_ROWS", 16)
     (tmp_path / "docs.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in DOCS * 3))
     (tmp_path / "chat.jsonl").write_text("".join(json.dumps(r) + "\n" for r in _conversations(90)))
     import pyarrow as pa
@@ -920,7 +922,7 @@ def test_one_and_two_workers_write_identical_data_text_and_sft(tmp_path, monkeyp
 
 def test_an_interrupted_prepare_leaves_nothing_that_looks_prepared_and_the_old_data_whole(corpus, tmp_path,
                                                                                          monkeypatch):
-    import ds_train.data
+    import ds_train.data.encode
 
     out = tmp_path / "out"
     prepare([str(corpus)], out, vocab_size=300)
@@ -931,7 +933,7 @@ def test_an_interrupted_prepare_leaves_nothing_that_looks_prepared_and_the_old_d
         calls.append(1)
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(ds_train.data.SplitWriter, "write", interrupted)
+    monkeypatch.setattr(ds_train.data.encode.SplitWriter, "write", interrupted)
     with pytest.raises(KeyboardInterrupt):
         prepare([str(corpus)], out, vocab_size=300, overwrite=True)
     assert calls and {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()} == before
@@ -939,12 +941,12 @@ def test_an_interrupted_prepare_leaves_nothing_that_looks_prepared_and_the_old_d
 
 
 def test_the_bpe_learns_from_a_bounded_sample_of_each_source(tmp_path, monkeypatch):
-    import ds_train.data
+    import ds_train.data.encode
 
-    monkeypatch.setattr(ds_train.data, "BPE_SAMPLE_BYTES", 2000)
+    monkeypatch.setattr(ds_train.data.encode, "BPE_SAMPLE_BYTES", 2000)
     for name in ("a", "b"):
         (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps({"text": f"{name} {t}"}) + "\n" for t in DOCS))
-    sample = ds_train.data._bpe_sample([str(tmp_path / "a.jsonl"), str(tmp_path / "b.jsonl")], ("text",), "text",
+    sample = ds_train.data.encode.bpe_sample([str(tmp_path / "a.jsonl"), str(tmp_path / "b.jsonl")], ("text",), "text",
                                        "", 0.0)
     for name in ("a", "b"):  # each source's first ~1000 characters, then one document more at most
         taken = [t for t in sample if t.startswith(name)]
@@ -984,7 +986,7 @@ def sft_dir(tmp_path_factory) -> Path:
 
 
 def test_sft_sequences_hold_whole_examples_with_targets_on_the_assistant_tokens_only(sft_dir):
-    from ds_train.data import IGNORE, SftData
+    from ds_train.data.datasets import IGNORE, SftData
 
     meta = load_meta(sft_dir)
     data = SftData(sft_dir, "train", meta["dtype"], 96, 0, True, "drop", meta["eos_token_id"])
@@ -1009,7 +1011,7 @@ def test_sft_sequences_hold_whole_examples_with_targets_on_the_assistant_tokens_
 
 
 def test_sft_batches_shard_a_global_batch_alike_at_any_world_size(sft_dir):
-    from ds_train.data import SftData
+    from ds_train.data.datasets import SftData
 
     meta = load_meta(sft_dir)
     data = SftData(sft_dir, "train", meta["dtype"], 64, 5, True, "truncate", meta["eos_token_id"])
@@ -1027,8 +1029,8 @@ def test_a_packed_example_gets_the_same_logits_as_alone(sft_dir, model_type):
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from ds_train.data import SftData
-    from ds_train.model import supports_packing
+    from ds_train.data.datasets import SftData
+    from ds_train.model.build import supports_packing
 
     meta = load_meta(sft_dir)
     small = {"llama": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,

@@ -1,4 +1,4 @@
-"""ds_train.model: weights from model.path are checked against the architecture config.json describes.
+"""ds_train.model (hfconfig, weights, build): weights from model.path are checked against the architecture config.json describes.
 
 Real tiny Llama directories written by `save_pretrained`, then edited; built in-process without a
 process group (ds_config `{}`, so not under ZeRO-3).
@@ -15,7 +15,14 @@ import torch
 from conftest import ROOT, expect_error, tiny_config, tree_listing, write_config
 from ds_train.config import ModelConfig
 from ds_train.errors import UserError
-from ds_train.model import build_hf_config, build_model, check_loading_info, check_model_dir, resolve_dtype
+from ds_train.model.build import build_model, resolve_dtype
+from ds_train.model.hfconfig import build_hf_config
+from ds_train.model.weights import check_loading_info
+
+
+def check_model_dir(d: Path):
+    """model.path checked as a run checks it: config.json, then every weights file (once)."""
+    return build_hf_config(ModelConfig(path=str(d)), 0, 64)
 
 TINY = dict(hidden_size=64, intermediate_size=176, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=4, vocab_size=300, max_position_embeddings=128)

@@ -72,7 +72,7 @@ def build_model(cfg: dict):
     kwargs = dict(cfg["model"]["config"])
     hf = AutoConfig.for_model(kwargs.pop("model_type"), **kwargs)
     if hf.vocab_size is None or "vocab_size" not in cfg["model"]["config"]:
-        from ds_train.data import load_tokenizer
+        from ds_train.data.tokenizer import load_tokenizer
 
         hf.vocab_size = len(load_tokenizer(Path(cfg["data"]["dir"]) / "tokenizer"))
     torch.manual_seed(0)
@@ -193,7 +193,7 @@ def summarise(args, sides: dict, model: dict, seq: int) -> dict:
     from transformers import AutoConfig
 
     from ds_train.metrics import peak_flops
-    from ds_train.model import flops_per_token, lookup_params
+    from ds_train.model.build import flops_per_token, lookup_params
 
     v = versions()
     kwargs = dict(model)

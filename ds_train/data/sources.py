@@ -1,5 +1,4 @@
-"""Data sources: which files a source holds, their records streamed in chunks, and the fingerprint
-of prepare's inputs.
+"""Data sources: which files a source holds, and their records streamed in chunks.
 
 A source (an entry of data.sources) is a file, a directory of them, a Hugging Face `datasets`
 directory (saved with `save_to_disk`), or the bundled `python-stdlib` corpus. Files by kind:
@@ -7,21 +6,18 @@ text (.txt, .py, .md, ...: one document each), JSONL (.jsonl, .jsonl.gz: a recor
 parquet (a record per row) and files `datasets` loads locally (.csv, .arrow). `chunks` streams
 them in bounded pieces (raw lines, texts or rows, never a whole corpus) and `records` turns a
 chunk into (name, record) pairs, checking each one; prepare's worker processes do that part.
-input_fingerprint records what `prepare` read (every file, the tokenizer, the split settings)
-and fingerprint_differences names what changed since.
+What `prepare` read is recorded by ds_train.data.fingerprint.
 """
 
 from __future__ import annotations
 
 import gzip
-import hashlib
 import json
 import os
-import platform
 import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Iterator
 
 from ds_train.errors import UserError
 
@@ -253,7 +249,7 @@ SFT_FIELDS = ("messages", "prompt", "completion")
 def records(chunk: Chunk, fields: tuple[str, ...]) -> Iterator[tuple[str, object]]:
     """(document name, record) for each non-empty record of a chunk, checked: text (fields =
     (text_key,)) is a str; sft (fields = SFT_FIELDS) a dict holding some of those fields, checked
-    further by ds_train.chat. A bad one is one line naming the file and its line or row."""
+    further by ds_train.data.chat. A bad one is one line naming the file and its line or row."""
     if chunk.kind == "text":
         text = _decode_text(chunk)
         if fields == SFT_FIELDS:
@@ -318,138 +314,3 @@ def _decode_text(chunk: Chunk) -> str:
 # meta.json records what data.dir was prepared from, so that a run whose sources, tokenizer or
 # vocabulary changed since stops instead of training on stale tokens. Checked on every rank of every
 # run, so it is cheap: a file whose size and mtime are unchanged is not read again.
-
-FINGERPRINT_VERSION = 1
-SETTING_DEFAULTS = {"format": "text"}  # settings recorded since (an older record did not name them)
-NO_RECORD = "prepared without a record of its inputs"
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
-                   "vocab.json", "vocab.txt", "merges.txt", "tokenizer.model", "spiece.model",
-                   "sentencepiece.bpe.model")
-
-
-def file_sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
-def _file_records(files: list[tuple[str, Path]], hashed: bool) -> dict[str, dict]:
-    """name -> size, mtime_ns and the content's sha256 (hashed) or the path to hash it later (not)."""
-    out = {}
-    for name, path in files:
-        st = path.stat()
-        out[name] = {"size": st.st_size, "mtime_ns": st.st_mtime_ns,
-                     **({"sha256": file_sha256(path)} if hashed else {"path": str(path)})}
-    return out
-
-
-def _unit_files(name: str, path: Path) -> list[tuple[str, Path]]:
-    """A `datasets` directory is fingerprinted file by file."""
-    if not path.is_dir():
-        return [(name, path)]
-    return [(f"{name}/{p.relative_to(path)}", p) for p in sorted(path.rglob("*")) if p.is_file()]
-
-
-def _source_record(source: str, hashed: bool) -> dict:
-    if source == STDLIB:
-        return {"source": source, "kind": "stdlib", "python": platform.python_version(),
-                "files": _file_records(_stdlib_files(), hashed)}
-    if not hashed and not Path(source).exists():  # a difference to report, not an error here
-        return {"source": source, "kind": "path", "missing": True, "files": {}}
-    files = [f for name, path in _source_files(source) for f in _unit_files(name, path)]
-    return {"source": source, "kind": "path", "files": _file_records(files, hashed)}
-
-
-def _tokenizer_record(tokenizer: str, vocab_size: int, split_digits: bool, hashed: bool) -> dict:
-    if not tokenizer:
-        return {"trained": True, "vocab_size": vocab_size, **({"split_digits": True} if split_digits else {})}
-    tok_dir = Path(tokenizer).resolve()
-    files = _file_records([(n, tok_dir / n) for n in TOKENIZER_FILES if (tok_dir / n).is_file()], hashed)
-    record = {"path": str(tok_dir), "files": files}
-    if hashed:
-        record["sha256"] = hashlib.sha256("".join(f"{n} {r['sha256']}\n" for n, r in files.items())
-                                          .encode()).hexdigest()
-    return record
-
-
-def input_fingerprint(sources: list[str], tokenizer: str, vocab_size: int, val_fraction: float,
-                      text_key: str, fmt: str = "text", chat_template: str = "", *, split_digits: bool = False,
-                      hashed: bool = True) -> dict:
-    """What `prepare` reads: every file of every source (size, mtime_ns, sha256), the tokenizer (its
-    files' hashes, or the vocab_size of the BPE trained on the sources), the split and format settings.
-    hashed=False: the current inputs to compare with a recorded fingerprint (hashes taken on demand)."""
-    return {"version": FINGERPRINT_VERSION,
-            "sources": [_source_record(s, hashed) for s in sources],
-            "tokenizer": _tokenizer_record(tokenizer, vocab_size, split_digits, hashed),
-            "val_fraction": val_fraction, "text_key": text_key, "format": fmt, "chat_template": chat_template}
-
-
-def _file_differences(old: dict, new: dict, sha256: Callable[[Path], str]) -> list[str]:
-    """Size and mtime equal: the same file, unread. Size equal, mtime not: the same if the content
-    hashes the same (a copy). Size different: changed."""
-    out = []
-    for name, o in old.items():
-        n = new.get(name)
-        if n is None:
-            out.append(f"{name} removed")
-        elif n["size"] != o["size"]:
-            out.append(f"{name} size {o['size']} -> {n['size']}")
-        elif n["mtime_ns"] != o["mtime_ns"] and (n.get("sha256") or sha256(Path(n["path"]))) != o["sha256"]:
-            out.append(f"{name} content changed (same size)")
-    return out + [f"{name} added" for name in new if name not in old]
-
-
-def fingerprint_differences(recorded: dict | None, current: dict,
-                            sha256: Callable[[Path], str] = file_sha256) -> list[str]:
-    """How the inputs `current` (input_fingerprint) differ from those `recorded` in meta.json, one
-    readable phrase each; empty when they are the same."""
-    if not isinstance(recorded, dict) or recorded.get("version") != FINGERPRINT_VERSION:
-        return [NO_RECORD]
-    try:
-        return _differences(recorded, current, sha256)
-    except (KeyError, TypeError, AttributeError, IndexError):  # a record edited or cut short
-        return ["meta.json's record of its inputs is damaged"]
-
-
-def _differences(recorded: dict, current: dict, sha256: Callable[[Path], str]) -> list[str]:
-    diffs = []
-    old_sources, new_sources = recorded["sources"], current["sources"]
-    for i in range(max(len(old_sources), len(new_sources))):
-        if i >= len(new_sources):
-            diffs.append(f"data.sources[{i}] {old_sources[i]['source']!r} removed")
-            continue
-        o, n = old_sources[i] if i < len(old_sources) else None, new_sources[i]
-        label = f"data.sources[{i}] {n['source']!r}"
-        if o is None:
-            diffs.append(f"{label} added")
-        elif o["kind"] != n["kind"]:
-            diffs.append(f"{label} (prepared from {o['source']!r})")
-        elif n.get("missing"):
-            diffs.append(f"{label} no longer exists")
-        elif n["kind"] == "stdlib" and o["python"] != n["python"]:
-            diffs.append(f"{label}: Python {o['python']} -> {n['python']}")
-        else:
-            diffs += [f"{label}: {d}" for d in _file_differences(o["files"], n["files"], sha256)]
-    o, n = recorded["tokenizer"], current["tokenizer"]
-    if o.get("trained") and n.get("trained"):
-        if o["vocab_size"] != n["vocab_size"]:
-            diffs.append(f"data.vocab_size {o['vocab_size']} -> {n['vocab_size']}")
-        if o.get("split_digits", False) != n.get("split_digits", False):  # recorded only when true
-            diffs.append(f"data.split_digits {o.get('split_digits', False)} -> {n.get('split_digits', False)}")
-    elif o.get("trained"):
-        diffs.append(f"tokenizer: a BPE trained on the sources -> {n['path']!r}")
-    elif n.get("trained"):
-        diffs.append(f"tokenizer: {o['path']!r} -> a BPE trained on the sources (data.tokenizer is empty)")
-    elif not n["files"]:
-        diffs.append(f"tokenizer {n['path']!r} holds no tokenizer files")
-    elif _file_differences(o["files"], n["files"], sha256):
-        diffs.append(f"tokenizer {n['path']!r} changed" if o["path"] == n["path"]
-                     else f"tokenizer {o['path']!r} -> {n['path']!r}")
-    for key in ("val_fraction", "text_key", "format"):
-        if recorded.get(key, SETTING_DEFAULTS.get(key)) != current[key]:
-            diffs.append(f"data.{key} {recorded.get(key, SETTING_DEFAULTS.get(key))!r} -> {current[key]!r}")
-    if recorded.get("chat_template", "") != current["chat_template"]:
-        diffs.append("data.chat_template changed")
-    return diffs

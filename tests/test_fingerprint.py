@@ -1,4 +1,4 @@
-"""ds_train.sources: the fingerprint of prepare's inputs and how it tells what changed (reading the
+"""ds_train.data.fingerprint: the fingerprint of prepare's inputs and how it tells what changed (reading the
 sources, and their errors, are exercised through prepare in test_data.py)."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import hashlib
 import os
 from pathlib import Path
 
-from ds_train.sources import fingerprint_differences, input_fingerprint
+from ds_train.data.fingerprint import fingerprint_differences, input_fingerprint
 
 
 def test_fingerprint_hashes_only_files_whose_size_matches_and_mtime_does_not(tmp_path):

@@ -1,0 +1,99 @@
+"""Tokenizers: the byte-level BPE `prepare` trains when none is given, and loading a tokenizer
+directory with one line naming the file and the fix when it cannot be loaded."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+from ds_train.data.fingerprint import TOKENIZER_FILES
+from ds_train.errors import UserError
+
+EOS = "<|endoftext|>"
+
+
+# --- prepare -------------------------------------------------------------------------------------
+
+def train_tokenizer(texts: list[str], vocab_size: int, out_dir: Path, chat_template: str = "",
+                    split_digits: bool = False):
+    """A byte-level BPE (GPT-2 style) trained locally: no hub needed. Saved as a HF tokenizer dir.
+    split_digits: every digit is its own token (as in Llama's and DeepSeek's tokenizers), so a number
+    reads the same digit by digit wherever it stands."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level]) \
+        if split_digits else byte_level
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOS], show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(texts, trainer=trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS, bos_token=EOS, pad_token=EOS)
+    if chat_template:
+        fast.chat_template = chat_template  # saved with it: a model exported from the run renders chats alike
+    fast.save_pretrained(str(out_dir))
+    return fast
+
+
+def _is_prepared_tokenizer(path: Path) -> bool:
+    """`path` is the BPE `prepare` trained into a data directory (data.dir/tokenizer)."""
+    return path.name == "tokenizer" and (path.parent / "meta.json").is_file()
+
+
+def _tokenizer_fix(path: Path) -> str:
+    """How to repair the tokenizer directory `path`: it is a prepared data.dir's own, a model
+    directory's, or one given as data.tokenizer."""
+    if _is_prepared_tokenizer(path):
+        return (f"it is the tokenizer `ds-train prepare` trained into {str(path.parent)!r}: prepare that "
+                f"directory again (data.reprepare=true with data.sources, or `ds-train prepare --overwrite`)")
+    if (path / "config.json").is_file():
+        return "re-export or re-download the model directory"
+    return "save the tokenizer there again (save_pretrained), or point data.tokenizer at another one"
+
+
+def _tokenizer_file_problem(path: Path) -> str:
+    """The first tokenizer JSON file in `path` that is not a UTF-8 JSON object, as `FILE is ...`."""
+    for name in (*[n for n in TOKENIZER_FILES if n.endswith(".json")], "config.json"):
+        file = path / name
+        if not file.is_file():
+            continue
+        try:
+            value = json.loads(file.read_bytes().decode("utf-8"))
+        except UnicodeDecodeError:
+            return f"{str(file)!r} is not UTF-8 text"
+        except json.JSONDecodeError as e:
+            return f"{str(file)!r} is not valid JSON (line {e.lineno}, column {e.colno}: {e.msg})"
+        if not isinstance(value, dict):
+            return f"{str(file)!r} is not a JSON object"
+    return ""
+
+
+def load_tokenizer(path: str | Path):
+    """The Hugging Face tokenizer in directory `path`; one line naming the file and the fix when it
+    cannot be loaded."""
+    from huggingface_hub.errors import StrictDataclassError  # transformers' config validators
+    from transformers import AutoTokenizer
+
+    path = Path(path)
+    if not path.is_dir():
+        fix = (_tokenizer_fix(path) if _is_prepared_tokenizer(path) else
+               "point data.tokenizer (or model.path) at a tokenizer directory")
+        raise UserError(f"tokenizer: {str(path)!r} is not a directory; {fix}")
+    problem = _tokenizer_file_problem(path)
+    if problem:
+        raise UserError(f"tokenizer: {problem}; {_tokenizer_fix(path)}")
+    try:
+        return AutoTokenizer.from_pretrained(str(path))
+    except (OSError, ValueError, TypeError, KeyError, AttributeError, StrictDataclassError) as e:
+        said = " ".join(f"{type(e).__name__}: {e}".split())
+        said = said if len(said) <= 200 else said[:200] + "..."
+        raise UserError(f"tokenizer: cannot load {str(path)!r} ({said}); {_tokenizer_fix(path)}") from None
+
+
+def vocabulary_id(tokenizer) -> str:
+    """A short hash of the tokenizer's vocabulary: the same ids mean the same strings."""
+    vocab = sorted(tokenizer.get_vocab().items(), key=lambda kv: kv[1])
+    return hashlib.sha256(json.dumps(vocab).encode()).hexdigest()[:16]

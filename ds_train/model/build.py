@@ -1,0 +1,141 @@
+"""Builds the Hugging Face causal LM (from a local directory or from an architecture). No distributed code.
+
+Under ZeRO-3 a live `HfDeepSpeedConfig` makes transformers construct the model inside
+`deepspeed.zero.Init`, so no rank ever holds the whole model (USERS.md trap 6: CPU OOM at load).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from ds_train.config import ModelConfig
+from ds_train.errors import UserError
+from ds_train.model.hfconfig import said
+from ds_train.model.weights import REFETCH, check_loading_info
+
+
+def resolve_dtype(choice: str, device_type: str, bf16_supported: bool) -> str:
+    """auto -> bf16 on a GPU that supports it, else fp32 (bf16 matmuls are slow on most CPUs).
+    A precision this device cannot train in is an error here, before DeepSpeed's engine says so."""
+    if choice == "fp16" and device_type == "cpu":
+        raise UserError("model.dtype: fp16 is not supported on the CPU (DeepSpeed's CPU accelerator has no "
+                        "fp16); use model.dtype=fp32 or bf16 there (auto picks fp32)")
+    if choice == "bf16" and device_type == "cuda" and not bf16_supported:  # pre-Ampere GPUs
+        raise UserError("model.dtype: bf16 is not supported on this GPU; use model.dtype=fp16 or fp32 (auto "
+                        "picks fp32 there)")
+    if choice != "auto":
+        return choice
+    return "bf16" if device_type == "cuda" and bf16_supported else "fp32"
+
+@dataclass
+class BuiltModel:
+    model: Any
+    hf_config: Any
+    ds_hf_config: Any  # keeps HfDeepSpeedConfig alive while the engine is built (ZeRO-3)
+    new_weights: tuple[str, ...] = ()  # initialised, not loaded: missing from model.path (allow_new_weights)
+
+
+def seeded_init(model, seed: int, zero3: bool) -> None:
+    """Re-initialise each module with the model's own `_init_weights`, seeded by the module's name.
+
+    The weights then depend on the seed alone, not on how construction consumed the RNG, so ZeRO-3
+    (built inside zero.Init) starts from the same weights as ZeRO 0-2 and any world size.
+    """
+    import zlib
+    from contextlib import nullcontext
+
+    import deepspeed
+    import torch
+
+    for name, module in model.named_modules():
+        params = list(module.parameters(recurse=False))
+        if not params:
+            continue
+        gather = deepspeed.zero.GatheredParameters(params, modifier_rank=0) if zero3 else nullcontext()
+        with gather, torch.no_grad():
+            torch.manual_seed(seed + zlib.crc32(name.encode()))
+            model._init_weights(module)
+
+
+def build_model(model_cfg: ModelConfig, hf_config, ds_config: dict, seed: int = 0) -> BuiltModel:
+    """Construct (ZeRO-3: partitioned) the model in fp32; the engine casts to bf16/fp16."""
+    import torch
+    from safetensors import SafetensorError
+    from transformers import AutoModelForCausalLM
+    from transformers.integrations import HfDeepSpeedConfig
+    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+    from transformers.utils import logging as hf_logging
+
+    # Its "Loading weights" bar goes to stderr on every rank: an error would no longer be one line.
+    hf_logging.disable_progress_bar()
+    keep_alive = None
+    zero3 = ds_config.get("zero_optimization", {}).get("stage", 0) == 3
+    if zero3:
+        keep_alive = HfDeepSpeedConfig(ds_config)
+    else:  # an earlier ZeRO-3 run in this process (parity runs several) must not build this one partitioned
+        unset_hf_deepspeed_config()
+    kwargs = dict(attn_implementation=model_cfg.attn_implementation, dtype=torch.float32)
+    new_weights: tuple[str, ...] = ()
+    if model_cfg.path:
+        # ignore_mismatched_sizes: without it transformers raises a multi-line RuntimeError on a
+        # shape mismatch before returning the loading info; check_loading_info rejects them anyway.
+        try:
+            model, info = AutoModelForCausalLM.from_pretrained(
+                model_cfg.path, config=hf_config, output_loading_info=True, ignore_mismatched_sizes=True,
+                **kwargs)
+        except (SafetensorError, OSError, EOFError) as e:  # build_hf_config checked them; changed since?
+            raise UserError(f"model.path {model_cfg.path!r}: cannot load the weights ({said(e)}); "
+                            f"{REFETCH}") from None
+        # Under ZeRO-3 (transformers 5.x, _load_pretrained_model) only missing_keys is filled in:
+        # unexpected and mismatched come back empty, and a shape mismatch raises on rank 0 alone.
+        new_weights = check_loading_info(model_cfg.path, getattr(hf_config, "model_type", ""), info,
+                                         model_cfg.allow_new_weights)
+    else:
+        try:
+            model = AutoModelForCausalLM.from_config(hf_config, **kwargs)
+        except (ValueError, TypeError, KeyError) as e:  # check_buildable ran without ZeRO-3's zero.Init
+            raise UserError(f"model.config: Hugging Face cannot build the model ({said(e)}); "
+                            f"fix model.config") from None
+        seeded_init(model, seed, zero3)
+    if model_cfg.activation_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return BuiltModel(model, hf_config, keep_alive, new_weights)
+
+
+def count_params(model) -> int:
+    """Parameter count, also when ZeRO-3 has partitioned the tensors away (ds_numel)."""
+    return sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
+
+
+def flops_per_token(n_params: int, n_layers: int, hidden: int, seq_len: int, lookups: int = 0) -> float:
+    """Training FLOPs per token: 6N for the matmuls plus 12 L h s for attention (PaLM, App. B).
+    N leaves out `lookups`, the parameters of an input embedding that is only indexed (torchtitan's
+    count; see lookup_params)."""
+    return 6 * (n_params - lookups) + 12 * n_layers * hidden * seq_len
+
+
+def lookup_params(hf_config) -> int:
+    """Parameters that do no matmul: the input embedding when it is not tied to the output head (a
+    tied matrix does the head's matmul, so it counts once)."""
+    if getattr(hf_config, "tie_word_embeddings", False):
+        return 0
+    return int(getattr(hf_config, "vocab_size", 0) or 0) * int(getattr(hf_config, "hidden_size", 0) or 0)
+
+
+def supports_packing(hf_config) -> bool:
+    """Whether the model keeps packed examples apart given position ids that restart at each one:
+    its modeling code builds its attention mask with transformers' masking_utils, which finds the
+    packed sequences in position_ids (for eager, sdpa, flex and flash attention alike)."""
+    import inspect
+    import sys
+
+    from transformers import AutoModelForCausalLM
+
+    try:
+        cls = AutoModelForCausalLM._model_mapping[type(hf_config)]
+    except (KeyError, AttributeError):
+        return False
+    module = sys.modules.get(cls.__module__)
+    return (hasattr(module, "create_causal_mask")
+            and "position_ids" in inspect.signature(cls.forward).parameters)

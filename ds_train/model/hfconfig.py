@@ -1,0 +1,159 @@
+"""The model's Hugging Face config, checked before anything is written: model.config (its model type,
+misspelt keys, values transformers rejects) or model.path's config.json (and its weights, through
+ds_train.model.weights), the sequence length against the positions it has, and that transformers
+can build the architecture (on the meta device: no memory)."""
+
+from __future__ import annotations
+
+import difflib
+from pathlib import Path
+
+from ds_train.config import ModelConfig
+from ds_train.errors import UserError
+from ds_train.model.weights import REFETCH, check_weights, json_object
+
+# What transformers raises for a config or an architecture it rejects (its strict-dataclass
+# validators raise huggingface_hub's StrictDataclassError, which is none of these: added below).
+HF_REJECTS = (ValueError, TypeError, KeyError, AttributeError, IndexError, RuntimeError, ImportError)
+
+def said(e: BaseException, limit: int = 300) -> str:
+    """What transformers said, on one line: the validator's own error rather than its wrapper."""
+    cause = e.__cause__ if type(e).__name__.startswith("StrictDataclass") and e.__cause__ else e
+    said = " ".join(str(cause).split()).rstrip(".")
+    if not isinstance(cause, ValueError) or not said:  # KeyError('gelux') says only 'gelux'
+        said = f"{type(cause).__name__}: {said}" if said else type(cause).__name__
+    return said if len(said) <= limit else said[:limit] + "..."
+
+
+def _rejects() -> tuple[type[BaseException], ...]:
+    from huggingface_hub.errors import StrictDataclassError
+
+    return (*HF_REJECTS, StrictDataclassError)
+
+
+def config_class(model_type: str):
+    """transformers' config class of `model_type`; an unknown one suggests the closest types."""
+    from transformers import CONFIG_MAPPING
+
+    if model_type not in CONFIG_MAPPING:
+        close = difflib.get_close_matches(model_type, list(CONFIG_MAPPING.keys()), n=3, cutoff=0.6)
+        hint = (f"did you mean {' or '.join(map(repr, close))}?" if close else
+                "use one of transformers' model types, for example llama, mistral, qwen2 or gpt2")
+        raise UserError(f"model.config.model_type: {model_type!r} is not a Hugging Face model type; {hint}")
+    return CONFIG_MAPPING[model_type]
+
+
+def check_causal_lm(model_type: str, where: str) -> None:
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        raise UserError(f"{where}: model_type {model_type!r} has no causal LM in transformers "
+                        f"(AutoModelForCausalLM); choose a decoder model type, for example llama")
+
+
+def unknown_config_keys(model_type: str, given: dict, built) -> list[str]:
+    """The keys of `given` that `built` (its config) kept as stray attributes: keys the default
+    config of `model_type` does not have. transformers accepts any key, so a misspelt one
+    (hidden_sizee) would be silently unused. Keys it consumes (rope_theta, torch_dtype) are not kept."""
+    default = config_class(model_type)()
+    known = set(default.to_dict()) | set(default.attribute_map)
+    stored = set(built.to_dict())
+    return [key for key in given if key not in known and key in stored]
+
+
+def check_config_keys(model_type: str, given: dict, built) -> None:
+    """A UserError naming every misspelt model.config key with the closest valid key."""
+    import inspect
+
+    unknown = unknown_config_keys(model_type, given, built)
+    if not unknown:
+        return
+    cls = config_class(model_type)
+    default = cls()
+    params = [p for p in inspect.signature(cls.__init__).parameters if p not in ("self", "kwargs")]
+    valid = sorted({*default.to_dict(), *default.attribute_map, *params} - {"model_type"})
+    valid = [k for k in valid if not k.startswith("_")]
+    problems = []
+    for key in unknown:
+        close = difflib.get_close_matches(key, valid, n=1, cutoff=0.6)
+        fix = f" (did you mean {close[0]!r}?)" if close else "; remove it"
+        problems.append(f"model.config.{key}: unknown key for {cls.__name__} (model_type {model_type}), "
+                        f"which Hugging Face would leave unused{fix}")
+    raise UserError("; ".join(problems))
+
+
+def check_buildable(hf, attn_implementation: str, where: str) -> None:
+    """Build the model on the meta device (no memory, ~0.1 s even for 70B) so that an architecture
+    transformers cannot build fails here, before anything is written, naming `where` it came from."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    from transformers.integrations import is_deepspeed_zero3_enabled
+
+    check_causal_lm(hf.model_type, where)
+    if is_deepspeed_zero3_enabled():  # a live HfDeepSpeedConfig would build it inside zero.Init
+        return
+
+    def build(impl: str) -> BaseException | None:
+        try:
+            with torch.device("meta"):
+                AutoModelForCausalLM.from_config(hf, attn_implementation=impl)
+        except _rejects() as e:
+            return e
+        return None
+
+    error = build(attn_implementation)
+    if error is None:
+        return
+    if attn_implementation != "eager" and build("eager") is None:
+        raise UserError(f"model.attn_implementation: {attn_implementation!r} cannot be used here "
+                        f"({said(error, 150)}); use sdpa or eager")
+    raise UserError(f"{where}: Hugging Face cannot build the {hf.model_type} model from it ({said(error)}); "
+                    f"fix it")
+
+
+def build_hf_config(model_cfg: ModelConfig, vocab_size: int, seq_len: int, weights: bool = True):
+    """The transformers config, with vocab_size `vocab_size` unless model.config sets it.
+
+    Everything about the model that can fail is checked here, once, before anything is written:
+    the config's keys and values, that the architecture builds, and (`weights`: model.path holds
+    them, as a Hugging Face directory does and a ds_train run's hf_model/ does not) that every
+    weights file is whole and finite."""
+    from transformers import AutoConfig
+
+    if model_cfg.path:
+        config_json = Path(model_cfg.path) / "config.json"
+        where = f"model.path: {str(config_json)!r}"
+        json_object(config_json)
+        try:
+            hf = AutoConfig.from_pretrained(model_cfg.path)
+        except _rejects() as e:
+            raise UserError(f"{where}: Hugging Face rejects it ({said(e)}); fix it, or {REFETCH}") from None
+    else:
+        where = "model.config"
+        kwargs = dict(model_cfg.config)
+        model_type = kwargs.pop("model_type")
+        config_class(model_type)
+        check_causal_lm(model_type, "model.config")
+        kwargs.setdefault("vocab_size", vocab_size)
+        try:
+            hf = AutoConfig.for_model(model_type, **kwargs)
+        except _rejects() as e:
+            raise UserError(f"model.config: Hugging Face rejects it: {said(e)}; fix model.config") from None
+        check_config_keys(model_type, model_cfg.config, hf)
+    max_pos = getattr(hf, "max_position_embeddings", None)
+    if max_pos is not None and seq_len > max_pos:
+        raise UserError(f"train.seq_len={seq_len} exceeds the model's max_position_embeddings="
+                        f"{max_pos}; lower train.seq_len or raise model.config.max_position_embeddings")
+    check_buildable(hf, model_cfg.attn_implementation, where)
+    if model_cfg.path and weights:
+        check_weights(Path(model_cfg.path))
+    return hf
+
+
+def with_vocab(hf_config, model_cfg: ModelConfig, vocab_size: int):
+    """The config of a model trained from scratch takes its vocabulary size from the tokenizer, known
+    once the data is prepared (unless model.config sets it): the one attribute set after the checks,
+    which do not depend on it."""
+    if not model_cfg.path and "vocab_size" not in model_cfg.config:
+        hf_config.vocab_size = vocab_size
+    return hf_config
