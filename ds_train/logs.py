@@ -136,17 +136,17 @@ def release_console() -> None:
     _current = None
 
 
-def build_rank_log(run_dir: Path, rank: int, host: str) -> logging.Logger:
-    """logs/rank_<r>.log for this rank's own events (saves, resume, how it ended), in the format of
-    the captured console lines."""
-    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+def build_rank_log(path: Path, rank: int, host: str) -> logging.Logger:
+    """logs/rank_<r>.log (`path`) for this rank's own events (saves, resume, how it ended), in the
+    format of the captured console lines."""
+    path.parent.mkdir(parents=True, exist_ok=True)
     log = logging.getLogger(f"ds_train.rank{rank}")
     log.setLevel(logging.INFO)
     log.propagate = False
     for handler in list(log.handlers):
         log.removeHandler(handler)
         handler.close()
-    handler = logging.FileHandler(run_dir / "logs" / f"rank_{rank}.log")
+    handler = logging.FileHandler(path)
     handler.setFormatter(logging.Formatter(LINE_FORMAT.format(prefix=prefix(host, rank)), DATE_FORMAT))
     log.addHandler(handler)
     return log

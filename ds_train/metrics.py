@@ -18,6 +18,7 @@ from typing import Any, Protocol
 
 from ds_train.errors import UserError
 from ds_train.fs import replacing, write_atomic
+from ds_train.rundir import RunKind, RunPaths
 
 # Peak dense bf16 tensor TFLOP/s per device, from the vendors' data sheets (SXM parts).
 # The longest matching name wins ("H100 PCIE" before "H100", "L40S" before "L40" before "L4").
@@ -61,10 +62,7 @@ def _fmt(value: Any) -> str:
 class ConsoleLogger:
     """One line per logged step; written through tqdm so it does not break the progress bar."""
 
-    def __init__(self, keys: tuple[str, ...] = ("train/loss", "eval/loss", "eval/ppl", "optim/lr",
-                                                "optim/grad_norm", "perf/tokens_per_s",
-                                                "perf/step_time_s", "perf/mfu", "mem/max_rank_gib",
-                                                "mem/max_rank_rss_gib")):
+    def __init__(self, keys: tuple[str, ...]):
         self.keys = keys
 
     def log(self, metrics: dict[str, Any], step: int) -> None:
@@ -202,17 +200,16 @@ class MultiLogger:
             sink.close()
 
 
-def build_logger(is_main: bool, run_dir: Path, wandb_mode: str, project: str, config: dict,
-                 console_keys: tuple[str, ...] = (), tensorboard: bool = False) -> Logger:
+def build_logger(is_main: bool, paths: RunPaths, wandb_mode: str, project: str, config: dict,
+                 console_keys: tuple[str, ...], tensorboard: bool = False) -> Logger:
     """Real sinks on global rank 0, a null logger everywhere else."""
     if not is_main:
         return NullLogger()
-    console = ConsoleLogger(console_keys) if console_keys else ConsoleLogger()
-    sinks: list[Logger] = [console, JsonlLogger(run_dir / "metrics.jsonl")]
+    sinks: list[Logger] = [ConsoleLogger(console_keys), JsonlLogger(paths.metrics)]
     if tensorboard:
-        sinks.append(TensorBoardLogger(run_dir / "tensorboard"))
+        sinks.append(TensorBoardLogger(paths.tensorboard))
     if wandb_mode != "off":
-        sinks.append(WandbLogger(wandb_mode, project, run_dir, run_dir.name, config))
+        sinks.append(WandbLogger(wandb_mode, project, paths.root, paths.root.name, config))
     return MultiLogger(sinks)
 
 
@@ -252,9 +249,9 @@ class NullProgress:
         return None
 
 
-def build_progress(is_main: bool, enabled: bool, total: int, initial: int = 0, desc: str = "train",
-                   unit: str = "step", postfix: tuple[str, str] = ("train/loss", "loss")):
-    return Progress(total, initial, desc, unit, postfix) if is_main and enabled else NullProgress()
+def build_progress(is_main: bool, enabled: bool, total: int, kind: RunKind, initial: int = 0):
+    """The kind's bar (its name, its unit, its metric) on rank 0, a null one elsewhere."""
+    return Progress(total, initial, kind.name, kind.unit, kind.progress) if is_main and enabled else NullProgress()
 
 
 def peak_flops(device_name: str, override_tflops: float) -> float | None:

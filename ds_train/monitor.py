@@ -108,11 +108,11 @@ def render(view: RunView):
     from rich.text import Text
 
     state, why = view.state()
-    unit = "iteration" if view.kind == "ript" else "step"
+    unit = view.kind.unit
     hosts = {hb.get("host") for hb in view.heartbeats.values()}
     head = Text()
     head.append(f"{view.path}  ", style="bold")
-    head.append(f"{view.kind} · ")
+    head.append(f"{view.kind.name} · ")
     head.append(state.upper(), style=STYLE.get(state, ""))
     head.append(f" · {unit} {view.step} of {view.target or '?'}")
     eta = eta_s(view) if state == "running" else None
@@ -133,11 +133,7 @@ def render(view: RunView):
     curves.add_column(style="bold")
     curves.add_column(justify="right")
     curves.add_column()
-    rows = (("success", "ript/success_rate"), ("held-out", "eval/success"), ("policy loss", "policy/loss"),
-            ("rollouts/s", "perf/rollouts_per_s")) if view.kind == "ript" else (
-        ("loss", "train/loss"), ("eval loss", "eval/loss"), ("lr", "optim/lr"), ("grad norm", "optim/grad_norm"),
-        ("tokens/s", "perf/tokens_per_s"), ("MFU", "perf/mfu"))
-    for label, key in rows:
+    for label, key in view.kind.curves:
         _, ys = series(view.metrics, key)
         if ys:
             value = f"{ys[-1]:,.0f}" if abs(ys[-1]) >= 1000 else f"{ys[-1]:.4g}"
@@ -145,7 +141,7 @@ def render(view: RunView):
     if curves.row_count:
         parts.append(Panel(curves, title="metrics (latest, curve)", title_align="left"))
 
-    if view.kind == "ript":
+    if view.kind.per_task:
         parts.append(_task_table(view))
 
     marks = rank_marks(view)

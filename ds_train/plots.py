@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from ds_train.rundir import series
+from ds_train.rundir import TRAIN, RunKind, series
 
 TASK_SUCCESS = re.compile(r"^task/(.+)/success_rate$")
 HELDOUT_TASK = re.compile(r"^eval/(.+)/success$")
@@ -43,87 +43,101 @@ def _rank_series(records: list[dict], key: str) -> dict[int, tuple[list, list]]:
     return out
 
 
-def figures(runs: list[tuple[str, list[dict]]], kind: str = "train") -> dict:
-    """{name: Figure} for runs given as (label, metrics records); several runs are overlaid."""
-    plt = _pyplot()
-    figs = {}
-    labelled = len(runs) > 1
+class _Plotter:
+    """Figures of runs given as (label, metrics records), several overlaid."""
 
-    def name(label: str, what: str) -> str:
-        return f"{label}: {what}" if labelled else what
+    def __init__(self, runs: list[tuple[str, list[dict]]]):
+        self.plt, self.runs, self.labelled = _pyplot(), runs, len(runs) > 1
 
+    def name(self, label: str, what: str) -> str:
+        return f"{label}: {what}" if self.labelled else what
+
+    @staticmethod
     def line(ax, xs, ys, label, **kw) -> None:
         if xs:
             ax.plot(xs, ys, label=label, marker="." if len(xs) < 30 else None, **kw)
 
-    def finish(fig, axes, title: str) -> None:
+    @staticmethod
+    def finish(fig, axes, title: str):
         for ax in axes:
             if ax.get_lines():
                 ax.legend(fontsize="small")
             ax.grid(alpha=0.3)
         fig.suptitle(title)
         fig.tight_layout()
+        return fig
 
-    if kind == "ript":
-        fig, ax = plt.subplots(figsize=(7, 4))
-        for label, recs in runs:
-            line(ax, *series(recs, "ript/success_rate"), name(label, "all tasks"), linewidth=2)
-            for key in _keys(recs, TASK_SUCCESS):
-                line(ax, *series(recs, key), name(label, TASK_SUCCESS.match(key).group(1)))
-        ax.set(xlabel="iteration", ylabel="success rate (rollouts)", ylim=(-0.02, 1.02))
-        finish(fig, [ax], "RIPT: rollout success per task")
-        figs["success"] = fig
-        fig, ax = plt.subplots(figsize=(7, 4))
-        for label, recs in runs:
-            line(ax, *series(recs, "eval/success"), name(label, "held-out"), linewidth=2)
-            for key in _keys(recs, HELDOUT_TASK):
-                line(ax, *series(recs, key), name(label, f"held-out {HELDOUT_TASK.match(key).group(1)}"),
-                     linestyle="--")
-        ax.set(xlabel="iteration", ylabel="success rate (held-out)", ylim=(-0.02, 1.02))
-        finish(fig, [ax], "RIPT: held-out success")
-        figs["heldout"] = fig
-        return figs
+    def loss(self):
+        fig, (by_step, by_tokens) = self.plt.subplots(1, 2, figsize=(11, 4))
+        for label, recs in self.runs:
+            self.line(by_step, *series(recs, "train/loss"), self.name(label, "train"))
+            self.line(by_step, *series(recs, "eval/loss"), self.name(label, "eval"), linestyle="--")
+            self.line(by_tokens, *series(recs, "train/loss", x="train/tokens"), self.name(label, "train"))
+            eval_x = {r["step"]: r.get("train/tokens") for r in recs}
+            steps, losses = series(recs, "eval/loss")
+            tokens = [eval_x.get(s) for s in steps]
+            self.line(by_tokens, [t for t in tokens if t is not None],
+                      [l for t, l in zip(tokens, losses) if t is not None], self.name(label, "eval"), linestyle="--")
+        by_step.set(xlabel="step", ylabel="loss")
+        by_tokens.set(xlabel="tokens", ylabel="loss")
+        return self.finish(fig, [by_step, by_tokens], "loss")
 
-    fig, (by_step, by_tokens) = plt.subplots(1, 2, figsize=(11, 4))
-    for label, recs in runs:
-        line(by_step, *series(recs, "train/loss"), name(label, "train"))
-        line(by_step, *series(recs, "eval/loss"), name(label, "eval"), linestyle="--")
-        line(by_tokens, *series(recs, "train/loss", x="train/tokens"), name(label, "train"))
-        eval_x = {r["step"]: r.get("train/tokens") for r in recs}
-        steps, losses = series(recs, "eval/loss")
-        tokens = [eval_x.get(s) for s in steps]
-        line(by_tokens, [t for t in tokens if t is not None], [l for t, l in zip(tokens, losses) if t is not None],
-             name(label, "eval"), linestyle="--")
-    by_step.set(xlabel="step", ylabel="loss")
-    by_tokens.set(xlabel="tokens", ylabel="loss")
-    finish(fig, [by_step, by_tokens], "loss")
-    figs["loss"] = fig
-
-    for fig_name, key, what, ylabel, title in (("lr", "optim/lr", "lr", "learning rate", "learning rate"),
-                                               ("throughput", "perf/tokens_per_s", "tokens/s",
-                                                "tokens/s (all ranks)", "throughput")):
-        fig, ax = plt.subplots(figsize=(7, 4))
-        for label, recs in runs:
-            line(ax, *series(recs, key), name(label, what))
+    def _one(self, key: str, what: str, ylabel: str, title: str):
+        fig, ax = self.plt.subplots(figsize=(7, 4))
+        for label, recs in self.runs:
+            self.line(ax, *series(recs, key), self.name(label, what))
         ax.set(xlabel="step", ylabel=ylabel)
-        finish(fig, [ax], title)
-        figs[fig_name] = fig
+        return self.finish(fig, [ax], title)
 
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for label, recs in runs:
-        for key, what in (("mem/rank_gpu_gib", "GPU"), ("mem/rank_rss_gib", "RSS")):
-            for rank, (xs, ys) in sorted(_rank_series(recs, key).items()):
-                if what == "RSS" or any(ys):
-                    line(ax, xs, ys, name(label, f"rank {rank} {what}"))
-        if not _rank_series(recs, "mem/rank_rss_gib"):  # older runs: the maximum over ranks only
-            line(ax, *series(recs, "mem/max_rank_rss_gib"), name(label, "max over ranks RSS"))
-    ax.set(xlabel="step", ylabel="GiB")
-    finish(fig, [ax], "memory per rank")
-    figs["memory"] = fig
-    return figs
+    def lr(self):
+        return self._one("optim/lr", "lr", "learning rate", "learning rate")
+
+    def throughput(self):
+        return self._one("perf/tokens_per_s", "tokens/s", "tokens/s (all ranks)", "throughput")
+
+    def memory(self):
+        fig, ax = self.plt.subplots(figsize=(7, 4))
+        for label, recs in self.runs:
+            for key, what in (("mem/rank_gpu_gib", "GPU"), ("mem/rank_rss_gib", "RSS")):
+                for rank, (xs, ys) in sorted(_rank_series(recs, key).items()):
+                    if what == "RSS" or any(ys):
+                        self.line(ax, xs, ys, self.name(label, f"rank {rank} {what}"))
+            if not _rank_series(recs, "mem/rank_rss_gib"):  # older runs: the maximum over ranks only
+                self.line(ax, *series(recs, "mem/max_rank_rss_gib"), self.name(label, "max over ranks RSS"))
+        ax.set(xlabel="step", ylabel="GiB")
+        return self.finish(fig, [ax], "memory per rank")
+
+    def success(self):
+        fig, ax = self.plt.subplots(figsize=(7, 4))
+        for label, recs in self.runs:
+            self.line(ax, *series(recs, "ript/success_rate"), self.name(label, "all tasks"), linewidth=2)
+            for key in _keys(recs, TASK_SUCCESS):
+                self.line(ax, *series(recs, key), self.name(label, TASK_SUCCESS.match(key).group(1)))
+        ax.set(xlabel="iteration", ylabel="success rate (rollouts)", ylim=(-0.02, 1.02))
+        return self.finish(fig, [ax], "RIPT: rollout success per task")
+
+    def heldout(self):
+        fig, ax = self.plt.subplots(figsize=(7, 4))
+        for label, recs in self.runs:
+            self.line(ax, *series(recs, "eval/success"), self.name(label, "held-out"), linewidth=2)
+            for key in _keys(recs, HELDOUT_TASK):
+                self.line(ax, *series(recs, key), self.name(label, f"held-out {HELDOUT_TASK.match(key).group(1)}"),
+                          linestyle="--")
+        ax.set(xlabel="iteration", ylabel="success rate (held-out)", ylim=(-0.02, 1.02))
+        return self.finish(fig, [ax], "RIPT: held-out success")
 
 
-def write_plots(runs: list[tuple[str, list[dict]]], out_dir: Path, kind: str = "train") -> list[Path]:
+FIGURES = ("loss", "lr", "throughput", "memory", "success", "heldout")  # what a RunKind may name
+
+
+def figures(runs: list[tuple[str, list[dict]]], kind: RunKind = TRAIN) -> dict:
+    """{name: Figure} of the kind's figures for runs given as (label, metrics records); several
+    runs are overlaid."""
+    plotter = _Plotter(runs)
+    return {name: getattr(plotter, name)() for name in kind.figures}
+
+
+def write_plots(runs: list[tuple[str, list[dict]]], out_dir: Path, kind: RunKind = TRAIN) -> list[Path]:
     """PNG files, one per figure, in out_dir."""
     plt = _pyplot()
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -1,8 +1,15 @@
-"""A run directory read from outside the run, read-only: what `ds-train monitor`, `doctor` and
-`plot` see. Only files: config.yaml, env.json, metrics.jsonl, heartbeats/rank_<r>.json, logs/
-(hang_report.json, failure.json, rank_<r>.log, train.log), results.json / ript_results.json and
-checkpoints/latest. Works from another terminal or another node with the directory mounted; a file
-being written (a torn last line, a heartbeat replaced under us) is skipped, never an error.
+"""A run directory: its layout (every file name, for the writers and every reader), the kinds of
+run that write one, and how it is read from outside the run, read-only (`ds-train monitor`,
+`doctor`, `plot`, the launcher's last line).
+
+`RunPaths` names every file: config.yaml, ds_config.json, env.json, metrics.jsonl, heartbeats/,
+logs/ (rank_<r>.log, train.log, hang_report.json, failure.json, stacks_rank_<r>.txt), the results
+file of its kind, checkpoints/ (and its `latest`), plots/, tensorboard/, hf_model/, init_model/ and
+the lock. `RunKind` says what differs between the commands that write one (train, ript): what the
+loop counts, where the last step is configured, the results file, what the console, the monitor and
+the plots show; env.json records the kind's name. Reading works from another terminal or another
+node with the directory mounted; a file being written (a torn last line, a heartbeat replaced
+under us) is skipped, never an error.
 """
 
 from __future__ import annotations
@@ -15,6 +22,93 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+@dataclass(frozen=True)
+class RunPaths:
+    """Every path of a run directory: what the run writes and what every reader reads."""
+
+    root: Path
+
+    # name -> "file" or "dir": what a run directory holds (anything else under these names is in the way)
+    ENTRIES = {"config.yaml": "file", "ds_config.json": "file", "env.json": "file", "metrics.jsonl": "file",
+               "results.json": "file", "ript_results.json": "file", "checkpoints": "dir", "logs": "dir",
+               "heartbeats": "dir", "hf_model": "dir", "tensorboard": "dir", "plots": "dir"}
+
+    def __post_init__(self):
+        object.__setattr__(self, "root", Path(self.root))
+
+    config = property(lambda self: self.root / "config.yaml")  # the resolved run config
+    ds_config = property(lambda self: self.root / "ds_config.json")  # the DeepSpeed config used
+    env = property(lambda self: self.root / "env.json")  # the command, versions, hosts, layout
+    metrics = property(lambda self: self.root / "metrics.jsonl")
+    logs = property(lambda self: self.root / "logs")
+    console_log = property(lambda self: self.root / "logs" / "train.log")  # rank 0's console
+    hang_report = property(lambda self: self.root / "logs" / "hang_report.json")
+    failure = property(lambda self: self.root / "logs" / "failure.json")
+    heartbeats = property(lambda self: self.root / "heartbeats")
+    checkpoints = property(lambda self: self.root / "checkpoints")
+    latest = property(lambda self: self.root / "checkpoints" / "latest")
+    plots = property(lambda self: self.root / "plots")
+    tensorboard = property(lambda self: self.root / "tensorboard")
+    hf_model = property(lambda self: self.root / "hf_model")  # config, generation config, tokenizer
+    init_model = property(lambda self: self.root / "init_model")  # a ds_train run given as model.path, exported
+    lock = property(lambda self: self.root / ".ds_train.lock")
+    dry_run = property(lambda self: self.root / "dry_run.json")
+
+    def rank_log(self, rank: int) -> Path:
+        return self.logs / f"rank_{rank}.log"
+
+    def stacks(self, rank: int) -> Path:
+        return self.logs / f"stacks_rank_{rank}.txt"
+
+    def heartbeat(self, rank: int) -> Path:
+        return self.heartbeats / f"rank_{rank}.json"
+
+    def results(self, kind: "RunKind") -> Path:
+        return self.root / kind.results
+
+    def hf_export(self, tag: str) -> Path:
+        return self.root / f"hf_export_{tag}"
+
+
+@dataclass(frozen=True)
+class RunKind:
+    """What differs between the commands that write a run directory, in one place: the run spec
+    carries it, env.json records its name, and the readers look it up by that name."""
+
+    name: str  # the command: env.json "command", the checkpoint marker's "kind"
+    unit: str  # what the loop counts, in messages
+    last_key: str  # the config key of the loop's last step
+    results: str  # the results file's name
+    console_keys: tuple[str, ...]  # what the console prints per logged step
+    curves: tuple[tuple[str, str], ...]  # the monitor's metric rows: (label, metric key)
+    figures: tuple[str, ...]  # the plots a finished run writes (ds_train.plots.FIGURES)
+    progress: tuple[str, str]  # the metric the progress bar shows, and its label
+    per_task: bool = False  # the monitor shows success per task
+
+    def last(self, config: dict) -> int:
+        """The loop's last step in a run config (as a dict, config.yaml); 0 when it says none."""
+        section, key = self.last_key.split(".")
+        value = (config.get(section) or {}).get(key)
+        return value if isinstance(value, int) and not isinstance(value, bool) else 0
+
+
+TRAIN = RunKind(
+    "train", "step", "train.max_steps", "results.json",
+    console_keys=("train/loss", "eval/loss", "eval/ppl", "optim/lr", "optim/grad_norm", "perf/tokens_per_s",
+                  "perf/step_time_s", "perf/mfu", "mem/max_rank_gib", "mem/max_rank_rss_gib"),
+    curves=(("loss", "train/loss"), ("eval loss", "eval/loss"), ("lr", "optim/lr"), ("grad norm", "optim/grad_norm"),
+            ("tokens/s", "perf/tokens_per_s"), ("MFU", "perf/mfu")),
+    figures=("loss", "lr", "throughput", "memory"), progress=("train/loss", "loss"))
+RIPT = RunKind(
+    "ript", "iteration", "ript.iterations", "ript_results.json",
+    console_keys=("ript/success_rate", "ript/accepted", "ript/rejected", "ript/checked", "policy/loss",
+                  "policy/clip_frac", "perf/rollouts_per_s", "eval/success"),
+    curves=(("success", "ript/success_rate"), ("held-out", "eval/success"), ("policy loss", "policy/loss"),
+            ("rollouts/s", "perf/rollouts_per_s")),
+    figures=("success", "heldout"), progress=("ript/success_rate", "success"), per_task=True)
+KINDS = {kind.name: kind for kind in (TRAIN, RIPT)}
+
 
 # A live rank rewrites its heartbeat every watchdog.heartbeat_s (default 2 s): one this much older
 # than that (and older than this floor) belongs to a rank that is gone.
@@ -73,7 +167,7 @@ def lock_holder(run_dir: Path) -> str | None:
     """Who holds the run directory's lock (a run writing it: 'pid P on HOST since T'), None when no
     process does. Only a process on this node (or a file system with shared locks) is seen."""
     try:
-        fd = os.open(run_dir / ".ds_train.lock", os.O_RDONLY)
+        fd = os.open(RunPaths(run_dir).lock, os.O_RDONLY)
     except OSError:
         return None
     try:
@@ -103,15 +197,20 @@ class RunView:
     read_at: float = 0.0
 
     @property
-    def kind(self) -> str:
-        return "ript" if self.env.get("command") == "ript" or (self.path / "ript_results.json").is_file() else "train"
+    def paths(self) -> RunPaths:
+        return RunPaths(self.path)
+
+    @property
+    def kind(self) -> RunKind:
+        """The command that wrote the run (env.json), else the one whose results file is there."""
+        if self.env.get("command") in KINDS:
+            return KINDS[self.env["command"]]
+        return next((k for k in KINDS.values() if self.paths.results(k).is_file()), TRAIN)
 
     @property
     def target(self) -> int:
         """The last step (train.max_steps) or iteration (ript.iterations) of the run."""
-        section, key = ("ript", "iterations") if self.kind == "ript" else ("train", "max_steps")
-        value = (self.config.get(section) or {}).get(key)
-        return int(value) if isinstance(value, int) else 0
+        return self.kind.last(self.config)
 
     @property
     def step(self) -> int:
@@ -143,7 +242,7 @@ class RunView:
         statuses = {hb.get("status") for hb in self.heartbeats.values()}
         done = self.target and self.step >= self.target and (self.results is not None)
         if done and statuses <= {"ended", None}:
-            return "finished", f"reached {'iteration' if self.kind == 'ript' else 'step'} {self.target}"
+            return "finished", f"reached {self.kind.unit} {self.target}"
         if "failed" in statuses:
             bad = sorted(r for r, hb in self.heartbeats.items() if hb.get("status") == "failed")
             return "failed", f"rank(s) {', '.join(map(str, bad))} failed (see logs/rank_<r>.log)"
@@ -164,29 +263,27 @@ class RunView:
 
 def read_run(path: str | Path) -> RunView:
     """Everything the monitor, doctor and plots read, in one pass."""
-    run_dir = Path(path)
-    view = RunView(run_dir, read_at=time.time())
-    view.config = read_yaml(run_dir / "config.yaml")
-    view.env = read_json(run_dir / "env.json") or {}
-    view.metrics = read_metrics(run_dir / "metrics.jsonl")
-    for hb_path in sorted((run_dir / "heartbeats").glob("rank_*.json")):
+    paths = RunPaths(path)
+    view = RunView(paths.root, read_at=time.time())
+    view.config = read_yaml(paths.config)
+    view.env = read_json(paths.env) or {}
+    view.metrics = read_metrics(paths.metrics)
+    for hb_path in sorted(paths.heartbeats.glob("rank_*.json")):
         rec = read_json(hb_path)
         if isinstance(rec, dict) and isinstance(rec.get("rank"), int):
             view.heartbeats[rec["rank"]] = rec
-    started = float(view.env.get("started") or _mtime(run_dir / "env.json"))
+    started = float(view.env.get("started") or _mtime(paths.env))
     newest_beat = max((float(hb.get("time") or 0) for hb in view.heartbeats.values()
                        if hb.get("status") == "running"), default=0.0)
-    for name in ("hang_report.json", "failure.json"):  # this attempt's: a resumed run starts clean
-        report = read_json(run_dir / "logs" / name)
-        at = _report_time(report) or _mtime(run_dir / "logs" / name)
+    for name, path in (("hang", paths.hang_report), ("failure", paths.failure)):  # this attempt's only
+        report = read_json(path)
+        at = _report_time(report) or _mtime(path)
         if isinstance(report, dict) and at >= started - 1.0 and newest_beat <= at + 1.0:
-            setattr(view, "hang" if name.startswith("hang") else "failure", report)
-    for name in ("results.json", "ript_results.json"):
-        if view.results is None:
-            view.results = read_json(run_dir / name)
+            setattr(view, name, report)
+    view.results = read_json(paths.results(view.kind))
     with contextlib.suppress(OSError):  # no checkpoint yet: latest stays ""
-        view.latest = (run_dir / "checkpoints" / "latest").read_text().strip()
-    view.holder = lock_holder(run_dir)
+        view.latest = paths.latest.read_text().strip()
+    view.holder = lock_holder(paths.root)
     return view
 
 

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ds_train.fs import replacing
+from ds_train.rundir import RunPaths
 from ds_train.reports import (collective_of, doctor_hint, failure_report, format_stacks, hang_report, is_secondary,
                               main_frame, native_stacks, short_path, where)
 
@@ -134,13 +135,13 @@ class Watchdog:
 
     GRACE_S = 10.0  # how long the ranks wait for each other in the alarm protocol
 
-    def __init__(self, hb: Heartbeat, run_dir: Path, world: int, stall_s: float, heartbeat_s: float,
+    def __init__(self, hb: Heartbeat, paths: RunPaths, world: int, stall_s: float, heartbeat_s: float,
                  channel=None, device_index: int | None = None,
                  on_signal: Callable[[int], None] = lambda signum: None):
-        self.hb, self.run_dir, self.world = hb, run_dir, world
+        self.hb, self.paths, self.world = hb, paths, world
         self.stall_s, self.heartbeat_s = stall_s, heartbeat_s
         self.channel, self.device_index, self.on_signal = channel, device_index, on_signal
-        self.path = run_dir / "heartbeats" / f"rank_{hb.rank}.json"
+        self.path = paths.heartbeat(hb.rank)
         self.armed = False
         self.verdict: dict | None = None
         self._alarms = self._failures = 0
@@ -252,7 +253,7 @@ class Watchdog:
         ch = self.channel
         if ch is None:
             report = hang_report({self.hb.rank: rec}, {self.hb.rank}, self.stall_s)
-            self._conclude(report, "hang_report.json")
+            self._conclude(report, self.paths.hang_report)
             _exit(EXIT_STALL)
         try:
             ch.set(f"answered/{self.hb.rank}", "1")
@@ -263,7 +264,7 @@ class Watchdog:
             answered = {r for r in range(self.world) if ch.get(f"answered/{r}")}
             records = {r: _loads(ch.get(f"hb/{r}")) for r in range(self.world)}
             report = hang_report(records, answered, self.stall_s)
-            self._conclude(report, "hang_report.json")
+            self._conclude(report, self.paths.hang_report)
             ch.set("report", report["line"])
             time.sleep(1.0)  # the others see the verdict before this rank (and the store) goes
         finally:  # also when the store went away under us: the job is over either way
@@ -272,7 +273,7 @@ class Watchdog:
     def write_stacks(self) -> Path:
         """logs/stacks_rank_<r>.txt: every thread's Python stack (and native frames via py-spy)."""
         hb = self.hb
-        path = self.run_dir / "logs" / f"stacks_rank_{hb.rank}.txt"
+        path = self.paths.stacks(hb.rank)
         header = (f"{where(self.record())} pid {os.getpid()} at "
                   f"{time.strftime('%Y-%m-%d %H:%M:%S')}: step {hb.step}, phase {hb.phase}, "
                   f"{hb.idle_s():.0f} s without progress; in a collective: {collective_of(main_frame()) or 'no'}")
@@ -306,7 +307,7 @@ class Watchdog:
         message = str(exc).strip().splitlines()  # a multi-line message (an OOM's plan) is named by its first
         error = f"{type(exc).__name__}: {message[0]}" if message else (lines[-1] if lines else type(exc).__name__)
         rec = {**self.record(), "error": error if len(error) < 240 else error[:240] + "...", "tail": tail,
-               "primary": not is_secondary(exc), "log": f"{self.hb.host}:{self.run_dir / 'logs' / f'rank_{self.hb.rank}.log'}"}
+               "primary": not is_secondary(exc), "log": f"{self.hb.host}:{self.paths.rank_log(self.hb.rank)}"}
         try:
             n = ch.add("failures", 1)
             ch.set(f"failure/{n}", json.dumps(rec))
@@ -331,26 +332,25 @@ class Watchdog:
         if not failures or ch.get("report") is not None:
             return
         report = failure_report(failures, silent)
-        self._conclude(report, "failure.json", say=False)
+        self._conclude(report, self.paths.failure, say=False)
         ch.set("report", report["line"])
         # The main thread ends its traceback with the verdict; stuck inside a collective (NCCL waits
         # for the dead rank until its timeout), it never gets there: say it and end this rank now.
         if not _wait(lambda: self._main_failed, 3.0):
-            _say(f"{doctor_hint(self.run_dir)}\nds-train: error: {report['line']}")
+            _say(f"{doctor_hint(self.paths.root)}\nds-train: error: {report['line']}")
             _exit(1)
 
     def _failure_records(self) -> list[dict]:
         n = int(self.channel.get("failures") or 0)
         return [f for f in (_loads(self.channel.get(f"failure/{i}")) for i in range(1, n + 1)) if f]
 
-    def _conclude(self, report: dict, name: str, say: bool = True) -> None:
+    def _conclude(self, report: dict, path: Path, say: bool = True) -> None:
         self.verdict = report
-        path = self.run_dir / "logs" / name
         path.parent.mkdir(parents=True, exist_ok=True)
         with replacing(path) as tmp:
             tmp.write_text(json.dumps(report, indent=1, default=str))
         if say:
-            _say(f"{doctor_hint(self.run_dir)}\nds-train: error: {report['line']}")
+            _say(f"{doctor_hint(self.paths.root)}\nds-train: error: {report['line']}")
 
 
 def _io_bytes() -> tuple[int, int]:

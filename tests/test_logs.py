@@ -22,7 +22,7 @@ os.write(1, b"from C-level fd 1\n")
 subprocess.run([sys.executable, "-c", "print('from a subprocess')"])
 warnings.warn("a warning")
 sys.stdout.write("\rbar 10%\rbar 50%\rbar 100%\n")
-build_rank_log(run, 3, "hostA").info("an event of this rank")
+build_rank_log(run / "logs" / "rank_3.log", 3, "hostA").info("an event of this rank")
 sys.stdout.write("no newline yet")
 sys.stdout.flush()
 if sys.argv[2] == "kill":

@@ -1,4 +1,4 @@
-"""ds_train.metrics (peak FLOP/s, MFU, loggers) and the pure helpers of ds_train.model."""
+"""ds_train.metrics (peak FLOP/s, MFU, loggers) and the pure helpers of ds_train.model.build."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ import time
 import pytest
 
 from ds_train.metrics import JsonlLogger, NullLogger, build_logger, mfu, peak_flops
-from ds_train.model import flops_per_token, lookup_params, resolve_dtype
+from ds_train.rundir import TRAIN, RunPaths
+from ds_train.model.build import flops_per_token, lookup_params, resolve_dtype
 
 
 # --- peak FLOP/s and MFU -------------------------------------------------------------------------
@@ -105,7 +106,7 @@ def test_jsonl_logger_appends_on_resume(tmp_path):
 
 
 def test_non_main_rank_gets_a_logger_that_writes_nothing(tmp_path, capsys):
-    logger = build_logger(False, tmp_path, "online", "proj", {"seed": 1})  # wandb never touched
+    logger = build_logger(False, RunPaths(tmp_path), "online", "proj", {"seed": 1}, TRAIN.console_keys)  # wandb never touched
     assert isinstance(logger, NullLogger)
     logger.log({"train/loss": 1.0, "optim/lr": 1e-3}, step=1)
     logger.close()
@@ -115,7 +116,7 @@ def test_non_main_rank_gets_a_logger_that_writes_nothing(tmp_path, capsys):
 
 
 def test_main_rank_logger_writes_jsonl_and_console(tmp_path, capsys):
-    logger = build_logger(True, tmp_path, "off", "proj", {"seed": 1})
+    logger = build_logger(True, RunPaths(tmp_path), "off", "proj", {"seed": 1}, TRAIN.console_keys)
     logger.log({"train/loss": 1.5, "perf/tokens_per_s": 100.0}, step=4)
     logger.close()
     record = json.loads((tmp_path / "metrics.jsonl").read_text())
@@ -125,7 +126,7 @@ def test_main_rank_logger_writes_jsonl_and_console(tmp_path, capsys):
     assert not (tmp_path / "wandb_id.txt").exists()
 
 
-# --- ds_train.model pure helpers -----------------------------------------------------------------
+# --- ds_train.model.build pure helpers -----------------------------------------------------------------
 
 def test_flops_per_token_is_6n_plus_attention():
     assert flops_per_token(n_params=1_000_000, n_layers=4, hidden=128, seq_len=256) == (
@@ -174,7 +175,7 @@ def test_interval_is_every_n_and_the_last_step():
 
 
 def test_an_empty_log_writes_nothing(tmp_path):
-    logger = build_logger(True, tmp_path, "off", "p", {})
+    logger = build_logger(True, RunPaths(tmp_path), "off", "p", {}, TRAIN.console_keys)
     logger.log({}, 1)  # a step where no component reported
     logger.log({"train/loss": 2.0}, 2)
     logger.close()

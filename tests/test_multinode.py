@@ -341,7 +341,7 @@ def test_node_local_output_dirs_resume_exactly_and_a_node_missing_files_is_named
     node0, node1 = c["nodes"]
     for node, rank in ((node0, 0), (node1, 1)):
         tag = node / "checkpoints" / "step_00000004"
-        assert checkpoint.read_marker(tag)[0]["layout"] == "node-local"
+        assert checkpoint.read_marker(tag)[0]["storage"] == "node-local"
         assert checkpoint.rank_missing(tag, rank) == [] and not checkpoint.manifest_file(tag, 1 - rank).exists()
         assert (node / "checkpoints" / "latest").read_text() == "step_00000004"
     assert not (c["run"] / "checkpoints").exists()  # nothing outside the nodes' own directories

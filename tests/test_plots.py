@@ -7,6 +7,7 @@ import json
 
 from conftest import ds_train
 from ds_train.plots import figures, write_plots
+from ds_train.rundir import RIPT
 
 
 def train_records(scale=1.0, steps=(2, 4, 6, 8)):
@@ -54,7 +55,7 @@ def test_ript_figures_show_success_per_task_and_held_out():
             {"step": 1, "ript/success_rate": 0.3, "task/arith/success_rate": 0.2, "task/guess/success_rate": 0.4},
             {"step": 2, "ript/success_rate": 0.5, "task/arith/success_rate": 0.4, "task/guess/success_rate": 0.6,
              "eval/success": 0.5, "eval/arith/success": 0.45}]
-    figs = figures([("r", recs)], kind="ript")
+    figs = figures([("r", recs)], kind=RIPT)
     assert set(figs) == {"success", "heldout"}
     success = lines_of(figs["success"].axes[0])
     assert success["all tasks"] == ([1, 2], [0.3, 0.5]) and success["guess"] == ([1, 2], [0.4, 0.6])

@@ -10,7 +10,7 @@ import time
 
 import yaml
 
-from ds_train.rundir import lock_holder, read_metrics, read_run, series
+from ds_train.rundir import RIPT, TRAIN, lock_holder, read_metrics, read_run, series
 
 
 def make_run(path, steps=(10, 20), target=40, statuses=("running", "running"), beat_age=0.0, kind="train",
@@ -53,7 +53,7 @@ def test_metrics_survive_a_line_being_written_and_keep_non_finite_values(tmp_pat
 
 def test_the_state_of_a_run_from_its_records(tmp_path):
     running = read_run(make_run(tmp_path / "a"))
-    assert running.state() == ("running", "step 20 of 40") and running.kind == "train" and running.step == 20
+    assert running.state() == ("running", "step 20 of 40") and running.kind == TRAIN and running.step == 20
     done = read_run(make_run(tmp_path / "b", steps=(20, 40), statuses=("ended", "ended"), results={"steps": 40}))
     assert done.state() == ("finished", "reached step 40")
     stopped = make_run(tmp_path / "c", statuses=("stopped", "stopped"))
@@ -69,7 +69,7 @@ def test_the_state_of_a_run_from_its_records(tmp_path):
     assert failed.state()[0] == "failed"
     ript = read_run(make_run(tmp_path / "g", kind="ript", target=5, steps=(5,), statuses=("ended",),
                              results={"iteration": 5}))
-    assert ript.kind == "ript" and ript.target == 5 and ript.state() == ("finished", "reached iteration 5")
+    assert ript.kind == RIPT and ript.target == 5 and ript.state() == ("finished", "reached iteration 5")
     assert read_run(tmp_path / "nothing").state()[0] == "not started"
 
 
@@ -90,3 +90,18 @@ def test_a_run_holding_its_directory_lock_is_not_called_dead(tmp_path):
         view = read_run(run)
         assert view.holder == "pid 1 on n0 since now" and view.state()[0] == "running"
     assert read_run(run).state()[0] == "dead"
+
+
+def test_one_layout_names_every_file_for_the_writers_and_the_readers(tmp_path):
+    from ds_train.rundir import KINDS, RunPaths
+
+    paths = RunPaths(tmp_path)
+    assert paths.metrics == tmp_path / "metrics.jsonl" and paths.rank_log(3) == tmp_path / "logs" / "rank_3.log"
+    assert paths.heartbeat(1) == tmp_path / "heartbeats" / "rank_1.json" and paths.latest.parent == paths.checkpoints
+    assert {paths.results(k).name for k in KINDS.values()} == {"results.json", "ript_results.json"}
+    for name, kind in RunPaths.ENTRIES.items():  # every entry the run checks is a path the layout names
+        assert any(getattr(paths, a) == tmp_path / name for a in dir(RunPaths) if isinstance(getattr(RunPaths, a), property)) \
+            or name in {paths.results(k).name for k in KINDS.values()}, name
+    # the readers take the kind from env.json: its unit, its last step, what the monitor shows
+    assert KINDS["ript"].last({"ript": {"iterations": 7}}) == 7 and KINDS["train"].last({"train": {}}) == 0
+    assert KINDS["train"].unit == "step" and KINDS["ript"].per_task and not KINDS["train"].per_task

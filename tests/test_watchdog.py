@@ -42,9 +42,10 @@ def test_a_heartbeat_file_is_written_and_a_stall_in_one_process_is_reported(tmp_
     code = f"""
 import time
 from pathlib import Path
+from ds_train.rundir import RunPaths
 from ds_train.watchdog import Heartbeat, Watchdog
 hb = Heartbeat(0, 0, "h0")
-w = Watchdog(hb, Path({str(tmp_path)!r}), 1, stall_s=1.5, heartbeat_s=0.2).start()
+w = Watchdog(hb, RunPaths({str(tmp_path)!r}), 1, stall_s=1.5, heartbeat_s=0.2).start()
 hb.beat(1, "data")
 w.arm()
 hb.beat(1, "forward")

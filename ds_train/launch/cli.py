@@ -20,6 +20,7 @@ from typing import Callable
 
 from ds_train.errors import OneLineParser, UserError
 from ds_train.fs import write_atomic
+from ds_train.rundir import RunPaths
 
 # DeepSpeed's runner default (deepspeed.constants.TORCH_DISTRIBUTED_DEFAULT_PORT).
 DEFAULT_MASTER_PORT = 29500
@@ -231,21 +232,21 @@ def final_line(run_dir: Path, code: int, since: float) -> str | None:
 
     if code in (0, 2, 3, 4):  # done, or the ranks said why (bad input, non-finite steps, out of memory)
         return None
-    for name in ("hang_report.json", "failure.json"):
-        path = run_dir / "logs" / name
+    paths = RunPaths(run_dir)
+    for path in (paths.hang_report, paths.failure):
         try:
             if path.stat().st_mtime >= since:
                 return f"ds-train: error: {json.loads(path.read_text())['line']}"
         except (OSError, ValueError, KeyError):
             continue
     if code > 128:
-        latest = run_dir / "checkpoints" / "latest"
+        latest = paths.latest
         saved = latest.read_text().strip() if latest.is_file() and latest.stat().st_mtime >= since else ""
         return (f"ds-train: stopped by signal {code - 128}; " +
                 (f"checkpoint {saved} saved; the same command resumes from it" if saved else
                  "no checkpoint was saved by this job"))
     return (f"ds-train: error: the job ended with exit code {code}; each rank's output is in "
-            f"{run_dir / 'logs'}/rank_<r>.log on its node")
+            f"{paths.logs}/rank_<r>.log on its node")
 
 
 def _slurm_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,83 @@
+"""The probe `ds-train launch` runs on every host (`<python> -c PROBE <cwd> <port>`, over ssh): the
+host's Python, package versions, working directory, addresses, a free master port, its GPUs and the
+CUDA / NCCL versions its torch was built with, printed as one JSON object."""
+
+PACKAGES = ("ds_train", "deepspeed", "torch")
+PORT_TRIES = 10  # the master port and the next nine
+
+# Port 0 means "not the master".
+PROBE = r"""
+import importlib.metadata as md, json, os, platform, shutil, socket, subprocess, sys, warnings
+cwd, port = sys.argv[1], int(sys.argv[2])
+def version(name):
+    try:
+        return md.version(name)
+    except md.PackageNotFoundError:
+        return None
+def free(p):
+    # The rendezvous store binds every interface with SO_REUSEADDR: a listener on any address
+    # of this host blocks it, a socket in TIME_WAIT does not.
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("", p))
+            return True
+        except OSError:
+            return False
+def mib(text):
+    try:
+        return float(text)
+    except ValueError:  # [N/A]
+        return None
+def gpus():
+    # nvidia-smi answers from the driver without a CUDA context. Not on PATH: a CPU host.
+    if shutil.which("nvidia-smi") is None:
+        return [], None
+    try:
+        proc = subprocess.run(["nvidia-smi", "--query-gpu=index,name,memory.total,memory.used,driver_version",
+                               "--format=csv,noheader,nounits"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError) as e:
+        return [], f"nvidia-smi failed ({e})"
+    said = " ".join((proc.stdout + proc.stderr).split())
+    if "No devices were found" in said:  # a driver without devices (exits non-zero): as a CPU host
+        return [], None
+    if proc.returncode != 0:
+        return [], f"nvidia-smi failed (exit {proc.returncode}: {said[-200:]})"
+    rows = []
+    for line in proc.stdout.splitlines():
+        parts = [part.strip() for part in line.split(",")]
+        if len(parts) < 5 or not parts[0].isdigit():
+            return [], f"nvidia-smi printed an unreadable line {line!r}"
+        rows.append({"index": int(parts[0]), "name": ", ".join(parts[1:-3]), "memory_total_mib": mib(parts[-3]),
+                     "memory_used_mib": mib(parts[-2]), "driver": parts[-1]})
+    return rows, None
+def torch_cuda(listed):
+    out = {"torch_cuda": None, "torch_nccl": None, "torch_cuda_available": None, "torch_error": None}
+    # The launcher sets CUDA_VISIBLE_DEVICES per slot itself; a login shell's value would only mislead.
+    os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+    try:
+        import torch
+        out["torch_cuda"] = torch.version.cuda
+        if torch.version.cuda:  # a CPU build has no NCCL to ask
+            out["torch_nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
+        if listed and torch.version.cuda:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                out["torch_cuda_available"] = torch.cuda.is_available()
+            if not out["torch_cuda_available"] and caught:
+                out["torch_error"] = " ".join(str(caught[-1].message).split())[:300]
+    except Exception as e:  # a broken CUDA install is the answer, not a crash of the probe
+        out["torch_error"] = f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"
+    return out
+try:
+    addresses = subprocess.run(["hostname", "-I"], capture_output=True, text=True, timeout=5).stdout.split()
+except (OSError, subprocess.SubprocessError):
+    addresses = []
+listed, gpu_error = gpus()
+print(json.dumps({
+    "python": sys.executable, "python_version": platform.python_version(),
+    "versions": {name: version(name) for name in %(packages)r},
+    "cwd_exists": os.path.isdir(cwd), "hostname": socket.gethostname(), "addresses": addresses,
+    "free_port": next((p for p in range(port, port + %(tries)d) if free(p)), None) if port else None,
+    "gpus": listed, "gpu_error": gpu_error, **torch_cuda(listed)}))
+""" % {"packages": PACKAGES, "tries": PORT_TRIES}
