@@ -1,7 +1,9 @@
 """Batch arithmetic, written out once, as pure functions with loud errors.
 
 DeepSpeed's invariant: train_batch_size = train_micro_batch_size_per_gpu
-                                          x gradient_accumulation_steps x world_size.
+                                          x gradient_accumulation_steps x data-parallel size,
+where the data-parallel size is the world size divided by the sequence- and tensor-parallel sizes
+(ds_train/parallel.py): the ranks of one data-parallel group read the same batch.
 """
 
 from __future__ import annotations
@@ -16,61 +18,68 @@ from ds_train.errors import UserError
 class BatchPlan:
     micro_batch_size: int  # sequences per rank per forward (train_micro_batch_size_per_gpu)
     grad_accum_steps: int  # micro-batches per rank per optimizer step
-    world_size: int
+    data_parallel_size: int  # ranks that read different batches (the world, unless sequence / tensor > 1)
     seq_len: int
 
     @property
     def global_batch_size(self) -> int:  # sequences per optimizer step (train_batch_size)
-        return self.micro_batch_size * self.grad_accum_steps * self.world_size
+        return self.micro_batch_size * self.grad_accum_steps * self.data_parallel_size
 
     @property
     def sequences_per_rank(self) -> int:
+        """Sequences one data-parallel rank reads per optimizer step."""
         return self.micro_batch_size * self.grad_accum_steps
 
     @property
     def tokens_per_step(self) -> int:
         return self.global_batch_size * self.seq_len
 
-    def describe(self) -> str:
+    def describe(self, world_size: int | None = None) -> str:
+        ranks = (f"world {self.data_parallel_size}" if world_size in (None, self.data_parallel_size) else
+                 f"data-parallel {self.data_parallel_size} (world {world_size})")
         return (f"batch: global {self.global_batch_size} seqs = micro {self.micro_batch_size} x "
-                f"accum {self.grad_accum_steps} x world {self.world_size}; seq_len {self.seq_len}; "
+                f"accum {self.grad_accum_steps} x {ranks}; seq_len {self.seq_len}; "
                 f"{self.tokens_per_step:,} tokens/step")
 
 
-def valid_global_batch_sizes(micro: int, world: int, near: int, count: int = 2) -> list[int]:
-    """The multiples of micro x world closest to `near` (the valid global batch sizes)."""
-    unit = micro * world
+def valid_global_batch_sizes(micro: int, data_parallel: int, near: int, count: int = 2) -> list[int]:
+    """The multiples of micro x data-parallel size closest to `near` (the valid global batch sizes)."""
+    unit = micro * data_parallel
     below = max(unit, (near // unit) * unit)
     options = {below, below + unit} | ({below - unit} if below - unit >= unit else set())
     return sorted(sorted(options, key=lambda g: (abs(g - near), g))[:count])
 
 
-def valid_micro_batch_sizes(global_batch: int, world: int) -> list[int]:
+def valid_micro_batch_sizes(global_batch: int, data_parallel: int) -> list[int]:
     """Micro-batch sizes that divide the per-rank share of `global_batch`."""
-    if global_batch % world:
+    if global_batch % data_parallel:
         return []
-    per_rank = global_batch // world
+    per_rank = global_batch // data_parallel
     return [m for m in range(1, per_rank + 1) if per_rank % m == 0]
 
 
-def plan_batch(global_batch_size: int, micro_batch_size: int, world_size: int, seq_len: int) -> BatchPlan:
-    """gradient_accumulation_steps = global / (micro x world), or an error naming all three."""
-    if min(global_batch_size, micro_batch_size, world_size) <= 0:
+def plan_batch(global_batch_size: int, micro_batch_size: int, data_parallel: int, seq_len: int,
+               ranks: str = "") -> BatchPlan:
+    """gradient_accumulation_steps = global / (micro x data-parallel size), or an error naming all
+    three. `ranks` says where the data-parallel size comes from when it is not the world size
+    (ParallelDims.derivation); empty: every rank is a data-parallel rank."""
+    what = f"data-parallel size {data_parallel} ({ranks})" if ranks else f"world size {data_parallel}"
+    if min(global_batch_size, micro_batch_size, data_parallel) <= 0:
         raise UserError(f"batch sizes must be positive: train.global_batch_size={global_batch_size}, "
-                        f"train.micro_batch_size={micro_batch_size}, world size={world_size}")
-    accum, rest = divmod(global_batch_size, micro_batch_size * world_size)
+                        f"train.micro_batch_size={micro_batch_size}, {what.replace(' size ', ' size=', 1)}")
+    accum, rest = divmod(global_batch_size, micro_batch_size * data_parallel)
     if rest or accum == 0:
-        globals_ = valid_global_batch_sizes(micro_batch_size, world_size, global_batch_size)
-        micros = valid_micro_batch_sizes(global_batch_size, world_size)
+        globals_ = valid_global_batch_sizes(micro_batch_size, data_parallel, global_batch_size)
+        micros = valid_micro_batch_sizes(global_batch_size, data_parallel)
         hint = f"train.global_batch_size={' or '.join(map(str, globals_))}"
         if micros:
             near = sorted(micros, key=lambda m: abs(m - micro_batch_size))[:2]
             hint += f", or train.micro_batch_size={' or '.join(map(str, sorted(near)))}"
         raise UserError(
             f"train.global_batch_size={global_batch_size} is not a multiple of "
-            f"train.micro_batch_size={micro_batch_size} x world size {world_size} "
-            f"= {micro_batch_size * world_size}; use {hint}")
-    return BatchPlan(micro_batch_size, accum, world_size, seq_len)
+            f"train.micro_batch_size={micro_batch_size} x {what} "
+            f"= {micro_batch_size * data_parallel}; use {hint}")
+    return BatchPlan(micro_batch_size, accum, data_parallel, seq_len)
 
 
 def scaled_lr(lr: float, global_batch_size: int, reference_batch_size: int, mode: str) -> float:
@@ -83,11 +92,11 @@ def scaled_lr(lr: float, global_batch_size: int, reference_batch_size: int, mode
 
 def rollout_update_steps(contexts_per_rank: int, rollouts_per_context: int, plan: BatchPlan) -> int:
     """RIPT: optimizer steps in one pass over a rank's accepted rollouts, which must fill whole
-    steps of train.global_batch_size / world size sequences."""
+    steps of train.global_batch_size / data-parallel size sequences."""
     rows = contexts_per_rank * rollouts_per_context
     if rows % plan.sequences_per_rank:
         raise UserError(f"ript: contexts_per_rank x rloo_batch_size = {rows} rollouts per rank must be a "
-                        f"multiple of train.global_batch_size / world size = {plan.sequences_per_rank}; "
-                        f"set train.global_batch_size to {rows * plan.world_size} (one optimizer step per "
+                        f"multiple of train.global_batch_size / data-parallel size = {plan.sequences_per_rank}; "
+                        f"set train.global_batch_size to {rows * plan.data_parallel_size} (one optimizer step per "
                         f"iteration) or that divided by the steps you want")
     return rows // plan.sequences_per_rank

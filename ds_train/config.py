@@ -117,11 +117,12 @@ class TrainConfig:
     eval_every: int = _f(0, "Evaluate on val.bin every N steps (0: only at the end).")
     eval_batches: int = _f(4, "Micro-batches per rank in each evaluation.")
     nonfinite: Literal["skip", "stop"] = _f(
-        "skip", "A step whose gradients are not finite is never applied. skip: carry on (counted as "
-                "train/skipped_steps); stop: exit after nonfinite_patience such steps in a row.")
+        "skip", "An optimizer step whose gradients are not finite is never applied (training and RIPT). skip: "
+                "carry on (counted as train/skipped_steps, policy/skipped_steps); stop: exit after "
+                "nonfinite_patience such steps in a row.")
     nonfinite_patience: int = _f(3, "Consecutive non-finite steps before train.nonfinite=stop exits.")
-    debug_nonfinite_steps: list = _f([], "Fault injection: steps whose loss is made infinite, to "
-                                         "rehearse the non-finite handling.")
+    debug_nonfinite_steps: list = _f([], "Fault injection: steps (RIPT: iterations) whose loss is made "
+                                         "infinite, to rehearse the non-finite handling.")
 
     def check(self) -> list[str]:
         errs = []
@@ -160,6 +161,18 @@ class OptimConfig:
             errs.append(f"optim.reference_batch_size: set it (> 0) when optim.lr_scaling is "
                         f"{self.lr_scaling!r}")
         return errs
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    sequence: int = _f(1, "Sequence-parallel ranks per data-parallel group (DeepSpeed Ulysses): each holds "
+                          "1/sequence of every sequence. 1: off. The data-parallel size is world / "
+                          "(sequence x tensor).")
+    tensor: int = _f(1, "Tensor-parallel ranks per data-parallel group (DeepSpeed AutoTP): each holds "
+                        "1/tensor of every layer. 1: off.")
+
+    def check(self) -> list[str]:
+        return _not_positive(self, "parallel", ("sequence", "tensor"))
 
 
 SAVE_PHASES = ("unmarked", "written", "rank_files", "marked", "latest")  # checkpoint.PHASES
@@ -348,6 +361,7 @@ class RunConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     log: LogConfig = field(default_factory=LogConfig)

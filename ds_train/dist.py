@@ -293,19 +293,36 @@ def accelerator_name() -> str:
     return get_accelerator().device_name()
 
 
-def _reduce(values: list[float], op: str) -> list[float]:
+def _reduce(values: list[float], op: str, group=None) -> list[float]:
     import torch
     import deepspeed.comm as comm
 
     t = torch.tensor(values, dtype=torch.float64, device=device())
     if comm.is_initialized() and comm.get_world_size() > 1:
-        comm.all_reduce(t, op=comm.ReduceOp.SUM if op == "sum" else comm.ReduceOp.MAX)
+        comm.all_reduce(t, op=comm.ReduceOp.SUM if op == "sum" else comm.ReduceOp.MAX, group=group)
     return t.tolist()
 
 
-def all_reduce_sum(values: list[float]) -> list[float]:
-    """Sum a list of numbers over all ranks in one collective (every rank must call it)."""
-    return _reduce(values, "sum")
+def all_reduce_sum(values: list[float], group=None) -> list[float]:
+    """Sum a list of numbers over the ranks of `group` (None: all) in one collective (every rank of
+    it must call it)."""
+    return _reduce(values, "sum", group)
+
+
+def subgroup(groups: list[list[int]], rank: int):
+    """The process group among `groups` (disjoint lists of ranks covering the world) that holds
+    `rank`; None when one group is the whole world (the default group). Every rank must call it
+    with the same lists: each group is created by all ranks, in order."""
+    import deepspeed.comm as comm
+
+    if len(groups) == 1:
+        return None
+    mine = None
+    for ranks in groups:
+        group = comm.new_group(ranks)
+        if rank in ranks:
+            mine = group
+    return mine
 
 
 def all_reduce_max(values: list[float]) -> list[float]:

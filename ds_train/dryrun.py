@@ -23,17 +23,21 @@ from pathlib import Path
 from ds_train import checkpoint, dist
 from ds_train.batch import plan_batch
 from ds_train.config import RunConfig
-from ds_train.data import eval_micro_batches, load_tokenizer, rank_micro_batches
+from ds_train.data.datasets import eval_micro_batches, rank_micro_batches
 from ds_train.engine import read_ds_template
 from ds_train.errors import UserError
 from ds_train.fs import write_atomic
+from ds_train.inputs import check_inputs, plan_config
+from ds_train.losses import forward_loss
 from ds_train.memory import GiB, ModelShape, model_shape
 from ds_train.metrics import PEAK_TFLOPS, memory_gib, peak_flops
-from ds_train.model import build_hf_config, count_params, flops_per_token, lookup_params, resolve_dtype
+from ds_train.model.build import count_params, flops_per_token, lookup_params, resolve_dtype
+from ds_train.parallel import check_built, check_heads, plan_dims
 from ds_train.plan import (Target, format_rows, format_suggestions, pick_preset, plan_rows, resolved_zero,
                            suggestions)
-from ds_train.trainer import build_inputs, forward_loss, prepare_data, train_spec, train_step
+from ds_train.rundir import RunPaths
 from ds_train.run import build_run
+from ds_train.trainer import train_spec, train_step
 
 def target_from_args(hostfile: str | None, nodes: int | None, gpus_per_node: int | None,
                      gpu_memory_gib: float | None) -> Target:
@@ -66,17 +70,8 @@ def _this_gpu_memory_gib() -> float | None:
 
 
 def resolve_shape(cfg: RunConfig) -> tuple[ModelShape, object]:
-    """The model's shape from its config; vocab from model.config, else from the prepared data."""
-    vocab = cfg.model.config.get("vocab_size")
-    if vocab is None and not cfg.model.path:
-        d = cfg.data
-        if not (Path(d.dir) / "meta.json").is_file() and not d.sources:
-            raise UserError(f"model.config.vocab_size is not set and {d.dir!r} is not prepared; "
-                            f"set model.config.vocab_size or run `ds-train prepare --config ...`")
-        # Prepared on first use, exactly as `train` would (once, under a lock).
-        meta = prepare_data(d, d.tokenizer)
-        vocab = len(load_tokenizer(meta["tokenizer"]))
-    hf_config = build_hf_config(cfg.model, vocab or 0, cfg.train.seq_len)
+    """The model's shape from its config (the vocabulary as ds_train.inputs.plan_config finds it)."""
+    hf_config = plan_config(cfg)
     return model_shape(hf_config), hf_config
 
 
@@ -87,13 +82,17 @@ def _dtype(cfg: RunConfig, on_gpu: bool) -> str:
 
 def run_estimate(cfg: RunConfig, ds_config_path: str, target: Target, preset: str | None) -> dict:
     template = read_ds_template(ds_config_path)
-    plan_batch(cfg.train.global_batch_size, cfg.train.micro_batch_size, target.world, cfg.train.seq_len)
-    shape, _ = resolve_shape(cfg)
+    dims = plan_dims(cfg.parallel, target.world)
+    plan_batch(cfg.train.global_batch_size, cfg.train.micro_batch_size, dims.data, cfg.train.seq_len,
+               dims.derivation())
+    shape, hf_config = resolve_shape(cfg)
+    check_heads(dims, hf_config)
+    check_built(dims)
     dtype = _dtype(cfg, on_gpu=True)
     zero = resolved_zero(template, shape)
     rows = plan_rows(shape, cfg, zero, target, dtype)
     out = {"target": {"nodes": target.nodes, "gpus_per_node": target.gpus_per_node, "world": target.world,
-                      "gpu_memory_gib": target.gpu_memory_gib},
+                      "gpu_memory_gib": target.gpu_memory_gib, "parallel": dims.record()},
            "model": {"params": shape.n_params, "layers": shape.n_layers, "hidden": shape.hidden},
            "dtype": dtype, "rows": rows}
     given = next(r for r in rows if r["given"])
@@ -122,8 +121,10 @@ def dry_run(cfg: RunConfig, ds_config_path: str, target: Target, steps: int = 3,
     """Real steps of one rank's share of the target global batch on this device, projected."""
     import torch
 
-    plan = plan_batch(cfg.train.global_batch_size, cfg.train.micro_batch_size, target.world, cfg.train.seq_len)
     estimate_out = run_estimate(cfg, ds_config_path, target, None)
+    dims = plan_dims(cfg.parallel, target.world)
+    plan = plan_batch(cfg.train.global_batch_size, cfg.train.micro_batch_size, dims.data, cfg.train.seq_len,
+                      dims.derivation())
     work = tempfile.mkdtemp(prefix="ds_train_dry_run_")
     try:
         # One rank's work (micro x accumulation sequences per step) on this one device, in a
@@ -133,8 +134,9 @@ def dry_run(cfg: RunConfig, ds_config_path: str, target: Target, steps: int = 3,
                         checkpoint=replace(cfg.checkpoint, resume="none", save_final=False, every=0,
                                            export_final=False),
                         log=replace(cfg.log, wandb="off", progress=False, sample_prompt=""))
-        data, source = build_inputs(local)
-        with build_run(local, ds_config_path, dist.detect_env(), train_spec(local), source, quiet=True) as run:
+        inputs = check_inputs(local, ds_config_path)
+        data = inputs.data
+        with build_run(inputs, dist.detect_env(), train_spec(local), quiet=True) as run:
             engine = run.engine
             on_gpu = engine.device.type == "cuda"
             if on_gpu:
@@ -165,7 +167,8 @@ def dry_run(cfg: RunConfig, ds_config_path: str, target: Target, steps: int = 3,
     return {
         **estimate_out,
         "batch": {"global_batch_size": plan.global_batch_size, "micro_batch_size": plan.micro_batch_size,
-                  "grad_accum_steps": plan.grad_accum_steps, "world_size": plan.world_size,
+                  "grad_accum_steps": plan.grad_accum_steps, "data_parallel_size": plan.data_parallel_size,
+                  "world_size": target.world,
                   "tokens_per_step": plan.tokens_per_step},
         "measured": {"device": device_name, "step_time_s": step_s, "step_times_s": times,
                      "peak_memory_gib": measured_peak,
@@ -193,15 +196,16 @@ def _checkpoint_round_trip(run, val, work: Path) -> dict:
     with torch.no_grad():
         before = float(forward_loss(engine, batch)[0])
     t0 = time.perf_counter()
-    state = {"kind": "train", "step": 0, "samples": 0, "tokens": 0, "zero_stage": run.zero_stage,
-             "dtype": run.dtype, "config": run.cfg.to_dict()}
-    tag = checkpoint.save(engine, work / "checkpoints", 1, state, 0, 1, keep=0)
-    size = sum(p.stat().st_size for p in (work / "checkpoints" / tag).rglob("*") if p.is_file())
+    state = {**checkpoint.run_record("train", run.zero_stage, run.dtype, "shared", run.dims.record(),
+                                     run.cfg.to_dict(), {}), "step": 0, "samples": 0, "tokens": 0}
+    ckpt_dir = RunPaths(work).checkpoints
+    tag = checkpoint.save(engine, ckpt_dir, 1, state, 0, 1, keep=0)
+    size = sum(p.stat().st_size for p in (ckpt_dir / tag).rglob("*") if p.is_file())
     with torch.no_grad():
         for p in engine.module.parameters():
             t = getattr(p, "ds_tensor", p)
             t.data.add_(1.0)  # disturb the weights, so the load has to restore them
-    engine.load_checkpoint(str(work / "checkpoints"), tag=tag)
+    engine.load_checkpoint(str(ckpt_dir), tag=tag)
     with torch.no_grad():
         after = float(forward_loss(engine, batch)[0])
     engine.train()
@@ -216,7 +220,8 @@ def format_dry_run(out: dict, target: Target) -> str:
     mfu = f"{p['mfu']:.1%}" if p["mfu"] is not None else "n/a (no GPU peak)"
     lines = [format_estimate(out, target), "",
              f"batch: global {b['global_batch_size']} = micro {b['micro_batch_size']} x accum "
-             f"{b['grad_accum_steps']} x world {b['world_size']}; {b['tokens_per_step']:,} tokens/step",
+             f"{b['grad_accum_steps']} x data-parallel {b['data_parallel_size']} (world {b['world_size']}); "
+             f"{b['tokens_per_step']:,} tokens/step",
              f"measured on {m['device']}: {m['step_time_s']:.3f} s per step (one rank's share), "
              f"peak {m['peak_memory_gib']:.2f} GiB ({m['peak_memory_kind']})",
              f"predicted per GPU: peak {p['per_gpu_peak_gib']:.2f} of {p['gpu_memory_gib']:g} GiB -> "

@@ -42,7 +42,7 @@ def _owned(cfg: RunConfig, plan: BatchPlan, dtype: str) -> dict[tuple, tuple[str
     return {
         ("train_batch_size",): ("train.global_batch_size", plan.global_batch_size),
         ("train_micro_batch_size_per_gpu",): ("train.micro_batch_size", plan.micro_batch_size),
-        ("gradient_accumulation_steps",): ("global / (micro x world)", plan.grad_accum_steps),
+        ("gradient_accumulation_steps",): ("global / (micro x data-parallel size)", plan.grad_accum_steps),
         ("gradient_clipping",): ("train.grad_clip", cfg.train.grad_clip),
         ("bf16", "enabled"): (f"model.dtype ({dtype})", dtype == "bf16"),
         ("fp16", "enabled"): (f"model.dtype ({dtype})", dtype == "fp16"),
@@ -95,14 +95,22 @@ def _resolve(d: dict, path: tuple, value: Any, owner: str, source: str) -> None:
                         f"set it to \"auto\" or make them agree")
 
 
-def _zero_buckets(zero: dict, hidden: int, source: str) -> None:
-    """Stage-3 bucket sizes from the hidden size (the rule the Hugging Face Trainer uses)."""
+def resolve_zero(zero: dict, hidden: int) -> dict:
+    """A zero_optimization section with its "auto" bucket sizes derived from the hidden size (the
+    Hugging Face Trainer's rule, for every stage): the one place they are computed, for the run's
+    ds_config and for the memory plan alike. Explicit values and missing keys (DeepSpeed's
+    defaults) are left as they are."""
     derived = {"reduce_bucket_size": hidden * hidden,
                "stage3_prefetch_bucket_size": int(0.9 * hidden * hidden),
                "stage3_param_persistence_threshold": 10 * hidden}
-    for key, value in derived.items():
-        if zero.get(key) == AUTO:
-            zero[key] = value
+    return {**zero, **{key: value for key, value in derived.items() if zero.get(key) == AUTO}}
+
+
+def shipped_zero(name: str) -> dict:
+    """The zero_optimization section of ds_configs/<name>.json (zero0 ... zero3, zero3_offload): what
+    a user switching to that file gets (the memory plan's other rows and fixes)."""
+    path = Path(__file__).resolve().parents[1] / "ds_configs" / f"{name}.json"
+    return dict(read_ds_template(path)["zero_optimization"])
 
 
 def _check_unknown_keys(ds: dict, source: str) -> None:
@@ -135,11 +143,12 @@ def _check_sections(ds: dict, source: str) -> None:
 
 def render_ds_config(template: dict, cfg: RunConfig, plan: BatchPlan, *, dtype: str, hidden_size: int,
                      lr: float, total_steps: int, on_gpu: bool, load_universal: bool = False,
-                     source: str = "ds_config") -> dict:
-    """Template + run config + world size -> the complete ds_config handed to deepspeed.initialize.
+                     node_local: bool = False, source: str = "ds_config") -> dict:
+    """Template + run config + batch plan -> the complete ds_config handed to deepspeed.initialize.
 
     `lr` is the scaled peak learning rate, `total_steps` the optimizer steps the schedule spans,
-    `load_universal` whether the resume loads a universal checkpoint. Nothing patches the result.
+    `load_universal` whether the resume loads a universal checkpoint, `node_local` whether each
+    node's first rank writes the model states on its own disk. Nothing patches the result.
     """
     ds = copy.deepcopy(template)
     _check_unknown_keys(ds, source)
@@ -149,8 +158,7 @@ def render_ds_config(template: dict, cfg: RunConfig, plan: BatchPlan, *, dtype: 
         _resolve(ds, path, value, owner, source)
     if ds.get("bf16", {}).get("enabled") and ds.get("fp16", {}).get("enabled"):
         raise UserError(f"{source}: bf16 and fp16 are both enabled; set model.dtype instead")
-    zero = ds.setdefault("zero_optimization", {"stage": 0})
-    _zero_buckets(zero, hidden_size, source)
+    zero = ds["zero_optimization"] = resolve_zero(ds.get("zero_optimization", {"stage": 0}), hidden_size)
     offload = _get(zero, ("offload_optimizer", "device")) in ("cpu", "nvme")
     if "optimizer" in ds:
         params = ds["optimizer"].setdefault("params", {})
@@ -181,6 +189,8 @@ def render_ds_config(template: dict, cfg: RunConfig, plan: BatchPlan, *, dtype: 
                         f"derive it; give a value")
     if load_universal:
         ds["checkpoint"] = {**ds.get("checkpoint", {}), "load_universal": True}
+    if node_local:
+        ds["checkpoint"] = {**ds.get("checkpoint", {}), "use_node_local_storage": True}
     _check_sections(ds, source)
     return ds
 

@@ -9,7 +9,9 @@ from dataclasses import dataclass
 from ds_train.batch import valid_micro_batch_sizes
 from ds_train.config import RunConfig
 from ds_train.errors import UserError
+from ds_train.engine import resolve_zero, shipped_zero
 from ds_train.memory import GiB, Estimate, ModelShape, estimate, model_shape
+from ds_train.parallel import plan_dims
 
 PRESETS = {"conservative": 0.5, "balanced": 0.7, "aggressive": 0.9}  # target fraction of GPU memory
 STAGE_FILES = {0: "zero0.json", 1: "zero1.json", 2: "zero2.json", 3: "zero3.json"}
@@ -27,35 +29,33 @@ class Target:
 
 
 def plan_rows(shape: ModelShape, cfg: RunConfig, zero: dict, target: Target, dtype: str) -> list[dict]:
-    """The given config and ZeRO 0-3 (with and without activation checkpointing) side by side."""
+    """The given config and ZeRO 0-3 (with and without activation checkpointing) side by side; the
+    other stages as ds_configs/zero<stage>.json renders them."""
     rows = []
     given = int(zero.get("stage", 0))
+    data = data_parallel(cfg, target)
     for stage in range(4):
-        z = zero if stage == given else {**stage_defaults(stage, shape), "stage": stage}
+        z = zero if stage == given else stage_zero(f"zero{stage}", shape)
         for ckpt in (cfg.model.activation_checkpointing, not cfg.model.activation_checkpointing):
-            est = estimate(shape, stage, dtype, target.world, cfg.train.micro_batch_size,
-                           cfg.train.seq_len, ckpt, z)
+            est = estimate(shape, stage, dtype, data, cfg.train.micro_batch_size, cfg.train.seq_len, ckpt, z)
             rows.append(_row(est, ckpt, stage == given and ckpt == cfg.model.activation_checkpointing,
                              target, cfg.train.micro_batch_size, zero_label(z)))
     return rows
 
 
-def stage_defaults(stage: int, shape: ModelShape) -> dict:
-    """Bucket sizes as the shipped ds_configs resolve them."""
-    h = shape.hidden
-    if stage == 3:
-        return {"reduce_bucket_size": h * h, "stage3_prefetch_bucket_size": int(0.9 * h * h),
-                "overlap_comm": True}
-    return {"reduce_bucket_size": 2e8, "allgather_bucket_size": 2e8, "overlap_comm": stage == 2}
+def data_parallel(cfg: RunConfig, target: Target) -> int:
+    """The data-parallel size of the run on the target cluster: what ZeRO partitions over."""
+    return plan_dims(cfg.parallel, target.world).data
+
+
+def stage_zero(name: str, shape: ModelShape) -> dict:
+    """The zero_optimization section of ds_configs/<name>.json as the run would render it."""
+    return resolve_zero(shipped_zero(name), shape.hidden)
 
 
 def resolved_zero(template: dict, shape: ModelShape) -> dict:
-    """The template's zero_optimization section with its "auto" buckets filled in."""
-    zero = dict(template.get("zero_optimization", {"stage": 0}))
-    for key, value in stage_defaults(int(zero.get("stage", 0)), shape).items():
-        if zero.get(key, "auto") == "auto":
-            zero[key] = value
-    return zero
+    """The template's zero_optimization section as the run renders it (engine.resolve_zero)."""
+    return resolve_zero(dict(template.get("zero_optimization", {"stage": 0})), shape.hidden)
 
 
 def zero_label(zero: dict) -> str:
@@ -97,26 +97,26 @@ def format_rows(rows: list[dict], target: Target) -> str:
 def suggestions(shape: ModelShape, cfg: RunConfig, zero: dict, target: Target, dtype: str) -> list[dict]:
     """Changes that lower the per-GPU peak, cheapest first, each with its predicted peak."""
     stage, micro, ckpt = int(zero.get("stage", 0)), cfg.train.micro_batch_size, cfg.model.activation_checkpointing
-    seq = cfg.train.seq_len
+    seq, data = cfg.train.seq_len, data_parallel(cfg, target)
     out = []
 
     def add(change: str, **kw):
-        est = estimate(shape, kw.get("stage", stage), dtype, target.world, kw.get("micro", micro),
+        est = estimate(shape, kw.get("stage", stage), dtype, data, kw.get("micro", micro),
                        kw.get("seq", seq), kw.get("ckpt", ckpt), kw.get("zero", zero))
         out.append({"change": change, "gpu_peak_gib": est.gpu_peak / GiB,
                     "fits": est.gpu_peak / GiB <= target.gpu_memory_gib})
 
-    per_rank = cfg.train.global_batch_size // target.world if cfg.train.global_batch_size % target.world == 0 else 0
-    smaller = [m for m in valid_micro_batch_sizes(per_rank * target.world, target.world) if m < micro] if per_rank else []
+    per_rank = cfg.train.global_batch_size // data if cfg.train.global_batch_size % data == 0 else 0
+    smaller = [m for m in valid_micro_batch_sizes(per_rank * data, data) if m < micro] if per_rank else []
     if smaller:
         m = max(smaller)
         add(f"train.micro_batch_size={m} (more accumulation, same global batch)", micro=m)
     if not ckpt:
         add("model.activation_checkpointing=true (about a third more compute)", ckpt=True)
     for s in range(stage + 1, 4):
-        add(f"--ds-config ds_configs/{STAGE_FILES[s]}", stage=s, zero={**stage_defaults(s, shape), "stage": s})
-    off = {**stage_defaults(3, shape), "stage": 3, "offload_optimizer": {"device": "cpu"}}
-    add("--ds-config ds_configs/zero3_offload.json optimizer offload (slower steps)", stage=3, zero=off)
+        add(f"--ds-config ds_configs/{STAGE_FILES[s]}", stage=s, zero=stage_zero(f"zero{s}", shape))
+    add("--ds-config ds_configs/zero3_offload.json optimizer and parameter offload (slower steps)", stage=3,
+        zero=stage_zero("zero3_offload", shape))
     add(f"train.seq_len={seq // 2} (changes what is learned)", seq=seq // 2)
     return out
 
@@ -129,15 +129,16 @@ def pick_preset(shape: ModelShape, cfg: RunConfig, target: Target, dtype: str, p
     """Micro-batch, activation checkpointing and stage within the preset's memory fraction:
     prefer no checkpointing, then the lowest stage, then the largest micro-batch."""
     budget = PRESETS[preset] * target.gpu_memory_gib
-    if cfg.train.global_batch_size % target.world:
+    data = data_parallel(cfg, target)
+    if cfg.train.global_batch_size % data:
         raise UserError(f"train.global_batch_size={cfg.train.global_batch_size} is not divisible by the "
-                        f"world size {target.world}")
-    micros = sorted(valid_micro_batch_sizes(cfg.train.global_batch_size, target.world), reverse=True)
+                        f"data-parallel size {data}")
+    micros = sorted(valid_micro_batch_sizes(cfg.train.global_batch_size, data), reverse=True)
     for ckpt in (False, True):
         for stage in range(4):
-            z = {**stage_defaults(stage, shape), "stage": stage}
+            z = stage_zero(f"zero{stage}", shape)
             for m in micros:
-                est = estimate(shape, stage, dtype, target.world, m, cfg.train.seq_len, ckpt, z)
+                est = estimate(shape, stage, dtype, data, m, cfg.train.seq_len, ckpt, z)
                 if est.gpu_peak / GiB <= budget:
                     return {"preset": preset, "memory_fraction": PRESETS[preset],
                             "micro_batch_size": m, "activation_checkpointing": ckpt, "stage": stage,
@@ -155,7 +156,8 @@ def ds_config_dtype(ds_config: dict) -> str:
 
 
 def oom_report(cfg: RunConfig, ds_config: dict, hf_config, world: int, gpu_memory_gib: float) -> str:
-    """What to change after a real out-of-memory: the estimate for this run and the ranked fixes."""
+    """What to change after a real out-of-memory of a run on `world` GPUs: the estimate for this run
+    and the ranked fixes."""
     shape = model_shape(hf_config)
     target = Target(1, world, gpu_memory_gib)
     dtype = ds_config_dtype(ds_config)

@@ -22,11 +22,13 @@ from typing import Any
 
 from ds_train import dist
 from ds_train.checkpoint import (STATE_FILE, TAG_RE, UNIVERSAL_SUFFIX, is_complete, latest_complete, manifest_file,
-                                 rank_file, rank_missing, read_latest, read_marker, save_order, set_rng_state,
-                                 universal_dir)
+                                 rank_file, rank_missing, read_latest, read_marker, save_order, saved_parallel,
+                                 set_rng_state, universal_dir)
 from ds_train.config import RunConfig
 from ds_train.errors import UserError
 from ds_train.fs import file_lock, write_atomic
+from ds_train.parallel import ParallelDims
+from ds_train.rundir import RunPaths
 
 # Keys that may not change on resume: the model's shape, and what defines the data stream
 # (sample g of step s is a function of seed, seq_len and global batch). Training knobs may change.
@@ -74,7 +76,7 @@ def locate(resume: str, ckpt_dir: Path, key: str = "checkpoint.resume") -> tuple
         if cand.is_dir() and ((cand / STATE_FILE).exists() or TAG_RE.match(cand.name)):
             return cand.parent, cand.name
         if cand.is_dir():
-            return (cand / "checkpoints" if (cand / "checkpoints").is_dir() else cand), None
+            return (RunPaths(cand).checkpoints if RunPaths(cand).checkpoints.is_dir() else cand), None
     if key != "checkpoint.resume":
         raise UserError(f"{key}: {resume!r} is not a run directory, checkpoints directory or tag directory")
     raise UserError(f"checkpoint.resume: {resume!r} is neither a tag in {str(ckpt_dir)!r} nor a "
@@ -337,19 +339,23 @@ class ResumePlan:
     convert: bool = False  # ds_to_universal must run on `point` first
 
 
-def plan_resume(point: ResumePoint | None, world: int, stage: int, dtype: str,
+def plan_resume(point: ResumePoint | None, dims: ParallelDims, stage: int, dtype: str,
                 force_universal: bool) -> ResumePlan:
-    """Directly, or through a universal checkpoint when the world size or the ZeRO stage changed."""
+    """Directly, or through a universal checkpoint when the world size, the parallel layout or the
+    ZeRO stage changed."""
     if point is None:
         return ResumePlan(None)
     if point.state.get("universal"):
         return ResumePlan(point, (f"loading universal checkpoint {point.tag}",), universal=True)
     saved_world, saved_stage = point.state["world_size"], point.state["zero_stage"]
+    saved_dims = ParallelDims.from_record(saved_parallel(point.state), saved_world)
     saved_torch = uses_torch_optimizer(saved_stage, point.state.get("dtype", "fp32"))
     target_torch = uses_torch_optimizer(stage, dtype)
-    if saved_world == world and saved_stage == stage and not force_universal:
+    if saved_world == dims.world and saved_dims == dims and saved_stage == stage and not force_universal:
         return ResumePlan(point)
-    change = f"world size {saved_world} -> {world}, ZeRO stage {saved_stage} -> {stage}"
+    change = f"world size {saved_world} -> {dims.world}, ZeRO stage {saved_stage} -> {stage}"
+    if saved_dims.world == saved_world and (saved_dims.sequence, saved_dims.tensor) != (dims.sequence, dims.tensor):
+        change += f", {saved_dims.describe()} -> {dims.describe().removeprefix('parallel: ')}"
     if saved_torch and target_torch:  # replicated weights and optimizer: loadable at any world size
         return ResumePlan(point, (f"{change}: the fp32 ZeRO-0 checkpoint loads as it is",))
     if saved_torch or target_torch:

@@ -90,7 +90,7 @@ def test_sweep_every_small_case_is_planned_or_explained():
             for global_ in range(1, 41):
                 if global_ % (micro * world) == 0:
                     plan = plan_batch(global_, micro, world, 8)
-                    assert plan.micro_batch_size * plan.grad_accum_steps * plan.world_size == global_
+                    assert plan.micro_batch_size * plan.grad_accum_steps * plan.data_parallel_size == global_
                     continue
                 with pytest.raises(UserError) as e:
                     plan_batch(global_, micro, world, 8)

@@ -89,6 +89,29 @@ def test_batch_math_names_the_numbers_and_valid_choices(capsys, run_dir, tiny_da
                  "train.global_batch_size=8 or 12")
 
 
+def test_a_parallel_layout_that_does_not_fit_is_one_line_naming_the_numbers_and_the_choices(
+        capsys, run_dir, tiny_data, tmp_path):
+    """The world size (a run of one process), the model's heads (the plan for a target cluster, and
+    `ds-train launch`'s check of a hostfile's world), and a valid layout whose capability has not
+    landed: each one line before anything is written."""
+    cfg = write_config(tmp_path / "c.yaml", tiny_config(tiny_data, run_dir))
+    expect_error(capsys, run_dir, ["train", "--config", str(cfg), "--ds-config", ZERO0, "parallel.sequence=2"],
+                 "parallel.sequence=2 x parallel.tensor=1 = 2 does not divide the world size 1",
+                 "choose sizes whose product is 1, or launch a multiple of 2 ranks")
+    expect_error(capsys, run_dir, ["estimate", "--config", str(cfg), "--ds-config", ZERO0, "--nodes", "1",
+                                   "--gpus-per-node", "3", "parallel.tensor=3"],
+                 "parallel.tensor=3 does not divide the model's 4 attention heads; choose 1, 2 or 4")
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("127.0.0.2 slots=3\n")
+    expect_error(capsys, run_dir, ["launch", "--hostfile", str(hostfile), "--check", "--", "train", "--config",
+                                   str(cfg), "--ds-config", ZERO0, "parallel.sequence=3"],
+                 "parallel.sequence=3 does not divide the model's 4 attention heads; choose 1, 2 or 4")
+    expect_error(capsys, run_dir, ["estimate", "--config", str(cfg), "--ds-config", ZERO0, "--nodes", "1",
+                                   "--gpus-per-node", "4", "parallel.sequence=2"],
+                 "parallel.sequence=2: Ulysses sequence parallelism is not available",
+                 "parallel: data 2 x sequence 2 x tensor 1 = world 4")
+
+
 def test_missing_data(capsys, run_dir, tmp_path):
     cfg = write_config(tmp_path / "c.yaml", tiny_config(tmp_path / "no_data", run_dir))
     expect_error(capsys, run_dir, ["train", "--config", str(cfg), "--ds-config", ZERO0],

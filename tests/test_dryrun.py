@@ -48,7 +48,7 @@ def test_presets_stay_within_their_memory_fraction(tmp_path, preset, fraction):
 
 
 def model_shape_of(cfg):
-    from ds_train.model import build_hf_config
+    from ds_train.model.hfconfig import build_hf_config
 
     return model_shape(build_hf_config(cfg.model, SEVEN_B["vocab_size"], cfg.train.seq_len))
 
@@ -63,7 +63,7 @@ def test_aggressive_preset_packs_more_than_conservative(tmp_path):
 
 
 def test_oom_report_lists_the_plan_and_fixes(tmp_path):
-    from ds_train.model import build_hf_config
+    from ds_train.model.hfconfig import build_hf_config
 
     cfg = seven_b(tmp_path)
     hf = build_hf_config(cfg.model, 32000, 4096)

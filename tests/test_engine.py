@@ -62,7 +62,7 @@ def test_every_template_renders_without_auto(path, dtype):
     assert "auto" not in list(strings(ds))
     assert "auto" not in json.dumps(ds)
     assert ds["train_batch_size"] == (ds["train_micro_batch_size_per_gpu"]
-                                      * ds["gradient_accumulation_steps"] * PLAN.world_size)
+                                      * ds["gradient_accumulation_steps"] * PLAN.data_parallel_size)
     assert ds["train_batch_size"] == 32
     assert ds["train_micro_batch_size_per_gpu"] == 4
     assert ds["gradient_accumulation_steps"] == 4

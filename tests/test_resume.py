@@ -8,6 +8,7 @@ import shutil
 import pytest
 
 from ds_train import checkpoint, resume
+from ds_train.parallel import ParallelDims
 from ds_train.errors import UserError
 from test_checkpoint import fake_tag
 
@@ -185,9 +186,22 @@ def test_check_resume_refuses_another_kind_and_for_ript_another_world_size(tmp_p
 
 def test_plan_resume_decides_without_writing(tmp_path):
     point = resume.ResumePoint(tmp_path, "step_00000004", {"world_size": 2, "zero_stage": 2, "dtype": "fp32"})
-    assert resume.plan_resume(point, 2, 2, "fp32", False) == resume.ResumePlan(point)
-    moved = resume.plan_resume(point, 1, 3, "fp32", False)
+    assert resume.plan_resume(point, ParallelDims(2), 2, "fp32", False) == resume.ResumePlan(point)
+    moved = resume.plan_resume(point, ParallelDims(1), 3, "fp32", False)
     assert moved.universal and moved.convert and "world size 2 -> 1, ZeRO stage 2 -> 3" in moved.notes[0]
     with pytest.raises(UserError, match="fp32 ZeRO-0"):
-        resume.plan_resume(point, 2, 0, "fp32", False)
+        resume.plan_resume(point, ParallelDims(2), 0, "fp32", False)
     assert list(tmp_path.iterdir()) == []  # deciding wrote nothing; prepare_resume converts
+
+
+def test_a_checkpoint_resumes_directly_only_in_the_layout_it_was_saved_in(tmp_path):
+    """The marker records the parallel layout (one written before it did is all data-parallel); the
+    same world size in another layout partitions ZeRO's states over another data-parallel group."""
+    saved = {"world_size": 4, "zero_stage": 2, "dtype": "fp32", "parallel": {"data": 2, "sequence": 2, "tensor": 1}}
+    point = resume.ResumePoint(tmp_path, "step_00000004", saved)
+    assert resume.plan_resume(point, ParallelDims(2, 2, 1), 2, "fp32", False) == resume.ResumePlan(point)
+    moved = resume.plan_resume(point, ParallelDims(4), 2, "fp32", False)
+    assert moved.convert and ("world size 4 -> 4, ZeRO stage 2 -> 2, parallel: data 2 x sequence 2 x tensor 1 = "
+                              "world 4 -> data 4 x sequence 1 x tensor 1 = world 4") in moved.notes[0]
+    old = resume.ResumePoint(tmp_path, "step_00000004", {"world_size": 4, "zero_stage": 2, "dtype": "fp32"})
+    assert resume.plan_resume(old, ParallelDims(4), 2, "fp32", False) == resume.ResumePlan(old)

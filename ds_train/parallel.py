@@ -1,0 +1,118 @@
+"""The parallel dimensions of a run, as one object (torchtitan's ParallelDims): data x sequence x
+tensor = world. Built once from the config and the world size; asked by the batch plan, the data
+loader, the loss reduction, the memory plan, the resume agreement and the checkpoint marker.
+Nobody else does rank arithmetic.
+
+Ranks are laid out as DeepSpeed lays out its groups: tensor innermost (AutoTP's groups are runs of
+consecutive ranks), then sequence (Ulysses' groups likewise), then data. The sequence and tensor
+ranks of one data-parallel group read the same batch; the ranks that hold different tokens (the
+data and sequence ranks of one tensor rank) are the ones a token count is summed over.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ds_train.config import ParallelConfig
+from ds_train.errors import UserError
+
+# Sizes whose capability has not landed: accepted by the checks (so a layout is validated as a
+# whole), refused after them with this line.
+NOT_BUILT = {"sequence": "Ulysses sequence parallelism", "tensor": "AutoTP tensor parallelism"}
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    data: int
+    sequence: int = 1
+    tensor: int = 1
+
+    @property
+    def world(self) -> int:
+        return self.data * self.sequence * self.tensor
+
+    def coords(self, rank: int) -> tuple[int, int, int]:
+        """(data, sequence, tensor) rank of a global rank."""
+        return rank // (self.sequence * self.tensor), rank // self.tensor % self.sequence, rank % self.tensor
+
+    def data_rank(self, rank: int) -> int:
+        """Which slice of every global batch `rank` reads."""
+        return self.coords(rank)[0]
+
+    def token_groups(self) -> list[list[int]]:
+        """Groups of ranks whose tokens together are the global batch's, once each (the ranks that
+        share a tensor coordinate; tensor ranks compute the same tokens): what a token count or a
+        summed loss is reduced over. One group, the world, when tensor = 1."""
+        return [[r for r in range(self.world) if r % self.tensor == t] for t in range(self.tensor)]
+
+    def derivation(self) -> str:
+        """How the data-parallel size comes from the world size ('' when it is the world size)."""
+        if self.sequence == self.tensor == 1:
+            return ""
+        return f"world size {self.world} / (parallel.sequence {self.sequence} x parallel.tensor {self.tensor})"
+
+    def describe(self) -> str:
+        return (f"parallel: data {self.data} x sequence {self.sequence} x tensor {self.tensor} = world "
+                f"{self.world}")
+
+    def record(self) -> dict:
+        """What env.json, results and every checkpoint marker record of the layout."""
+        return {"data": self.data, "sequence": self.sequence, "tensor": self.tensor}
+
+    @classmethod
+    def from_record(cls, record: dict | None, world_size: int) -> "ParallelDims":
+        """A marker's layout; one written before layouts were recorded is all data-parallel."""
+        if not isinstance(record, dict):
+            return cls(world_size)
+        return cls(int(record["data"]), int(record.get("sequence", 1)), int(record.get("tensor", 1)))
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def choices(values: list[int]) -> str:
+    return ", ".join(map(str, values[:-1])) + (" or " if len(values) > 1 else "") + str(values[-1])
+
+
+def plan_dims(p: ParallelConfig, world_size: int) -> ParallelDims:
+    """The layout of `world_size` ranks: sequence x tensor must divide it (one line naming the
+    numbers and the sizes that do)."""
+    model = p.sequence * p.tensor
+    if world_size % model:
+        raise UserError(f"parallel.sequence={p.sequence} x parallel.tensor={p.tensor} = {model} does not divide "
+                        f"the world size {world_size}; choose sizes whose product is {choices(_divisors(world_size))}, "
+                        f"or launch a multiple of {model} ranks")
+    return ParallelDims(world_size // model, p.sequence, p.tensor)
+
+
+def check_heads(dims: ParallelDims, hf_config, where: str = "the model") -> None:
+    """Ulysses splits the attention heads across the sequence ranks, AutoTP across the tensor ranks:
+    each size must divide the heads it splits (one line naming the numbers and the choices)."""
+    heads = getattr(hf_config, "num_attention_heads", None)
+    if not isinstance(heads, int):
+        return
+    kv = getattr(hf_config, "num_key_value_heads", None) or heads
+    problems = []
+    for key, size in (("sequence", dims.sequence), ("tensor", dims.tensor)):
+        if size == 1:
+            continue
+        if heads % size:
+            problems.append(f"parallel.{key}={size} does not divide {where}'s {heads} attention heads; choose "
+                            f"{choices(_divisors(heads))}")
+        # Ulysses replicates key/value heads when there are fewer than ranks; AutoTP cannot.
+        elif key == "tensor" and kv % size or key == "sequence" and kv % size and size % kv:
+            fits = [d for d in _divisors(heads) if kv % d == 0 or (key == "sequence" and d % kv == 0)]
+            problems.append(f"parallel.{key}={size} does not divide {where}'s {kv} key/value heads; choose "
+                            f"{choices(fits)}")
+    if problems:
+        raise UserError("; ".join(problems))
+
+
+def check_built(dims: ParallelDims) -> None:
+    """Sizes whose capability has not landed yet: the layout is valid, but it cannot run."""
+    for key, what in NOT_BUILT.items():
+        size = getattr(dims, key)
+        if size > 1:
+            raise UserError(f"parallel.{key}={size}: {what} is not available in this version of ds_train "
+                            f"(the layout itself is valid: {dims.describe()}); set parallel.{key}=1")

@@ -1,0 +1,90 @@
+"""ds_train.parallel: the parallel dimensions as one object (pure), and the batch plan that counts
+data-parallel ranks. Layouts the CLI refuses are in test_cli.py; runs in every layout, in
+test_parity.py."""
+
+from __future__ import annotations
+
+import pytest
+
+from ds_train.batch import plan_batch
+from ds_train.config import ParallelConfig
+from ds_train.errors import UserError
+from ds_train.parallel import ParallelDims, check_built, check_heads, plan_dims
+
+
+class Heads:
+    """A model config as check_heads reads it."""
+
+    def __init__(self, heads, kv=None):
+        self.num_attention_heads, self.num_key_value_heads = heads, kv
+
+
+def test_the_default_layout_is_all_data_parallel_and_changes_nothing():
+    dims = plan_dims(ParallelConfig(), 4)
+    assert dims == ParallelDims(4, 1, 1) and dims.world == 4 and dims.derivation() == ""
+    assert [dims.data_rank(r) for r in range(4)] == [0, 1, 2, 3]
+    assert dims.token_groups() == [[0, 1, 2, 3]]  # one group: the world (no subgroup is made)
+    assert dims.record() == {"data": 4, "sequence": 1, "tensor": 1}
+    assert plan_batch(32, 2, dims.data, 128, dims.derivation()).describe(4) == (
+        "batch: global 32 seqs = micro 2 x accum 4 x world 4; seq_len 128; 4,096 tokens/step")
+
+
+def test_ranks_are_laid_out_as_deepspeed_lays_out_its_groups():
+    """Tensor innermost (AutoTP's groups are consecutive ranks), then sequence (Ulysses' likewise),
+    then data: the sequence and tensor ranks of one data-parallel group read the same batch."""
+    dims = ParallelDims(2, 2, 2)
+    assert [dims.coords(r) for r in range(8)] == [(0, 0, 0), (0, 0, 1), (0, 1, 0), (0, 1, 1),
+                                                  (1, 0, 0), (1, 0, 1), (1, 1, 0), (1, 1, 1)]
+    assert [dims.data_rank(r) for r in range(8)] == [0, 0, 0, 0, 1, 1, 1, 1]
+    assert dims.token_groups() == [[0, 2, 4, 6], [1, 3, 5, 7]]  # tensor ranks compute the same tokens
+    assert ParallelDims(2, 2, 1).token_groups() == [[0, 1, 2, 3]]  # sequence ranks hold different tokens
+    assert dims.describe() == "parallel: data 2 x sequence 2 x tensor 2 = world 8"
+    assert ParallelDims.from_record(dims.record(), 8) == dims
+    assert ParallelDims.from_record(None, 8) == ParallelDims(8)  # a marker written before layouts were
+
+
+def test_a_layout_that_does_not_divide_the_world_names_the_numbers_and_the_choices():
+    with pytest.raises(UserError) as e:
+        plan_dims(ParallelConfig(sequence=3), 4)
+    assert str(e.value) == ("parallel.sequence=3 x parallel.tensor=1 = 3 does not divide the world size 4; choose "
+                            "sizes whose product is 1, 2 or 4, or launch a multiple of 3 ranks")
+    with pytest.raises(UserError, match=r"= 4 does not divide the world size 6; choose sizes whose product is "
+                                        r"1, 2, 3 or 6"):
+        plan_dims(ParallelConfig(sequence=2, tensor=2), 6)
+    assert plan_dims(ParallelConfig(sequence=2, tensor=2), 8) == ParallelDims(2, 2, 2)
+
+
+def test_a_layout_that_does_not_divide_the_heads_names_the_numbers_and_the_choices():
+    with pytest.raises(UserError) as e:
+        check_heads(ParallelDims(1, 3, 1), Heads(4))
+    assert str(e.value) == "parallel.sequence=3 does not divide the model's 4 attention heads; choose 1, 2 or 4"
+    with pytest.raises(UserError) as e:  # AutoTP splits the key/value heads too
+        check_heads(ParallelDims(1, 1, 4), Heads(8, kv=2))
+    assert str(e.value) == "parallel.tensor=4 does not divide the model's 2 key/value heads; choose 1 or 2"
+    check_heads(ParallelDims(1, 4, 1), Heads(8, kv=2))  # Ulysses replicates key/value heads: fine
+    with pytest.raises(UserError, match="parallel.sequence=2 does not divide .*; parallel.tensor=2 does not divide"):
+        check_heads(ParallelDims(1, 2, 2), Heads(9, kv=3))  # every problem in one line
+    check_heads(ParallelDims(4), Heads(3))  # all data-parallel: nothing is split
+
+
+def test_sizes_whose_capability_has_not_landed_are_refused_after_the_layout_checks():
+    check_built(ParallelDims(4))
+    with pytest.raises(UserError) as e:
+        check_built(ParallelDims(2, 2, 1))
+    assert str(e.value) == ("parallel.sequence=2: Ulysses sequence parallelism is not available in this version of "
+                            "ds_train (the layout itself is valid: parallel: data 2 x sequence 2 x tensor 1 = world "
+                            "4); set parallel.sequence=1")
+    with pytest.raises(UserError, match="parallel.tensor=2: AutoTP tensor parallelism is not available"):
+        check_built(ParallelDims(1, 1, 2))
+
+
+def test_the_batch_plan_counts_data_parallel_ranks():
+    dims = plan_dims(ParallelConfig(sequence=2), 4)
+    plan = plan_batch(16, 2, dims.data, 64, dims.derivation())
+    assert (plan.data_parallel_size, plan.grad_accum_steps, plan.sequences_per_rank) == (2, 4, 8)
+    assert "x data-parallel 2 (world 4)" in plan.describe(4)
+    with pytest.raises(UserError) as e:
+        plan_batch(10, 4, dims.data, 64, dims.derivation())
+    assert str(e.value).startswith("train.global_batch_size=10 is not a multiple of train.micro_batch_size=4 x "
+                                   "data-parallel size 2 (world size 4 / (parallel.sequence 2 x parallel.tensor 1)) "
+                                   "= 8; use train.global_batch_size=8 or 16")
