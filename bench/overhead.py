@@ -81,7 +81,7 @@ def bare_steps(engine, data, plan, rank: int, world: int, first: int, count: int
     import torch
     import torch.nn.functional as F
 
-    from ds_train.data import rank_micro_batches
+    from ds_train.data.datasets import rank_micro_batches
 
     for pos in range(first, first + count):
         for batch in rank_micro_batches(data, pos, plan.global_batch_size, plan.micro_batch_size,
@@ -102,8 +102,9 @@ def main(argv: list[str] | None = None) -> int:
 
     from ds_train import dist
     from ds_train.configfile import load_config
+    from ds_train.inputs import check_inputs
     from ds_train.run import build_run
-    from ds_train.trainer import build_inputs, train_spec
+    from ds_train.trainer import train_spec
 
     env = dist.detect_env()
     run_dir = shared_tmp_dir()
@@ -113,8 +114,9 @@ def main(argv: list[str] | None = None) -> int:
     needed = args.warmup * 2 + args.steps * args.repeats * 2
     if needed >= cfg.train.max_steps:
         raise SystemExit(f"{needed} steps would reach train.max_steps={cfg.train.max_steps}")
-    data, source = build_inputs(cfg)
-    with build_run(cfg, args.ds_config, env, train_spec(cfg), source) as run:
+    inputs = check_inputs(cfg, args.ds_config)
+    data = inputs.data
+    with build_run(inputs, env, train_spec(cfg)) as run:
         run.say(f"bench: {args.repeats} repeats x {args.steps} steps per side (+{args.warmup} warm-up each); "
                 f"log.every {cfg.log.every}; torch threads per rank {torch.get_num_threads()}; "
                 f"accelerator {dist.accelerator_name()}")
@@ -131,7 +133,7 @@ def measure(args, cfg, run, data, say) -> int:
     from ds_train.trainer import train_loop
 
     engine, plan, env = run.engine, run.plan, run.env
-    rank, world = env.rank, env.world_size
+    rank, world = run.data_rank, run.dims.data  # the slice of each global batch this rank reads
 
     def ds_train_steps(first: int, count: int) -> None:
         train_loop(run, data, first, first + count)  # a signal: save, then Preempted
@@ -177,7 +179,7 @@ def measure(args, cfg, run, data, say) -> int:
     result = {
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "config": args.config, "ds_config": args.ds_config, "overrides": args.overrides,
-        "world_size": world, "accelerator": dist.accelerator_name(),
+        "world_size": env.world_size, "accelerator": dist.accelerator_name(),
         "torch_threads_per_rank": torch.get_num_threads(),
         "steps_per_block": args.steps, "repeats": args.repeats, "warmup_steps": args.warmup,
         "log_every": cfg.log.every, "tokens_per_step": plan.tokens_per_step,

@@ -13,15 +13,17 @@
     ds-train slurm --nodes 2 --gpus-per-node 8 -- ript ...           # an sbatch script
     ds-train estimate --config C --ds-config D --nodes 2 --gpus-per-node 8   # memory plan
     ds-train dry-run --config C --ds-config D --hostfile hostfile            # one-device rehearsal
+    ds-train parity --config C --ds-config D --nproc 2 [--shrink]  # the layout against a 1-process reference
     ds-train monitor RUN_DIR [--once]                    # watch a run from another terminal
     ds-train doctor RUN_DIR [LOGFILE ...]                # what went wrong, and what to do
     ds-train plot RUN_DIR [RUN_DIR ...]                  # PNG plots, several runs overlaid
 
 Exit codes: 0 done; 1 a rank failed (the job's last line names the first one, its host and the
-end of its log); 2 bad input (one line naming the file, key or value); 3 too many non-finite
-steps (train.nonfinite=stop); 4 CUDA out of memory (with the memory plan); 5 a hang: ranks that
-never reached the rendezvous, or no progress for watchdog.stall_s (the report names the ranks);
-128+N stopped by signal N after every rank saved a checkpoint (SIGTERM 143, SIGUSR1 138).
+end of its log), or parity found a layout past its tolerances; 2 bad input (one line naming the
+file, key or value); 3 too many non-finite steps (train.nonfinite=stop); 4 CUDA out of memory (with
+the memory plan); 5 a hang: ranks that never reached the rendezvous, or no progress for
+watchdog.stall_s (the report names the ranks); 128+N stopped by signal N after every rank saved a
+checkpoint (SIGTERM 143, SIGUSR1 138).
 """
 
 from __future__ import annotations
@@ -32,39 +34,11 @@ import os
 import sys
 import traceback
 
+from ds_train import commands as cmd
 from ds_train.errors import AgreedError, OneLineParser, OutOfMemory, RunStopped, Stalled, UserError
 from ds_train.launch import cli as launch_cli
 
-
-def cmd_train(args) -> int:
-    from ds_train.configfile import load_config
-    from ds_train.trainer import train
-
-    cfg = load_config(args.config, args.overrides)
-    train(cfg, args.ds_config)
-    return 0
-
-
-def cmd_ript(args) -> int:
-    from ds_train.configfile import load_config
-    from ds_train.ript.trainer import ript
-
-    cfg = load_config(args.config, args.overrides)
-    ript(cfg, args.ds_config)
-    return 0
-
-
-def run_spec(command: str, cfg):
-    """The RunSpec of a command that runs on every rank (train, ript); None for the others."""
-    if command == "train":
-        from ds_train.trainer import train_spec
-
-        return train_spec(cfg)
-    if command == "ript":
-        from ds_train.ript.trainer import ript_spec
-
-        return ript_spec(cfg)
-    return None
+RUN_COMMANDS = ("train", "ript")  # run on every rank, from a run config: what `launch` and `slurm` start
 
 
 def check_command(argv: list[str], world_size: int):
@@ -73,15 +47,21 @@ def check_command(argv: list[str], world_size: int):
     from ds_train.configfile import load_config
     from ds_train.engine import read_ds_template
 
+    from ds_train.inputs import model_config
+    from ds_train.parallel import check_built, check_heads
+
     args = build_parser().parse_args(argv)
-    if args.command not in ("train", "ript"):
-        raise UserError(f"after `--` comes the command every rank runs, train or ript; got "
+    if getattr(args, "spec", None) is None:
+        raise UserError(f"after `--` comes the command every rank runs, {' or '.join(RUN_COMMANDS)}; got "
                         f"{args.command or 'nothing'!r}")
     if not args.config or not args.ds_config:
         raise UserError(f"{args.command} needs --config and --ds-config")
     cfg = load_config(args.config, args.overrides)
     read_ds_template(args.ds_config)
-    plan, _ = run_spec(args.command, cfg).check(cfg, world_size)
+    dims, plan, _ = args.spec(cfg).check(cfg, world_size)
+    if dims.sequence * dims.tensor > 1:  # a layout that splits the heads (the model's config, no data)
+        check_heads(dims, model_config(cfg))
+    check_built(dims)
     return cfg, plan
 
 
@@ -96,143 +76,6 @@ def plan_memory(argv: list[str], world_size: int) -> float:
     cfg = load_config(args.config, args.overrides)
     out = run_estimate(cfg, args.ds_config, Target(1, world_size, 80.0), preset=None)  # 80: only "fits" uses it
     return next(r for r in out["rows"] if r["given"])["gpu_peak_gib"]
-
-
-def cmd_prepare(args) -> int:
-    from ds_train.configfile import load_config
-    from ds_train.data import load_meta, prepare
-    from ds_train.export import locate_model
-
-    if args.workers is not None and args.workers < 0:
-        raise UserError(f"prepare: --workers {args.workers}: give 0 (one per core) or more")
-    if args.config:
-        cfg = load_config(args.config, args.overrides)
-        d, out = cfg.data, cfg.data.dir
-        # The tokenizer `train` will check the data against: data.tokenizer, else model.path's.
-        tokenizer = d.tokenizer or (str(locate_model(cfg.model.path)[0]) if cfg.model.path else "")
-        prepare(d.sources, d.dir, tokenizer, d.vocab_size, d.val_fraction, d.text_key, fmt=d.format,
-                chat_template=d.chat_template, split_digits=d.split_digits,
-                workers=args.workers if args.workers is not None else d.workers, overwrite=args.overwrite)
-    else:
-        if not args.sources or not args.out:
-            raise UserError("prepare: give SOURCE... --out DIR, or --config C (uses its data section)")
-        if args.overrides:
-            raise UserError("prepare: key=value overrides need --config")
-        out = args.out
-        template = ""
-        if args.chat_template:
-            try:
-                template = open(args.chat_template, encoding="utf-8").read()
-            except (OSError, UnicodeDecodeError) as e:
-                raise UserError(f"prepare: --chat-template {args.chat_template!r} cannot be read ({e}); give a "
-                                f"file holding a Jinja chat template") from None
-        prepare(args.sources, out, args.tokenizer, args.vocab_size, args.val_fraction, args.text_key,
-                fmt=args.format, chat_template=template, split_digits=args.split_digits, workers=args.workers or 0,
-                overwrite=args.overwrite)
-    meta = load_meta(out)
-    print(f"wrote {out}/train.bin ({meta['train_tokens']:,} tokens), val.bin "
-          f"({meta['val_tokens']:,} tokens), meta.json; vocab {meta['vocab_size']} ({meta['dtype']}); "
-          f"tokenizer {meta['tokenizer']}")
-    return 0
-
-
-def cmd_convert(args) -> int:
-    from pathlib import Path
-
-    from ds_train.resume import convert_to_universal, find_resume, newer_incomplete
-
-    source = Path(args.source)
-    if not source.is_dir():
-        raise UserError(f"convert: {str(source)!r} is not a directory; give a run directory, its checkpoints/ "
-                        f"or a tag directory")
-    ckpt_dir = source / "checkpoints" if (source / "checkpoints").is_dir() else source
-    point = find_resume(args.tag or str(ckpt_dir), ckpt_dir, key="convert")
-    if point is None:
-        raise UserError(f"convert: no checkpoint found in {str(source)!r}")
-    skipped = newer_incomplete(point) if not args.tag else []
-    if skipped:
-        print(f"note: converting {point.tag}, the newest complete checkpoint; skipped: {', '.join(skipped)}")
-    out = convert_to_universal(point.load_dir / point.tag)
-    print(f"wrote {out} (DeepSpeed universal checkpoint); resume from it at any world size with "
-          f"checkpoint.resume={out}")
-    return 0
-
-
-def cmd_export(args) -> int:
-    from ds_train.export import export, resolve_source
-
-    tag = resolve_source(args.source, args.tag).tag
-    out = export(args.source, args.out, args.tag, args.max_shard_size)
-    print(f"wrote {out} from {tag}: a Hugging Face model directory "
-          f"(AutoModelForCausalLM.from_pretrained({str(out)!r}))")
-    return 0
-
-
-def cmd_monitor(args) -> int:
-    from ds_train.monitor import monitor
-
-    return monitor(args.run_dir, args.interval, args.once)
-
-
-def cmd_doctor(args) -> int:
-    from ds_train.doctor import doctor
-
-    return doctor(args.paths)
-
-
-def cmd_plot(args) -> int:
-    from pathlib import Path
-
-    from ds_train.plots import write_plots
-    from ds_train.rundir import read_run
-
-    views = []
-    for run_dir in args.run_dirs:
-        view = read_run(run_dir)
-        if not Path(run_dir).is_dir() or not view.metrics:
-            raise UserError(f"plot: {run_dir!r} holds no metrics.jsonl records; give run directories (output_dir)")
-        views.append(view)
-    kinds = {v.kind for v in views}
-    if len(kinds) > 1:
-        raise UserError("plot: give train runs or RIPT runs, not both (their metrics differ)")
-    labels = [Path(v.path).resolve().name for v in views]
-    if len(set(labels)) < len(labels):
-        labels = [str(v.path) for v in views]
-    out = Path(args.out) if args.out else (views[0].path / "plots" if len(views) == 1 else Path("plots"))
-    paths = write_plots([(label, v.metrics) for label, v in zip(labels, views)], out, kinds.pop())
-    print(f"wrote {', '.join(str(p) for p in paths)}")
-    return 0
-
-
-def _plan_inputs(args):
-    from ds_train.configfile import load_config
-    from ds_train.dryrun import target_from_args
-
-    cfg = load_config(args.config, args.overrides)
-    return cfg, target_from_args(args.hostfile, args.nodes, args.gpus_per_node, args.gpu_memory)
-
-
-def cmd_estimate(args) -> int:
-    from ds_train.dryrun import format_estimate, run_estimate
-
-    cfg, target = _plan_inputs(args)
-    out = run_estimate(cfg, args.ds_config, target, args.preset)
-    print(format_estimate(out, target))
-    return 0
-
-
-def cmd_dry_run(args) -> int:
-    from pathlib import Path
-
-    from ds_train.dryrun import dry_run, format_dry_run, write_json
-
-    cfg, target = _plan_inputs(args)
-    out = dry_run(cfg, args.ds_config, target)
-    path = Path(args.out or Path(cfg.output_dir) / "dry_run.json")
-    write_json(out, path)
-    print(format_dry_run(out, target))
-    print(f"wrote {path}")
-    return 0 if out["checkpoint_round_trip"]["ok"] else 1
 
 
 def _add_plan_args(p) -> None:
@@ -272,14 +115,14 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Train. Overrides are dotted keys: train.max_steps=20 optim.lr=3e-4. "
                                    "--help-config lists every key.")
     _add_run_args(t, "recipes/*.yaml")
-    t.set_defaults(func=cmd_train)
+    t.set_defaults(func=cmd.cmd_train, spec=cmd.train_spec_of)
 
     rp = sub.add_parser("ript", help="RIPT post-training: RLOO with dynamic rollout sampling",
                         description="Post-train a policy (model.path: a Hugging Face directory or a "
                                     "ds_train run directory) on the tasks of the ript section. "
                                     "Overrides as for train; --help-config lists every key.")
     _add_run_args(rp, "recipes/ript_demo.yaml")
-    rp.set_defaults(func=cmd_ript)
+    rp.set_defaults(func=cmd.cmd_ript, spec=cmd.ript_spec_of)
 
     pr = sub.add_parser("prepare", help="tokenise text, JSONL, parquet or datasets sources into train.bin / "
                                         "val.bin / meta.json, streaming, on every core")
@@ -306,7 +149,7 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--config", help="take the data section of this run config instead")
     pr.add_argument("--overwrite", action="store_true", help="replace the prepared data already in --out")
     pr.add_argument("overrides", nargs="*", metavar="key=value", default=[])
-    pr.set_defaults(func=cmd_prepare)
+    pr.set_defaults(func=cmd.cmd_prepare)
     c = sub.add_parser("convert", help="convert a checkpoint with DeepSpeed's ds_to_universal",
                        description="Convert a checkpoint (run dir, checkpoints dir or tag dir) into "
                                    "DeepSpeed's universal format, loadable at any world size and "
@@ -315,7 +158,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("source", help="run directory, its checkpoints/ directory, or a tag directory")
     c.add_argument("--to", choices=["universal"], default="universal", help="target format")
     c.add_argument("--tag", help="tag to convert (default: the latest complete one)")
-    c.set_defaults(func=cmd_convert)
+    c.set_defaults(func=cmd.cmd_convert)
 
     e = sub.add_parser("export", help="write a Hugging Face model directory from a checkpoint",
                        description="Export a checkpoint (ZeRO 0-3) as config.json, model.safetensors "
@@ -325,7 +168,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--out", required=True, help="output directory (must not exist or be empty)")
     e.add_argument("--tag", help="tag to export (default: the latest complete one)")
     e.add_argument("--max-shard-size", default="5GB", help="safetensors shard size (default 5GB)")
-    e.set_defaults(func=cmd_export)
+    e.set_defaults(func=cmd.cmd_export)
 
     es = sub.add_parser("estimate", help="per-GPU memory for a target cluster, ZeRO 0-3 side by side",
                         description="Memory plan without an accelerator (the model is built on the meta "
@@ -334,7 +177,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_plan_args(es)
     es.add_argument("--preset", choices=["conservative", "balanced", "aggressive"],
                     help="pick micro-batch, checkpointing and stage for ~50/70/90%% of GPU memory")
-    es.set_defaults(func=cmd_estimate)
+    es.set_defaults(func=cmd.cmd_estimate)
 
     dr = sub.add_parser("dry-run", help="rehearse the cluster job on this one device",
                         description="Run a few real steps of one rank's share of the target batch on "
@@ -342,8 +185,39 @@ def build_parser() -> argparse.ArgumentParser:
                                     "to finish on the target cluster; check a checkpoint round trip.")
     _add_plan_args(dr)
     dr.add_argument("--out", help="where to write dry_run.json (default: output_dir/dry_run.json)")
-    dr.set_defaults(func=cmd_dry_run)
+    dr.set_defaults(func=cmd.cmd_dry_run)
     launch_cli.add_subcommands(sub, check_command, plan_memory)  # launch, slurm
+
+    pa = sub.add_parser("parity", help="prove a layout keeps the math: N steps against a one-process fp32 reference",
+                        description="Run --steps optimizer steps of each layout (each --ds-config's ZeRO stage and "
+                                    "the run's dtype, at each --nproc world size and --grad-accum accumulation) and of "
+                                    "a reference (one process, ZeRO-0, fp32, the same global batch through "
+                                    "accumulation, the same data order and initial weights); print per step both "
+                                    "losses and gradient norms and their relative differences, the held-out loss, "
+                                    "and a verdict. Exit 0 within the tolerances, 1 past them. The layouts of one "
+                                    "world size share one launch. key=value overrides as for train.")
+    _add_debug(pa)
+    pa.add_argument("--config", required=True, help="run config YAML (the job whose layout to prove)")
+    pa.add_argument("--ds-config", required=True, nargs="+", metavar="DS_CONFIG",
+                    help="DeepSpeed JSON(s) of the layouts (ds_configs/zero*.json)")
+    pa.add_argument("--nproc", nargs="+", default=[], metavar="N",
+                    help="world size(s) of the layouts: processes per launch (default 2)")
+    pa.add_argument("--grad-accum", nargs="+", default=[], metavar="A",
+                    help="gradient accumulation(s) at the config's global batch (default: the config's micro-batch)")
+    pa.add_argument("--steps", type=int, default=5, help="optimizer steps per run (default 5)")
+    pa.add_argument("--shrink", action="store_true",
+                    help="the same model type with small dimensions (2 layers, 16 per head) and small steps")
+    pa.add_argument("--loss-tol", type=float, help="relative loss tolerance (default 1e-5 fp32, 2e-2 bf16)")
+    pa.add_argument("--grad-tol", type=float,
+                    help="relative gradient-norm tolerance (default 1e-4 fp32, 1e-1 bf16)")
+    pa.add_argument("--out", help="keep the runs here (default: a temporary directory, removed)")
+    pa.add_argument("--launcher-args", default="", metavar="ARGS",
+                    help='deepspeed launcher flags for the layouts\' launches, e.g. "--hostfile H --master_port P"')
+    pa.add_argument("overrides", nargs="*", metavar="key=value", default=[])
+    pa.set_defaults(func=cmd.cmd_parity)
+    pw = sub.add_parser("parity-worker")  # no help: the launches `parity` starts
+    pw.add_argument("plan")
+    pw.set_defaults(func=cmd.cmd_parity_worker, debug=False)
 
     mo = sub.add_parser("monitor", help="watch a run from its directory: progress, curves, ranks",
                         description="A live view of a run (in progress or ended) from its output_dir alone, "
@@ -355,7 +229,7 @@ def build_parser() -> argparse.ArgumentParser:
     mo.add_argument("run_dir", help="the run's output_dir (mounted from another node is fine)")
     mo.add_argument("--interval", type=float, default=2.0, help="seconds between refreshes (default 2)")
     mo.add_argument("--once", action="store_true", help="print one frame and exit")
-    mo.set_defaults(func=cmd_monitor)
+    mo.set_defaults(func=cmd.cmd_monitor)
 
     do = sub.add_parser("doctor", help="what went wrong in a run or a log, and what to do",
                         description="Read a run directory (its rank logs, hang and failure reports, metrics) or "
@@ -368,7 +242,7 @@ def build_parser() -> argparse.ArgumentParser:
     do.add_argument("paths", nargs="+", metavar="RUN_DIR|LOGFILE",
                     help="a run's output_dir and/or log files of the same job (the launcher's console, a SLURM "
                          "output file, `dmesg` of a node)")
-    do.set_defaults(func=cmd_doctor)
+    do.set_defaults(func=cmd.cmd_doctor)
 
     pl = sub.add_parser("plot", help="PNG plots of one run or several overlaid",
                         description="Plot metrics.jsonl: loss and eval loss against steps and tokens, lr, "
@@ -377,7 +251,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_debug(pl)
     pl.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run directories (output_dir)")
     pl.add_argument("--out", help="output directory (default: RUN_DIR/plots for one run, ./plots for several)")
-    pl.set_defaults(func=cmd_plot)
+    pl.set_defaults(func=cmd.cmd_plot)
     return p
 
 
@@ -414,7 +288,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 2
-    if args.command in ("train", "ript"):
+    if getattr(args, "spec", None) is not None:  # a run command: a run config and a DeepSpeed JSON
         if args.help_config:
             from ds_train.configfile import describe
 

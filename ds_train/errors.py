@@ -40,8 +40,8 @@ class NonFiniteStop(RunStopped):
 
     exit_code = 3
 
-    def __init__(self, step: int, in_a_row: int):
-        super().__init__(f"step {step}: {in_a_row} consecutive steps with non-finite gradients "
+    def __init__(self, where: str, in_a_row: int):
+        super().__init__(f"{where}: {in_a_row} consecutive steps with non-finite gradients "
                          f"(train.nonfinite=stop, train.nonfinite_patience={in_a_row}); none was "
                          f"applied and no checkpoint was written; resume from the last good one "
                          f"with a lower optim.lr or train.nonfinite=skip")

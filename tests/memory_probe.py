@@ -8,11 +8,13 @@ from pathlib import Path
 
 from ds_train import dist
 from ds_train.configfile import build_config
-from ds_train.data import rank_micro_batches
+from ds_train.data.datasets import rank_micro_batches
+from ds_train.inputs import check_inputs
+from ds_train.losses import forward_loss
 from ds_train.memory import engine_state_bytes, model_states
-from ds_train.model import count_params
+from ds_train.model.build import count_params
 from ds_train.run import build_run
-from ds_train.trainer import build_inputs, forward_loss, train_spec, train_step
+from ds_train.trainer import train_spec, train_step
 
 data_dir, out_dir, root = (Path(a) for a in [a for a in sys.argv[1:] if not a.startswith("--")])
 env = dist.detect_env()
@@ -28,22 +30,20 @@ for stage in (0, 1, 2, 3):
             "train": {"max_steps": 4, "micro_batch_size": 2, "global_batch_size": 8, "seq_len": 64},
             "checkpoint": {"save_final": False, "resume": "none"},
             "log": {"progress": False, "sample_prompt": ""}})
-        data, source = build_inputs(cfg)
-        # Not `with build_run(...)`: its teardown ends the process group, and the next stage's run
-        # joins the same one (a re-initialised group would have to find DeepSpeed's shm buffers).
-        run = build_run(cfg, str(root / "ds_configs" / f"zero{stage}.json"), env, train_spec(cfg), source)
-        engine, n = run.engine, count_params(run.engine.module)
-        train_step(engine, rank_micro_batches(data.train, 0, 8, 2, env.rank, env.world_size))
-        for batch in rank_micro_batches(data.train, 1, 8, 2, env.rank, env.world_size):
-            loss, tokens = forward_loss(engine, batch)
-            engine.backward(loss / tokens)
-            if engine.is_gradient_accumulation_boundary():
-                measured = engine_state_bytes(engine)
-            engine.step()
-        predicted = model_states(n, stage, dtype, env.world_size).held
-        print("PROBE " + json.dumps({"stage": stage, "dtype": dtype, "rank": env.rank,
-                                     "measured": measured, "predicted": predicted}), flush=True)
-        run.stop.restore()
-        run.logger.close()
-        engine.destroy()
-dist.barrier()
+        inputs = check_inputs(cfg, str(root / "ds_configs" / f"zero{stage}.json"))
+        # keep_group: the next stage's run joins the same process group.
+        with build_run(inputs, env, train_spec(cfg, keep_group=True)) as run:
+            engine, n = run.engine, count_params(run.engine.module)
+            train_step(engine, rank_micro_batches(inputs.data.train, 0, 8, 2, env.rank, env.world_size))
+            for batch in rank_micro_batches(inputs.data.train, 1, 8, 2, env.rank, env.world_size):
+                loss, tokens = forward_loss(engine, batch)
+                engine.backward(loss / tokens)
+                if engine.is_gradient_accumulation_boundary():
+                    measured = engine_state_bytes(engine)
+                engine.step()
+            predicted = model_states(n, stage, dtype, env.world_size).held
+            print("PROBE " + json.dumps({"stage": stage, "dtype": dtype, "rank": env.rank,
+                                         "measured": measured, "predicted": predicted}), flush=True)
+            engine.destroy()
+dist.release_shared_memory(env)
+dist.shutdown()

@@ -101,60 +101,6 @@ def test_latest_that_is_not_text_and_files_named_like_tags_are_survived(tmp_path
     assert (tmp_path / "step_00000008").is_file()
 
 
-def test_failed_writes_name_their_cause():
-    torch_message = ("[enforce fail at inline_container.cc:747] . open file failed with strerror: No space left on "
-                     "device")
-    assert checkpoint._IO_ERROR.search(torch_message)
-    assert checkpoint._why(RuntimeError(torch_message)) == "No space left on device"
-    assert checkpoint._why(OSError(28, "No space left on device")) == "No space left on device"
-    assert not checkpoint._IO_ERROR.search("CUDA error: an illegal memory access was encountered")
-
-
-class _Stop:
-    def __init__(self, signum=0):
-        self.signum = signum
-
-    def agreed(self):
-        return self.signum
-
-
-class _Recorder(checkpoint.Checkpointer):
-    """The Checkpointer's own decisions, with the save (DeepSpeed's collective) recorded instead."""
-
-    def save(self, step, state, rank_state=None):
-        self.saved.append((step, state))
-        return checkpoint.tag_for(step)
-
-
-def checkpointer(every=0, save_final=True, signum=0):
-    from ds_train.config import CheckpointConfig
-
-    c = _Recorder(None, ROOT, CheckpointConfig(every=every, save_final=save_final), 10, 0, 1, {}, _Stop(signum),
-                  None, unit="iteration")
-    c.saved = []
-    return c
-
-
-def test_the_checkpointer_decides_which_steps_are_its():
-    c = checkpointer(every=4)
-    for step in range(1, 11):
-        c.maybe_save(step, lambda: {"at": step})
-    assert c.saved == [(4, {"at": 4}), (8, {"at": 8}), (10, {"at": 10})]
-    c = checkpointer(every=0, save_final=False)
-    for step in range(1, 11):
-        c.maybe_save(step)
-    assert c.saved == []
-
-
-def test_an_agreed_signal_saves_then_stops_with_128_plus_the_signal():
-    from ds_train.errors import Preempted
-
-    c = checkpointer(signum=int(signal.SIGTERM))
-    with pytest.raises(Preempted, match="stopped by signal 15 at iteration 3; checkpoint saved") as stop:
-        c.maybe_save(3, lambda: {"ript": "state"})
-    assert c.saved == [(3, {"ript": "state"})] and stop.value.exit_code == 143
-
-
 # ---- through the real launcher -------------------------------------------------------------
 
 STEPS = STRAIGHT_STEPS  # conftest.straight_zero2: the reference of the zero2 runs stopped and resumed

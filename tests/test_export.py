@@ -11,8 +11,9 @@ import sys
 import pytest
 import torch
 
-from conftest import expect_error, run_cmd, tree_listing
+from conftest import ROOT, expect_error, run_cmd, tree_listing
 from ds_train import checkpoint
+from ds_train.configfile import build_config
 from ds_train.errors import UserError
 from ds_train.export import export, resolve_source
 
@@ -222,12 +223,13 @@ def test_bad_sources_name_the_path_and_the_fix(tmp_path):
     ("{not json", "is not valid JSON (line 1, column 2: Expecting property name enclosed in double quotes)"),
 ])
 def test_a_damaged_config_json_in_model_path_is_named(tmp_path, content, problem):
-    from ds_train.export import locate_model
+    from ds_train.inputs import check_inputs
 
     (tmp_path / "config.json").write_text(content)
     (tmp_path / "tokenizer.json").write_text("{}")
+    cfg = build_config({"model": {"path": str(tmp_path)}})
     with pytest.raises(UserError) as e:
-        locate_model(tmp_path)
+        check_inputs(cfg, str(ROOT / "ds_configs" / "zero0.json"), data=False)
     assert str(e.value) == (f"model.path: '{tmp_path / 'config.json'}' {problem}; re-export or re-download the "
                             f"model directory")
 

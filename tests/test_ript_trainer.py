@@ -70,6 +70,24 @@ def scripted_run(tiny_policy, tmp_path_factory) -> tuple:
     return launch_ript(ript_config(tmp, tiny_policy, log={"plots": True})), tmp / "run"
 
 
+def test_a_non_finite_update_is_skipped_counted_and_stops_the_run_as_training_does(tiny_policy, tmp_path):
+    """The run machinery's non-finite guard in RIPT: train.debug_nonfinite_steps poisons the updates of
+    iterations 1 and 2; each optimizer step is skipped (never applied) and counted, and
+    train.nonfinite=stop with patience 2 ends the run with exit 3 before anything is saved."""
+    config = ript_config(tmp_path, tiny_policy, iterations=4, train={"debug_nonfinite_steps": [1, 2],
+                                                                     "nonfinite": "stop", "nonfinite_patience": 2})
+    res = launch_ript(config)
+    run_dir = tmp_path / "run"
+    assert res.returncode == 3, res.out[-4000:]
+    assert "iteration 2: 2 consecutive steps with non-finite gradients (train.nonfinite=stop" in res.out
+    metrics = logged(run_dir)
+    assert metrics[1]["policy/skipped_steps"] == 1 and metrics[1]["policy/tokens"] > 0
+    assert 2 not in metrics  # the stop comes before iteration 2 is logged
+    for r in (0, 1):
+        assert "iteration 1: gradients not finite, update skipped" in (run_dir / "logs" / f"rank_{r}.log").read_text()
+    assert not (run_dir / "checkpoints").exists()
+
+
 def test_scripted_policy_counts_are_exact_and_summed_over_ranks(scripted_run):
     """Rank 0 owns add and rev, which the scripted policy always solves: it accepts nothing and
     stops at its cap while rank 1 fills its quota; no hang, every count as predicted."""
@@ -210,14 +228,14 @@ def test_bad_ript_input_is_one_line_and_changes_nothing(scripted_run, tiny_polic
     shutil.copytree(finished, source)
     before = {d: tree_listing(d) for d in (run_dir, source)}
     cfg = ript_config(tmp_path, tiny_policy)
-    cases = [(["train.global_batch_size=8"], "must be a multiple of train.global_batch_size / world size"),
+    cases = [(["train.global_batch_size=8"], "must be a multiple of train.global_batch_size / data-parallel size"),
              ([f"model.path={tmp_path}"], "neither a Hugging Face directory"),
              (["ript.tasks=[add,nosuch]"], "'nosuch' is neither a built-in task"),
              (["ript.rloo_batch_size=1"], "ript.rloo_batch_size=1: must be at least 2"),
              (["ript.policy=nosuch:Policy"], "ript.policy: cannot load 'nosuch:Policy'"),
              ([], "saved with 2 ranks; resume ript with the same world size"),  # one process, checkpoints of 2
              ([f"model.path={source}", "checkpoint.resume=none", "train.global_batch_size=8"],
-              "must be a multiple of train.global_batch_size / world size")]
+              "must be a multiple of train.global_batch_size / data-parallel size")]
     for overrides, message in cases:  # one process: 12 rollouts per rank make one step of 12
         res = ds_train("ript", "--config", str(cfg), "--ds-config", ZERO2, "train.global_batch_size=12",
                        *overrides, timeout=120, env=TESTS_ON_PATH)

@@ -1,5 +1,6 @@
 """The run machinery's pure parts: batch math per command, the model source, signals, the host
-table. (Built runs are tested through the launchers in test_trainer.py and test_ript_trainer.py.)"""
+table, the run directory's checks. (Built runs are tested through the launchers in test_trainer.py
+and test_ript_trainer.py.)"""
 
 from __future__ import annotations
 
@@ -8,20 +9,30 @@ import signal
 
 import pytest
 
+from conftest import ROOT
 from ds_train.configfile import build_config
 from ds_train.errors import UserError
+from ds_train.inputs import check_inputs
 from ds_train.ript.trainer import ript_spec
-from ds_train.run import StopRequest, _ending, host_table, nodes, resolve_model
+from ds_train.run import StopRequest, _ending
+from ds_train.rundir import RunPaths
+from ds_train.storage import check_run_dir, host_table, nodes
 from ds_train.trainer import train_spec
+
+ZERO0 = str(ROOT / "ds_configs" / "zero0.json")
+
+
+def resolve_model(cfg):
+    return check_inputs(cfg, ZERO0, data=False).source
 
 
 def test_each_command_checks_its_own_batch_math_and_schedule_length():
     cfg = build_config({"model": {"config": {"model_type": "llama"}},
                         "train": {"max_steps": 30, "micro_batch_size": 4, "global_batch_size": 24},
                         "ript": {"iterations": 5, "ppo_epochs": 2, "contexts_per_rank": 3, "rloo_batch_size": 4}})
-    plan, steps = train_spec(cfg).check(cfg, 2)
-    assert (plan.grad_accum_steps, steps) == (3, 30)
-    plan, steps = ript_spec(cfg).check(cfg, 2)  # 12 rollouts per rank = 1 step of 12, x 2 epochs x 5
+    dims, plan, steps = train_spec(cfg).check(cfg, 2)
+    assert (dims.data, plan.grad_accum_steps, steps) == (2, 3, 30)
+    dims, plan, steps = ript_spec(cfg).check(cfg, 2)  # 12 rollouts per rank = 1 step of 12, x 2 epochs x 5
     assert steps == 5 * 2 * 1
     with pytest.raises(UserError, match="12 rollouts per rank must be a multiple of .* = 8; set "
                                         "train.global_batch_size to 36"):
@@ -29,6 +40,7 @@ def test_each_command_checks_its_own_batch_math_and_schedule_length():
     with pytest.raises(UserError, match="not a multiple of train.micro_batch_size=4 x world size 5"):
         train_spec(cfg).check(cfg, 5)
     assert ript_spec(cfg).same_world and not train_spec(cfg).same_world
+    assert (train_spec(cfg).unit, ript_spec(cfg).unit) == ("step", "iteration")
 
 
 def test_model_source_is_a_hf_directory_or_a_ds_train_run(tiny_policy, tmp_path):
@@ -75,15 +87,12 @@ def test_host_table_is_keyed_by_node_rank():
 
 
 def test_names_the_run_uses_taken_by_the_wrong_kind_are_refused(tmp_path):
-    from ds_train.errors import UserError
-    from ds_train.run import check_run_dir
-
-    check_run_dir(tmp_path / "nothing yet")
+    check_run_dir(RunPaths(tmp_path / "nothing yet"))
     (tmp_path / "checkpoints").write_text("x")
     (tmp_path / "metrics.jsonl").mkdir()
-    with pytest.raises(UserError, match=r"checkpoints is a file; metrics.jsonl is a directory, where the run keeps "
+    with pytest.raises(UserError, match=r"metrics.jsonl is a directory; checkpoints is a file, where the run keeps "
                                         r"its own; move them away or choose another output_dir"):
-        check_run_dir(tmp_path)
+        check_run_dir(RunPaths(tmp_path))
 
 
 def test_one_run_at_a_time_holds_the_run_directory(tmp_path):

@@ -101,10 +101,12 @@ def test_logged_loss_is_the_token_weighted_mean_over_all_ranks(stage_run, tiny_d
     import torch
 
     from ds_train.configfile import build_config
-    from ds_train.data import TokenData, load_meta, rank_micro_batches
+    from ds_train.data.datasets import TokenData, rank_micro_batches
+    from ds_train.data.meta import load_meta
     from transformers import set_seed
 
-    from ds_train.model import build_hf_config, build_model
+    from ds_train.model.build import build_model
+    from ds_train.model.hfconfig import build_hf_config
 
     res, run_dir = stage_run("zero0")
     assert res.returncode == 0
@@ -116,7 +118,7 @@ def test_logged_loss_is_the_token_weighted_mean_over_all_ranks(stage_run, tiny_d
     data = TokenData(tiny_data / "train.bin", meta["dtype"], 64, cfg.seed)
     loss_sum = tokens = 0.0
     with torch.no_grad():
-        for batch in rank_micro_batches(data, 0, 8, 8, rank=0, world=1):
+        for batch in rank_micro_batches(data, 0, 8, 8, data_rank=0, data_parallel=1):
             ids = torch.from_numpy(batch)
             mean = model(input_ids=ids, labels=ids).loss  # HF shifts labels itself
             n = ids[:, 1:].numel()
@@ -204,8 +206,10 @@ def test_fine_tuning_a_local_pretrained_model_on_conversations_lowers_the_held_o
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from conftest import TINY_MODEL
-    from ds_train.data import SftData, eval_micro_batches, load_meta, train_tokenizer
-    from ds_train.trainer import forward_loss
+    from ds_train.data.datasets import SftData, eval_micro_batches
+    from ds_train.data.meta import load_meta
+    from ds_train.data.tokenizer import train_tokenizer
+    from ds_train.losses import forward_loss
     from test_data import CHAT_TEMPLATE
 
     records = _chat_records(240)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass, fields
+
 import torch
 
 
@@ -42,3 +44,33 @@ def clipped_policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: 
         stats = {"tokens": float(valid), "clipped_tokens": float(was_clipped),
                  "ratio_sum": float((ratio * mask).sum())}
     return per_token.sum(), stats
+
+
+@dataclass
+class PolicyStats:
+    """What one or more policy updates did, as sums over their valid tokens: exact across ranks
+    (summed over ranks, divided once)."""
+
+    loss: float = 0.0  # the clipped surrogate, summed over tokens
+    tokens: float = 0.0  # valid (action) tokens
+    clipped: float = 0.0  # tokens whose ratio was clipped
+    ratio: float = 0.0  # the importance ratio, summed over tokens
+    advantage: float = 0.0  # the advantage, summed over tokens
+
+    def __add__(self, other: "PolicyStats") -> "PolicyStats":
+        return PolicyStats(*(a + b for a, b in zip(self.vector(), other.vector())))
+
+    def vector(self) -> list[float]:
+        return [getattr(self, f.name) for f in fields(self)]
+
+    @classmethod
+    def from_vector(cls, values: list[float]) -> "PolicyStats":
+        return cls(*values)
+
+    def metrics(self) -> dict:
+        """policy/* means per token; only the token count when no token was trained on."""
+        out = {"policy/tokens": self.tokens}
+        if self.tokens == 0:
+            return out
+        return out | {"policy/loss": self.loss / self.tokens, "policy/clip_frac": self.clipped / self.tokens,
+                      "policy/ratio": self.ratio / self.tokens, "policy/advantage": self.advantage / self.tokens}

@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-import random
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -20,47 +19,49 @@ from typing import Any
 from ds_train import dist
 from ds_train.batch import rollout_update_steps
 from ds_train.config import RunConfig
-from ds_train.engine import read_ds_template
 from ds_train.errors import UserError
 from ds_train.fs import write_atomic
+from ds_train.inputs import RunInputs, check_inputs
 from ds_train.metrics import Interval
-from ds_train.ript.rloo import clipped_policy_loss, keep_mask, rloo_advantages
+from ds_train.parallel import plan_dims
+from ds_train.ript.rloo import PolicyStats, keep_mask
 from ds_train.ript.rollout import Episode, model_policy, rollout, scripted_policy
 from ds_train.ript.sampler import ContextSampler, Tally, merge_states
 from ds_train.ript.sharding import format_shards, shard_tasks
 from ds_train.ript.tasks import load_object, load_task
-from ds_train.run import ModelSource, Run, RunSpec, build_run, resolve_model
-
-CONSOLE_KEYS = ("ript/success_rate", "ript/accepted", "ript/rejected", "ript/checked", "policy/loss",
-                "policy/clip_frac", "perf/rollouts_per_s", "eval/success")
+from ds_train.ript.update import update
+from ds_train.run import Run, RunSpec, build_run
+from ds_train.rundir import RIPT
 
 
 def ript_spec(cfg: RunConfig) -> RunSpec:
     r = cfg.ript
-    return RunSpec("ript", last=r.iterations, unit="iteration", same_world=True, console_keys=CONSOLE_KEYS,
+    return RunSpec(RIPT, last=r.iterations, same_world=True,
                    steps=lambda plan: r.iterations * r.ppo_epochs *
                    rollout_update_steps(r.contexts_per_rank, r.rloo_batch_size, plan))
 
 
 @dataclass(frozen=True)
 class RiptInputs:
-    """Tasks, their sharding, the policy and the model, checked before anything is written."""
+    """Tasks, their sharding over the data-parallel ranks, the policy and the run's inputs (the
+    model and its tokenizer, the DeepSpeed JSON), checked before anything is written."""
 
-    tasks: dict  # name -> task, every task (each rank owns some)
+    tasks: dict  # name -> task, every task (each data-parallel rank owns some)
     shards: list[list[str]]
     scripted: Any  # ript.policy, when a script acts instead of the model
-    source: ModelSource
+    run: RunInputs
 
     @classmethod
-    def check(cls, cfg: RunConfig, world_size: int) -> "RiptInputs":
+    def check(cls, cfg: RunConfig, ds_config_path: str, world_size: int) -> "RiptInputs":
         r = cfg.ript
         if not cfg.model.path:
             raise UserError("model.path: RIPT starts from a trained policy: a Hugging Face directory or a "
                             "ds_train run directory (recipes/ript_sft.yaml makes one)")
         tasks = {t.name: t for t in map(load_task, map(str, r.tasks))}
-        shards = shard_tasks(cls.costs(cfg, tasks), world_size, r.sharding, r.allow_idle_ranks)
+        data_parallel = plan_dims(cfg.parallel, world_size).data
+        shards = shard_tasks(cls.costs(cfg, tasks), data_parallel, r.sharding, r.allow_idle_ranks)
         scripted = load_scripted(r.policy) if r.policy else None
-        return cls(tasks, shards, scripted, resolve_model(cfg))
+        return cls(tasks, shards, scripted, check_inputs(cfg, ds_config_path, data=False))
 
     @staticmethod
     def costs(cfg: RunConfig, tasks: dict) -> dict[str, float]:
@@ -88,7 +89,7 @@ class RiptJob:
 
     @property
     def mine(self) -> list[str]:
-        return self.shards[self.run.env.rank]
+        return self.shards[self.run.data_rank]
 
     def policy(self, temperature: float):
         run = self.run
@@ -111,12 +112,11 @@ def ript(cfg: RunConfig, ds_config_path: str) -> dict:
     import torch
 
     env = dist.detect_env()
-    read_ds_template(ds_config_path)  # before the model is exported or loaded (build_run reads it again)
-    inputs = RiptInputs.check(cfg, env.world_size)
-    with build_run(cfg, ds_config_path, env, ript_spec(cfg), inputs.source) as run:
+    inputs = RiptInputs.check(cfg, ds_config_path, env.world_size)
+    with build_run(inputs.run, env, ript_spec(cfg)) as run:
         torch.manual_seed(cfg.seed * 1000 + env.rank)  # each rank samples its own rollouts
         r = cfg.ript
-        sampler = ContextSampler([inputs.tasks[n] for n in inputs.shards[env.rank]], r.train_contexts,
+        sampler = ContextSampler([inputs.tasks[n] for n in inputs.shards[run.data_rank]], r.train_contexts,
                                  cfg.seed, r.skip_solved, r.retest_after, r.task_weighting)
         job = RiptJob(run, inputs.tasks, inputs.shards, sampler, inputs.scripted)
         run.say(format_shards(inputs.shards, RiptInputs.costs(cfg, inputs.tasks)))
@@ -153,11 +153,11 @@ def ript_loop(run: Run, job: RiptJob, state: RiptState) -> None:
     counts = SyncedCounts(job, Interval(r.sync_every, r.iterations))
     counts.load_state(job.pending)
     held_out = HeldOut(job, Interval(r.eval_every, r.iterations))
-    with run.progress(state.iteration, desc="ript", unit="it", postfix=("ript/success_rate", "success")) as progress:
+    with run.progress(state.iteration) as progress:
         for it in range(state.iteration + 1, r.iterations + 1):
             with counts.rollouts():
                 groups = sample(job, act, counts.window, it)
-            counts.add_policy(update(job, groups, it))
+            counts.policy += update(run, groups, it)
             state.iteration = it
             metrics = counts.maybe_sync(it, state) | held_out.maybe_evaluate(it, state)
             run.logger.log(metrics, it)
@@ -180,12 +180,12 @@ class SyncedCounts:
         self._restart()
 
     def _restart(self) -> None:
-        self.window, self.policy = Tally(self.names), [0.0] * 5
+        self.window, self.policy = Tally(self.names), PolicyStats()
         self.started, self.rollout_s, self.iterations = time.perf_counter(), 0.0, 0
 
     def state(self) -> dict:
         """This rank's counts since the last sync (its rank file carries them across a resume)."""
-        return {"window": self.window.as_dict(), "policy": self.policy, "rollout_s": self.rollout_s,
+        return {"window": self.window.as_dict(), "policy": asdict(self.policy), "rollout_s": self.rollout_s,
                 "iterations": self.iterations, "elapsed_s": time.perf_counter() - self.started}
 
     def load_state(self, saved: dict) -> None:
@@ -193,7 +193,8 @@ class SyncedCounts:
             return
         for name, counts in saved["window"].items():
             self.window.add(name, **counts)
-        self.policy, self.rollout_s, self.iterations = list(saved["policy"]), saved["rollout_s"], saved["iterations"]
+        self.policy = PolicyStats(**saved["policy"])
+        self.rollout_s, self.iterations = saved["rollout_s"], saved["iterations"]
         self.started = time.perf_counter() - saved["elapsed_s"]
 
     @contextlib.contextmanager
@@ -201,9 +202,6 @@ class SyncedCounts:
         t0 = time.perf_counter()
         yield
         self.rollout_s += time.perf_counter() - t0
-
-    def add_policy(self, stats: list[float]) -> None:
-        self.policy = [a + b for a, b in zip(self.policy, stats)]
 
     def maybe_sync(self, it: int, state: RiptState) -> dict:
         self.iterations += 1
@@ -214,7 +212,9 @@ class SyncedCounts:
         counts = Tally.from_vector(self.names, dist.all_reduce_sum(self.window.vector()))
         rollout_s = dist.all_reduce_max([self.rollout_s])[0]
         state.totals = {n: {k: v + counts.counts[n][k] for k, v in c.items()} for n, c in state.totals.items()}
-        metrics = counts.metrics() | _policy_metrics(dist.all_reduce_sum(self.policy)) | {
+        policy = PolicyStats.from_vector(dist.all_reduce_sum(self.policy.vector()))
+        metrics = counts.metrics() | policy.metrics() | {
+            "policy/skipped_steps": self.job.run.guard.skipped,  # so far; the same on every rank
             "perf/rollouts_per_s": counts.total("rollouts") / max(rollout_s, 1e-9),
             "perf/iteration_s": (time.perf_counter() - self.started) / self.iterations,
             "optim/lr": float(self.job.run.engine.get_lr()[0])}
@@ -288,81 +288,6 @@ def sample(job: RiptJob, act, tally: Tally, it: int) -> list[list[Episode]]:
     return groups
 
 
-def _token_logp(engine, ids):
-    import torch
-
-    logits = engine(input_ids=ids[:, :-1], use_cache=False).logits.float()
-    return torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
-
-
-def update(job: RiptJob, groups: list[list[Episode]], iteration: int) -> list[float]:
-    """PPO epochs over the accepted rollouts; every rank runs the same number of engine steps.
-
-    The loss of an optimizer step is the clipped surrogate summed over the valid tokens of all ranks
-    divided by their global count (the engine averages over ranks and accumulation steps, so each
-    rank's part is scaled by world x accumulation). Returns summed stats for the log.
-    """
-    import torch
-
-    run = job.run
-    r, plan, engine = run.cfg.ript, run.plan, run.engine
-    rows = [e for g in groups for e in g]
-    per_step = plan.sequences_per_rank
-    n_steps = int(dist.all_reduce_max([float(math.ceil(len(rows) / per_step))])[0])
-    if n_steps == 0:
-        return [0.0] * 5
-    width = int(dist.all_reduce_max([float(max((len(e.ids) for e in rows), default=2))])[0])
-    n = n_steps * per_step
-    ids = torch.full((n, width), run.tokenizer.eos_token_id, dtype=torch.long)
-    mask = torch.zeros((n, width - 1))
-    adv = torch.zeros(n)
-    if groups:
-        adv[:len(rows)] = rloo_advantages(torch.tensor([[float(e.success) for e in g] for g in groups])).flatten()
-    for i, e in enumerate(rows):  # right padding: causal attention never looks at it
-        ids[i, :len(e.ids)] = torch.tensor(e.ids)
-        mask[i, :len(e.ids) - 1] = torch.tensor(e.action_mask[1:], dtype=torch.float)
-    ids = ids.to(engine.device)
-    micro = plan.micro_batch_size
-    orders = [_order(len(rows), n, f"{run.cfg.seed}:{iteration}:{epoch}:{run.env.rank}")
-              for epoch in range(r.ppo_epochs)]
-    # The policy before the update: the rows of the first optimizer step take it from that step's own
-    # forward (no update has happened yet); the others from one no-grad pass now.
-    later = orders[0][per_step:]
-    old = torch.zeros((n, width - 1), device=engine.device)
-    engine.eval()
-    with torch.no_grad():
-        for i in range(0, len(later), micro):
-            old[later[i:i + micro]] = _token_logp(engine, ids[later[i:i + micro]])
-    engine.train()
-    stats = torch.zeros(5, dtype=torch.float64)  # loss x tokens, tokens, clipped tokens, ratio sum, adv x tokens
-    for epoch, order in enumerate(orders):
-        global_counts = dist.all_reduce_sum([float(mask[order[s * per_step:(s + 1) * per_step]].sum())
-                                             for s in range(n_steps)])
-        for s in range(n_steps):
-            scale = plan.world_size * plan.grad_accum_steps / max(global_counts[s], 1.0)
-            for m in range(plan.grad_accum_steps):
-                run.beat(iteration, "update")
-                idx = order[s * per_step + m * micro: s * per_step + (m + 1) * micro]
-                logp = _token_logp(engine, ids[idx])
-                if epoch == 0 and s == 0:
-                    old[idx] = logp.detach()
-                loss, st = clipped_policy_loss(logp, old[idx], adv[idx].to(logp.device),
-                                               mask[idx].to(logp.device), r.clip_low, r.clip_high)
-                engine.backward(loss * scale)
-                engine.step()
-                weighted_adv = float((adv[idx][:, None] * mask[idx]).sum())
-                stats += torch.tensor([float(loss.detach()), st["tokens"], st["clipped_tokens"], st["ratio_sum"],
-                                       weighted_adv], dtype=torch.float64)
-    return stats.tolist()
-
-
-def _order(rows: int, n: int, seed: str) -> list[int]:
-    """An epoch's order: the rollouts shuffled (seeded), then the padding rows."""
-    order = list(range(rows))
-    random.Random(seed).shuffle(order)
-    return order + list(range(rows, n))
-
-
 def evaluate(job: RiptJob) -> dict:
     """Greedy success on each task's held-out contexts; counts summed over ranks (exact)."""
     run, r = job.run, job.run.cfg.ript
@@ -387,7 +312,7 @@ def evaluate(job: RiptJob) -> dict:
 def write_results(job: RiptJob, state: RiptState) -> None:
     run = job.run
     if run.env.is_main:
-        write_atomic(run.run_dir / "ript_results.json", json.dumps({
+        write_atomic(run.paths.results(RIPT), json.dumps({
             "iteration": state.iteration, "world_size": run.env.world_size,
             "shards": {f"rank{r}": names for r, names in enumerate(job.shards)},
             "eval": state.evals[-1] if state.evals else None, "evals": state.evals,
@@ -399,12 +324,4 @@ def report(job: RiptJob, state: RiptState) -> None:
         first, final = state.evals[0], state.evals[-1]
         job.run.say(f"held-out success {first['success_rate']:.3f} (iteration {first['iteration']}) -> "
                     f"{final['success_rate']:.3f} (iteration {final['iteration']}); "
-                    f"results in {job.run.run_dir / 'ript_results.json'}")
-
-
-def _policy_metrics(pol: list[float]) -> dict:
-    loss, tokens, clipped, ratio, adv = pol
-    if tokens == 0:
-        return {"policy/tokens": 0}
-    return {"policy/loss": loss / tokens, "policy/tokens": tokens, "policy/clip_frac": clipped / tokens,
-            "policy/ratio": ratio / tokens, "policy/advantage": adv / tokens}
+                    f"results in {job.run.paths.results(RIPT)}")

@@ -1,0 +1,140 @@
+"""The checkpointer: at each step boundary it decides whether the step is its (every
+checkpoint.every steps, the last step, or a stop every rank agreed on), checks the free space, saves
+(ds_train/checkpoint.py) and turns a failed write into one line; checkpoint.debug_fault injects a
+crash or a full disk at a phase of a save."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import time
+from pathlib import Path
+from typing import Callable
+
+from ds_train import dist
+from ds_train.checkpoint import latest_complete, save, tag_for, weights_finite
+from ds_train.config import CheckpointConfig
+from ds_train.errors import AgreedError, Preempted, UserError
+
+
+def parse_fault(spec: str) -> tuple[str, str, int] | None:
+    """checkpoint.debug_fault `ACTION:PHASE:STEP` (kill or enospc) -> (action, phase, step)."""
+    if not spec:
+        return None
+    action, phase, step = spec.split(":")
+    return action, phase, int(step)
+
+
+def fault_at(spec: str) -> Callable[[str, int], None]:
+    """The fault-injection hook of checkpoint.debug_fault: at PHASE of the save of STEP, `kill`
+    SIGKILLs this process (a crash), `enospc` raises the error a full disk raises."""
+    fault = parse_fault(spec)
+
+    def hook(phase: str, step: int) -> None:
+        if fault is None or (phase, step) != fault[1:]:
+            return
+        if fault[0] == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        raise OSError(28, "No space left on device (checkpoint.debug_fault)")
+
+    return hook
+
+
+
+class Checkpointer:
+    """Decides at each step boundary whether the step is its: every `checkpoint.every` steps, the
+    last step (`checkpoint.save_final`), or a SIGTERM / SIGINT that every rank agreed on, after
+    which it raises Preempted. Every rank calls `maybe_save` at every boundary: the signal
+    agreement and the save are collectives, never behind a rank guard. Before each save the
+    writers compare their free space with the predicted size of a tag; a save that fails for
+    space or I/O ends the run with one line, `latest` still naming a whole tag."""
+
+    def __init__(self, engine, ckpt_dir: Path, cfg: CheckpointConfig, last: int, rank: int, world: int,
+                 record: dict, stop, log, unit: str = "step", writer: bool | None = None, seq: int = 1,
+                 needed_bytes: int = 0, where: str = "", beat: Callable[[int, str], None] = lambda step, phase: None):
+        self.engine, self.ckpt_dir, self.cfg, self.last = engine, ckpt_dir, cfg, last
+        self.rank, self.world, self.record, self.stop, self.log, self.unit = rank, world, record, stop, log, unit
+        self.writer = rank == 0 if writer is None else writer
+        self.seq, self.needed_bytes, self.where = seq, needed_bytes, where
+        self.fault = fault_at(cfg.debug_fault)
+        self.beat = beat  # the heartbeat: the stop agreement is a collective, a save is long I/O
+
+    def due(self, step: int) -> bool:
+        every = self.cfg.every > 0 and step % self.cfg.every == 0
+        return every or (step == self.last and self.cfg.save_final)
+
+    def maybe_save(self, step: int, state: Callable[[], dict] = dict, rank_state: Callable[[], dict] = dict) -> None:
+        """Save when due or signalled; `state()` (called on every rank, may hold collectives) adds
+        the loop's own position to the record, `rank_state()` this rank's own (its rank file)."""
+        self.beat(step, "agree-stop")
+        signum = self.stop.agreed()
+        if signum or self.due(step):
+            self.save(step, state(), rank_state())
+        if signum:
+            raise Preempted(signum, step, self.unit)
+
+    def save(self, step: int, state: dict, rank_state: dict | None = None) -> str:
+        """Non-finite weights are never saved: the last good checkpoint stays the latest."""
+        self.beat(step, "save")
+        if not weights_finite(self.engine):
+            raise UserError(f"{self.unit} {step}: the weights are not finite; no checkpoint written ("
+                            f"{self._latest()}); if model.path's weights are finite, lower optim.lr and resume")
+        self.check_space(step)
+        t0 = time.perf_counter()
+        try:
+            tag = save(self.engine, self.ckpt_dir, step, {**self.record, **state, "step": step}, self.rank,
+                       self.world, self.cfg.keep, self.writer, self.seq, rank_state, self.fault)
+        except (OSError, RuntimeError) as e:
+            # torch.save reports a failed write as a RuntimeError ("... file write failed", "No space left")
+            if isinstance(e, RuntimeError) and not _IO_ERROR.search(str(e)):
+                raise
+            raise UserError(f"checkpoint {tag_for(step)}: writing {getattr(e, 'filename', None) or self.ckpt_dir} "
+                            f"failed: {_why(e)}; {self._room()}; {self._latest()}") from None
+        self.seq += 1
+        self.log.info(f"saved checkpoint {tag} in {time.perf_counter() - t0:.2f} s")
+        return tag
+
+    def check_space(self, step: int) -> None:
+        """Every writer compares the free space of its file system with the predicted tag size
+        (one all-gather: every rank stops, or none does)."""
+        short = None
+        if self.writer and self.needed_bytes:
+            self.ckpt_dir.mkdir(parents=True, exist_ok=True)
+            free = shutil.disk_usage(self.ckpt_dir).free
+            if free < self.needed_bytes:
+                short = f"{self.ckpt_dir}{self.where}: needs about {_gib(self.needed_bytes)}, {_gib(free)} free"
+        reports = [r for r in dist.all_gather_object(short) if r]
+        if reports:
+            raise AgreedError(f"checkpoint {tag_for(step)} not written: {'; '.join(reports)}; free space "
+                              f"or lower checkpoint.keep; {self._latest()}")
+
+    def _latest(self) -> str:
+        """Which checkpoint a resume would take now (the newest complete one; `latest` may lag it)."""
+        tag = latest_complete(self.ckpt_dir) if self.ckpt_dir.is_dir() else None
+        return (f"the newest complete checkpoint is {tag}, where a resume starts" if tag else
+                "no checkpoint of this run was completed")
+
+    def _room(self) -> str:
+        if not self.ckpt_dir.is_dir():
+            return f"a tag needs about {_gib(self.needed_bytes)}"
+        usage, inodes = shutil.disk_usage(self.ckpt_dir), os.statvfs(self.ckpt_dir).f_favail
+        return (f"a tag needs about {_gib(self.needed_bytes)}, {_gib(usage.free)} free" +
+                (f", {inodes} inodes free (df -i)" if inodes < 1000 else ""))
+
+
+# What a failed write looks like when torch.save or DeepSpeed report it as a RuntimeError.
+_IO_ERROR = re.compile(r"No space left|file write failed|open file failed|Disk quota|Read-only file system|"
+                       r"Input/output error|errno", re.I)
+
+
+def _why(e: BaseException) -> str:
+    if isinstance(e, OSError):
+        return str(e.strerror or e)
+    m = re.search(r"strerror: ([^\n]+)|(No space left on device|Disk quota exceeded|Read-only file system)", str(e))
+    return (m.group(1) or m.group(2)).strip() if m else str(e).splitlines()[0][:160]
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"

@@ -1,0 +1,114 @@
+"""The check step: every input of a run read and checked once, before anything is written, and
+handed to the run builder (ds_train/run.py) as one object.
+
+    inputs = check_inputs(cfg, ds_config_path)              # train, dry-run, parity: model and data
+    inputs = check_inputs(cfg, ds_config_path, data=False)  # ript: the model and its own tokenizer
+    with build_run(inputs, dist.detect_env(), spec) as run: ...
+
+What fails fast goes first: the DeepSpeed JSON and the model (its config, the architecture built
+on the meta device, model.path's weights) before the data is prepared, which can take minutes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from ds_train.config import RunConfig
+from ds_train.data.datasets import Datasets, build_datasets
+from ds_train.data.meta import check_vocab, load_meta
+from ds_train.data.prepare import ensure_prepared
+from ds_train.data.tokenizer import load_tokenizer, vocabulary_id
+from ds_train.engine import read_ds_template
+from ds_train.errors import UserError
+from ds_train.export import locate_model
+from ds_train.model.build import supports_packing
+from ds_train.model.hfconfig import build_hf_config, with_vocab
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """The model a run starts from, resolved and checked."""
+
+    hf_config: Any
+    tokenizer: Any
+    weights: Path | None  # a Hugging Face directory to load; None: from scratch (model.config)
+    export_from: Path | None = None  # a ds_train run whose weights become <run dir>/init_model
+
+
+@dataclass(frozen=True)
+class RunInputs:
+    cfg: RunConfig
+    ds_config_path: str
+    template: dict  # the DeepSpeed JSON as given (engine.render_ds_config completes it)
+    source: ModelSource
+    data: Datasets | None = None  # None: a run that reads no prepared data (ript)
+
+    def data_id(self) -> dict:
+        """What identifies the tokenizer and the prepared data, recorded in every checkpoint: the
+        same data.dir re-prepared with another tokenizer would feed the saved weights other ids."""
+        return {**(self.data.identity() if self.data else {}), "tokenizer": vocabulary_id(self.source.tokenizer)}
+
+
+def tokenizer_dir(cfg: RunConfig, model_dir: Path | None) -> str:
+    """The tokenizer of the data: data.tokenizer, else the model's (model.path), else '' (the BPE
+    `prepare` trains into data.dir). The one place this is decided."""
+    return cfg.data.tokenizer or str(model_dir or "")
+
+
+def locate(cfg: RunConfig) -> tuple[Path | None, Path | None]:
+    """model.path -> (the directory with config.json and the tokenizer, a ds_train run to export
+    first); (None, None) for a model trained from scratch."""
+    return locate_model(cfg.model.path) if cfg.model.path else (None, None)
+
+
+def _hf_config(cfg: RunConfig, model_dir: Path | None, export_from: Path | None):
+    """The model's config, checked (model.path's weights too, where it holds them). A model trained
+    from scratch gets a stand-in vocabulary size until its tokenizer is known (with_vocab)."""
+    stand_in = int(cfg.model.config.get("vocab_size") or cfg.data.vocab_size)
+    model_cfg = replace(cfg.model, path=str(model_dir or ""))
+    return build_hf_config(model_cfg, stand_in, cfg.train.seq_len, weights=export_from is None)
+
+
+def check_inputs(cfg: RunConfig, ds_config_path: str, data: bool = True) -> RunInputs:
+    """The DeepSpeed JSON, the model, and (`data`) the prepared data, prepared on first use: every
+    check, nothing written in the run directory."""
+    template = read_ds_template(ds_config_path)
+    model_dir, export_from = locate(cfg)
+    hf_config = _hf_config(cfg, model_dir, export_from)
+    if not data:  # the model's own tokenizer
+        source = ModelSource(hf_config, load_tokenizer(model_dir), model_dir if export_from is None else None,
+                             export_from)
+        return RunInputs(cfg, str(ds_config_path), template, source)
+    tok_dir = tokenizer_dir(cfg, model_dir)
+    meta = ensure_prepared(cfg.data, tok_dir)
+    tokenizer = load_tokenizer(tok_dir or meta["tokenizer"])
+    hf_config = with_vocab(hf_config, cfg.model, len(tokenizer))
+    check_vocab(meta, getattr(hf_config, "vocab_size", None), cfg.data.dir)
+    datasets = build_datasets(cfg.data, meta, cfg.train.seq_len, cfg.seed, supports_packing(hf_config),
+                              type(hf_config).__name__)
+    source = ModelSource(hf_config, tokenizer, model_dir if export_from is None else None, export_from)
+    return RunInputs(cfg, str(ds_config_path), template, source, datasets)
+
+
+def model_config(cfg: RunConfig):
+    """The model's config, checked, without the data: its shape (a model trained from scratch at a
+    stand-in vocabulary size). What the launch preflight checks a parallel layout against."""
+    model_dir, export_from = locate(cfg)
+    return _hf_config(cfg, model_dir, export_from)
+
+
+def plan_config(cfg: RunConfig):
+    """The model's config for planning (estimate, dry run, the launch preflight's memory check): its
+    vocabulary from model.config or model.path, else from the prepared data's tokenizer (prepared
+    on first use, as `train` would)."""
+    hf_config = model_config(cfg)
+    if cfg.model.path or "vocab_size" in cfg.model.config:
+        return hf_config
+    d = cfg.data
+    if not (Path(d.dir) / "meta.json").is_file() and not d.sources:
+        raise UserError(f"model.config.vocab_size is not set and {d.dir!r} is not prepared; set "
+                        f"model.config.vocab_size or run `ds-train prepare --config ...`")
+    meta = ensure_prepared(d, tokenizer_dir(cfg, None)) if d.sources else load_meta(d.dir)
+    return with_vocab(hf_config, cfg.model, len(load_tokenizer(meta["tokenizer"])))

@@ -1,0 +1,66 @@
+"""The checkpointer: which steps are its, the stop every rank agreed on, and failed writes named by
+their cause (its saves through the real launcher are in test_checkpoint.py)."""
+
+from __future__ import annotations
+
+import signal
+
+import pytest
+
+from conftest import ROOT
+from ds_train import checkpointer
+from ds_train.checkpoint import tag_for
+
+
+def test_failed_writes_name_their_cause():
+    torch_message = ("[enforce fail at inline_container.cc:747] . open file failed with strerror: No space left on "
+                     "device")
+    assert checkpointer._IO_ERROR.search(torch_message)
+    assert checkpointer._why(RuntimeError(torch_message)) == "No space left on device"
+    assert checkpointer._why(OSError(28, "No space left on device")) == "No space left on device"
+    assert not checkpointer._IO_ERROR.search("CUDA error: an illegal memory access was encountered")
+
+
+class _Stop:
+    def __init__(self, signum=0):
+        self.signum = signum
+
+    def agreed(self):
+        return self.signum
+
+
+class _Recorder(checkpointer.Checkpointer):
+    """The Checkpointer's own decisions, with the save (DeepSpeed's collective) recorded instead."""
+
+    def save(self, step, state, rank_state=None):
+        self.saved.append((step, state))
+        return tag_for(step)
+
+
+def recorder(every=0, save_final=True, signum=0):
+    from ds_train.config import CheckpointConfig
+
+    c = _Recorder(None, ROOT / "checkpoints", CheckpointConfig(every=every, save_final=save_final), 10, 0, 1, {}, _Stop(signum),
+                  None, unit="iteration")
+    c.saved = []
+    return c
+
+
+def test_the_checkpointer_decides_which_steps_are_its():
+    c = recorder(every=4)
+    for step in range(1, 11):
+        c.maybe_save(step, lambda: {"at": step})
+    assert c.saved == [(4, {"at": 4}), (8, {"at": 8}), (10, {"at": 10})]
+    c = recorder(every=0, save_final=False)
+    for step in range(1, 11):
+        c.maybe_save(step)
+    assert c.saved == []
+
+
+def test_an_agreed_signal_saves_then_stops_with_128_plus_the_signal():
+    from ds_train.errors import Preempted
+
+    c = recorder(signum=int(signal.SIGTERM))
+    with pytest.raises(Preempted, match="stopped by signal 15 at iteration 3; checkpoint saved") as stop:
+        c.maybe_save(3, lambda: {"ript": "state"})
+    assert c.saved == [(3, {"ript": "state"})] and stop.value.exit_code == 143
