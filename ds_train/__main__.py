@@ -78,8 +78,20 @@ def plan_memory(argv: list[str], world_size: int) -> float:
     return next(r for r in out["rows"] if r["given"])["gpu_peak_gib"]
 
 
+def _command(sub, name: str, func, **defaults):
+    """A subcommand running `func`: its --help from func's docstring (the first line, then the rest),
+    and --debug after the subcommand too (`ds-train train --debug ...`; default: the top level's)."""
+    import inspect
+
+    doc = inspect.cleandoc(func.__doc__ or "")
+    help_, _, description = doc.partition("\n\n")
+    p = sub.add_parser(name, help=help_, description=" ".join(description.split()) or help_)
+    p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks")
+    p.set_defaults(func=func, **defaults)
+    return p
+
+
 def _add_plan_args(p) -> None:
-    _add_debug(p)
     p.add_argument("--config", required=True, help="run config YAML")
     p.add_argument("--ds-config", required=True, help="DeepSpeed JSON")
     p.add_argument("--hostfile", help="target cluster as a DeepSpeed hostfile")
@@ -89,18 +101,18 @@ def _add_plan_args(p) -> None:
     p.add_argument("overrides", nargs="*", metavar="key=value", default=[])
 
 
-def _add_debug(p) -> None:
-    """--debug after the subcommand too (`ds-train train --debug ...`); default: the top level's."""
-    p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks")
-
-
 def _add_run_args(p, example: str) -> None:
     """train and ript: a run config, a DeepSpeed JSON and key=value overrides."""
-    _add_debug(p)
     p.add_argument("--config", help=f"run config YAML ({example})")
     p.add_argument("--ds-config", help="DeepSpeed JSON (ds_configs/zero*.json)")
     p.add_argument("--help-config", action="store_true", help="list every config key and exit")
     p.add_argument("overrides", nargs="*", metavar="key=value")
+
+
+def _add_checkpoint_source(p, verb: str) -> None:
+    """convert and export: which checkpoint."""
+    p.add_argument("source", help="run directory, its checkpoints/ directory, or a tag directory")
+    p.add_argument("--tag", help=f"tag to {verb} (default: the latest complete one)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -111,22 +123,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--local_rank", "--local-rank", type=int, help=argparse.SUPPRESS)
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
 
-    t = sub.add_parser("train", help="train a causal LM (under deepspeed, torchrun or alone)",
-                       description="Train. Overrides are dotted keys: train.max_steps=20 optim.lr=3e-4. "
-                                   "--help-config lists every key.")
-    _add_run_args(t, "recipes/*.yaml")
-    t.set_defaults(func=cmd.cmd_train, spec=cmd.train_spec_of)
+    _add_run_args(_command(sub, "train", cmd.cmd_train, spec=cmd.train_spec_of), "recipes/*.yaml")
+    _add_run_args(_command(sub, "ript", cmd.cmd_ript, spec=cmd.ript_spec_of), "recipes/ript_demo.yaml")
 
-    rp = sub.add_parser("ript", help="RIPT post-training: RLOO with dynamic rollout sampling",
-                        description="Post-train a policy (model.path: a Hugging Face directory or a "
-                                    "ds_train run directory) on the tasks of the ript section. "
-                                    "Overrides as for train; --help-config lists every key.")
-    _add_run_args(rp, "recipes/ript_demo.yaml")
-    rp.set_defaults(func=cmd.cmd_ript, spec=cmd.ript_spec_of)
-
-    pr = sub.add_parser("prepare", help="tokenise text, JSONL, parquet or datasets sources into train.bin / "
-                                        "val.bin / meta.json, streaming, on every core")
-    _add_debug(pr)
+    pr = _command(sub, "prepare", cmd.cmd_prepare)
     pr.add_argument("sources", nargs="*", metavar="SOURCE",
                     help="files or directories (.txt/.md/.py/... one document each; .jsonl, .jsonl.gz, "
                          ".parquet, .csv, .arrow a record per line or row), a `datasets` save_to_disk "
@@ -149,54 +149,25 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--config", help="take the data section of this run config instead")
     pr.add_argument("--overwrite", action="store_true", help="replace the prepared data already in --out")
     pr.add_argument("overrides", nargs="*", metavar="key=value", default=[])
-    pr.set_defaults(func=cmd.cmd_prepare)
-    c = sub.add_parser("convert", help="convert a checkpoint with DeepSpeed's ds_to_universal",
-                       description="Convert a checkpoint (run dir, checkpoints dir or tag dir) into "
-                                   "DeepSpeed's universal format, loadable at any world size and "
-                                   "ZeRO stage. Resume does this by itself when they change.")
-    _add_debug(c)
-    c.add_argument("source", help="run directory, its checkpoints/ directory, or a tag directory")
+
+    c = _command(sub, "convert", cmd.cmd_convert)
+    _add_checkpoint_source(c, "convert")
     c.add_argument("--to", choices=["universal"], default="universal", help="target format")
-    c.add_argument("--tag", help="tag to convert (default: the latest complete one)")
-    c.set_defaults(func=cmd.cmd_convert)
-
-    e = sub.add_parser("export", help="write a Hugging Face model directory from a checkpoint",
-                       description="Export a checkpoint (ZeRO 0-3) as config.json, model.safetensors "
-                                   "(sharded when large), generation_config.json and the tokenizer.")
-    _add_debug(e)
-    e.add_argument("source", help="run directory, its checkpoints/ directory, or a tag directory")
+    e = _command(sub, "export", cmd.cmd_export)
+    _add_checkpoint_source(e, "export")
     e.add_argument("--out", required=True, help="output directory (must not exist or be empty)")
-    e.add_argument("--tag", help="tag to export (default: the latest complete one)")
     e.add_argument("--max-shard-size", default="5GB", help="safetensors shard size (default 5GB)")
-    e.set_defaults(func=cmd.cmd_export)
 
-    es = sub.add_parser("estimate", help="per-GPU memory for a target cluster, ZeRO 0-3 side by side",
-                        description="Memory plan without an accelerator (the model is built on the meta "
-                                    "device): model states by ZeRO stage and offload, activations with "
-                                    "and without checkpointing, DeepSpeed's buffers; what fits.")
+    es = _command(sub, "estimate", cmd.cmd_estimate)
     _add_plan_args(es)
     es.add_argument("--preset", choices=["conservative", "balanced", "aggressive"],
                     help="pick micro-batch, checkpointing and stage for ~50/70/90%% of GPU memory")
-    es.set_defaults(func=cmd.cmd_estimate)
-
-    dr = sub.add_parser("dry-run", help="rehearse the cluster job on this one device",
-                        description="Run a few real steps of one rank's share of the target batch on "
-                                    "this device; predict per-GPU peak memory, throughput, MFU and time "
-                                    "to finish on the target cluster; check a checkpoint round trip.")
+    dr = _command(sub, "dry-run", cmd.cmd_dry_run)
     _add_plan_args(dr)
     dr.add_argument("--out", help="where to write dry_run.json (default: output_dir/dry_run.json)")
-    dr.set_defaults(func=cmd.cmd_dry_run)
     launch_cli.add_subcommands(sub, check_command, plan_memory)  # launch, slurm
 
-    pa = sub.add_parser("parity", help="prove a layout keeps the math: N steps against a one-process fp32 reference",
-                        description="Run --steps optimizer steps of each layout (each --ds-config's ZeRO stage and "
-                                    "the run's dtype, at each --nproc world size and --grad-accum accumulation) and of "
-                                    "a reference (one process, ZeRO-0, fp32, the same global batch through "
-                                    "accumulation, the same data order and initial weights); print per step both "
-                                    "losses and gradient norms and their relative differences, the held-out loss, "
-                                    "and a verdict. Exit 0 within the tolerances, 1 past them. The layouts of one "
-                                    "world size share one launch. key=value overrides as for train.")
-    _add_debug(pa)
+    pa = _command(sub, "parity", cmd.cmd_parity)
     pa.add_argument("--config", required=True, help="run config YAML (the job whose layout to prove)")
     pa.add_argument("--ds-config", required=True, nargs="+", metavar="DS_CONFIG",
                     help="DeepSpeed JSON(s) of the layouts (ds_configs/zero*.json)")
@@ -214,44 +185,21 @@ def build_parser() -> argparse.ArgumentParser:
     pa.add_argument("--launcher-args", default="", metavar="ARGS",
                     help='deepspeed launcher flags for the layouts\' launches, e.g. "--hostfile H --master_port P"')
     pa.add_argument("overrides", nargs="*", metavar="key=value", default=[])
-    pa.set_defaults(func=cmd.cmd_parity)
     pw = sub.add_parser("parity-worker")  # no help: the launches `parity` starts
     pw.add_argument("plan")
     pw.set_defaults(func=cmd.cmd_parity_worker, debug=False)
 
-    mo = sub.add_parser("monitor", help="watch a run from its directory: progress, curves, ranks",
-                        description="A live view of a run (in progress or ended) from its output_dir alone, "
-                                    "read-only: progress and ETA, loss / eval loss / lr curves, tokens/s and MFU, "
-                                    "one row per rank (host, step, phase, heartbeat age, memory, GPU use) with "
-                                    "stalled ranks and stragglers marked; RIPT runs show success per task. "
-                                    "Ends when the run ends, saying how and why.")
-    _add_debug(mo)
+    mo = _command(sub, "monitor", cmd.cmd_monitor)
     mo.add_argument("run_dir", help="the run's output_dir (mounted from another node is fine)")
     mo.add_argument("--interval", type=float, default=2.0, help="seconds between refreshes (default 2)")
     mo.add_argument("--once", action="store_true", help="print one frame and exit")
-    mo.set_defaults(func=cmd.cmd_monitor)
-
-    do = sub.add_parser("doctor", help="what went wrong in a run or a log, and what to do",
-                        description="Read a run directory (its rank logs, hang and failure reports, metrics) or "
-                                    "any log (pdsh or SLURM output) and name what went wrong: CUDA or CPU out of "
-                                    "memory, a killed rank, NCCL errors and timeouts, a port in use, ssh / pdsh, a "
-                                    "module missing on a node, wandb login, rendezvous, disk full, non-finite "
-                                    "loss, a hang, bad input; causes first, each with fixes. Exit 0: nothing "
-                                    "wrong found; 1: a problem found.")
-    _add_debug(do)
+    do = _command(sub, "doctor", cmd.cmd_doctor)
     do.add_argument("paths", nargs="+", metavar="RUN_DIR|LOGFILE",
                     help="a run's output_dir and/or log files of the same job (the launcher's console, a SLURM "
                          "output file, `dmesg` of a node)")
-    do.set_defaults(func=cmd.cmd_doctor)
-
-    pl = sub.add_parser("plot", help="PNG plots of one run or several overlaid",
-                        description="Plot metrics.jsonl: loss and eval loss against steps and tokens, lr, "
-                                    "tokens/s and memory per rank (RIPT: success per task and held-out "
-                                    "success). Several run directories are overlaid.")
-    _add_debug(pl)
+    pl = _command(sub, "plot", cmd.cmd_plot)
     pl.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run directories (output_dir)")
     pl.add_argument("--out", help="output directory (default: RUN_DIR/plots for one run, ./plots for several)")
-    pl.set_defaults(func=cmd.cmd_plot)
     return p
 
 

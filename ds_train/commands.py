@@ -11,6 +11,9 @@ from ds_train.errors import UserError
 
 
 def cmd_train(args) -> int:
+    """train a causal LM (under deepspeed, torchrun or alone)
+
+    Train. Overrides are dotted keys: train.max_steps=20 optim.lr=3e-4. --help-config lists every key."""
     from ds_train.configfile import load_config
     from ds_train.trainer import train
 
@@ -20,6 +23,10 @@ def cmd_train(args) -> int:
 
 
 def cmd_ript(args) -> int:
+    """RIPT post-training: RLOO with dynamic rollout sampling
+
+    Post-train a policy (model.path: a Hugging Face directory or a ds_train run directory) on the tasks
+    of the ript section. Overrides as for train; --help-config lists every key."""
     from ds_train.configfile import load_config
     from ds_train.ript.trainer import ript
 
@@ -42,6 +49,10 @@ def ript_spec_of(cfg):
 
 
 def cmd_prepare(args) -> int:
+    """tokenise text, JSONL, parquet or datasets sources into train.bin / val.bin / meta.json, streaming, on every core
+
+    Tokenise SOURCE... into --out (or the data section of --config into its data.dir): train.bin,
+    val.bin and meta.json (sft: the target masks and example offsets too), streaming, on every core."""
     from ds_train.configfile import load_config
     from ds_train.data.meta import load_meta
     from ds_train.data.prepare import prepare
@@ -80,6 +91,10 @@ def cmd_prepare(args) -> int:
 
 
 def cmd_convert(args) -> int:
+    """convert a checkpoint with DeepSpeed's ds_to_universal
+
+    Convert a checkpoint (run dir, checkpoints dir or tag dir) into DeepSpeed's universal format,
+    loadable at any world size and ZeRO stage. Resume does this by itself when they change."""
     from ds_train.resume import convert_to_universal, find_resume, newer_incomplete
     from ds_train.rundir import RunPaths
 
@@ -101,6 +116,10 @@ def cmd_convert(args) -> int:
 
 
 def cmd_export(args) -> int:
+    """write a Hugging Face model directory from a checkpoint
+
+    Export a checkpoint (ZeRO 0-3) as config.json, model.safetensors (sharded when large),
+    generation_config.json and the tokenizer."""
     from ds_train.export import export, resolve_source
 
     tag = resolve_source(args.source, args.tag).tag
@@ -111,18 +130,35 @@ def cmd_export(args) -> int:
 
 
 def cmd_monitor(args) -> int:
+    """watch a run from its directory: progress, curves, ranks
+
+    A live view of a run (in progress or ended) from its output_dir alone, read-only: progress and ETA,
+    loss / eval loss / lr curves, tokens/s and MFU, one row per rank (host, step, phase, heartbeat age,
+    memory, GPU use) with stalled ranks and stragglers marked; RIPT runs show success per task. Ends
+    when the run ends, saying how and why."""
     from ds_train.monitor import monitor
 
     return monitor(args.run_dir, args.interval, args.once)
 
 
 def cmd_doctor(args) -> int:
+    """what went wrong in a run or a log, and what to do
+
+    Read a run directory (its rank logs, hang and failure reports, metrics) or any log (pdsh or SLURM
+    output) and name what went wrong: CUDA or CPU out of memory, a killed rank, NCCL errors and
+    timeouts, a port in use, ssh / pdsh, a module missing on a node, wandb login, rendezvous, disk
+    full, non-finite loss, a hang, bad input; causes first, each with fixes. Exit 0: nothing wrong
+    found; 1: a problem found."""
     from ds_train.doctor import doctor
 
     return doctor(args.paths)
 
 
 def cmd_plot(args) -> int:
+    """PNG plots of one run or several overlaid
+
+    Plot metrics.jsonl: loss and eval loss against steps and tokens, lr, tokens/s and memory per rank
+    (RIPT: success per task and held-out success). Several run directories are overlaid."""
     from ds_train.plots import write_plots
     from ds_train.rundir import read_run
 
@@ -154,6 +190,10 @@ def _plan_inputs(args):
 
 
 def cmd_estimate(args) -> int:
+    """per-GPU memory for a target cluster, ZeRO 0-3 side by side
+
+    Memory plan without an accelerator (the model is built on the meta device): model states by ZeRO
+    stage and offload, activations with and without checkpointing, DeepSpeed's buffers; what fits."""
     from ds_train.dryrun import format_estimate, run_estimate
 
     cfg, target = _plan_inputs(args)
@@ -163,6 +203,10 @@ def cmd_estimate(args) -> int:
 
 
 def cmd_dry_run(args) -> int:
+    """rehearse the cluster job on this one device
+
+    Run a few real steps of one rank's share of the target batch on this device; predict per-GPU peak
+    memory, throughput, MFU and time to finish on the target cluster; check a checkpoint round trip."""
     from ds_train.dryrun import dry_run, format_dry_run, write_json
     from ds_train.rundir import RunPaths
 
@@ -184,6 +228,14 @@ def _items(values: list[str], flag: str, overrides: list[str]) -> list[str]:
 
 
 def cmd_parity(args) -> int:
+    """prove a layout keeps the math: N steps against a one-process fp32 reference
+
+    Run --steps optimizer steps of each layout (each --ds-config's ZeRO stage and the run's dtype, at
+    each --nproc world size and --grad-accum accumulation) and of a reference (one process, ZeRO-0,
+    fp32, the same global batch through accumulation, the same data order and initial weights); print
+    per step both losses and gradient norms and their relative differences, the held-out loss, and a
+    verdict. Exit 0 within the tolerances, 1 past them. The layouts of one world size share one
+    launch. key=value overrides as for train."""
     from ds_train.configfile import load_config
     from ds_train.parity import parity
 

@@ -13,19 +13,38 @@ from pathlib import Path
 from typing import Literal
 
 
-def _f(default, help: str, **kw):
+POSITIVE, NON_NEGATIVE = "positive", ">= 0"  # a field's bound (checked for every section in one place)
+
+
+def _f(default, help: str, bound: str = "", **kw):
+    """A config field: its default, the help `--help-config` prints, and its bound (POSITIVE, NON_NEGATIVE)."""
+    metadata = {"help": help, "bound": bound}
     if isinstance(default, (dict, list)):
-        return field(default_factory=lambda: type(default)(default), metadata={"help": help}, **kw)
-    return field(default=default, metadata={"help": help}, **kw)
+        return field(default_factory=lambda: type(default)(default), metadata=metadata, **kw)
+    return field(default=default, metadata=metadata, **kw)
 
 
-def _not_positive(section, prefix: str, names: tuple[str, ...]) -> list[str]:
-    """One error for each of these fields that is zero or negative."""
-    return [f"{prefix}.{n}: {getattr(section, n)} must be positive" for n in names if getattr(section, n) <= 0]
+def out_of_bounds(section, prefix: str) -> list[str]:
+    """One error for each field of `section` outside its bound."""
+    errs = []
+    for f in dataclasses.fields(section):
+        value, bound = getattr(section, f.name), f.metadata.get("bound")
+        if bound == POSITIVE and value <= 0 or bound == NON_NEGATIVE and value < 0:
+            errs.append(f"{prefix}.{f.name}: {value} must be {bound}")
+    return errs
+
+
+class Section:
+    """A section of the run config: its fields' bounds are checked for it; check() adds the rest."""
+
+    def check(self) -> list[str]:
+        return []
 
 
 @dataclass(frozen=True)
-class ModelConfig:
+class ModelConfig(Section):
+    """The model: a local Hugging Face directory or an architecture to train from scratch, and how it runs."""
+
     path: str = _f("", "Local Hugging Face model directory (weights + tokenizer) to start from.")
     config: dict = _f({}, "Architecture to train from scratch: Hugging Face config keys, `model_type` "
                           "included (e.g. llama). vocab_size defaults to the tokenizer's.")
@@ -55,7 +74,10 @@ class ModelConfig:
 
 
 @dataclass(frozen=True)
-class DataConfig:
+class DataConfig(Section):
+    """The data: where it is prepared (data.dir), what from (data.sources) and how (format, tokenizer,
+    mixture weights, packing)."""
+
     dir: str = _f("data/cache/python_stdlib", "Directory holding train.bin, val.bin and meta.json.")
     sources: list = _f([], "Files or directories tokenised into data.dir when its .bin files are "
                            "missing: text (.txt, .py, .md, ...: a document each), JSONL (.jsonl, "
@@ -108,38 +130,32 @@ class DataConfig:
 
 
 @dataclass(frozen=True)
-class TrainConfig:
-    max_steps: int = _f(100, "Optimizer steps to train for.")
-    micro_batch_size: int = _f(8, "Sequences per GPU per forward pass (train_micro_batch_size_per_gpu).")
-    global_batch_size: int = _f(32, "Sequences per optimizer step across all ranks (train_batch_size).")
-    seq_len: int = _f(256, "Tokens per training sequence.")
-    grad_clip: float = _f(1.0, "Gradient clipping by global norm (0 turns it off).")
-    eval_every: int = _f(0, "Evaluate on val.bin every N steps (0: only at the end).")
-    eval_batches: int = _f(4, "Micro-batches per rank in each evaluation.")
+class TrainConfig(Section):
+    """The loop: steps, the batch (DeepSpeed's names), evaluation, non-finite steps."""
+
+    max_steps: int = _f(100, "Optimizer steps to train for.", POSITIVE)
+    micro_batch_size: int = _f(8, "Sequences per GPU per forward pass (train_micro_batch_size_per_gpu).", POSITIVE)
+    global_batch_size: int = _f(32, "Sequences per optimizer step across all ranks (train_batch_size).", POSITIVE)
+    seq_len: int = _f(256, "Tokens per training sequence.", POSITIVE)
+    grad_clip: float = _f(1.0, "Gradient clipping by global norm (0 turns it off).", NON_NEGATIVE)
+    eval_every: int = _f(0, "Evaluate on val.bin every N steps (0: only at the end).", NON_NEGATIVE)
+    eval_batches: int = _f(4, "Micro-batches per rank in each evaluation.", POSITIVE)
     nonfinite: Literal["skip", "stop"] = _f(
         "skip", "An optimizer step whose gradients are not finite is never applied (training and RIPT). skip: "
                 "carry on (counted as train/skipped_steps, policy/skipped_steps); stop: exit after "
                 "nonfinite_patience such steps in a row.")
-    nonfinite_patience: int = _f(3, "Consecutive non-finite steps before train.nonfinite=stop exits.")
+    nonfinite_patience: int = _f(3, "Consecutive non-finite steps before train.nonfinite=stop exits.", POSITIVE)
     debug_nonfinite_steps: list = _f([], "Fault injection: steps (RIPT: iterations) whose loss is made "
                                          "infinite, to rehearse the non-finite handling.")
 
-    def check(self) -> list[str]:
-        errs = []
-        errs += _not_positive(self, "train", ("max_steps", "micro_batch_size", "global_batch_size", "seq_len",
-                                              "eval_batches", "nonfinite_patience"))
-        if self.eval_every < 0:
-            errs.append(f"train.eval_every: {self.eval_every} must be >= 0")
-        if self.grad_clip < 0:
-            errs.append(f"train.grad_clip: {self.grad_clip} must be >= 0")
-        return errs
-
 
 @dataclass(frozen=True)
-class OptimConfig:
-    lr: float = _f(3e-4, "Peak learning rate (AdamW), before optional batch-size scaling.")
+class OptimConfig(Section):
+    """AdamW and its schedule (warm-up, cosine decay), rendered into the DeepSpeed JSON's "auto" values."""
+
+    lr: float = _f(3e-4, "Peak learning rate (AdamW), before optional batch-size scaling.", POSITIVE)
     min_lr_ratio: float = _f(0.1, "Final learning rate of the cosine decay, as a fraction of lr.")
-    warmup_steps: int = _f(10, "Linear warm-up steps.")
+    warmup_steps: int = _f(10, "Linear warm-up steps.", NON_NEGATIVE)
     weight_decay: float = _f(0.1, "AdamW weight decay.")
     betas: list = _f([0.9, 0.95], "AdamW betas.")
     eps: float = _f(1e-8, "AdamW epsilon.")
@@ -149,12 +165,8 @@ class OptimConfig:
 
     def check(self) -> list[str]:
         errs = []
-        if self.lr <= 0:
-            errs.append(f"optim.lr: {self.lr} must be positive")
         if not 0 <= self.min_lr_ratio <= 1:
             errs.append(f"optim.min_lr_ratio: {self.min_lr_ratio} must be within [0, 1]")
-        if self.warmup_steps < 0:
-            errs.append(f"optim.warmup_steps: {self.warmup_steps} must be >= 0")
         if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
             errs.append(f"optim.betas: {self.betas} must be two numbers in [0, 1)")
         if self.lr_scaling != "none" and self.reference_batch_size <= 0:
@@ -164,24 +176,25 @@ class OptimConfig:
 
 
 @dataclass(frozen=True)
-class ParallelConfig:
+class ParallelConfig(Section):
+    """How each data-parallel group of ranks divides a model (ds_train/parallel.py)."""
+
     sequence: int = _f(1, "Sequence-parallel ranks per data-parallel group (DeepSpeed Ulysses): each holds "
                           "1/sequence of every sequence. 1: off. The data-parallel size is world / "
-                          "(sequence x tensor).")
+                          "(sequence x tensor).", POSITIVE)
     tensor: int = _f(1, "Tensor-parallel ranks per data-parallel group (DeepSpeed AutoTP): each holds "
-                        "1/tensor of every layer. 1: off.")
-
-    def check(self) -> list[str]:
-        return _not_positive(self, "parallel", ("sequence", "tensor"))
+                        "1/tensor of every layer. 1: off.", POSITIVE)
 
 
 SAVE_PHASES = ("unmarked", "written", "rank_files", "marked", "latest")  # checkpoint.PHASES
 
 
 @dataclass(frozen=True)
-class CheckpointConfig:
-    every: int = _f(0, "Save a partitioned DeepSpeed checkpoint every N steps (0: only at the end).")
-    keep: int = _f(3, "Keep the newest K complete checkpoints (0: keep all).")
+class CheckpointConfig(Section):
+    """DeepSpeed's partitioned checkpoints: when to save, how many to keep, where to resume from."""
+
+    every: int = _f(0, "Save a partitioned DeepSpeed checkpoint every N steps (0: only at the end).", NON_NEGATIVE)
+    keep: int = _f(3, "Keep the newest K complete checkpoints (0: keep all).", NON_NEGATIVE)
     resume: str = _f("auto", "auto: continue from the newest checkpoint in output_dir every rank holds "
                              "whole, if any; none: start fresh (refused where checkpoints exist); "
                              "restart: delete output_dir's checkpoints and metrics, start fresh; or a "
@@ -197,10 +210,6 @@ class CheckpointConfig:
 
     def check(self) -> list[str]:
         errs = []
-        if self.every < 0:
-            errs.append(f"checkpoint.every: {self.every} must be >= 0")
-        if self.keep < 0:
-            errs.append(f"checkpoint.keep: {self.keep} must be >= 0")
         if not self.resume:
             errs.append("checkpoint.resume: must be auto, none, restart, a tag or a path")
         if self.debug_fault:
@@ -210,14 +219,15 @@ class CheckpointConfig:
                 errs.append(f"checkpoint.debug_fault: {self.debug_fault!r} is not ACTION:PHASE:STEP "
                             f"(kill or enospc; {', '.join(SAVE_PHASES)}; a step number)")
         if self.export_final and not self.save_final:
-            errs.append("checkpoint.export_final: needs checkpoint.save_final: true (it exports "
-                        "the final checkpoint)")
+            errs.append("checkpoint.export_final: needs checkpoint.save_final: true (it exports the final checkpoint)")
         return errs
 
 
 @dataclass(frozen=True)
-class LogConfig:
-    every: int = _f(10, "Log rank-aggregated metrics every N steps.")
+class LogConfig(Section):
+    """Metrics (rank 0's sinks), the progress bar, plots, MFU and the final sample."""
+
+    every: int = _f(10, "Log rank-aggregated metrics every N steps.", POSITIVE)
     wandb: Literal["off", "offline", "online"] = _f("off", "Weights & Biases logging (rank 0 only).")
     wandb_project: str = _f("ds_train", "Weights & Biases project name.")
     tensorboard: bool = _f(False, "Also write the metrics as TensorBoard events (rank 0, output_dir/tensorboard/).")
@@ -225,19 +235,13 @@ class LogConfig:
     progress: bool = _f(True, "Show a progress bar with ETA on rank 0.")
     peak_tflops: float = _f(0.0, "Peak dense TFLOP/s per device for MFU (0: look up the GPU).")
     sample_prompt: str = _f("", "Text to continue with the trained model at the end ('' skips it).")
-    sample_tokens: int = _f(64, "Tokens generated for the final sample.")
-
-    def check(self) -> list[str]:
-        errs = []
-        if self.every <= 0:
-            errs.append(f"log.every: {self.every} must be positive")
-        if self.sample_tokens < 0:
-            errs.append(f"log.sample_tokens: {self.sample_tokens} must be >= 0")
-        return errs
+    sample_tokens: int = _f(64, "Tokens generated for the final sample.", NON_NEGATIVE)
 
 
 @dataclass(frozen=True)
-class LaunchConfig:
+class LaunchConfig(Section):
+    """What `ds-train launch` forwards to every node."""
+
     env: list = _f([], "Names of environment variables `ds-train launch` forwards to every node (through "
                        "output_dir/.deepspeed_env). NCCL_*, TORCH_NCCL_*, TORCH_DISTRIBUTED_DEBUG, "
                        "GLOO_SOCKET_IFNAME, CUDA_LAUNCH_BLOCKING, PYTORCH_CUDA_ALLOC_CONF, DS_ACCELERATOR, "
@@ -253,33 +257,36 @@ class LaunchConfig:
 
 
 @dataclass(frozen=True)
-class DistConfig:
-    timeout_s: float = _f(1800.0, "Process-group timeout: a collective still waiting after this long fails "
-                                  "(torch's default, 30 minutes). The watchdog names a hang long before.")
-    join_timeout_s: float = _f(300.0, "Start-up: every rank must reach the rendezvous within this long; the "
-                                      "ranks that did not are named with their node and host.")
+class DistConfig(Section):
+    """The process group: its timeout, and how long start-up waits for every rank."""
 
-    def check(self) -> list[str]:
-        return _not_positive(self, "dist", ("timeout_s", "join_timeout_s"))
+    timeout_s: float = _f(1800.0, "Process-group timeout: a collective still waiting after this long fails "
+                                  "(torch's default, 30 minutes). The watchdog names a hang long before.", POSITIVE)
+    join_timeout_s: float = _f(300.0, "Start-up: every rank must reach the rendezvous within this long; the "
+                                      "ranks that did not are named with their node and host.", POSITIVE)
 
 
 WATCHDOG_FAULTS = ("stall", "slow", "raise", "kill")
 
 
 @dataclass(frozen=True)
-class WatchdogConfig:
+class WatchdogConfig(Section):
+    """Heartbeats, hangs and stragglers (ds_train/watchdog.py)."""
+
     stall_s: float = _f(300.0, "A rank that makes no progress this long (no new phase of a step, no checkpoint "
                                "I/O while saving) ends the job with a hang report naming it (exit 5); 0 "
                                "turns the watchdog off. Must be below dist.timeout_s.")
-    heartbeat_s: float = _f(2.0, "How often each rank writes its heartbeat (output_dir/heartbeats/rank_<r>.json).")
+    heartbeat_s: float = _f(2.0, "How often each rank writes its heartbeat (output_dir/heartbeats/rank_<r>.json).",
+                            POSITIVE)
     straggler_ratio: float = _f(1.3, "On logging steps, a rank whose compute time per step (data + forward) "
                                      "exceeds the median of all ranks by this factor is reported.")
     debug_fault: str = _f("", "Fault injection: stall:RANK:STEP (the rank stops at STEP), "
-                              "slow:RANK:SECONDS[:FROM_STEP] (it sleeps that long every step), raise:RANK:STEP "
-                              "(an exception), kill:RANK:STEP (SIGKILL, as the OOM killer does).")
+                              "slow:RANK:SECONDS[:FROM_STEP] (it sleeps that long every step), "
+                              "raise:RANK:STEP (an exception), "
+                              "kill:RANK:STEP (SIGKILL, as the OOM killer does).")
 
     def check(self) -> list[str]:
-        errs = _not_positive(self, "watchdog", ("heartbeat_s",))
+        errs = []
         if self.stall_s < 0:
             errs.append(f"watchdog.stall_s: {self.stall_s} must be >= 0 (0: off)")
         if self.straggler_ratio <= 1:
@@ -299,43 +306,42 @@ class WatchdogConfig:
 
 
 @dataclass(frozen=True)
-class RiptConfig:
+class RiptConfig(Section):
+    """RIPT post-training: the tasks, RLOO with dynamic sampling, PPO's clipped update, evaluation."""
+
     tasks: list = _f(["add", "rev", "copy", "sort", "parity", "max", "guess"],
                      "Tasks to post-train on: built-in names or module:Class (see ds_train/ript/tasks.py).")
     policy: str = _f("", "Empty: the model acts. module:Class: a scripted policy with "
                          "act(task, context, transcript, index) -> str (tests and debugging).")
-    iterations: int = _f(50, "RIPT iterations (sample, then update).")
+    iterations: int = _f(50, "RIPT iterations (sample, then update).", POSITIVE)
     rloo_batch_size: int = _f(8, "K: rollouts per context; the RLOO baseline is the mean of the other K-1.")
-    contexts_per_rank: int = _f(8, "Quota of accepted contexts (0 < successes < K) per rank per iteration.")
+    contexts_per_rank: int = _f(8, "Quota of accepted contexts (0 < successes < K) per rank per iteration.", POSITIVE)
     early_stop_fraction: float = _f(1.0, "Stop sampling once the accepted contexts of all ranks reach "
                                          "this fraction of the total quota.")
     max_contexts_checked: int = _f(64, "Cap on contexts a rank rolls out per iteration (never a hang "
-                                       "when its tasks are all solved or all failed).")
-    rollout_contexts: int = _f(8, "Contexts rolled out together (x K episodes in one batched generate).")
-    train_contexts: int = _f(1000, "Training contexts drawn per task (cycled in a seeded order).")
-    eval_contexts: int = _f(64, "Held-out contexts per task for evaluation (greedy decoding).")
-    eval_every: int = _f(10, "Evaluate every N iterations (also before the first and after the last).")
+                                       "when its tasks are all solved or all failed).", POSITIVE)
+    rollout_contexts: int = _f(8, "Contexts rolled out together (x K episodes in one batched generate).", POSITIVE)
+    train_contexts: int = _f(1000, "Training contexts drawn per task (cycled in a seeded order).", POSITIVE)
+    eval_contexts: int = _f(64, "Held-out contexts per task for evaluation (greedy decoding).", POSITIVE)
+    eval_every: int = _f(10, "Evaluate every N iterations (also before the first and after the last).", NON_NEGATIVE)
     skip_solved: bool = _f(False, "Per-context statistics: skip a context whose last K rollouts all "
                                   "succeeded, and re-test it after retest_after skips.")
-    retest_after: int = _f(5, "Skips before a solved context is rolled out again.")
+    retest_after: int = _f(5, "Skips before a solved context is rolled out again.", POSITIVE)
     task_weighting: Literal["uniform", "accepted"] = _f(
         "uniform", "How a rank shares its rollouts among its tasks: in turn (uniform), or in proportion "
                    "to each task's recent rate of accepted contexts (accepted; at least 0.1 each).")
-    ppo_epochs: int = _f(1, "Passes over the accepted rollouts per iteration.")
+    ppo_epochs: int = _f(1, "Passes over the accepted rollouts per iteration.", POSITIVE)
     clip_low: float = _f(0.2, "PPO ratio clip below 1 (ratio >= 1 - clip_low).")
     clip_high: float = _f(0.28, "PPO ratio clip above 1 (ratio <= 1 + clip_high).")
-    temperature: float = _f(1.0, "Sampling temperature of training rollouts.")
-    max_new_tokens: int = _f(12, "Tokens per action at most (an action ends at a newline).")
-    sync_every: int = _f(1, "All-reduce and log the per-task statistics every N iterations.")
+    temperature: float = _f(1.0, "Sampling temperature of training rollouts.", NON_NEGATIVE)
+    max_new_tokens: int = _f(12, "Tokens per action at most (an action ends at a newline).", POSITIVE)
+    sync_every: int = _f(1, "All-reduce and log the per-task statistics every N iterations.", POSITIVE)
     sharding: Literal["balanced", "round_robin"] = _f(
         "balanced", "Task to rank assignment: balanced by estimated cost (contexts x turns), or round_robin.")
     allow_idle_ranks: bool = _f(False, "Allow more ranks than tasks (idle ranks still join every collective).")
 
     def check(self) -> list[str]:
         errs = []
-        errs += _not_positive(self, "ript", ("iterations", "contexts_per_rank", "max_contexts_checked",
-                                             "rollout_contexts", "train_contexts", "eval_contexts", "ppo_epochs",
-                                             "max_new_tokens", "sync_every", "retest_after"))
         if self.rloo_batch_size < 2:
             errs.append(f"ript.rloo_batch_size: {self.rloo_batch_size} must be at least 2 (RLOO "
                         f"leaves one out)")
@@ -347,8 +353,6 @@ class RiptConfig:
         if not 0 <= self.clip_low < 1 or self.clip_high < 0:
             errs.append(f"ript.clip_low / clip_high: {self.clip_low} / {self.clip_high}: need "
                         f"0 <= clip_low < 1 and clip_high >= 0")
-        if self.temperature < 0 or self.eval_every < 0:
-            errs.append("ript.temperature and ript.eval_every must be >= 0")
         if not self.tasks or len(set(map(str, self.tasks))) != len(self.tasks):
             errs.append(f"ript.tasks: {self.tasks} must be a non-empty list without repeats")
         return errs
@@ -375,7 +379,7 @@ class RunConfig:
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
             if dataclasses.is_dataclass(value):
-                errs += value.check()
+                errs += out_of_bounds(value, f.name) + value.check()
         if not self.output_dir:
             errs.append("output_dir: must not be empty")
         if self.watchdog.stall_s >= self.dist.timeout_s:

@@ -17,7 +17,7 @@ import yaml
 
 from ds_train.config import RunConfig
 from ds_train.errors import UserError
-from ds_train.fs import write_atomic
+from ds_train.fs import read_text, write_atomic
 
 
 class _Loader(yaml.SafeLoader):
@@ -91,7 +91,7 @@ def describe() -> str:
     for f in dataclasses.fields(RunConfig):
         tp = _hints(RunConfig)[f.name]
         if dataclasses.is_dataclass(tp):
-            lines.append(f"{f.name}:")
+            lines.append(f"{f.name}: {' '.join((tp.__doc__ or '').split())}")
             for sub in dataclasses.fields(tp):
                 default = sub.default if sub.default is not dataclasses.MISSING else sub.default_factory()
                 lines.append(f"  {f.name}.{sub.name} = {default!r}\n      {sub.metadata['help']}")
@@ -195,23 +195,6 @@ def parse_overrides(items: list[str]) -> list[tuple[str, Any]]:
                 value = text
         out.append((key, value))
     return out
-
-
-def read_text(path: Path, what: str, flag: str) -> str:
-    """A UTF-8 text file given on the command line (`flag`); one line naming it when it is missing,
-    a directory, unreadable or not UTF-8."""
-    if path.is_dir():
-        raise UserError(f"{flag}: {str(path)!r} is a directory, not a {what}; give the file itself")
-    if not path.is_file():
-        raise UserError(f"{path}: {what} not found")
-    try:
-        return path.read_text(encoding="utf-8")
-    except UnicodeDecodeError as e:
-        line = e.object[:e.start].count(b"\n") + 1
-        raise UserError(f"{path}: not UTF-8 text (byte 0x{e.object[e.start]:02x} on line {line}); save the "
-                        f"{what} as UTF-8") from None
-    except OSError as e:
-        raise UserError(f"{path}: cannot read the {what}: {e.strerror or e}") from None
 
 
 def read_yaml(path: str | Path) -> dict:

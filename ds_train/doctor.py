@@ -15,7 +15,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ds_train.doctor_fixes import FIXES
+from ds_train.doctor_fixes import fixes
 from ds_train.errors import UserError
 from ds_train.rundir import RunPaths, read_run
 
@@ -192,7 +192,7 @@ def diagnose(*path_args: str) -> list[Finding]:
         _silent_ranks([s for s in sources if s.name.startswith("logs/")], found)
     view = views[0] if views else None
     for f in found.values():
-        f.fixes = FIXES[f.cls](f, view)
+        f.fixes = fixes(f, view)
     return sorted(found.values(), key=lambda f: PRIORITY.index(f.cls))
 
 

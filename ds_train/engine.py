@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import copy
 import difflib
-import json
 from pathlib import Path
 from typing import Any
 
 from ds_train.batch import BatchPlan
 from ds_train.config import RunConfig
 from ds_train.errors import UserError
+from ds_train.fs import read_json
 
 AUTO = "auto"
 
@@ -51,25 +51,7 @@ def _owned(cfg: RunConfig, plan: BatchPlan, dtype: str) -> dict[tuple, tuple[str
 
 def read_ds_template(path: str | Path) -> dict:
     """The DeepSpeed JSON given as --ds-config; one line naming it when it cannot be read."""
-    path = Path(path)
-    if path.is_dir():
-        raise UserError(f"--ds-config: {str(path)!r} is a directory, not a DeepSpeed JSON file; give one "
-                        f"file (ds_configs/zero2.json, for example)")
-    if not path.is_file():
-        raise UserError(f"--ds-config: {str(path)!r} not found (see ds_configs/ for the ZeRO stages)")
-    try:
-        raw = json.loads(path.read_bytes().decode("utf-8"))
-    except UnicodeDecodeError as e:
-        line = e.object[:e.start].count(b"\n") + 1
-        raise UserError(f"{path}: not UTF-8 text (byte 0x{e.object[e.start]:02x} on line {line}); save the "
-                        f"DeepSpeed JSON as UTF-8") from None
-    except OSError as e:
-        raise UserError(f"--ds-config: cannot read {str(path)!r}: {e.strerror or e}") from None
-    except json.JSONDecodeError as e:
-        raise UserError(f"{path}: invalid JSON at line {e.lineno}, column {e.colno}: {e.msg}") from None
-    if not isinstance(raw, dict):
-        raise UserError(f"{path}: the top level must be a JSON object")
-    return raw
+    return read_json(Path(path), "DeepSpeed JSON file", "--ds-config", hint="see ds_configs/ for the ZeRO stages")
 
 
 def _get(d: dict, path: tuple):

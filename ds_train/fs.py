@@ -1,9 +1,11 @@
-"""File-system helpers: one lock, one way to replace a file (data, configs, checkpoints, logs), and
-the check that a directory can be written before any work starts."""
+"""File-system helpers: one lock, one way to replace a file (data, configs, checkpoints, logs), one
+way to read a text or JSON file a user gave (one line naming what is wrong with it), and the check
+that a directory can be written before any work starts."""
 
 from __future__ import annotations
 
 import fcntl
+import json
 import os
 import tempfile
 from contextlib import contextmanager
@@ -98,3 +100,33 @@ def check_writable(path: Path, key: str) -> None:
         os.rmdir(tempfile.mkdtemp(prefix=".ds_train-probe-", dir=probe))
     except OSError as e:
         raise UserError(f"{key}: cannot create {str(path)!r} ({e.strerror or e}); choose another {key}") from None
+
+
+def read_text(path: Path, what: str, flag: str, fix: str = "", hint: str = "") -> str:
+    """A UTF-8 text file given as `flag` (the option or key that named it); one line naming it when it
+    is missing (and `hint`: where to find one), a directory, unreadable or not UTF-8 (then `fix`,
+    by default: save it as UTF-8)."""
+    if path.is_dir():
+        raise UserError(f"{flag}: {str(path)!r} is a directory, not a {what}; give the file itself")
+    if not path.is_file():
+        raise UserError(f"{path}: {what} not found" + (f" ({hint})" if hint else ""))
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        line = e.object[:e.start].count(b"\n") + 1
+        raise UserError(f"{path}: not UTF-8 text (byte 0x{e.object[e.start]:02x} on line {line}); "
+                        f"{fix or f'save the {what} as UTF-8'}") from None
+    except OSError as e:
+        raise UserError(f"{path}: cannot read the {what}: {e.strerror or e}") from None
+
+
+def read_json(path: Path, what: str, flag: str, fix: str = "", hint: str = "") -> dict:
+    """A JSON object in a UTF-8 file (read_text's checks); invalid JSON names its line and column."""
+    try:
+        value = json.loads(read_text(path, what, flag, fix, hint))
+    except json.JSONDecodeError as e:
+        raise UserError(f"{path}: invalid JSON at line {e.lineno}, column {e.colno}: {e.msg}"
+                        + (f"; {fix}" if fix else "")) from None
+    if not isinstance(value, dict):
+        raise UserError(f"{path}: the top level must be a JSON object" + (f"; {fix}" if fix else ""))
+    return value

@@ -363,9 +363,9 @@ def _build_run(inputs: RunInputs, env: dist.DistEnv, spec: RunSpec, stop: StopRe
     watchdog = Watchdog(heartbeat, paths, env.world_size, cfg.watchdog.stall_s, cfg.watchdog.heartbeat_s,
                         dist.side_channel(env), env.local_rank if on_gpu else None, stop.request).start()
     token_group = dist.subgroup(dims.token_groups(), env.rank)
-    return Run(cfg, env, spec, dims, token_group, plan, paths, ds_config, dtype, lr, engine, source.tokenizer, n_params, fpt,
-               peak_flops(device_name, cfg.log.peak_tflops) if on_gpu else None, logger, rank_log, say,
-               ckpt, guard, stop, resume, decision.said, hosts, heartbeat, watchdog, describe_run, lock)
+    return Run(cfg, env, spec, dims, token_group, plan, paths, ds_config, dtype, lr, engine, source.tokenizer,
+               n_params, fpt, peak_flops(device_name, cfg.log.peak_tflops) if on_gpu else None, logger, rank_log,
+               say, ckpt, guard, stop, resume, decision.said, hosts, heartbeat, watchdog, describe_run, lock)
 
 
 def _ending(exc: BaseException | None) -> str:

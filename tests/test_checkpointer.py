@@ -40,8 +40,8 @@ class _Recorder(checkpointer.Checkpointer):
 def recorder(every=0, save_final=True, signum=0):
     from ds_train.config import CheckpointConfig
 
-    c = _Recorder(None, ROOT / "checkpoints", CheckpointConfig(every=every, save_final=save_final), 10, 0, 1, {}, _Stop(signum),
-                  None, unit="iteration")
+    c = _Recorder(None, ROOT / "checkpoints", CheckpointConfig(every=every, save_final=save_final), 10, 0, 1, {},
+                  _Stop(signum), None, unit="iteration")
     c.saved = []
     return c
 

@@ -230,8 +230,8 @@ def test_template_must_be_an_object(tmp_path):
 def test_a_directory_given_as_the_template_says_so(tmp_path):
     with pytest.raises(UserError) as e:
         read_ds_template(tmp_path)
-    assert str(e.value) == (f"--ds-config: '{tmp_path}' is a directory, not a DeepSpeed JSON file; give one "
-                            f"file (ds_configs/zero2.json, for example)")
+    assert str(e.value) == (f"--ds-config: '{tmp_path}' is a directory, not a DeepSpeed JSON file; give the "
+                            f"file itself")
 
 
 def test_a_template_that_is_not_utf8_is_one_line(tmp_path):
@@ -239,7 +239,7 @@ def test_a_template_that_is_not_utf8_is_one_line(tmp_path):
     path.write_bytes(b'{\n  "_comment": "caf\xe9"\n}')
     with pytest.raises(UserError) as e:
         read_ds_template(path)
-    assert str(e.value) == f"{path}: not UTF-8 text (byte 0xe9 on line 2); save the DeepSpeed JSON as UTF-8"
+    assert str(e.value) == f"{path}: not UTF-8 text (byte 0xe9 on line 2); save the DeepSpeed JSON file as UTF-8"
 
 
 def test_schedule_length_and_universal_loading_are_arguments_not_patches():

@@ -22,7 +22,8 @@ def test_skipped_steps_are_counted_and_stop_after_the_patience_in_a_row():
     assert (guard.skipped, guard.in_a_row) == (2, 1)
     with pytest.raises(NonFiniteStop) as e:
         guard.observe("iteration 4", True)
-    assert str(e.value).startswith("iteration 4: 2 consecutive steps with non-finite gradients") and e.value.exit_code == 3
+    assert str(e.value).startswith("iteration 4: 2 consecutive steps with non-finite gradients")
+    assert e.value.exit_code == 3
     skip = NonFiniteGuard("skip", 2, logging.getLogger("test"))
     for s in range(5):
         skip.observe(f"step {s}", True)

@@ -22,7 +22,7 @@ def test_a_bad_model_fails_before_the_data_is_prepared(tmp_path):
     with pytest.raises(UserError, match=r"model.config.hidden_sizee: unknown key .* \(did you mean 'hidden_size'\?\)"):
         check_inputs(cfg, ZERO0)
     assert not (tmp_path / "data").exists()
-    with pytest.raises(UserError, match="--ds-config: .* not found"):  # the DeepSpeed JSON first of all
+    with pytest.raises(UserError, match="nope.json: DeepSpeed JSON file not found"):  # the DeepSpeed JSON first
         check_inputs(build_config({"model": {"config": TINY_MODEL}}), str(tmp_path / "nope.json"))
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 
 from ds_train.errors import UserError
-from ds_train.fs import file_lock, write_atomic
+from ds_train.fs import file_lock, read_json, write_atomic
 
 PREPARED = ("meta.json", "train.bin", "val.bin", "tokenizer")  # what prepare writes into out_dir
 SFT_FILES = ("mask", "idx")  # data.format sft: {split}.mask (1: a target token), {split}.idx (offsets)
@@ -50,15 +50,7 @@ def read_meta_json(data_dir: Path) -> dict:
     path = data_dir / "meta.json"
     if not path.is_file():
         raise UserError(f"data.dir: {str(data_dir)!r} has no meta.json; run `ds-train prepare` first")
-    try:
-        meta = json.loads(path.read_bytes().decode("utf-8"))
-    except UnicodeDecodeError:
-        raise UserError(f"{path}: not UTF-8 text (damaged); {PREPARE_AGAIN}") from None
-    except json.JSONDecodeError as e:
-        raise UserError(f"{path}: invalid JSON at line {e.lineno}: {e.msg}; {PREPARE_AGAIN}") from None
-    if not isinstance(meta, dict):
-        raise UserError(f"{path}: expected a JSON object; {PREPARE_AGAIN}")
-    return meta
+    return read_json(path, "meta.json", "data.dir", fix=PREPARE_AGAIN)
 
 
 def read_meta(data_dir: Path) -> dict:

@@ -181,7 +181,8 @@ def _table_chunks(index: int, path: Path, name: str, kind: str, columns: tuple[s
             table = pq.ParquetFile(path)
             names, rows = table.schema_arrow.names, table.metadata.num_rows
             _check_columns(path, names, columns)
-            batches = (b.to_pylist() for b in table.iter_batches(batch_size=CHUNK_ROWS, columns=_present(names, columns)))
+            batches = (b.to_pylist()
+                       for b in table.iter_batches(batch_size=CHUNK_ROWS, columns=_present(names, columns)))
         else:
             dataset = _open_dataset(path, kind)
             names = list(dataset.column_names or next(iter(dataset.take(1)), {}))  # streamed: from its first row

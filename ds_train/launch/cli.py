@@ -36,26 +36,29 @@ def add_subcommands(sub, check_command: CheckCommand, plan_memory: PlanMemory) -
     """Register `launch` and `slurm` on ds_train.__main__'s subparsers."""
     # prefix_chars="+": every `-flag` reaches our own parser untouched (argparse would otherwise
     # reject the deepspeed flags it does not know before we see them).
-    for name, help_, func in (
-            ("launch", "preflight a hostfile, then run the deepspeed launcher (multi-node)", cmd_launch),
-            ("slurm", "write an sbatch script that launches through the deepspeed launcher", cmd_slurm)):
-        p = sub.add_parser(name, help=help_, prefix_chars="+", add_help=False)
+    for func in (cmd_launch, cmd_slurm):
+        p = sub.add_parser(func.__name__.removeprefix("cmd_"), help=_doc(func)[0], prefix_chars="+", add_help=False)
         p.add_argument("argv", nargs=argparse.REMAINDER)
         p.set_defaults(func=func, check_command=check_command, plan_memory=plan_memory)
 
 
+def _doc(func) -> tuple[str, str]:
+    """A subcommand's (help, description): the first line of its function's docstring, and the rest."""
+    import inspect
+
+    help_, _, description = inspect.cleandoc(func.__doc__).partition("\n\n")
+    return help_, " ".join(description.split())
+
+
+def _parser(func, usage: str) -> argparse.ArgumentParser:
+    """The parser of launch or slurm (given their arguments raw), its description from func's docstring."""
+    name = f"ds-train {func.__name__.removeprefix('cmd_')}"
+    return OneLineParser(prog=name, allow_abbrev=False, usage=f"{name} {usage}", description=_doc(func)[1])
+
+
 def _launch_parser() -> argparse.ArgumentParser:
-    p = OneLineParser(
-        prog="ds-train launch", allow_abbrev=False,
-        usage="ds-train launch --hostfile H [--check] [deepspeed launcher flags] -- {train,ript} --config C "
-              "--ds-config D [key=value ...]",
-        description="Check the command after `--` (its own parser, its batch math at this world size) "
-                    "and every host of the hostfile (ssh without a password, same Python and "
-                    "versions, working directory, free master port), write "
-                    "output_dir/.deepspeed_env, then run the deepspeed launcher (pdsh) and exit with "
-                    "its exit code; its last line says how the job ended (the hang or failure report). "
-                    "SIGTERM, SIGINT or SIGUSR1 sent to it reach every rank on every node: each saves a "
-                    "checkpoint and stops. Other flags before `--` go to the deepspeed launcher unchanged.")
+    p = _parser(cmd_launch, "--hostfile H [--check] [deepspeed launcher flags] -- {train,ript} --config C "
+                            "--ds-config D [key=value ...]")
     p.add_argument("-H", "--hostfile", required=True, help="DeepSpeed hostfile: '<host> slots=<n>' per line")
     p.add_argument("--check", action="store_true", help="run the preflight only")
     p.add_argument("--ssh-timeout", type=int, default=10, help="ssh connect timeout per host, seconds")
@@ -146,6 +149,14 @@ def _deepspeed_cmd(opts, passthrough: list[str], python: str, master_addr: str, 
 
 
 def cmd_launch(args) -> int:
+    """preflight a hostfile, then run the deepspeed launcher (multi-node)
+
+    Check the command after `--` (its own parser, its batch math at this world size) and every host of
+    the hostfile (ssh without a password, same Python and versions, working directory, free master
+    port), write output_dir/.deepspeed_env, then run the deepspeed launcher (pdsh) and exit with its
+    exit code; its last line says how the job ended (the hang or failure report). SIGTERM, SIGINT or
+    SIGUSR1 sent to it reach every rank on every node: each saves a checkpoint and stops. Other flags
+    before `--` go to the deepspeed launcher unchanged."""
     from ds_train.launch import envfile
     from ds_train.launch.hostfile import read_hostfile, select_hosts
     from ds_train.launch.preflight import SshOptions, run_preflight
@@ -250,14 +261,8 @@ def final_line(run_dir: Path, code: int, since: float) -> str | None:
 
 
 def _slurm_parser() -> argparse.ArgumentParser:
-    p = OneLineParser(
-        prog="ds-train slurm", allow_abbrev=False,
-        usage="ds-train slurm --nodes N --gpus-per-node G [options] [srun flags] -- {train,ript} "
-              "--config C --ds-config D [key=value ...]",
-        description="Write an sbatch script that runs every rank as a SLURM task (srun, no ssh), asks "
-                    "SLURM for SIGUSR1 --signal-lead seconds before the time limit (every rank saves and "
-                    "exits 138) and, with --requeue, queues the job again after that save. Flags not "
-                    "listed here go to srun.")
+    p = _parser(cmd_slurm, "--nodes N --gpus-per-node G [options] [srun flags] -- {train,ript} --config C "
+                           "--ds-config D [key=value ...]")
     p.add_argument("--nodes", type=int, required=True, help="nodes to allocate")
     p.add_argument("--gpus-per-node", type=int, required=True, help="GPUs (ranks) per node")
     p.add_argument("--partition", default="", help="SLURM partition")
@@ -276,6 +281,11 @@ def _slurm_parser() -> argparse.ArgumentParser:
 
 
 def cmd_slurm(args) -> int:
+    """write an sbatch script that launches through the deepspeed launcher
+
+    Write an sbatch script that runs every rank as a SLURM task (srun, no ssh), asks SLURM for SIGUSR1
+    --signal-lead seconds before the time limit (every rank saves and exits 138) and, with --requeue,
+    queues the job again after that save. Flags not listed here go to srun."""
     from ds_train.launch.slurm import SlurmJob, render_sbatch
 
     ours, command_argv = _split(args.argv, "slurm")
