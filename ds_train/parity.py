@@ -1,0 +1,384 @@
+"""`ds-train parity`: prove that a layout keeps the math, against a one-process reference.
+
+    ds-train parity --config recipes/sft.yaml --ds-config ds_configs/zero3.json --nproc 2 --shrink
+    ds-train parity --config C --ds-config ds_configs/zero0.json ds_configs/zero3.json --nproc 1 2 --grad-accum 1 4
+
+Each layout (a ds_config's ZeRO stage, the run's dtype, a world size, a gradient accumulation) takes
+`--steps` optimizer steps from the same initial weights, on the same data in the same order, with
+the same global batch, as a reference: one process, ZeRO-0, fp32, the global batch through
+accumulation. Per step it prints both losses and gradient norms and their relative differences,
+then the held-out loss after the last step (the same sequences for every layout), and a verdict
+against stated tolerances: exit 0 within them, 1 past them. `--shrink` builds the same model type
+with small dimensions (2 layers, hidden 16 per head), so the layout of a 70B job is proved on a
+laptop. Every layout of one world size runs in one launch (one process group, in turn: the
+hidden `parity-worker` command), and the reference is computed once.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from ds_train.config import RunConfig
+from ds_train.configfile import build_config
+from ds_train.engine import read_ds_template, zero_stage
+from ds_train.errors import UserError
+from ds_train.fs import write_atomic
+from ds_train.inputs import check_inputs, locate
+from ds_train.model.hfconfig import build_hf_config
+from ds_train.parallel import check_built, choices
+from ds_train.rundir import RunPaths, read_json, read_metrics
+from ds_train.trainer import train_spec
+
+# Relative differences a layout may show against the fp32 reference. fp32: the two only sum in
+# other orders (ZeRO-3's buckets, accumulation: ~1e-7); bf16 / fp16 round every matmul input.
+TOLERANCES = {"fp32": (1e-5, 1e-4), "bf16": (2e-2, 1e-1), "fp16": (5e-3, 5e-2)}  # (loss, grad norm)
+REFERENCE = "reference"
+SHRUNK_TOKENS_PER_STEP = 8192  # --shrink keeps a step this small (or one micro-batch per rank)
+
+
+@dataclass(frozen=True)
+class Layout:
+    ds_config: str  # the layout's DeepSpeed JSON
+    nproc: int
+    micro: int
+    accum: int
+
+    @property
+    def name(self) -> str:
+        return f"{Path(self.ds_config).stem}_np{self.nproc}_accum{self.accum}"
+
+
+@dataclass(frozen=True)
+class Job:
+    """One run of a launch: its config (complete, as a dict) and DeepSpeed JSON."""
+
+    name: str
+    config: dict
+    ds_config: str
+
+
+def layouts(cfg: RunConfig, ds_configs: list[str], nprocs: list[int], accums: list[int]) -> list[Layout]:
+    """Every ds_config x world size x accumulation, with the micro-batch that keeps the global batch
+    (no --grad-accum: the config's micro-batch at each world size)."""
+    g = cfg.train.global_batch_size
+    out = []
+    for n in nprocs:
+        dp = train_spec(cfg).check(cfg, n)[0].data  # the layout's data-parallel size (refused: one line)
+        for accum in accums or [0]:
+            micro = cfg.train.micro_batch_size if not accum else g // (accum * dp)
+            if accum and (g % (accum * dp) or micro == 0):
+                fits = [a for a in range(1, g // dp + 1) if (g // dp) % a == 0] if g % dp == 0 else []
+                raise UserError(f"parity: --grad-accum {accum} at {n} process(es) needs train.global_batch_size="
+                                f"{g} divisible by {accum} x data-parallel size {dp}; choose "
+                                f"{choices(fits) if fits else 'another global batch size'}")
+            run = replace(cfg, train=replace(cfg.train, micro_batch_size=micro))
+            plan = train_spec(run).check(run, n)[1]  # the batch math at this world size, or one line
+            out += [Layout(str(d), n, micro, plan.grad_accum_steps) for d in ds_configs]
+    return out
+
+
+def _job(cfg: RunConfig, name: str, out: Path, steps: int, micro: int, accum: int, **changes) -> dict:
+    """A run config for one layout (or the reference): `steps` steps, every step logged, no
+    checkpoint, no sample; the held-out loss after the last step over one global batch of the val
+    split (eval_batches x micro x data-parallel size is the global batch for every layout)."""
+    raw = cfg.to_dict()
+    raw["output_dir"] = str(out / name)
+    raw["train"] |= {"max_steps": steps, "micro_batch_size": micro, "eval_every": 0, "eval_batches": accum,
+                     "debug_nonfinite_steps": []}
+    raw["checkpoint"] |= {"every": 0, "save_final": False, "export_final": False, "resume": "restart",
+                          "debug_fault": ""}
+    raw["log"] |= {"every": 1, "progress": False, "plots": False, "wandb": "off", "tensorboard": False,
+                   "sample_prompt": ""}
+    raw["watchdog"] |= {"debug_fault": ""}
+    for key, value in changes.items():
+        section, _, field = key.partition(".")
+        raw[section][field] = value
+    build_config(raw, source=f"parity job {name}")  # it must load as the worker will load it
+    return raw
+
+
+def reference_template(template: dict, out: Path) -> str:
+    """The reference's DeepSpeed JSON: the layout's optimizer, scheduler and clipping, ZeRO-0, fp32."""
+    ref = {k: v for k, v in template.items() if k not in ("bf16", "bfloat16", "fp16", "zero_optimization")}
+    ref["zero_optimization"] = {"stage": 0}
+    path = out / "reference_ds_config.json"
+    write_atomic(path, json.dumps(ref, indent=2))
+    return str(path)
+
+
+def dropout(hf_config) -> dict:
+    """The config's non-zero dropout probabilities: a layout's runs would differ by their masks."""
+    return {k: v for k, v in hf_config.to_dict().items()
+            if ("dropout" in k or "pdrop" in k) and isinstance(v, float) and v > 0}
+
+
+# --- --shrink --------------------------------------------------------------------------------------
+
+HEAD_DIM = 16
+DROPPED = ("_name_or_path", "transformers_version", "architectures", "auto_map", "torch_dtype", "dtype")
+
+
+def shrink_model(hf, heads_multiple: int = 1) -> tuple[dict, str]:
+    """The same model type with small dimensions: 2 layers, the grouped-query ratio kept (heads a
+    multiple of `heads_multiple`, so a layout that splits them still can), 16 per head, the MLP
+    2.75x the hidden size, 4 experts of which 2 active; dropout off. Returns model.config and what
+    changed, in words."""
+    d = {k: v for k, v in hf.to_diff_dict().items() if k not in DROPPED}
+    d["model_type"] = hf.model_type
+    heads = getattr(hf, "num_attention_heads", None) or getattr(hf, "n_head", None) or 4
+    kv = getattr(hf, "num_key_value_heads", None) or heads
+    ratio = heads // kv if heads % kv == 0 else 1
+    small_heads = math.lcm(4, ratio, heads_multiple)
+    hidden = HEAD_DIM * small_heads
+    ffn = max(8, round(hidden * 2.75 / 8) * 8)
+    layers = 2
+    small = {"hidden_size": hidden, "n_embd": hidden, "d_model": hidden,
+             "num_attention_heads": small_heads, "n_head": small_heads,
+             "num_key_value_heads": small_heads // ratio, "head_dim": HEAD_DIM,
+             "intermediate_size": ffn, "n_inner": ffn, "ffn_dim": ffn,
+             "moe_intermediate_size": ffn // 2, "shared_expert_intermediate_size": ffn // 2,
+             "num_hidden_layers": layers, "n_layer": layers, "num_layers": layers}
+    for key, value in small.items():
+        if d.get(key) is not None:  # the keys this model type has (GPT-2's n_inner None: 4 x hidden)
+            d[key] = value
+    for key, cap in (("num_local_experts", 4), ("num_experts", 4), ("n_routed_experts", 4),
+                     ("num_experts_per_tok", 2), ("max_window_layers", layers), ("first_k_dense_replace", 1)):
+        if isinstance(d.get(key), int):
+            d[key] = min(d[key], cap)
+    if isinstance(d.get("layer_types"), list):
+        d["layer_types"] = d["layer_types"][:layers]
+    for key, value in list(d.items()):
+        if ("dropout" in key or "pdrop" in key) and isinstance(value, float):
+            d[key] = 0.0
+    said = (f"{hf.model_type}: hidden {getattr(hf, 'hidden_size', '?')} -> {hidden}, layers "
+            f"{getattr(hf, 'num_hidden_layers', '?')} -> {layers}, attention heads {heads}/{kv} -> "
+            f"{small_heads}/{small_heads // ratio} (query/key-value), vocabulary {getattr(hf, 'vocab_size', '?')} kept")
+    return d, said
+
+
+def shrink(cfg: RunConfig, steps: int) -> tuple[RunConfig, list[str]]:
+    """cfg with its model shrunk (model.config; the tokenizer stays the model's) and each step held
+    to about SHRUNK_TOKENS_PER_STEP tokens (seq_len at most 256; the global batch divided by a
+    factor of every micro-batch, so every accumulation and data-parallel size stays as it is)."""
+    model_dir, export_from = locate(cfg)
+    hf = build_hf_config(replace(cfg.model, path=str(model_dir or "")),
+                         int(cfg.model.config.get("vocab_size") or cfg.data.vocab_size), cfg.train.seq_len,
+                         weights=False)
+    model, said = shrink_model(hf, cfg.parallel.sequence * cfg.parallel.tensor)
+    notes = [f"--shrink: {said}"]
+    raw = cfg.to_dict()
+    raw["model"] |= {"path": "", "config": model}
+    if model_dir and not cfg.data.tokenizer:  # the data keeps the model's tokenizer
+        raw["data"]["tokenizer"] = str(model_dir)
+    seq = min(cfg.train.seq_len, 256)
+    g, micro = cfg.train.global_batch_size, cfg.train.micro_batch_size
+    factors = [d for d in range(1, micro + 1) if micro % d == 0 and g % d == 0]  # keep every layout's accumulation
+    k = min((d for d in factors if g // d * seq <= SHRUNK_TOKENS_PER_STEP), default=factors[-1])
+    changed = [f"seq_len {cfg.train.seq_len} -> {seq}"] if seq != cfg.train.seq_len else []
+    if k > 1:
+        changed.append(f"global batch {g} -> {g // k}, micro-batch {micro} -> {micro // k} (accumulation and "
+                       f"data-parallel sizes kept)")
+    if changed:
+        raw["train"] |= {"seq_len": seq, "global_batch_size": g // k, "micro_batch_size": micro // k}
+        notes.append(f"--shrink: {', '.join(changed)}")
+    return build_config(raw, source="parity --shrink"), notes
+
+
+# --- launches --------------------------------------------------------------------------------------
+
+def launch(jobs: list[Job], nproc: int, out: Path, launcher_args: list[str], local: bool) -> tuple[int, Path]:
+    """Run `jobs` in one process group of `nproc` ranks (the deepspeed launcher; one local process
+    for the reference's group); returns its exit code and its log."""
+    plan = out / f"launch_np{nproc}.json"
+    write_atomic(plan, json.dumps({"jobs": [job.__dict__ for job in jobs]}, indent=1))
+    log = out / f"launch_np{nproc}.log"
+    if local:
+        cmd = [sys.executable, "-m", "ds_train", "parity-worker", str(plan)]
+    else:
+        cmd = [sys.executable, "-u", "-m", "deepspeed.launcher.runner", "--num_gpus", str(nproc),
+               "--master_port", str(_free_port()), *launcher_args, "--module", "ds_train", "parity-worker", str(plan)]
+    with open(log, "w") as fh:
+        code = subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT,
+                              env={**os.environ, "PYTHONUNBUFFERED": "1"}).returncode
+    return code, log
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_jobs(plan_path: str) -> int:
+    """The worker: every job of the plan in turn, in this launch's one process group."""
+    import gc
+
+    from ds_train import dist
+    from ds_train.run import build_run
+    from ds_train.trainer import run_training
+
+    env = dist.detect_env()
+    for job in json.loads(Path(plan_path).read_text())["jobs"]:
+        cfg = build_config(job["config"], source=f"{plan_path}: {job['name']}")
+        inputs = check_inputs(cfg, job["ds_config"])
+        with build_run(inputs, env, train_spec(cfg, keep_group=True), quiet=True) as run:
+            run_training(run, inputs.data)
+        del run, inputs
+        gc.collect()  # the engine's memory, before the next layout builds its own
+    dist.release_shared_memory(env)
+    dist.shutdown()
+    return 0
+
+
+# --- the comparison --------------------------------------------------------------------------------
+
+def rel(a: float | None, b: float | None) -> float:
+    """|a - b| relative to |b|; infinite when either is missing or not finite."""
+    if a is None or b is None or not (math.isfinite(a) and math.isfinite(b)):
+        return math.inf
+    return abs(a - b) / max(abs(b), 1e-12)
+
+
+def series(run_dir: Path) -> dict:
+    """Per step (loss, grad norm) and the held-out loss after the last step, from a run's metrics."""
+    records = {r["step"]: r for r in read_metrics(RunPaths(run_dir).metrics)}
+    steps = {s: (r.get("train/loss"), r.get("optim/grad_norm")) for s, r in sorted(records.items())}
+    last = records[max(records)] if records else {}
+    return {"steps": steps, "eval": last.get("eval/loss")}
+
+
+def compare(layout: dict, reference: dict, loss_tol: float, grad_tol: float) -> tuple[list[str], bool]:
+    """The table of one layout against the reference, and whether it is within the tolerances."""
+    lines = [f"  {'step':>5} {'loss':>13} {'reference':>13} {'rel diff':>9} {'grad norm':>11} "
+             f"{'reference':>11} {'rel diff':>9}"]
+    worst_loss = worst_grad = 0.0
+    ok = len(layout["steps"]) == len(reference["steps"]) > 0
+    for step, (ref_loss, ref_grad) in reference["steps"].items():
+        loss, grad = layout["steps"].get(step, (None, None))
+        dl, dg = rel(loss, ref_loss), rel(grad, ref_grad)
+        worst_loss, worst_grad = max(worst_loss, dl), max(worst_grad, dg)
+        lines.append(f"  {step:>5} {_num(loss, 13)} {_num(ref_loss, 13)} {dl:>9.1e} {_num(grad, 11)} "
+                     f"{_num(ref_grad, 11)} {dg:>9.1e}")
+    de = rel(layout["eval"], reference["eval"])
+    worst_loss = max(worst_loss, de)
+    lines.append(f"  {'eval':>5} {_num(layout['eval'], 13)} {_num(reference['eval'], 13)} {de:>9.1e}")
+    ok = ok and worst_loss <= loss_tol and worst_grad <= grad_tol
+    lines.append(f"  {'PASS' if ok else 'FAIL'}: largest loss difference {worst_loss:.1e} "
+                 f"({'<=' if worst_loss <= loss_tol else '>'} {loss_tol:g}), largest gradient-norm difference "
+                 f"{worst_grad:.1e} ({'<=' if worst_grad <= grad_tol else '>'} {grad_tol:g})")
+    return lines, ok
+
+
+def _num(value: float | None, width: int) -> str:
+    return f"{value:>{width}.8g}" if isinstance(value, (int, float)) else f"{'-':>{width}}"
+
+
+def _launch_failed(code: int, log: Path) -> None:
+    """One line from a launch that failed: the error a rank printed, else the end of its log."""
+    text = log.read_text(errors="replace").splitlines()
+    said = [line for line in text if line.startswith("ds-train")]
+    line = said[-1].removeprefix("ds-train: error: ") if said else (text[-1] if text else "no output")
+    raise UserError(f"parity: a launch failed (exit {code}): {line}; its output is in {log}")
+
+
+def parity(cfg: RunConfig, label: str, ds_configs: list[str], nprocs: list[int], accums: list[int], steps: int,
+           shrink_it: bool, out: str, launcher_args: str, loss_tol: float | None, grad_tol: float | None) -> int:
+    """Every layout against the reference, printed as it goes; 0 when every one is within tolerance."""
+    templates = {d: read_ds_template(d) for d in ds_configs}
+    if steps <= 0 or min(nprocs) <= 0:
+        raise UserError(f"parity: --steps {steps} and --nproc {' '.join(map(str, nprocs))} must be positive")
+    notes = []
+    if shrink_it:
+        cfg, notes = shrink(cfg, steps)
+    lays = layouts(cfg, ds_configs, sorted(set(nprocs)), sorted(set(accums)))
+    for n in sorted(set(nprocs)):
+        check_built(train_spec(cfg).check(cfg, n)[0])
+    out_dir = Path(out) if out else Path(tempfile.mkdtemp(prefix="ds_train_parity_"))
+    _check_out(out_dir)
+    code = _parity(cfg, label, lays, templates, steps, notes, out_dir, shlex.split(launcher_args),
+                   loss_tol, grad_tol)
+    if not out:  # a failed launch keeps them: its log is named in the error
+        shutil.rmtree(out_dir, ignore_errors=True)
+    return code
+
+
+def _exported_once(cfg: RunConfig, out: Path) -> RunConfig:
+    """A ds_train run given as model.path is exported once into `out`, which every run then loads
+    (each run would otherwise export its own copy)."""
+    from ds_train.export import export
+
+    model_dir, export_from = locate(cfg)
+    if export_from is None:
+        return cfg
+    hf_dir = out / "init_model"
+    if not (hf_dir / "config.json").is_file():
+        export(export_from, hf_dir)
+    raw = cfg.to_dict()
+    raw["model"]["path"] = str(hf_dir)
+    if not cfg.data.tokenizer:  # the data keeps the run's tokenizer (hf_model/'s, exported with it)
+        raw["data"]["tokenizer"] = str(model_dir)
+    return build_config(raw, source="parity")
+
+
+def _check_out(out: Path) -> None:
+    """--out holds parity's own runs or nothing: never a directory of something else."""
+    if out.exists() and (not out.is_dir() or any(out.iterdir()) and not (out / "parity.json").is_file()):
+        raise UserError(f"parity: --out {str(out)!r} exists and is not a parity directory; give a new or empty one")
+    out.mkdir(parents=True, exist_ok=True)
+
+
+def _parity(cfg: RunConfig, label: str, lays: list[Layout], templates: dict, steps: int, notes: list[str],
+            out: Path, launcher_args: list[str], loss_tol: float | None, grad_tol: float | None) -> int:
+    cfg = _exported_once(cfg, out)
+    g, seq = cfg.train.global_batch_size, cfg.train.seq_len
+    micro_ref = min(lay.micro for lay in lays)
+    ref_cfg = build_config(_job(cfg, REFERENCE, out, steps, micro_ref, g // micro_ref, **{"model.dtype": "fp32"}))
+    ref_ds = reference_template(next(iter(templates.values())), out)
+    write_atomic(out / "parity.json", json.dumps({"config": label, "steps": steps,
+                                                   "layouts": [lay.name for lay in lays]}, indent=1))
+    for note in notes:
+        print(note)
+    print(f"parity: {label}, {steps} steps, global batch {g} x seq_len {seq} = {g * seq:,} tokens per step; "
+          f"reference: 1 process, ZeRO-0, fp32, micro {micro_ref} x accum {g // micro_ref}")
+    ref_inputs = check_inputs(ref_cfg, ref_ds)  # the model and the data, prepared once before any launch
+    if dropout(ref_inputs.source.hf_config):
+        print(f"note: the model's dropout ({dropout(ref_inputs.source.hf_config)}) draws other masks in each "
+              f"layout, so the runs differ by more than rounding; --shrink builds it without dropout")
+    groups: dict[int, list[Job]] = {1: [Job(REFERENCE, ref_cfg.to_dict(), ref_ds)]}
+    for lay in lays:
+        job = _job(cfg, lay.name, out, steps, lay.micro, lay.accum)
+        groups.setdefault(lay.nproc, []).append(Job(lay.name, job, lay.ds_config))
+    for n, jobs in sorted(groups.items()):
+        print(f"parity: {len(jobs)} run(s) in one launch of {n} process(es) (log: {out / f'launch_np{n}.log'})",
+              flush=True)
+        code, log = launch(jobs, n, out, launcher_args, local=n == 1)
+        if code:
+            _launch_failed(code, log)
+    reference = series(out / REFERENCE)
+    passed = 0
+    for lay in lays:
+        paths = RunPaths(out / lay.name)
+        dtype = (read_json(paths.env) or {}).get("dtype", "fp32")
+        stage = zero_stage(read_json(paths.ds_config) or {})
+        tol = TOLERANCES.get(dtype, TOLERANCES["fp32"])
+        tol = (tol[0] if loss_tol is None else loss_tol, tol[1] if grad_tol is None else grad_tol)
+        print(f"\n{lay.name}: ZeRO-{stage}, {dtype}, {lay.nproc} process(es), micro {lay.micro} x accum {lay.accum} "
+              f"({lay.ds_config})")
+        lines, ok = compare(series(out / lay.name), reference, *tol)
+        print("\n".join(lines))
+        passed += ok
+    verdict = "PASS" if passed == len(lays) else "FAIL"
+    print(f"\nverdict: {verdict}: {passed} of {len(lays)} layout(s) within tolerance of the reference over {steps} "
+          f"steps")
+    return 0 if passed == len(lays) else 1

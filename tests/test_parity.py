@@ -1,0 +1,191 @@
+"""ds-train parity: the comparison and --shrink (pure), its bad input (one line), and through the real
+launcher the parity matrix (ZeRO 0-3 x accumulation 1 and 4 x data-parallel 1 and 2, pretraining and
+SFT) and --shrink on the SFT recipe. The matrix's numbers are checked again here from the runs' own
+metrics, not only from the verdict the command prints."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+
+import pytest
+
+from conftest import ROOT, TINY_MODEL, ds_train, tiny_config, write_config
+from ds_train.__main__ import main
+from ds_train.parity import TOLERANCES, compare, rel, shrink_model
+
+STAGES = [str(ROOT / "ds_configs" / f"zero{s}.json") for s in range(4)]
+GLOBAL_BATCH = 8  # accumulation 1 and 4 at 1 and 2 processes: micro-batches 8, 2, 4 and 1
+STEPS = 5
+
+
+def series(losses, norms, eval_loss):
+    return {"steps": {s + 1: (l, g) for s, (l, g) in enumerate(zip(losses, norms))}, "eval": eval_loss}
+
+
+def test_a_layout_within_the_tolerances_passes_and_one_past_them_fails():
+    ref = series([2.0, 1.5], [1.0, 0.8], 1.4)
+    lines, ok = compare(series([2.0, 1.5 * (1 + 5e-6)], [1.0, 0.8 * (1 + 5e-5)], 1.4), ref, 1e-5, 1e-4)
+    assert ok and lines[-1].startswith("  PASS: largest loss difference 5.0e-06 (<= 1e-05), largest gradient-norm "
+                                       "difference 5.0e-05 (<= 0.0001)")
+    assert len(lines) == 1 + 2 + 1 + 1  # header, a row per step, the held-out loss, the verdict
+    # a mean of per-rank means instead of the token-weighted mean: the loss moves by far more
+    _, ok = compare(series([2.0, 1.53], [1.0, 0.8], 1.4), ref, 1e-5, 1e-4)
+    assert not ok
+    _, ok = compare(series([2.0, 1.5], [1.0, 0.8], 1.41), ref, 1e-5, 1e-4)  # the held-out loss counts too
+    assert not ok
+    _, ok = compare(series([2.0], [1.0], 1.4), ref, 1e-5, 1e-4)  # a step missing
+    assert not ok
+    _, ok = compare(series([2.0, math.nan], [1.0, 0.8], 1.4), ref, 1e-5, 1e-4)
+    assert not ok and rel(None, 1.0) == math.inf
+    assert TOLERANCES["fp32"] == (1e-5, 1e-4)
+
+
+def test_shrink_keeps_the_model_type_and_its_shape_ratios():
+    from transformers import AutoConfig
+
+    big = AutoConfig.for_model("llama", hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
+                               num_attention_heads=64, num_key_value_heads=8, vocab_size=128256,
+                               max_position_embeddings=8192, attention_dropout=0.1)
+    small, said = shrink_model(big)
+    assert small["model_type"] == "llama" and small["vocab_size"] == 128256
+    assert (small["num_attention_heads"], small["num_key_value_heads"]) == (8, 1)  # grouped 8:1, as before
+    assert (small["hidden_size"], small["head_dim"], small["num_hidden_layers"]) == (128, 16, 2)
+    assert small["intermediate_size"] == 352 and small["attention_dropout"] == 0.0
+    assert said.startswith("llama: hidden 8192 -> 128, layers 80 -> 2, attention heads 64/8 -> 8/1")
+    small, _ = shrink_model(big, heads_multiple=3)  # a layout that splits heads 3 ways still can
+    assert small["num_attention_heads"] % 3 == 0 and small["num_attention_heads"] % small["num_key_value_heads"] == 0
+    qwen = AutoConfig.for_model("qwen2", hidden_size=512, num_attention_heads=8, num_key_value_heads=2,
+                                num_hidden_layers=6)
+    small, _ = shrink_model(qwen)
+    assert len(small["layer_types"]) == 2 and small["max_window_layers"] == 2
+    gpt2, _ = shrink_model(AutoConfig.for_model("gpt2"))
+    assert (gpt2["n_embd"], gpt2["n_layer"], gpt2["n_head"], gpt2["n_inner"]) == (64, 2, 4, None)
+    assert gpt2["resid_pdrop"] == gpt2["attn_pdrop"] == 0.0
+
+
+@pytest.mark.parametrize("extra, needle", [
+    (["--grad-accum", "3"], "--grad-accum 3 at 2 process(es) needs train.global_batch_size=8 divisible by 3 x "
+                            "data-parallel size 2; choose 1, 2 or 4"),
+    (["--nproc", "3"], "train.global_batch_size=8 is not a multiple of train.micro_batch_size=2 x world size 3"),
+    (["--nproc", "0"], "--nproc 0: give positive whole numbers"),
+    (["--nproc", "4", "parallel.sequence=3"], "parallel.sequence=3 x parallel.tensor=1 = 3 does not divide the world "
+                                              "size 4"),
+    (["--out", "OCCUPIED"], "exists and is not a parity directory"),
+])
+def test_bad_parity_input_is_one_line_before_any_launch(capsys, tiny_data, tmp_path, extra, needle):
+    (tmp_path / "occupied").mkdir()
+    (tmp_path / "occupied" / "notes.txt").write_text("mine")
+    cfg = write_config(tmp_path / "c.yaml", tiny_config(tiny_data, tmp_path / "run"))
+    extra = [str(tmp_path / "occupied") if x == "OCCUPIED" else x for x in extra]
+    code = main(["parity", "--config", str(cfg), "--ds-config", STAGES[2], *extra])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1 and needle in err, (code, err)
+    assert (tmp_path / "occupied" / "notes.txt").read_text() == "mine"
+    assert not (tmp_path / "run").exists()
+
+
+# ---- through the real launcher ---------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def sft_data(tmp_path_factory):
+    """The RIPT demonstrations as conversations (data.format sft): assistant-only targets, so the
+    target count differs between micro-batches and ranks."""
+    from ds_train.data.prepare import prepare
+
+    out = tmp_path_factory.mktemp("sft_data")
+    prepare([str(ROOT / "recipes" / "data" / "ript_demos.jsonl")], out, vocab_size=300, val_fraction=0.1,
+            fmt="sft", chat_template="{{ bos_token }}{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    return out
+
+
+def metrics(run_dir):
+    return {r["step"]: r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["pretraining", "sft"])
+def test_the_parity_matrix_keeps_the_math(kind, tiny_data, sft_data, straight_zero2, tmp_path):
+    """ZeRO 0/1/2/3 x accumulation 1 and 4 x data-parallel 1 and 2 against the one-process fp32
+    ZeRO-0 reference, 5 steps each: loss within 1e-5 and gradient norm within 1e-4 (relative), the
+    held-out loss too. Two launches (one per world size, its 8 layouts in turn) and one reference.
+    Pretraining continues a ds_train run (model.path: its weights, exported once for every run, and
+    loaded partitioned under ZeRO-3); SFT trains from scratch on assistant-only targets."""
+    data = {"pretraining": tiny_data, "sft": sft_data}[kind]
+    model = {"path": str(straight_zero2), "config": {}} if kind == "pretraining" else {}
+    cfg = write_config(tmp_path / "c.yaml", tiny_config(
+        data, tmp_path / "unused", train={"global_batch_size": GLOBAL_BATCH, "micro_batch_size": 2},
+        data={"dir": str(data), "format": "text" if kind == "pretraining" else "sft"},
+        **({"model": model} if model else {})))
+    out = tmp_path / "parity"
+    res = ds_train("parity", "--config", str(cfg), "--ds-config", *STAGES, "--nproc", "1", "2",
+                   "--grad-accum", "1", "4", "--steps", str(STEPS), "--out", str(out), timeout=900)
+    assert res.returncode == 0, res.out[-6000:]
+    assert "verdict: PASS: 16 of 16 layout(s) within tolerance of the reference over 5 steps" in res.out
+    assert sorted(p.name for p in out.glob("launch_*.log")) == ["launch_np1.log", "launch_np2.log"]
+    ref = metrics(out / "reference")
+    ref_ds = json.loads((out / "reference" / "ds_config.json").read_text())
+    assert (ref_ds["zero_optimization"]["stage"], ref_ds["gradient_accumulation_steps"]) == (0, GLOBAL_BATCH)
+    assert json.loads((out / "reference" / "env.json").read_text())["world_size"] == 1
+    layouts = 0
+    for stage in range(4):
+        for world in (1, 2):
+            for accum in (1, 4):
+                run = out / f"zero{stage}_np{world}_accum{accum}"
+                ds = json.loads((run / "ds_config.json").read_text())
+                assert (ds["zero_optimization"]["stage"], ds["gradient_accumulation_steps"],
+                        ds["train_batch_size"]) == (stage, accum, GLOBAL_BATCH)
+                assert json.loads((run / "env.json").read_text())["world_size"] == world
+                got = metrics(run)
+                assert sorted(got) == list(range(1, STEPS + 1))
+                for s in got:
+                    assert rel(got[s]["train/loss"], ref[s]["train/loss"]) <= 1e-5, (run.name, s)
+                    assert rel(got[s]["optim/grad_norm"], ref[s]["optim/grad_norm"]) <= 1e-4, (run.name, s)
+                assert rel(got[STEPS]["eval/loss"], ref[STEPS]["eval/loss"]) <= 1e-5, run.name
+                layouts += 1
+    assert layouts == 16
+    assert ref[STEPS]["train/loss"] < ref[1]["train/loss"]  # it trained: the steps are not all alike
+    exported = [str(p.relative_to(out)) for p in out.rglob("init_model/config.json")]
+    assert exported == (["init_model/config.json"] if kind == "pretraining" else []), exported  # once, for all
+    if kind == "sft":  # the case a mean of per-micro-batch means gets wrong: unequal target counts
+        from ds_train.data.datasets import SftData, rank_micro_batches
+        from ds_train.data.meta import load_meta
+
+        d = SftData(sft_data, "train", load_meta(sft_data)["dtype"], 64, 7, True, "drop", 0)
+        counts = [b.n_targets for r in (0, 1) for b in rank_micro_batches(d, 0, GLOBAL_BATCH, 1, r, 2)]
+        assert len(set(counts)) > 1, counts
+
+
+@pytest.fixture(scope="module")
+def quickstart_like(tiny_data, tmp_path_factory):
+    """A Hugging Face directory shaped like the quickstart's model (hidden 128, 4 layers, 256
+    positions), with the tiny corpus's tokenizer: recipes/sft.yaml's model.path."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    out = tmp_path_factory.mktemp("quickstart_like")
+    tok = AutoTokenizer.from_pretrained(tiny_data / "tokenizer")
+    torch.manual_seed(0)
+    cfg = AutoConfig.for_model(**{**TINY_MODEL, "hidden_size": 128, "intermediate_size": 352,
+                                  "num_hidden_layers": 4, "max_position_embeddings": 256, "vocab_size": len(tok)})
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(out)
+    tok.save_pretrained(out)
+    return out
+
+
+@pytest.mark.slow
+def test_shrink_proves_the_sft_recipe_under_zero3_on_two_processes(quickstart_like, tmp_path):
+    """The README's command: recipes/sft.yaml, ds_configs/zero3.json, 2 processes, --shrink (the
+    recipe's model.path and data.dir pointed at this test's own)."""
+    res = ds_train("parity", "--config", str(ROOT / "recipes" / "sft.yaml"), "--ds-config",
+                   str(ROOT / "ds_configs" / "zero3.json"), "--nproc", "2", "--shrink",
+                   f"model.path={quickstart_like}", f"data.dir={tmp_path / 'data'}", timeout=600)
+    assert res.returncode == 0, res.out[-6000:]
+    assert "--shrink: llama: hidden 128 -> 64, layers 4 -> 2, attention heads 4/4 -> 4/4" in res.out
+    assert "reference: 1 process, ZeRO-0, fp32, micro 4 x accum 4" in res.out
+    assert "zero3_np2_accum2: ZeRO-3, fp32, 2 process(es), micro 4 x accum 2" in res.out
+    rows = [line.split() for line in res.out.splitlines() if re.match(r"^\s+\d+\s", line) and len(line.split()) == 7]
+    assert [int(r[0]) for r in rows] == [1, 2, 3, 4, 5]
+    assert all(float(r[3]) <= 1e-5 and float(r[6]) <= 1e-4 for r in rows), rows
+    assert "verdict: PASS: 1 of 1 layout(s)" in res.out
