@@ -1,7 +1,8 @@
 """`ds-train parity`: prove that a layout keeps the math, against a one-process reference.
 
     ds-train parity --config recipes/sft.yaml --ds-config ds_configs/zero3.json --nproc 2 --shrink
-    ds-train parity --config C --ds-config ds_configs/zero0.json ds_configs/zero3.json --nproc 1 2 --grad-accum 1 4
+    ds-train parity --config C --ds-config ds_configs/zero0.json ds_configs/zero3.json --nproc 1 2 \
+        --grad-accum 1 4
 
 Each layout (a ds_config's ZeRO stage, the run's dtype, a world size, a gradient accumulation) takes
 `--steps` optimizer steps from the same initial weights, on the same data in the same order, with
@@ -42,7 +43,7 @@ from ds_train.trainer import train_spec
 # other orders (ZeRO-3's buckets, accumulation: ~1e-7); bf16 / fp16 round every matmul input.
 TOLERANCES = {"fp32": (1e-5, 1e-4), "bf16": (2e-2, 1e-1), "fp16": (5e-3, 5e-2)}  # (loss, grad norm)
 REFERENCE = "reference"
-SHRUNK_TOKENS_PER_STEP = 8192  # --shrink keeps a step this small (or one micro-batch per rank)
+SHRUNK_TOKENS_PER_STEP = 8192  # --shrink keeps a step about this small
 
 
 @dataclass(frozen=True)
@@ -161,15 +162,16 @@ def shrink_model(hf, heads_multiple: int = 1) -> tuple[dict, str]:
             d[key] = 0.0
     said = (f"{hf.model_type}: hidden {getattr(hf, 'hidden_size', '?')} -> {hidden}, layers "
             f"{getattr(hf, 'num_hidden_layers', '?')} -> {layers}, attention heads {heads}/{kv} -> "
-            f"{small_heads}/{small_heads // ratio} (query/key-value), vocabulary {getattr(hf, 'vocab_size', '?')} kept")
+            f"{small_heads}/{small_heads // ratio} (query/key-value), vocabulary "
+            f"{getattr(hf, 'vocab_size', '?')} kept")
     return d, said
 
 
-def shrink(cfg: RunConfig, steps: int) -> tuple[RunConfig, list[str]]:
+def shrink(cfg: RunConfig) -> tuple[RunConfig, list[str]]:
     """cfg with its model shrunk (model.config; the tokenizer stays the model's) and each step held
     to about SHRUNK_TOKENS_PER_STEP tokens (seq_len at most 256; the global batch divided by a
     factor of every micro-batch, so every accumulation and data-parallel size stays as it is)."""
-    model_dir, export_from = locate(cfg)
+    model_dir, _ = locate(cfg)
     hf = build_hf_config(replace(cfg.model, path=str(model_dir or "")),
                          int(cfg.model.config.get("vocab_size") or cfg.data.vocab_size), cfg.train.seq_len,
                          weights=False)
@@ -181,7 +183,7 @@ def shrink(cfg: RunConfig, steps: int) -> tuple[RunConfig, list[str]]:
         raw["data"]["tokenizer"] = str(model_dir)
     seq = min(cfg.train.seq_len, 256)
     g, micro = cfg.train.global_batch_size, cfg.train.micro_batch_size
-    factors = [d for d in range(1, micro + 1) if micro % d == 0 and g % d == 0]  # keep every layout's accumulation
+    factors = [d for d in range(1, micro + 1) if micro % d == 0 and g % d == 0]  # every accumulation stays
     k = min((d for d in factors if g // d * seq <= SHRUNK_TOKENS_PER_STEP), default=factors[-1])
     changed = [f"seq_len {cfg.train.seq_len} -> {seq}"] if seq != cfg.train.seq_len else []
     if k > 1:
@@ -205,7 +207,8 @@ def launch(jobs: list[Job], nproc: int, out: Path, launcher_args: list[str], loc
         cmd = [sys.executable, "-m", "ds_train", "parity-worker", str(plan)]
     else:
         cmd = [sys.executable, "-u", "-m", "deepspeed.launcher.runner", "--num_gpus", str(nproc),
-               "--master_port", str(_free_port()), *launcher_args, "--module", "ds_train", "parity-worker", str(plan)]
+               "--master_port", str(_free_port()), *launcher_args, "--module", "ds_train", "parity-worker",
+               str(plan)]
     with open(log, "w") as fh:
         code = subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT,
                               env={**os.environ, "PYTHONUNBUFFERED": "1"}).returncode
@@ -300,7 +303,7 @@ def parity(cfg: RunConfig, label: str, ds_configs: list[str], nprocs: list[int],
         raise UserError(f"parity: --steps {steps} and --nproc {' '.join(map(str, nprocs))} must be positive")
     notes = []
     if shrink_it:
-        cfg, notes = shrink(cfg, steps)
+        cfg, notes = shrink(cfg)
     lays = layouts(cfg, ds_configs, sorted(set(nprocs)), sorted(set(accums)))
     for n in sorted(set(nprocs)):
         check_built(train_spec(cfg).check(cfg, n)[0])

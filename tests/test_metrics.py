@@ -106,7 +106,8 @@ def test_jsonl_logger_appends_on_resume(tmp_path):
 
 
 def test_non_main_rank_gets_a_logger_that_writes_nothing(tmp_path, capsys):
-    logger = build_logger(False, RunPaths(tmp_path), "online", "proj", {"seed": 1}, TRAIN.console_keys)  # wandb never touched
+    # wandb never touched
+    logger = build_logger(False, RunPaths(tmp_path), "online", "proj", {"seed": 1}, TRAIN.console_keys)
     assert isinstance(logger, NullLogger)
     logger.log({"train/loss": 1.0, "optim/lr": 1e-3}, step=1)
     logger.close()

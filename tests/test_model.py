@@ -1,4 +1,5 @@
-"""ds_train.model (hfconfig, weights, build): weights from model.path are checked against the architecture config.json describes.
+"""ds_train.model (hfconfig, weights, build): weights from model.path are checked against the architecture
+config.json describes.
 
 Real tiny Llama directories written by `save_pretrained`, then edited; built in-process without a
 process group (ds_config `{}`, so not under ZeRO-3).

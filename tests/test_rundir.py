@@ -99,9 +99,9 @@ def test_one_layout_names_every_file_for_the_writers_and_the_readers(tmp_path):
     assert paths.metrics == tmp_path / "metrics.jsonl" and paths.rank_log(3) == tmp_path / "logs" / "rank_3.log"
     assert paths.heartbeat(1) == tmp_path / "heartbeats" / "rank_1.json" and paths.latest.parent == paths.checkpoints
     assert {paths.results(k).name for k in KINDS.values()} == {"results.json", "ript_results.json"}
-    for name, kind in RunPaths.ENTRIES.items():  # every entry the run checks is a path the layout names
-        assert any(getattr(paths, a) == tmp_path / name for a in dir(RunPaths) if isinstance(getattr(RunPaths, a), property)) \
-            or name in {paths.results(k).name for k in KINDS.values()}, name
+    named = {getattr(paths, a) for a in dir(RunPaths) if isinstance(getattr(RunPaths, a), property)}
+    named |= {paths.results(k) for k in KINDS.values()}
+    assert {tmp_path / name for name in RunPaths.ENTRIES} <= named  # every entry the run checks has a path
     # the readers take the kind from env.json: its unit, its last step, what the monitor shows
     assert KINDS["ript"].last({"ript": {"iterations": 7}}) == 7 and KINDS["train"].last({"train": {}}) == 0
     assert KINDS["train"].unit == "step" and KINDS["ript"].per_task and not KINDS["train"].per_task
