@@ -98,7 +98,8 @@ def rank_for_messages() -> int:
         return 0
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port free on this host now (the OS picks it)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -115,7 +116,7 @@ def init(env: DistEnv, timeout_s: float = 1800, join_timeout_s: float = 300, hos
     import torch.distributed as tdist
     from deepspeed.accelerator import get_accelerator
 
-    port = env.master_port or _free_port()
+    port = env.master_port or free_port()
     os.environ.update(RANK=str(env.rank), LOCAL_RANK=str(env.local_rank), WORLD_SIZE=str(env.world_size),
                       LOCAL_WORLD_SIZE=str(env.local_world_size), MASTER_ADDR=env.master_addr,
                       MASTER_PORT=str(port))

@@ -63,12 +63,12 @@ def locate(cfg: RunConfig) -> tuple[Path | None, Path | None]:
     return locate_model(cfg.model.path) if cfg.model.path else (None, None)
 
 
-def _hf_config(cfg: RunConfig, model_dir: Path | None, export_from: Path | None):
-    """The model's config, checked (model.path's weights too, where it holds them). A model trained
-    from scratch gets a stand-in vocabulary size until its tokenizer is known (with_vocab)."""
+def _hf_config(cfg: RunConfig, model_dir: Path | None, weights: bool):
+    """The model's config, checked (`weights`: model.path's weights too). A model trained from
+    scratch gets a stand-in vocabulary size until its tokenizer is known (with_vocab)."""
     stand_in = int(cfg.model.config.get("vocab_size") or cfg.data.vocab_size)
     model_cfg = replace(cfg.model, path=str(model_dir or ""))
-    return build_hf_config(model_cfg, stand_in, cfg.train.seq_len, weights=export_from is None)
+    return build_hf_config(model_cfg, stand_in, cfg.train.seq_len, weights=weights)
 
 
 def check_inputs(cfg: RunConfig, ds_config_path: str, data: bool = True) -> RunInputs:
@@ -76,7 +76,7 @@ def check_inputs(cfg: RunConfig, ds_config_path: str, data: bool = True) -> RunI
     check, nothing written in the run directory."""
     template = read_ds_template(ds_config_path)
     model_dir, export_from = locate(cfg)
-    hf_config = _hf_config(cfg, model_dir, export_from)
+    hf_config = _hf_config(cfg, model_dir, weights=export_from is None)  # a run's weights: in its checkpoint
     if not data:  # the model's own tokenizer
         source = ModelSource(hf_config, load_tokenizer(model_dir), model_dir if export_from is None else None,
                              export_from)
@@ -93,10 +93,11 @@ def check_inputs(cfg: RunConfig, ds_config_path: str, data: bool = True) -> RunI
 
 
 def model_config(cfg: RunConfig):
-    """The model's config, checked, without the data: its shape (a model trained from scratch at a
-    stand-in vocabulary size). What the launch preflight checks a parallel layout against."""
-    model_dir, export_from = locate(cfg)
-    return _hf_config(cfg, model_dir, export_from)
+    """The model's config, checked, without the data and without reading the weights: its shape (a
+    model trained from scratch at a stand-in vocabulary size), for planning (estimate, dry run, the
+    launch preflight, parity --shrink), which would otherwise scan a large model's weights for
+    nothing. A run checks them (check_inputs)."""
+    return _hf_config(cfg, locate(cfg)[0], weights=False)
 
 
 def plan_config(cfg: RunConfig):

@@ -30,11 +30,11 @@ from pathlib import Path
 
 from ds_train.config import RunConfig
 from ds_train.configfile import build_config
+from ds_train.dist import free_port
 from ds_train.engine import read_ds_template, zero_stage
 from ds_train.errors import UserError
 from ds_train.fs import write_atomic
-from ds_train.inputs import check_inputs, locate
-from ds_train.model.hfconfig import build_hf_config
+from ds_train.inputs import check_inputs, locate, model_config
 from ds_train.parallel import check_built, choices
 from ds_train.rundir import RunPaths, read_json, read_metrics
 from ds_train.trainer import train_spec
@@ -172,9 +172,7 @@ def shrink(cfg: RunConfig) -> tuple[RunConfig, list[str]]:
     to about SHRUNK_TOKENS_PER_STEP tokens (seq_len at most 256; the global batch divided by a
     factor of every micro-batch, so every accumulation and data-parallel size stays as it is)."""
     model_dir, _ = locate(cfg)
-    hf = build_hf_config(replace(cfg.model, path=str(model_dir or "")),
-                         int(cfg.model.config.get("vocab_size") or cfg.data.vocab_size), cfg.train.seq_len,
-                         weights=False)
+    hf = model_config(cfg)
     model, said = shrink_model(hf, cfg.parallel.sequence * cfg.parallel.tensor)
     notes = [f"--shrink: {said}"]
     raw = cfg.to_dict()
@@ -207,20 +205,12 @@ def launch(jobs: list[Job], nproc: int, out: Path, launcher_args: list[str], loc
         cmd = [sys.executable, "-m", "ds_train", "parity-worker", str(plan)]
     else:
         cmd = [sys.executable, "-u", "-m", "deepspeed.launcher.runner", "--num_gpus", str(nproc),
-               "--master_port", str(_free_port()), *launcher_args, "--module", "ds_train", "parity-worker",
+               "--master_port", str(free_port()), *launcher_args, "--module", "ds_train", "parity-worker",
                str(plan)]
     with open(log, "w") as fh:
         code = subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT,
                               env={**os.environ, "PYTHONUNBUFFERED": "1"}).returncode
     return code, log
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_jobs(plan_path: str) -> int:
