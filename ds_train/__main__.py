@@ -37,6 +37,7 @@ import traceback
 from ds_train import commands as cmd
 from ds_train.errors import AgreedError, OneLineParser, OutOfMemory, RunStopped, Stalled, UserError
 from ds_train.launch import cli as launch_cli
+from ds_train.signals import keep_usr1
 
 RUN_COMMANDS = ("train", "ript")  # run on every rank, from a run config: what `launch` and `slurm` start
 
@@ -237,6 +238,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     if getattr(args, "spec", None) is not None:  # a run command: a run config and a DeepSpeed JSON
+        keep_usr1()  # SLURM's SIGUSR1 before the run's handlers, or after its end, is never fatal
         if args.help_config:
             from ds_train.configfile import describe
 

@@ -30,7 +30,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any, Callable
 
-from ds_train import dist
+from ds_train import dist, signals
 from ds_train.batch import BatchPlan, plan_batch, scaled_lr
 from ds_train.checkpoint import run_record
 from ds_train.checkpointer import Checkpointer
@@ -88,7 +88,7 @@ class StopRequest:
     SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
 
     def __init__(self):
-        self.signum = 0
+        self.signum = signals.take_kept()  # a SIGUSR1 during start-up, before these handlers
         self._previous = {sig: signal.signal(sig, self._handle) for sig in self.SIGNALS}
 
     def _handle(self, signum, frame) -> None:

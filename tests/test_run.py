@@ -68,6 +68,25 @@ def test_a_signal_is_only_recorded_the_first_wins_and_the_handlers_come_back():
     assert (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)) == before
 
 
+def test_sigusr1_before_the_run_is_kept_for_it_and_after_its_end_is_harmless():
+    """SLURM's pre-timeout SIGUSR1 can come during start-up or after the last step (the CI run of
+    2026-11-25 saw a finished rank die of it, exit 138, and the job requeued for nothing)."""
+    from ds_train import signals
+
+    before = signal.getsignal(signal.SIGUSR1)
+    try:
+        signals.keep_usr1()
+        os.kill(os.getpid(), signal.SIGUSR1)  # start-up: no run handler yet; the default would kill pytest
+        stop = StopRequest()
+        assert stop.agreed() == signal.SIGUSR1  # kept for the run: it saves at its first step
+        stop.restore()
+        os.kill(os.getpid(), signal.SIGUSR1)  # after the run's end: kept, not fatal
+        assert signals.take_kept() == signal.SIGUSR1 and signals.take_kept() == 0
+        assert StopRequest().signum == 0  # taken once
+    finally:
+        signal.signal(signal.SIGUSR1, before)
+
+
 def test_each_rank_log_ends_with_how_the_run_ended():
     from ds_train.errors import Preempted
 

@@ -146,7 +146,7 @@ def test_sigusr1_before_the_time_limit_saves_and_the_requeued_job_resumes_exactl
     config file once the first start has read it), so the signal comes mid-run."""
     j = first_jobs["train"]
     tmp, out, job = j["tmp"], j["out"], j["id"]
-    state = wait_for(lambda: (s := job_state(job)).get("Restarts", "0") != "0" and finished(job), 240,
+    state = wait_for(lambda: job_state(job).get("Restarts", "0") != "0" and finished(job), 240,
                      "the requeued job")
     text = out.read_text()
     assert state["JobState"] == "COMPLETED", (state, text[-3000:])
