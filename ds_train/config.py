@@ -10,15 +10,20 @@ import dataclasses
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
+
+from ds_train.fs import path_problem, path_problems
 
 
+STDLIB_SOURCE = "python-stdlib"  # data.sources: the bundled corpus (ds_train.data.sources.STDLIB)
+NOT_PATHS = ("", STDLIB_SOURCE, "auto", "none", "restart")  # values of path fields that name no path
 POSITIVE, NON_NEGATIVE = "positive", ">= 0"  # a field's bound (checked for every section in one place)
 
 
-def _f(default, help: str, bound: str = "", **kw):
-    """A config field: its default, the help `--help-config` prints, and its bound (POSITIVE, NON_NEGATIVE)."""
-    metadata = {"help": help, "bound": bound}
+def _f(default, help: str, bound: str = "", path: bool = False, **kw):
+    """A config field: its default, the help `--help-config` prints, its bound (POSITIVE, NON_NEGATIVE)
+    and whether it names a path (or a list of them) the operating system must take."""
+    metadata = {"help": help, "bound": bound, "path": path}
     if isinstance(default, (dict, list)):
         return field(default_factory=lambda: type(default)(default), metadata=metadata, **kw)
     return field(default=default, metadata=metadata, **kw)
@@ -45,8 +50,8 @@ class Section:
 class ModelConfig(Section):
     """The model: a local Hugging Face directory or an architecture to train from scratch, and how it runs."""
 
-    path: str = _f("", "Local Hugging Face model directory (weights + tokenizer) to start from.")
-    config: dict = _f({}, "Architecture to train from scratch: Hugging Face config keys, `model_type` "
+    path: str = _f("", "Local Hugging Face model directory (weights + tokenizer) to start from.", path=True)
+    config: dict[str, Any] = _f({}, "Architecture to train from scratch: Hugging Face config keys, `model_type` "
                           "included (e.g. llama). vocab_size defaults to the tokenizer's.")
     dtype: Literal["auto", "bf16", "fp16", "fp32"] = _f(
         "auto", "Training precision. auto: bf16 on a GPU that supports it, else fp32.")
@@ -67,7 +72,7 @@ class ModelConfig(Section):
         elif self.config and not isinstance(self.config["model_type"], str):
             errs.append(f"model.config.model_type: {self.config['model_type']!r} must be a string (for "
                         f"example `model_type: llama`)")
-        if self.path and not Path(self.path).is_dir():
+        if self.path and not path_problem(self.path, "model.path") and not Path(self.path).is_dir():
             errs.append(f"model.path: {self.path!r} is not a directory (the hub is not reachable; "
                         "point it at a local model directory)")
         return errs
@@ -78,12 +83,12 @@ class DataConfig(Section):
     """The data: where it is prepared (data.dir), what from (data.sources) and how (format, tokenizer,
     mixture weights, packing)."""
 
-    dir: str = _f("data/cache/python_stdlib", "Directory holding train.bin, val.bin and meta.json.")
-    sources: list = _f([], "Files or directories tokenised into data.dir when its .bin files are "
+    dir: str = _f("data/cache/python_stdlib", "Directory holding train.bin, val.bin and meta.json.", path=True)
+    sources: list[str] = _f([], "Files or directories tokenised into data.dir when its .bin files are "
                            "missing: text (.txt, .py, .md, ...: a document each), JSONL (.jsonl, "
                            ".jsonl.gz), parquet, .csv/.arrow, a `datasets` save_to_disk directory; "
-                           "`python-stdlib` is the bundled default corpus.")
-    weights: list = _f([], "A mixture: one weight per source, the share of training samples drawn "
+                           "`python-stdlib` is the bundled default corpus.", path=True)
+    weights: list[float] = _f([], "A mixture: one weight per source, the share of training samples drawn "
                            "from it (normalised). Empty: every source in proportion to its size.")
     format: Literal["text", "sft"] = _f("text", "text: pretraining on raw text. sft: conversations ('messages') or "
                              "'prompt'/'completion' pairs, rendered with the chat template, loss on "
@@ -97,7 +102,7 @@ class DataConfig(Section):
     workers: int = _f(0, "Processes that tokenise during prepare. 0: one per core (one for a "
                          "corpus under 8 MiB).")
     tokenizer: str = _f("", "Tokenizer directory. Empty: model.path's, else a byte-level BPE trained "
-                            "on the sources into data.dir/tokenizer.")
+                            "on the sources into data.dir/tokenizer.", path=True)
     vocab_size: int = _f(4096, "Vocabulary size of the BPE trained when no tokenizer is given.")
     split_digits: bool = _f(False, "The BPE trained when no tokenizer is given makes every digit its own "
                                    "token (as Llama's and DeepSeek's do): numbers read digit by digit.")
@@ -145,7 +150,7 @@ class TrainConfig(Section):
                 "carry on (counted as train/skipped_steps, policy/skipped_steps); stop: exit after "
                 "nonfinite_patience such steps in a row.")
     nonfinite_patience: int = _f(3, "Consecutive non-finite steps before train.nonfinite=stop exits.", POSITIVE)
-    debug_nonfinite_steps: list = _f([], "Fault injection: steps (RIPT: iterations) whose loss is made "
+    debug_nonfinite_steps: list[int] = _f([], "Fault injection: steps (RIPT: iterations) whose loss is made "
                                          "infinite, to rehearse the non-finite handling.")
 
 
@@ -157,7 +162,7 @@ class OptimConfig(Section):
     min_lr_ratio: float = _f(0.1, "Final learning rate of the cosine decay, as a fraction of lr.")
     warmup_steps: int = _f(10, "Linear warm-up steps.", NON_NEGATIVE)
     weight_decay: float = _f(0.1, "AdamW weight decay.")
-    betas: list = _f([0.9, 0.95], "AdamW betas.")
+    betas: list[float] = _f([0.9, 0.95], "AdamW betas.")
     eps: float = _f(1e-8, "AdamW epsilon.")
     lr_scaling: Literal["none", "linear", "sqrt"] = _f(
         "none", "Scale lr by global_batch_size / reference_batch_size (linear) or its square root.")
@@ -198,7 +203,7 @@ class CheckpointConfig(Section):
     resume: str = _f("auto", "auto: continue from the newest checkpoint in output_dir every rank holds "
                              "whole, if any; none: start fresh (refused where checkpoints exist); "
                              "restart: delete output_dir's checkpoints and metrics, start fresh; or a "
-                             "tag (step_00000100) or checkpoint path.")
+                             "tag (step_00000100) or checkpoint path.", path=True)
     save_final: bool = _f(True, "Save a checkpoint when training ends.")
     export_final: bool = _f(False, "At the end, also write a Hugging Face model directory "
                                    "(output_dir/hf_export_<tag>) from the final checkpoint.")
@@ -242,7 +247,7 @@ class LogConfig(Section):
 class LaunchConfig(Section):
     """What `ds-train launch` forwards to every node."""
 
-    env: list = _f([], "Names of environment variables `ds-train launch` forwards to every node (through "
+    env: list[str] = _f([], "Names of environment variables `ds-train launch` forwards to every node (through "
                        "output_dir/.deepspeed_env). NCCL_*, TORCH_NCCL_*, TORCH_DISTRIBUTED_DEBUG, "
                        "GLOO_SOCKET_IFNAME, CUDA_LAUNCH_BLOCKING, PYTORCH_CUDA_ALLOC_CONF, DS_ACCELERATOR, "
                        "WANDB_MODE, WANDB_PROJECT, HF_HOME, TORCH_EXTENSIONS_DIR and PYTHONPATH go anyway when "
@@ -309,7 +314,7 @@ class WatchdogConfig(Section):
 class RiptConfig(Section):
     """RIPT post-training: the tasks, RLOO with dynamic sampling, PPO's clipped update, evaluation."""
 
-    tasks: list = _f(["add", "rev", "copy", "sort", "parity", "max", "guess"],
+    tasks: list[str] = _f(["add", "rev", "copy", "sort", "parity", "max", "guess"],
                      "Tasks to post-train on: built-in names or module:Class (see ds_train/ript/tasks.py).")
     policy: str = _f("", "Empty: the model acts. module:Class: a scripted policy with "
                          "act(task, context, transcript, index) -> str (tests and debugging).")
@@ -360,7 +365,7 @@ class RiptConfig(Section):
 
 @dataclass(frozen=True)
 class RunConfig:
-    output_dir: str = _f("runs/default", "Run directory: resolved configs, logs, metrics, checkpoints.")
+    output_dir: str = _f("runs/default", "Run directory: resolved configs, logs, metrics, checkpoints.", path=True)
     seed: int = _f(1234, "Seed for weights, data order and sampling.")
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -380,8 +385,10 @@ class RunConfig:
             value = getattr(self, f.name)
             if dataclasses.is_dataclass(value):
                 errs += out_of_bounds(value, f.name) + value.check()
+                errs += path_problems(value, f"{f.name}.", NOT_PATHS)
         if not self.output_dir:
             errs.append("output_dir: must not be empty")
+        errs += path_problems(self, "", NOT_PATHS)
         if self.watchdog.stall_s >= self.dist.timeout_s:
             errs.append(f"watchdog.stall_s: {self.watchdog.stall_s:g} must be below dist.timeout_s="
                         f"{self.dist.timeout_s:g} (the watchdog names a hang before the process group "

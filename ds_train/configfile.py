@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import re
+import types
 import typing
 from pathlib import Path
 from typing import Any, Literal
@@ -17,57 +17,7 @@ import yaml
 
 from ds_train.config import RunConfig
 from ds_train.errors import UserError
-from ds_train.fs import read_text, write_atomic
-
-
-class _Loader(yaml.SafeLoader):
-    """SafeLoader that also reads YAML 1.2 floats such as 3e-4 (YAML 1.1 needs a dot: 3.0e-4)."""
-
-
-_Loader.add_implicit_resolver(
-    "tag:yaml.org,2002:float",
-    re.compile(r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9_]+)[eE][-+]?[0-9]+$"),
-    list("-+0123456789."))
-
-
-class DuplicateKey(yaml.YAMLError):
-    """A mapping that gives one key twice: YAML keeps the last silently, we refuse it."""
-
-    def __init__(self, key: str, first_line: int, second_line: int):
-        super().__init__(f"duplicate key {key!r} at lines {first_line} and {second_line}")
-        self.key, self.lines = key, (first_line, second_line)
-
-
-def _check_duplicates(node: yaml.Node, prefix: str = "") -> None:
-    """Raise DuplicateKey for the first key given twice in one mapping, anywhere in the document
-    (`<<` merge keys are YAML's own way to repeat keys and are left alone)."""
-    if isinstance(node, yaml.MappingNode):
-        seen: dict[str, int] = {}
-        for key_node, value_node in node.value:
-            if isinstance(key_node, yaml.ScalarNode) and key_node.tag != "tag:yaml.org,2002:merge":
-                key, line = f"{prefix}{key_node.value}", key_node.start_mark.line + 1
-                if key in seen:
-                    raise DuplicateKey(key, seen[key], line)
-                seen[key] = line
-                _check_duplicates(value_node, f"{key}.")
-            else:
-                _check_duplicates(value_node, prefix)
-    elif isinstance(node, yaml.SequenceNode):
-        for i, item in enumerate(node.value):
-            _check_duplicates(item, f"{prefix.rstrip('.')}[{i}].")
-
-
-def yaml_load(text: str):
-    """Like yaml.safe_load (plus YAML 1.2 floats); a key given twice in a mapping is DuplicateKey."""
-    loader = _Loader(text)
-    try:
-        node = loader.get_single_node()
-        if node is None:
-            return None
-        _check_duplicates(node)
-        return loader.construct_document(node)
-    finally:
-        loader.dispose()
+from ds_train.fs import DuplicateKey, YamlRefused, read_text, write_atomic, yaml_load
 
 
 def _hints(cls) -> dict:
@@ -106,26 +56,90 @@ def _suggest(key: str) -> str:
     return f" (did you mean {close[0]!r}?)" if close else ""
 
 
-def _check_type(key: str, value: Any, tp: Any) -> str | None:
-    origin = typing.get_origin(tp)
+_SCALARS = {bool: "true or false", int: "an integer", float: "a number", str: "a string",
+            dict: "a mapping", list: "a list"}
+
+
+def expected(tp: Any) -> str:
+    """What a value of type `tp` is, in words: `a list of strings`, `one of auto, true, false`."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
     if origin is Literal:
-        choices = typing.get_args(tp)
-        return None if value in choices else f"{key}: {value!r} is not one of {', '.join(map(str, choices))}"
+        return "one of " + ", ".join(str(a).lower() if isinstance(a, bool) else str(a) for a in args)
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join("null" if a is type(None) else expected(a) for a in args)
+    if origin is list and args:
+        return f"a list of {_plural(args[0])}"
+    if origin is dict and args:
+        return "a mapping" if args[1] is Any else f"a mapping of {_plural(args[1])}"
+    if dataclasses.is_dataclass(tp):
+        return "a mapping"
+    return _SCALARS.get(origin or tp, getattr(tp, "__name__", str(tp)))
+
+
+def _plural(tp: Any) -> str:
+    said = expected(tp)
+    return {"a string": "strings", "an integer": "integers", "a number": "numbers",
+            "true or false": "booleans", "a mapping": "mappings"}.get(said, said)
+
+
+def _is(value: Any, tp: Any) -> bool:
+    """`value` is a plain `tp` (bool is no integer; an integer is a number)."""
     if tp is bool:
-        return None if isinstance(value, bool) else f"{key}: {value!r} must be true or false"
+        return isinstance(value, bool)
     if tp is int:
-        ok = isinstance(value, int) and not isinstance(value, bool)
-        return None if ok else f"{key}: {value!r} must be an integer"
+        return isinstance(value, int) and not isinstance(value, bool)
     if tp is float:
-        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-        return None if ok else f"{key}: {value!r} must be a number"
-    if tp is str:
-        return None if isinstance(value, str) else f"{key}: {value!r} must be a string"
-    if tp is dict:
-        return None if isinstance(value, dict) else f"{key}: must be a mapping"
-    if tp is list:
-        return None if isinstance(value, list) else f"{key}: must be a list"
-    return None
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    return isinstance(value, tp)
+
+
+def _not_utf8(key: str, value: str) -> list[str]:
+    """Text from a command line that is not UTF-8 arrives with surrogate escapes; it could not be
+    written into config.yaml, nor shown."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return [f"{key}: {value!r} is not valid UTF-8 text; give it in UTF-8"]
+    return []
+
+
+def type_problems(key: str, value: Any, tp: Any) -> list[str]:
+    """Every place where `value` is not a `tp`, at any depth: list elements (`key[1]`), mapping keys
+    and values (`key.name`), Optional / Union, Literal choices; each naming the full key and what it
+    must be. Text anywhere must be UTF-8."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if isinstance(value, str) and _not_utf8(key, value):
+        return _not_utf8(key, value)
+    if tp is Any:
+        if isinstance(value, (list, dict)):  # free-form: still text must be text, keys names
+            return type_problems(key, value, list[Any] if isinstance(value, list) else dict[str, Any])
+        return []
+    if origin is Literal:  # by type too: 1 == True, but `1` is not the choice `true`
+        ok = any(value == a and type(value) is type(a) for a in args)
+        return [] if ok else [f"{key}: {value!r} is not {expected(tp)}"]
+    if origin in (typing.Union, types.UnionType):
+        for a in args:
+            if not type_problems(key, value, a):
+                return []
+        return [f"{key}: {value!r} must be {expected(tp)}"]
+    if origin is list or tp is list:
+        if not isinstance(value, list):
+            return [f"{key}: must be {expected(tp)}"]
+        item = args[0] if args else Any
+        return [p for i, v in enumerate(value) for p in type_problems(f"{key}[{i}]", v, item)]
+    if origin is dict or tp is dict:
+        if not isinstance(value, dict):
+            return [f"{key}: must be {expected(tp)}"]
+        item, errs = (args[1] if args else Any), []
+        for k, v in value.items():
+            if not isinstance(k, str):
+                errs.append(f"{key}: key {k!r} must be a string")
+            else:
+                errs += type_problems(f"{key}.{k}", v, item)
+        return errs
+    if tp in _SCALARS:
+        return [] if _is(value, tp) else [f"{key}: {value!r} must be {expected(tp)}"]
+    return []
 
 
 def _build(cls, raw: dict, prefix: str, errs: list[str]):
@@ -148,9 +162,9 @@ def _build(cls, raw: dict, prefix: str, errs: list[str]):
                 value = float(value)
             if value is False and typing.get_origin(tp) is Literal and "off" in typing.get_args(tp):
                 value = "off"  # YAML 1.1 reads a bare `off` as false
-            problem = _check_type(prefix + f.name, value, tp)
-            if problem:
-                errs.append(problem)
+            problems = type_problems(prefix + f.name, value, tp)
+            if problems:
+                errs += problems
             else:
                 kwargs[f.name] = value
     return cls(**kwargs)
@@ -207,6 +221,8 @@ def read_yaml(path: str | Path) -> dict:
         first, second = e.lines
         raise UserError(f"{path}: {e.key!r} is given twice, at lines {first} and {second} (YAML would keep "
                         f"only the second); remove one of them") from None
+    except YamlRefused as e:
+        raise UserError(f"{path}: {e}") from None
     except yaml.MarkedYAMLError as e:
         mark = e.problem_mark
         where = f"line {mark.line + 1}, column {mark.column + 1}" if mark else "?"
@@ -242,6 +258,8 @@ def _blame(err: str, overrides: dict[str, tuple[str, Any]]) -> str | None:
     """`override KEY=TEXT: problem` when `err` ("KEY: VALUE problem") is about an override's value,
     else None (the value came from the file or is a default)."""
     for key, (text, value) in overrides.items():
+        if err.startswith((f"{key}[", f"{key}.")) and ": " in err:  # an element or a key inside it
+            return f"override {key}={text}: {err}"
         if err.startswith(f"{key}: "):
             problem = err[len(key) + 2:]
             as_float = [repr(float(value))] if type(value) is int else []  # an int given for a float field

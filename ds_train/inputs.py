@@ -75,6 +75,7 @@ def check_inputs(cfg: RunConfig, ds_config_path: str, data: bool = True) -> RunI
     """The DeepSpeed JSON, the model, and (`data`) the prepared data, prepared on first use: every
     check, nothing written in the run directory."""
     template = read_ds_template(ds_config_path)
+    check_ds_names(template, str(ds_config_path))
     model_dir, export_from = locate(cfg)
     hf_config = _hf_config(cfg, model_dir, weights=export_from is None)  # a run's weights: in its checkpoint
     if not data:  # the model's own tokenizer
@@ -86,10 +87,58 @@ def check_inputs(cfg: RunConfig, ds_config_path: str, data: bool = True) -> RunI
     tokenizer = load_tokenizer(tok_dir or meta["tokenizer"])
     hf_config = with_vocab(hf_config, cfg.model, len(tokenizer))
     check_vocab(meta, getattr(hf_config, "vocab_size", None), cfg.data.dir)
+    check_tokenizer_fits(cfg, hf_config, tokenizer, tok_dir or meta["tokenizer"])
+    check_token_ids(cfg, hf_config)
     datasets = build_datasets(cfg.data, meta, cfg.train.seq_len, cfg.seed, supports_packing(hf_config),
                               type(hf_config).__name__)
     source = ModelSource(hf_config, tokenizer, model_dir if export_from is None else None, export_from)
     return RunInputs(cfg, str(ds_config_path), template, source, datasets)
+
+
+TOKEN_ID_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id", "decoder_start_token_id", "sep_token_id")
+
+
+def check_ds_names(template: dict, source: str) -> None:
+    """The names the DeepSpeed JSON gives its optimizer and scheduler are ones DeepSpeed builds:
+    otherwise deepspeed.initialize fails after the run directory was written."""
+    import torch
+    from deepspeed.runtime.config import DEEPSPEED_OPTIMIZERS
+    from deepspeed.runtime.lr_schedules import VALID_LR_SCHEDULES
+
+    opt = template.get("optimizer", {}).get("type") if isinstance(template.get("optimizer"), dict) else None
+    if opt is not None and not (isinstance(opt, str) and (opt.lower() in DEEPSPEED_OPTIMIZERS
+                                                          or isinstance(getattr(torch.optim, opt, None), type))):
+        raise UserError(f"{source}: optimizer.type: {opt!r} is not an optimizer DeepSpeed knows; use one of "
+                        f"{', '.join(DEEPSPEED_OPTIMIZERS)} (or a torch.optim class name)")
+    sched = template.get("scheduler", {}).get("type") if isinstance(template.get("scheduler"), dict) else None
+    if sched is not None and sched not in VALID_LR_SCHEDULES:
+        raise UserError(f"{source}: scheduler.type: {sched!r} is not a DeepSpeed scheduler; use one of "
+                        f"{', '.join(VALID_LR_SCHEDULES)}")
+
+
+def check_token_ids(cfg: RunConfig, hf_config) -> None:
+    """Special token ids given in model.config (bos, eos, pad, ...) are ids of the vocabulary (or
+    null): transformers only warns, and the first sample or padded batch fails."""
+    vocab = getattr(hf_config, "vocab_size", None)
+    if not isinstance(vocab, int):
+        return
+    for key in TOKEN_ID_KEYS:
+        value = cfg.model.config.get(key)
+        ids = value if isinstance(value, list) else [value]
+        if value is not None and not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < vocab
+                                         for i in ids):
+            raise UserError(f"model.config.{key}: {value!r} is not a token id of the vocabulary (0 to "
+                            f"{vocab - 1}); give an id in that range, or null")
+
+
+def check_tokenizer_fits(cfg: RunConfig, hf_config, tokenizer, tok_dir: str) -> None:
+    """model.config.vocab_size must hold every id the tokenizer can produce (a prompt, a sample,
+    a RIPT rollout), not only those the prepared data happens to use."""
+    vocab = getattr(hf_config, "vocab_size", None)
+    if "vocab_size" in cfg.model.config and isinstance(vocab, int) and len(tokenizer) > vocab:
+        raise UserError(f"model.config.vocab_size: {vocab} is smaller than the tokenizer {str(tok_dir)!r} "
+                        f"({len(tokenizer)} tokens); set it to {len(tokenizer)} or more, or leave it out "
+                        f"(the tokenizer's size is taken)")
 
 
 def model_config(cfg: RunConfig):

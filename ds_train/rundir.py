@@ -145,9 +145,11 @@ def read_metrics(path: Path) -> list[dict]:
 def read_yaml(path: Path) -> dict:
     import yaml
 
+    from ds_train.fs import yaml_load  # bounded: a user-edited config.yaml may hold an alias bomb
+
     try:
-        out = yaml.safe_load(path.read_text())
-    except (OSError, yaml.YAMLError):
+        out = yaml_load(path.read_text())
+    except (OSError, ValueError, yaml.YAMLError):
         return {}
     return out if isinstance(out, dict) else {}
 

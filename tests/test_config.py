@@ -229,7 +229,7 @@ def test_cross_field_check_names_both_keys():
     ("optim.lr=fast", "override optim.lr=fast: must be a number"),
     ("log.progress=maybe", "override log.progress=maybe: must be true or false"),
     ("model.dtype=fp8", "override model.dtype=fp8: is not one of auto, bf16, fp16, fp32"),
-    ("optim.betas=0.9", "override optim.betas=0.9: must be a list"),
+    ("optim.betas=0.9", "override optim.betas=0.9: must be a list of numbers"),
 ])
 def test_type_errors_of_overrides_name_the_override(override, needle):
     """A bad value given on the command line is the override's problem, not the recipe's."""
@@ -406,4 +406,33 @@ def test_bad_config_input_on_the_command_line_is_one_line_and_writes_nothing(tmp
                  "must not be empty")
     expect_error([*args, "--ds-config", str(tmp_path)], f"--ds-config: '{tmp_path}' is a directory, not a "
                                                         f"DeepSpeed JSON file")
+    assert tree_listing(tmp_path) == before
+
+
+def test_a_path_the_os_refuses_is_named_with_its_key_at_load(tmp_path):
+    """Every path a user gives (output_dir, data.dir, data.sources[i], data.tokenizer, model.path,
+    checkpoint.resume) is checked at load: a name the file system will not take is one line."""
+    long = str(tmp_path / ("x" * 300))
+    (tmp_path / "f.txt").write_text("x")
+    cases = {"output_dir": {"output_dir": long}, "data.dir": {"data": {"dir": long}},
+             "data.sources[1]": {"data": {"sources": [str(tmp_path / "f.txt"), long]}},
+             "data.tokenizer": {"data": {"tokenizer": str(tmp_path / "f.txt" / "tok")}},
+             "checkpoint.resume": {"checkpoint": {"resume": long}},
+             "model.path": {"model": {"path": long}}}
+    for key, raw in cases.items():
+        with pytest.raises(UserError) as e:
+            build_config({**with_arch(), **raw} if key != "model.path" else raw)
+        assert f"{key}: " in str(e.value) and ("255 bytes" in str(e.value) or "not a directory" in str(e.value)), \
+            (key, str(e.value))
+
+
+def test_a_path_the_os_refuses_on_the_command_line_is_one_line_and_writes_nothing(tmp_path):
+    (tmp_path / "base.yaml").write_text(f"output_dir: {tmp_path / 'run'}\nmodel: {{config: {{model_type: llama}}}}\n"
+                                        f"data: {{dir: {tmp_path / 'data'}, sources: [{tmp_path / 'base.yaml'}]}}\n")
+    before = tree_listing(tmp_path)
+    args = ["train", "--config", str(tmp_path / "base.yaml"), "--ds-config", str(ROOT / "ds_configs" / "zero0.json")]
+    for override in (f"data.dir={tmp_path / ('d' * 300)}", f"model.path={tmp_path / ('m' * 300)}",
+                     f"data.tokenizer={tmp_path / ('t' * 300)}", f"output_dir={tmp_path / ('o' * 300)}"):
+        expect_error([*args, override, *(["model.config={}"] if "model.path" in override else [])],
+                     override.split("=")[0], "longer than 255 bytes")
     assert tree_listing(tmp_path) == before

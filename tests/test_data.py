@@ -318,7 +318,33 @@ def test_a_changed_tokenizer_is_a_change(corpus, tmp_path):
     other = tmp_path / "data2"
     ensure(other, [corpus])
     assert_refused(lambda: ensure(other, [corpus], tokenizer=tok_b), other,
-            f"tokenizer: a BPE trained on the sources -> {str(tok_b.resolve())!r}")
+            f"tokenizer: {str((other / 'tokenizer').resolve())!r} (the BPE trained on the sources) -> "
+            f"{str(tok_b.resolve())!r}, a different tokenizer")
+
+
+def test_a_tokenizer_is_compared_by_what_it_is_not_where_it_came_from(corpus, tmp_path):
+    """A model directory holding the tokenizer the data was prepared with (a copy saved elsewhere
+    with save_pretrained, as a run's hf_model/ holds it) is the same tokenizer; another one is not."""
+    data_dir = tmp_path / "data"
+    meta = ensure(data_dir, [corpus])  # the BPE prepare trains into data_dir/tokenizer
+    model_dir = tmp_path / "model"
+    load_tokenizer(data_dir / "tokenizer").save_pretrained(str(model_dir))
+    (model_dir / "config.json").write_text("{}")
+    assert ensure(data_dir, [corpus], tokenizer=model_dir) == meta
+    tok_a = tmp_path / "tok_a"
+    train_tokenizer(list(CORPUS.values()), 300, tok_a)
+    other = tmp_path / "data_a"
+    meta_a = ensure(other, [corpus], tokenizer=tok_a)
+    resaved = tmp_path / "resaved"
+    load_tokenizer(tok_a).save_pretrained(str(resaved))
+    (resaved / "extra_notes.json").write_text("{}")
+    assert ensure(other, [corpus], tokenizer=resaved) == meta_a
+    tok_b = tmp_path / "tok_b"
+    train_tokenizer(RECORDS, 290, tok_b)
+    assert_refused(lambda: ensure(data_dir, [corpus], tokenizer=tok_b), data_dir,
+                   str((data_dir / "tokenizer").resolve()), str(tok_b.resolve()), "a different tokenizer")
+    assert_refused(lambda: ensure(other, [corpus], tokenizer=tok_b), other,
+                   str(tok_a.resolve()), str(tok_b.resolve()), "a different tokenizer")
 
 
 def test_a_changed_vocab_size_of_the_trained_bpe_is_a_change(corpus, tmp_path):
@@ -356,7 +382,8 @@ def test_reprepare_prepares_again_for_the_new_inputs(corpus, tmp_path):
         assert new[key] == fresh[key], key
     assert new["train_tokens"] + new["val_tokens"] > old["train_tokens"] + old["val_tokens"]
     assert "doc9.txt" in new["fingerprint"]["sources"][0]["files"]
-    assert new["fingerprint"]["tokenizer"] == {"trained": True, "vocab_size": 320}
+    assert {k: v for k, v in new["fingerprint"]["tokenizer"].items() if k != "content"} == {"trained": True,
+                                                                                            "vocab_size": 320}
     assert (data_dir / "train.bin").stat().st_size == new["train_tokens"] * 2
     mtime = (data_dir / "meta.json").stat().st_mtime_ns
     assert ensure(data_dir, [corpus], vocab_size=320, reprepare=True) == new  # the same inputs: kept

@@ -278,3 +278,44 @@ def test_damaged_weights_on_the_command_line_are_one_line_and_write_nothing(tiny
     expect_error(["train", "--config", str(cfg), "--ds-config", str(ROOT / "ds_configs" / "zero0.json")],
                  f"model.path: '{model_dir / WEIGHTS}' is not a whole weights file", "re-download")
     assert tree_listing(tmp_path) == before
+
+
+# --- model.config checked the way the architecture will use it (a forward pass on the meta device) --
+
+@pytest.mark.parametrize("model_type, given, keys", [
+    ("llama", {"num_key_value_heads": 3}, ("model.config.num_attention_heads=4", "num_key_value_heads=3")),
+    ("mistral", {"num_key_value_heads": 3}, ("model.config.num_attention_heads=4", "num_key_value_heads=3")),
+    ("qwen2", {"num_key_value_heads": 3}, ("model.config.num_attention_heads=4", "num_key_value_heads=3")),
+])
+def test_sizes_that_contradict_each_other_fail_before_anything_is_written(model_type, given, keys):
+    with pytest.raises(UserError) as e:
+        build_hf_config(ModelConfig(config={**TINY, "model_type": model_type, **given}), 300, 64)
+    said = str(e.value)
+    assert said.startswith("model.config: ") and "\n" not in said, said
+    for key in keys:
+        assert key in said, said
+
+
+@pytest.mark.parametrize("given, key", [({"intermediate_size": 0}, "model.config.intermediate_size: 0"),
+                                        ({"num_key_value_heads": 0}, "model.config.num_key_value_heads: 0"),
+                                        ({"head_dim": -2}, "model.config.head_dim: -2")])
+def test_a_size_that_is_not_positive_is_named(given, key):
+    with pytest.raises(UserError) as e:
+        build_hf_config(ModelConfig(config={**TINY, "model_type": "llama", **given}), 300, 64)
+    assert str(e.value).startswith(key) and "must be positive" in str(e.value), str(e.value)
+
+
+def test_consistent_configs_of_several_architectures_pass_the_forward_check():
+    for model_type, extra in (("llama", {"head_dim": 24}), ("mixtral", {"num_local_experts": 4}),
+                              ("qwen3", {}), ("gemma", {}), ("gpt2", {})):
+        cfg = ({"model_type": "gpt2", "n_embd": 64, "n_layer": 2, "n_head": 4} if model_type == "gpt2"
+               else {**TINY, "model_type": model_type, **extra})
+        build_hf_config(ModelConfig(config=cfg), 300, 64)
+
+
+def test_contradicting_sizes_on_the_command_line_are_one_line_and_write_nothing(tiny_data, tmp_path):
+    cfg = write_config(tmp_path / "c.yaml", tiny_config(tiny_data, tmp_path / "run"))
+    before = tree_listing(tmp_path)
+    expect_error(["train", "--config", str(cfg), "--ds-config", str(ROOT / "ds_configs" / "zero0.json"),
+                  "model.config.num_key_value_heads=3"], "model.config: ", "num_key_value_heads=3")
+    assert tree_listing(tmp_path) == before

@@ -97,18 +97,22 @@ def _file_differences(old: dict, new: dict, sha256: Callable[[Path], str]) -> li
 
 
 def fingerprint_differences(recorded: dict | None, current: dict,
-                            sha256: Callable[[Path], str] = file_sha256) -> list[str]:
+                            sha256: Callable[[Path], str] = file_sha256,
+                            content: Callable[[str], str] | None = None) -> list[str]:
     """How the inputs `current` (input_fingerprint) differ from those `recorded` in meta.json, one
-    readable phrase each; empty when they are the same."""
+    readable phrase each; empty when they are the same. `content(tokenizer_dir)`: the tokenizer's
+    content id (data.tokenizer.content_id), so that a tokenizer is compared by what it is: one whose
+    files moved or were saved again is the same."""
     if not isinstance(recorded, dict) or recorded.get("version") != FINGERPRINT_VERSION:
         return [NO_RECORD]
     try:
-        return _differences(recorded, current, sha256)
+        return _differences(recorded, current, sha256, content)
     except (KeyError, TypeError, AttributeError, IndexError):  # a record edited or cut short
         return ["meta.json's record of its inputs is damaged"]
 
 
-def _differences(recorded: dict, current: dict, sha256: Callable[[Path], str]) -> list[str]:
+def _differences(recorded: dict, current: dict, sha256: Callable[[Path], str],
+                 content: Callable[[str], str] | None) -> list[str]:
     diffs = []
     old_sources, new_sources = recorded["sources"], current["sources"]
     for i in range(max(len(old_sources), len(new_sources))):
@@ -127,24 +131,38 @@ def _differences(recorded: dict, current: dict, sha256: Callable[[Path], str]) -
             diffs.append(f"{label}: Python {o['python']} -> {n['python']}")
         else:
             diffs += [f"{label}: {d}" for d in _file_differences(o["files"], n["files"], sha256)]
-    o, n = recorded["tokenizer"], current["tokenizer"]
-    if o.get("trained") and n.get("trained"):
-        if o["vocab_size"] != n["vocab_size"]:
-            diffs.append(f"data.vocab_size {o['vocab_size']} -> {n['vocab_size']}")
-        if o.get("split_digits", False) != n.get("split_digits", False):  # recorded only when true
-            diffs.append(f"data.split_digits {o.get('split_digits', False)} -> {n.get('split_digits', False)}")
-    elif o.get("trained"):
-        diffs.append(f"tokenizer: a BPE trained on the sources -> {n['path']!r}")
-    elif n.get("trained"):
-        diffs.append(f"tokenizer: {o['path']!r} -> a BPE trained on the sources (data.tokenizer is empty)")
-    elif not n["files"]:
-        diffs.append(f"tokenizer {n['path']!r} holds no tokenizer files")
-    elif _file_differences(o["files"], n["files"], sha256):
-        diffs.append(f"tokenizer {n['path']!r} changed" if o["path"] == n["path"]
-                     else f"tokenizer {o['path']!r} -> {n['path']!r}")
+    diffs += _tokenizer_differences(recorded["tokenizer"], current["tokenizer"], sha256, content)
     for key in ("val_fraction", "text_key", "format"):
         if recorded.get(key, SETTING_DEFAULTS.get(key)) != current[key]:
             diffs.append(f"data.{key} {recorded.get(key, SETTING_DEFAULTS.get(key))!r} -> {current[key]!r}")
     if recorded.get("chat_template", "") != current["chat_template"]:
         diffs.append("data.chat_template changed")
     return diffs
+
+
+def _tokenizer_differences(o: dict, n: dict, sha256: Callable[[Path], str],
+                           content: Callable[[str], str] | None) -> list[str]:
+    """The recorded tokenizer `o` against the current `n`: a BPE to train (its settings), or a
+    directory compared by its files, then by its content (the recorded content id; for a BPE
+    prepare trained, the one in data.dir, whose `path` the caller fills in)."""
+    if o.get("trained") and n.get("trained"):
+        diffs = []
+        if o["vocab_size"] != n["vocab_size"]:
+            diffs.append(f"data.vocab_size {o['vocab_size']} -> {n['vocab_size']}")
+        if o.get("split_digits", False) != n.get("split_digits", False):  # recorded only when true
+            diffs.append(f"data.split_digits {o.get('split_digits', False)} -> {n.get('split_digits', False)}")
+        return diffs
+    if n.get("trained"):
+        return [f"tokenizer: {o['path']!r} -> a BPE trained on the sources (data.tokenizer is empty)"]
+    if not n["files"]:
+        return [f"tokenizer {n['path']!r} holds no tokenizer files"]
+    if not o.get("trained") and not _file_differences(o["files"], n["files"], sha256):
+        return []
+    recorded = o.get("content") or (content(o["path"]) if content and o.get("trained") and o.get("path") else None)
+    if content and recorded and recorded == content(n["path"]):
+        return []  # the same tokenizer, elsewhere or saved again
+    if o.get("trained"):
+        old = f"{o['path']!r} (the BPE trained on the sources)" if o.get("path") else "a BPE trained on the sources"
+        return [f"tokenizer: {old} -> {n['path']!r}, a different tokenizer"]
+    return [f"tokenizer {n['path']!r} changed" if o["path"] == n["path"]
+            else f"tokenizer {o['path']!r} -> {n['path']!r}, a different tokenizer"]

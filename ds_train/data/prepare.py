@@ -24,7 +24,7 @@ from ds_train.data.encode import SplitWriter, bpe_sample, encoded_chunks
 from ds_train.data.fingerprint import NO_RECORD, fingerprint_differences, input_fingerprint
 from ds_train.data.meta import PREPARED, check_is_dir, read_meta, read_meta_json, load_meta, token_dtype
 from ds_train.data.sources import SFT_FIELDS, check_source_files, input_bytes, no_documents_error
-from ds_train.data.tokenizer import load_tokenizer, train_tokenizer
+from ds_train.data.tokenizer import content_id, load_tokenizer, tokenizer_content_id, train_tokenizer
 from ds_train.errors import UserError
 from ds_train.fs import check_writable, file_lock, write_atomic
 
@@ -114,6 +114,7 @@ def prepare(sources: list[str], out_dir: str | Path, tokenizer: str = "", vocab_
         for w in writers:
             w.close()
         seconds = time.monotonic() - started
+        fingerprint["tokenizer"]["content"] = content_id(tok)  # what it is (fingerprint_differences)
         meta = {"format": fmt, "vocab_size": len(tok), "dtype": np.dtype(token_dtype(len(tok))).name,
                 "tokenizer": "", "eos_token_id": tok.eos_token_id, "sources": sources,
                 "source_ranges": ranges, "max_token_id": max(train.max_id, val.max_id), "scan": {}}
@@ -201,7 +202,14 @@ def ensure_prepared(d: DataConfig, tokenizer: str = "") -> dict:
             if sources:
                 current = input_fingerprint(sources, tokenizer, d.vocab_size, d.val_fraction, d.text_key,
                                             d.format, d.chat_template, split_digits=d.split_digits, hashed=False)
-                diffs = fingerprint_differences(read_meta_json(data_dir).get("fingerprint"), current)
+                meta = read_meta_json(data_dir)
+                recorded = meta.get("fingerprint")
+                if (isinstance(recorded, dict) and isinstance(recorded.get("tokenizer"), dict)
+                        and recorded["tokenizer"].get("trained") and isinstance(meta.get("tokenizer"), str)):
+                    # the BPE prepare trained lies in data.dir: what it is can be read there
+                    recorded = {**recorded, "tokenizer": {**recorded["tokenizer"],
+                                                          "path": str((data_dir / meta["tokenizer"]).resolve())}}
+                diffs = fingerprint_differences(recorded, current, content=tokenizer_content_id)
                 if diffs:
                     return _inputs_changed(data_dir, diffs)
             own = data_dir / read_meta(data_dir)["tokenizer"]  # reads, never waits for the lock

@@ -97,3 +97,25 @@ def vocabulary_id(tokenizer) -> str:
     """A short hash of the tokenizer's vocabulary: the same ids mean the same strings."""
     vocab = sorted(tokenizer.get_vocab().items(), key=lambda kv: kv[1])
     return hashlib.sha256(json.dumps(vocab).encode()).hexdigest()[:16]
+
+
+def content_id(tokenizer) -> str:
+    """A short hash of what a tokenizer is, not where it lies: its model, vocabulary, merges,
+    normaliser, pre-tokeniser, added tokens (tokenizer.json's contents, without the padding and
+    truncation settings, which are the caller's), its special tokens and chat template. A copy saved
+    elsewhere (save_pretrained) hashes the same; another tokenizer does not."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None:
+        spec = json.loads(backend.to_str())
+        spec.pop("padding", None)
+        spec.pop("truncation", None)
+    else:  # a slow tokenizer: its vocabulary
+        spec = {"vocab": sorted(tokenizer.get_vocab().items(), key=lambda kv: kv[1])}
+    spec["special_tokens"] = {k: str(v) for k, v in sorted(tokenizer.special_tokens_map.items())}
+    spec["chat_template"] = getattr(tokenizer, "chat_template", None)
+    return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def tokenizer_content_id(path: str | Path) -> str:
+    """content_id of the tokenizer in directory `path` (load_tokenizer's checks)."""
+    return content_id(load_tokenizer(path))

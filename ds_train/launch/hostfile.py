@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ds_train.errors import UserError
+from ds_train.fs import check_path
 
 # RFC 1123 labels; `_` is tolerated because ssh aliases (~/.ssh/config Host entries) often use it.
 # No label may start with `-`: ssh would read `-oProxyCommand=...` as an option.
@@ -86,6 +87,7 @@ def parse_hostfile(text: str, where: str = "hostfile") -> list[Host]:
 def read_hostfile(path: str | Path) -> list[Host]:
     """A missing hostfile is an error (DeepSpeed only warns and runs on the local machine)."""
     path = Path(path)
+    check_path(path, "--hostfile")  # a name the operating system refuses: one line, not a traceback
     if not path.is_file():
         raise UserError(f"{path}: hostfile not found; give an existing file with one '<host> slots=<n>' "
                         f"line per node (see hostfile.example)")

@@ -6,6 +6,7 @@ can build the architecture (on the meta device: no memory)."""
 from __future__ import annotations
 
 import difflib
+import re
 from pathlib import Path
 
 from ds_train.config import ModelConfig
@@ -103,12 +104,86 @@ def check_buildable(hf, attn_implementation: str, where: str) -> None:
 
     error = build(attn_implementation)
     if error is None:
+        check_forward(hf, attn_implementation, where)
         return
     if attn_implementation != "eager" and build("eager") is None:
         raise UserError(f"model.attn_implementation: {attn_implementation!r} cannot be used here "
                         f"({said(error, 150)}); use sdpa or eager")
     raise UserError(f"{where}: Hugging Face cannot build the {hf.model_type} model from it ({said(error)}); "
                     f"fix it")
+
+
+SIZE_KEY = re.compile(r"(^|_)(size|dim|heads|layers|experts|embd)$|^(num|n)_")  # a count or a width
+CONFIRM_PARAMS = 50_000_000  # a model this small is built for real to confirm what the meta device says
+SHAPE_ERROR = re.compile(r"size|shape|dimension|mat1|mat2|invalid for input|must match|expected .* got", re.I)
+
+
+def _key(key: str, where: str) -> str:
+    return f"model.config.{key}" if where == "model.config" else f"{key} in {where}"
+
+
+def nonpositive_sizes(values: dict, model_type: str, where: str) -> list[str]:
+    """Sizes and counts (hidden_size, intermediate_size, num_*_heads, head_dim, ...) that are not
+    positive where the model type's default is a positive number or unset."""
+    default = config_class(model_type)()
+    errs = []
+    for key, value in values.items():
+        if (isinstance(value, int) and not isinstance(value, bool) and value <= 0 and SIZE_KEY.search(key)
+                and (getattr(default, key, None) is None or (isinstance(getattr(default, key), int)
+                                                              and getattr(default, key) > 0))):
+            errs.append(f"{_key(key, where)}: {value} must be positive (the {model_type} model's "
+                        f"default is {getattr(default, key, None)})")
+    return errs
+
+
+def _size_hint(hf, where: str) -> str:
+    """Which sizes of `hf` to look at: a relation it breaks, else every size it sets."""
+    get = lambda k: getattr(hf, k, None)  # noqa: E731
+    heads, kv, hidden = get("num_attention_heads"), get("num_key_value_heads"), get("hidden_size")
+    if isinstance(heads, int) and isinstance(kv, int) and kv > 0 and heads % kv:
+        return (f"{_key('num_attention_heads', where)}={heads}, num_key_value_heads={kv}: the attention heads "
+                f"must be a multiple of the key-value heads")
+    if isinstance(hidden, int) and isinstance(heads, int) and heads > 0 and hidden % heads and not get("head_dim"):
+        return (f"{_key('hidden_size', where)}={hidden}, num_attention_heads={heads}: the hidden size must be "
+                f"a multiple of the attention heads, or set head_dim")
+    sizes = {k: v for k, v in hf.to_dict().items() if isinstance(v, int) and not isinstance(v, bool)
+             and SIZE_KEY.search(k)}
+    return "check " + ", ".join(f"{_key(k, where) if i == 0 else k}={v}" for i, (k, v) in enumerate(sizes.items()))
+
+
+def check_forward(hf, attn_implementation: str, where: str) -> None:
+    """Run the architecture once, as training will use it, on the meta device (shapes only, no
+    memory): sizes that contradict each other (heads that do not divide, a head_dim the projections
+    do not have) fail here, before anything is written, not at the first step. What the meta device
+    cannot run (some fused kernels) is confirmed on a real small model, or passed for a large one
+    unless it is a shape error."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    tokens = min(8, getattr(hf, "max_position_embeddings", None) or 8)
+
+    def forward(device: str) -> tuple[BaseException | None, int]:
+        """(what the forward pass raised, the model's parameter count)."""
+        params = 0
+        try:
+            with torch.random.fork_rng(devices=[]), torch.device(device), torch.no_grad():
+                model = AutoModelForCausalLM.from_config(hf, attn_implementation=attn_implementation)
+                params = sum(p.numel() for p in model.parameters())
+                model(input_ids=torch.zeros(1, tokens, dtype=torch.long))
+        except (*_rejects(), AssertionError, NotImplementedError) as e:
+            return e, params
+        return None, params
+
+    error, params = forward("meta")
+    if error is None:
+        return
+    if params and params <= CONFIRM_PARAMS:
+        error, _ = forward("cpu")
+    elif not SHAPE_ERROR.search(str(error)):
+        return
+    if error is not None:
+        raise UserError(f"{where}: the {hf.model_type} model's sizes contradict each other: a forward pass "
+                        f"fails ({said(error, 150)}); {_size_hint(hf, where)}")
 
 
 def build_hf_config(model_cfg: ModelConfig, vocab_size: int, seq_len: int, weights: bool = True):
@@ -128,12 +203,18 @@ def build_hf_config(model_cfg: ModelConfig, vocab_size: int, seq_len: int, weigh
             hf = AutoConfig.from_pretrained(model_cfg.path)
         except _rejects() as e:
             raise UserError(f"{where}: Hugging Face rejects it ({said(e)}); fix it, or {REFETCH}") from None
+        bad = nonpositive_sizes(hf.to_dict(), hf.model_type, where)
+        if bad:
+            raise UserError("; ".join(bad))
     else:
         where = "model.config"
         kwargs = dict(model_cfg.config)
         model_type = kwargs.pop("model_type")
         config_class(model_type)
         check_causal_lm(model_type, "model.config")
+        bad = nonpositive_sizes(kwargs, model_type, "model.config")
+        if bad:
+            raise UserError("; ".join(bad))
         kwargs.setdefault("vocab_size", vocab_size)
         try:
             hf = AutoConfig.for_model(model_type, **kwargs)
