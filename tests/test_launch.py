@@ -27,8 +27,8 @@ from ds_train.errors import UserError
 from ds_train.launch import envfile
 from ds_train.launch.hostfile import Host, is_valid_host, parse_hostfile, read_hostfile, select_hosts
 from ds_train.launch.probe import PROBE
-from ds_train.launch.preflight import (HostProbe, SshOptions, check_gpus, check_probes, check_shell_safe,
-                                      local_versions, pick_master, run_preflight)
+from ds_train.launch.preflight import (OPTIONAL, HostProbe, SshOptions, check_gpus, check_probes, check_shell_safe,
+                                      compare_versions, local_versions, pick_master, run_packages, run_preflight)
 from ds_train.launch.slurm import SlurmJob, render_sbatch
 
 ZERO2 = str(ROOT / "ds_configs" / "zero2.json")
@@ -241,14 +241,74 @@ def test_check_probes_reports_every_host_at_once():
     probes = [_probe("a"), HostProbe("b", problem="b: not reachable by password-less ssh (refused)", unreachable=True),
               HostProbe("c", problem="c: no answer within 30 s over ssh", unreachable=True),
               _probe("d", versions={**versions, "torch": "2.4.0"}), _probe("e", cwd_exists=False),
-              _probe("f", python="/other/python")]
+              _probe("f", python="/other/python"), _probe("g", python_version="3.10.14"),
+              _probe("h", versions={"ds_train": "0.1.0", "torch": "2.13.0"})]
     problems = check_probes(probes, "/venv/bin/python", "/work", versions, "3.11.7")
-    text = "\n".join(problems)
-    assert "unreachable: b, c;" in text
-    assert "d: torch 2.4.0 (here 2.13.0)" in text
-    assert "e: working directory /work does not exist" in text
-    assert "f: Python /other/python" in text
-    assert not any(p.startswith("a:") for p in problems)
+    assert "unreachable: b, c;" in problems[2]
+    assert problems[3].startswith("f: Python /other/python differs from this machine's /venv/bin/python;")
+    assert problems[4:7] == [
+        "d: torch 2.4.0 (this machine: 2.13.0); install the same versions on every node (pip install torch==2.13.0 there)",
+        "g: Python 3.10.14 (this machine: 3.11.7); use the same Python (3.11.7) and environment on every node",
+        "h: deepspeed missing (this machine: 0.19.8); install the same versions on every node "
+        "(pip install deepspeed==0.19.8 there)"]
+    assert problems[7].startswith("e: working directory /work does not exist")
+    assert len(problems) == 8 and not any(p.startswith("a:") for p in problems)
+
+
+def test_compare_versions_names_each_host_package_and_both_versions():
+    here = {"Python": "3.11.7", "torch": "2.13.0", "transformers": "5.23.0", "wandb": None}
+    hosts = {"n0": dict(here), "n1": {**here, "transformers": None}, "n2": {**here, "transformers": "5.22.0"},
+             "n3": {**here, "transformers": None, "wandb": "0.31.0"}, "n4": {"Python": "3.11.7", "torch": "2.13.0"}}
+    assert compare_versions(here, hosts) == [
+        "n1, n3, n4: transformers missing (this machine: 5.23.0); install the same versions on every node "
+        "(pip install transformers==5.23.0 there)",
+        "n2: transformers 5.22.0 (this machine: 5.23.0); install the same versions on every node "
+        "(pip install transformers==5.23.0 there)",
+        "n3: wandb 0.31.0 (this machine: missing); install the same versions on every node (this machine has no "
+        "wandb: pip uninstall wandb there)"]
+    assert compare_versions(here, {"n0": here}) == [] and compare_versions(here, {}) == []
+    assert compare_versions({"Python": "3.11.7"}, {"n0": {"Python": "3.12.1"}}) == [
+        "n0: Python 3.12.1 (this machine: 3.11.7); use the same Python (3.11.7) and environment on every node"]
+
+
+def test_the_packages_compared_are_ds_trains_dependencies_and_the_ones_the_config_turns_on():
+    import importlib.metadata
+
+    declared = {re.sub(r"[-_.]+", "-", re.match(r"[\w.-]+", r).group()).lower()
+                for r in importlib.metadata.requires("ds_train")}
+    plain = set(run_packages())
+    assert {"ds-train", "torch", "deepspeed", "transformers", "tokenizers", "safetensors", "accelerate"} <= plain
+    assert declared - set(OPTIONAL) <= plain and not set(OPTIONAL) & plain
+    log = SimpleNamespace(wandb="online", tensorboard=False)
+    assert set(run_packages(log)) - plain == {"wandb"}
+    assert set(run_packages(SimpleNamespace(wandb="off", tensorboard=True))) - plain == {"tensorboard"}
+    assert set(run_packages(load_config(str(ROOT / "recipes" / "quickstart.yaml")).log)) >= plain
+
+
+def test_every_third_party_module_ds_train_imports_is_compared_across_hosts():
+    """The derived list cannot fall behind the code: each top-level module imported anywhere in ds_train
+    (`ds-train monitor` and `ds-train launch` aside: they run on the launching machine only) belongs to a
+    distribution that preflight compares."""
+    import ast
+    import importlib.metadata
+
+    everything = set(run_packages(SimpleNamespace(wandb="online", tensorboard=True)))
+    owners = importlib.metadata.packages_distributions()
+    missing = {}
+    for path in (ROOT / "ds_train").rglob("*.py"):
+        if path.name == "monitor.py" or path.parent.name == "launch":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module] if isinstance(node, ast.ImportFrom) and node.module and not node.level else []
+            for name in names:
+                top = name.split(".")[0]
+                if top in sys.stdlib_module_names or top == "ds_train" or top not in owners:
+                    continue
+                dists = {re.sub(r"[-_.]+", "-", d).lower() for d in owners[top]}
+                if not dists & everything:
+                    missing[top] = f"{path.relative_to(ROOT)} ({', '.join(sorted(dists))})"
+    assert not missing, missing
 
 
 def test_pick_master_takes_the_next_free_port_and_says_so():
@@ -381,8 +441,8 @@ def test_a_broken_driver_or_cuda_install_is_a_problem_of_its_host():
 
 def _here(host, probe, **info):
     """A probe answer that matches this machine (python, versions), so only the GPU checks speak."""
-    return probe(host, python=sys.executable, python_version=platform.python_version(), versions=local_versions(),
-                 free_port=29500, **info)
+    return probe(host, python=sys.executable, python_version=platform.python_version(),
+                 versions=local_versions(run_packages()), free_port=29500, **info)
 
 
 def test_run_preflight_reports_every_problem_at_once_and_notes_the_gpus(tmp_path):
@@ -391,14 +451,14 @@ def test_run_preflight_reports_every_problem_at_once_and_notes_the_gpus(tmp_path
               _here("c", _cpu_probe), _here("d", _gpu_probe, cwd_exists=False)]
     asked = []
 
-    def fake_probe(hosts, ssh_, python, cwd, port):
-        asked.append((hosts, python, cwd, port))
+    def fake_probe(hosts, ssh_, python, cwd, port, packages):
+        asked.append((hosts, python, cwd, port, packages))
         return probes
 
     pool = _slots(a=8, b=8, c=8, d=8)
     with pytest.raises(UserError) as e:
         run_preflight(pool, ssh, sys.executable, str(tmp_path), "", 29500, needed_gib=30.0, probe=fake_probe)
-    assert asked == [(["a", "b", "c", "d"], sys.executable, str(tmp_path), 29500)]
+    assert asked == [(["a", "b", "c", "d"], sys.executable, str(tmp_path), 29500, run_packages())]
     lines = str(e.value).splitlines()
     assert lines[0] == "preflight: 5 problems:"
     assert [line.strip().split(" ")[0] for line in lines[1:]] == ["d:", "a:", "b:", "GPUs", "NVIDIA"]
@@ -417,9 +477,9 @@ def test_run_preflight_reports_every_problem_at_once_and_notes_the_gpus(tmp_path
     assert result.notes == ["no GPUs on any host: DeepSpeed's CPU accelerator runs 2 processes per node"]
 
 
-def _run_probe(cwd, env=None):
-    """PROBE as probe_host runs it on a host (`python -c PROBE cwd port`), here without ssh."""
-    proc = subprocess.run([sys.executable, "-c", PROBE, str(cwd), "0"], capture_output=True, text=True,
+def _run_probe(cwd, env=None, packages=()):
+    """PROBE as probe_host runs it on a host (`python -c PROBE cwd port package...`), here without ssh."""
+    proc = subprocess.run([sys.executable, "-c", PROBE, str(cwd), "0", *packages], capture_output=True, text=True,
                           timeout=120, env={**os.environ, **(env or {})})
     assert proc.returncode == 0, proc.stderr
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -429,8 +489,13 @@ def test_the_probe_runs_here_and_reports_no_gpus_and_torchs_cuda_build(tmp_path)
     import torch
 
     # PATH without nvidia-smi (and without `hostname`): a CPU host, whatever this machine has.
-    info = _run_probe(tmp_path, env={"PATH": str(tmp_path)})
+    info = _run_probe(tmp_path, env={"PATH": str(tmp_path)}, packages=("transformers", "Huggingface_Hub", "no-such-pkg"))
     assert info["python"] == sys.executable and info["cwd_exists"] is True and info["free_port"] is None
+    assert info["python_version"] == platform.python_version()
+    assert info["versions"] == {"transformers": local_versions(("transformers",))["transformers"],
+                                "Huggingface_Hub": local_versions(("huggingface-hub",))["huggingface-hub"],
+                                "no-such-pkg": None}
+    assert None not in list(info["versions"].values())[:2]
     assert info["gpus"] == [] and info["gpu_error"] is None
     assert info["torch_cuda"] == torch.version.cuda  # None on a CPU build of torch
     assert "torch_nccl" in info and (info["torch_nccl"] is None) == (torch.version.cuda is None)

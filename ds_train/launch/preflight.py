@@ -2,8 +2,10 @@
 
 Every host is probed in parallel over `ssh -o BatchMode=yes -o ConnectTimeout=N` (argv lists only;
 host names were validated by the hostfile parser and never enter a shell string). One probe runs
-the launcher's own Python on the host and reports its path, the ds_train / deepspeed / torch
-versions, whether the working directory exists and, on the master host, the first free port. It
+the launcher's own Python on the host and reports its path and version, the versions of every package
+the run imports (run_packages: ds_train's declared dependencies, and the optional ones the run's config
+turns on), whether the working directory exists and, on the master host, the first free port.
+compare_versions() names each host and package that differs from this machine. It
 also lists the host's GPUs (`nvidia-smi --query-gpu`, no CUDA context) and the CUDA runtime and NCCL
 versions torch was built with; a host without nvidia-smi has no GPUs (DeepSpeed's CPU accelerator
 then runs one process per slot). check_gpus() compares them with the slots the launch gives each
@@ -79,9 +81,50 @@ class PreflightResult:
     notes: list[str] = field(default_factory=list)
 
 
-def local_versions() -> dict[str, str | None]:
+# Declared dependencies of ds_train that only some runs import: package -> does this run (its `log`
+# config section) import it. rich draws `ds-train monitor`, which runs where the user looks, not on the nodes.
+OPTIONAL: dict[str, Callable[[object], bool]] = {
+    "wandb": lambda log: getattr(log, "wandb", "off") != "off",
+    "tensorboard": lambda log: bool(getattr(log, "tensorboard", False)),
+    "rich": lambda log: False,
+}
+# Imported by ds_train itself but not declared in pyproject.toml (they arrive with transformers and
+# deepspeed); tests/test_launch.py checks that every third-party import of ds_train is in run_packages().
+IMPORTED_UNDECLARED = ("huggingface-hub", "pydantic")
+_PACKAGE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+
+
+def canonical(name: str) -> str:
+    """A distribution's name as pip compares them (PEP 503): `Huggingface_Hub` -> `huggingface-hub`."""
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def declared_requirements(dist: str = "ds_train") -> list[str]:
+    """The packages `dist` requires (importlib.metadata.requires), without extras or other platforms'."""
+    from packaging.requirements import InvalidRequirement, Requirement
+
+    out = []
+    for line in importlib.metadata.requires(dist) or []:
+        try:
+            req = Requirement(line)
+        except InvalidRequirement:
+            continue
+        if req.marker is None or req.marker.evaluate({"extra": ""}):
+            out.append(canonical(req.name))
+    return out
+
+
+def run_packages(log: object = None) -> tuple[str, ...]:
+    """Every package a run imports: ds_train, its declared dependencies (those of OPTIONAL only when the
+    run's `log` config section turns them on) and the ones it imports undeclared."""
+    names = ["ds-train", *declared_requirements("ds_train"), *IMPORTED_UNDECLARED]
+    keep = [n for n in names if n not in OPTIONAL or OPTIONAL[n](log)]
+    return tuple(n for n in dict.fromkeys(keep) if _PACKAGE_NAME.fullmatch(n))
+
+
+def local_versions(packages: tuple[str, ...] = PACKAGES) -> dict[str, str | None]:
     out = {}
-    for name in PACKAGES:
+    for name in packages:
         try:
             out[name] = importlib.metadata.version(name)
         except importlib.metadata.PackageNotFoundError:
@@ -89,9 +132,34 @@ def local_versions() -> dict[str, str | None]:
     return out
 
 
-def probe_host(host: str, ssh: SshOptions, python: str, cwd: str, port: int) -> HostProbe:
+def compare_versions(here: Mapping[str, str | None], hosts: Mapping[str, Mapping[str, str | None]]) -> list[str]:
+    """One line per package and version that differs from this machine's, naming the hosts (pure).
+
+    `here`: name -> version on this machine (None: not installed), "Python" among them; `hosts`: the
+    same per host. A host that does not report a name counts as not having it.
+    """
+    found: dict[tuple[str, str | None], list[str]] = {}
+    for host, theirs in hosts.items():
+        for name, mine in here.items():
+            if theirs.get(name) != mine:
+                found.setdefault((name, theirs.get(name)), []).append(host)
+    problems = []
+    for (name, value), names in found.items():
+        mine = here[name]
+        if name == "Python":
+            fix = f"use the same Python ({mine}) and environment on every node"
+        elif mine is None:
+            fix = f"install the same versions on every node (this machine has no {name}: pip uninstall {name} there)"
+        else:
+            fix = f"install the same versions on every node (pip install {name}=={mine} there)"
+        problems.append(f"{', '.join(names)}: {name} {value or 'missing'} (this machine: {mine or 'missing'}); {fix}")
+    return problems
+
+
+def probe_host(host: str, ssh: SshOptions, python: str, cwd: str, port: int,
+               packages: tuple[str, ...] = PACKAGES) -> HostProbe:
     """Run PROBE on `host` with `python`; a failure becomes a one-line problem, never an exception."""
-    argv = ssh.argv(host, [python, "-c", PROBE, cwd, str(port)])
+    argv = ssh.argv(host, [python, "-c", PROBE, cwd, str(port), *packages])  # quoted word by word
     try:
         proc = subprocess.run(argv, capture_output=True, text=True, stdin=subprocess.DEVNULL,
                               timeout=ssh.timeout_s + PROBE_TIME_S)
@@ -116,10 +184,11 @@ def probe_host(host: str, ssh: SshOptions, python: str, cwd: str, port: int) -> 
                                        f"(does the login shell print something?)")
 
 
-def probe_hosts(hosts: list[str], ssh: SshOptions, python: str, cwd: str, master_port: int) -> list[HostProbe]:
+def probe_hosts(hosts: list[str], ssh: SshOptions, python: str, cwd: str, master_port: int,
+                packages: tuple[str, ...] = PACKAGES) -> list[HostProbe]:
     """All hosts at once; the first one (the master) also looks for a free port."""
     with ThreadPoolExecutor(max_workers=min(32, len(hosts))) as pool:
-        futures = [pool.submit(probe_host, host, ssh, python, cwd, master_port if i == 0 else 0)
+        futures = [pool.submit(probe_host, host, ssh, python, cwd, master_port if i == 0 else 0, packages)
                    for i, host in enumerate(hosts)]
         return [f.result() for f in futures]
 
@@ -134,15 +203,15 @@ def check_probes(probes: list[HostProbe], python: str, cwd: str, versions: Mappi
                         f"that `ssh -o BatchMode=yes HOST true` works from this machine without a password "
                         f"(ssh options reach pdsh and this check through PDSH_SSH_ARGS_APPEND)")
     for p in probes:
+        if p.info and p.info["python"] != python:
+            problems.append(f"{p.host}: Python {p.info['python']} differs from this machine's {python}; the "
+                            f"launcher runs this same path on every node: use the same environment everywhere")
+    here = {"Python": python_version, **versions}
+    problems += compare_versions(here, {p.host: {"Python": p.info["python_version"], **p.info["versions"]}
+                                        for p in probes if p.info})
+    for p in probes:
         if not p.info:
             continue
-        if p.info["python"] != python or p.info["python_version"] != python_version:
-            problems.append(f"{p.host}: Python {p.info['python']} ({p.info['python_version']}) differs from "
-                            f"this machine's {python} ({python_version}); use the same environment everywhere")
-        diff = [f"{name} {p.info['versions'].get(name) or 'missing'} (here {versions[name] or 'missing'})"
-                for name in versions if p.info["versions"].get(name) != versions[name]]
-        if diff:
-            problems.append(f"{p.host}: {', '.join(diff)}; install the same versions on every node")
         if not p.info["cwd_exists"]:
             problems.append(f"{p.host}: working directory {cwd} does not exist there; the launcher runs "
                             f"`cd {cwd}` on every node: use a shared file system or the same checkout path")
@@ -308,16 +377,19 @@ def check_shell_safe(cwd: str, python: str, train_args: list[str]) -> list[str]:
 
 def run_preflight(pool: Mapping[str, list[int]], ssh: SshOptions, python: str, cwd: str,
                   master_addr: str, master_port: int, needed_gib: float | Callable[[], float] | None = None,
-                  probe: Callable[..., list[HostProbe]] = probe_hosts) -> PreflightResult:
+                  probe: Callable[..., list[HostProbe]] = probe_hosts,
+                  packages: tuple[str, ...] | None = None) -> PreflightResult:
     """Probe every host; raise one UserError naming every problem, else the master and world size.
 
     `needed_gib`: the memory plan's per-GPU peak, checked against each used GPU's free memory; a
     callable is asked only when some host has GPUs (the plan takes seconds to build).
-    `probe` stands in for probe_hosts (same arguments) in tests.
+    `packages`: whose versions must match this machine's (default run_packages(): a run without wandb
+    or TensorBoard). `probe` stands in for probe_hosts (same arguments) in tests.
     """
     hosts = list(pool)
-    probes = probe(hosts, ssh, python, cwd, master_port)
-    problems = check_probes(probes, python, cwd, local_versions(), platform.python_version())
+    packages = run_packages() if packages is None else packages
+    probes = probe(hosts, ssh, python, cwd, master_port, packages)
+    problems = check_probes(probes, python, cwd, local_versions(packages), platform.python_version())
     if callable(needed_gib):
         needed_gib = needed_gib() if any(p.info and p.info.get("gpus") for p in probes) else None
     gpu_problems, gpu_notes = check_gpus(probes, pool, needed_gib)

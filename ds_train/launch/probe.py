@@ -1,14 +1,16 @@
-"""The probe `ds-train launch` runs on every host (`<python> -c PROBE <cwd> <port>`, over ssh): the
-host's Python, package versions, working directory, addresses, a free master port, its GPUs and the
-CUDA / NCCL versions its torch was built with, printed as one JSON object."""
+"""The probe `ds-train launch` runs on every host (`<python> -c PROBE <cwd> <port> <package>...`, over
+ssh): the host's Python, the versions of the named packages (null: not installed), working directory,
+addresses, a free master port, its GPUs and the CUDA / NCCL versions its torch was built with,
+printed as one JSON object. Which packages to ask about is the launching host's choice
+(preflight.run_packages)."""
 
-PACKAGES = ("ds_train", "deepspeed", "torch")
+PACKAGES = ("ds_train", "deepspeed", "torch")  # the least a run needs; run_packages() derives the full list
 PORT_TRIES = 10  # the master port and the next nine
 
 # Port 0 means "not the master".
 PROBE = r"""
 import importlib.metadata as md, json, os, platform, shutil, socket, subprocess, sys, warnings
-cwd, port = sys.argv[1], int(sys.argv[2])
+cwd, port, packages = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
 def version(name):
     try:
         return md.version(name)
@@ -76,8 +78,8 @@ except (OSError, subprocess.SubprocessError):
 listed, gpu_error = gpus()
 print(json.dumps({
     "python": sys.executable, "python_version": platform.python_version(),
-    "versions": {name: version(name) for name in %(packages)r},
+    "versions": {name: version(name) for name in packages},
     "cwd_exists": os.path.isdir(cwd), "hostname": socket.gethostname(), "addresses": addresses,
     "free_port": next((p for p in range(port, port + %(tries)d) if free(p)), None) if port else None,
     "gpus": listed, "gpu_error": gpu_error, **torch_cuda(listed)}))
-""" % {"packages": PACKAGES, "tries": PORT_TRIES}
+""" % {"tries": PORT_TRIES}
