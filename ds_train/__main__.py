@@ -35,7 +35,8 @@ import sys
 import traceback
 
 from ds_train import commands as cmd
-from ds_train.errors import AgreedError, OneLineParser, OutOfMemory, RunStopped, Stalled, UserError
+from ds_train.errors import AgreedError, OneLineParser, OutOfMemory, PeerFailed, RunStopped, Stalled, UserError
+from ds_train.fs import check_path_args
 from ds_train.launch import cli as launch_cli
 from ds_train.signals import keep_usr1
 
@@ -231,6 +232,9 @@ def main(argv: list[str] | None = None) -> int:
     if not args.debug:
         import warnings
 
+        # c10's C++ warnings (a TCPStore that lost rank 0 prints its C++ stack): --debug shows them
+        os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+
         warnings.filterwarnings("ignore", category=FutureWarning)  # torch.distributed deprecations
         logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
         os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
@@ -249,8 +253,9 @@ def main(argv: list[str] | None = None) -> int:
                                      f"{args.command} --help`)"))
     _split_overrides(args)
     try:
+        check_path_args(args)  # a path the operating system refuses: one line naming the flag
         return args.func(args)
-    except (UserError, RunStopped, OutOfMemory, Stalled) as e:
+    except (UserError, RunStopped, OutOfMemory, Stalled, PeerFailed) as e:
         if args.debug and getattr(e, "is_error", True):
             traceback.print_exc()
         return _report(e)
@@ -264,6 +269,10 @@ def _report(e: Exception) -> int:
     from ds_train.dist import rank_for_messages
 
     rank = rank_for_messages()
+    if isinstance(e, PeerFailed):  # the job's verdict, from the rank that wrote it
+        if e.say:
+            print(f"ds-train: error: {e}", *getattr(e, "__notes__", ()), sep="\n", file=sys.stderr, flush=True)
+        return e.exit_code
     agreed = isinstance(e, (RunStopped, AgreedError)) or getattr(e, "agreed", False)
     if rank == 0 or not agreed:
         who = "ds-train" if rank == 0 else f"ds-train[rank {rank}]"

@@ -43,6 +43,22 @@ def fault_at(spec: str) -> Callable[[str, int], None]:
 
 
 
+# A save that takes more than this share of the launcher's grace period would not fit with the step in progress.
+GRACE_SHARE = 0.5
+
+
+def grace_warning(save_s: float, grace: tuple[str, float] | None) -> str | None:
+    """What to say when a save of `save_s` seconds would not fit the launcher's grace period
+    (`grace`: who, and its seconds between SIGTERM and SIGKILL); None when it fits or is unknown."""
+    if grace is None or save_s <= GRACE_SHARE * grace[1]:
+        return None
+    who, grace_s = grace
+    return (f"checkpoint: a save takes {save_s:.0f} s; {who} kills the ranks {grace_s:g} s after a SIGTERM, so a "
+            f"save on SIGTERM (after the step in progress) may be cut off and lost (the last whole save stays "
+            f"latest). Stop jobs with SIGUSR1 instead, which starts the save before any clock (SLURM: ds-train "
+            f"slurm --signal-lead; ds-train launch passes it to every rank), or save a smaller state")
+
+
 class Checkpointer:
     """Decides at each step boundary whether the step is its: every `checkpoint.every` steps, the
     last step (`checkpoint.save_final`), or a SIGTERM / SIGINT that every rank agreed on, after
@@ -53,13 +69,15 @@ class Checkpointer:
 
     def __init__(self, engine, ckpt_dir: Path, cfg: CheckpointConfig, last: int, rank: int, world: int,
                  record: dict, stop, log, unit: str = "step", writer: bool | None = None, seq: int = 1,
-                 needed_bytes: int = 0, where: str = "", beat: Callable[[int, str], None] = lambda step, phase: None):
+                 needed_bytes: int = 0, where: str = "", beat: Callable[[int, str], None] = lambda step, phase: None,
+                 grace: tuple[str, float] | None = None, say: Callable[[str], None] = lambda line: None):
         self.engine, self.ckpt_dir, self.cfg, self.last = engine, ckpt_dir, cfg, last
         self.rank, self.world, self.record, self.stop, self.log, self.unit = rank, world, record, stop, log, unit
         self.writer = rank == 0 if writer is None else writer
         self.seq, self.needed_bytes, self.where = seq, needed_bytes, where
         self.fault = fault_at(cfg.debug_fault)
         self.beat = beat  # the heartbeat: the stop agreement is a collective, a save is long I/O
+        self.grace, self.say = grace, say  # (who, seconds) between a stop's SIGTERM and its SIGKILL
 
     def due(self, step: int) -> bool:
         every = self.cfg.every > 0 and step % self.cfg.every == 0
@@ -93,7 +111,12 @@ class Checkpointer:
             raise UserError(f"checkpoint {tag_for(step)}: writing {getattr(e, 'filename', None) or self.ckpt_dir} "
                             f"failed: {_why(e)}; {self._room()}; {self._latest()}") from None
         self.seq += 1
-        self.log.info(f"saved checkpoint {tag} in {time.perf_counter() - t0:.2f} s")
+        took = time.perf_counter() - t0
+        self.log.info(f"saved checkpoint {tag} in {took:.2f} s")
+        warning = grace_warning(took, self.grace)
+        if warning:  # said once, at the first save that would not fit
+            self.grace = None
+            self.say(warning)
         return tag
 
     def check_space(self, step: int) -> None:

@@ -124,12 +124,46 @@ def init(env: DistEnv, timeout_s: float = 1800, join_timeout_s: float = 300, hos
     timeout = datetime.timedelta(seconds=timeout_s)
     if accel.device_name() == "cuda":
         accel.set_device(env.local_rank)
+    # Every group made later (DeepSpeed's clone of the world for data parallelism, ZeRO's groups,
+    # the token groups) takes torch's default timeout (30 min gloo, 10 min NCCL), not the world's:
+    # without this, dist.timeout_s never applied to the collectives a training step runs.
+    from torch.distributed import distributed_c10d
+
+    distributed_c10d.default_pg_timeout = timeout
+    if isinstance(getattr(distributed_c10d, "default_pg_nccl_timeout", None), datetime.timedelta):
+        distributed_c10d.default_pg_nccl_timeout = timeout
     if env.world_size > 1 and not tdist.is_initialized():
         store = rendezvous(env, port, join_timeout_s, host or socket.gethostname())
         kwargs = {"device_id": accel.device(env.local_rank)} if accel.device_name() == "cuda" else {}
         tdist.init_process_group(accel.communication_backend_name(), store=store, rank=env.rank,
                                  world_size=env.world_size, timeout=timeout, **kwargs)
+        if env.rank == backup_rank(env):
+            _serve_backup(env, store)
     deepspeed.init_distributed(auto_mpi_discovery=False, timeout=timeout)
+
+
+def backup_rank(env: DistEnv) -> int:
+    """The rank that serves the second store: the first rank of the last node (another host than
+    rank 0 where there are several), so that the death of any one rank or host leaves one store."""
+    per_node = max(1, env.local_world_size)
+    return env.world_size - per_node if env.world_size > per_node else env.world_size - 1
+
+
+_backup_server: list = []  # kept alive for the life of the process
+
+
+def _serve_backup(env: DistEnv, store) -> None:
+    """Serve the backup store on a free port and tell every rank where, through the first store."""
+    import datetime
+
+    from torch.distributed import PrefixStore, TCPStore
+
+    server = TCPStore("0.0.0.0", 0, None, True, timeout=datetime.timedelta(seconds=30), wait_for_workers=False)
+    _backup_server.append(server)
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:  # the address that reaches rank 0's host
+        probe.connect((env.master_addr, 9))
+        addr = probe.getsockname()[0]
+    PrefixStore(_namespace(), store).set("backup", f"{addr}:{server.port}")
 
 
 def _namespace() -> str:
@@ -239,18 +273,47 @@ def rendezvous(env: DistEnv, port: int, timeout_s: float, host: str):
 class SideChannel:
     """Small messages between ranks without a collective: a connection of its own to the
     rendezvous store, safe to use from a thread while the main thread waits in a collective (the
-    watchdog's heartbeats and alarms, `ds-train launch`'s stop requests). Values are text."""
+    watchdog's heartbeats and alarms, `ds-train launch`'s stop requests). Values are text.
 
-    def __init__(self, addr: str, port: int, timeout_s: float = 10.0):
+    Rank 0 serves that store, so it goes with rank 0. A second store, served by `backup_rank`,
+    keeps the channel: `fail_over` moves to it once the first no longer answers (what `mirror`
+    wrote is there already)."""
+
+    def __init__(self, addr: str, port: int, timeout_s: float = 10.0, backup: str | None = None):
+        import threading
+
+        self._timeout_s = timeout_s
+        self._keys = self._connect(addr, port)
+        self.backup = backup  # "addr:port" of the second store, None without one
+        self._mirror = None
+        self.on_backup = False
+        self._lock = threading.Lock()
+
+    def _connect(self, addr: str, port: int):
         import datetime
 
         from torch.distributed import PrefixStore, TCPStore
 
-        store = TCPStore(addr, port, is_master=False, timeout=datetime.timedelta(seconds=timeout_s))
-        self._keys = PrefixStore(_namespace(), store)
+        store = TCPStore(addr, port, is_master=False, timeout=datetime.timedelta(seconds=self._timeout_s))
+        return PrefixStore(_namespace(), store)
+
+    def _second(self):
+        if self._mirror is None and self.backup:
+            addr, _, port = self.backup.rpartition(":")
+            self._mirror = self._connect(addr, int(port))
+        return self._mirror
 
     def set(self, key: str, value: str) -> None:
         self._keys.set(key, value)
+
+    def mirror(self, key: str, value: str) -> None:
+        """Set `key` in both stores (a heartbeat must outlive rank 0)."""
+        self._keys.set(key, value)
+        if not self.on_backup and self.backup:
+            try:
+                self._second().set(key, value)
+            except Exception:  # the backup's rank is gone: the first store still has it
+                self.backup, self._mirror = None, None
 
     def get(self, key: str) -> str | None:
         """The value, or None when the key is not set (never waits for it)."""
@@ -259,12 +322,33 @@ class SideChannel:
     def add(self, key: str, amount: int = 1) -> int:
         return int(self._keys.add(key, amount))
 
+    def fail_over(self) -> bool:
+        """The first store stopped answering: use the second from now on. False without one (or
+        when it is gone too). Safe from several threads: the first caller moves, the rest see it."""
+        with self._lock:
+            if self.on_backup:
+                return True
+            try:
+                second = self._second()
+                second.check(["backup"])  # answers?
+            except Exception:
+                return False
+            if second is None:
+                return False
+            self._keys, self.on_backup = second, True
+            return True
 
-def side_channel(env: DistEnv) -> SideChannel | None:
+
+def side_channel(env: DistEnv, timeout_s: float = 30.0) -> SideChannel | None:
     """This rank's side channel (after `init`); None for a single process."""
     if env.world_size == 1:
         return None
-    return SideChannel(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]))
+    import datetime
+
+    channel = SideChannel(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]))
+    channel._keys.wait(["backup"], datetime.timedelta(seconds=timeout_s))  # backup_rank serves it by now
+    channel.backup = channel.get("backup")
+    return channel
 
 
 def send_stop(addr: str, port: int, signum: int, timeout_s: float = 5.0) -> bool:

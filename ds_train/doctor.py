@@ -43,7 +43,7 @@ PATTERNS: list[tuple[str, str, str]] = [
      r"was not reachable via ssh|'ssh', .*exit status 255"),
     ("nccl_timeout", "NCCL collective timed out",
      r"Watchdog caught collective operation timeout|ran for \d+ milliseconds before timing out|"
-     r"NCCL.*[Tt]imeout|collective operation timeout"),
+     r"NCCL.*[Tt]imeout|collective operation timeout|the process-group timeout fired"),
     ("nccl_error", "NCCL error", r"NCCL error|nccl\w*Error|NCCL WARN|NET/IB|ncclSystemError|ncclInternalError|"
                                  r"ncclRemoteError|ncclUnhandledCudaError|ncclInvalidUsage"),
     ("rendezvous", "rendezvous (TCPStore / libuv) failed",
@@ -53,11 +53,11 @@ PATTERNS: list[tuple[str, str, str]] = [
     ("nonfinite", "non-finite loss or gradients",
      r"consecutive steps with non-finite gradients|NonFiniteStop|loss (is )?(nan|inf)\b|non-finite weights"),
     ("hang", "a hang: ranks stopped making progress", r"hang: no progress for|watchdog\.stall_s\)"),
-    ("killed_rank", "a rank was killed", r"died without an error|exits with return code = -9|\bKilled\b|"
+    ("killed_rank", "a rank was killed", r"died without an error|killed by SIGKILL|exits with return code = -9|\bKilled\b|"
                                         r"signal 9\b|SIGKILL|return code = -(9|15)\b|ssh exited with exit code 247|"
                                         r"log ends without a word"),
     ("config_error", "bad input (config, batch math, command line)",
-     r"ds-train(\[rank \d+\])?: error: (?!hang:|rank \d+ on node|the job ended|start-up:|preflight:)|"
+     r"ds-train(\[rank \d+\])?: error: (?!hang:|rank \d+ on node|the job ended|start-up:|preflight:|the process-group)|"
      r"global_batch_size.*(divisible|must be)|unknown key"),
     ("rank_error", "an exception on a rank", r"failed first, in phase|^(\S+: )?(\[rank\d+\]: )?Traceback \(most recent|"
                                              r"^(\S+: )?(\[rank\d+\]: )?(\w+\.)*\w+(Error|Exception): "),
@@ -205,7 +205,7 @@ def _from_records(view, found: dict[str, Finding]) -> None:
         culprits = [ranks.get(str(r)) for r in view.hang.get("never_arrived", []) + view.hang.get("silent", [])]
         f.where = ", ".join(f"rank {c['rank']} on {c.get('addr') or c.get('host')}" for c in culprits if c)
     if view.failure:
-        cls = "killed_rank" if view.failure.get("kind") == "killed" else "rank_error"
+        cls = {"killed": "killed_rank", "timeout": "nccl_timeout"}.get(view.failure.get("kind"), "rank_error")
         f = found.setdefault(cls, Finding(cls, TITLES[cls]))
         f.evidence.insert(0, f"logs/failure.json: {view.failure.get('line', '')[:300]}")
         first = view.failure.get("first") or {}

@@ -58,6 +58,18 @@ class Stalled(Exception):
         self.agreed = agreed  # every rank found the same: rank 0 says it
 
 
+class PeerFailed(Exception):
+    """This rank's collective broke because another rank died or failed: the job's verdict (one
+    line) replaces this rank's traceback, which goes to its log. The rank that wrote the verdict
+    says it (`say`); the others end quietly. Exit 1."""
+
+    exit_code = 1
+
+    def __init__(self, verdict: str, say: bool):
+        super().__init__(verdict)
+        self.say = say
+
+
 class OutOfMemory(Exception):
     """A CUDA out-of-memory on this rank, with the memory plan and ranked fixes as the message."""
 

@@ -28,6 +28,10 @@ PEER_LOSS = re.compile(r"connection (closed|reset)|broken pipe|peer|socket|NCCL 
                        r"ProcessGroup.*(abort|shut)|Connection refused|Gloo", re.I)
 
 
+# A collective that waited past the process group's timeout (gloo; NCCL's watchdog).
+TIMED_OUT = re.compile(r"Timed out waiting (\d+) ?ms|timed out after (\d+) ?ms|Timeout\(ms\)=(\d+)", re.I)
+
+
 def main_frame():
     """The current frame of the main thread (None if it cannot be read)."""
     return sys._current_frames().get(threading.main_thread().ident)
@@ -47,6 +51,14 @@ def collective_of(frame) -> str | None:
             break
         frame = frame.f_back
     return f"{name} in {caller}" if name and caller else name
+
+
+def collective_in(exc: BaseException) -> str | None:
+    """The collective an exception came out of (its innermost frames), else None."""
+    tb, last = exc.__traceback__, None
+    while tb is not None:
+        last, tb = tb.tb_frame, tb.tb_next
+    return collective_of(last)
 
 
 def short_path(path: str) -> str:
@@ -138,24 +150,66 @@ def hang_report(records: dict[int, dict | None], answered: set[int], stall_s: fl
             "ranks": {str(r): rec for r, rec in sorted(records.items())}}
 
 
-def failure_report(failures: list[dict], silent: list[dict] = ()) -> dict:
+def failure_report(failures: list[dict], silent: list[dict] = (), oom: str = "",
+                   records: dict[int, dict | None] | None = None) -> dict:
     """The first failure, named: the first that is not a consequence of another rank's death; when
     every error is such a consequence, the rank that went silent (`silent`: last heartbeats of
-    ranks that died without a word)."""
+    ranks that died without a word).
+
+    A rank that dies without a word ran no exit of its own: no exception, no signal handler (SIGTERM,
+    SIGINT and SIGUSR1 are caught and end in a save). Only SIGKILL ends a process so: kill -9, or
+    the kernel's OOM killer (`oom`: the evidence, when the reporting rank shares its host). Its last
+    step is the step the other ranks wait in (its last heartbeat may be a step behind)."""
     primary = next((f for f in failures if f["primary"]), None)
+    timed_out = next((f for f in failures if TIMED_OUT.search(f["error"])), None)
+    if primary is None and timed_out is not None:
+        return _timeout_report(timed_out, failures, records or {})
     if primary is None and silent:
         dead = silent[0]
-        line = (f"{where(dead)} died without an error (its last heartbeat: phase {dead['phase']} of step "
-                f"{dead['step']}): killed by a signal (the kernel's OOM killer, see `dmesg` on {dead['host']}, or "
-                f"kill -9); then "
-                + ", ".join(f"rank {f['rank']}" for f in failures) + f" lost the connection ({failures[0]['error']})")
-        return {"kind": "killed", "line": line, "first": dead, "failures": failures}
+        step = max([dead["step"], min(f["step"] for f in failures)])
+        phase = f", phase {dead['phase']}" if dead["step"] == step else ""
+        by = f"the kernel's OOM killer ({oom})" if oom else (f"kill -9 or the kernel's OOM killer (see `dmesg` "
+                                                               f"on {dead['host']})")
+        others = [r["rank"] for r in silent[1:]]
+        lost: dict[int, dict] = {}  # a rank's main-thread error (it has a traceback) over its watchdog's
+        for f in failures:
+            if f["rank"] not in lost or f["tail"] and not lost[f["rank"]]["tail"]:
+                lost[f["rank"]] = f
+        seen = next((f for f in lost.values() if f["tail"]), failures[0])
+        line = (f"{where(dead)} was killed by SIGKILL in step {step}{phase}: it ended without an error "
+                f"or a handled signal, so {by}; "
+                + (f"ranks {', '.join(map(str, others))} went silent too; " if others else "")
+                + f"then {'rank' if len(lost) == 1 else 'ranks'} {', '.join(map(str, sorted(lost)))} lost "
+                f"the connection ({seen['error']})")
+        return {"kind": "killed", "line": line, "rank": dead["rank"], "host": dead["host"], "signal": "SIGKILL",
+                "step": step, "killer": "oom" if oom else "unknown", "first": dead, "silent": silent,
+                "failures": failures}
     first = primary or failures[0]
     others = [f"rank {f['rank']}" for f in failures if f is not first]
     tail = " | ".join(first["tail"])
     line = (f"{where(first)} failed first, in phase {first['phase']} of step {first['step']}: {first['error']}"
             + (f" (then {', '.join(others)})" if others else "") + f"; its log ({first['log']}) ends: {tail}")
-    return {"kind": "failure", "line": line, "first": first, "failures": failures}
+    return {"kind": "failure", "line": line, "rank": first["rank"], "host": first["host"], "signal": None,
+            "step": first["step"], "first": first, "failures": failures}
+
+
+def _timeout_report(t: dict, failures: list[dict], records: dict[int, dict | None]) -> dict:
+    """The process group's timeout fired in `t`'s collective: where each rank that did not join
+    it was (`records`: every rank's last heartbeat)."""
+    ms = next(int(g) for g in TIMED_OUT.search(t["error"]).groups() if g)
+    failed = {f["rank"] for f in failures}
+    away = [f"{where(r)} in phase {r['phase']} of step {r['step']}"
+            + (f", itself in {r['collective']}" if r.get("collective") else ", not in a collective")
+            for rank, r in sorted(records.items()) if r and rank not in failed]
+    line = (f"the process-group timeout fired: {where(t)} waited {ms / 1000:g} s (dist.timeout_s) in "
+            f"{t.get('collective') or 'a collective'} at step {t['step']}"
+            + (f"; the rank(s) it waited for: {'; '.join(away)}" if away else "")
+            + "; set watchdog.stall_s below dist.timeout_s to have a hang named sooner, with every "
+              "rank's stack")
+    return {"kind": "timeout", "line": line, "rank": t["rank"], "host": t["host"], "signal": None,
+            "step": t["step"], "timeout_s": ms / 1000, "collective": t.get("collective"), "first": t,
+            "waited_for": [r for rank, r in sorted(records.items()) if r and rank not in failed],
+            "failures": failures}
 
 
 # A straggler is also slower by this much a step: below it, the difference is timer noise (a CPU

@@ -25,6 +25,7 @@ import platform
 import signal
 import socket
 import time
+import traceback
 from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
@@ -37,18 +38,19 @@ from ds_train.checkpointer import Checkpointer
 from ds_train.config import RunConfig
 from ds_train.configfile import save_config
 from ds_train.engine import initialize, render_ds_config, zero_stage
-from ds_train.errors import AgreedError, OutOfMemory, Preempted, RunStopped, UserError
+from ds_train.errors import AgreedError, OutOfMemory, PeerFailed, Preempted, RunStopped, UserError
 from ds_train.export import export, save_hf_metadata
 from ds_train.fs import check_writable, file_lock, write_atomic
 from ds_train.guard import NonFiniteGuard
 from ds_train.inputs import ModelSource, RunInputs
+from ds_train.launchers import LauncherWatch, kill_grace
 from ds_train.logs import build_rank_log, capture_console, release_console
 from ds_train.memory import checkpoint_bytes
 from ds_train.metrics import Logger, build_logger, build_progress, peak_flops, rewind_jsonl
 from ds_train.model.build import build_model, count_params, flops_per_token, lookup_params, resolve_dtype
 from ds_train.parallel import ParallelDims, check_built, check_heads, plan_dims
 from ds_train.plan import oom_report
-from ds_train.reports import doctor_hint
+from ds_train.reports import doctor_hint, is_secondary
 from ds_train.reports import where as rank_where
 from ds_train.resume import ResumePoint, agree, check_resume, load_resume, locate, plan_resume, prepare_resume
 from ds_train.rundir import RunKind, RunPaths
@@ -205,12 +207,16 @@ class Run:
             gib = torch.cuda.get_device_properties(self.engine.device).total_memory / 2**30
             exc = OutOfMemory(oom_report(self.cfg, self.ds_config, self.engine.module.config,
                                          self.env.world_size, gib))
-        verdict = None
+        verdict, replacement = None, None
         if exc is not None and not isinstance(exc, (RunStopped, AgreedError)):  # this rank failed alone
             verdict = self.watchdog.fail(exc)
-        if exc is not None and not isinstance(exc, (Preempted, UserError)) and (self.env.is_main or verdict):
+        mine = self.watchdog.verdict is not None  # this rank wrote the job's verdict
+        if verdict and is_secondary(exc):  # a consequence of another rank's end: the verdict says it
+            self.rank_log.error("".join(traceback.format_exception(exc)).rstrip())
+            replacement = exc = PeerFailed(verdict, say=mine)
+        if exc is not None and not isinstance(exc, (Preempted, UserError)) and (self.env.is_main or mine):
             exc.add_note(doctor_hint(self.run_dir))
-        if verdict:  # the reporting rank ends its output with the job's verdict
+        if verdict and mine and replacement is None:  # the reporting rank ends its output with the verdict
             exc.add_note(f"ds-train: error: {verdict}")
         self.stop.restore()
         self.logger.close()
@@ -225,7 +231,7 @@ class Run:
             os.close(self.lock)  # the run directory is free for the next run
         if exc is None:  # all said; after an error, what the CLI prints next belongs in the log too
             release_console()
-        if isinstance(exc, OutOfMemory):
+        if isinstance(exc, OutOfMemory) or replacement is not None:
             raise exc from None
 
 
@@ -354,14 +360,17 @@ def _build_run(inputs: RunInputs, env: dist.DistEnv, spec: RunSpec, stop: StopRe
     names = dist.node_hosts()
     heartbeat = Heartbeat(env.rank, env.node_rank, host, names[env.node_rank] if env.node_rank < len(names) else "",
                           fault=fault_at(cfg.watchdog.debug_fault, env.rank))
+    launchers = LauncherWatch()  # a launcher above that ends stops the run, as SIGTERM does
     ckpt = Checkpointer(engine, paths.checkpoints, cfg.checkpoint, spec.last, env.rank, env.world_size, record,
                         stop, rank_log, spec.unit, writer=writer, seq=decision.next_seq, needed_bytes=needed,
-                        where=f" (node {env.node_rank}, {host})", beat=heartbeat.beat)
+                        where=f" (node {env.node_rank}, {host})", beat=heartbeat.beat,
+                        grace=kill_grace(launchers, os.environ), say=say)
     fpt = flops_per_token(n_params, source.hf_config.num_hidden_layers, source.hf_config.hidden_size,
                           cfg.train.seq_len, lookup_params(source.hf_config))
     guard = NonFiniteGuard(cfg.train.nonfinite, cfg.train.nonfinite_patience, rank_log)
     watchdog = Watchdog(heartbeat, paths, env.world_size, cfg.watchdog.stall_s, cfg.watchdog.heartbeat_s,
-                        dist.side_channel(env), env.local_rank if on_gpu else None, stop.request).start()
+                        dist.side_channel(env), env.local_rank if on_gpu else None, stop.request,
+                        launchers).start()
     token_group = dist.subgroup(dims.token_groups(), env.rank)
     return Run(cfg, env, spec, dims, token_group, plan, paths, ds_config, dtype, lr, engine, source.tokenizer,
                n_params, fpt, peak_flops(device_name, cfg.log.peak_tflops) if on_gpu else None, logger, rank_log,

@@ -32,8 +32,8 @@ from typing import Any, Callable
 
 from ds_train.fs import replacing
 from ds_train.rundir import RunPaths
-from ds_train.reports import (collective_of, doctor_hint, failure_report, format_stacks, hang_report, is_secondary,
-                              main_frame, native_stacks, short_path, where)
+from ds_train.reports import (collective_in, collective_of, doctor_hint, failure_report, format_stacks, hang_report,
+                              is_secondary, main_frame, native_stacks, short_path, where)
 
 EXIT_STALL = 5
 # Phases in which checkpoint I/O counts as progress (a large save writes for minutes).
@@ -137,8 +137,9 @@ class Watchdog:
 
     def __init__(self, hb: Heartbeat, paths: RunPaths, world: int, stall_s: float, heartbeat_s: float,
                  channel=None, device_index: int | None = None,
-                 on_signal: Callable[[int], None] = lambda signum: None):
+                 on_signal: Callable[[int], None] = lambda signum: None, launchers=None):
         self.hb, self.paths, self.world = hb, paths, world
+        self.launchers = launchers  # a LauncherWatch (ds_train/launchers.py): one gone stops the run
         self.stall_s, self.heartbeat_s = stall_s, heartbeat_s
         self.channel, self.device_index, self.on_signal = channel, device_index, on_signal
         self.path = paths.heartbeat(hb.rank)
@@ -146,7 +147,9 @@ class Watchdog:
         self.verdict: dict | None = None
         self._alarms = self._failures = 0
         self._stalled = self._main_failed = False
-        self._published = 0.0
+        self._published, self._published_step = 0.0, -1
+        self._lost_primary = False
+        self._oom_kills = oom_kills()
         self._unwritable = False
         self._io = _io_bytes()
         self._stop = threading.Event()
@@ -192,8 +195,8 @@ class Watchdog:
                 sys.stderr.write(f"ds-train[rank {self.hb.rank}]: watchdog: cannot write {self.path} "
                                  f"({e.strerror or e}); heartbeats go to the rendezvous store only\n")
         if to_store and self.channel is not None:
-            self.channel.set(f"hb/{self.hb.rank}", text)
-        self._published = time.monotonic()
+            self.channel.mirror(f"hb/{self.hb.rank}", text)  # in both stores: it must outlive rank 0
+        self._published, self._published_step = time.monotonic(), rec["step"]
         return rec
 
     # -- the thread's loop
@@ -203,6 +206,8 @@ class Watchdog:
             try:
                 self._tick()
             except Exception as e:  # never take a run down: without the store, heartbeats stay local
+                if self._fail_over():
+                    continue
                 if self.channel is not None and not self._stop.is_set():
                     sys.stderr.write(f"ds-train[rank {self.hb.rank}]: watchdog: the rendezvous store stopped "
                                      f"answering ({type(e).__name__}: {str(e).splitlines()[0][:120]}); rank 0 "
@@ -210,12 +215,17 @@ class Watchdog:
                 self.channel = None
 
     def _tick(self) -> None:
+        if self.launchers is not None and (gone := self.launchers.gone(self.channel)) is not None:
+            self.launchers = None
+            _say(f"ds-train[rank {self.hb.rank}]: the {gone.describe()} that started this job is gone; "
+                 f"saving and stopping as for SIGTERM")
+            self.on_signal(15)
         io = _io_bytes()
         if io != self._io and self.hb.phase in IO_PHASES:
             self.hb.last_progress = time.monotonic()  # a save or load that writes or reads moves
         self._io = io
-        if time.monotonic() - self._published >= self.heartbeat_s:
-            self.publish()
+        if time.monotonic() - self._published >= self.heartbeat_s or self.hb.step != self._published_step:
+            self.publish()  # on every new step too: a rank that dies is named at its last step
         if self.channel is not None:
             alarms = self.channel.add("alarm", 0)
             if alarms > self._alarms:
@@ -236,6 +246,12 @@ class Watchdog:
             self.on_signal(int(signum))
         if ch.get("stall") is not None and not self._stalled:
             self._hang()
+        if ch.get("report") is not None and self.verdict is None and not self._stalled:
+            # Another rank reported a failure: the job is over. This rank's main thread ends
+            # itself if it is in a collective with the dead; if not (busy elsewhere, stuck), end it.
+            if not _wait(lambda: self._main_failed, self.GRACE_S):
+                _exit(1)
+            return
         failures = int(ch.get("failures") or 0)
         if failures > self._failures:
             self._failures = failures
@@ -283,18 +299,21 @@ class Watchdog:
 
     # -- failures
     def _reporter(self) -> bool:
-        """Rank 0 reports, or, if it does not take part, the lowest rank that does."""
+        """Rank 0 reports, or, if it does not take part (gone with its store), the lowest rank that
+        does: each rank answers, then waits a moment for lower ones."""
         if self.hb.rank == 0 or self.channel is None:
             return True
         ch = self.channel
-        if _wait(lambda: ch.get("answered/0") or ch.get("hb/0") and _fresh(ch.get("hb/0"), 3 * self.heartbeat_s),
-                 1.0):
+        ch.set(f"answered/{self.hb.rank}", "1")
+        if ch.get("gone/0") is None and _wait(
+                lambda: ch.get("answered/0") or ch.get("hb/0") and _fresh(ch.get("hb/0"), 3 * self.heartbeat_s), 1.0):
             return False
+        time.sleep(0.5)
         return not any(ch.get(f"answered/{r}") for r in range(self.hb.rank))
 
     def fail(self, exc: BaseException) -> str | None:
-        """The main thread's exception: published for the report. Returns the job's verdict on the
-        reporting rank (to end its traceback with), None elsewhere."""
+        """The main thread's exception: published for the report. Returns the job's verdict once a
+        rank reported it (None when none did); `verdict` is set on the rank that reported."""
         self._main_failed = True
         self.armed = False
         self.hb.status = "failed"
@@ -306,16 +325,41 @@ class Watchdog:
         tail = [f"{short_path(f.filename)}:{f.lineno} in {f.name}" for f in frames] + lines[-2:]
         message = str(exc).strip().splitlines()  # a multi-line message (an OOM's plan) is named by its first
         error = f"{type(exc).__name__}: {message[0]}" if message else (lines[-1] if lines else type(exc).__name__)
-        rec = {**self.record(), "error": error if len(error) < 240 else error[:240] + "...", "tail": tail,
+        rec = {**self.record(), "collective": collective_in(exc),
+               "error": error if len(error) < 240 else error[:240] + "...", "tail": tail,
                "primary": not is_secondary(exc), "log": f"{self.hb.host}:{self.paths.rank_log(self.hb.rank)}"}
-        try:
-            n = ch.add("failures", 1)
-            ch.set(f"failure/{n}", json.dumps(rec))
-            ch.add("alarm", 1)
-            _wait(lambda: ch.get("report") is not None, self.GRACE_S)
-        except Exception:
-            return None  # the store went with rank 0: its own output says what happened
-        return self.verdict["line"] if self.verdict else None
+        for _ in range(2):  # the first store may have gone with rank 0: then the second
+            try:
+                self._publish_failure(rec)
+                _wait(lambda: self.channel.get("report") is not None, self.GRACE_S + 2 * self.heartbeat_s + 5)
+                return self.channel.get("report")
+            except Exception:
+                if not self._fail_over():
+                    return None  # no store answers: this rank's own output says what it saw
+        return None
+
+    def _publish_failure(self, rec: dict) -> None:
+        ch = self.channel
+        n = ch.add("failures", 1)
+        ch.set(f"failure/{n}", json.dumps(rec))
+        ch.add("alarm", 1)
+
+    def _fail_over(self) -> bool:
+        """The first store stopped answering, so rank 0 is gone (or its host unreachable): move to
+        the second store, say rank 0 is gone there and publish this rank's loss of it as a failure
+        (a consequence), so that the lowest surviving rank names what happened."""
+        ch = self.channel
+        if ch is None or self._stop.is_set() or not ch.fail_over():
+            return False
+        if ch.get("gone/0") is None:
+            ch.set("gone/0", "1")
+        rec = {**self.record(), "error": "the rendezvous store on rank 0 stopped answering", "tail": [],
+               "primary": False, "log": f"{self.hb.host}:{self.paths.rank_log(self.hb.rank)}"}
+        self.publish()
+        if not self._lost_primary:
+            self._lost_primary = True
+            self._publish_failure(rec)
+        return True
 
     def _report_failure(self) -> None:
         ch = self.channel
@@ -331,9 +375,14 @@ class Watchdog:
                       if r not in failed and before[r] is not None and ch.get(f"hb/{r}") == before[r]]
         if not failures or ch.get("report") is not None:
             return
-        report = failure_report(failures, silent)
+        oom = ""
+        if silent and silent[0]["host"] == self.hb.host and (now := oom_kills()) > self._oom_kills >= 0:
+            oom = f"this host's memory cgroup counted {now - self._oom_kills} OOM kill(s) since the start"
+        records = {r: _loads(ch.get(f"hb/{r}")) for r in range(self.world)}
+        report = failure_report(failures, silent, oom, records)
         self._conclude(report, self.paths.failure, say=False)
         ch.set("report", report["line"])
+        ch.add("alarm", 1)  # the others end too
         # The main thread ends its traceback with the verdict; stuck inside a collective (NCCL waits
         # for the dead rank until its timeout), it never gets there: say it and end this rank now.
         if not _wait(lambda: self._main_failed, 3.0):
@@ -351,6 +400,26 @@ class Watchdog:
             tmp.write_text(json.dumps(report, indent=1, default=str))
         if say:
             _say(f"{doctor_hint(self.paths.root)}\nds-train: error: {report['line']}")
+
+
+def oom_kills() -> int:
+    """How many processes the kernel's OOM killer ended in this process's memory cgroup (cgroup v2
+    memory.events or v1 memory.oom_control); -1 where neither can be read."""
+    try:
+        lines = Path("/proc/self/cgroup").read_text().splitlines()
+    except OSError:
+        return -1
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        for base, name in (("/sys/fs/cgroup", "memory.events"), ("/sys/fs/cgroup/memory", "memory.oom_control")):
+            if (controllers == "" and name == "memory.events") or "memory" in controllers.split(","):
+                for where_ in (Path(base + path) / name, Path(base) / name):
+                    try:
+                        fields = dict(l.split() for l in where_.read_text().splitlines() if l.strip())
+                        return int(fields["oom_kill"])
+                    except (OSError, ValueError, KeyError):
+                        continue
+    return -1
 
 
 def _io_bytes() -> tuple[int, int]:

@@ -104,10 +104,28 @@ def spawn(args: list[str], env: dict | None = None, cwd: Path = ROOT) -> subproc
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
 
 
+def pids_with(marker: str) -> list[int]:
+    """Processes whose command line mentions `marker` (a path unique to one test's run)."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and int(entry.name) != os.getpid():
+            try:
+                if marker in (entry / "cmdline").read_bytes().decode(errors="replace"):
+                    pids.append(int(entry.name))
+            except OSError:
+                pass
+    return pids
+
+
 def release_shared_memory() -> None:
     """DeepSpeed's CPU all-reduce maps /dev/shm/deepspeed_allreduce_buffer_* (69 MB a rank) and never
     unlinks them; a killed run cannot. Unlink those no live process maps: a job running beside the
-    tests (a training run in another shell) keeps its own."""
+    tests (a training run in another shell, a SLURM job of tests/test_slurm.py) keeps its own.
+    Listed before the scan and only when a minute old: a buffer made during the scan, not yet
+    mapped, belongs to a job starting now (unlinking it leaves its other ranks waiting forever)."""
+    import time
+
+    old = [p for p in Path("/dev/shm").glob("deepspeed_allreduce_buffer_*") if _age_s(p, time.time()) > 60]
     in_use = set()
     for maps in Path("/proc").glob("[0-9]*/maps"):
         try:
@@ -115,9 +133,16 @@ def release_shared_memory() -> None:
         except OSError:  # the process exited, or is not ours to read
             continue
         in_use.update(line.split(None, 5)[-1] for line in text.splitlines() if "deepspeed_allreduce_buffer_" in line)
-    for path in Path("/dev/shm").glob("deepspeed_allreduce_buffer_*"):
+    for path in old:
         if str(path) not in in_use:
             path.unlink(missing_ok=True)
+
+
+def _age_s(path: Path, now: float) -> float:
+    try:
+        return now - path.stat().st_mtime
+    except OSError:  # gone already
+        return 0.0
 
 
 def reap(proc: subprocess.Popen, timeout: float) -> Result:

@@ -7,12 +7,14 @@ import json
 import os
 import shutil
 import signal
+import socket
 import time
+from pathlib import Path
 
 import pytest
 
-from conftest import (ROOT, STAGE_TRAIN, STRAIGHT_STEPS, deepspeed_args, deepspeed_train, ds_train, expect_error,
-                      reap, spawn, tiny_config, tree_listing, write_config)
+from conftest import (ROOT, STAGE_TRAIN, STRAIGHT_STEPS, Result, deepspeed_args, deepspeed_train, ds_train,
+                      expect_error, pids_with, reap, spawn, tiny_config, tree_listing, write_config)
 from ds_train import checkpoint, resume
 
 
@@ -128,50 +130,100 @@ def wait_for_step(proc, run_dir, step, timeout=180):
     pytest.fail(f"step {step} not reached in {timeout}s")
 
 
+STALL_S = 30  # watchdog.stall_s of the kill tests: a job that lost a rank ends within STALL_S + 60 s
+
+
+def kill_rank(proc, run_dir: Path, rank: int, after: int) -> Result:
+    """SIGKILL `rank` (as the OOM killer does) once the run logged step `after`; the job must end
+    within STALL_S + 60 s (reap's limit) with the verdict on that rank."""
+    wait_for_step(proc, run_dir, after)
+    os.kill(rank_pid(run_dir, rank), signal.SIGKILL)
+    res = reap(proc, timeout=STALL_S + 60)
+    assert res.returncode != 0, res.out[-3000:]
+    assert "Traceback" not in res.out, res.out[-4000:]  # the surviving rank says one line, no gloo traceback
+    failure = json.loads((run_dir / "logs" / "failure.json").read_text())
+    host = socket.gethostname()
+    assert (failure["kind"], failure["rank"], failure["host"], failure["signal"]) == ("killed", rank, host, "SIGKILL")
+    assert after <= failure["step"] <= max(metrics_by_step(run_dir)) + 1  # the step it died in, not a stale one
+    last = [line for line in res.out.splitlines() if line.startswith("ds-train")][-1]
+    assert last.startswith(f"ds-train: error: rank {rank} on node 0 ({host}) was killed by SIGKILL in step "
+                           f"{failure['step']}"), res.out[-3000:]
+    assert f"then rank {1 - rank} lost the connection" in last
+    doctor = ds_train("doctor", str(run_dir), timeout=120)  # the doctor reads the live failure
+    assert "a rank was killed" in doctor.out and f"rank {rank} on {host}" in doctor.out, doctor.out
+    return res
+
+
 @pytest.mark.slow
-def test_kill_9_of_rank_1_then_resume_is_exact(stage_run, tiny_data, tmp_path):
-    """ZeRO-3 (zero2: the SIGTERM test below), saving every 2 steps: rank 1 is killed after step 5,
-    the job goes down, and the same command resumes from the newest whole save and gives the
+def test_sigkill_of_rank_0_then_of_rank_1_each_named_and_each_resume_is_exact(stage_run, tiny_data, tmp_path):
+    """ZeRO-3, saving every 2 steps. Rank 0 (which serves the rendezvous store) is killed after
+    step 3: the job ends with one line naming rank 0, its host, SIGKILL and its last step (the
+    second store, on rank 1, carries the verdict). The same command resumes from the newest whole
+    save; rank 1 is killed 2 steps later, named the same way; the third start finishes with the
     losses of conftest's uninterrupted zero3 run, bitwise."""
     ref = metrics_by_step(stage_run("zero3")[1])
     run_dir = tmp_path / "run"
     cfg = write_config(tmp_path / "run.yaml", tiny_config(
-        tiny_data, run_dir, train=STAGE_TRAIN, checkpoint={"every": 2, "keep": 2}))
-    proc = spawn(deepspeed_args(cfg, "zero3.json", "watchdog.debug_fault=slow:0:0.3"))  # slower, same numbers
-    wait_for_step(proc, run_dir, 5)
-    os.kill(rank_pid(run_dir, 1), signal.SIGKILL)
-    t0 = time.monotonic()
-    res = reap(proc, timeout=60)
-    assert res.returncode != 0 and time.monotonic() - t0 < 60
+        tiny_data, run_dir, train=STAGE_TRAIN, checkpoint={"every": 2, "keep": 2}, watchdog={"stall_s": STALL_S}))
+    args = deepspeed_args(cfg, "zero3.json", "watchdog.debug_fault=slow:0:0.3")  # slower, same numbers
     ckpts = run_dir / "checkpoints"
-    resumed_from = checkpoint.latest_complete(ckpts)
-    assert resumed_from in ("step_00000004", "step_00000006") and (ckpts / "latest").read_text() == resumed_from
-    assert len(checkpoint.complete_tags(ckpts)) == 2  # keep=2
+    kill_rank(spawn(args), run_dir, 0, after=3)
+    first = checkpoint.latest_complete(ckpts)
+    assert first in ("step_00000002", "step_00000004") and (ckpts / "latest").read_text() == first
+
+    k = int(first.split("_")[1])
+    res = kill_rank(spawn(args), run_dir, 1, after=k + 2)
+    assert f"resumed from {ckpts / first} at step {k}" in res.out
+    second = checkpoint.latest_complete(ckpts)
+    assert int(second.split("_")[1]) > k and len(checkpoint.complete_tags(ckpts)) == 2  # keep=2
 
     res = deepspeed_train(cfg, "zero3.json")
     assert res.returncode == 0, res.out[-3000:]
-    k = int(resumed_from.split("_")[1])
-    assert f"resumed from {ckpts / resumed_from} at step {k}" in res.out
+    k2 = int(second.split("_")[1])
+    assert f"resumed from {ckpts / second} at step {k2}" in res.out
     got = metrics_by_step(run_dir)
     assert sorted(got) == sorted(ref) == list(range(1, 9))  # no duplicated or missing lines
-    for step in range(k + 1, 9):  # bitwise: same float printed
+    for step in range(k2 + 1, 9):  # bitwise: same float printed
         assert got[step]["loss"] == ref[step]["loss"], (step, got[step]["loss"], ref[step]["loss"])
 
 
-@pytest.mark.slow
-def test_sigterm_saves_at_the_next_step_and_the_resume_continues(straight_zero2, tiny_data, tmp_path):
-    run_dir = tmp_path / "run"
-    cfg = write_config(tmp_path / "run.yaml", tiny_config(
-        tiny_data, run_dir, train={"max_steps": STEPS}, checkpoint={"every": 100, "save_final": True}))
-    proc = spawn(deepspeed_args(cfg, "zero2.json", "watchdog.debug_fault=slow:0:0.2"))  # slower, same numbers
-    wait_for_step(proc, run_dir, 5)
-    os.kill(rank_pid(run_dir, 1), signal.SIGTERM)
-    res = reap(proc, timeout=60)
-    assert res.returncode != 0, res.out[-3000:]
+def stop_by(proc, run_dir: Path, after: int, pid, signum: int, within_s: float) -> int:
+    """Once the run logged step `after`, send `signum` to `pid()` (a rank, or the launcher alone): every
+    rank saves at the next step and exits, and no process of the job is left `within_s` later.
+    Returns the step saved."""
+    wait_for_step(proc, run_dir, after)
+    os.kill(pid(), signum)
+    res = reap(proc, timeout=within_s)  # every rank closed the output pipe: none is left
+    assert not pids_with(str(run_dir.parent)), res.out[-3000:]
     saved = checkpoint.latest_complete(run_dir / "checkpoints")
     k = int(saved.split("_")[1])
-    assert 5 <= k < STEPS
-    assert f"stopped by signal {int(signal.SIGTERM)} at step {k}" in res.out
+    assert after <= k < STEPS, res.out[-3000:]
+    assert f"stopped by signal {int(signal.SIGTERM)} at step {k}; checkpoint saved" in res.out, res.out[-3000:]
+    for rank in (0, 1):  # each rank saved and ended on the stop (exit 143), none was killed
+        assert f"exit 143: stopped by signal 15 at step {k}" in (run_dir / "logs" / f"rank_{rank}.log").read_text()
+    return k
+
+
+@pytest.mark.slow
+def test_sigterm_to_a_rank_or_the_launcher_and_sigkill_of_the_launcher_save_and_resume_exactly(
+        straight_zero2, tiny_data, tmp_path):
+    """Three stops, each followed by the same command: SIGTERM to rank 1 (the other rank learns of
+    it at the next step); SIGTERM to the `deepspeed` runner's PID alone (what a container runtime
+    sends: the runner dies of it and passes nothing on; the ranks see their launcher gone); SIGKILL
+    of the runner. Each time every rank saves and exits and nothing is left; the last start
+    finishes with the straight run's losses, bitwise."""
+    run_dir = tmp_path / "run"
+    cfg = write_config(tmp_path / "run.yaml", tiny_config(
+        tiny_data, run_dir, train={"max_steps": STEPS}, checkpoint={"every": 100, "save_final": True},
+        watchdog={"stall_s": STALL_S}))
+    args = deepspeed_args(cfg, "zero2.json", "watchdog.debug_fault=slow:0:0.3")  # slower, same numbers
+    proc = spawn(args)
+    k = stop_by(proc, run_dir, 3, lambda: rank_pid(run_dir, 1), signal.SIGTERM, 60)
+    for signum, within_s in ((signal.SIGTERM, 60), (signal.SIGKILL, STALL_S + 60)):
+        proc = spawn(args)
+        k2 = stop_by(proc, run_dir, k + 2, lambda: proc.pid, signum, within_s)
+        assert k2 > k
+        k = k2
 
     res = deepspeed_train(cfg, "zero2.json")
     assert res.returncode == 0, res.out[-3000:]

@@ -64,3 +64,13 @@ def test_an_agreed_signal_saves_then_stops_with_128_plus_the_signal():
     with pytest.raises(Preempted, match="stopped by signal 15 at iteration 3; checkpoint saved") as stop:
         c.maybe_save(3, lambda: {"ript": "state"})
     assert c.saved == [(3, {"ript": "state"})] and stop.value.exit_code == 143
+
+
+def test_a_save_longer_than_half_the_launchers_grace_period_is_said_once_with_the_fix():
+    from ds_train.checkpointer import grace_warning
+
+    assert grace_warning(14.9, ("the deepspeed launcher", 30.0)) is None  # fits, with the step in progress
+    assert grace_warning(100.0, None) is None  # no launcher known to kill (a single process, srun's own)
+    said = grace_warning(42.4, ("the deepspeed launcher", 30.0))
+    assert said.startswith("checkpoint: a save takes 42 s; the deepspeed launcher kills the ranks 30 s after a "
+                           "SIGTERM") and "SIGUSR1" in said and "--signal-lead" in said and "\n" not in said

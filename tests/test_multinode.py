@@ -15,6 +15,7 @@ import re
 import shlex
 import shutil
 import signal
+import stat
 import socket
 import sys
 import time
@@ -23,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import (TESTS_ON_PATH, ROOT, free_port, losses_by_step, reap, ript_config, run_cmd, spawn, tiny_config,
+from conftest import (TESTS_ON_PATH, ROOT, free_port, losses_by_step, pids_with, reap, ript_config, run_cmd, spawn, tiny_config,
                       write_config)
 from ds_train import checkpoint
 
@@ -33,21 +34,8 @@ NODES = ("127.0.0.2", "127.0.0.3")
 ZERO2 = str(ROOT / "ds_configs" / "zero2.json")
 
 
-def _pids_with(marker: str) -> list[int]:
-    """Processes whose command line mentions `marker` (a path unique to one test's run)."""
-    pids = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit() and int(entry.name) != os.getpid():
-            try:
-                if marker in (entry / "cmdline").read_bytes().decode(errors="replace"):
-                    pids.append(int(entry.name))
-            except OSError:
-                pass
-    return pids
-
-
 def _kill_leftovers(marker: str) -> list[int]:
-    left = _pids_with(marker)
+    left = pids_with(marker)
     for pid in left:
         try:
             os.kill(pid, signal.SIGKILL)
@@ -59,7 +47,7 @@ def _kill_leftovers(marker: str) -> list[int]:
 def _assert_nothing_left(marker: str, grace_s: float = 10) -> None:
     """No rank outlives its job; stragglers are killed (by pid) and fail the test."""
     deadline = time.monotonic() + grace_s
-    while _pids_with(marker) and time.monotonic() < deadline:
+    while pids_with(marker) and time.monotonic() < deadline:
         time.sleep(0.5)
     left = _kill_leftovers(marker)
     assert not left, f"processes still running after the job ended: {left}"
@@ -219,9 +207,7 @@ def test_unreachable_host_is_named_within_30s(cluster, tiny_data, tmp_path):
                                                              train={"global_batch_size": 6}))
     hostfile = tmp_path / "hostfile"
     hostfile.write_text(cluster["hostfile"].read_text() + "127.0.0.4 slots=1\n")
-    start = time.monotonic()
-    res = run_cmd(launch_args(hostfile, config, "--check"), timeout=30, env=cluster["env"])
-    assert time.monotonic() - start < 30
+    res = run_cmd(launch_args(hostfile, config, "--check"), timeout=30, env=cluster["env"])  # fails past 30 s
     assert res.returncode == 2, res.out
     assert "127.0.0.4: not reachable by password-less ssh" in res.out
     assert "unreachable: 127.0.0.4;" in res.out
@@ -234,11 +220,9 @@ def test_a_traceback_on_node1_is_in_its_log_and_the_last_line_names_it(cluster, 
     host and rank), and the job's last line names rank 1, node 1, the phase, the step and the
     error, not the connection errors the other rank gets after it."""
     config = write_config(tmp_path / "run.yaml", tiny_config(tiny_data, tmp_path / "run", train={"max_steps": 50}))
-    start = time.monotonic()
     res = run_cmd(launch_args(cluster["hostfile"], config, "--master_port", str(free_port()),
                               overrides=("watchdog.debug_fault=raise:1:3",)), timeout=180, env=cluster["env"])
     assert res.returncode == 1, res.out[-4000:]
-    assert time.monotonic() - start < 120
     _assert_nothing_left(str(config))
     host = socket.gethostname()
     last = res.out.strip().splitlines()[-1]
@@ -255,18 +239,38 @@ def test_a_traceback_on_node1_is_in_its_log_and_the_last_line_names_it(cluster, 
     assert failure["first"]["rank"] == 1 and failure["first"]["primary"] and failure["first"]["addr"] == "127.0.0.3"
 
 
-def test_a_rank_killed_on_node1_is_named_and_the_job_goes_down(cluster, tiny_data, tmp_path):
-    """SIGKILL (as the OOM killer sends) to rank 1 on node 1: it says nothing; rank 0 loses the
-    connection; the last line names rank 1 as the rank that died, not rank 0's error."""
-    config = write_config(tmp_path / "run.yaml", tiny_config(tiny_data, tmp_path / "run", train={"max_steps": 50}))
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_rank_killed_on_either_node_is_named_and_the_newest_save_resumes_exactly(cluster, straight_run, tiny_data,
+                                                                                   tmp_path, rank):
+    """SIGKILL (as the OOM killer sends) of rank 0 on node 0 (which serves the rendezvous store: the
+    second store, on node 1, carries the verdict) or of rank 1 on node 1, at step 3: the other rank
+    loses the connection and says one line, no traceback, naming the killed rank, its node and
+    host, SIGKILL and step 3; failure.json says the same. The same command then resumes from the
+    save of step 2 and gives the straight run's losses, bitwise."""
+    run = tmp_path / "run"
+    config = write_config(tmp_path / "run.yaml", tiny_config(tiny_data, run, train={"max_steps": 12},
+                                                             checkpoint={"every": 2}, watchdog={"stall_s": 30}))
     res = run_cmd(launch_args(cluster["hostfile"], config, "--master_port", str(free_port()),
-                              overrides=("watchdog.debug_fault=kill:1:3",)), timeout=180, env=cluster["env"])
+                              overrides=(f"watchdog.debug_fault=kill:{rank}:3",)), timeout=180, env=cluster["env"])
     assert res.returncode != 0, res.out[-4000:]
     _assert_nothing_left(str(config))
+    assert "Traceback" not in res.out, res.out[-4000:]
+    host = socket.gethostname()
     last = res.out.strip().splitlines()[-1]
-    assert last.startswith(f"ds-train: error: rank 1 on node 1 (127.0.0.3, host {socket.gethostname()}) died without "
-                           f"an error"), res.out[-3000:]
-    assert "killed by a signal (the kernel's OOM killer" in last and "then rank 0 lost the connection" in last
+    assert last.startswith(f"ds-train: error: rank {rank} on node {rank} ({NODES[rank]}, host {host}) was killed by "
+                           f"SIGKILL in step 3"), res.out[-3000:]
+    assert f"then rank {1 - rank} lost the connection" in last, last
+    failure = json.loads((run / "logs" / "failure.json").read_text())
+    assert (failure["rank"], failure["signal"], failure["step"], failure["first"]["addr"]) == (rank, "SIGKILL", 3,
+                                                                                               NODES[rank])
+    assert checkpoint.latest_complete(run / "checkpoints") == "step_00000002"
+
+    res = run_cmd(launch_args(cluster["hostfile"], config, "--master_port", str(free_port())), timeout=180,
+                  env=cluster["env"])
+    assert res.returncode == 0, res.out[-4000:]
+    assert f"resumed from {run / 'checkpoints' / 'step_00000002'} at step 2" in res.out
+    got = losses_by_step(run)
+    assert sorted(got) == list(range(1, 13)) and all(got[s] == straight_run[s] for s in range(3, 13))
 
 
 def test_a_stalled_rank_on_node1_is_named_through_pdsh(cluster, tiny_data, tmp_path):
@@ -277,13 +281,11 @@ def test_a_stalled_rank_on_node1_is_named_through_pdsh(cluster, tiny_data, tmp_p
                              overrides=("watchdog.stall_s=6", "watchdog.debug_fault=stall:1:4")), env=cluster["env"])
     try:
         _wait_for_step(tmp_path / "run" / "heartbeats" / "rank_1.json", 4, proc)
-        stalled = time.monotonic()
     except BaseException:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.communicate()
         raise
-    res = reap(proc, 120)
-    assert time.monotonic() - stalled < 6 + 30
+    res = reap(proc, 6 + 60)  # ends within stall_s + 60 s of the stall, or fails
     assert res.returncode == 5, res.out[-4000:]
     _assert_nothing_left(str(config))
     host = socket.gethostname()
@@ -319,6 +321,66 @@ def test_shell_metacharacters_in_the_hostfile_are_rejected(cluster, tiny_data, t
     assert res.returncode == 2, res.out
     assert f"{hostfile}:2: '127.0.0.3;touch${{IFS}}{marker}' is not a valid host name" in res.out
     assert not marker.exists() and not (tmp_path / "run").exists()
+
+
+def _on_node(env: dict, host: str, code: str) -> str:
+    """Run Python `code` on `host` over the cluster's ssh (as the preflight probe does): its output."""
+    res = run_cmd(["ssh", *shlex.split(env["PDSH_SSH_ARGS_APPEND"]), "--", host,
+                   shlex.join([sys.executable, "-c", code])], timeout=60)
+    return res.out.strip()
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("change", ["missing", "another version"])
+def test_preflight_names_node1_whose_transformers_is_missing_or_of_another_version(node_local_cluster, tiny_data,
+                                                                                  tmp_path, change):
+    """Node 1 (its sshd runs in a mount namespace of its own) gets a site-packages without transformers,
+    or with another version of it (an overlayfs layer over the venv's site-packages, mounted in that
+    namespace only): `ds-train launch --check` fails before any rank starts, with one line naming the
+    host, the package, both versions and the fix; node 0 and this machine are untouched."""
+    import importlib.metadata
+
+    c = node_local_cluster
+    dist = importlib.metadata.distribution("transformers")
+    here, info = dist.version, Path(dist._path)  # site-packages/transformers-<version>.dist-info
+    site = info.parent
+    other = "4.57.1" if here != "4.57.1" else "4.56.0"
+    layer = tmp_path / "layer"
+    layer.mkdir()
+    hidden = [info.name] + (["transformers"] if change == "missing" else [])
+    for name in hidden:  # an overlayfs whiteout: a 0/0 character device hides the lower layer's entry
+        os.mknod(layer / name, 0o600 | stat.S_IFCHR, os.makedev(0, 0))
+    if change == "another version":
+        shutil.copytree(info, layer / f"transformers-{other}.dist-info")
+        meta = layer / f"transformers-{other}.dist-info" / "METADATA"
+        meta.write_text(re.sub(r"(?m)^Version: .*$", f"Version: {other}", meta.read_text(), count=1))
+    node1_sshd = (c["nodes"][1].parent / "sshd1.pid").read_text().strip()
+    in_node1 = ["nsenter", "-t", node1_sshd, "-m", "--"]
+    config = write_config(tmp_path / "run.yaml", tiny_config(tiny_data, tmp_path / "run"))
+    mounted = run_cmd([*in_node1, "mount", "-t", "overlay", "overlay", "-o", f"lowerdir={layer}:{site}", str(site)],
+                      timeout=30)
+    assert mounted.returncode == 0, mounted.out
+    try:
+        ask = "import importlib.metadata as m; print(m.version('transformers'))"
+        assert _on_node(c["env"], NODES[0], ask) == here
+        if change == "missing":  # node 1 really lacks it, as the run would find out after launch
+            assert "No module named 'transformers'" in _on_node(c["env"], NODES[1], "import transformers")
+        else:
+            assert _on_node(c["env"], NODES[1], ask) == other
+        res = run_cmd(launch_args(c["hostfile"], config, "--check", "--master_port", str(free_port())),
+                      timeout=120, env=c["env"])
+    finally:
+        unmounted = run_cmd([*in_node1, "umount", str(site)], timeout=30)
+        assert unmounted.returncode == 0, unmounted.out
+    assert res.returncode == 2, res.out
+    lines = res.out.strip().splitlines()
+    assert lines[-2:] == [
+        "ds-train: error: preflight: 1 problem:",
+        f"  127.0.0.3: transformers {other if change == 'another version' else 'missing'} (this machine: {here}); "
+        f"install the same versions on every node (pip install transformers=={here} there)"], res.out
+    assert "127.0.0.2:" not in res.out and "preflight: ok" not in res.out
+    assert not (tmp_path / "run").exists()
+    assert importlib.metadata.version("transformers") == here  # the mount stayed in node 1's namespace
 
 
 def test_node_local_output_dirs_resume_exactly_and_a_node_missing_files_is_named(node_local_cluster, straight_run,

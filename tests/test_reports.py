@@ -55,9 +55,35 @@ def test_the_first_failure_is_the_first_that_is_not_a_consequence():
     assert report["line"] == ("rank 1 on node 0 (h0) failed first, in phase data of step 3: ValueError: bad batch "
                               "(then rank 0); its log (h0:/r/logs/rank_1.log) ends: ds_train/data.py:9 in f | "
                               "ValueError: bad batch")
-    killed = rp.failure_report([peer], silent=[rec(1, 2, 1, "forward")])
-    assert killed["line"].startswith("rank 1 on node 0 (h0) died without an error (its last heartbeat: phase forward "
-                                     "of step 2): killed by a signal (the kernel's OOM killer")
+    # a rank that went silent: SIGKILL, in the step the others wait in (its heartbeat is a step behind)
+    watchdog_said = {**peer, "error": "the rendezvous store on rank 0 stopped answering"}  # no traceback
+    main_thread = {**peer, "tail": ["torch/distributed/distributed_c10d.py:3252 in all_reduce",
+                                    "RuntimeError: Connection closed by peer"]}
+    killed = rp.failure_report([watchdog_said, main_thread], silent=[rec(1, 2, 1, "forward")])
+    assert killed["line"] == ("rank 1 on node 0 (h0) was killed by SIGKILL in step 3: it ended without an error or a "
+                              "handled signal, so kill -9 or the kernel's OOM killer (see `dmesg` on h0); then rank 0 "
+                              "lost the connection (RuntimeError: Connection closed by peer)")
+    assert (killed["kind"], killed["rank"], killed["host"], killed["signal"], killed["step"], killed["killer"]) == (
+        "killed", 1, "h0", "SIGKILL", 3, "unknown")
+    oom = rp.failure_report([peer], silent=[rec(1, 3, 1, "forward")], oom="1 OOM kill(s) in this cgroup")
+    assert "in step 3, phase forward" in oom["line"] and "so the kernel's OOM killer (1 OOM kill(s) in this cgroup)" \
+        in oom["line"] and oom["killer"] == "oom"
+
+
+def test_a_collective_past_the_process_group_timeout_is_named_with_the_ranks_it_waited_for():
+    waited = {**rec(0, 3, 2, "backward"), "collective": "all_reduce in deepspeed/runtime/zero/stage_1_and_2.py:2384 "
+              "(allreduce_bucket)", "error": "RuntimeError: [../gloo/transport/tcp/unbound_buffer.cc:81] Timed out "
+              "waiting 20000ms for recv operation to complete", "primary": False, "tail": [], "log": "h0:l0"}
+    stuck = {**rec(1, 3, 1, "data"), "collective": None}
+    report = rp.failure_report([waited], records={0: waited, 1: stuck})
+    assert report["line"].startswith(
+        "the process-group timeout fired: rank 0 on node 0 (h0) waited 20 s (dist.timeout_s) in all_reduce in "
+        "deepspeed/runtime/zero/stage_1_and_2.py:2384 (allreduce_bucket) at step 3; the rank(s) it waited for: rank 1 "
+        "on node 0 (h0) in phase data of step 3, not in a collective; set watchdog.stall_s below dist.timeout_s")
+    assert (report["kind"], report["timeout_s"], report["rank"]) == ("timeout", 20.0, 0)
+    nccl = {**waited, "error": "DistBackendError: [Rank 0] Watchdog caught collective operation timeout: "
+            "WorkNCCL(SeqNum=9, OpType=ALLREDUCE, Timeout(ms)=600000) ran for 600047 milliseconds"}
+    assert rp.failure_report([nccl], records={0: nccl, 1: stuck})["timeout_s"] == 600.0
 
 
 def test_secondary_errors_are_recognised():

@@ -17,7 +17,9 @@ from ds_train.rundir import read_metrics
 from test_monitor import frame
 
 
-def test_faults_fire_on_their_rank_and_step_only():
+def test_faults_fire_on_their_rank_and_step_only(monkeypatch):
+    slept = []
+    monkeypatch.setattr(wd.time, "sleep", slept.append)
     assert wd.fault_at("", 0) is None and wd.fault_at("raise:1:3", 0) is None
     hook = wd.fault_at("raise:1:3", 1)
     hook(2, "data")
@@ -25,12 +27,12 @@ def test_faults_fire_on_their_rank_and_step_only():
     with pytest.raises(RuntimeError, match="injected failure on rank 1 at step 3"):
         hook(3, "data")
     slow = wd.fault_at("slow:0:0.05:2", 0)
-    t0 = time.perf_counter()
-    slow(1, "data")
-    slow(2, "forward")
-    assert time.perf_counter() - t0 < 0.05
+    slow(1, "data")  # before its first step
+    slow(2, "forward")  # not a phase it slows
+    assert slept == []
     slow(2, "data")
-    assert 0.05 <= time.perf_counter() - t0 < 1
+    slow(3, "rollout")
+    assert slept == [0.05, 0.05]
 
 
 def test_a_heartbeat_file_is_written_and_a_stall_in_one_process_is_reported(tmp_path):
@@ -53,10 +55,8 @@ def stuck_in_forward():
     time.sleep(30)
 stuck_in_forward()
 """
-    t0 = time.monotonic()
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 5, proc.stderr
-    assert time.monotonic() - t0 < 15
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith("ds-train: error: hang: no progress for 1.5 s (watchdog.stall_s): rank 0 on node 0 (h0) "
                            "stalled in phase forward of step 1"), last
@@ -77,14 +77,10 @@ def test_a_stalled_rank_is_named_with_its_stack_and_the_job_ends_in_time(tiny_da
     rank that never arrived from the one waiting in the collective."""
     cfg = write_config(tmp_path / "run.yaml", tiny_config(tiny_data, tmp_path / "run", train={"max_steps": 50}))
     stall_s = 6
-    t0 = time.monotonic()
     res = deepspeed_train(cfg, "zero2.json", f"watchdog.stall_s={stall_s}", "watchdog.debug_fault=stall:1:4",
-                          timeout=200)
-    elapsed = time.monotonic() - t0
+                          timeout=200)  # start-up, 4 steps, stall_s and the report; a job that hangs fails here
     assert res.returncode == 5, res.out[-4000:]
     run, host = tmp_path / "run", socket.gethostname()
-    # the job's start-up (~10 s here) + stall_s + the report, well inside stall_s + 30 s of the stall
-    assert elapsed < 20 + stall_s + 30, elapsed
     report = [line for line in res.out.splitlines() if line.startswith("ds-train: error: hang")]
     assert len(report) == 1, res.out[-4000:]
     assert report[0].startswith(f"ds-train: error: hang: no progress for {stall_s} s (watchdog.stall_s): rank 1 on "
@@ -114,6 +110,34 @@ def test_a_stalled_rank_is_named_with_its_stack_and_the_job_ends_in_time(tiny_da
     assert re.search(r"^\s*1\s+\S+\s+4\s+data\s+\d+s\s+[\d.]+\s+-\s+-\s+STALLED$", text, re.M), text
     findings = diagnose(str(run))
     assert findings[0].cls == "hang" and findings[0].where == f"rank 1 on {host}", findings
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_the_process_group_timeout_fires_and_names_the_collective_and_the_rank_it_waited_for(tiny_data, tmp_path):
+    """The watchdog off (stall_s=0), dist.timeout_s=10: rank 1 stops at step 3 and rank 0 waits in
+    the gradient all-reduce (a group DeepSpeed made after start-up, which took torch's 30-minute
+    default before: the timeout never fired). 10 s later it fires; the job ends with one line
+    naming the timeout, the collective and where rank 1 was, and no traceback."""
+    cfg = write_config(tmp_path / "run.yaml", tiny_config(tiny_data, tmp_path / "run", train={"max_steps": 50},
+                                                          watchdog={"stall_s": 0}, dist={"timeout_s": 10}))
+    res = deepspeed_train(cfg, "zero2.json", "watchdog.debug_fault=stall:1:3", timeout=150)
+    assert res.returncode == 1, res.out[-4000:]
+    host, run = socket.gethostname(), tmp_path / "run"
+    assert "Traceback" not in res.out, res.out[-4000:]
+    lines = res.out.splitlines()
+    i = max(j for j, line in enumerate(lines) if line.startswith("ds-train"))
+    last = lines[i:i + 2]
+    assert last[0].startswith(f"ds-train: error: the process-group timeout fired: rank 0 on node 0 ({host}) waited "
+                              f"10 s (dist.timeout_s) in all_reduce in deepspeed/runtime/zero/"), res.out[-3000:]
+    assert (f"at step 3; the rank(s) it waited for: rank 1 on node 0 ({host}) in phase data of step 3, not in a "
+            f"collective") in last[0]
+    assert last[1] == f"diagnose: ds-train doctor {run}   (what went wrong, and what to do)"
+    failure = json.loads((run / "logs" / "failure.json").read_text())
+    assert (failure["kind"], failure["timeout_s"], failure["rank"], failure["step"]) == ("timeout", 10, 0, 3)
+    assert failure["collective"].startswith("all_reduce in deepspeed/runtime/zero/")
+    findings = diagnose(str(run))
+    assert findings[0].cls == "nccl_timeout" and "the process-group timeout fired" in findings[0].evidence[0]
 
 
 @pytest.mark.slow
@@ -175,9 +199,7 @@ def test_ranks_that_never_join_are_named_with_their_node_and_host(tiny_data, tmp
                                str(ROOT / "ds_configs" / "zero2.json")], cwd=ROOT,
                               env={**os.environ, **env, "RANK": str(r), "LOCAL_RANK": str(r), "NODE_RANK": "0"},
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in (0, 1)]
-    t0 = time.monotonic()
-    outs = [p.communicate(timeout=120) for p in procs]
-    assert time.monotonic() - t0 < 60
+    outs = [p.communicate(timeout=120) for p in procs]  # join_timeout_s=6: a rank still waiting fails here
     assert [p.returncode for p in procs] == [5, 5], outs
     errors = [outs[0][1].strip().splitlines()[-1], outs[1][1].strip()]
     assert errors[0] == (f"ds-train: error: start-up: rank 2 (node 1, nodeB) did not reach the rendezvous at "

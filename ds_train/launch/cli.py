@@ -20,6 +20,7 @@ from typing import Callable
 
 from ds_train.errors import OneLineParser, UserError
 from ds_train.fs import write_atomic
+from ds_train.launchers import BEAT_ENV, BEAT_S
 from ds_train.rundir import RunPaths
 
 # DeepSpeed's runner default (deepspeed.constants.TORCH_DISTRIBUTED_DEFAULT_PORT).
@@ -159,7 +160,7 @@ def cmd_launch(args) -> int:
     before `--` go to the deepspeed launcher unchanged."""
     from ds_train.launch import envfile
     from ds_train.launch.hostfile import read_hostfile, select_hosts
-    from ds_train.launch.preflight import SshOptions, run_preflight
+    from ds_train.launch.preflight import SshOptions, run_packages, run_preflight
 
     ours, command_argv = _split(args.argv, "launch")
     opts, passthrough = _launch_parser().parse_known_args(ours)
@@ -173,7 +174,8 @@ def cmd_launch(args) -> int:
 
     ssh = SshOptions.from_env(os.environ, opts.ssh_timeout, opts.ssh_port)
     result = run_preflight(pool, ssh, python, cwd, opts.master_addr, opts.master_port,
-                           needed_gib=lambda: args.plan_memory(command_argv, world_size))
+                           needed_gib=lambda: args.plan_memory(command_argv, world_size),
+                           packages=run_packages(cfg.log))
     print(f"preflight: {len(pool)} host(s), world size {world_size} "
           f"({', '.join(f'{h}: {len(s)}' for h, s in pool.items())}); ssh, Python {python}, versions and "
           f"working directory {cwd} ok on every host")
@@ -186,7 +188,7 @@ def cmd_launch(args) -> int:
         return 0
 
     # The host of each node, in rank order: a rank that never reaches the rendezvous is named by it.
-    variables = {**variables, "DS_TRAIN_HOSTS": ",".join(pool)}
+    variables = {**variables, "DS_TRAIN_HOSTS": ",".join(pool), BEAT_ENV: f"{BEAT_S:g}"}  # see ds_train/launchers.py
     env_file = envfile.write_env_file(Path(cfg.output_dir) / envfile.ENV_FILE, variables)
     print(f"launch: wrote {env_file} ({', '.join(variables)})")
     cmd = _deepspeed_cmd(opts, passthrough, python, result.master_addr, result.master_port, command_argv)
@@ -222,6 +224,17 @@ def supervise(cmd: list[str], env: dict[str, str], master_addr: str, master_port
             if not dist.send_stop(master_addr, master_port, signum) and signum != signal.SIGUSR1:
                 proc.send_signal(signum)  # the ranks are not up yet: the launcher stops them
         threading.Thread(target=send, daemon=True).start()
+
+    def beat() -> None:  # while this process lives, the ranks on every node know it does
+        channel = None
+        while proc.poll() is None:
+            try:
+                channel = channel or dist.SideChannel(master_addr, master_port, timeout_s=BEAT_S)
+                channel.add("launcher/beats", 1)
+            except Exception:  # the store is not up yet, or gone with the job
+                channel = None
+            time.sleep(BEAT_S)
+    threading.Thread(target=beat, daemon=True).start()
 
     previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)}
     try:
