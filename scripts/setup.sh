@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # Create (or reuse) .venv with the pinned dev/test environment from requirements.txt.
-# Idempotent: a copy of requirements.txt inside .venv marks what is installed.
+# Idempotent: a copy of requirements.txt and pyproject.toml inside .venv marks what is installed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$python" -m venv .venv
 stamp=.venv/.installed-requirements.txt
-if ! cmp -s requirements.txt "$stamp"; then
+if ! cat requirements.txt pyproject.toml | cmp -s - "$stamp"; then
   echo "setup: installing the pinned environment into .venv (log: .venv/pip.log)"
   # torch first, at its pin: a CPU wheel where one is provided, the CUDA build elsewhere; installing
   # it before the rest keeps any other requirement from pulling a different torch.
@@ -17,5 +17,5 @@ if ! cmp -s requirements.txt "$stamp"; then
     echo "setup: pip install failed (full log: .venv/pip.log)" >&2
     exit 1
   fi
-  cp requirements.txt "$stamp"
+  cat requirements.txt pyproject.toml > "$stamp"
 fi

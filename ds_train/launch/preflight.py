@@ -88,9 +88,6 @@ OPTIONAL: dict[str, Callable[[object], bool]] = {
     "tensorboard": lambda log: bool(getattr(log, "tensorboard", False)),
     "rich": lambda log: False,
 }
-# Imported by ds_train itself but not declared in pyproject.toml (they arrive with transformers and
-# deepspeed); tests/test_launch.py checks that every third-party import of ds_train is in run_packages().
-IMPORTED_UNDECLARED = ("huggingface-hub", "pydantic")
 _PACKAGE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 
 
@@ -117,7 +114,7 @@ def declared_requirements(dist: str = "ds_train") -> list[str]:
 def run_packages(log: object = None) -> tuple[str, ...]:
     """Every package a run imports: ds_train, its declared dependencies (those of OPTIONAL only when the
     run's `log` config section turns them on) and the ones it imports undeclared."""
-    names = ["ds-train", *declared_requirements("ds_train"), *IMPORTED_UNDECLARED]
+    names = ["ds-train", *declared_requirements("ds_train")]  # tests/test_launch.py: every import is declared
     keep = [n for n in names if n not in OPTIONAL or OPTIONAL[n](log)]
     return tuple(n for n in dict.fromkeys(keep) if _PACKAGE_NAME.fullmatch(n))
 
