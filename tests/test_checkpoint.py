@@ -16,6 +16,7 @@ import pytest
 from conftest import (ROOT, STAGE_TRAIN, STRAIGHT_STEPS, Result, deepspeed_args, deepspeed_train, ds_train,
                       expect_error, pids_with, reap, spawn, tiny_config, tree_listing, write_config)
 from ds_train import checkpoint, resume
+from ds_train.doctor import diagnose
 
 
 def fake_tag(ckpt_dir, step, world=2, complete=True, seq=None):
@@ -262,6 +263,8 @@ def test_nonfinite_stop_exits_and_keeps_the_last_good_checkpoint(tiny_data, tmp_
     assert checkpoint.complete_tags(ckpts) == ["step_00000002", "step_00000004"]
     assert (ckpts / "latest").read_text() == "step_00000004"
     assert not (ckpts / "step_00000006").exists()
+    found = diagnose(str(run_dir))  # the doctor on this live failure: its rank logs hold the stop
+    assert found[0].cls == "nonfinite" and any("non-finite gradients" in e for e in found[0].evidence), found
 
 
 @pytest.mark.slow
@@ -432,6 +435,8 @@ def test_no_room_for_a_checkpoint_is_one_line_and_latest_stays(tiny_data, tmp_pa
                         "the newest complete checkpoint is step_00000002, where a resume starts")
     assert (run / "checkpoints" / "latest").read_text() == "step_00000002"
     assert agreed_tag(run / "checkpoints") == "step_00000002"
+    found = diagnose(str(run))  # the doctor on this live failure
+    assert found[0].cls == "disk_full" and any("No space left on device" in e for e in found[0].evidence), found
 
 
 @pytest.mark.slow

@@ -422,7 +422,7 @@ def test_a_path_the_os_refuses_is_named_with_its_key_at_load(tmp_path):
     for key, raw in cases.items():
         with pytest.raises(UserError) as e:
             build_config({**with_arch(), **raw} if key != "model.path" else raw)
-        assert f"{key}: " in str(e.value) and ("255 bytes" in str(e.value) or "not a directory" in str(e.value)), \
+        assert f"{key}: " in str(e.value) and ("255 bytes" in str(e.value) or "is a file" in str(e.value)), \
             (key, str(e.value))
 
 

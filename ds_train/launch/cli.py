@@ -204,6 +204,7 @@ def supervise(cmd: list[str], env: dict[str, str], master_addr: str, master_port
     cannot pass SIGUSR1 on, nor anything through pdsh). When the job is over, the last line says
     how: the hang or failure report of the rank that wrote one, or the exit code."""
     import signal
+    import socket
     import subprocess
     import threading
     import time
@@ -229,10 +230,14 @@ def supervise(cmd: list[str], env: dict[str, str], master_addr: str, master_port
         channel = None
         while proc.poll() is None:
             try:
-                channel = channel or dist.SideChannel(master_addr, master_port, timeout_s=BEAT_S)
+                if channel is None:  # a plain connect first: torch's client logs each refusal
+                    socket.create_connection((master_addr, master_port), timeout=BEAT_S).close()
+                    channel = dist.SideChannel(master_addr, master_port, timeout_s=BEAT_S)
                 channel.add("launcher/beats", 1)
-            except Exception:  # the store is not up yet, or gone with the job
-                channel = None
+            except OSError:  # the job's store is not up yet
+                pass
+            except Exception:  # the store went with rank 0: the job is ending, its ranks say why
+                return
             time.sleep(BEAT_S)
     threading.Thread(target=beat, daemon=True).start()
 
