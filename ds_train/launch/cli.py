@@ -156,7 +156,8 @@ def cmd_launch(args) -> int:
     the hostfile (ssh without a password, same Python and versions, working directory, free master
     port), write output_dir/.deepspeed_env, then run the deepspeed launcher (pdsh) and exit with its
     exit code; its last line says how the job ended (the hang or failure report). SIGTERM, SIGINT or
-    SIGUSR1 sent to it reach every rank on every node: each saves a checkpoint and stops. Other flags
+    SIGUSR1 sent to it reach every rank on every node: each saves a checkpoint and stops; if it is
+    killed, the ranks see its beat stop (30 s), save and stop too. Other flags
     before `--` go to the deepspeed launcher unchanged."""
     from ds_train.launch import envfile
     from ds_train.launch.hostfile import read_hostfile, select_hosts
