@@ -19,21 +19,25 @@ from ds_train.config import CheckpointConfig
 from ds_train.errors import AgreedError, Preempted, UserError
 
 
-def parse_fault(spec: str) -> tuple[str, str, int] | None:
-    """checkpoint.debug_fault `ACTION:PHASE:STEP` (kill or enospc) -> (action, phase, step)."""
+def parse_fault(spec: str) -> tuple[str, str, int, int | None] | None:
+    """checkpoint.debug_fault `ACTION:PHASE:STEP[:RANK]` (kill or enospc) -> (action, phase, step,
+    rank or None for every rank)."""
     if not spec:
         return None
-    action, phase, step = spec.split(":")
-    return action, phase, int(step)
+    action, phase, step, *rank = spec.split(":")
+    return action, phase, int(step), int(rank[0]) if rank else None
 
 
-def fault_at(spec: str) -> Callable[[str, int], None]:
-    """The fault-injection hook of checkpoint.debug_fault: at PHASE of the save of STEP, `kill`
-    SIGKILLs this process (a crash), `enospc` raises the error a full disk raises."""
+def fault_at(spec: str, rank: int = 0) -> Callable[[str, int], None]:
+    """The fault-injection hook of checkpoint.debug_fault: at PHASE of the save of STEP, on RANK (every
+    rank without one), `kill` SIGKILLs this process (a crash), `enospc` raises the error a full disk
+    raises."""
     fault = parse_fault(spec)
+    if fault is not None and fault[3] not in (None, rank):
+        fault = None
 
     def hook(phase: str, step: int) -> None:
-        if fault is None or (phase, step) != fault[1:]:
+        if fault is None or (phase, step) != fault[1:3]:
             return
         if fault[0] == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
@@ -75,7 +79,7 @@ class Checkpointer:
         self.rank, self.world, self.record, self.stop, self.log, self.unit = rank, world, record, stop, log, unit
         self.writer = rank == 0 if writer is None else writer
         self.seq, self.needed_bytes, self.where = seq, needed_bytes, where
-        self.fault = fault_at(cfg.debug_fault)
+        self.fault = fault_at(cfg.debug_fault, rank)
         self.beat = beat  # the heartbeat: the stop agreement is a collective, a save is long I/O
         self.grace, self.say = grace, say  # (who, seconds) between a stop's SIGTERM and its SIGKILL
 

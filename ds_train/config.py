@@ -209,9 +209,9 @@ class CheckpointConfig(Section):
                                    "(output_dir/hf_export_<tag>) from the final checkpoint.")
     load_universal: bool = _f(False, "Resume through DeepSpeed's universal checkpoint even when the "
                                      "world size and ZeRO stage are unchanged (automatic otherwise).")
-    debug_fault: str = _f("", "Fault injection: ACTION:PHASE:STEP stops the save of STEP at PHASE "
-                              "(unmarked, written, rank_files, marked, latest); ACTION kill (SIGKILL, "
-                              "a crash) or enospc (a full disk).")
+    debug_fault: str = _f("", "Fault injection: ACTION:PHASE:STEP[:RANK] stops the save of STEP at "
+                              "PHASE (unmarked, written, rank_files, marked, latest) on RANK (default: "
+                              "every rank); ACTION kill (SIGKILL, a crash) or enospc (a full disk).")
 
     def check(self) -> list[str]:
         errs = []
@@ -219,10 +219,10 @@ class CheckpointConfig(Section):
             errs.append("checkpoint.resume: must be auto, none, restart, a tag or a path")
         if self.debug_fault:
             parts = self.debug_fault.split(":")
-            if (len(parts) != 3 or parts[0] not in ("kill", "enospc") or parts[1] not in SAVE_PHASES
-                    or not parts[2].isdigit()):
-                errs.append(f"checkpoint.debug_fault: {self.debug_fault!r} is not ACTION:PHASE:STEP "
-                            f"(kill or enospc; {', '.join(SAVE_PHASES)}; a step number)")
+            if (len(parts) not in (3, 4) or parts[0] not in ("kill", "enospc") or parts[1] not in SAVE_PHASES
+                    or not all(p.isdigit() for p in parts[2:])):
+                errs.append(f"checkpoint.debug_fault: {self.debug_fault!r} is not ACTION:PHASE:STEP[:RANK] "
+                            f"(kill or enospc; {', '.join(SAVE_PHASES)}; a step number; a rank)")
         if self.export_final and not self.save_final:
             errs.append("checkpoint.export_final: needs checkpoint.save_final: true (it exports the final checkpoint)")
         return errs

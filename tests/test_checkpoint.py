@@ -330,20 +330,25 @@ def agreed_tag(ckpts):
 
 @pytest.mark.slow
 def test_a_save_into_an_existing_tag_killed_at_each_phase_leaves_whole_tags(tiny_data, tmp_path):
-    """Tags 2 and 4, then a resume from 2 whose save of 4 (into the existing tag) is killed (SIGKILL,
-    checkpoint.debug_fault) at each phase: `latest` and the tag a resume chooses are always whole,
-    and the resume from the worst case is exact."""
+    """Two ranks. Tags 2 and 4, then a resume from 2 whose save of 4 (into the existing tag) loses a
+    rank (SIGKILL, checkpoint.debug_fault=kill:PHASE:4:RANK) at each phase: rank 1 while rank 0 goes
+    on to the next barrier, or rank 0 (the writer) once the marker or `latest` is written. The job
+    ends naming the killed rank; `latest` and the tag a resume chooses are always whole; the resume
+    from the worst case (the shards half replaced) is exact."""
     base = tmp_path / "base"
     cfg = write_config(tmp_path / "run.yaml", tiny_config(tiny_data, base, train={"max_steps": 4},
                                                           checkpoint={"every": 2, "keep": 0}))
-    assert single(cfg).returncode == 0
+    assert deepspeed_train(cfg, "zero2.json").returncode == 0
     ref = metrics_by_step(base)
     for phase in checkpoint.PHASES:
         run = tmp_path / phase
         shutil.copytree(base, run)
-        res = single(cfg, f"output_dir={run}", "checkpoint.resume=step_00000002",
-                     f"checkpoint.debug_fault=kill:{phase}:4")
-        assert res.returncode == -signal.SIGKILL, (phase, res.out[-2000:])
+        killed = 0 if phase in ("marked", "latest") else 1  # only the writer (rank 0) has those phases
+        res = deepspeed_train(cfg, "zero2.json", f"output_dir={run}", "checkpoint.resume=step_00000002",
+                              f"checkpoint.debug_fault=kill:{phase}:4:{killed}")
+        assert res.returncode != 0, (phase, res.out[-2000:])
+        failure = json.loads((run / "logs" / "failure.json").read_text())
+        assert (failure["rank"], failure["signal"]) == (killed, "SIGKILL"), (phase, failure["line"])
         ckpts = run / "checkpoints"
         latest = (ckpts / "latest").read_text()
         assert checkpoint.is_complete(ckpts / latest), phase
@@ -353,7 +358,7 @@ def test_a_save_into_an_existing_tag_killed_at_each_phase_leaves_whole_tags(tiny
         assert checkpoint.is_complete(ckpts / "step_00000004") == marked, phase
         if marked:  # the rewritten tag is the new save's alone (a higher save number than the old one)
             assert checkpoint.read_marker(ckpts / "step_00000004")[0]["seq"] == 3
-    res = single(cfg, f"output_dir={tmp_path / 'written'}")  # killed with the shards half replaced
+    res = deepspeed_train(cfg, "zero2.json", f"output_dir={tmp_path / 'written'}")  # the shards half replaced
     assert res.returncode == 0, res.out[-3000:]
     assert f"resumed from {tmp_path / 'written' / 'checkpoints' / 'step_00000002'} at step 2" in res.out
     got = metrics_by_step(tmp_path / "written")
