@@ -166,8 +166,8 @@ def test_sigterm_to_the_launcher_saves_and_the_resume_is_exact(sft_policy, tmp_p
     ref = logged(straight / "run")
 
     cfg = ript_config(split, sft_policy, MODEL_TRAIN, {"lr": LR}, **MODEL_RIPT)
-    proc = spawn(ript_args(cfg, *scaling))
-    wait_for_iteration(proc, split / "run", 2)
+    proc = spawn(ript_args(cfg, *scaling, "watchdog.debug_fault=slow:0:1.0"))  # slower (the ranks see the
+    wait_for_iteration(proc, split / "run", 2)  # runner gone within a second), same numbers
     os.kill(proc.pid, signal.SIGTERM)  # the `deepspeed` runner alone, as a container runtime signals it
     res = reap(proc, timeout=90)  # every rank closed the output pipe: none is left
     assert not pids_with(str(split)), res.out[-3000:]
