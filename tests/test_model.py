@@ -310,7 +310,8 @@ def test_consistent_configs_of_several_architectures_pass_the_forward_check():
                               ("qwen3", {}), ("gemma", {}), ("gpt2", {})):
         cfg = ({"model_type": "gpt2", "n_embd": 64, "n_layer": 2, "n_head": 4} if model_type == "gpt2"
                else {**TINY, "model_type": model_type, **extra})
-        build_hf_config(ModelConfig(config=cfg), 300, 64)
+        built = build_hf_config(ModelConfig(config=cfg), 300, 64)  # no false refusal: it builds
+        assert built.model_type == model_type and built.vocab_size == 300, (model_type, built)
 
 
 def test_contradicting_sizes_on_the_command_line_are_one_line_and_write_nothing(tiny_data, tmp_path):
