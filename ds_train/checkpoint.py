@@ -227,51 +227,84 @@ def unmark(ckpt_dir: Path, tag: str) -> None:
     fsync_dir(ckpt_dir)
 
 
-def save(engine, ckpt_dir: Path, step: int, state: dict, rank: int, world: int, keep: int,
-         writer: bool | None = None, seq: int = 0, rank_state: dict | None = None,
-         fault: Callable[[str, int], None] = _no_fault) -> str:
-    """Every rank calls this (it holds collectives). `writer`: this rank marks the tag complete,
-    moves `latest` and prunes on its file system (default: rank 0, one shared file system)."""
-    import torch
-
-    writer = rank == 0 if writer is None else writer
+def begin(engine, ckpt_dir: Path, step: int, writer: bool, fault: Callable[[str, int], None] = _no_fault) -> str:
+    """A save's first phase, on every rank (a collective): the writers take the tag away, so that
+    from here until its marker it is not a checkpoint."""
     tag = tag_for(step)
-    tag_dir = ckpt_dir / tag
-    from deepspeed.checkpoint.constants import (UNIVERSAL_CHECKPOINT_INFO, UNIVERSAL_CHECKPOINT_VERSION_KEY,
-                                                UNIVERSAL_CHECKPOINT_VERSION_VALUE)
-
     if writer:
         ckpt_dir.mkdir(parents=True, exist_ok=True)
         unmark(ckpt_dir, tag)
     dist.barrier()
     fault("unmarked", step)
-    # universal_checkpoint_info (no tensor-parallel patterns: plain data parallel) lets DeepSpeed's
-    # ds_to_universal convert this checkpoint as it is.
-    client_state = {"ds_train": state,
-                    UNIVERSAL_CHECKPOINT_INFO: {UNIVERSAL_CHECKPOINT_VERSION_KEY: UNIVERSAL_CHECKPOINT_VERSION_VALUE}}
-    engine.save_checkpoint(str(ckpt_dir), tag=tag, client_state=client_state, save_latest=False)
-    fault("written", step)
-    torch.save({"rng": rng_state(), "loop": rank_state or {}}, rank_file(tag_dir, rank))
-    dist.barrier()  # every rank's DeepSpeed files exist (the model states are written by one rank)
-    files = [*needed_files(engine, ckpt_dir, tag), rank_file(tag_dir, rank).name]
+    return tag
+
+
+def client_state(state: dict) -> dict:
+    """What DeepSpeed stores beside the engine's own state: ours, and universal_checkpoint_info (no
+    tensor-parallel patterns: plain data parallel), which lets DeepSpeed's ds_to_universal convert
+    the checkpoint as it is."""
+    from deepspeed.checkpoint.constants import (UNIVERSAL_CHECKPOINT_INFO, UNIVERSAL_CHECKPOINT_VERSION_KEY,
+                                                UNIVERSAL_CHECKPOINT_VERSION_VALUE)
+
+    return {"ds_train": state,
+            UNIVERSAL_CHECKPOINT_INFO: {UNIVERSAL_CHECKPOINT_VERSION_KEY: UNIVERSAL_CHECKPOINT_VERSION_VALUE}}
+
+
+def rank_record(rank_state: dict | None) -> dict:
+    """This rank's own file: its RNG states and the loop's per-rank state."""
+    return {"rng": rng_state(), "loop": rank_state or {}}
+
+
+def commit(ckpt_dir: Path, tag: str, step: int, state: dict, rank: int, world: int, keep: int, writer: bool,
+           seq: int, needed: list[str], meet: Callable[[str], None], share: Callable[[list | None], list],
+           fault: Callable[[str, int], None] = _no_fault) -> None:
+    """A save's second half, once this rank's files are written: the same protocol for a save that
+    blocks (`meet` a barrier, `share` a broadcast from rank 0) and one written in the background
+    (both through the rendezvous store). Every rank flushes the files it needs (`needed`, and its
+    rank file) and records them in its manifest; once every rank has, the writers mark the tag
+    complete, then move `latest`, then prune what rank 0 chose."""
+    tag_dir = ckpt_dir / tag
+    meet("written")  # every rank's DeepSpeed files exist (the model states are written by one rank)
+    files = [*needed, rank_file(tag_dir, rank).name]
     for name in files:
         _fsync(tag_dir / name)
     record = {"rank": rank, "seq": seq, "files": {name: (tag_dir / name).stat().st_size for name in files}}
     write_atomic(manifest_file(tag_dir, rank), json.dumps(record, indent=1))
     fsync_dir(tag_dir)
     fault("rank_files", step)
-    dist.barrier()
-    if writer:  # plain file writes, no collective inside
+    meet("durable")
+    if writer:  # plain file writes
         write_atomic(tag_dir / STATE_FILE, json.dumps({**state, "world_size": world, "seq": seq}, indent=2))
         fsync_dir(tag_dir)
         fault("marked", step)
         write_atomic(ckpt_dir / "latest", tag)
         fsync_dir(ckpt_dir)
         fault("latest", step)
-    doomed = dist.broadcast_object(prunable(ckpt_dir, keep, tag) if rank == 0 else None)
+    doomed = share(prunable(ckpt_dir, keep, tag) if rank == 0 else None)
     if writer:
         remove_tags(ckpt_dir, doomed)
+    meet("pruned")
+
+
+def _barrier(name: str) -> None:
     dist.barrier()
+
+
+def save(engine, ckpt_dir: Path, step: int, state: dict, rank: int, world: int, keep: int,
+         writer: bool | None = None, seq: int = 0, rank_state: dict | None = None,
+         fault: Callable[[str, int], None] = _no_fault) -> str:
+    """A save that blocks until the tag is whole. Every rank calls this (it holds collectives).
+    `writer`: this rank marks the tag complete, moves `latest` and prunes on its file system
+    (default: rank 0, one shared file system)."""
+    import torch
+
+    writer = rank == 0 if writer is None else writer
+    tag = begin(engine, ckpt_dir, step, writer, fault)
+    engine.save_checkpoint(str(ckpt_dir), tag=tag, client_state=client_state(state), save_latest=False)
+    fault("written", step)
+    torch.save(rank_record(rank_state), rank_file(ckpt_dir / tag, rank))
+    commit(ckpt_dir, tag, step, state, rank, world, keep, writer, seq, needed_files(engine, ckpt_dir, tag),
+           _barrier, dist.broadcast_object, fault)
     return tag
 
 

@@ -1,6 +1,7 @@
 """The checkpointer: at each step boundary it decides whether the step is its (every
 checkpoint.every steps, the last step, or a stop every rank agreed on), checks the free space, saves
-(ds_train/checkpoint.py) and turns a failed write into one line; checkpoint.debug_fault injects a
+(ds_train/checkpoint.py; periodic saves in the background with checkpoint.async_save,
+ds_train/asyncsave.py) and turns a failed write into one line; checkpoint.debug_fault injects a
 crash or a full disk at a phase of a save."""
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from pathlib import Path
 from typing import Callable
 
 from ds_train import dist
+from ds_train.asyncsave import Abandoned, BackgroundSave
 from ds_train.checkpoint import latest_complete, save, tag_for, weights_finite
 from ds_train.config import CheckpointConfig
 from ds_train.errors import AgreedError, Preempted, UserError
@@ -74,7 +76,8 @@ class Checkpointer:
     def __init__(self, engine, ckpt_dir: Path, cfg: CheckpointConfig, last: int, rank: int, world: int,
                  record: dict, stop, log, unit: str = "step", writer: bool | None = None, seq: int = 1,
                  needed_bytes: int = 0, where: str = "", beat: Callable[[int, str], None] = lambda step, phase: None,
-                 grace: tuple[str, float] | None = None, say: Callable[[str], None] = lambda line: None):
+                 grace: tuple[str, float] | None = None, say: Callable[[str], None] = lambda line: None,
+                 channel=None):
         self.engine, self.ckpt_dir, self.cfg, self.last = engine, ckpt_dir, cfg, last
         self.rank, self.world, self.record, self.stop, self.log, self.unit = rank, world, record, stop, log, unit
         self.writer = rank == 0 if writer is None else writer
@@ -82,6 +85,8 @@ class Checkpointer:
         self.fault = fault_at(cfg.debug_fault, rank)
         self.beat = beat  # the heartbeat: the stop agreement is a collective, a save is long I/O
         self.grace, self.say = grace, say  # (who, seconds) between a stop's SIGTERM and its SIGKILL
+        self.channel = channel  # the rendezvous store, where background saves meet (None: one process)
+        self.inflight: BackgroundSave | None = None
 
     def due(self, step: int) -> bool:
         every = self.cfg.every > 0 and step % self.cfg.every == 0
@@ -92,36 +97,69 @@ class Checkpointer:
         the loop's own position to the record, `rank_state()` this rank's own (its rank file)."""
         self.beat(step, "agree-stop")
         signum = self.stop.agreed()
-        if signum or self.due(step):
-            self.save(step, state(), rank_state())
+        due = bool(signum) or self.due(step)
+        if due or step == self.last:
+            self.wait(step)  # one save in flight at a time, and the run ends with every save whole
+        if due:  # a stop's save and the last one block: the process ends right after them
+            self.save(step, state(), rank_state(), background=self.cfg.async_save and not signum and step != self.last)
         if signum:
             raise Preempted(signum, step, self.unit)
 
-    def save(self, step: int, state: dict, rank_state: dict | None = None) -> str:
-        """Non-finite weights are never saved: the last good checkpoint stays the latest."""
+    def save(self, step: int, state: dict, rank_state: dict | None = None, background: bool = False) -> str:
+        """Non-finite weights are never saved: the last good checkpoint stays the latest.
+        `background`: return once the state is copied; the writer thread finishes the save."""
         self.beat(step, "save")
         if not weights_finite(self.engine):
             raise UserError(f"{self.unit} {step}: the weights are not finite; no checkpoint written ("
                             f"{self._latest()}); if model.path's weights are finite, lower optim.lr and resume")
         self.check_space(step)
         t0 = time.perf_counter()
+        args = (self.engine, self.ckpt_dir, step, {**self.record, **state, "step": step}, self.rank, self.world,
+                self.cfg.keep, self.writer, self.seq, rank_state, self.fault)
         try:
-            tag = save(self.engine, self.ckpt_dir, step, {**self.record, **state, "step": step}, self.rank,
-                       self.world, self.cfg.keep, self.writer, self.seq, rank_state, self.fault)
+            if background:
+                self.inflight = BackgroundSave(self.channel, self.log)
+                tag = self.inflight.start(*args)
+            else:
+                tag = save(*args)
         except (OSError, RuntimeError) as e:
-            # torch.save reports a failed write as a RuntimeError ("... file write failed", "No space left")
-            if isinstance(e, RuntimeError) and not _IO_ERROR.search(str(e)):
-                raise
-            raise UserError(f"checkpoint {tag_for(step)}: writing {getattr(e, 'filename', None) or self.ckpt_dir} "
-                            f"failed: {_why(e)}; {self._room()}; {self._latest()}") from None
+            raise UserError(self._failed(step, e)) from None
         self.seq += 1
-        took = time.perf_counter() - t0
-        self.log.info(f"saved checkpoint {tag} in {took:.2f} s")
+        if background:
+            self.log.info(f"checkpoint {tag}: state copied in {self.inflight.stall_s:.2f} s, writing in the background")
+        else:
+            self._saved(tag, time.perf_counter() - t0)
+        return tag
+
+    def wait(self, step: int) -> None:
+        """Every rank: the background save in flight (if any) is whole, or the run ends with one line
+        (every rank's writer failures gathered: each rank's part of a save may fail alone)."""
+        job, self.inflight = self.inflight, None
+        if job is None:
+            return
+        error = job.join(lambda: self.beat(step, "save"))
+        line = None
+        if error is not None and not isinstance(error, Abandoned):
+            line = self._failed(int(job.tag.split("_")[1]), error)  # a bug is raised here, with its traceback
+        lines = [r for r in dist.all_gather_object(line) if r]
+        if lines:
+            raise AgreedError(lines[0])
+        self._saved(job.tag, job.stall_s + job.write_s, f" ({job.stall_s:.2f} s of it stopped training)")
+
+    def _saved(self, tag: str, took: float, note: str = "") -> None:
+        self.log.info(f"saved checkpoint {tag} in {took:.2f} s{note}")
         warning = grace_warning(took, self.grace)
         if warning:  # said once, at the first save that would not fit
             self.grace = None
             self.say(warning)
-        return tag
+
+    def _failed(self, step: int, e: BaseException) -> str:
+        """The line for a save that failed for space or I/O; anything else is re-raised (a bug)."""
+        # torch.save reports a failed write as a RuntimeError ("... file write failed", "No space left")
+        if not isinstance(e, OSError) and not (isinstance(e, RuntimeError) and _IO_ERROR.search(str(e))):
+            raise e
+        return (f"checkpoint {tag_for(step)}: writing {getattr(e, 'filename', None) or self.ckpt_dir} "
+                f"failed: {_why(e)}; {self._room()}; {self._latest()}")
 
     def check_space(self, step: int) -> None:
         """Every writer compares the free space of its file system with the predicted tag size

@@ -205,6 +205,9 @@ class CheckpointConfig(Section):
                              "restart: delete output_dir's checkpoints and metrics, start fresh; or a "
                              "tag (step_00000100) or checkpoint path.", path=True)
     save_final: bool = _f(True, "Save a checkpoint when training ends.")
+    async_save: bool = _f(False, "Write periodic saves in the background: training stops only while "
+                                 "the state is copied to host memory (which needs room for one more copy "
+                                 "of this rank's checkpoint state). The last save and a stop's block.")
     export_final: bool = _f(False, "At the end, also write a Hugging Face model directory "
                                    "(output_dir/hf_export_<tag>) from the final checkpoint.")
     load_universal: bool = _f(False, "Resume through DeepSpeed's universal checkpoint even when the "

@@ -364,7 +364,8 @@ def _build_run(inputs: RunInputs, env: dist.DistEnv, spec: RunSpec, stop: StopRe
     ckpt = Checkpointer(engine, paths.checkpoints, cfg.checkpoint, spec.last, env.rank, env.world_size, record,
                         stop, rank_log, spec.unit, writer=writer, seq=decision.next_seq, needed_bytes=needed,
                         where=f" (node {env.node_rank}, {host})", beat=heartbeat.beat,
-                        grace=kill_grace(launchers, os.environ), say=say)
+                        grace=kill_grace(launchers, os.environ), say=say,
+                        channel=dist.side_channel(env) if cfg.checkpoint.async_save else None)
     fpt = flops_per_token(n_params, source.hf_config.num_hidden_layers, source.hf_config.hidden_size,
                           cfg.train.seq_len, lookup_params(source.hf_config))
     guard = NonFiniteGuard(cfg.train.nonfinite, cfg.train.nonfinite_patience, rank_log)

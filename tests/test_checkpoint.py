@@ -329,20 +329,34 @@ def agreed_tag(ckpts):
 
 
 @pytest.mark.slow
-def test_a_save_into_an_existing_tag_killed_at_each_phase_leaves_whole_tags(tiny_data, tmp_path):
+@pytest.mark.parametrize("mode", ["blocking", "background"])
+def test_a_save_into_an_existing_tag_killed_at_each_phase_leaves_whole_tags(mode, tiny_data, tmp_path):
     """Two ranks. Tags 2 and 4, then a resume from 2 whose save of 4 (into the existing tag) loses a
     rank (SIGKILL, checkpoint.debug_fault=kill:PHASE:4:RANK) at each phase: rank 1 while rank 0 goes
     on to the next barrier, or rank 0 (the writer) once the marker or `latest` is written. The job
     ends naming the killed rank; `latest` and the tag a resume chooses are always whole; the resume
-    from the worst case (the shards half replaced) is exact."""
+    from the worst case (the shards half replaced) is exact. `background`: the periodic saves are
+    written by a thread (checkpoint.async_save) while the next steps train, and the kill lands there."""
     base = tmp_path / "base"
-    cfg = write_config(tmp_path / "run.yaml", tiny_config(tiny_data, base, train={"max_steps": 4},
-                                                          checkpoint={"every": 2, "keep": 0}))
-    assert deepspeed_train(cfg, "zero2.json").returncode == 0
+    background = mode == "background"
+    last = 6 if background else 4  # the last save blocks: tag 4 must be a periodic one to be written in the background
+    cfg = write_config(tmp_path / "run.yaml", tiny_config(tiny_data, base, train={"max_steps": last},
+                                                          checkpoint={"every": 2, "keep": 0, "async_save": background}))
+    res = deepspeed_train(cfg, "zero2.json")
+    assert res.returncode == 0, res.out[-3000:]
     ref = metrics_by_step(base)
+    if background:  # the periodic saves were written in the background, the last one blocked
+        log = (base / "logs" / "rank_1.log").read_text()
+        assert "checkpoint step_00000004: state copied in" in log and "writing in the background" in log
+        assert "saved checkpoint step_00000004 in" in log and "s of it stopped training)" in log
+        assert "checkpoint step_00000006: state copied" not in log
+        assert checkpoint.complete_tags(base / "checkpoints") == [checkpoint.tag_for(s) for s in (2, 4, 6)]
     for phase in checkpoint.PHASES:
         run = tmp_path / phase
         shutil.copytree(base, run)
+        if background:  # tags 2 and 4, as in the blocking case
+            checkpoint.remove_tags(run / "checkpoints", ["step_00000006"])
+            (run / "checkpoints" / "latest").write_text("step_00000004")
         killed = 0 if phase in ("marked", "latest") else 1  # only the writer (rank 0) has those phases
         res = deepspeed_train(cfg, "zero2.json", f"output_dir={run}", "checkpoint.resume=step_00000002",
                               f"checkpoint.debug_fault=kill:{phase}:4:{killed}")
@@ -356,13 +370,15 @@ def test_a_save_into_an_existing_tag_killed_at_each_phase_leaves_whole_tags(tiny
         assert agreed_tag(ckpts) == ("step_00000004" if marked else "step_00000002"), phase
         assert latest == ("step_00000004" if phase == "latest" else "step_00000002"), phase
         assert checkpoint.is_complete(ckpts / "step_00000004") == marked, phase
+        assert not (ckpts / "step_00000006").exists(), phase  # the save of 4 was whole or lost before 6
         if marked:  # the rewritten tag is the new save's alone (a higher save number than the old one)
             assert checkpoint.read_marker(ckpts / "step_00000004")[0]["seq"] == 3
     res = deepspeed_train(cfg, "zero2.json", f"output_dir={tmp_path / 'written'}")  # the shards half replaced
     assert res.returncode == 0, res.out[-3000:]
     assert f"resumed from {tmp_path / 'written' / 'checkpoints' / 'step_00000002'} at step 2" in res.out
     got = metrics_by_step(tmp_path / "written")
-    assert sorted(got) == [1, 2, 3, 4] and [got[s]["loss"] for s in (3, 4)] == [ref[s]["loss"] for s in (3, 4)]
+    assert sorted(got) == list(range(1, last + 1))
+    assert [got[s]["loss"] for s in range(3, last + 1)] == [ref[s]["loss"] for s in range(3, last + 1)]
 
 
 @pytest.mark.slow
@@ -440,6 +456,13 @@ def test_no_room_for_a_checkpoint_is_one_line_and_latest_stays(tiny_data, tmp_pa
                         "the newest complete checkpoint is step_00000002, where a resume starts")
     assert (run / "checkpoints" / "latest").read_text() == "step_00000002"
     assert agreed_tag(run / "checkpoints") == "step_00000002"
+    # written in the background: the writer's failure ends the run at the next save or the last step, as one line
+    expect_error([*args, "checkpoint.debug_fault=enospc:written:4", "checkpoint.async_save=true", "train.max_steps=6",
+                  "checkpoint.every=4"], "checkpoint step_00000004: writing", "failed: No space left on device",
+                 "the newest complete checkpoint is step_00000002, where a resume starts")
+    assert (run / "checkpoints" / "latest").read_text() == "step_00000002"
+    assert agreed_tag(run / "checkpoints") == "step_00000002"
+    assert "background save of step_00000004 failed" in (run / "logs" / "rank_0.log").read_text()
     found = diagnose(str(run))  # the doctor on this live failure
     assert found[0].cls == "disk_full" and any("No space left on device" in e for e in found[0].evidence), found
 

@@ -32,16 +32,16 @@ class _Stop:
 class _Recorder(checkpointer.Checkpointer):
     """The Checkpointer's own decisions, with the save (DeepSpeed's collective) recorded instead."""
 
-    def save(self, step, state, rank_state=None):
-        self.saved.append((step, state))
+    def save(self, step, state, rank_state=None, background=False):
+        self.saved.append((step, state) + (("background",) if background else ()))
         return tag_for(step)
 
 
-def recorder(every=0, save_final=True, signum=0):
+def recorder(every=0, save_final=True, signum=0, async_save=False):
     from ds_train.config import CheckpointConfig
 
-    c = _Recorder(None, ROOT / "checkpoints", CheckpointConfig(every=every, save_final=save_final), 10, 0, 1, {},
-                  _Stop(signum), None, unit="iteration")
+    cfg = CheckpointConfig(every=every, save_final=save_final, async_save=async_save)
+    c = _Recorder(None, ROOT / "checkpoints", cfg, 10, 0, 1, {}, _Stop(signum), None, unit="iteration")
     c.saved = []
     return c
 
@@ -55,6 +55,14 @@ def test_the_checkpointer_decides_which_steps_are_its():
     for step in range(1, 11):
         c.maybe_save(step)
     assert c.saved == []
+    c = recorder(every=4, async_save=True)  # periodic saves in the background; the last one blocks
+    for step in range(1, 11):
+        c.maybe_save(step)
+    assert c.saved == [(4, {}, "background"), (8, {}, "background"), (10, {})]
+    c = recorder(every=3, async_save=True, signum=int(signal.SIGTERM))  # a stop's save blocks
+    with pytest.raises(Exception, match="stopped by signal 15"):
+        c.maybe_save(3)
+    assert c.saved == [(3, {})]
 
 
 def test_an_agreed_signal_saves_then_stops_with_128_plus_the_signal():

@@ -244,13 +244,13 @@ def test_a_traceback_on_node1_is_in_its_log_and_the_last_line_names_it(cluster, 
 
 
 @pytest.mark.parametrize("rank", [0, 1])
-def test_a_rank_killed_on_either_node_is_named_and_the_newest_save_is_whole(cluster, tiny_data, tmp_path, rank):
+def test_a_rank_killed_on_either_node_is_named_and_the_newest_save_resumes_exactly(cluster, straight_run, tiny_data,
+                                                                                   tmp_path, rank):
     """SIGKILL (as the OOM killer sends) of rank 0 on node 0 (which serves the rendezvous store: the
     second store, on node 1, carries the verdict) or of rank 1 on node 1, at step 3: the other rank
     loses the connection and says one line, no traceback, naming the killed rank, its node and
-    host, SIGKILL and step 3; failure.json says the same; the save of step 2 is whole (that a
-    resume from it is exact after either kill: tests/test_checkpoint.py, and through pdsh after a
-    stop: the SIGUSR1 test above)."""
+    host, SIGKILL and step 3; failure.json says the same; the save of step 2 is whole, and the same
+    command resumes from it through pdsh to the straight run's losses, bitwise."""
     run = tmp_path / "run"
     config = write_config(tmp_path / "run.yaml", tiny_config(tiny_data, run, train={"max_steps": 12},
                                                              checkpoint={"every": 2}, watchdog={"stall_s": 30}))
@@ -268,6 +268,15 @@ def test_a_rank_killed_on_either_node_is_named_and_the_newest_save_is_whole(clus
     assert (failure["rank"], failure["signal"], failure["step"], failure["first"]["addr"]) == (rank, "SIGKILL", 3,
                                                                                                NODES[rank])
     assert checkpoint.latest_complete(run / "checkpoints") == "step_00000002"
+
+    res = run_cmd(launch_args(cluster["hostfile"], config, "--master_port", str(free_port())), timeout=240,
+                  env=cluster["env"])
+    assert res.returncode == 0, res.out[-4000:]
+    _assert_nothing_left(str(config))
+    assert f"resumed from {run / 'checkpoints' / 'step_00000002'} at step 2" in res.out
+    losses = losses_by_step(run)
+    assert sorted(losses) == list(range(1, 13)) and [losses[s] for s in range(3, 13)] == [
+        straight_run[s] for s in range(3, 13)]
 
 
 def test_a_stalled_rank_on_node1_is_named_through_pdsh(cluster, tiny_data, tmp_path):

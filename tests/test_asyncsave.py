@@ -1,0 +1,81 @@
+"""Background saves' parts: the host-memory snapshot and the writers' meetings through a real
+rendezvous store (the saves themselves, killed at each phase through the launcher: test_checkpoint.py)."""
+
+from __future__ import annotations
+
+import collections
+import threading
+
+import torch
+
+from ds_train import dist
+from ds_train.asyncsave import Abandoned, StoreMeeting, snapshot
+
+Pair = collections.namedtuple("Pair", "a b")
+
+
+def test_a_snapshot_is_independent_of_training_and_keeps_what_torch_save_would_write(tmp_path):
+    flat = torch.arange(12, dtype=torch.float32)
+    param = torch.nn.Parameter(torch.ones(3))
+    state = collections.OrderedDict(
+        first=flat[:6].view(2, 3), second=flat[6:], param=param, step=7, pair=Pair(flat[:2], "x"),
+        groups=[{"params": [0, 1], "lr": 0.1}], nested=(flat, {"k": torch.zeros(2, dtype=torch.bfloat16)}))
+    copy = snapshot(state)
+    flat.add_(100)  # the next steps change the live tensors in place
+    param.data.mul_(5)
+    state["groups"][0]["lr"] = 0.5
+    assert type(copy) is collections.OrderedDict and list(copy) == list(state)
+    assert copy["first"].tolist() == [[0, 1, 2], [3, 4, 5]] and copy["second"].tolist() == [6, 7, 8, 9, 10, 11]
+    assert isinstance(copy["param"], torch.nn.Parameter) and copy["param"].tolist() == [1, 1, 1]
+    assert copy["groups"][0]["lr"] == 0.1 and copy["step"] == 7
+    assert type(copy["pair"]) is Pair and copy["pair"].a.tolist() == [0, 1] and copy["pair"].b == "x"
+    assert copy["nested"][1]["k"].dtype == torch.bfloat16
+    # views of one storage stay views of one copy: the file is as large as torch.save of the live state
+    assert copy["first"].untyped_storage().data_ptr() == copy["second"].untyped_storage().data_ptr()
+    assert copy["first"].untyped_storage().data_ptr() != flat.untyped_storage().data_ptr()
+    torch.save(copy, tmp_path / "copy.pt")
+    flat.sub_(100)
+    param.data.div_(5)
+    state["groups"][0]["lr"] = 0.1
+    torch.save(state, tmp_path / "live.pt")
+    assert (tmp_path / "copy.pt").stat().st_size == (tmp_path / "live.pt").stat().st_size
+    loaded = torch.load(tmp_path / "copy.pt", weights_only=False)
+    assert torch.equal(loaded["nested"][0], flat) and torch.equal(loaded["param"], param)
+
+
+def test_writers_meet_share_and_abandon_a_save_through_the_store():
+    server = torch.distributed.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    world = 3
+    meetings = [StoreMeeting(dist.SideChannel("127.0.0.1", server.port), 5, r, world) for r in range(world)]
+    got, errors = {}, {}
+
+    def writer(rank, fail_at=None):
+        m = meetings[rank]
+        try:
+            m.meet("written")
+            if rank == fail_at:
+                m.fail(f"rank {rank}: OSError: No space left on device")
+                return
+            got[rank] = m.share(["step_00000002"] if rank == 0 else None)
+            m.meet("durable")
+        except Abandoned as e:
+            errors[rank] = str(e)
+
+    threads = [threading.Thread(target=writer, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert got == {r: ["step_00000002"] for r in range(world)} and not errors  # rank 0's prune list, everywhere
+    meetings = [StoreMeeting(dist.SideChannel("127.0.0.1", server.port), 6, r, world) for r in range(world)]
+    threads = [threading.Thread(target=writer, args=(r, 0)) for r in range(world)]  # rank 0's write fails
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert not any(t.is_alive() for t in threads)  # nobody waits for a save that cannot complete
+    assert errors == {1: "rank 0: OSError: No space left on device", 2: "rank 0: OSError: No space left on device"}
+    one = StoreMeeting(None, 1, 0, 1)  # one process: nothing to meet
+    one.meet("written")
+    assert one.share(["a"]) == ["a"]
+
