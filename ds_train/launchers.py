@@ -12,7 +12,8 @@ launcher (a shell, `nohup`, srun's step daemon) watches nothing: its parent may 
 
 Across pdsh nodes no launcher is above the remote ranks (sshd started them), so `ds-train launch`
 beats: it bumps a counter in the rendezvous store every BEAT_S seconds and tells the ranks so
-(DS_TRAIN_LAUNCHER_BEAT_S); a counter that stops for GONE_AFTER beats is a launcher gone.
+(DS_TRAIN_LAUNCHER_BEAT_S, which also sets the beat where `ds-train launch` runs); a counter that
+stops for GONE_AFTER beats is a launcher gone.
 """
 
 from __future__ import annotations
@@ -25,6 +26,21 @@ from dataclasses import dataclass
 BEAT_S = 5.0  # `ds-train launch`'s beat
 GONE_AFTER = 6  # beats missed before the ranks call it gone (30 s)
 BEAT_ENV = "DS_TRAIN_LAUNCHER_BEAT_S"
+
+
+def launch_beat_s(environ) -> float:
+    """`ds-train launch`'s beat: BEAT_S, or DS_TRAIN_LAUNCHER_BEAT_S where set in its environment."""
+    from ds_train.errors import UserError
+
+    text = environ.get(BEAT_ENV, "").strip()
+    try:
+        beat = float(text) if text else BEAT_S
+    except ValueError:
+        beat = -1.0
+    if not 0 < beat < 3600:
+        raise UserError(f"{BEAT_ENV}={text!r}: not a number of seconds between 0 and 3600; unset it "
+                        f"(default {BEAT_S:g}) or give e.g. 2")
+    return beat
 
 # How a launcher's command line reads (python -m MODULE, a console script, or `ds-train launch`).
 _LAUNCHERS = [

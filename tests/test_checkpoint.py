@@ -165,7 +165,8 @@ def test_sigkill_of_rank_0_then_of_rank_1_each_named_and_each_resume_is_exact(st
     ref = metrics_by_step(stage_run("zero3")[1])
     run_dir = tmp_path / "run"
     cfg = write_config(tmp_path / "run.yaml", tiny_config(
-        tiny_data, run_dir, train=STAGE_TRAIN, checkpoint={"every": 2, "keep": 2}, watchdog={"stall_s": STALL_S}))
+        tiny_data, run_dir, train=STAGE_TRAIN, checkpoint={"every": 2, "keep": 2},
+        watchdog={"stall_s": STALL_S, "heartbeat_s": 0.5}))
     args = deepspeed_args(cfg, "zero3.json", "watchdog.debug_fault=slow:0:0.3")  # slower, same numbers
     ckpts = run_dir / "checkpoints"
     kill_rank(spawn(args), run_dir, 0, after=3)
@@ -329,56 +330,57 @@ def agreed_tag(ckpts):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", ["blocking", "background"])
-def test_a_save_into_an_existing_tag_killed_at_each_phase_leaves_whole_tags(mode, tiny_data, tmp_path):
-    """Two ranks. Tags 2 and 4, then a resume from 2 whose save of 4 (into the existing tag) loses a
-    rank (SIGKILL, checkpoint.debug_fault=kill:PHASE:4:RANK) at each phase: rank 1 while rank 0 goes
-    on to the next barrier, or rank 0 (the writer) once the marker or `latest` is written. The job
-    ends naming the killed rank; `latest` and the tag a resume chooses are always whole; the resume
-    from the worst case (the shards half replaced) is exact. `background`: the periodic saves are
-    written by a thread (checkpoint.async_save) while the next steps train, and the kill lands there."""
+def test_a_save_into_an_existing_tag_killed_at_each_phase_leaves_whole_tags(tiny_data, tmp_path):
+    """Two ranks, 6 steps, a save every 2. The base run writes tags 2 and 4 in the background
+    (checkpoint.async_save) and blocks for 6, the last. Then resumes from 2 whose save of 4 (into
+    the existing tag) loses a rank (SIGKILL, checkpoint.debug_fault=kill:PHASE:4:RANK) at each phase,
+    in a blocking save and in a background one (the kill lands in the writer thread while step 5
+    trains; `unmarked` runs in the main thread either way): rank 1 while rank 0 goes on to the next
+    barrier, or rank 0 (the writer) once the marker or `latest` is written. The job ends naming the
+    killed rank; `latest` and the tag a resume chooses are always whole; the resume from the worst
+    case (the shards half replaced) gives the base run's losses, bitwise."""
     base = tmp_path / "base"
-    background = mode == "background"
-    last = 6 if background else 4  # the last save blocks: tag 4 must be a periodic one to be written in the background
-    cfg = write_config(tmp_path / "run.yaml", tiny_config(tiny_data, base, train={"max_steps": last},
-                                                          checkpoint={"every": 2, "keep": 0, "async_save": background}))
+    cfg = write_config(tmp_path / "run.yaml", tiny_config(tiny_data, base, train={"max_steps": 6},
+                                                          checkpoint={"every": 2, "keep": 0, "async_save": True},
+                                                          watchdog={"heartbeat_s": 0.5}))  # a killed rank named sooner
     res = deepspeed_train(cfg, "zero2.json")
     assert res.returncode == 0, res.out[-3000:]
     ref = metrics_by_step(base)
-    if background:  # the periodic saves were written in the background, the last one blocked
-        log = (base / "logs" / "rank_1.log").read_text()
-        assert "checkpoint step_00000004: state copied in" in log and "writing in the background" in log
-        assert "saved checkpoint step_00000004 in" in log and "s of it stopped training)" in log
-        assert "checkpoint step_00000006: state copied" not in log
-        assert checkpoint.complete_tags(base / "checkpoints") == [checkpoint.tag_for(s) for s in (2, 4, 6)]
-    for phase in checkpoint.PHASES:
-        run = tmp_path / phase
-        shutil.copytree(base, run)
-        if background:  # tags 2 and 4, as in the blocking case
-            checkpoint.remove_tags(run / "checkpoints", ["step_00000006"])
+    log = (base / "logs" / "rank_1.log").read_text()
+    assert "checkpoint step_00000004: state copied in" in log and "writing in the background" in log
+    assert "saved checkpoint step_00000004 in" in log and "s of it stopped training)" in log
+    assert "checkpoint step_00000006: state copied" not in log and "saved checkpoint step_00000006 in" in log
+    assert checkpoint.complete_tags(base / "checkpoints") == [checkpoint.tag_for(s) for s in (2, 4, 6)]
+    for background in (False, True):
+        for phase in checkpoint.PHASES[background:]:
+            run = tmp_path / f"{phase}_{'background' if background else 'blocking'}"
+            shutil.copytree(base, run)
+            checkpoint.remove_tags(run / "checkpoints", ["step_00000006"])  # tags 2 and 4, `latest` 4
             (run / "checkpoints" / "latest").write_text("step_00000004")
-        killed = 0 if phase in ("marked", "latest") else 1  # only the writer (rank 0) has those phases
-        res = deepspeed_train(cfg, "zero2.json", f"output_dir={run}", "checkpoint.resume=step_00000002",
-                              f"checkpoint.debug_fault=kill:{phase}:4:{killed}")
-        assert res.returncode != 0, (phase, res.out[-2000:])
-        failure = json.loads((run / "logs" / "failure.json").read_text())
-        assert (failure["rank"], failure["signal"]) == (killed, "SIGKILL"), (phase, failure["line"])
-        ckpts = run / "checkpoints"
-        latest = (ckpts / "latest").read_text()
-        assert checkpoint.is_complete(ckpts / latest), phase
-        marked = phase in ("marked", "latest")  # the new tag 4 is whole; before that, it is not a tag
-        assert agreed_tag(ckpts) == ("step_00000004" if marked else "step_00000002"), phase
-        assert latest == ("step_00000004" if phase == "latest" else "step_00000002"), phase
-        assert checkpoint.is_complete(ckpts / "step_00000004") == marked, phase
-        assert not (ckpts / "step_00000006").exists(), phase  # the save of 4 was whole or lost before 6
-        if marked:  # the rewritten tag is the new save's alone (a higher save number than the old one)
-            assert checkpoint.read_marker(ckpts / "step_00000004")[0]["seq"] == 3
-    res = deepspeed_train(cfg, "zero2.json", f"output_dir={tmp_path / 'written'}")  # the shards half replaced
+            killed = 0 if phase in ("marked", "latest") else 1  # only the writer (rank 0) has those phases
+            res = deepspeed_train(cfg, "zero2.json", f"output_dir={run}", "checkpoint.resume=step_00000002",
+                                  f"checkpoint.async_save={str(background).lower()}",
+                                  f"checkpoint.debug_fault=kill:{phase}:4:{killed}")
+            assert res.returncode != 0, (run.name, res.out[-2000:])
+            failure = json.loads((run / "logs" / "failure.json").read_text())
+            assert (failure["rank"], failure["signal"]) == (killed, "SIGKILL"), (run.name, failure["line"])
+            ckpts = run / "checkpoints"
+            latest = (ckpts / "latest").read_text()
+            assert checkpoint.is_complete(ckpts / latest), run.name
+            marked = phase in ("marked", "latest")  # the new tag 4 is whole; before that, it is not a tag
+            assert agreed_tag(ckpts) == ("step_00000004" if marked else "step_00000002"), run.name
+            assert latest == ("step_00000004" if phase == "latest" else "step_00000002"), run.name
+            assert checkpoint.is_complete(ckpts / "step_00000004") == marked, run.name
+            assert not (ckpts / "step_00000006").exists(), run.name  # the job ended before its last save
+            if marked:  # the rewritten tag is the new save's alone (a higher save number than the old one)
+                assert checkpoint.read_marker(ckpts / "step_00000004")[0]["seq"] == 3, run.name
+    written = tmp_path / "written_background"  # the shards half replaced
+    res = deepspeed_train(cfg, "zero2.json", f"output_dir={written}")
     assert res.returncode == 0, res.out[-3000:]
-    assert f"resumed from {tmp_path / 'written' / 'checkpoints' / 'step_00000002'} at step 2" in res.out
-    got = metrics_by_step(tmp_path / "written")
-    assert sorted(got) == list(range(1, last + 1))
-    assert [got[s]["loss"] for s in range(3, last + 1)] == [ref[s]["loss"] for s in range(3, last + 1)]
+    assert f"resumed from {written / 'checkpoints' / 'step_00000002'} at step 2" in res.out
+    got = metrics_by_step(written)
+    assert sorted(got) == list(range(1, 7)) and [got[s]["loss"] for s in range(3, 7)] == [
+        ref[s]["loss"] for s in range(3, 7)]
 
 
 @pytest.mark.slow

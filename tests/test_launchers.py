@@ -72,3 +72,13 @@ def test_the_grace_period_comes_from_the_launcher_above_or_slurm():
     assert kill_grace(watch, {"SLURM_JOB_ID": "7"}) == ("SLURM (KillWait, 30 s by default)", 30.0)
     watch.launchers = [Launcher("deepspeed launcher", 1, 0.0), Launcher("deepspeed runner", 2, 0.0)]
     assert kill_grace(watch, {"SLURM_JOB_ID": "7"}) == ("the deepspeed launcher", 30.0)
+
+
+def test_the_launch_beat_comes_from_the_environment_or_is_one_line():
+    from ds_train.errors import UserError
+    from ds_train.launchers import BEAT_S, launch_beat_s
+
+    assert launch_beat_s({}) == BEAT_S and launch_beat_s({"DS_TRAIN_LAUNCHER_BEAT_S": " 1.5 "}) == 1.5
+    for bad in ("fast", "0", "-2", "nan", "1e9"):
+        with pytest.raises(UserError, match=rf"DS_TRAIN_LAUNCHER_BEAT_S='{bad}': not a number of seconds"):
+            launch_beat_s({"DS_TRAIN_LAUNCHER_BEAT_S": bad})

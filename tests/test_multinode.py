@@ -253,7 +253,8 @@ def test_a_rank_killed_on_either_node_is_named_and_the_newest_save_resumes_exact
     command resumes from it through pdsh to the straight run's losses, bitwise."""
     run = tmp_path / "run"
     config = write_config(tmp_path / "run.yaml", tiny_config(tiny_data, run, train={"max_steps": 12},
-                                                             checkpoint={"every": 2}, watchdog={"stall_s": 30}))
+                                                             checkpoint={"every": 2},
+                                                             watchdog={"stall_s": 30, "heartbeat_s": 0.5}))
     res = run_cmd(launch_args(cluster["hostfile"], config, "--master_port", str(free_port()),
                               overrides=(f"watchdog.debug_fault=kill:{rank}:3",)), timeout=180, env=cluster["env"])
     assert res.returncode != 0, res.out[-4000:]
@@ -277,6 +278,36 @@ def test_a_rank_killed_on_either_node_is_named_and_the_newest_save_resumes_exact
     losses = losses_by_step(run)
     assert sorted(losses) == list(range(1, 13)) and [losses[s] for s in range(3, 13)] == [
         straight_run[s] for s in range(3, 13)]
+
+
+def test_sigkill_of_ds_train_launch_stops_the_ranks_on_both_nodes_with_a_save(cluster, tiny_data, tmp_path):
+    """`ds-train launch` SIGKILLed (its PID alone): no process is above the remote rank to notice,
+    but its beats in the rendezvous store stop; within GONE_AFTER beats every rank says so, saves at
+    the next step and exits 143, and nothing of the job (runner, pdsh, ranks) is left within
+    stall_s + 60 s. (A beat of 1 s, DS_TRAIN_LAUNCHER_BEAT_S: gone after 6 s rather than 30.)"""
+    run = tmp_path / "run"
+    config = write_config(tmp_path / "run.yaml", tiny_config(tiny_data, run, train={"max_steps": 400},
+                                                             watchdog={"stall_s": 30}))
+    proc = spawn(launch_args(cluster["hostfile"], config, "--master_port", str(free_port()),
+                             overrides=("watchdog.debug_fault=slow:0:0.3",)),
+                 env={**cluster["env"], "DS_TRAIN_LAUNCHER_BEAT_S": "1"})
+    try:
+        _wait_for_step(run / "heartbeats" / "rank_1.json", 3, proc)
+        os.kill(proc.pid, signal.SIGKILL)
+    except BaseException:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        raise
+    reap(proc, 30 + 60)  # every process holding the launch's output pipe (runner, pdsh) has ended
+    _assert_nothing_left(str(config), grace_s=1)
+    saved = checkpoint.latest_complete(run / "checkpoints")
+    assert saved is not None and 3 <= int(saved.split("_")[1]) < 400
+    k = int(saved.split("_")[1])
+    for rank in (0, 1):
+        log = (run / "logs" / f"rank_{rank}.log").read_text()
+        assert "the ds-train launch (its beats stopped) that started this job is gone; saving and stopping as for " \
+               "SIGTERM" in log, log[-2000:]
+        assert f"exit 143: stopped by signal 15 at step {k}" in log, log[-2000:]
 
 
 def test_a_stalled_rank_on_node1_is_named_through_pdsh(cluster, tiny_data, tmp_path):

@@ -20,7 +20,7 @@ from typing import Callable
 
 from ds_train.errors import OneLineParser, UserError
 from ds_train.fs import write_atomic
-from ds_train.launchers import BEAT_ENV, BEAT_S
+from ds_train.launchers import BEAT_ENV, BEAT_S, launch_beat_s
 from ds_train.rundir import RunPaths
 
 # DeepSpeed's runner default (deepspeed.constants.TORCH_DISTRIBUTED_DEFAULT_PORT).
@@ -157,7 +157,7 @@ def cmd_launch(args) -> int:
     port), write output_dir/.deepspeed_env, then run the deepspeed launcher (pdsh) and exit with its
     exit code; its last line says how the job ended (the hang or failure report). SIGTERM, SIGINT or
     SIGUSR1 sent to it reach every rank on every node: each saves a checkpoint and stops; if it is
-    killed, the ranks see its beat stop (30 s), save and stop too. Other flags
+    killed, the ranks see its beat stop (six beats of 5 s, DS_TRAIN_LAUNCHER_BEAT_S), save and stop too. Other flags
     before `--` go to the deepspeed launcher unchanged."""
     from ds_train.launch import envfile
     from ds_train.launch.hostfile import read_hostfile, select_hosts
@@ -166,6 +166,7 @@ def cmd_launch(args) -> int:
     ours, command_argv = _split(args.argv, "launch")
     opts, passthrough = _launch_parser().parse_known_args(ours)
     _check_flags(opts)
+    beat_s = launch_beat_s(os.environ)
     pool = select_hosts(read_hostfile(opts.hostfile), opts.num_nodes, opts.num_gpus, opts.include, opts.exclude)
     world_size = sum(len(slots) for slots in pool.values())
     cfg, plan = _check_run(args, command_argv, world_size)
@@ -189,16 +190,17 @@ def cmd_launch(args) -> int:
         return 0
 
     # The host of each node, in rank order: a rank that never reaches the rendezvous is named by it.
-    variables = {**variables, "DS_TRAIN_HOSTS": ",".join(pool), BEAT_ENV: f"{BEAT_S:g}"}  # see ds_train/launchers.py
+    variables = {**variables, "DS_TRAIN_HOSTS": ",".join(pool), BEAT_ENV: f"{beat_s:g}"}  # see ds_train/launchers.py
     env_file = envfile.write_env_file(Path(cfg.output_dir) / envfile.ENV_FILE, variables)
     print(f"launch: wrote {env_file} ({', '.join(variables)})")
     cmd = _deepspeed_cmd(opts, passthrough, python, result.master_addr, result.master_port, command_argv)
     print(f"launch: {' '.join(cmd)}", flush=True)
     return supervise(cmd, {**os.environ, "DS_ENV_FILE": str(env_file)}, result.master_addr, result.master_port,
-                     Path(cfg.output_dir))
+                     Path(cfg.output_dir), beat_s)
 
 
-def supervise(cmd: list[str], env: dict[str, str], master_addr: str, master_port: int, run_dir: Path) -> int:
+def supervise(cmd: list[str], env: dict[str, str], master_addr: str, master_port: int, run_dir: Path,
+              beat_s: float = BEAT_S) -> int:
     """Run the deepspeed launcher and wait for it. SIGTERM, SIGINT and SIGUSR1 (SLURM's warning
     before the time limit) sent to this process reach every rank on every node through the
     rendezvous store: each saves and stops, as if it had the signal itself (the launcher alone
@@ -232,14 +234,14 @@ def supervise(cmd: list[str], env: dict[str, str], master_addr: str, master_port
         while proc.poll() is None:
             try:
                 if channel is None:  # a plain connect first: torch's client logs each refusal
-                    socket.create_connection((master_addr, master_port), timeout=BEAT_S).close()
-                    channel = dist.SideChannel(master_addr, master_port, timeout_s=BEAT_S)
+                    socket.create_connection((master_addr, master_port), timeout=beat_s).close()
+                    channel = dist.SideChannel(master_addr, master_port, timeout_s=beat_s)
                 channel.add("launcher/beats", 1)
             except OSError:  # the job's store is not up yet
                 pass
             except Exception:  # the store went with rank 0: the job is ending, its ranks say why
                 return
-            time.sleep(BEAT_S)
+            time.sleep(beat_s)
     threading.Thread(target=beat, daemon=True).start()
 
     previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)}
