@@ -48,9 +48,8 @@ def check_command(argv: list[str], world_size: int):
     parser, its config loaded and its batch math checked at the target world size."""
     from ds_train.configfile import load_config
     from ds_train.engine import read_ds_template
-
     from ds_train.inputs import model_config
-    from ds_train.parallel import check_built, check_heads
+    from ds_train.parallel import check_built, check_heads, check_sequence
 
     args = build_parser().parse_args(argv)
     if getattr(args, "spec", None) is None:
@@ -59,11 +58,12 @@ def check_command(argv: list[str], world_size: int):
     if not args.config or not args.ds_config:
         raise UserError(f"{args.command} needs --config and --ds-config")
     cfg = load_config(args.config, args.overrides)
-    read_ds_template(args.ds_config)
+    template = read_ds_template(args.ds_config)
     dims, plan, _ = args.spec(cfg).check(cfg, world_size)
     if dims.sequence * dims.tensor > 1:  # a layout that splits the heads (the model's config, no data)
         check_heads(dims, model_config(cfg))
     check_built(dims)
+    check_sequence(cfg, template)
     return cfg, plan
 
 
@@ -177,6 +177,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="world size(s) of the layouts: processes per launch (default 2)")
     pa.add_argument("--grad-accum", nargs="+", default=[], metavar="A",
                     help="gradient accumulation(s) at the config's global batch (default: the config's micro-batch)")
+    pa.add_argument("--sequence", nargs="+", default=[], metavar="S",
+                    help="Ulysses sequence-parallel size(s) of the layouts, each at the world sizes it divides "
+                         "(default: the config's parallel.sequence)")
     pa.add_argument("--steps", type=int, default=5, help="optimizer steps per run (default 5)")
     pa.add_argument("--shrink", action="store_true",
                     help="the same model type with small dimensions (2 layers, 16 per head) and small steps")

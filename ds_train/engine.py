@@ -182,10 +182,11 @@ def zero_stage(ds_config: dict) -> int:
     return int(ds_config.get("zero_optimization", {}).get("stage", 0))
 
 
-def initialize(model, ds_config: dict):
-    """deepspeed.initialize with the optimizer and scheduler the ds_config names."""
+def initialize(model, ds_config: dict, mpu=None):
+    """deepspeed.initialize with the optimizer and scheduler the ds_config names (`mpu`: the
+    parallel groups of Ulysses sequence parallelism, ds_train/model/ulysses.py)."""
     import deepspeed
 
     params = [p for p in model.parameters() if p.requires_grad]
-    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=params, config=ds_config)
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=params, config=ds_config, mpu=mpu)
     return engine

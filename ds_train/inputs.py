@@ -25,6 +25,7 @@ from ds_train.errors import UserError
 from ds_train.export import locate_model
 from ds_train.model.build import supports_packing
 from ds_train.model.hfconfig import build_hf_config, with_vocab
+from ds_train.parallel import check_sequence
 
 
 @dataclass(frozen=True)
@@ -76,6 +77,7 @@ def check_inputs(cfg: RunConfig, ds_config_path: str, data: bool = True) -> RunI
     check, nothing written in the run directory."""
     template = read_ds_template(ds_config_path)
     check_ds_names(template, str(ds_config_path))
+    check_sequence(cfg, template)
     model_dir, export_from = locate(cfg)
     hf_config = _hf_config(cfg, model_dir, weights=export_from is None)  # a run's weights: in its checkpoint
     if not data:  # the model's own tokenizer
@@ -89,7 +91,8 @@ def check_inputs(cfg: RunConfig, ds_config_path: str, data: bool = True) -> RunI
     check_vocab(meta, getattr(hf_config, "vocab_size", None), cfg.data.dir)
     check_tokenizer_fits(cfg, hf_config, tokenizer, tok_dir or meta["tokenizer"])
     check_token_ids(cfg, hf_config)
-    datasets = build_datasets(cfg.data, meta, cfg.train.seq_len, cfg.seed, supports_packing(hf_config),
+    datasets = build_datasets(cfg.data, meta, cfg.train.seq_len, cfg.seed,
+                              supports_packing(hf_config) and cfg.parallel.sequence == 1,  # Ulysses: causal over all
                               type(hf_config).__name__)
     source = ModelSource(hf_config, tokenizer, model_dir if export_from is None else None, export_from)
     return RunInputs(cfg, str(ds_config_path), template, source, datasets)

@@ -11,7 +11,7 @@ import math
 import time
 
 from ds_train import dist
-from ds_train.data.datasets import eval_micro_batches
+from ds_train.data.datasets import eval_micro_batches, sequence_shard
 from ds_train.losses import forward_loss, token_mean
 from ds_train.metrics import Interval, memory_gib, mfu
 from ds_train.reports import stragglers
@@ -129,7 +129,7 @@ class Evaluator:
             for batch in eval_micro_batches(self.val, run.cfg.train.eval_batches, run.plan.micro_batch_size,
                                             run.data_rank, run.dims.data):
                 run.beat(step, "eval")
-                loss_sum, n = forward_loss(engine, batch)
+                loss_sum, n = forward_loss(engine, sequence_shard(batch, run.sequence_rank, run.dims.sequence))
                 loss, count = loss + float(loss_sum), count + n
         engine.train()
         mean = token_mean(loss, count, run.token_group)

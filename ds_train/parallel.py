@@ -13,12 +13,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ds_train.config import ParallelConfig
+from ds_train.config import ParallelConfig, RunConfig
 from ds_train.errors import UserError
 
 # Sizes whose capability has not landed: accepted by the checks (so a layout is validated as a
 # whole), refused after them with this line.
-NOT_BUILT = {"sequence": "Ulysses sequence parallelism", "tensor": "AutoTP tensor parallelism"}
+NOT_BUILT = {"tensor": "AutoTP tensor parallelism"}
 
 
 @dataclass(frozen=True)
@@ -44,6 +44,12 @@ class ParallelDims:
         share a tensor coordinate; tensor ranks compute the same tokens): what a token count or a
         summed loss is reduced over. One group, the world, when tensor = 1."""
         return [[r for r in range(self.world) if r % self.tensor == t] for t in range(self.tensor)]
+
+    def gradient_ranks(self, zero_stage: int) -> int:
+        """How many ranks DeepSpeed divides a summed gradient by: the data-parallel ones (stages 0-2
+        sum over the sequence ranks), but ZeRO-3's reduce-scatter averages over its whole partition
+        group, data x sequence (DeepSpeed 0.19.8)."""
+        return self.data * (self.sequence if zero_stage == 3 else 1)
 
     def derivation(self) -> str:
         """How the data-parallel size comes from the world size ('' when it is the world size)."""
@@ -116,3 +122,33 @@ def check_built(dims: ParallelDims) -> None:
         if size > 1:
             raise UserError(f"parallel.{key}={size}: {what} is not available in this version of ds_train "
                             f"(the layout itself is valid: {dims.describe()}); set parallel.{key}=1")
+
+
+def check_sequence(cfg: RunConfig, template: dict) -> None:
+    """What Ulysses sequence parallelism (parallel.sequence) cannot take, found before anything is
+    written (every problem, one line); `template`: the DeepSpeed JSON."""
+    zero = template.get("zero_optimization") or {}
+    stage = int(zero.get("stage", 0)) if isinstance(zero, dict) else 0
+    zero = zero if isinstance(zero, dict) else {}
+    sp = cfg.parallel.sequence
+    if sp == 1:
+        return
+    problems = []
+    seq_len = cfg.train.seq_len
+    if seq_len % sp:
+        near = sorted({seq_len // sp * sp or sp, (seq_len // sp + 1) * sp})
+        problems.append(f"train.seq_len={seq_len} is not divisible by parallel.sequence={sp} (each sequence rank "
+                        f"holds seq_len / {sp} positions); choose {choices(near)}")
+    if cfg.model.attn_implementation in ("eager", "paged|eager"):
+        problems.append(f"model.attn_implementation={cfg.model.attn_implementation!r} cannot run under "
+                        f"parallel.sequence={sp} (it needs the whole seq_len x seq_len mask on every rank); use sdpa "
+                        f"or flash_attention_2")
+    if stage == 3 and zero.get("reduce_scatter", True) is False:
+        problems.append(f"zero_optimization.reduce_scatter=false with parallel.sequence={sp}: ZeRO-3 then averages "
+                        f"some gradient buckets over the data ranks and others over data x sequence (DeepSpeed "
+                        f"0.19.8); remove the key (true is the default)")
+    if cfg.data.format == "sft" and cfg.data.pack is True:  # auto packs nothing under sequence parallelism
+        problems.append(f"data.pack={cfg.data.pack} with parallel.sequence={sp}: Ulysses' attention is causal over "
+                        f"the whole sequence, so packed examples would attend to each other; set data.pack=false")
+    if problems:
+        raise UserError("; ".join(problems))

@@ -35,7 +35,7 @@ from ds_train.engine import read_ds_template, zero_stage
 from ds_train.errors import UserError
 from ds_train.fs import write_atomic
 from ds_train.inputs import check_inputs, locate, model_config
-from ds_train.parallel import check_built, choices
+from ds_train.parallel import check_built, check_sequence, choices
 from ds_train.rundir import RunPaths, read_json, read_metrics
 from ds_train.trainer import train_spec
 
@@ -52,10 +52,12 @@ class Layout:
     nproc: int
     micro: int
     accum: int
+    sequence: int = 1  # parallel.sequence (Ulysses)
 
     @property
     def name(self) -> str:
-        return f"{Path(self.ds_config).stem}_np{self.nproc}_accum{self.accum}"
+        sp = f"_sp{self.sequence}" if self.sequence > 1 else ""
+        return f"{Path(self.ds_config).stem}_np{self.nproc}{sp}_accum{self.accum}"
 
 
 @dataclass(frozen=True)
@@ -67,13 +69,18 @@ class Job:
     ds_config: str
 
 
-def layouts(cfg: RunConfig, ds_configs: list[str], nprocs: list[int], accums: list[int]) -> list[Layout]:
-    """Every ds_config x world size x accumulation, with the micro-batch that keeps the global batch
-    (no --grad-accum: the config's micro-batch at each world size)."""
+def layouts(cfg: RunConfig, ds_configs: list[str], nprocs: list[int], accums: list[int],
+            sequences: list[int] | None = None) -> list[Layout]:
+    """Every ds_config x world size x sequence-parallel size that divides it x accumulation, with the
+    micro-batch that keeps the global batch (no --grad-accum: the config's micro-batch)."""
     g = cfg.train.global_batch_size
     out = []
-    for n in nprocs:
-        dp = train_spec(cfg).check(cfg, n)[0].data  # the layout's data-parallel size (refused: one line)
+    sequences = sequences or [cfg.parallel.sequence]
+    for n, sp in ((n, sp) for n in nprocs for sp in sequences):
+        if n % sp and len(sequences) > 1:
+            continue  # a size of the list that does not divide this world size: another world size takes it
+        cfg_sp = replace(cfg, parallel=replace(cfg.parallel, sequence=sp))
+        dp = train_spec(cfg_sp).check(cfg_sp, n)[0].data  # the layout's data-parallel size (refused: one line)
         for accum in accums or [0]:
             micro = cfg.train.micro_batch_size if not accum else g // (accum * dp)
             if accum and (g % (accum * dp) or micro == 0):
@@ -81,9 +88,9 @@ def layouts(cfg: RunConfig, ds_configs: list[str], nprocs: list[int], accums: li
                 raise UserError(f"parity: --grad-accum {accum} at {n} process(es) needs train.global_batch_size="
                                 f"{g} divisible by {accum} x data-parallel size {dp}; choose "
                                 f"{choices(fits) if fits else 'another global batch size'}")
-            run = replace(cfg, train=replace(cfg.train, micro_batch_size=micro))
+            run = replace(cfg_sp, train=replace(cfg.train, micro_batch_size=micro))
             plan = train_spec(run).check(run, n)[1]  # the batch math at this world size, or one line
-            out += [Layout(str(d), n, micro, plan.grad_accum_steps) for d in ds_configs]
+            out += [Layout(str(d), n, micro, plan.grad_accum_steps, sp) for d in ds_configs]
     return out
 
 
@@ -286,7 +293,8 @@ def _launch_failed(code: int, log: Path) -> None:
 
 
 def parity(cfg: RunConfig, label: str, ds_configs: list[str], nprocs: list[int], accums: list[int], steps: int,
-           shrink_it: bool, out: str, launcher_args: str, loss_tol: float | None, grad_tol: float | None) -> int:
+           shrink_it: bool, out: str, launcher_args: str, loss_tol: float | None, grad_tol: float | None,
+           sequences: list[int] | None = None) -> int:
     """Every layout against the reference, printed as it goes; 0 when every one is within tolerance."""
     templates = {d: read_ds_template(d) for d in ds_configs}
     if steps <= 0 or min(nprocs) <= 0:
@@ -294,9 +302,11 @@ def parity(cfg: RunConfig, label: str, ds_configs: list[str], nprocs: list[int],
     notes = []
     if shrink_it:
         cfg, notes = shrink(cfg)
-    lays = layouts(cfg, ds_configs, sorted(set(nprocs)), sorted(set(accums)))
-    for n in sorted(set(nprocs)):
-        check_built(train_spec(cfg).check(cfg, n)[0])
+    lays = layouts(cfg, ds_configs, sorted(set(nprocs)), sorted(set(accums)), sorted(set(sequences or [])))
+    for lay in lays:
+        lay_cfg = replace(cfg, parallel=replace(cfg.parallel, sequence=lay.sequence))
+        check_built(train_spec(lay_cfg).check(lay_cfg, lay.nproc)[0])
+        check_sequence(lay_cfg, templates[lay.ds_config])
     out_dir = Path(out) if out else Path(tempfile.mkdtemp(prefix="ds_train_parity_"))
     _check_out(out_dir)
     code = _parity(cfg, label, lays, templates, steps, notes, out_dir, shlex.split(launcher_args),
@@ -336,7 +346,8 @@ def _parity(cfg: RunConfig, label: str, lays: list[Layout], templates: dict, ste
     cfg = _exported_once(cfg, out)
     g, seq = cfg.train.global_batch_size, cfg.train.seq_len
     micro_ref = min(lay.micro for lay in lays)
-    ref_cfg = build_config(_job(cfg, REFERENCE, out, steps, micro_ref, g // micro_ref, **{"model.dtype": "fp32"}))
+    ref_cfg = build_config(_job(cfg, REFERENCE, out, steps, micro_ref, g // micro_ref,
+                                **{"model.dtype": "fp32", "parallel.sequence": 1, "parallel.tensor": 1}))
     ref_ds = reference_template(next(iter(templates.values())), out)
     write_atomic(out / "parity.json", json.dumps({"config": label, "steps": steps,
                                                    "layouts": [lay.name for lay in lays]}, indent=1))
@@ -350,7 +361,7 @@ def _parity(cfg: RunConfig, label: str, lays: list[Layout], templates: dict, ste
               f"layout, so the runs differ by more than rounding; --shrink builds it without dropout")
     groups: dict[int, list[Job]] = {1: [Job(REFERENCE, ref_cfg.to_dict(), ref_ds)]}
     for lay in lays:
-        job = _job(cfg, lay.name, out, steps, lay.micro, lay.accum)
+        job = _job(cfg, lay.name, out, steps, lay.micro, lay.accum, **{"parallel.sequence": lay.sequence})
         groups.setdefault(lay.nproc, []).append(Job(lay.name, job, lay.ds_config))
     for n, jobs in sorted(groups.items()):
         print(f"parity: {len(jobs)} run(s) in one launch of {n} process(es) (log: {out / f'launch_np{n}.log'})",
@@ -366,8 +377,9 @@ def _parity(cfg: RunConfig, label: str, lays: list[Layout], templates: dict, ste
         stage = zero_stage(read_json(paths.ds_config) or {})
         tol = TOLERANCES.get(dtype, TOLERANCES["fp32"])
         tol = (tol[0] if loss_tol is None else loss_tol, tol[1] if grad_tol is None else grad_tol)
-        print(f"\n{lay.name}: ZeRO-{stage}, {dtype}, {lay.nproc} process(es), micro {lay.micro} x accum {lay.accum} "
-              f"({lay.ds_config})")
+        sp = f", sequence parallel {lay.sequence}" if lay.sequence > 1 else ""
+        print(f"\n{lay.name}: ZeRO-{stage}, {dtype}, {lay.nproc} process(es){sp}, micro {lay.micro} x accum "
+              f"{lay.accum} ({lay.ds_config})")
         lines, ok = compare(series(out / lay.name), reference, *tol)
         print("\n".join(lines))
         passed += ok

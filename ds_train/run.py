@@ -48,6 +48,7 @@ from ds_train.logs import build_rank_log, capture_console, release_console
 from ds_train.memory import checkpoint_bytes
 from ds_train.metrics import Logger, build_logger, build_progress, peak_flops, rewind_jsonl
 from ds_train.model.build import build_model, count_params, flops_per_token, lookup_params, resolve_dtype
+from ds_train.model.ulysses import register_ulysses, unregister_ulysses
 from ds_train.parallel import ParallelDims, check_built, check_heads, plan_dims
 from ds_train.plan import oom_report
 from ds_train.reports import doctor_hint, is_secondary
@@ -150,6 +151,11 @@ class Run:
         """The slice of every global batch this rank reads."""
         return self.dims.data_rank(self.env.rank)
 
+    @property
+    def sequence_rank(self) -> int:
+        """Which part of every sequence this rank holds (Ulysses; 0 without sequence parallelism)."""
+        return self.dims.coords(self.env.rank)[1]
+
     def beat(self, step: int, phase: str) -> None:
         """This rank entered `phase` of `step` (progress, for the heartbeat and the watchdog)."""
         self.heartbeat.beat(step, phase)
@@ -219,6 +225,7 @@ class Run:
         if verdict and mine and replacement is None:  # the reporting rank ends its output with the verdict
             exc.add_note(f"ds-train: error: {verdict}")
         self.stop.restore()
+        unregister_ulysses()
         self.logger.close()
         self.watchdog.stop("ended" if exc is None else "stopped" if isinstance(exc, RunStopped) else "failed")
         self.rank_log.info(_ending(exc))
@@ -305,9 +312,10 @@ def _build_run(inputs: RunInputs, env: dist.DistEnv, spec: RunSpec, stop: StopRe
     from transformers import set_seed
 
     set_seed(cfg.seed)
+    mpu = register_ulysses(source.hf_config, cfg.model.attn_implementation, dims.sequence, plan.micro_batch_size)
     built = build_model(replace(cfg.model, path=str(weights or "")), source.hf_config, ds_config, cfg.seed)
     n_params = count_params(built.model)
-    engine = initialize(built.model, ds_config)
+    engine = initialize(built.model, ds_config, mpu)
     if cfg.model.compile:  # torch.compile through DeepSpeed, with the accelerator's backend
         backend = accel.get_compile_backend()
         engine.compile(backend=backend)

@@ -16,7 +16,7 @@ import numpy as np
 
 from ds_train import dist
 from ds_train.config import RunConfig
-from ds_train.data.datasets import Batch, Datasets, rank_micro_batches
+from ds_train.data.datasets import Batch, Datasets, rank_micro_batches, sequence_shard
 from ds_train.fs import write_atomic
 from ds_train.guard import backward_step
 from ds_train.inputs import check_inputs
@@ -69,10 +69,12 @@ def train_loop(run: Run, data: Datasets, start: int, stop: int) -> dict[str, Any
         for step in range(start + 1, stop + 1):
             with clock.host():
                 run.beat(step, "data")
-                batches = rank_micro_batches(data.train, step - 1, run.plan.global_batch_size,
-                                             run.plan.micro_batch_size, run.data_rank, run.dims.data)
+                batches = [sequence_shard(b, run.sequence_rank, run.dims.sequence) for b in rank_micro_batches(
+                    data.train, step - 1, run.plan.global_batch_size, run.plan.micro_batch_size, run.data_rank,
+                    run.dims.data)]
             result = train_step(run.engine, batches, poison=step in c.train.debug_nonfinite_steps,
-                                beat=functools.partial(run.beat, step), clock=clock, group=run.token_group)
+                                beat=functools.partial(run.beat, step), clock=clock, group=run.token_group,
+                                data_parallel=run.dims.gradient_ranks(run.zero_stage))
             run.guard.observe(f"step {step}", result.skipped)
             metrics = meter.maybe_measure(step, result, run.guard.skipped) | evaluator.maybe_evaluate(step)
             run.logger.log(metrics, step)
@@ -97,7 +99,7 @@ class StepResult:
 
 def train_step(engine, micro_batches: list[np.ndarray] | list[Batch], poison: bool = False,
                beat: Callable[[str], None] = lambda phase: None, clock: ComputeClock | None = None,
-               group=None) -> StepResult:
+               group=None, data_parallel: int | None = None) -> StepResult:
     """One optimizer step: the engine owns accumulation scaling, clipping and the optimizer.
 
     The gradient is that of the mean loss over the step's target tokens on every rank. Windows all
@@ -105,6 +107,8 @@ def train_step(engine, micro_batches: list[np.ndarray] | list[Batch], poison: bo
     step's total over all ranks (`group`: the ranks whose tokens make up the batch; one all-reduce
     of a count), times the engine's own averaging over micro-batches and ranks, which backward undoes.
 
+    `data_parallel`: how many ranks DeepSpeed divides the summed gradient by (ParallelDims.gradient_ranks;
+    default the engine's data-parallel size).
     `poison` makes the loss infinite (fault injection for train.debug_nonfinite_steps); `beat`
     tells the heartbeat each phase; `clock` times the forward passes (this rank's own work).
     """
@@ -114,7 +118,8 @@ def train_step(engine, micro_batches: list[np.ndarray] | list[Batch], poison: bo
     per_step = None
     if micro_batches and isinstance(micro_batches[0], Batch):
         step_targets = dist.all_reduce_sum([sum(b.n_targets for b in micro_batches)], group)[0]
-        per_step = max(step_targets, 1) / (engine.dp_world_size * engine.gradient_accumulation_steps())
+        # DeepSpeed sums gradients over the sequence ranks and averages over the data-parallel ones
+        per_step = max(step_targets, 1) / ((data_parallel or engine.dp_world_size) * engine.gradient_accumulation_steps())
     for batch in micro_batches:
         beat("forward")
         with clock.device():
@@ -169,7 +174,9 @@ def finish(run: Run, metrics: dict) -> dict:
                "tokens_per_s": metrics.get("perf/tokens_per_s"), "world_size": run.env.world_size,
                "parallel": run.dims.record(),
                "run_dir": str(run.run_dir.resolve())}
-    sample = generate_sample(run) if run.cfg.log.sample_prompt and run.cfg.log.sample_tokens else None
+    # (generation under Ulysses would split a prompt of a few tokens: no sample with parallel.sequence)
+    sample = (generate_sample(run) if run.cfg.log.sample_prompt and run.cfg.log.sample_tokens
+              and run.dims.sequence == 1 else None)
     if run.cfg.checkpoint.export_final:
         results["export"] = maybe_export_final(run)
     if run.env.is_main:

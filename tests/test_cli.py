@@ -107,9 +107,14 @@ def test_a_parallel_layout_that_does_not_fit_is_one_line_naming_the_numbers_and_
                                    str(cfg), "--ds-config", ZERO0, "parallel.sequence=3"],
                  "parallel.sequence=3 does not divide the model's 4 attention heads; choose 1, 2 or 4")
     expect_error(capsys, run_dir, ["estimate", "--config", str(cfg), "--ds-config", ZERO0, "--nodes", "1",
-                                   "--gpus-per-node", "4", "parallel.sequence=2"],
-                 "parallel.sequence=2: Ulysses sequence parallelism is not available",
-                 "parallel: data 2 x sequence 2 x tensor 1 = world 4")
+                                   "--gpus-per-node", "4", "parallel.tensor=2"],
+                 "parallel.tensor=2: AutoTP tensor parallelism is not available",
+                 "parallel: data 2 x sequence 1 x tensor 2 = world 4")
+    expect_error(capsys, run_dir, ["train", "--config", str(cfg), "--ds-config", ZERO0, "parallel.sequence=2",
+                                   "train.seq_len=63", "model.attn_implementation=eager"],
+                 "train.seq_len=63 is not divisible by parallel.sequence=2 (each sequence rank holds seq_len / 2 "
+                 "positions); choose 62 or 64", "model.attn_implementation='eager' cannot run under "
+                 "parallel.sequence=2")
 
 
 def test_missing_data(capsys, run_dir, tmp_path):

@@ -1077,3 +1077,24 @@ def test_a_packed_example_gets_the_same_logits_as_alone(sft_dir, model_type):
         for a, b in zip(starts[:-1], starts[1:]):
             alone = model(input_ids=torch.from_numpy(inputs[a:b])[None], use_cache=False).logits[0]
             torch.testing.assert_close(packed[a:b], alone, atol=1e-5, rtol=1e-4)
+
+
+def test_a_sequence_rank_holds_its_part_of_every_sequence_with_targets_shifted_before_the_split():
+    import numpy as np
+
+    from ds_train.data.datasets import Batch, sequence_shard
+
+    windows = np.arange(2 * 9).reshape(2, 9)  # two windows of seq_len 8 + 1
+    assert sequence_shard(windows, 0, 1) is windows
+    parts = [sequence_shard(windows, r, 4) for r in range(4)]
+    assert [p.inputs.tolist() for p in parts[:2]] == [[[0, 1], [9, 10]], [[2, 3], [11, 12]]]
+    assert parts[1].targets.tolist() == [[3, 4], [12, 13]]  # the last target of a part: the next part's first input
+    assert parts[3].positions.tolist() == [[6, 7], [6, 7]]  # the sequence's own positions, not the part's
+    assert np.concatenate([p.inputs for p in parts], 1).tolist() == windows[:, :-1].tolist()
+    assert np.concatenate([p.targets for p in parts], 1).tolist() == windows[:, 1:].tolist()
+    assert sum(p.n_targets for p in parts) == 16
+    sft = Batch(np.arange(8).reshape(1, 8), np.array([[-100, -100, 5, 6, -100, 8, 9, -100]]),
+                np.array([[0, 1, 2, 3, 0, 1, 2, 3]]))
+    halves = [sequence_shard(sft, r, 2) for r in range(2)]
+    assert [h.n_targets for h in halves] == [2, 2] and halves[1].positions.tolist() == [[0, 1, 2, 3]]
+    assert all(h.inputs.flags["C_CONTIGUOUS"] for h in halves)

@@ -69,13 +69,47 @@ def test_a_layout_that_does_not_divide_the_heads_names_the_numbers_and_the_choic
 
 def test_sizes_whose_capability_has_not_landed_are_refused_after_the_layout_checks():
     check_built(ParallelDims(4))
+    check_built(ParallelDims(2, 2, 1))  # Ulysses sequence parallelism has landed
     with pytest.raises(UserError) as e:
-        check_built(ParallelDims(2, 2, 1))
-    assert str(e.value) == ("parallel.sequence=2: Ulysses sequence parallelism is not available in this version of "
-                            "ds_train (the layout itself is valid: parallel: data 2 x sequence 2 x tensor 1 = world "
-                            "4); set parallel.sequence=1")
-    with pytest.raises(UserError, match="parallel.tensor=2: AutoTP tensor parallelism is not available"):
         check_built(ParallelDims(1, 1, 2))
+    assert str(e.value) == ("parallel.tensor=2: AutoTP tensor parallelism is not available in this version of "
+                            "ds_train (the layout itself is valid: parallel: data 1 x sequence 1 x tensor 2 = world "
+                            "2); set parallel.tensor=1")
+
+
+def sp_config(**sections):
+    from ds_train.configfile import build_config
+
+    raw = {"output_dir": "/tmp/unused", "parallel": {"sequence": 2}, "train": {"seq_len": 64},
+           "model": {"config": {"model_type": "llama"}}}
+    for key, value in sections.items():
+        raw.setdefault(key, {}).update(value)
+    return build_config(raw, source="test")
+
+
+def test_what_ulysses_cannot_take_is_one_line_before_anything_is_written():
+    from ds_train.parallel import check_sequence
+
+    check_sequence(sp_config(), {"zero_optimization": {"stage": 2}})
+    check_sequence(sp_config(), {})  # ZeRO-0 is shown to keep the math (test_parity.py)
+    check_sequence(sp_config(parallel={"sequence": 1}, train={"seq_len": 63}), {})  # no SP: nothing to check
+    with pytest.raises(UserError) as e:
+        check_sequence(sp_config(train={"seq_len": 100}, parallel={"sequence": 8}, model={"attn_implementation": "eager"},
+                                 data={"format": "sft", "pack": True}),
+                       {"zero_optimization": {"stage": 3, "reduce_scatter": False}})
+    said = str(e.value)
+    assert "\n" not in said and said.startswith("train.seq_len=100 is not divisible by parallel.sequence=8 (each "
+                                                "sequence rank holds seq_len / 8 positions); choose 96 or 104; ")
+    for needle in ("model.attn_implementation='eager' cannot run under parallel.sequence=8; use sdpa",
+                   "zero_optimization.reduce_scatter=false with parallel.sequence=8", "remove the key",
+                   "data.pack=True with parallel.sequence=8", "set data.pack=false"):
+        assert needle in said.replace("8 (it needs the whole seq_len x seq_len mask on every rank)", "8"), needle
+
+
+def test_gradients_are_divided_by_the_data_ranks_and_under_zero3_by_data_x_sequence():
+    dims = ParallelDims(2, 4, 1)
+    assert [dims.gradient_ranks(stage) for stage in range(4)] == [2, 2, 2, 8]
+    assert ParallelDims(4).gradient_ranks(3) == 4
 
 
 def test_the_batch_plan_counts_data_parallel_ranks():

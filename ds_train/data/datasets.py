@@ -217,6 +217,21 @@ class SftData:
         return line
 
 
+def sequence_shard(batch: np.ndarray | Batch, rank: int, size: int) -> np.ndarray | Batch:
+    """Sequence rank `rank`'s part of a micro-batch under Ulysses sequence parallelism (`size`
+    ranks): seq_len / size consecutive positions of every sequence, as inputs, targets shifted
+    before the split (so the last target of a part is the next part's first input) and the
+    sequence's own position ids (the attention gathers them back). size 1: the batch as it is."""
+    if size == 1:
+        return batch
+    if not isinstance(batch, Batch):  # a window of seq_len + 1 tokens
+        batch = Batch(batch[:, :-1], batch[:, 1:], None)
+    rows, length = batch.inputs.shape
+    positions = batch.positions if batch.positions is not None else np.broadcast_to(np.arange(length), (rows, length))
+    part = slice(rank * length // size, (rank + 1) * length // size)  # seq_len % size == 0 is checked at start
+    return Batch(*(np.ascontiguousarray(a[:, part]) for a in (batch.inputs, batch.targets, positions)))
+
+
 def rank_micro_batches(data: TokenData | SftData, step: int, global_batch: int, micro: int, data_rank: int,
                        data_parallel: int) -> list:
     """The micro-batches data-parallel rank `data_rank` trains on at `step` (0-based): a disjoint

@@ -71,8 +71,9 @@ def build_model(model_cfg: ModelConfig, hf_config, ds_config: dict, seed: int = 
     hf_logging.disable_progress_bar()
     keep_alive = None
     zero3 = ds_config.get("zero_optimization", {}).get("stage", 0) == 3
-    if zero3:
-        keep_alive = HfDeepSpeedConfig(ds_config)
+    if zero3:  # zero.Init reads it without the parallel groups: its world is every rank, not the
+        # data-parallel ones, so the global batch is left for it to derive (micro x accumulation x world)
+        keep_alive = HfDeepSpeedConfig({k: v for k, v in ds_config.items() if k != "train_batch_size"})
     else:  # an earlier ZeRO-3 run in this process (parity runs several) must not build this one partitioned
         unset_hf_deepspeed_config()
     kwargs = dict(attn_implementation=model_cfg.attn_implementation, dtype=torch.float32)

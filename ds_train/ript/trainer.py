@@ -57,6 +57,9 @@ class RiptInputs:
         if not cfg.model.path:
             raise UserError("model.path: RIPT starts from a trained policy: a Hugging Face directory or a "
                             "ds_train run directory (recipes/ript_sft.yaml makes one)")
+        if cfg.parallel.sequence > 1:
+            raise UserError(f"parallel.sequence={cfg.parallel.sequence}: RIPT's rollouts generate token by token, "
+                            f"which Ulysses sequence parallelism cannot split; set parallel.sequence=1 for ript")
         tasks = {t.name: t for t in map(load_task, map(str, r.tasks))}
         data_parallel = plan_dims(cfg.parallel, world_size).data
         shards = shard_tasks(cls.costs(cfg, tasks), data_parallel, r.sharding, r.allow_idle_ranks)

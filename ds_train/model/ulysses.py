@@ -1,0 +1,46 @@
+"""Ulysses sequence parallelism (DeepSpeed's ALST) for a Hugging Face model.
+
+Before the model is built, DeepSpeed's Ulysses attention replaces the model's core attention
+(`model.attn_implementation`) in transformers' registry: each rank of a sequence-parallel group
+holds seq_len / parallel.sequence positions of every sequence (ds_train/data/datasets.py's
+`sequence_shard`), and around each attention an all-to-all trades that for the whole sequence on
+heads / parallel.sequence heads, then back. Everything else in the model runs on the rank's own
+positions. The returned `mpu` (DeepSpeed's sequence-parallel groups) goes to deepspeed.initialize,
+which then averages gradients over the data x sequence ranks.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+
+# The attention functions Ulysses replaced in transformers' registry, to put back when the run ends.
+_REPLACED: dict = {}
+
+
+def register_ulysses(hf_config, attn_implementation: str, sequence: int, micro_batch_size: int):
+    """DeepSpeed's mpu for `sequence` > 1 (after the process group is up, before the model is
+    built); None without sequence parallelism."""
+    if sequence == 1:
+        return None
+    from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    _REPLACED.setdefault(attn_implementation, ALL_ATTENTION_FUNCTIONS[attn_implementation])
+    return UlyssesSPAttentionHF.register_with_transformers(
+        SimpleNamespace(config=hf_config), core_attn_implementation=attn_implementation,
+        sequence_parallel_size=sequence, micro_batch_size=micro_batch_size, seq_length_is_variable=True)
+
+
+def unregister_ulysses() -> None:
+    """The run ended: transformers' attention and DeepSpeed's sequence groups as before (a process
+    that runs several runs, as parity's worker does, builds the next model without Ulysses)."""
+    if not _REPLACED:
+        return
+    from deepspeed.runtime.sequence_parallel import parallel_state_sp
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    for name, fn in _REPLACED.items():
+        ALL_ATTENTION_FUNCTIONS[name] = fn
+    _REPLACED.clear()
+    parallel_state_sp._release_sequence_parallel_groups()
