@@ -33,7 +33,7 @@ from ds_train.memory import GiB, ModelShape, model_shape
 from ds_train.metrics import PEAK_TFLOPS, memory_gib, peak_flops
 from ds_train.model.build import count_params, flops_per_token, lookup_params, resolve_dtype
 from ds_train.parallel import check_built, check_heads, check_sequence, plan_dims
-from ds_train.plan import (Target, format_rows, format_suggestions, pick_preset, plan_rows, resolved_zero,
+from ds_train.plan import (Target, format_rows, format_suggestions, pick_preset, plan_rows, rank_seq_len, resolved_zero,
                            suggestions)
 from ds_train.rundir import RunPaths
 from ds_train.run import build_run
@@ -95,7 +95,7 @@ def run_estimate(cfg: RunConfig, ds_config_path: str, target: Target, preset: st
     out = {"target": {"nodes": target.nodes, "gpus_per_node": target.gpus_per_node, "world": target.world,
                       "gpu_memory_gib": target.gpu_memory_gib, "parallel": dims.record()},
            "model": {"params": shape.n_params, "layers": shape.n_layers, "hidden": shape.hidden},
-           "dtype": dtype, "rows": rows}
+           "dtype": dtype, "rows": rows, "seq_len": cfg.train.seq_len, "rank_seq_len": rank_seq_len(cfg)}
     given = next(r for r in rows if r["given"])
     if not given["fits"]:
         out["suggestions"] = suggestions(shape, cfg, zero, target, dtype)
@@ -108,6 +108,11 @@ def format_estimate(out: dict, target: Target) -> str:
     m = out["model"]
     lines = [f"model: {m['params'] / 1e6:,.1f}M parameters, {m['layers']} layers, hidden {m['hidden']}; "
              f"dtype {out['dtype']}", format_rows(out["rows"], target)]
+    par = out["target"]["parallel"]
+    if par["sequence"] > 1:
+        lines.insert(1, f"parallel: data {par['data']} x sequence {par['sequence']} x tensor {par['tensor']}; each "
+                        f"rank holds {out['rank_seq_len']:,} of the {out['seq_len']:,} positions of a sequence "
+                        f"(activations); ZeRO partitions over data x sequence = {par['data'] * par['sequence']} ranks")
     if out.get("suggestions"):
         lines.append("does not fit; changes ranked by cost, with the predicted per-GPU peak:")
         lines += format_suggestions(out["suggestions"])

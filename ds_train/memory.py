@@ -136,6 +136,7 @@ class ModelShape:
     kv_hidden: int  # hidden size of the K and V projections (grouped-query attention)
     vocab: int
     largest_layer_params: int  # the biggest module's own parameters (what ZeRO-3 gathers at once)
+    heads: int = 0  # attention heads (what Ulysses and AutoTP split); 0: unknown
 
 
 def model_shape(hf_config) -> ModelShape:
@@ -153,7 +154,7 @@ def model_shape(hf_config) -> ModelShape:
     head_dim = getattr(hf_config, "head_dim", None) or hidden // heads
     return ModelShape(n_params, hf_config.num_hidden_layers, hidden,
                       getattr(hf_config, "intermediate_size", 4 * hidden), kv_heads * head_dim,
-                      hf_config.vocab_size, largest)
+                      hf_config.vocab_size, largest, heads)
 
 
 @dataclass(frozen=True)

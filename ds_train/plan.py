@@ -33,19 +33,32 @@ def plan_rows(shape: ModelShape, cfg: RunConfig, zero: dict, target: Target, dty
     other stages as ds_configs/zero<stage>.json renders them."""
     rows = []
     given = int(zero.get("stage", 0))
-    data = data_parallel(cfg, target)
+    ranks, seq = zero_ranks(cfg, target), rank_seq_len(cfg)
     for stage in range(4):
         z = zero if stage == given else stage_zero(f"zero{stage}", shape)
         for ckpt in (cfg.model.activation_checkpointing, not cfg.model.activation_checkpointing):
-            est = estimate(shape, stage, dtype, data, cfg.train.micro_batch_size, cfg.train.seq_len, ckpt, z)
+            est = estimate(shape, stage, dtype, ranks, cfg.train.micro_batch_size, seq, ckpt, z)
             rows.append(_row(est, ckpt, stage == given and ckpt == cfg.model.activation_checkpointing,
                              target, cfg.train.micro_batch_size, zero_label(z)))
     return rows
 
 
 def data_parallel(cfg: RunConfig, target: Target) -> int:
-    """The data-parallel size of the run on the target cluster: what ZeRO partitions over."""
+    """The data-parallel size of the run on the target cluster: what the global batch is split over."""
     return plan_dims(cfg.parallel, target.world).data
+
+
+def zero_ranks(cfg: RunConfig, target: Target) -> int:
+    """What ZeRO partitions over: the data-parallel ranks, times the sequence ranks (DeepSpeed's
+    sequence-data-parallel group: Ulysses ranks hold the whole model, as data-parallel ones do)."""
+    dims = plan_dims(cfg.parallel, target.world)
+    return dims.data * dims.sequence
+
+
+def rank_seq_len(cfg: RunConfig, seq_len: int | None = None) -> int:
+    """Positions of every sequence one rank holds: seq_len / parallel.sequence (the attention alone
+    sees the whole sequence, on heads / parallel.sequence heads: the same number of values)."""
+    return (cfg.train.seq_len if seq_len is None else seq_len) // cfg.parallel.sequence
 
 
 def stage_zero(name: str, shape: ModelShape) -> dict:
@@ -97,12 +110,13 @@ def format_rows(rows: list[dict], target: Target) -> str:
 def suggestions(shape: ModelShape, cfg: RunConfig, zero: dict, target: Target, dtype: str) -> list[dict]:
     """Changes that lower the per-GPU peak, cheapest first, each with its predicted peak."""
     stage, micro, ckpt = int(zero.get("stage", 0)), cfg.train.micro_batch_size, cfg.model.activation_checkpointing
-    seq, data = cfg.train.seq_len, data_parallel(cfg, target)
+    seq, data, sp = cfg.train.seq_len, data_parallel(cfg, target), cfg.parallel.sequence
     out = []
 
     def add(change: str, **kw):
-        est = estimate(shape, kw.get("stage", stage), dtype, data, kw.get("micro", micro),
-                       kw.get("seq", seq), kw.get("ckpt", ckpt), kw.get("zero", zero))
+        est = estimate(shape, kw.get("stage", stage), dtype, kw.get("ranks", zero_ranks(cfg, target)),
+                       kw.get("micro", micro), kw.get("seq", seq) // kw.get("sp", sp), kw.get("ckpt", ckpt),
+                       kw.get("zero", zero))
         out.append({"change": change, "gpu_peak_gib": est.gpu_peak / GiB,
                     "fits": est.gpu_peak / GiB <= target.gpu_memory_gib})
 
@@ -117,6 +131,10 @@ def suggestions(shape: ModelShape, cfg: RunConfig, zero: dict, target: Target, d
         add(f"--ds-config ds_configs/{STAGE_FILES[s]}", stage=s, zero=stage_zero(f"zero{s}", shape))
     add("--ds-config ds_configs/zero3_offload.json optimizer and parameter offload (slower steps)", stage=3,
         zero=stage_zero("zero3_offload", shape))
+    more = 2 * sp  # twice the sequence ranks, out of the data-parallel ones
+    if data % 2 == 0 and seq % more == 0 and shape.heads and shape.heads % more == 0:
+        add(f"parallel.sequence={more} (Ulysses: each rank holds seq_len / {more} positions; the data-parallel "
+            f"size halves, to {data // 2})", sp=more)
     add(f"train.seq_len={seq // 2} (changes what is learned)", seq=seq // 2)
     return out
 
@@ -138,7 +156,7 @@ def pick_preset(shape: ModelShape, cfg: RunConfig, target: Target, dtype: str, p
         for stage in range(4):
             z = stage_zero(f"zero{stage}", shape)
             for m in micros:
-                est = estimate(shape, stage, dtype, data, m, cfg.train.seq_len, ckpt, z)
+                est = estimate(shape, stage, dtype, zero_ranks(cfg, target), m, rank_seq_len(cfg), ckpt, z)
                 if est.gpu_peak / GiB <= budget:
                     return {"preset": preset, "memory_fraction": PRESETS[preset],
                             "micro_batch_size": m, "activation_checkpointing": ckpt, "stage": stage,

@@ -107,3 +107,28 @@ def test_dry_run_of_the_quickstart_for_the_example_hostfile(tmp_path):
     assert "save/load round trip ok" in res.out and "fits" in res.out
     assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["dry_run.json"]  # nothing else left
     assert (tmp_path / "data" / "meta.json").is_file()  # the corpus was prepared on first use
+
+
+def test_the_plan_of_a_long_context_job_knows_sequence_parallelism():
+    """Llama-3-8B's shape at seq_len 131072 on 2 nodes x 8 GPUs: Ulysses over 8 ranks gives each rank
+    16,384 positions (activations an eighth), ZeRO partitions over all 16 ranks; without it nothing
+    fits, and sequence parallelism is among the ranked fixes."""
+    from ds_train.dryrun import format_estimate
+
+    llama = {"model_type": "llama", "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+             "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 128256,
+             "max_position_embeddings": 131072}
+    raw = {"output_dir": "/tmp/unused", "model": {"config": llama, "dtype": "bf16", "activation_checkpointing": True},
+           "train": {"seq_len": 131072, "micro_batch_size": 1, "global_batch_size": 16}}
+    target = Target(2, 8, 80.0)
+    zero3 = str(ROOT / "ds_configs" / "zero3.json")
+    with_sp = run_estimate(build_config({**raw, "parallel": {"sequence": 8}}, source="t"), zero3, target, None)
+    without = run_estimate(build_config(raw, source="t"), zero3, target, None)
+    sp, no = (next(r for r in out["rows"] if r["given"]) for out in (with_sp, without))
+    assert sp["activations_gib"] == pytest.approx(no["activations_gib"] / 8, rel=1e-9)
+    assert sp["optimizer_gib"] == pytest.approx(no["optimizer_gib"])  # ZeRO over data x sequence = 16 ranks either way
+    assert sp["fits"] and not no["fits"]
+    text = format_estimate(with_sp, target)
+    assert ("parallel: data 2 x sequence 8 x tensor 1; each rank holds 16,384 of the 131,072 positions of a sequence "
+            "(activations); ZeRO partitions over data x sequence = 16 ranks") in text
+    assert any(s["change"].startswith("parallel.sequence=2 (Ulysses") for s in without["suggestions"])
