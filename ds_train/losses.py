@@ -4,6 +4,8 @@ token-weighted mean over ranks. Exact across any layout: sums and counts are red
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import numpy as np
 
 from ds_train import dist
@@ -18,10 +20,51 @@ def token_mean(loss_sum: float, tokens: int, group=None) -> float:
     return loss / count
 
 
-def forward_loss(engine, batch: np.ndarray | Batch):
+def _tile_loss(hidden, weight, bias, targets):
+    import torch.nn.functional as F
+
+    return F.cross_entropy(F.linear(hidden, weight, bias).float(), targets, reduction="sum", ignore_index=IGNORE)
+
+
+def tiled_loss_sum(hidden, weight, bias, targets, tile_tokens: int):
+    """Summed cross-entropy of the output head over `hidden`, `tile_tokens` tokens at a time: a
+    tile's logits (and their fp32 copy) exist only while that tile is computed, in the forward and
+    again, recomputed, in the backward; never the whole micro-batch's (DeepSpeed's
+    TiledFusedLogitsLoss does the same). The same sums as the full logits, in tiles."""
+    from torch.utils.checkpoint import checkpoint
+
+    h, t = hidden.reshape(-1, hidden.size(-1)), targets.reshape(-1)
+    total = None
+    for i in range(0, h.size(0), tile_tokens):
+        part = checkpoint(_tile_loss, h[i:i + tile_tokens], weight, bias, t[i:i + tile_tokens], use_reentrant=False)
+        total = part if total is None else total + part
+    return total
+
+
+@contextmanager
+def _head_computes_the_loss(model, targets, tile_tokens: int):
+    """During one forward, the output head returns the tiled summed loss instead of logits (its
+    ZeRO-3 hooks still gather and release its weight around it)."""
+    head = model.get_output_embeddings()
+    head.forward = lambda hidden: tiled_loss_sum(hidden, head.weight, head.bias, targets, tile_tokens)
+    try:
+        yield
+    finally:
+        del head.forward
+
+
+def tiles(model, tokens: int, tile_tokens: int) -> bool:
+    """Whether a micro-batch of `tokens` tokens gets the tiled loss: more tokens than a tile, and a
+    model whose logits are the head's output as they are (no soft-capping after the head)."""
+    config = getattr(model, "config", None)
+    return bool(tile_tokens) and tokens > tile_tokens and not getattr(config, "final_logit_softcapping", None)
+
+
+def forward_loss(engine, batch: np.ndarray | Batch, tile_tokens: int = 0):
     """Summed next-token cross-entropy and the count of target tokens of one micro-batch: windows
     of seq_len + 1 tokens (pretraining), or a Batch (sft: targets on the assistant's tokens, and
-    position ids restarting at each packed example, which keep examples from attending across)."""
+    position ids restarting at each packed example, which keep examples from attending across).
+    `tile_tokens`: above that many tokens the loss is computed in tiles (train.loss_tile_tokens)."""
     import torch
     import torch.nn.functional as F
 
@@ -33,6 +76,11 @@ def forward_loss(engine, batch: np.ndarray | Batch):
         tokens = torch.from_numpy(batch)
         inputs, targets, extra = tokens[:, :-1], tokens[:, 1:], {}
         count = targets.numel()
+    model = getattr(engine, "module", engine)
+    if tiles(model, inputs.numel(), tile_tokens):
+        with _head_computes_the_loss(model, targets.to(engine.device), tile_tokens):
+            loss_sum = engine(input_ids=inputs.to(engine.device), use_cache=False, **extra).logits
+        return loss_sum, count
     logits = engine(input_ids=inputs.to(engine.device), use_cache=False, **extra).logits
     loss_sum = F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), targets.to(engine.device).reshape(-1),
                                reduction="sum", ignore_index=IGNORE)

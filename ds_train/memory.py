@@ -168,7 +168,7 @@ class Activations:
 
 
 def activation_bytes(shape: ModelShape, micro_batch: int, seq_len: int, dtype: str,
-                     checkpointing: bool) -> Activations:
+                     checkpointing: bool, tile_tokens: int = 0) -> Activations:
     """Activation memory of one micro-batch for a Llama-style decoder with SDPA attention (no
     s x s score matrix is stored) and ds_train's fp32 loss over the logits.
 
@@ -185,9 +185,13 @@ and their fp32 copy are transient.
     tokens = micro_batch * seq_len
     layer_full = tokens * (p * (8 * shape.hidden + 3 * shape.kv_hidden + 4 * shape.intermediate)
                            + (2 * shape.hidden * (4 - p) if p < 4 else 0))
-    log_softmax = tokens * shape.vocab * 4
+    # The loss in tiles (train.loss_tile_tokens): only a tile's logits and log-softmax, recomputed
+    # in the backward, ever exist.
+    loss_tokens = min(tokens, tile_tokens) if tile_tokens and tokens > tile_tokens else tokens
+    log_softmax = (0 if loss_tokens < tokens else tokens) * shape.vocab * 4
     head = tokens * (3 * shape.hidden * p + (4 * shape.hidden if p < 4 else 0))  # final norm, lm_head input
-    logits_transient = tokens * shape.vocab * (p + (4 if p < 4 else 0))
+    logits_transient = loss_tokens * shape.vocab * (p + (4 if p < 4 else 0)) + (
+        loss_tokens * shape.vocab * 4 if loss_tokens < tokens else 0)  # a tile's log-softmax, while it lives
     if checkpointing:
         layer_inputs = shape.n_layers * tokens * p * shape.hidden
         return Activations(layer_inputs + head + log_softmax, layer_full + logits_transient)
@@ -226,9 +230,9 @@ class Estimate:
 
 
 def estimate(shape: ModelShape, stage: int, dtype: str, world: int, micro_batch: int, seq_len: int,
-             checkpointing: bool, zero: dict) -> Estimate:
+             checkpointing: bool, zero: dict, tile_tokens: int = 0) -> Estimate:
     offload_opt = zero.get("offload_optimizer", {}).get("device") in ("cpu", "nvme")
     offload_par = zero.get("offload_param", {}).get("device") in ("cpu", "nvme")
     return Estimate(stage, model_states(shape.n_params, stage, dtype, world, offload_opt, offload_par),
-                    activation_bytes(shape, micro_batch, seq_len, dtype, checkpointing),
+                    activation_bytes(shape, micro_batch, seq_len, dtype, checkpointing, tile_tokens),
                     buffer_bytes(zero, stage, dtype, shape))

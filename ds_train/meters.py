@@ -129,7 +129,8 @@ class Evaluator:
             for batch in eval_micro_batches(self.val, run.cfg.train.eval_batches, run.plan.micro_batch_size,
                                             run.data_rank, run.dims.data):
                 run.beat(step, "eval")
-                loss_sum, n = forward_loss(engine, sequence_shard(batch, run.sequence_rank, run.dims.sequence))
+                loss_sum, n = forward_loss(engine, sequence_shard(batch, run.sequence_rank, run.dims.sequence),
+                                           run.cfg.train.loss_tile_tokens)
                 loss, count = loss + float(loss_sum), count + n
         engine.train()
         mean = token_mean(loss, count, run.token_group)

@@ -37,7 +37,8 @@ def plan_rows(shape: ModelShape, cfg: RunConfig, zero: dict, target: Target, dty
     for stage in range(4):
         z = zero if stage == given else stage_zero(f"zero{stage}", shape)
         for ckpt in (cfg.model.activation_checkpointing, not cfg.model.activation_checkpointing):
-            est = estimate(shape, stage, dtype, ranks, cfg.train.micro_batch_size, seq, ckpt, z)
+            est = estimate(shape, stage, dtype, ranks, cfg.train.micro_batch_size, seq, ckpt, z,
+                           cfg.train.loss_tile_tokens)
             rows.append(_row(est, ckpt, stage == given and ckpt == cfg.model.activation_checkpointing,
                              target, cfg.train.micro_batch_size, zero_label(z)))
     return rows
@@ -116,7 +117,7 @@ def suggestions(shape: ModelShape, cfg: RunConfig, zero: dict, target: Target, d
     def add(change: str, **kw):
         est = estimate(shape, kw.get("stage", stage), dtype, kw.get("ranks", zero_ranks(cfg, target)),
                        kw.get("micro", micro), kw.get("seq", seq) // kw.get("sp", sp), kw.get("ckpt", ckpt),
-                       kw.get("zero", zero))
+                       kw.get("zero", zero), cfg.train.loss_tile_tokens)
         out.append({"change": change, "gpu_peak_gib": est.gpu_peak / GiB,
                     "fits": est.gpu_peak / GiB <= target.gpu_memory_gib})
 
@@ -156,7 +157,8 @@ def pick_preset(shape: ModelShape, cfg: RunConfig, target: Target, dtype: str, p
         for stage in range(4):
             z = stage_zero(f"zero{stage}", shape)
             for m in micros:
-                est = estimate(shape, stage, dtype, zero_ranks(cfg, target), m, rank_seq_len(cfg), ckpt, z)
+                est = estimate(shape, stage, dtype, zero_ranks(cfg, target), m, rank_seq_len(cfg), ckpt, z,
+                               cfg.train.loss_tile_tokens)
                 if est.gpu_peak / GiB <= budget:
                     return {"preset": preset, "memory_fraction": PRESETS[preset],
                             "micro_batch_size": m, "activation_checkpointing": ckpt, "stage": stage,

@@ -74,7 +74,8 @@ def train_loop(run: Run, data: Datasets, start: int, stop: int) -> dict[str, Any
                     run.dims.data)]
             result = train_step(run.engine, batches, poison=step in c.train.debug_nonfinite_steps,
                                 beat=functools.partial(run.beat, step), clock=clock, group=run.token_group,
-                                data_parallel=run.dims.gradient_ranks(run.zero_stage))
+                                data_parallel=run.dims.gradient_ranks(run.zero_stage),
+                                tile_tokens=c.train.loss_tile_tokens)
             run.guard.observe(f"step {step}", result.skipped)
             metrics = meter.maybe_measure(step, result, run.guard.skipped) | evaluator.maybe_evaluate(step)
             run.logger.log(metrics, step)
@@ -99,7 +100,7 @@ class StepResult:
 
 def train_step(engine, micro_batches: list[np.ndarray] | list[Batch], poison: bool = False,
                beat: Callable[[str], None] = lambda phase: None, clock: ComputeClock | None = None,
-               group=None, data_parallel: int | None = None) -> StepResult:
+               group=None, data_parallel: int | None = None, tile_tokens: int = 0) -> StepResult:
     """One optimizer step: the engine owns accumulation scaling, clipping and the optimizer.
 
     The gradient is that of the mean loss over the step's target tokens on every rank. Windows all
@@ -108,7 +109,7 @@ def train_step(engine, micro_batches: list[np.ndarray] | list[Batch], poison: bo
     of a count), times the engine's own averaging over micro-batches and ranks, which backward undoes.
 
     `data_parallel`: how many ranks DeepSpeed divides the summed gradient by (ParallelDims.gradient_ranks;
-    default the engine's data-parallel size).
+    default the engine's data-parallel size); `tile_tokens`: train.loss_tile_tokens.
     `poison` makes the loss infinite (fault injection for train.debug_nonfinite_steps); `beat`
     tells the heartbeat each phase; `clock` times the forward passes (this rank's own work).
     """
@@ -123,7 +124,7 @@ def train_step(engine, micro_batches: list[np.ndarray] | list[Batch], poison: bo
     for batch in micro_batches:
         beat("forward")
         with clock.device():
-            loss_sum, n_tokens = forward_loss(engine, batch)
+            loss_sum, n_tokens = forward_loss(engine, batch, tile_tokens)
         if poison:
             loss_sum = loss_sum * float("inf")
         norm = backward_step(engine, loss_sum / (per_step or n_tokens), beat)

@@ -119,7 +119,7 @@ def test_the_plan_of_a_long_context_job_knows_sequence_parallelism():
              "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 128256,
              "max_position_embeddings": 131072}
     raw = {"output_dir": "/tmp/unused", "model": {"config": llama, "dtype": "bf16", "activation_checkpointing": True},
-           "train": {"seq_len": 131072, "micro_batch_size": 1, "global_batch_size": 16}}
+           "train": {"seq_len": 131072, "micro_batch_size": 1, "global_batch_size": 16, "loss_tile_tokens": 0}}
     target = Target(2, 8, 80.0)
     zero3 = str(ROOT / "ds_configs" / "zero3.json")
     with_sp = run_estimate(build_config({**raw, "parallel": {"sequence": 8}}, source="t"), zero3, target, None)
@@ -132,3 +132,8 @@ def test_the_plan_of_a_long_context_job_knows_sequence_parallelism():
     assert ("parallel: data 2 x sequence 8 x tensor 1; each rank holds 16,384 of the 131,072 positions of a sequence "
             "(activations); ZeRO partitions over data x sequence = 16 ranks") in text
     assert any(s["change"].startswith("parallel.sequence=2 (Ulysses") for s in without["suggestions"])
+    # the loss in tiles of 4096 tokens: the 16,384 positions' fp32 log-softmax (8 GiB) is never whole
+    raw["train"]["loss_tile_tokens"] = 4096
+    tiled = run_estimate(build_config({**raw, "parallel": {"sequence": 8}}, source="t"), zero3, target, None)
+    gained = sp["activations_gib"] - next(r for r in tiled["rows"] if r["given"])["activations_gib"]
+    assert gained == pytest.approx((16384 - 4096) * 128256 * (4 + 2 + 4) / 2**30, rel=1e-6)  # ~15 GiB

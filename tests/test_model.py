@@ -320,3 +320,37 @@ def test_contradicting_sizes_on_the_command_line_are_one_line_and_write_nothing(
     expect_error(["train", "--config", str(cfg), "--ds-config", str(ROOT / "ds_configs" / "zero0.json"),
                   "model.config.num_key_value_heads=3"], "model.config: ", "num_key_value_heads=3")
     assert tree_listing(tmp_path) == before
+
+
+def test_the_tiled_loss_is_the_full_logits_loss_in_tiles():
+    """train.loss_tile_tokens: the summed loss and every gradient as with the full logits (within
+    1e-5), the head's logits never whole; a model that soft-caps its logits keeps the full path."""
+    import numpy as np
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from ds_train.data.datasets import Batch
+    from ds_train.losses import forward_loss, tiles
+
+    cfg = AutoConfig.for_model("llama", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                               num_attention_heads=4, vocab_size=300, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg)
+    rng = np.random.default_rng(0)
+    targets = rng.integers(0, 300, (2, 40))
+    targets[0, :7] = -100  # targets only where there is a loss, as sft batches have
+    batch = Batch(rng.integers(0, 300, (2, 40)), targets, None)
+    grads = []
+    for tile in (0, 16):  # 80 tokens: 5 tiles, the last one short
+        model.zero_grad()
+        loss, count = forward_loss(model, batch, tile)
+        loss.backward()
+        grads.append((float(loss), count, {n: p.grad.clone() for n, p in model.named_parameters()}))
+    (full, n_full, g_full), (tiled, n_tiled, g_tiled) = grads
+    assert n_full == n_tiled == 73 and abs(tiled - full) <= 1e-5 * abs(full)
+    for name, g in g_full.items():
+        assert torch.allclose(g_tiled[name], g, rtol=1e-5, atol=1e-7), name
+    assert "forward" not in vars(model.get_output_embeddings())  # the head is itself again
+    assert tiles(model, 80, 16) and not tiles(model, 16, 16) and not tiles(model, 80, 0)
+    model.config.final_logit_softcapping = 30.0
+    assert not tiles(model, 80, 16)
