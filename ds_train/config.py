@@ -142,7 +142,7 @@ class TrainConfig(Section):
     micro_batch_size: int = _f(8, "Sequences per GPU per forward pass (train_micro_batch_size_per_gpu).", POSITIVE)
     global_batch_size: int = _f(32, "Sequences per optimizer step across all ranks (train_batch_size).", POSITIVE)
     seq_len: int = _f(256, "Tokens per training sequence.", POSITIVE)
-    loss_tile_tokens: int = _f(4096, "Compute the loss this many tokens at a time when a micro-batch holds "
+    loss_tile_tokens: int = _f(1024, "Compute the loss this many tokens at a time when a micro-batch holds "
                                      "more (per rank): the logits over the vocabulary (seq x vocab x 6 bytes "
                                      "in bf16) exist for one tile, in the forward and recomputed in the "
                                      "backward, never for the whole sequence. 0: never tile.", NON_NEGATIVE)
