@@ -353,6 +353,11 @@ def plan_resume(point: ResumePoint | None, dims: ParallelDims, stage: int, dtype
     target_torch = uses_torch_optimizer(stage, dtype)
     if saved_world == dims.world and saved_dims == dims and saved_stage == stage and not force_universal:
         return ResumePlan(point)
+    if (saved_world == dims.world and saved_dims.tensor == dims.tensor and saved_stage == stage
+            and not force_universal):  # only the sequence / data split of the same ranks moved
+        return ResumePlan(point, (f"parallel.sequence {saved_dims.sequence} -> {dims.sequence}: the checkpoint loads "
+                                  f"as it is (sequence ranks hold the whole model, and ZeRO partitions over data x "
+                                  f"sequence = {dims.data * dims.sequence} ranks either way)",))
     change = f"world size {saved_world} -> {dims.world}, ZeRO stage {saved_stage} -> {stage}"
     if saved_dims.world == saved_world and (saved_dims.sequence, saved_dims.tensor) != (dims.sequence, dims.tensor):
         change += f", {saved_dims.describe()} -> {dims.describe().removeprefix('parallel: ')}"
@@ -362,6 +367,11 @@ def plan_resume(point: ResumePoint | None, dims: ParallelDims, stage: int, dtype
         raise UserError(f"{point.load_dir / point.tag}: {change}: DeepSpeed cannot move optimizer "
                         f"states between fp32 ZeRO-0 (a plain torch optimizer) and ZeRO-{max(stage, saved_stage)} "
                         f"or bf16; resume with the stage and dtype it was saved with")
+    if saved_dims.sequence > 1:
+        raise UserError(f"{point.load_dir / point.tag}: {change}: a checkpoint saved with parallel.sequence="
+                        f"{saved_dims.sequence} cannot go through DeepSpeed's universal checkpoint (ds_to_universal "
+                        f"reads its sequence ranks as tensor ranks); resume at world size {saved_world}, ZeRO stage "
+                        f"{saved_stage} (any parallel.sequence that divides it)")
     name = universal_dir(point.load_dir / point.tag).name
     return ResumePlan(point, (f"{change}: loading through DeepSpeed's universal checkpoint {name}",),
                       universal=True, convert=True)

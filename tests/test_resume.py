@@ -194,14 +194,28 @@ def test_plan_resume_decides_without_writing(tmp_path):
     assert list(tmp_path.iterdir()) == []  # deciding wrote nothing; prepare_resume converts
 
 
-def test_a_checkpoint_resumes_directly_only_in_the_layout_it_was_saved_in(tmp_path):
-    """The marker records the parallel layout (one written before it did is all data-parallel); the
-    same world size in another layout partitions ZeRO's states over another data-parallel group."""
+def test_a_checkpoint_resumes_directly_where_zero_partitions_over_the_same_ranks(tmp_path):
+    """The marker records the parallel layout (one written before it did is all data-parallel).
+    Sequence ranks hold the whole model and ZeRO partitions over data x sequence, so the same world
+    in another data / sequence split loads as it is; another tensor split goes through the universal
+    checkpoint, which DeepSpeed cannot make of a sequence-parallel one (one line)."""
     saved = {"world_size": 4, "zero_stage": 2, "dtype": "fp32", "parallel": {"data": 2, "sequence": 2, "tensor": 1}}
     point = resume.ResumePoint(tmp_path, "step_00000004", saved)
     assert resume.plan_resume(point, ParallelDims(2, 2, 1), 2, "fp32", False) == resume.ResumePlan(point)
-    moved = resume.plan_resume(point, ParallelDims(4), 2, "fp32", False)
-    assert moved.convert and ("world size 4 -> 4, ZeRO stage 2 -> 2, parallel: data 2 x sequence 2 x tensor 1 = "
-                              "world 4 -> data 4 x sequence 1 x tensor 1 = world 4") in moved.notes[0]
+    split = resume.plan_resume(point, ParallelDims(4), 2, "fp32", False)
+    assert not split.convert and split.notes == ("parallel.sequence 2 -> 1: the checkpoint loads as it is (sequence "
+                                                 "ranks hold the whole model, and ZeRO partitions over data x "
+                                                 "sequence = 4 ranks either way)",)
+    with pytest.raises(UserError) as e:
+        resume.plan_resume(point, ParallelDims(2, 1, 2), 2, "fp32", False)
+    assert ("a checkpoint saved with parallel.sequence=2 cannot go through DeepSpeed's universal checkpoint" in str(e.value)
+            and str(e.value).endswith("resume at world size 4, ZeRO stage 2 (any parallel.sequence that divides it)"))
+    with pytest.raises(UserError, match="world size 4 -> 2"):
+        resume.plan_resume(point, ParallelDims(2), 2, "fp32", False)
+    dp = {"world_size": 4, "zero_stage": 2, "dtype": "fp32", "parallel": {"data": 4, "sequence": 1, "tensor": 1}}
+    moved = resume.plan_resume(resume.ResumePoint(tmp_path, "step_00000004", dp), ParallelDims(2, 1, 2), 2, "fp32",
+                               False)
+    assert moved.convert and ("world size 4 -> 4, ZeRO stage 2 -> 2, parallel: data 4 x sequence 1 x tensor 1 = "
+                              "world 4 -> data 2 x sequence 1 x tensor 2 = world 4") in moved.notes[0]
     old = resume.ResumePoint(tmp_path, "step_00000004", {"world_size": 4, "zero_stage": 2, "dtype": "fp32"})
     assert resume.plan_resume(old, ParallelDims(4), 2, "fp32", False) == resume.ResumePlan(old)
