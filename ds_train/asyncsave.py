@@ -125,11 +125,12 @@ class BackgroundSave:
         self.thread: threading.Thread | None = None
         self.error: BaseException | None = None
         self.stall_s = self.write_s = 0.0
-        self.tag = ""
+        self.tag, self.step = "", 0
 
     def start(self, engine, ckpt_dir: Path, step: int, state: dict, rank: int, world: int, keep: int, writer: bool,
               seq: int, rank_state: dict | None, fault: Callable[[str, int], None]) -> str:
         t0 = time.perf_counter()
+        self.step = step
         self.tag = checkpoint.begin(engine, ckpt_dir, step, writer, fault)
         inner = engine.checkpoint_engine
         capture = engine.checkpoint_engine = Capture(inner)

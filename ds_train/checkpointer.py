@@ -140,7 +140,7 @@ class Checkpointer:
         error = job.join(lambda: self.beat(step, "save"))
         line = None
         if error is not None and not isinstance(error, Abandoned):
-            line = self._failed(int(job.tag.split("_")[1]), error)  # a bug is raised here, with its traceback
+            line = self._failed(job.step, error)  # a bug is raised here, with its traceback
         lines = [r for r in dist.all_gather_object(line) if r]
         if lines:
             raise AgreedError(lines[0])
