@@ -25,7 +25,7 @@ from ds_train.errors import UserError
 from ds_train.export import locate_model
 from ds_train.model.build import supports_packing
 from ds_train.model.hfconfig import build_hf_config, with_vocab
-from ds_train.parallel import check_sequence
+from ds_train.parallel import check_sequence, packs_under_sequence
 
 
 @dataclass(frozen=True)
@@ -92,7 +92,8 @@ def check_inputs(cfg: RunConfig, ds_config_path: str, data: bool = True) -> RunI
     check_tokenizer_fits(cfg, hf_config, tokenizer, tok_dir or meta["tokenizer"])
     check_token_ids(cfg, hf_config)
     datasets = build_datasets(cfg.data, meta, cfg.train.seq_len, cfg.seed,
-                              supports_packing(hf_config) and cfg.parallel.sequence == 1,  # Ulysses: causal over all
+                              supports_packing(hf_config) and (cfg.parallel.sequence == 1 or packs_under_sequence(
+                                  cfg.model.attn_implementation)),
                               type(hf_config).__name__)
     source = ModelSource(hf_config, tokenizer, model_dir if export_from is None else None, export_from)
     return RunInputs(cfg, str(ds_config_path), template, source, datasets)

@@ -115,6 +115,27 @@ def check_heads(dims: ParallelDims, hf_config, where: str = "the model") -> None
         raise UserError("; ".join(problems))
 
 
+def packs_under_sequence(attn_implementation: str) -> bool:
+    """Whether Ulysses' attention keeps packed examples apart: flash attention reads them from the
+    gathered position ids, sdpa runs per example (ds_train/model/ulysses.py); the others get one
+    causal mask over the whole sequence."""
+    return attn_implementation == "sdpa" or "flash_attention" in attn_implementation
+
+
+def check_window(dims: ParallelDims, hf_config, attn_implementation: str, seq_len: int) -> None:
+    """A sliding-window model under Ulysses: the window lives in the attention mask, which Ulysses
+    drops for sdpa and flex attention (flash attention takes the window itself)."""
+    window = getattr(hf_config, "sliding_window", None)
+    if dims.sequence == 1 or "flash_attention" in attn_implementation or not isinstance(window, int):
+        return
+    layer_types = getattr(hf_config, "layer_types", None) or []
+    if window < seq_len and (not layer_types or "sliding_attention" in layer_types):
+        raise UserError(f"the model attends within a sliding window of {window} tokens, which "
+                        f"model.attn_implementation={attn_implementation!r} loses under parallel.sequence="
+                        f"{dims.sequence} (Ulysses drops its mask); use flash_attention_2, train.seq_len <= {window}, "
+                        f"or parallel.sequence=1")
+
+
 def check_built(dims: ParallelDims) -> None:
     """Sizes whose capability has not landed yet: the layout is valid, but it cannot run."""
     for key, what in NOT_BUILT.items():
@@ -147,8 +168,10 @@ def check_sequence(cfg: RunConfig, template: dict) -> None:
         problems.append(f"zero_optimization.reduce_scatter=false with parallel.sequence={sp}: ZeRO-3 then averages "
                         f"some gradient buckets over the data ranks and others over data x sequence (DeepSpeed "
                         f"0.19.8); remove the key (true is the default)")
-    if cfg.data.format == "sft" and cfg.data.pack is True:  # auto packs nothing under sequence parallelism
-        problems.append(f"data.pack={cfg.data.pack} with parallel.sequence={sp}: Ulysses' attention is causal over "
-                        f"the whole sequence, so packed examples would attend to each other; set data.pack=false")
+    if cfg.data.format == "sft" and cfg.data.pack is True and not packs_under_sequence(cfg.model.attn_implementation):
+        problems.append(f"data.pack=true with parallel.sequence={sp} and model.attn_implementation="
+                        f"{cfg.model.attn_implementation!r}: its Ulysses attention is causal over the whole sequence, "
+                        f"so packed examples would attend to each other; use sdpa or flash_attention_2, or set "
+                        f"data.pack=false")
     if problems:
         raise UserError("; ".join(problems))

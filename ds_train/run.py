@@ -49,7 +49,7 @@ from ds_train.memory import checkpoint_bytes
 from ds_train.metrics import Logger, build_logger, build_progress, peak_flops, rewind_jsonl
 from ds_train.model.build import build_model, count_params, flops_per_token, lookup_params, resolve_dtype
 from ds_train.model.ulysses import register_ulysses, unregister_ulysses
-from ds_train.parallel import ParallelDims, check_built, check_heads, plan_dims
+from ds_train.parallel import ParallelDims, check_built, check_heads, check_window, plan_dims
 from ds_train.plan import oom_report
 from ds_train.reports import doctor_hint, is_secondary
 from ds_train.reports import where as rank_where
@@ -266,6 +266,7 @@ def _build_run(inputs: RunInputs, env: dist.DistEnv, spec: RunSpec, stop: StopRe
     check_run_dir(paths)
     dims, plan, total_steps = spec.check(cfg, env.world_size)
     check_heads(dims, source.hf_config)
+    check_window(dims, source.hf_config, cfg.model.attn_implementation, cfg.train.seq_len)
     check_built(dims)
     accel = get_accelerator()
     on_gpu = accel.device_name() == "cuda"

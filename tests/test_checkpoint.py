@@ -334,11 +334,12 @@ def test_a_save_into_an_existing_tag_killed_at_each_phase_leaves_whole_tags(tiny
     """Two ranks, 6 steps, a save every 2. The base run writes tags 2 and 4 in the background
     (checkpoint.async_save) and blocks for 6, the last. Then resumes from 2 whose save of 4 (into
     the existing tag) loses a rank (SIGKILL, checkpoint.debug_fault=kill:PHASE:4:RANK) at each phase,
-    in a blocking save and in a background one (the kill lands in the writer thread while step 5
-    trains; `unmarked` runs in the main thread either way): rank 1 while rank 0 goes on to the next
-    barrier, or rank 0 (the writer) once the marker or `latest` is written. The job ends naming the
-    killed rank; `latest` and the tag a resume chooses are always whole; the resume from the worst
-    case (the shards half replaced) gives the base run's losses, bitwise."""
+    each phase once, the phases shared between a blocking save and a background one (the kill lands
+    in the writer thread while step 5 trains) so that each writer loses rank 1 while rank 0 goes on
+    to the next barrier, and rank 0 (the writer) once the marker or `latest` is written (the commit
+    protocol is one function for both; only its barriers differ). The job ends naming the killed
+    rank; `latest` and the tag a resume chooses are always whole; the resume from the worst case (the
+    shards half replaced) gives the base run's losses, bitwise."""
     base = tmp_path / "base"
     cfg = write_config(tmp_path / "run.yaml", tiny_config(tiny_data, base, train={"max_steps": 6},
                                                           checkpoint={"every": 2, "keep": 0, "async_save": True},
@@ -351,29 +352,30 @@ def test_a_save_into_an_existing_tag_killed_at_each_phase_leaves_whole_tags(tiny
     assert "saved checkpoint step_00000004 in" in log and "s of it stopped training)" in log
     assert "checkpoint step_00000006: state copied" not in log and "saved checkpoint step_00000006 in" in log
     assert checkpoint.complete_tags(base / "checkpoints") == [checkpoint.tag_for(s) for s in (2, 4, 6)]
-    for background in (False, True):
-        for phase in checkpoint.PHASES[background:]:
-            run = tmp_path / f"{phase}_{'background' if background else 'blocking'}"
-            shutil.copytree(base, run)
-            checkpoint.remove_tags(run / "checkpoints", ["step_00000006"])  # tags 2 and 4, `latest` 4
-            (run / "checkpoints" / "latest").write_text("step_00000004")
-            killed = 0 if phase in ("marked", "latest") else 1  # only the writer (rank 0) has those phases
-            res = deepspeed_train(cfg, "zero2.json", f"output_dir={run}", "checkpoint.resume=step_00000002",
-                                  f"checkpoint.async_save={str(background).lower()}",
-                                  f"checkpoint.debug_fault=kill:{phase}:4:{killed}")
-            assert res.returncode != 0, (run.name, res.out[-2000:])
-            failure = json.loads((run / "logs" / "failure.json").read_text())
-            assert (failure["rank"], failure["signal"]) == (killed, "SIGKILL"), (run.name, failure["line"])
-            ckpts = run / "checkpoints"
-            latest = (ckpts / "latest").read_text()
-            assert checkpoint.is_complete(ckpts / latest), run.name
-            marked = phase in ("marked", "latest")  # the new tag 4 is whole; before that, it is not a tag
-            assert agreed_tag(ckpts) == ("step_00000004" if marked else "step_00000002"), run.name
-            assert latest == ("step_00000004" if phase == "latest" else "step_00000002"), run.name
-            assert checkpoint.is_complete(ckpts / "step_00000004") == marked, run.name
-            assert not (ckpts / "step_00000006").exists(), run.name  # the job ended before its last save
-            if marked:  # the rewritten tag is the new save's alone (a higher save number than the old one)
-                assert checkpoint.read_marker(ckpts / "step_00000004")[0]["seq"] == 3, run.name
+    cases = [(False, "unmarked"), (True, "written"), (False, "rank_files"), (True, "marked"), (False, "latest")]
+    assert sorted(phase for _, phase in cases) == sorted(checkpoint.PHASES)
+    for background, phase in cases:
+        run = tmp_path / f"{phase}_{'background' if background else 'blocking'}"
+        shutil.copytree(base, run)
+        checkpoint.remove_tags(run / "checkpoints", ["step_00000006"])  # tags 2 and 4, `latest` 4
+        (run / "checkpoints" / "latest").write_text("step_00000004")
+        killed = 0 if phase in ("marked", "latest") else 1  # only the writer (rank 0) has those phases
+        res = deepspeed_train(cfg, "zero2.json", f"output_dir={run}", "checkpoint.resume=step_00000002",
+                              f"checkpoint.async_save={str(background).lower()}",
+                              f"checkpoint.debug_fault=kill:{phase}:4:{killed}")
+        assert res.returncode != 0, (run.name, res.out[-2000:])
+        failure = json.loads((run / "logs" / "failure.json").read_text())
+        assert (failure["rank"], failure["signal"]) == (killed, "SIGKILL"), (run.name, failure["line"])
+        ckpts = run / "checkpoints"
+        latest = (ckpts / "latest").read_text()
+        assert checkpoint.is_complete(ckpts / latest), run.name
+        marked = phase in ("marked", "latest")  # the new tag 4 is whole; before that, it is not a tag
+        assert agreed_tag(ckpts) == ("step_00000004" if marked else "step_00000002"), run.name
+        assert latest == ("step_00000004" if phase == "latest" else "step_00000002"), run.name
+        assert checkpoint.is_complete(ckpts / "step_00000004") == marked, run.name
+        assert not (ckpts / "step_00000006").exists(), run.name  # the job ended before its last save
+        if marked:  # the rewritten tag is the new save's alone (a higher save number than the old one)
+            assert checkpoint.read_marker(ckpts / "step_00000004")[0]["seq"] == 3, run.name
     written = tmp_path / "written_background"  # the shards half replaced
     res = deepspeed_train(cfg, "zero2.json", f"output_dir={written}")
     assert res.returncode == 0, res.out[-3000:]

@@ -354,3 +354,35 @@ def test_the_tiled_loss_is_the_full_logits_loss_in_tiles():
     assert tiles(model, 80, 16) and not tiles(model, 16, 16) and not tiles(model, 80, 0)
     model.config.final_logit_softcapping = 30.0
     assert not tiles(model, 80, 16)
+
+
+def test_sdpa_over_packed_examples_under_ulysses_is_the_block_causal_mask():
+    """ds_train/model/ulysses.py's `documents`: the gathered sequence's examples (position ids
+    restarting at 0) each attend causally to their own tokens: the output and the gradients are
+    those of sdpa with the block-diagonal causal mask an unsharded packed run builds."""
+    import torch
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from ds_train.model.ulysses import documents
+
+    module = torch.nn.Module()
+    module.num_key_value_groups, module.is_causal = 2, True  # 4 query heads on 2 key/value heads
+    torch.manual_seed(0)
+    q = torch.randn(2, 4, 12, 8, dtype=torch.float64, requires_grad=True)
+    k, v = (torch.randn(2, 2, 12, 8, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    positions = torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2, 0, 1, 2, 3], list(range(12))])
+    doc = torch.cumsum(positions == 0, dim=1)
+    causal = torch.tril(torch.ones(12, 12, dtype=torch.bool))
+    mask = (doc[:, :, None] == doc[:, None, :]) & causal  # [batch, query, key]
+    outs = []
+    for attend in (lambda: documents(sdpa_attention_forward)(module, q, k, v, None, position_ids=positions),
+                   lambda: sdpa_attention_forward(module, q, k, v, mask[:, None], position_ids=positions)):
+        out, _ = attend()
+        out.pow(2).sum().backward()
+        outs.append((out.detach().clone(), *(t.grad.clone() for t in (q, k, v))))
+        for t in (q, k, v):
+            t.grad = None
+    for got, want in zip(*outs):
+        assert got.shape == want.shape and torch.allclose(got, want, atol=1e-12)
+    one, _ = documents(sdpa_attention_forward)(module, q, k, v, None, position_ids=positions[1:])
+    assert torch.allclose(one, sdpa_attention_forward(module, q, k, v, None)[0])  # one example: sdpa as it is

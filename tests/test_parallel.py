@@ -102,8 +102,32 @@ def test_what_ulysses_cannot_take_is_one_line_before_anything_is_written():
                                                 "sequence rank holds seq_len / 8 positions); choose 96 or 104; ")
     for needle in ("model.attn_implementation='eager' cannot run under parallel.sequence=8; use sdpa",
                    "zero_optimization.reduce_scatter=false with parallel.sequence=8", "remove the key",
-                   "data.pack=True with parallel.sequence=8", "set data.pack=false"):
+                   "data.pack=true with parallel.sequence=8 and model.attn_implementation='eager'",
+                   "use sdpa or flash_attention_2, or set data.pack=false"):
         assert needle in said.replace("8 (it needs the whole seq_len x seq_len mask on every rank)", "8"), needle
+    check_sequence(sp_config(data={"format": "sft", "pack": True}), {})  # sdpa keeps packed examples apart
+    with pytest.raises(UserError) as e:
+        check_sequence(sp_config(data={"format": "sft", "pack": True}, model={"attn_implementation": "flex_attention"}),
+                       {})
+    assert "model.attn_implementation='flex_attention': its Ulysses attention is causal over the whole" in str(e.value)
+
+
+def test_a_sliding_window_that_ulysses_would_drop_is_refused():
+    from transformers import AutoConfig
+
+    from ds_train.parallel import check_window
+
+    dims = ParallelDims(1, 2, 1)
+    mistral = AutoConfig.for_model("mistral", sliding_window=32)
+    with pytest.raises(UserError) as e:
+        check_window(dims, mistral, "sdpa", 64)
+    assert str(e.value) == ("the model attends within a sliding window of 32 tokens, which model.attn_implementation="
+                            "'sdpa' loses under parallel.sequence=2 (Ulysses drops its mask); use flash_attention_2, "
+                            "train.seq_len <= 32, or parallel.sequence=1")
+    check_window(dims, mistral, "sdpa", 32)  # the window holds the whole sequence: no window at all
+    check_window(dims, mistral, "flash_attention_2", 64)
+    check_window(ParallelDims(2), mistral, "sdpa", 64)
+    check_window(dims, AutoConfig.for_model("llama"), "sdpa", 64)
 
 
 def test_gradients_are_divided_by_the_data_ranks_and_under_zero3_by_data_x_sequence():

@@ -169,13 +169,14 @@ def test_ulysses_sequence_parallelism_keeps_the_math(kind, tiny_data, sft_data, 
     """parallel.sequence 2 on 2 processes (each holds half of every sequence; the attention gathers
     it), ZeRO-2 and ZeRO-3, against the one-process reference without sequence parallelism: loss
     within 1e-5, gradient norm within 1e-4, the held-out loss too (evaluation under SP). SFT: targets
-    on the assistant's tokens only, so the two halves of a sequence hold different target counts.
+    on the assistant's tokens only, so the two halves of a sequence hold different target counts, and
+    examples packed several to a sequence (each attends to itself alone, as in the reference).
     Pretraining computes the loss in tiles (train.loss_tile_tokens), ZeRO-3 gathering the tied head
     again for the backward's recomputation."""
     data = {"pretraining": tiny_data, "sft": sft_data}[kind]
     cfg = write_config(tmp_path / "c.yaml", tiny_config(
         data, tmp_path / "unused", train={"global_batch_size": GLOBAL_BATCH, "micro_batch_size": 2},
-        data={"dir": str(data), "format": "text" if kind == "pretraining" else "sft", "pack": False}))
+        data={"dir": str(data), "format": "text" if kind == "pretraining" else "sft", "pack": kind == "sft"}))
     out = tmp_path / "parity"
     tiles = ["train.loss_tile_tokens=48"] if kind == "pretraining" else []  # 64 tokens a rank: the loss in 2 tiles
     res = ds_train("parity", "--config", str(cfg), "--ds-config", STAGES[2], STAGES[3], "--nproc", "2",
@@ -191,6 +192,12 @@ def test_ulysses_sequence_parallelism_keeps_the_math(kind, tiny_data, sft_data, 
         assert json.loads((run / "env.json").read_text())["parallel"] == {"data": 1, "sequence": 2, "tensor": 1}
         assert_matches(run, ref)
     assert ref[STEPS]["train/loss"] < ref[1]["train/loss"]
+    if kind == "sft":  # several examples to a sequence: what the attention has to keep apart
+        from ds_train.data.datasets import SftData
+        from ds_train.data.meta import load_meta
+
+        packed = SftData(sft_data, "train", load_meta(sft_data)["dtype"], 64, 7, True, "drop", 0)
+        assert packed.examples >= 2 * packed.num_samples, packed.summary()
 
 
 @pytest.fixture(scope="module")

@@ -7,6 +7,11 @@ holds seq_len / parallel.sequence positions of every sequence (ds_train/data/dat
 heads / parallel.sequence heads, then back. Everything else in the model runs on the rank's own
 positions. The returned `mpu` (DeepSpeed's sequence-parallel groups) goes to deepspeed.initialize,
 which then averages gradients over the data x sequence ranks.
+
+Ulysses hands the core attention the whole sequence with no mask (it is causal over all of it) and
+the gathered position ids. Packed examples (position ids restarting at 0 at each) are kept apart
+by the attention itself: flash attention reads the packed examples from the position ids, and for
+sdpa, `documents` runs it causally over each example on its own.
 """
 
 from __future__ import annotations
@@ -27,6 +32,8 @@ def register_ulysses(hf_config, attn_implementation: str, sequence: int, micro_b
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     _REPLACED.setdefault(attn_implementation, ALL_ATTENTION_FUNCTIONS[attn_implementation])
+    if attn_implementation == "sdpa":  # Ulysses wraps what the registry holds when it registers
+        ALL_ATTENTION_FUNCTIONS["sdpa"] = documents(_REPLACED["sdpa"])
     return UlyssesSPAttentionHF.register_with_transformers(
         SimpleNamespace(config=hf_config), core_attn_implementation=attn_implementation,
         sequence_parallel_size=sequence, micro_batch_size=micro_batch_size, seq_length_is_variable=True)
@@ -44,3 +51,26 @@ def unregister_ulysses() -> None:
         ALL_ATTENTION_FUNCTIONS[name] = fn
     _REPLACED.clear()
     parallel_state_sp._release_sequence_parallel_groups()
+
+
+def documents(sdpa):
+    """transformers' sdpa attention over the whole gathered sequence, causal within each packed
+    example: where the position ids restart at 0 a new example begins, and each example's queries
+    see only its own keys (exactly what the block-diagonal causal mask of an unsharded run gives,
+    without an L x L mask). One example per sequence: `sdpa` as it is."""
+    import torch
+
+    def attention(module, query, key, value, attention_mask, *args, position_ids=None, **kwargs):
+        if position_ids is None or attention_mask is not None or position_ids.shape[-1] != query.shape[2]:
+            return sdpa(module, query, key, value, attention_mask, *args, position_ids=position_ids, **kwargs)
+        starts = (position_ids[:, 1:] == 0).expand(query.shape[0], -1)
+        if not bool(starts.any()):
+            return sdpa(module, query, key, value, None, *args, position_ids=position_ids, **kwargs)
+        length, rows = query.shape[2], []
+        for b in range(query.shape[0]):
+            cuts = [0, *(torch.nonzero(starts[b]).flatten() + 1).tolist(), length]
+            rows.append(torch.cat([sdpa(module, query[b:b + 1, :, s:e], key[b:b + 1, :, s:e], value[b:b + 1, :, s:e],
+                                        None, *args, **kwargs)[0] for s, e in zip(cuts, cuts[1:])], dim=1))
+        return torch.cat(rows), None
+
+    return attention
