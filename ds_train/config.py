@@ -146,6 +146,11 @@ class TrainConfig(Section):
                                      "more (per rank): the logits over the vocabulary (seq x vocab x 6 bytes "
                                      "in bf16) exist for one tile, in the forward and recomputed in the "
                                      "backward, never for the whole sequence. 0: never tile.", NON_NEGATIVE)
+    mlp_tile_positions: int = _f(8192, "Run each layer's MLP this many positions of a sequence at a time when "
+                                       "a rank holds more positions of a sequence (seq_len / parallel.sequence; "
+                                       "DeepSpeed's TiledMLP): its largest activations (about 3 x "
+                                       "intermediate_size values a token) exist for one tile, the MLP recomputed "
+                                       "tile by tile in the backward. 0: never tile.", NON_NEGATIVE)
     grad_clip: float = _f(1.0, "Gradient clipping by global norm (0 turns it off).", NON_NEGATIVE)
     eval_every: int = _f(0, "Evaluate on val.bin every N steps (0: only at the end).", NON_NEGATIVE)
     eval_batches: int = _f(4, "Micro-batches per rank in each evaluation.", POSITIVE)

@@ -132,12 +132,17 @@ def dry_run(cfg: RunConfig, ds_config_path: str, target: Target, steps: int = 3,
     dims = plan_dims(cfg.parallel, target.world)
     plan = plan_batch(cfg.train.global_batch_size, cfg.train.micro_batch_size, dims.data, cfg.train.seq_len,
                       dims.derivation())
+    sp = dims.sequence
     work = tempfile.mkdtemp(prefix="ds_train_dry_run_")
     try:
         # One rank's work (micro x accumulation sequences per step) on this one device, in a
-        # scratch run directory; the LR schedule is the target's.
-        local = replace(cfg, output_dir=work,
-                        train=replace(cfg.train, global_batch_size=plan.sequences_per_rank, eval_every=0),
+        # scratch run directory; the LR schedule is the target's. Under sequence parallelism a rank
+        # holds seq_len / sp positions of each sequence: run that many, with every head (the same
+        # activations as the rank's heads / sp over the whole sequence; the attention's extra
+        # compute is projected below).
+        local = replace(cfg, output_dir=work, parallel=replace(cfg.parallel, sequence=1),
+                        train=replace(cfg.train, global_batch_size=plan.sequences_per_rank, eval_every=0,
+                                      seq_len=cfg.train.seq_len // sp),
                         checkpoint=replace(cfg.checkpoint, resume="none", save_final=False, every=0,
                                            export_final=False),
                         log=replace(cfg.log, wandb="off", progress=False, sample_prompt=""))
@@ -157,7 +162,7 @@ def dry_run(cfg: RunConfig, ds_config_path: str, target: Target, steps: int = 3,
                 if on_gpu:
                     torch.cuda.synchronize()
                 times.append(time.perf_counter() - t0)
-            step_s = sorted(times[warmup:])[len(times[warmup:]) // 2]
+            measured_s = sorted(times[warmup:])[len(times[warmup:]) // 2]
             gpu_gib, rss_gib = memory_gib(engine.device.type)
             measured_peak = gpu_gib if on_gpu else max(rss_gib - rss_before, 0.0)
             round_trip = _checkpoint_round_trip(run, data.val, Path(work))
@@ -165,31 +170,40 @@ def dry_run(cfg: RunConfig, ds_config_path: str, target: Target, steps: int = 3,
     finally:
         shutil.rmtree(work, ignore_errors=True)
     given = next(r for r in estimate_out["rows"] if r["given"])
-    tokens_per_rank_step = plan.sequences_per_rank * plan.seq_len
+    tokens_per_rank_step = plan.sequences_per_rank * plan.seq_len // sp
+    layers, hidden = estimate_out["model"]["layers"], estimate_out["model"]["hidden"]
+    fpt = flops_per_token(n_params, layers, hidden, cfg.train.seq_len, lookups)
+    # The rank's tokens attend over the whole sequence, not over the seq_len / sp measured here.
+    step_s = measured_s * fpt / flops_per_token(n_params, layers, hidden, cfg.train.seq_len // sp, lookups)
     tokens_per_s_gpu = tokens_per_rank_step / step_s
     device_name = torch.cuda.get_device_name() if on_gpu else "cpu"
     peak = peak_flops(device_name, cfg.log.peak_tflops) if on_gpu else None
-    fpt = flops_per_token(n_params, estimate_out["model"]["layers"], estimate_out["model"]["hidden"],
-                          cfg.train.seq_len, lookups)
+    notes = ["step time is one rank's compute; communication across the cluster is not included",
+             "MFU needs a GPU peak (table: " + ", ".join(PEAK_TFLOPS) + "; or log.peak_tflops)"]
+    if sp > 1:
+        notes.append(f"parallel.sequence={sp}: ran a rank's {cfg.train.seq_len // sp:,} positions of each sequence "
+                     f"with every head ({measured_s:.3f} s a step); the step time is that scaled by the FLOPs of "
+                     f"attending over all {cfg.train.seq_len:,} positions (x{step_s / measured_s:.3f}); Ulysses' "
+                     f"all-to-all is communication, not included")
     return {
         **estimate_out,
         "batch": {"global_batch_size": plan.global_batch_size, "micro_batch_size": plan.micro_batch_size,
                   "grad_accum_steps": plan.grad_accum_steps, "data_parallel_size": plan.data_parallel_size,
                   "world_size": target.world,
                   "tokens_per_step": plan.tokens_per_step},
-        "measured": {"device": device_name, "step_time_s": step_s, "step_times_s": times,
+        "measured": {"device": device_name, "step_time_s": measured_s, "step_times_s": times,
+                     "rank_seq_len": cfg.train.seq_len // sp,
                      "peak_memory_gib": measured_peak,
                      "peak_memory_kind": "torch.cuda.max_memory_allocated" if on_gpu else "process RSS growth"},
         "predicted": {"per_gpu_peak_gib": given["gpu_peak_gib"], "gpu_memory_gib": target.gpu_memory_gib,
                       "fits": given["fits"], "headroom_gib": target.gpu_memory_gib - given["gpu_peak_gib"],
-                      "tokens_per_s_per_gpu": tokens_per_s_gpu,
+                      "step_time_s": step_s, "tokens_per_s_per_gpu": tokens_per_s_gpu,
                       "tokens_per_s_cluster": tokens_per_s_gpu * target.world,
                       "mfu": tokens_per_s_gpu * fpt / peak if peak else None,
                       "time_to_finish_s": step_s * cfg.train.max_steps,
                       "checkpoint_gib": round_trip["bytes"] / GiB},
         "checkpoint_round_trip": round_trip,
-        "notes": ["step time is one rank's compute; communication across the cluster is not included",
-                  "MFU needs a GPU peak (table: " + ", ".join(PEAK_TFLOPS) + "; or log.peak_tflops)"],
+        "notes": notes,
     }
 
 
@@ -238,7 +252,7 @@ def format_dry_run(out: dict, target: Target) -> str:
              f"time to finish train.max_steps: {_duration(p['time_to_finish_s'])}; checkpoint "
              f"{p['checkpoint_gib']:.3f} GiB on disk; save/load round trip "
              f"{'ok' if rt['ok'] else 'FAILED'} ({rt['seconds']:.1f} s)"]
-    return "\n".join(lines)
+    return "\n".join(lines + [f"note: {n}" for n in out["notes"]])
 
 
 def _duration(seconds: float) -> str:

@@ -168,7 +168,7 @@ class Activations:
 
 
 def activation_bytes(shape: ModelShape, micro_batch: int, seq_len: int, dtype: str,
-                     checkpointing: bool, tile_tokens: int = 0) -> Activations:
+                     checkpointing: bool, tile_tokens: int = 0, mlp_tile_positions: int = 0) -> Activations:
     """Activation memory of one micro-batch for a Llama-style decoder with SDPA attention (no
     s x s score matrix is stored) and ds_train's fp32 loss over the logits.
 
@@ -183,7 +183,14 @@ and their fp32 copy are transient.
     """
     p = param_bytes(dtype)
     tokens = micro_batch * seq_len
-    layer_full = tokens * (p * (8 * shape.hidden + 3 * shape.kv_hidden + 4 * shape.intermediate)
+    # The MLP in tiles (train.mlp_tile_positions): it keeps only its input (already counted as the
+    # norm's output); one tile's 4f values and their gradients exist while it is recomputed, beside
+    # the gradient of its whole input.
+    mlp_tiled = bool(mlp_tile_positions) and seq_len > mlp_tile_positions
+    mlp = 0 if mlp_tiled else 4 * shape.intermediate
+    mlp_transient = (2 * micro_batch * mlp_tile_positions * 4 * shape.intermediate + tokens * shape.hidden) * p \
+        if mlp_tiled else 0
+    layer_full = tokens * (p * (8 * shape.hidden + 3 * shape.kv_hidden + mlp)
                            + (2 * shape.hidden * (4 - p) if p < 4 else 0))
     # The loss in tiles (train.loss_tile_tokens): only a tile's logits and log-softmax, recomputed
     # in the backward, ever exist.
@@ -194,8 +201,8 @@ and their fp32 copy are transient.
         loss_tokens * shape.vocab * 4 if loss_tokens < tokens else 0)  # a tile's log-softmax, while it lives
     if checkpointing:
         layer_inputs = shape.n_layers * tokens * p * shape.hidden
-        return Activations(layer_inputs + head + log_softmax, layer_full + logits_transient)
-    return Activations(shape.n_layers * layer_full + head + log_softmax, logits_transient)
+        return Activations(layer_inputs + head + log_softmax, layer_full + mlp_transient + logits_transient)
+    return Activations(shape.n_layers * layer_full + head + log_softmax, max(logits_transient, mlp_transient))
 
 
 def buffer_bytes(zero: dict, stage: int, dtype: str, shape: ModelShape) -> float:
@@ -230,9 +237,10 @@ class Estimate:
 
 
 def estimate(shape: ModelShape, stage: int, dtype: str, world: int, micro_batch: int, seq_len: int,
-             checkpointing: bool, zero: dict, tile_tokens: int = 0) -> Estimate:
+             checkpointing: bool, zero: dict, tile_tokens: int = 0, mlp_tile_positions: int = 0) -> Estimate:
     offload_opt = zero.get("offload_optimizer", {}).get("device") in ("cpu", "nvme")
     offload_par = zero.get("offload_param", {}).get("device") in ("cpu", "nvme")
     return Estimate(stage, model_states(shape.n_params, stage, dtype, world, offload_opt, offload_par),
-                    activation_bytes(shape, micro_batch, seq_len, dtype, checkpointing, tile_tokens),
+                    activation_bytes(shape, micro_batch, seq_len, dtype, checkpointing, tile_tokens,
+                                     mlp_tile_positions),
                     buffer_bytes(zero, stage, dtype, shape))

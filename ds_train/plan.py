@@ -28,6 +28,12 @@ class Target:
         return self.nodes * self.gpus_per_node
 
 
+def tiles(cfg: RunConfig) -> tuple[int, int]:
+    """The loss's and the MLP's tile sizes in tokens (train.loss_tile_tokens in tokens,
+    train.mlp_tile_positions in positions of a sequence)."""
+    return cfg.train.loss_tile_tokens, cfg.train.mlp_tile_positions
+
+
 def plan_rows(shape: ModelShape, cfg: RunConfig, zero: dict, target: Target, dtype: str) -> list[dict]:
     """The given config and ZeRO 0-3 (with and without activation checkpointing) side by side; the
     other stages as ds_configs/zero<stage>.json renders them."""
@@ -38,7 +44,7 @@ def plan_rows(shape: ModelShape, cfg: RunConfig, zero: dict, target: Target, dty
         z = zero if stage == given else stage_zero(f"zero{stage}", shape)
         for ckpt in (cfg.model.activation_checkpointing, not cfg.model.activation_checkpointing):
             est = estimate(shape, stage, dtype, ranks, cfg.train.micro_batch_size, seq, ckpt, z,
-                           cfg.train.loss_tile_tokens)
+                           *tiles(cfg))
             rows.append(_row(est, ckpt, stage == given and ckpt == cfg.model.activation_checkpointing,
                              target, cfg.train.micro_batch_size, zero_label(z)))
     return rows
@@ -117,7 +123,7 @@ def suggestions(shape: ModelShape, cfg: RunConfig, zero: dict, target: Target, d
     def add(change: str, **kw):
         est = estimate(shape, kw.get("stage", stage), dtype, kw.get("ranks", zero_ranks(cfg, target)),
                        kw.get("micro", micro), kw.get("seq", seq) // kw.get("sp", sp), kw.get("ckpt", ckpt),
-                       kw.get("zero", zero), cfg.train.loss_tile_tokens)
+                       kw.get("zero", zero), *tiles(cfg))
         out.append({"change": change, "gpu_peak_gib": est.gpu_peak / GiB,
                     "fits": est.gpu_peak / GiB <= target.gpu_memory_gib})
 
@@ -158,7 +164,7 @@ def pick_preset(shape: ModelShape, cfg: RunConfig, target: Target, dtype: str, p
             z = stage_zero(f"zero{stage}", shape)
             for m in micros:
                 est = estimate(shape, stage, dtype, zero_ranks(cfg, target), m, rank_seq_len(cfg), ckpt, z,
-                               cfg.train.loss_tile_tokens)
+                               *tiles(cfg))
                 if est.gpu_peak / GiB <= budget:
                     return {"preset": preset, "memory_fraction": PRESETS[preset],
                             "micro_batch_size": m, "activation_checkpointing": ckpt, "stage": stage,

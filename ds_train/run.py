@@ -48,6 +48,7 @@ from ds_train.logs import build_rank_log, capture_console, release_console
 from ds_train.memory import checkpoint_bytes
 from ds_train.metrics import Logger, build_logger, build_progress, peak_flops, rewind_jsonl
 from ds_train.model.build import build_model, count_params, flops_per_token, lookup_params, resolve_dtype
+from ds_train.model.tiled_mlp import tiled_mlps
 from ds_train.model.ulysses import register_ulysses, unregister_ulysses
 from ds_train.parallel import ParallelDims, check_built, check_heads, check_window, plan_dims
 from ds_train.plan import oom_report
@@ -315,6 +316,7 @@ def _build_run(inputs: RunInputs, env: dist.DistEnv, spec: RunSpec, stop: StopRe
     set_seed(cfg.seed)
     mpu = register_ulysses(source.hf_config, cfg.model.attn_implementation, dims.sequence, plan.micro_batch_size)
     built = build_model(replace(cfg.model, path=str(weights or "")), source.hf_config, ds_config, cfg.seed)
+    tiled, whole = tiled_mlps(built.model, cfg.train.mlp_tile_positions, cfg.train.seq_len // dims.sequence)
     n_params = count_params(built.model)
     engine = initialize(built.model, ds_config, mpu)
     if cfg.model.compile:  # torch.compile through DeepSpeed, with the accelerator's backend
@@ -353,6 +355,10 @@ def _build_run(inputs: RunInputs, env: dist.DistEnv, spec: RunSpec, stop: StopRe
     if built.new_weights:
         say(f"initialised new weights (model.allow_new_weights): {', '.join(built.new_weights)}")
     say(plan.describe(env.world_size))
+    if tiled or whole:
+        say(f"MLP in tiles of {cfg.train.mlp_tile_positions} positions (train.mlp_tile_positions): "
+            f"{', '.join(tiled) or 'none'}"
+            + (f"; left whole: {', '.join(whole)}" if whole else ""))
     say(f"lr {lr:.3g} (optim.lr {cfg.optim.lr:g}, scaling {cfg.optim.lr_scaling}); dtype {dtype}; "
         f"ZeRO stage {engine.zero_optimization_stage()}; {n_params / 1e6:.2f}M parameters")
     say(host_table(hosts) + ("; output_dir node-local (each node holds its own ranks' checkpoint files)"

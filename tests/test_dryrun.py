@@ -90,19 +90,30 @@ def test_estimate_refuses_batch_math_that_does_not_fit_the_target(tmp_path):
 
 
 @pytest.mark.slow
-def test_dry_run_of_the_quickstart_for_the_example_hostfile(tmp_path):
-    """The quickstart recipe as shipped (its corpus is prepared on first use) for hostfile.example."""
+@pytest.mark.parametrize("sequence", [1, 2])
+def test_dry_run_of_the_quickstart_for_the_example_hostfile(tmp_path, sequence):
+    """The quickstart recipe as shipped (its corpus is prepared on first use) for hostfile.example;
+    with parallel.sequence=2 this device runs a rank's half of each sequence, and the step time is
+    projected to attention over the whole sequence."""
     res = ds_train("dry-run", "--config", str(ROOT / "recipes" / "quickstart.yaml"),
                    "--ds-config", str(ROOT / "ds_configs" / "zero2.json"),
                    "--hostfile", str(ROOT / "hostfile.example"), f"output_dir={tmp_path / 'run'}",
-                   f"data.dir={tmp_path / 'data'}", timeout=180)
+                   f"data.dir={tmp_path / 'data'}", f"parallel.sequence={sequence}", timeout=180)
     assert res.returncode == 0, res.out[-3000:]  # its speed is a benchmark's business, not a test's
     out = json.loads((tmp_path / "run" / "dry_run.json").read_text())
-    assert out["target"]["world"] == 16 and out["batch"]["grad_accum_steps"] == 1
-    assert out["measured"]["step_time_s"] > 0
-    p = out["predicted"]
+    assert out["target"]["world"] == 16 and out["batch"]["grad_accum_steps"] == sequence
+    m, p = out["measured"], out["predicted"]
+    assert m["step_time_s"] > 0 and m["rank_seq_len"] == 128 // sequence
     assert p["fits"] and p["tokens_per_s_cluster"] == pytest.approx(16 * p["tokens_per_s_per_gpu"])
-    assert p["time_to_finish_s"] == pytest.approx(200 * out["measured"]["step_time_s"])
+    assert p["time_to_finish_s"] == pytest.approx(200 * p["step_time_s"])
+    tokens = 32 // (16 // sequence) * 128 // sequence  # a rank's share of a step's tokens
+    assert p["tokens_per_s_per_gpu"] == pytest.approx(tokens / p["step_time_s"])
+    if sequence == 1:
+        assert p["step_time_s"] == m["step_time_s"]
+    else:  # 6N + 12 L h s FLOPs a token at s = 128 over those at s = 64 (ds_train/model/build.py)
+        ratio = p["step_time_s"] / m["step_time_s"]
+        assert 1 < ratio < 1.5 and f"all 128 positions (x{ratio:.3f})" in res.out
+        assert "note: parallel.sequence=2: ran a rank's 64 positions of each sequence with every head" in res.out
     assert out["checkpoint_round_trip"]["ok"] and p["checkpoint_gib"] > 0
     assert "save/load round trip ok" in res.out and "fits" in res.out
     assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["dry_run.json"]  # nothing else left
@@ -119,7 +130,8 @@ def test_the_plan_of_a_long_context_job_knows_sequence_parallelism():
              "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 128256,
              "max_position_embeddings": 131072}
     raw = {"output_dir": "/tmp/unused", "model": {"config": llama, "dtype": "bf16", "activation_checkpointing": True},
-           "train": {"seq_len": 131072, "micro_batch_size": 1, "global_batch_size": 16, "loss_tile_tokens": 0}}
+           "train": {"seq_len": 131072, "micro_batch_size": 1, "global_batch_size": 16, "loss_tile_tokens": 0,
+                     "mlp_tile_positions": 0}}
     target = Target(2, 8, 80.0)
     zero3 = str(ROOT / "ds_configs" / "zero3.json")
     with_sp = run_estimate(build_config({**raw, "parallel": {"sequence": 8}}, source="t"), zero3, target, None)

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from conftest import BIN, ROOT, free_port, run_cmd
+from ds_train.model.build import checkpoint_activations
 from ds_train.memory import activation_bytes, estimate, model_shape, model_states
 
 
@@ -35,8 +36,8 @@ def llama(**kw):
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-@pytest.mark.parametrize("checkpointing", [False, True])
-def test_predicted_activations_match_the_tensors_autograd_saves(dtype, checkpointing):
+@pytest.mark.parametrize("checkpointing,mlp_tile", [(False, 0), (True, 0), (False, 32)])
+def test_predicted_activations_match_the_tensors_autograd_saves(dtype, checkpointing, mlp_tile):
     import torch.nn.functional as F
     from transformers import AutoModelForCausalLM
 
@@ -45,9 +46,13 @@ def test_predicted_activations_match_the_tensors_autograd_saves(dtype, checkpoin
     model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").to(
         torch.float32 if dtype == "fp32" else torch.bfloat16)
     if checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        checkpoint_activations(model)
     model.train()
     b, s = 4, 128
+    if mlp_tile:  # the MLP in tiles (train.mlp_tile_positions): it keeps only its input
+        from ds_train.model.tiled_mlp import tiled_mlps
+
+        assert tiled_mlps(model, mlp_tile, s)[0] == ["LlamaMLP"]
     ids = torch.randint(0, cfg.vocab_size, (b, s + 1))
     saved = {}
 
@@ -61,7 +66,7 @@ def test_predicted_activations_match_the_tensors_autograd_saves(dtype, checkpoin
         logits = model(input_ids=ids[:, :-1], use_cache=False).logits  # as ds_train.trainer does
         F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), ids[:, 1:].reshape(-1))
     measured = sum(n for ptr, n in saved.items() if ptr not in weights)
-    predicted = activation_bytes(model_shape(cfg), b, s, dtype, checkpointing).saved
+    predicted = activation_bytes(model_shape(cfg), b, s, dtype, checkpointing, mlp_tile_positions=mlp_tile).saved
     assert predicted == pytest.approx(measured, rel=0.06)
 
 

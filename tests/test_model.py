@@ -386,3 +386,41 @@ def test_sdpa_over_packed_examples_under_ulysses_is_the_block_causal_mask():
         assert got.shape == want.shape and torch.allclose(got, want, atol=1e-12)
     one, _ = documents(sdpa_attention_forward)(module, q, k, v, None, position_ids=positions[1:])
     assert torch.allclose(one, sdpa_attention_forward(module, q, k, v, None)[0])  # one example: sdpa as it is
+
+
+def test_the_tiled_mlp_is_the_mlp_in_tiles():
+    """train.mlp_tile_positions: every decoder layer's MLP runs a tile at a time (DeepSpeed's TiledMLP),
+    with and without activation checkpointing: the loss and every gradient as untiled (within
+    1e-5); a sequence within one tile, or 0, leaves the model as it is; an MLP with dropout is
+    left whole and said."""
+    import numpy as np
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from ds_train.losses import forward_loss
+    from ds_train.model.build import checkpoint_activations
+    from ds_train.model.tiled_mlp import tiled_mlps
+
+    cfg = AutoConfig.for_model("llama", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                               num_attention_heads=4, vocab_size=300)
+    batch = np.random.default_rng(0).integers(0, 300, (2, 41))
+    for checkpointing in (False, True):
+        grads = []
+        for tile in (0, 16):  # 40 positions a sequence: 3 tiles of 14, 14 and 12 positions
+            torch.manual_seed(0)
+            model = AutoModelForCausalLM.from_config(cfg)
+            if checkpointing:
+                checkpoint_activations(model)
+            assert tiled_mlps(model, tile, 40) == ((["LlamaMLP"], []) if tile else ([], []))
+            loss, _ = forward_loss(model, batch)
+            loss.backward()
+            grads.append((float(loss.detach()), {n: p.grad.clone() for n, p in model.named_parameters()}))
+        assert "forward" in vars(model.model.layers[1].mlp)
+        (full, g_full), (tiled, g_tiled) = grads
+        assert abs(tiled - full) <= 1e-5 * abs(full)
+        for name, g in g_full.items():
+            assert torch.allclose(g_tiled[name], g, rtol=1e-5, atol=1e-7), (checkpointing, name)
+    model = AutoModelForCausalLM.from_config(cfg)
+    assert tiled_mlps(model, 40, 40) == ([], []) and "forward" not in vars(model.model.layers[0].mlp)
+    gpt2 = AutoModelForCausalLM.from_config(AutoConfig.for_model("gpt2", n_embd=32, n_layer=1, n_head=4))
+    assert tiled_mlps(gpt2, 16, 40) == ([], ["GPT2MLP (dropout p=0.1 would differ in the recomputation)"])

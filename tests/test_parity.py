@@ -171,14 +171,15 @@ def test_ulysses_sequence_parallelism_keeps_the_math(kind, tiny_data, sft_data, 
     within 1e-5, gradient norm within 1e-4, the held-out loss too (evaluation under SP). SFT: targets
     on the assistant's tokens only, so the two halves of a sequence hold different target counts, and
     examples packed several to a sequence (each attends to itself alone, as in the reference).
-    Pretraining computes the loss in tiles (train.loss_tile_tokens), ZeRO-3 gathering the tied head
-    again for the backward's recomputation."""
+    Pretraining computes the loss and the MLPs in tiles (train.loss_tile_tokens, mlp_tile_positions),
+    ZeRO-3 gathering the tied head and each MLP again for the backward's recomputation."""
     data = {"pretraining": tiny_data, "sft": sft_data}[kind]
     cfg = write_config(tmp_path / "c.yaml", tiny_config(
         data, tmp_path / "unused", train={"global_batch_size": GLOBAL_BATCH, "micro_batch_size": 2},
         data={"dir": str(data), "format": "text" if kind == "pretraining" else "sft", "pack": kind == "sft"}))
     out = tmp_path / "parity"
-    tiles = ["train.loss_tile_tokens=48"] if kind == "pretraining" else []  # 64 tokens a rank: the loss in 2 tiles
+    # 2 x 32 positions a rank: the loss and every MLP in 2 tiles
+    tiles = ["train.loss_tile_tokens=48", "train.mlp_tile_positions=16"] if kind == "pretraining" else []
     res = ds_train("parity", "--config", str(cfg), "--ds-config", STAGES[2], STAGES[3], "--nproc", "2",
                    "--sequence", "2", "--steps", str(STEPS), "--out", str(out), *tiles, timeout=600)
     assert res.returncode == 0, res.out[-6000:]

@@ -100,8 +100,19 @@ def build_model(model_cfg: ModelConfig, hf_config, ds_config: dict, seed: int = 
                             f"fix model.config") from None
         seeded_init(model, seed, zero3)
     if model_cfg.activation_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        checkpoint_activations(model)
     return BuiltModel(model, hf_config, keep_alive, new_weights)
+
+
+def checkpoint_activations(model) -> None:
+    """Each decoder layer keeps only its input and is recomputed in the backward (non-reentrant
+    torch.utils.checkpoint): transformers' activation_checkpointing_enable, or before 5.x's rename,
+    gradient_checkpointing_enable."""
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
 
 
 def count_params(model) -> int:
