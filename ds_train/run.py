@@ -355,6 +355,9 @@ def _build_run(inputs: RunInputs, env: dist.DistEnv, spec: RunSpec, stop: StopRe
     if built.new_weights:
         say(f"initialised new weights (model.allow_new_weights): {', '.join(built.new_weights)}")
     say(plan.describe(env.world_size))
+    if dims.sequence * dims.tensor > 1:
+        say(f"{dims.describe()}; each rank holds {cfg.train.seq_len // dims.sequence} positions of a sequence"
+            if dims.sequence > 1 else dims.describe())
     if tiled or whole:
         say(f"MLP in tiles of {cfg.train.mlp_tile_positions} positions (train.mlp_tile_positions): "
             f"{', '.join(tiled) or 'none'}"

@@ -189,6 +189,40 @@ def test_sigkill_of_rank_0_then_of_rank_1_each_named_and_each_resume_is_exact(st
         assert got[step]["loss"] == ref[step]["loss"], (step, got[step]["loss"], ref[step]["loss"])
 
 
+@pytest.mark.slow
+def test_sigkill_under_sequence_parallelism_resumes_to_the_uninterrupted_losses(tiny_data, tmp_path):
+    """parallel.sequence=2 on 2 processes (one data-parallel group: both ranks hold halves of the
+    same sequences), ZeRO-2, saving every 2 steps: rank 1 is killed after step 3, named; the same
+    command resumes from the newest whole save and finishes with the uninterrupted SP run's losses,
+    bitwise, the checkpoint's marker recording the layout."""
+    def config(run_dir):
+        return write_config(tmp_path / f"{run_dir.name}.yaml", tiny_config(
+            tiny_data, run_dir, train={"max_steps": 6, "micro_batch_size": 2, "global_batch_size": 4},
+            parallel={"sequence": 2}, checkpoint={"every": 2, "keep": 2},
+            watchdog={"stall_s": STALL_S, "heartbeat_s": 0.5}))
+
+    straight = tmp_path / "straight"
+    res = deepspeed_train(config(straight), "zero2.json")
+    assert res.returncode == 0, res.out[-3000:]
+    assert "parallel: data 1 x sequence 2 x tensor 1 = world 2; each rank holds 32 positions of a sequence" in res.out
+    ref = metrics_by_step(straight)
+    run_dir = tmp_path / "killed"
+    args = deepspeed_args(config(run_dir), "zero2.json", "watchdog.debug_fault=slow:0:0.3")  # slower, same numbers
+    kill_rank(spawn(args), run_dir, 1, after=3)
+    first = checkpoint.latest_complete(run_dir / "checkpoints")
+    assert first in ("step_00000002", "step_00000004")
+    assert checkpoint.read_marker(run_dir / "checkpoints" / first)[0]["parallel"] == {"data": 1, "sequence": 2,
+                                                                                       "tensor": 1}
+    res = deepspeed_train(config(run_dir), "zero2.json")
+    assert res.returncode == 0, res.out[-3000:]
+    k = int(first.split("_")[1])
+    assert f"resumed from {run_dir / 'checkpoints' / first} at step {k}" in res.out
+    got = metrics_by_step(run_dir)
+    assert sorted(got) == sorted(ref) == list(range(1, 7))
+    for step in range(k + 1, 7):  # bitwise: the same float printed
+        assert got[step]["loss"] == ref[step]["loss"], (step, got[step]["loss"], ref[step]["loss"])
+
+
 def stop_by(proc, run_dir: Path, after: int, pid, signum: int, within_s: float) -> int:
     """Once the run logged step `after`, send `signum` to `pid()` (a rank, or the launcher alone): every
     rank saves at the next step and exits, and no process of the job is left `within_s` later.
