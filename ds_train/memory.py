@@ -184,11 +184,11 @@ and their fp32 copy are transient.
     p = param_bytes(dtype)
     tokens = micro_batch * seq_len
     # The MLP in tiles (train.mlp_tile_positions): it keeps only its input (already counted as the
-    # norm's output); one tile's 4f values and their gradients exist while it is recomputed, beside
-    # the gradient of its whole input.
+    # norm's output); one tile's 4f values exist while it is recomputed (counted as the untiled MLP's
+    # are), beside the gradient of its whole input.
     mlp_tiled = bool(mlp_tile_positions) and seq_len > mlp_tile_positions
     mlp = 0 if mlp_tiled else 4 * shape.intermediate
-    mlp_transient = (2 * micro_batch * mlp_tile_positions * 4 * shape.intermediate + tokens * shape.hidden) * p \
+    mlp_transient = (micro_batch * mlp_tile_positions * 4 * shape.intermediate + tokens * shape.hidden) * p \
         if mlp_tiled else 0
     layer_full = tokens * (p * (8 * shape.hidden + 3 * shape.kv_hidden + mlp)
                            + (2 * shape.hidden * (4 - p) if p < 4 else 0))

@@ -322,6 +322,27 @@ def test_ript_recipes_load_and_agree_with_two_ranks(tmp_path):
         load_config(None, [f"model.path={tmp_path}", "ript.early_stop_fraction=0"])
 
 
+def test_the_long_context_recipe_passes_every_check_for_its_two_ranks():
+    """recipes/long_context.yaml as bench/long_context.py launches it: 2 ranks, one sequence a step
+    split over both, each rank 4,096 positions (what Ulysses and the batch plan check)."""
+    from ds_train.batch import plan_batch
+    from ds_train.engine import read_ds_template
+    from ds_train.parallel import check_heads, check_sequence, check_window, plan_dims
+
+    cfg = load_config(QUICKSTART.parent / "long_context.yaml")
+    dims = plan_dims(cfg.parallel, 2)
+    plan = plan_batch(cfg.train.global_batch_size, cfg.train.micro_batch_size, dims.data, cfg.train.seq_len,
+                      dims.derivation())
+    assert (dims.data, dims.sequence, plan.grad_accum_steps, cfg.train.seq_len // dims.sequence) == (1, 2, 1, 4096)
+    check_sequence(cfg, read_ds_template(str(QUICKSTART.parents[1] / "ds_configs" / "zero2.json")))
+    from transformers import AutoConfig
+
+    hf = AutoConfig.for_model(**cfg.model.config)
+    check_heads(dims, hf)
+    check_window(dims, hf, cfg.model.attn_implementation, cfg.train.seq_len)
+    assert hf.max_position_embeddings >= cfg.train.seq_len
+
+
 # --- bad input: one line naming the file, key or value and the fix --------------------------------
 
 def test_an_empty_data_dir_is_refused_like_an_empty_output_dir(tmp_path):
