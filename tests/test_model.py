@@ -345,7 +345,7 @@ def test_the_tiled_loss_is_the_full_logits_loss_in_tiles():
         model.zero_grad()
         loss, count = forward_loss(model, batch, tile)
         loss.backward()
-        grads.append((float(loss), count, {n: p.grad.clone() for n, p in model.named_parameters()}))
+        grads.append((float(loss.detach()), count, {n: p.grad.clone() for n, p in model.named_parameters()}))
     (full, n_full, g_full), (tiled, n_tiled, g_tiled) = grads
     assert n_full == n_tiled == 73 and abs(tiled - full) <= 1e-5 * abs(full)
     for name, g in g_full.items():
