@@ -49,7 +49,7 @@ def check_command(argv: list[str], world_size: int):
     from ds_train.configfile import load_config
     from ds_train.engine import read_ds_template
     from ds_train.inputs import model_config
-    from ds_train.parallel import check_built, check_heads, check_sequence, check_window
+    from ds_train.parallel import check_built, check_model, check_sequence
 
     args = build_parser().parse_args(argv)
     if getattr(args, "spec", None) is None:
@@ -61,9 +61,7 @@ def check_command(argv: list[str], world_size: int):
     template = read_ds_template(args.ds_config)
     dims, plan, _ = args.spec(cfg).check(cfg, world_size)
     if dims.sequence * dims.tensor > 1:  # a layout that splits the heads (the model's config, no data)
-        hf_config = model_config(cfg)
-        check_heads(dims, hf_config)
-        check_window(dims, hf_config, cfg.model.attn_implementation, cfg.train.seq_len)
+        check_model(dims, model_config(cfg), cfg.model.attn_implementation, cfg.train.seq_len)
     check_built(dims)
     check_sequence(cfg, template)
     return cfg, plan

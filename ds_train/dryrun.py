@@ -32,7 +32,7 @@ from ds_train.losses import forward_loss
 from ds_train.memory import GiB, ModelShape, model_shape
 from ds_train.metrics import PEAK_TFLOPS, memory_gib, peak_flops
 from ds_train.model.build import count_params, flops_per_token, lookup_params, resolve_dtype
-from ds_train.parallel import check_built, check_heads, check_sequence, check_window, plan_dims
+from ds_train.parallel import check_built, check_model, check_sequence, plan_dims
 from ds_train.plan import (Target, format_rows, format_suggestions, pick_preset, plan_rows, rank_seq_len, resolved_zero,
                            suggestions)
 from ds_train.rundir import RunPaths
@@ -86,8 +86,7 @@ def run_estimate(cfg: RunConfig, ds_config_path: str, target: Target, preset: st
     plan_batch(cfg.train.global_batch_size, cfg.train.micro_batch_size, dims.data, cfg.train.seq_len,
                dims.derivation())
     shape, hf_config = resolve_shape(cfg)
-    check_heads(dims, hf_config)
-    check_window(dims, hf_config, cfg.model.attn_implementation, cfg.train.seq_len)
+    check_model(dims, hf_config, cfg.model.attn_implementation, cfg.train.seq_len)
     check_built(dims)
     check_sequence(cfg, template)
     dtype = _dtype(cfg, on_gpu=True)

@@ -136,6 +136,12 @@ def check_window(dims: ParallelDims, hf_config, attn_implementation: str, seq_le
                         f"or parallel.sequence=1")
 
 
+def check_model(dims: ParallelDims, hf_config, attn_implementation: str, seq_len: int) -> None:
+    """The model's shape against the layout: the heads each size splits, a sliding window."""
+    check_heads(dims, hf_config)
+    check_window(dims, hf_config, attn_implementation, seq_len)
+
+
 def check_built(dims: ParallelDims) -> None:
     """Sizes whose capability has not landed yet: the layout is valid, but it cannot run."""
     for key, what in NOT_BUILT.items():

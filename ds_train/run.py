@@ -50,7 +50,7 @@ from ds_train.metrics import Logger, build_logger, build_progress, peak_flops, r
 from ds_train.model.build import build_model, count_params, flops_per_token, lookup_params, resolve_dtype
 from ds_train.model.tiled_mlp import tiled_mlps
 from ds_train.model.ulysses import register_ulysses, unregister_ulysses
-from ds_train.parallel import ParallelDims, check_built, check_heads, check_window, plan_dims
+from ds_train.parallel import ParallelDims, check_built, check_model, plan_dims
 from ds_train.plan import oom_report
 from ds_train.reports import doctor_hint, is_secondary
 from ds_train.reports import where as rank_where
@@ -266,8 +266,7 @@ def _build_run(inputs: RunInputs, env: dist.DistEnv, spec: RunSpec, stop: StopRe
     check_writable(paths.root, "output_dir")
     check_run_dir(paths)
     dims, plan, total_steps = spec.check(cfg, env.world_size)
-    check_heads(dims, source.hf_config)
-    check_window(dims, source.hf_config, cfg.model.attn_implementation, cfg.train.seq_len)
+    check_model(dims, source.hf_config, cfg.model.attn_implementation, cfg.train.seq_len)
     check_built(dims)
     accel = get_accelerator()
     on_gpu = accel.device_name() == "cuda"
@@ -314,7 +313,8 @@ def _build_run(inputs: RunInputs, env: dist.DistEnv, spec: RunSpec, stop: StopRe
     from transformers import set_seed
 
     set_seed(cfg.seed)
-    mpu = register_ulysses(source.hf_config, cfg.model.attn_implementation, dims.sequence, plan.micro_batch_size)
+    mpu = register_ulysses(source.hf_config, cfg.model.attn_implementation, dims.sequence, plan.micro_batch_size,
+                           packed=inputs.data is not None and inputs.data.packed)
     built = build_model(replace(cfg.model, path=str(weights or "")), source.hf_config, ds_config, cfg.seed)
     tiled, whole = tiled_mlps(built.model, cfg.train.mlp_tile_positions, cfg.train.seq_len // dims.sequence)
     n_params = count_params(built.model)

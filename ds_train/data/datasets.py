@@ -258,6 +258,11 @@ class Datasets:
     val: TokenData | SftData
     summary: str = ""  # how sft examples became sequences (said at the start of a run)
 
+    @property
+    def packed(self) -> bool:
+        """Several examples to a sequence, position ids restarting at each (sft with packing)."""
+        return isinstance(self.train, SftData) and self.train.pack
+
     def identity(self) -> dict:
         """What identifies the sample stream, recorded in every checkpoint (a resume checks it)."""
         out = {"train_tokens": len(self.train.tokens), "val_tokens": len(self.val.tokens)}

@@ -23,16 +23,18 @@ from types import SimpleNamespace
 _REPLACED: dict = {}
 
 
-def register_ulysses(hf_config, attn_implementation: str, sequence: int, micro_batch_size: int):
+def register_ulysses(hf_config, attn_implementation: str, sequence: int, micro_batch_size: int,
+                     packed: bool = False):
     """DeepSpeed's mpu for `sequence` > 1 (after the process group is up, before the model is
-    built); None without sequence parallelism."""
+    built); None without sequence parallelism. `packed`: the data packs several examples to a
+    sequence (sdpa then runs per example; otherwise it runs as it is, with no per-layer check)."""
     if sequence == 1:
         return None
     from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     _REPLACED.setdefault(attn_implementation, ALL_ATTENTION_FUNCTIONS[attn_implementation])
-    if attn_implementation == "sdpa":  # Ulysses wraps what the registry holds when it registers
+    if packed and attn_implementation == "sdpa":  # Ulysses wraps what the registry holds when it registers
         ALL_ATTENTION_FUNCTIONS["sdpa"] = documents(_REPLACED["sdpa"])
     return UlyssesSPAttentionHF.register_with_transformers(
         SimpleNamespace(config=hf_config), core_attn_implementation=attn_implementation,
