@@ -4,10 +4,13 @@ last step while the rank tears down. Python's default for SIGUSR1 is to die of i
 reports as exit 138, the code that says "saved; requeue me": a job that had finished would be
 queued again. From the first line of `main` a SIGUSR1 is therefore kept, never fatal: the run's
 stop handler (ds_train/run.py StopRequest) takes one that came before it and saves at the first
-step; one after the run's end is ignored and the rank exits as the run ended (0)."""
+step; one after the run's end is ignored and the rank exits as the run ended (0). Python puts the
+default (fatal) disposition back while the interpreter finalizes, after `main` returned; an exit
+hook therefore ignores SIGUSR1 at the C level before that (a finished rank died of it there)."""
 
 from __future__ import annotations
 
+import atexit
 import signal
 
 _kept: list[int] = []
@@ -16,6 +19,7 @@ _kept: list[int] = []
 def keep_usr1() -> None:
     """Keep SIGUSR1 from now on instead of dying of it (the main thread of a run command)."""
     signal.signal(signal.SIGUSR1, _keep)
+    atexit.register(signal.signal, signal.SIGUSR1, signal.SIG_IGN)  # survives finalization
 
 
 def _keep(signum, frame) -> None:

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 
 import pytest
 
@@ -85,6 +87,24 @@ def test_sigusr1_before_the_run_is_kept_for_it_and_after_its_end_is_harmless():
         assert StopRequest().signum == 0  # taken once
     finally:
         signal.signal(signal.SIGUSR1, before)
+
+
+def test_sigusr1_while_the_interpreter_finalizes_is_not_fatal():
+    """Python restores SIGUSR1's fatal default while it finalizes, after `main` returned: the CI run
+    of 2026-11-25 (second) saw a finished rank die there, srun said "User defined signal 1" and the
+    job was requeued for nothing. An object destroyed at finalization sends it here."""
+    script = ("import os, signal\n"
+              "from ds_train import signals\n"
+              "class Late:\n"
+              "    def __del__(self):\n"
+              "        os.kill(os.getpid(), signal.SIGUSR1)\n"
+              "signals.keep_usr1()\n"
+              "late = Late()\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, (done.returncode, done.stderr)
+    bare = subprocess.run([sys.executable, "-c", script.replace("signals.keep_usr1()", "signal.signal(signal.SIGUSR1, signals._keep)")],
+                          capture_output=True, text=True, timeout=60)
+    assert bare.returncode == -signal.SIGUSR1  # the fault the exit hook removes
 
 
 def test_each_rank_log_ends_with_how_the_run_ended():
