@@ -29,6 +29,7 @@ checkpoint (SIGTERM 143, SIGUSR1 138).
 from __future__ import annotations
 
 import argparse
+import gc
 import logging
 import os
 import sys
@@ -286,5 +287,15 @@ def _report(e: Exception) -> int:
     return e.exit_code
 
 
+def cli() -> None:
+    """The `ds-train` command and `python -m ds_train`: `main`, then an exit without the interpreter's
+    last full garbage collection, which walks every object torch, DeepSpeed and transformers created
+    (about 2.5 s a process on a CPU, paid by every rank of every launch). Everything a command writes
+    is closed before `main` returns; the freeze only skips collecting what the exit frees anyway."""
+    code = main()
+    gc.freeze()
+    sys.exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    cli()

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import (ROOT, STAGE_TRAIN, STRAIGHT_STEPS, Result, deepspeed_args, deepspeed_train, ds_train,
+from conftest import (ROOT, STRAIGHT_STEPS, Result, deepspeed_args, deepspeed_train, ds_train,
                       expect_error, pids_with, reap, spawn, tiny_config, tree_listing, write_config)
 from ds_train import checkpoint, resume
 from ds_train.doctor import diagnose
@@ -156,22 +156,31 @@ def kill_rank(proc, run_dir: Path, rank: int, after: int) -> Result:
 
 
 @pytest.mark.slow
-def test_sigkill_of_rank_0_then_of_rank_1_each_named_and_each_resume_is_exact(stage_run, tiny_data, tmp_path):
-    """ZeRO-3, saving every 2 steps. Rank 0 (which serves the rendezvous store) is killed after
-    step 3: the job ends with one line naming rank 0, its host, SIGKILL and its last step (the
-    second store, on rank 1, carries the verdict). The same command resumes from the newest whole
-    save; rank 1 is killed 2 steps later, named the same way; the third start finishes with the
-    losses of conftest's uninterrupted zero3 run, bitwise."""
-    ref = metrics_by_step(stage_run("zero3")[1])
+def test_sigkill_of_rank_0_then_of_rank_1_each_named_and_each_resume_is_exact(tiny_data, tmp_path):
+    """ZeRO-3 under sequence parallelism (parallel.sequence=2 on 2 processes: both ranks hold halves
+    of the same sequences), saving every 2 steps. Rank 0 (which serves the rendezvous store) is
+    killed after step 3: the job ends with one line naming rank 0, its host, SIGKILL and its last
+    step (the second store, on rank 1, carries the verdict). The same command resumes from the newest
+    whole save, whose marker records the layout; rank 1 is killed 2 steps later, named the same way;
+    the third start finishes with the uninterrupted run's losses, bitwise."""
+    def config(run_dir):
+        return write_config(tmp_path / f"{run_dir.name}.yaml", tiny_config(
+            tiny_data, run_dir, train={"micro_batch_size": 2}, parallel={"sequence": 2},
+            checkpoint={"every": 2, "keep": 2}, watchdog={"stall_s": STALL_S, "heartbeat_s": 0.5}))
+
+    straight = tmp_path / "straight"
+    res = deepspeed_train(config(straight), "zero3.json")
+    assert res.returncode == 0, res.out[-3000:]
+    assert "parallel: data 1 x sequence 2 x tensor 1 = world 2; each rank holds 32 positions of a sequence" in res.out
+    ref = metrics_by_step(straight)
     run_dir = tmp_path / "run"
-    cfg = write_config(tmp_path / "run.yaml", tiny_config(
-        tiny_data, run_dir, train=STAGE_TRAIN, checkpoint={"every": 2, "keep": 2},
-        watchdog={"stall_s": STALL_S, "heartbeat_s": 0.5}))
+    cfg = config(run_dir)
     args = deepspeed_args(cfg, "zero3.json", "watchdog.debug_fault=slow:0:0.3")  # slower, same numbers
     ckpts = run_dir / "checkpoints"
     kill_rank(spawn(args), run_dir, 0, after=3)
     first = checkpoint.latest_complete(ckpts)
     assert first in ("step_00000002", "step_00000004") and (ckpts / "latest").read_text() == first
+    assert checkpoint.read_marker(ckpts / first)[0]["parallel"] == {"data": 1, "sequence": 2, "tensor": 1}
 
     k = int(first.split("_")[1])
     res = kill_rank(spawn(args), run_dir, 1, after=k + 3)  # the save of step k + 2 is whole by then
@@ -186,40 +195,6 @@ def test_sigkill_of_rank_0_then_of_rank_1_each_named_and_each_resume_is_exact(st
     got = metrics_by_step(run_dir)
     assert sorted(got) == sorted(ref) == list(range(1, 9))  # no duplicated or missing lines
     for step in range(k2 + 1, 9):  # bitwise: same float printed
-        assert got[step]["loss"] == ref[step]["loss"], (step, got[step]["loss"], ref[step]["loss"])
-
-
-@pytest.mark.slow
-def test_sigkill_under_sequence_parallelism_resumes_to_the_uninterrupted_losses(tiny_data, tmp_path):
-    """parallel.sequence=2 on 2 processes (one data-parallel group: both ranks hold halves of the
-    same sequences), ZeRO-2, saving every 2 steps: rank 1 is killed after step 3, named; the same
-    command resumes from the newest whole save and finishes with the uninterrupted SP run's losses,
-    bitwise, the checkpoint's marker recording the layout."""
-    def config(run_dir):
-        return write_config(tmp_path / f"{run_dir.name}.yaml", tiny_config(
-            tiny_data, run_dir, train={"max_steps": 6, "micro_batch_size": 2, "global_batch_size": 4},
-            parallel={"sequence": 2}, checkpoint={"every": 2, "keep": 2},
-            watchdog={"stall_s": STALL_S, "heartbeat_s": 0.5}))
-
-    straight = tmp_path / "straight"
-    res = deepspeed_train(config(straight), "zero2.json")
-    assert res.returncode == 0, res.out[-3000:]
-    assert "parallel: data 1 x sequence 2 x tensor 1 = world 2; each rank holds 32 positions of a sequence" in res.out
-    ref = metrics_by_step(straight)
-    run_dir = tmp_path / "killed"
-    args = deepspeed_args(config(run_dir), "zero2.json", "watchdog.debug_fault=slow:0:0.3")  # slower, same numbers
-    kill_rank(spawn(args), run_dir, 1, after=3)
-    first = checkpoint.latest_complete(run_dir / "checkpoints")
-    assert first in ("step_00000002", "step_00000004")
-    assert checkpoint.read_marker(run_dir / "checkpoints" / first)[0]["parallel"] == {"data": 1, "sequence": 2,
-                                                                                       "tensor": 1}
-    res = deepspeed_train(config(run_dir), "zero2.json")
-    assert res.returncode == 0, res.out[-3000:]
-    k = int(first.split("_")[1])
-    assert f"resumed from {run_dir / 'checkpoints' / first} at step {k}" in res.out
-    got = metrics_by_step(run_dir)
-    assert sorted(got) == sorted(ref) == list(range(1, 7))
-    for step in range(k + 1, 7):  # bitwise: the same float printed
         assert got[step]["loss"] == ref[step]["loss"], (step, got[step]["loss"], ref[step]["loss"])
 
 
