@@ -50,7 +50,7 @@ def check_command(argv: list[str], world_size: int):
     from ds_train.configfile import load_config
     from ds_train.engine import read_ds_template
     from ds_train.inputs import model_config
-    from ds_train.parallel import check_built, check_model, check_sequence
+    from ds_train.parallel import check_model, check_parallel
 
     args = build_parser().parse_args(argv)
     if getattr(args, "spec", None) is None:
@@ -63,8 +63,7 @@ def check_command(argv: list[str], world_size: int):
     dims, plan, _ = args.spec(cfg).check(cfg, world_size)
     if dims.sequence * dims.tensor > 1:  # a layout that splits the heads (the model's config, no data)
         check_model(dims, model_config(cfg), cfg.model.attn_implementation, cfg.train.seq_len)
-    check_built(dims)
-    check_sequence(cfg, template)
+    check_parallel(cfg, template)
     return cfg, plan
 
 
@@ -181,6 +180,9 @@ def build_parser() -> argparse.ArgumentParser:
     pa.add_argument("--sequence", nargs="+", default=[], metavar="S",
                     help="Ulysses sequence-parallel size(s) of the layouts, each at the world sizes it divides "
                          "(default: the config's parallel.sequence)")
+    pa.add_argument("--tensor", nargs="+", default=[], metavar="T",
+                    help="AutoTP tensor-parallel size(s) of the layouts, each at the world sizes it divides "
+                         "(default: the config's parallel.tensor)")
     pa.add_argument("--steps", type=int, default=5, help="optimizer steps per run (default 5)")
     pa.add_argument("--shrink", action="store_true",
                     help="the same model type with small dimensions (2 layers, 16 per head) and small steps")

@@ -135,7 +135,7 @@ class BackgroundSave:
         inner = engine.checkpoint_engine
         capture = engine.checkpoint_engine = Capture(inner)
         try:
-            engine.save_checkpoint(str(ckpt_dir), tag=self.tag, client_state=checkpoint.client_state(state),
+            engine.save_checkpoint(str(ckpt_dir), tag=self.tag, client_state=checkpoint.client_state(state, engine),
                                    save_latest=False)
         finally:
             engine.checkpoint_engine = inner

@@ -29,6 +29,7 @@ import numpy as np
 
 from ds_train import dist
 from ds_train.config import SAVE_PHASES
+from ds_train.errors import UserError
 from ds_train.fs import fsync_dir, write_atomic
 
 STATE_FILE = "ds_train_state.json"  # the tag-level completeness marker
@@ -239,13 +240,16 @@ def begin(engine, ckpt_dir: Path, step: int, writer: bool, fault: Callable[[str,
     return tag
 
 
-def client_state(state: dict) -> dict:
-    """What DeepSpeed stores beside the engine's own state: ours, and universal_checkpoint_info (no
-    tensor-parallel patterns: plain data parallel), which lets DeepSpeed's ds_to_universal convert
-    the checkpoint as it is."""
+def client_state(state: dict, engine) -> dict:
+    """What DeepSpeed stores beside the engine's own state: ours, and where the engine's module has
+    none (AutoTP attaches its own, with the tensor-parallel patterns ds_to_universal merges shards
+    by), universal_checkpoint_info for plain data parallelism, which lets DeepSpeed's
+    ds_to_universal convert the checkpoint as it is."""
     from deepspeed.checkpoint.constants import (UNIVERSAL_CHECKPOINT_INFO, UNIVERSAL_CHECKPOINT_VERSION_KEY,
                                                 UNIVERSAL_CHECKPOINT_VERSION_VALUE)
 
+    if getattr(engine.module, UNIVERSAL_CHECKPOINT_INFO, None) is not None:
+        return {"ds_train": state}
     return {"ds_train": state,
             UNIVERSAL_CHECKPOINT_INFO: {UNIVERSAL_CHECKPOINT_VERSION_KEY: UNIVERSAL_CHECKPOINT_VERSION_VALUE}}
 
@@ -300,7 +304,7 @@ def save(engine, ckpt_dir: Path, step: int, state: dict, rank: int, world: int, 
 
     writer = rank == 0 if writer is None else writer
     tag = begin(engine, ckpt_dir, step, writer, fault)
-    engine.save_checkpoint(str(ckpt_dir), tag=tag, client_state=client_state(state), save_latest=False)
+    engine.save_checkpoint(str(ckpt_dir), tag=tag, client_state=client_state(state, engine), save_latest=False)
     fault("written", step)
     torch.save(rank_record(rank_state), rank_file(ckpt_dir / tag, rank))
     commit(ckpt_dir, tag, step, state, rank, world, keep, writer, seq, needed_files(engine, ckpt_dir, tag),
@@ -343,3 +347,25 @@ def prune(ckpt_dir: Path, keep: int) -> None:
 
 def universal_dir(tag_dir: Path) -> Path:
     return tag_dir.with_name(tag_dir.name + UNIVERSAL_SUFFIX)
+
+
+def ds_to_universal(tag_dir: Path, out: Path) -> None:
+    """DeepSpeed's ds_to_universal, `tag_dir` into `out`: every parameter whole in its own file
+    (zero/<name>/fp32.pt), the ZeRO partitions and AutoTP shards merged; one line when it fails."""
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", str(tag_dir),
+           "--output_folder", str(out), "--num_extract_workers", "2", "--num_merge_workers", "1"]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        last = (proc.stderr.strip() or proc.stdout.strip() or "no output").splitlines()[-1]
+        raise UserError(f"{tag_dir}: DeepSpeed's ds_to_universal failed: {last}")
+
+
+def universal_state_dict(universal: Path) -> dict:
+    """The whole fp32 weights of a universal checkpoint (what ds_to_universal wrote)."""
+    import torch
+
+    return {p.name: torch.load(p / "fp32.pt", map_location="cpu", weights_only=False)["param"]
+            for p in sorted((universal / "zero").iterdir()) if (p / "fp32.pt").is_file()}

@@ -242,7 +242,8 @@ def cmd_parity(args) -> int:
     overrides = list(args.overrides)
     ds_configs = _items(args.ds_config, "--ds-config", overrides)
     numbers = {}
-    for flag, values in (("--nproc", args.nproc), ("--grad-accum", args.grad_accum), ("--sequence", args.sequence)):
+    for flag, values in (("--nproc", args.nproc), ("--grad-accum", args.grad_accum), ("--sequence", args.sequence),
+                         ("--tensor", args.tensor)):
         items = _items(values, flag, overrides)
         bad = [v for v in items if not v.isdigit() or int(v) <= 0]
         if bad:
@@ -253,7 +254,8 @@ def cmd_parity(args) -> int:
     cfg = load_config(args.config, overrides)
     label = args.config + (f" {' '.join(overrides)}" if overrides else "")
     return parity(cfg, label, ds_configs, numbers["--nproc"] or [2], numbers["--grad-accum"], args.steps, args.shrink,
-                  args.out or "", args.launcher_args, args.loss_tol, args.grad_tol, numbers["--sequence"])
+                  args.out or "", args.launcher_args, args.loss_tol, args.grad_tol, numbers["--sequence"],
+                  numbers["--tensor"])
 
 
 def cmd_parity_worker(args) -> int:

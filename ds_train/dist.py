@@ -410,6 +410,15 @@ def subgroup(groups: list[list[int]], rank: int):
     return mine
 
 
+def tensor_parallel_groups(size: int):
+    """DeepSpeed's data x tensor groups for AutoTP (tensor innermost: runs of `size` consecutive
+    ranks), made once per process; the module DeepSpeed reads them from, to hand in as its `mpu`."""
+    from deepspeed.utils import groups
+
+    groups._init_tp_mesh_device(tensor_model_parallel_size=size)
+    return groups
+
+
 def all_reduce_max(values: list[float]) -> list[float]:
     return _reduce(values, "max")
 

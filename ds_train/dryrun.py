@@ -32,7 +32,7 @@ from ds_train.losses import forward_loss
 from ds_train.memory import GiB, ModelShape, model_shape
 from ds_train.metrics import PEAK_TFLOPS, memory_gib, peak_flops
 from ds_train.model.build import count_params, flops_per_token, lookup_params, resolve_dtype
-from ds_train.parallel import check_built, check_model, check_sequence, plan_dims
+from ds_train.parallel import check_model, check_parallel, plan_dims
 from ds_train.plan import (Target, format_rows, format_suggestions, pick_preset, plan_rows, rank_seq_len, resolved_zero,
                            suggestions)
 from ds_train.rundir import RunPaths
@@ -87,14 +87,14 @@ def run_estimate(cfg: RunConfig, ds_config_path: str, target: Target, preset: st
                dims.derivation())
     shape, hf_config = resolve_shape(cfg)
     check_model(dims, hf_config, cfg.model.attn_implementation, cfg.train.seq_len)
-    check_built(dims)
-    check_sequence(cfg, template)
+    check_parallel(cfg, template)
     dtype = _dtype(cfg, on_gpu=True)
     zero = resolved_zero(template, shape)
     rows = plan_rows(shape, cfg, zero, target, dtype)
     out = {"target": {"nodes": target.nodes, "gpus_per_node": target.gpus_per_node, "world": target.world,
                       "gpu_memory_gib": target.gpu_memory_gib, "parallel": dims.record()},
-           "model": {"params": shape.n_params, "layers": shape.n_layers, "hidden": shape.hidden},
+           "model": {"params": shape.n_params, "layers": shape.n_layers, "hidden": shape.hidden,
+                     "rank_params": round(shape.rank_params(dims.tensor))},
            "dtype": dtype, "rows": rows, "seq_len": cfg.train.seq_len, "rank_seq_len": rank_seq_len(cfg)}
     given = next(r for r in rows if r["given"])
     if not given["fits"]:
@@ -113,6 +113,10 @@ def format_estimate(out: dict, target: Target) -> str:
         lines.insert(1, f"parallel: data {par['data']} x sequence {par['sequence']} x tensor {par['tensor']}; each "
                         f"rank holds {out['rank_seq_len']:,} of the {out['seq_len']:,} positions of a sequence "
                         f"(activations); ZeRO partitions over data x sequence = {par['data'] * par['sequence']} ranks")
+    if par["tensor"] > 1:
+        lines.insert(1, f"parallel: data {par['data']} x sequence {par['sequence']} x tensor {par['tensor']}; AutoTP "
+                        f"splits the layers: each rank holds {m['rank_params'] / 1e6:,.2f}M of the "
+                        f"{m['params'] / 1e6:,.2f}M parameters, ZeRO partitions them over the {par['data']} data ranks")
     if out.get("suggestions"):
         lines.append("does not fit; changes ranked by cost, with the predicted per-GPU peak:")
         lines += format_suggestions(out["suggestions"])
@@ -131,15 +135,16 @@ def dry_run(cfg: RunConfig, ds_config_path: str, target: Target, steps: int = 3,
     dims = plan_dims(cfg.parallel, target.world)
     plan = plan_batch(cfg.train.global_batch_size, cfg.train.micro_batch_size, dims.data, cfg.train.seq_len,
                       dims.derivation())
-    sp = dims.sequence
+    sp, tp = dims.sequence, dims.tensor
     work = tempfile.mkdtemp(prefix="ds_train_dry_run_")
     try:
         # One rank's work (micro x accumulation sequences per step) on this one device, in a
         # scratch run directory; the LR schedule is the target's. Under sequence parallelism a rank
         # holds seq_len / sp positions of each sequence: run that many, with every head (the same
         # activations as the rank's heads / sp over the whole sequence; the attention's extra
-        # compute is projected below).
-        local = replace(cfg, output_dir=work, parallel=replace(cfg.parallel, sequence=1),
+        # compute is projected below). Under AutoTP a rank multiplies its share of the split layers:
+        # the whole model runs here, and the step time is scaled by that share.
+        local = replace(cfg, output_dir=work, parallel=replace(cfg.parallel, sequence=1, tensor=1),
                         train=replace(cfg.train, global_batch_size=plan.sequences_per_rank, eval_every=0,
                                       seq_len=cfg.train.seq_len // sp),
                         checkpoint=replace(cfg.checkpoint, resume="none", save_final=False, every=0,
@@ -174,6 +179,8 @@ def dry_run(cfg: RunConfig, ds_config_path: str, target: Target, steps: int = 3,
     fpt = flops_per_token(n_params, layers, hidden, cfg.train.seq_len, lookups)
     # The rank's tokens attend over the whole sequence, not over the seq_len / sp measured here.
     step_s = measured_s * fpt / flops_per_token(n_params, layers, hidden, cfg.train.seq_len // sp, lookups)
+    share = estimate_out["model"]["rank_params"] / estimate_out["model"]["params"]
+    step_s *= share if tp > 1 else 1
     tokens_per_s_gpu = tokens_per_rank_step / step_s
     device_name = torch.cuda.get_device_name() if on_gpu else "cpu"
     peak = peak_flops(device_name, cfg.log.peak_tflops) if on_gpu else None
@@ -184,6 +191,11 @@ def dry_run(cfg: RunConfig, ds_config_path: str, target: Target, steps: int = 3,
                      f"with every head ({measured_s:.3f} s a step); the step time is that scaled by the FLOPs of "
                      f"attending over all {cfg.train.seq_len:,} positions (x{step_s / measured_s:.3f}); Ulysses' "
                      f"all-to-all is communication, not included")
+    if tp > 1:
+        notes.append(f"parallel.tensor={tp}: ran the whole model here ({measured_s:.3f} s a step, peak memory "
+                     f"included); a rank holds and multiplies {share:.0%} of its parameters (the layers AutoTP "
+                     f"splits, a {tp}th each), so the step time is scaled by that; AutoTP's all-reduces (two a "
+                     f"layer, each way) are communication, not included; the memory columns are a rank's share")
     return {
         **estimate_out,
         "batch": {"global_batch_size": plan.global_batch_size, "micro_batch_size": plan.micro_batch_size,

@@ -12,6 +12,7 @@ import difflib
 from pathlib import Path
 from typing import Any
 
+from ds_train import dist
 from ds_train.batch import BatchPlan
 from ds_train.config import RunConfig
 from ds_train.errors import UserError
@@ -46,6 +47,10 @@ def _owned(cfg: RunConfig, plan: BatchPlan, dtype: str) -> dict[tuple, tuple[str
         ("gradient_clipping",): ("train.grad_clip", cfg.train.grad_clip),
         ("bf16", "enabled"): (f"model.dtype ({dtype})", dtype == "bf16"),
         ("fp16", "enabled"): (f"model.dtype ({dtype})", dtype == "fp16"),
+        ("tensor_parallel", "autotp_size"): ("parallel.tensor", cfg.parallel.tensor),
+        # The trainer sums the loss over full-vocabulary logits (tiled, token-weighted across ranks);
+        # a vocabulary-parallel head (DeepSpeed's default for a tied one) hands it a shard of them.
+        ("tensor_parallel", "vocab_parallel_lm_head"): ("ds_train's loss (full-vocabulary logits)", False),
     }
 
 
@@ -110,8 +115,10 @@ def _check_sections(ds: dict, source: str) -> None:
     from deepspeed.runtime.precision_config import DeepSpeedBF16Config, DeepSpeedFP16Config
     from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
 
+    from deepspeed.runtime.tensor_parallel.config import TPTrainingConfig
+
     for key, model in (("zero_optimization", DeepSpeedZeroConfig), ("bf16", DeepSpeedBF16Config),
-                       ("fp16", DeepSpeedFP16Config)):
+                       ("fp16", DeepSpeedFP16Config), ("tensor_parallel", TPTrainingConfig)):
         if key not in ds:
             continue
         try:
@@ -135,8 +142,9 @@ def render_ds_config(template: dict, cfg: RunConfig, plan: BatchPlan, *, dtype: 
     ds = copy.deepcopy(template)
     _check_unknown_keys(ds, source)
     for path, (owner, value) in _owned(cfg, plan, dtype).items():
-        if path[0] in ("bf16", "fp16") and path[0] not in ds and not value:
-            continue
+        if path[0] not in ds and (path[0] in ("bf16", "fp16") and not value or path[0] == "tensor_parallel"
+                                  and cfg.parallel.tensor == 1):
+            continue  # a section the run does not use stays out
         _resolve(ds, path, value, owner, source)
     if ds.get("bf16", {}).get("enabled") and ds.get("fp16", {}).get("enabled"):
         raise UserError(f"{source}: bf16 and fp16 are both enabled; set model.dtype instead")
@@ -184,8 +192,14 @@ def zero_stage(ds_config: dict) -> int:
 
 def initialize(model, ds_config: dict, mpu=None):
     """deepspeed.initialize with the optimizer and scheduler the ds_config names (`mpu`: the
-    parallel groups of Ulysses sequence parallelism, ds_train/model/ulysses.py)."""
+    parallel groups of Ulysses sequence parallelism, ds_train/model/ulysses.py). Under AutoTP the
+    groups are DeepSpeed's own (data x tensor, tensor innermost), made first and handed in, so that
+    DeepSpeed checks train_batch_size against the data-parallel size rather than the world."""
     import deepspeed
+
+    tp = int((ds_config.get("tensor_parallel") or {}).get("autotp_size", 0) or 0)
+    if tp > 1 and mpu is None:
+        mpu = dist.tensor_parallel_groups(tp)
 
     params = [p for p in model.parameters() if p.requires_grad]
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=params, config=ds_config, mpu=mpu)

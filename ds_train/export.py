@@ -38,6 +38,7 @@ class ExportSource:
     ckpt_dir: Path  # the directory DeepSpeed saved into (holds `latest` and the tags)
     tag: str
     zero_stage: int
+    tensor: int = 1  # parallel.tensor it was saved with: AutoTP shards to merge
 
     @property
     def tag_dir(self) -> Path:
@@ -95,7 +96,8 @@ def resolve_source(source: str | Path, tag: str | None = None) -> ExportSource:
         source_tag = state.get("source_tag", "the tag it was converted from")
         raise UserError(f"export: {str(ckpt_dir / chosen)!r} is a universal checkpoint (converted from "
                         f"{source_tag} for a resume); export {str(ckpt_dir / source_tag)!r} instead")
-    return ExportSource(ckpt_dir.parent, ckpt_dir, chosen, _zero_stage(state, ckpt_dir / chosen))
+    tensor = int((checkpoint.saved_parallel(state) or {}).get("tensor", 1))
+    return ExportSource(ckpt_dir.parent, ckpt_dir, chosen, _zero_stage(state, ckpt_dir / chosen), tensor)
 
 
 def _zero_stage(state: dict, tag_dir: Path) -> int:
@@ -158,10 +160,21 @@ def locate_model(path: str | Path) -> tuple[Path, Path | None]:
     return hf_dir, src
 
 
-def load_fp32_state_dict(src: ExportSource) -> dict:
-    """The full fp32 weights of one tag: DeepSpeed's master copy for ZeRO 1-3, the module for ZeRO 0."""
+def load_fp32_state_dict(src: ExportSource, scratch: Path) -> dict:
+    """The full fp32 weights of one tag: DeepSpeed's master copy for ZeRO 1-3, the module for ZeRO 0.
+    AutoTP's shards are merged by DeepSpeed's universal conversion (its tensor-parallel patterns say
+    how), written under `scratch` and removed, unless a resume already converted the tag."""
     import torch
 
+    if src.tensor > 1:
+        universal = checkpoint.universal_dir(src.tag_dir)
+        if not checkpoint.is_complete(universal):
+            universal = scratch / src.tag  # ds_to_universal writes latest_universal beside it
+            checkpoint.ds_to_universal(src.tag_dir, universal)
+        try:
+            return checkpoint.universal_state_dict(universal)
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)
     if src.zero_stage == 0:
         path = src.tag_dir / "mp_rank_00_model_states.pt"
         if not path.is_file():
@@ -282,7 +295,7 @@ def export(source: str | Path, out: str | Path, tag: str | None = None, max_shar
     except OSError as e:
         raise UserError(f"{cannot_write} ({e.strerror or e}); choose another --out") from None
     try:
-        model = build_model(hf_dir, load_fp32_state_dict(src), src.tag_dir)
+        model = build_model(hf_dir, load_fp32_state_dict(src, tmp / ".universal"), src.tag_dir)
         try:
             save_weights(model, tmp, max_shard_size)
             save_config(model, tmp)

@@ -25,7 +25,7 @@ from ds_train.errors import UserError
 from ds_train.export import locate_model
 from ds_train.model.build import supports_packing
 from ds_train.model.hfconfig import build_hf_config, with_vocab
-from ds_train.parallel import check_sequence, packs_under_sequence
+from ds_train.parallel import check_parallel, packs_under_sequence
 
 
 @dataclass(frozen=True)
@@ -77,7 +77,7 @@ def check_inputs(cfg: RunConfig, ds_config_path: str, data: bool = True) -> RunI
     check, nothing written in the run directory."""
     template = read_ds_template(ds_config_path)
     check_ds_names(template, str(ds_config_path))
-    check_sequence(cfg, template)
+    check_parallel(cfg, template)
     model_dir, export_from = locate(cfg)
     hf_config = _hf_config(cfg, model_dir, weights=export_from is None)  # a run's weights: in its checkpoint
     if not data:  # the model's own tokenizer

@@ -137,6 +137,44 @@ class ModelShape:
     vocab: int
     largest_layer_params: int  # the biggest module's own parameters (what ZeRO-3 gathers at once)
     heads: int = 0  # attention heads (what Ulysses and AutoTP split); 0: unknown
+    tensor_split: int = 0  # parameters of the modules AutoTP splits across the tensor ranks (tp_plan)
+    kv_heads: int = 0  # key/value heads (AutoTP splits them too); 0: unknown
+
+    def rank_params(self, tensor: int) -> float:
+        """Parameters one rank holds under parallel.tensor (the split modules' share, the rest whole)."""
+        return self.n_params - self.tensor_split * (1 - 1 / tensor)
+
+
+def tp_plan(hf_config) -> dict:
+    """The Hugging Face tensor-parallel plan DeepSpeed's AutoTP shards a model by (the config
+    class's `base_model_tp_plan`, then the causal-LM class's `_tp_plan`, as DeepSpeed merges them):
+    module-name pattern -> style; {} for a model type without one."""
+    plan = dict(getattr(hf_config, "base_model_tp_plan", None) or {})
+    if not plan:
+        return plan
+    try:
+        from transformers import AutoModelForCausalLM
+
+        model_class = AutoModelForCausalLM._model_mapping[type(hf_config)]
+    except (ImportError, KeyError):
+        return plan
+    return {**plan, **(getattr(model_class, "_tp_plan", None) or {})}
+
+
+def tensor_split_params(model, plan: dict) -> int:
+    """Parameters of the modules `plan` splits. A weight tied to one it keeps whole (the embedding
+    an output head shares) stays whole: DeepSpeed keeps a tied head replicated (ds_train turns its
+    vocabulary-parallel head off)."""
+    import re
+
+    patterns = [re.compile(re.escape(k).replace(r"\*", r"[^.]+")) for k in plan]
+    prefix = getattr(model, "base_model_prefix", "model") + "."
+    split = 0
+    for name, p in model.named_parameters():  # a tied weight once, under its first name
+        module = name.rsplit(".", 1)[0]
+        if any(r.fullmatch(module) or r.fullmatch(module.removeprefix(prefix)) for r in patterns):
+            split += p.numel()
+    return split
 
 
 def model_shape(hf_config) -> ModelShape:
@@ -148,13 +186,14 @@ def model_shape(hf_config) -> ModelShape:
         model = AutoModelForCausalLM.from_config(hf_config)
     n_params = sum(p.numel() for p in model.parameters())  # tied weights are counted once
     largest = max(sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules())
+    split = tensor_split_params(model, tp_plan(hf_config))
     hidden = hf_config.hidden_size
     heads = hf_config.num_attention_heads
     kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
     head_dim = getattr(hf_config, "head_dim", None) or hidden // heads
     return ModelShape(n_params, hf_config.num_hidden_layers, hidden,
                       getattr(hf_config, "intermediate_size", 4 * hidden), kv_heads * head_dim,
-                      hf_config.vocab_size, largest, heads)
+                      hf_config.vocab_size, largest, heads, split, kv_heads)
 
 
 @dataclass(frozen=True)
@@ -168,7 +207,8 @@ class Activations:
 
 
 def activation_bytes(shape: ModelShape, micro_batch: int, seq_len: int, dtype: str,
-                     checkpointing: bool, tile_tokens: int = 0, mlp_tile_positions: int = 0) -> Activations:
+                     checkpointing: bool, tile_tokens: int = 0, mlp_tile_positions: int = 0,
+                     tensor: int = 1) -> Activations:
     """Activation memory of one micro-batch for a Llama-style decoder with SDPA attention (no
     s x s score matrix is stored) and ds_train's fp32 loss over the logits.
 
@@ -179,6 +219,9 @@ def activation_bytes(shape: ModelShape, micro_batch: int, seq_len: int, dtype: s
     rotary tables) is kept, and one layer's full set exists again while it is recomputed. The loss
     keeps an fp32 log-softmax over the vocabulary, the final norm and lm_head their inputs; the logits
 and their fp32 copy are transient.
+    Under AutoTP (`tensor` ranks) what the column-split projections produce is split too: Q and
+    rotated Q, the attention output, K/V and the MLP's 4f (3h + 3kv + 4f of the 8h + 3kv + 4f); the
+    block input, the norms and the residual, and the gathered logits, stay whole.
     Checked against the tensors autograd actually saves in tests/test_memory.py.
     """
     p = param_bytes(dtype)
@@ -187,11 +230,11 @@ and their fp32 copy are transient.
     # norm's output); one tile's 4f values exist while it is recomputed (counted as the untiled MLP's
     # are), beside the gradient of its whole input.
     mlp_tiled = bool(mlp_tile_positions) and seq_len > mlp_tile_positions
-    mlp = 0 if mlp_tiled else 4 * shape.intermediate
-    mlp_transient = (micro_batch * mlp_tile_positions * 4 * shape.intermediate + tokens * shape.hidden) * p \
-        if mlp_tiled else 0
-    layer_full = tokens * (p * (8 * shape.hidden + 3 * shape.kv_hidden + mlp)
-                           + (2 * shape.hidden * (4 - p) if p < 4 else 0))
+    mlp = 0 if mlp_tiled else 4 * shape.intermediate / tensor
+    mlp_transient = (micro_batch * mlp_tile_positions * 4 * shape.intermediate / tensor + tokens * shape.hidden) \
+        * p if mlp_tiled else 0
+    split = (3 * shape.hidden + 3 * shape.kv_hidden) / tensor
+    layer_full = tokens * (p * (5 * shape.hidden + split + mlp) + (2 * shape.hidden * (4 - p) if p < 4 else 0))
     # The loss in tiles (train.loss_tile_tokens): only a tile's logits and log-softmax, recomputed
     # in the backward, ever exist.
     loss_tokens = min(tokens, tile_tokens) if tile_tokens and tokens > tile_tokens else tokens
@@ -237,10 +280,13 @@ class Estimate:
 
 
 def estimate(shape: ModelShape, stage: int, dtype: str, world: int, micro_batch: int, seq_len: int,
-             checkpointing: bool, zero: dict, tile_tokens: int = 0, mlp_tile_positions: int = 0) -> Estimate:
+             checkpointing: bool, zero: dict, tile_tokens: int = 0, mlp_tile_positions: int = 0,
+             tensor: int = 1) -> Estimate:
+    """One rank's memory: `world` the ranks ZeRO partitions over, `tensor` the AutoTP size (each
+    rank's model states are its share, ZeRO-partitioned over `world`)."""
     offload_opt = zero.get("offload_optimizer", {}).get("device") in ("cpu", "nvme")
     offload_par = zero.get("offload_param", {}).get("device") in ("cpu", "nvme")
-    return Estimate(stage, model_states(shape.n_params, stage, dtype, world, offload_opt, offload_par),
+    return Estimate(stage, model_states(shape.rank_params(tensor), stage, dtype, world, offload_opt, offload_par),
                     activation_bytes(shape, micro_batch, seq_len, dtype, checkpointing, tile_tokens,
-                                     mlp_tile_positions),
+                                     mlp_tile_positions, tensor),
                     buffer_bytes(zero, stage, dtype, shape))

@@ -15,11 +15,7 @@ from dataclasses import dataclass
 
 from ds_train.config import ParallelConfig, RunConfig
 from ds_train.errors import UserError
-
-# Sizes whose capability has not landed: accepted by the checks (so a layout is validated as a
-# whole), refused after them with this line.
-NOT_BUILT = {"tensor": "AutoTP tensor parallelism"}
-
+from ds_train.memory import tp_plan
 
 @dataclass(frozen=True)
 class ParallelDims:
@@ -136,19 +132,59 @@ def check_window(dims: ParallelDims, hf_config, attn_implementation: str, seq_le
                         f"or parallel.sequence=1")
 
 
+def check_tensor_model(dims: ParallelDims, hf_config) -> None:
+    """A model AutoTP can shard, and what it shards divisible by parallel.tensor (one line naming
+    the model type or the numbers, and the choices). The heads: check_heads."""
+    if dims.tensor == 1:
+        return
+    model_type = getattr(hf_config, "model_type", "?")
+    plan = tp_plan(hf_config)
+    if not plan:
+        raise UserError(f"parallel.tensor={dims.tensor}: model type {model_type!r} has no Hugging Face tensor-parallel "
+                        f"plan, so AutoTP cannot shard it; tensor parallelism trains the model types whose config "
+                        f"has one (llama, mistral, qwen2, qwen3, gemma, phi3, ...); for this one use "
+                        f"parallel.tensor=1 and ZeRO-3 (ds_configs/zero3.json)")
+    sharded = {"intermediate_size": any(k.endswith(("gate_proj", "up_proj", "fc1", "c_fc")) for k in plan),
+               "vocab_size": "lm_head" in plan or any(v.startswith("embedding") for v in plan.values())}
+    problems = []
+    for key, split in sharded.items():
+        size = getattr(hf_config, key, None)
+        if split and isinstance(size, int) and size % dims.tensor:
+            fits = [d for d in _divisors(size) if d <= 64]
+            problems.append(f"parallel.tensor={dims.tensor} does not divide the model's {key} {size} (AutoTP splits "
+                            f"it); choose {choices(fits)}")
+    if problems:
+        raise UserError("; ".join(problems))
+
+
 def check_model(dims: ParallelDims, hf_config, attn_implementation: str, seq_len: int) -> None:
-    """The model's shape against the layout: the heads each size splits, a sliding window."""
+    """The model's shape against the layout: the heads each size splits, a sliding window, what
+    AutoTP shards."""
     check_heads(dims, hf_config)
     check_window(dims, hf_config, attn_implementation, seq_len)
+    check_tensor_model(dims, hf_config)
 
 
-def check_built(dims: ParallelDims) -> None:
-    """Sizes whose capability has not landed yet: the layout is valid, but it cannot run."""
-    for key, what in NOT_BUILT.items():
-        size = getattr(dims, key)
-        if size > 1:
-            raise UserError(f"parallel.{key}={size}: {what} is not available in this version of ds_train "
-                            f"(the layout itself is valid: {dims.describe()}); set parallel.{key}=1")
+def check_parallel(cfg: RunConfig, template: dict) -> None:
+    """What the model-parallel sizes cannot take, from the run config and the DeepSpeed JSON alone
+    (before anything is written; every problem, one line)."""
+    check_sequence(cfg, template)
+    tp = cfg.parallel.tensor
+    if tp == 1:
+        return
+    zero = template.get("zero_optimization") or {}
+    stage = int(zero.get("stage", 0)) if isinstance(zero, dict) else 0
+    problems = []
+    if stage == 3:
+        problems.append(f"parallel.tensor={tp} with ZeRO-3: ds_train trains AutoTP with ZeRO 0-2 (TP splits each "
+                        f"layer's weights across a tensor group, ZeRO-1/2 the optimizer states across the data ranks); "
+                        f"use ds_configs/zero1.json or zero2.json, or parallel.tensor=1 to shard everything with ZeRO-3")
+    if cfg.parallel.sequence > 1:
+        problems.append(f"parallel.tensor={tp} with parallel.sequence={cfg.parallel.sequence}: DeepSpeed 0.19.8's "
+                        f"AutoTP replaces the Ulysses process groups with its own, so the two do not combine; "
+                        f"choose one")
+    if problems:
+        raise UserError("; ".join(problems))
 
 
 def check_sequence(cfg: RunConfig, template: dict) -> None:

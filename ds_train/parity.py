@@ -35,7 +35,7 @@ from ds_train.engine import read_ds_template, zero_stage
 from ds_train.errors import UserError
 from ds_train.fs import write_atomic
 from ds_train.inputs import check_inputs, locate, model_config
-from ds_train.parallel import check_built, check_sequence, choices
+from ds_train.parallel import check_parallel, choices
 from ds_train.rundir import RunPaths, read_json, read_metrics
 from ds_train.trainer import train_spec
 
@@ -53,11 +53,21 @@ class Layout:
     micro: int
     accum: int
     sequence: int = 1  # parallel.sequence (Ulysses)
+    tensor: int = 1  # parallel.tensor (AutoTP)
 
     @property
     def name(self) -> str:
         sp = f"_sp{self.sequence}" if self.sequence > 1 else ""
-        return f"{Path(self.ds_config).stem}_np{self.nproc}{sp}_accum{self.accum}"
+        tp = f"_tp{self.tensor}" if self.tensor > 1 else ""
+        return f"{Path(self.ds_config).stem}_np{self.nproc}{sp}{tp}_accum{self.accum}"
+
+    def parallel(self, cfg: RunConfig) -> RunConfig:
+        """`cfg` with this layout's model-parallel sizes."""
+        return replace(cfg, parallel=replace(cfg.parallel, sequence=self.sequence, tensor=self.tensor))
+
+    def describe(self) -> str:
+        return "".join(f", {what} parallel {size}" for what, size in (("sequence", self.sequence),
+                                                                       ("tensor", self.tensor)) if size > 1)
 
 
 @dataclass(frozen=True)
@@ -70,16 +80,19 @@ class Job:
 
 
 def layouts(cfg: RunConfig, ds_configs: list[str], nprocs: list[int], accums: list[int],
-            sequences: list[int] | None = None) -> list[Layout]:
-    """Every ds_config x world size x sequence-parallel size that divides it x accumulation, with the
-    micro-batch that keeps the global batch (no --grad-accum: the config's micro-batch)."""
+            sequences: list[int] | None = None, tensors: list[int] | None = None) -> list[Layout]:
+    """Every ds_config x world size x sequence- and tensor-parallel sizes that divide it x
+    accumulation, with the micro-batch that keeps the global batch (no --grad-accum: the config's
+    micro-batch)."""
     g = cfg.train.global_batch_size
     out = []
     sequences = sequences or [cfg.parallel.sequence]
-    for n, sp in ((n, sp) for n in nprocs for sp in sequences):
-        if n % sp and len(sequences) > 1:
-            continue  # a size of the list that does not divide this world size: another world size takes it
-        cfg_sp = replace(cfg, parallel=replace(cfg.parallel, sequence=sp))
+    tensors = tensors or [cfg.parallel.tensor]
+    several = len(sequences) > 1 or len(tensors) > 1
+    for n, sp, tp in ((n, sp, tp) for n in nprocs for sp in sequences for tp in tensors):
+        if n % (sp * tp) and several:
+            continue  # sizes of the lists that do not divide this world size: another world size takes them
+        cfg_sp = replace(cfg, parallel=replace(cfg.parallel, sequence=sp, tensor=tp))
         dp = train_spec(cfg_sp).check(cfg_sp, n)[0].data  # the layout's data-parallel size (refused: one line)
         for accum in accums or [0]:
             micro = cfg.train.micro_batch_size if not accum else g // (accum * dp)
@@ -90,7 +103,7 @@ def layouts(cfg: RunConfig, ds_configs: list[str], nprocs: list[int], accums: li
                                 f"{choices(fits) if fits else 'another global batch size'}")
             run = replace(cfg_sp, train=replace(cfg.train, micro_batch_size=micro))
             plan = train_spec(run).check(run, n)[1]  # the batch math at this world size, or one line
-            out += [Layout(str(d), n, micro, plan.grad_accum_steps, sp) for d in ds_configs]
+            out += [Layout(str(d), n, micro, plan.grad_accum_steps, sp, tp) for d in ds_configs]
     return out
 
 
@@ -174,13 +187,14 @@ def shrink_model(hf, heads_multiple: int = 1) -> tuple[dict, str]:
     return d, said
 
 
-def shrink(cfg: RunConfig) -> tuple[RunConfig, list[str]]:
+def shrink(cfg: RunConfig, heads_multiple: int = 1) -> tuple[RunConfig, list[str]]:
     """cfg with its model shrunk (model.config; the tokenizer stays the model's) and each step held
     to about SHRUNK_TOKENS_PER_STEP tokens (seq_len at most 256; the global batch divided by a
-    factor of every micro-batch, so every accumulation and data-parallel size stays as it is)."""
+    factor of every micro-batch, so every accumulation and data-parallel size stays as it is);
+    `heads_multiple`: what the layouts split the heads by."""
     model_dir, _ = locate(cfg)
     hf = model_config(cfg)
-    model, said = shrink_model(hf, cfg.parallel.sequence * cfg.parallel.tensor)
+    model, said = shrink_model(hf, heads_multiple)
     notes = [f"--shrink: {said}"]
     raw = cfg.to_dict()
     raw["model"] |= {"path": "", "config": model}
@@ -202,12 +216,14 @@ def shrink(cfg: RunConfig) -> tuple[RunConfig, list[str]]:
 
 # --- launches --------------------------------------------------------------------------------------
 
-def launch(jobs: list[Job], nproc: int, out: Path, launcher_args: list[str], local: bool) -> tuple[int, Path]:
+def launch(jobs: list[Job], nproc: int, out: Path, launcher_args: list[str], local: bool,
+           name: str = "") -> tuple[int, Path]:
     """Run `jobs` in one process group of `nproc` ranks (the deepspeed launcher; one local process
-    for the reference's group); returns its exit code and its log."""
-    plan = out / f"launch_np{nproc}.json"
+    for the reference's group); returns its exit code and its log (launch_<name>.log)."""
+    name = name or f"np{nproc}"
+    plan = out / f"launch_{name}.json"
     write_atomic(plan, json.dumps({"jobs": [job.__dict__ for job in jobs]}, indent=1))
-    log = out / f"launch_np{nproc}.log"
+    log = out / f"launch_{name}.log"
     if local:
         cmd = [sys.executable, "-m", "ds_train", "parity-worker", str(plan)]
     else:
@@ -294,19 +310,20 @@ def _launch_failed(code: int, log: Path) -> None:
 
 def parity(cfg: RunConfig, label: str, ds_configs: list[str], nprocs: list[int], accums: list[int], steps: int,
            shrink_it: bool, out: str, launcher_args: str, loss_tol: float | None, grad_tol: float | None,
-           sequences: list[int] | None = None) -> int:
+           sequences: list[int] | None = None, tensors: list[int] | None = None) -> int:
     """Every layout against the reference, printed as it goes; 0 when every one is within tolerance."""
     templates = {d: read_ds_template(d) for d in ds_configs}
     if steps <= 0 or min(nprocs) <= 0:
         raise UserError(f"parity: --steps {steps} and --nproc {' '.join(map(str, nprocs))} must be positive")
     notes = []
     if shrink_it:
-        cfg, notes = shrink(cfg)
-    lays = layouts(cfg, ds_configs, sorted(set(nprocs)), sorted(set(accums)), sorted(set(sequences or [])))
+        sizes = [s * t for s in sequences or [cfg.parallel.sequence] for t in tensors or [cfg.parallel.tensor]]
+        cfg, notes = shrink(cfg, math.lcm(*sizes))
+    lays = layouts(cfg, ds_configs, sorted(set(nprocs)), sorted(set(accums)), sorted(set(sequences or [])),
+                   sorted(set(tensors or [])))
     for lay in lays:
-        lay_cfg = replace(cfg, parallel=replace(cfg.parallel, sequence=lay.sequence))
-        check_built(train_spec(lay_cfg).check(lay_cfg, lay.nproc)[0])
-        check_sequence(lay_cfg, templates[lay.ds_config])
+        lay_cfg = lay.parallel(cfg)
+        check_parallel(lay_cfg, templates[lay.ds_config])
     out_dir = Path(out) if out else Path(tempfile.mkdtemp(prefix="ds_train_parity_"))
     _check_out(out_dir)
     code = _parity(cfg, label, lays, templates, steps, notes, out_dir, shlex.split(launcher_args),
@@ -359,14 +376,17 @@ def _parity(cfg: RunConfig, label: str, lays: list[Layout], templates: dict, ste
     if dropout(ref_inputs.source.hf_config):
         print(f"note: the model's dropout ({dropout(ref_inputs.source.hf_config)}) draws other masks in each "
               f"layout, so the runs differ by more than rounding; --shrink builds it without dropout")
-    groups: dict[int, list[Job]] = {1: [Job(REFERENCE, ref_cfg.to_dict(), ref_ds)]}
+    # One launch per world size, and per AutoTP size: DeepSpeed makes its tensor groups once a process.
+    groups: dict[tuple[int, int], list[Job]] = {(1, 1): [Job(REFERENCE, ref_cfg.to_dict(), ref_ds)]}
     for lay in lays:
-        job = _job(cfg, lay.name, out, steps, lay.micro, lay.accum, **{"parallel.sequence": lay.sequence})
-        groups.setdefault(lay.nproc, []).append(Job(lay.name, job, lay.ds_config))
-    for n, jobs in sorted(groups.items()):
-        print(f"parity: {len(jobs)} run(s) in one launch of {n} process(es) (log: {out / f'launch_np{n}.log'})",
+        job = _job(cfg, lay.name, out, steps, lay.micro, lay.accum,
+                   **{"parallel.sequence": lay.sequence, "parallel.tensor": lay.tensor})
+        groups.setdefault((lay.nproc, lay.tensor), []).append(Job(lay.name, job, lay.ds_config))
+    for (n, tp), jobs in sorted(groups.items()):
+        name = f"np{n}" + (f"_tp{tp}" if tp > 1 else "")
+        print(f"parity: {len(jobs)} run(s) in one launch of {n} process(es) (log: {out / f'launch_{name}.log'})",
               flush=True)
-        code, log = launch(jobs, n, out, launcher_args, local=n == 1)
+        code, log = launch(jobs, n, out, launcher_args, local=n == 1, name=name)
         if code:
             _launch_failed(code, log)
     reference = series(out / REFERENCE)
@@ -377,8 +397,7 @@ def _parity(cfg: RunConfig, label: str, lays: list[Layout], templates: dict, ste
         stage = zero_stage(read_json(paths.ds_config) or {})
         tol = TOLERANCES.get(dtype, TOLERANCES["fp32"])
         tol = (tol[0] if loss_tol is None else loss_tol, tol[1] if grad_tol is None else grad_tol)
-        sp = f", sequence parallel {lay.sequence}" if lay.sequence > 1 else ""
-        print(f"\n{lay.name}: ZeRO-{stage}, {dtype}, {lay.nproc} process(es){sp}, micro {lay.micro} x accum "
+        print(f"\n{lay.name}: ZeRO-{stage}, {dtype}, {lay.nproc} process(es){lay.describe()}, micro {lay.micro} x accum "
               f"{lay.accum} ({lay.ds_config})")
         lines, ok = compare(series(out / lay.name), reference, *tol)
         print("\n".join(lines))

@@ -28,10 +28,16 @@ class Target:
         return self.nodes * self.gpus_per_node
 
 
-def tiles(cfg: RunConfig) -> tuple[int, int]:
+def tiles(cfg: RunConfig) -> tuple[int, int, int]:
     """The loss's and the MLP's tile sizes in tokens (train.loss_tile_tokens in tokens,
-    train.mlp_tile_positions in positions of a sequence)."""
-    return cfg.train.loss_tile_tokens, cfg.train.mlp_tile_positions
+    train.mlp_tile_positions in positions of a sequence), and the AutoTP size that splits the
+    layers (estimate's last arguments)."""
+    return cfg.train.loss_tile_tokens, cfg.train.mlp_tile_positions, cfg.parallel.tensor
+
+
+def stages(cfg: RunConfig) -> range:
+    """The ZeRO stages the run may use: 0-3, or 0-2 under AutoTP (parallel.check_parallel)."""
+    return range(3 if cfg.parallel.tensor > 1 else 4)
 
 
 def plan_rows(shape: ModelShape, cfg: RunConfig, zero: dict, target: Target, dtype: str) -> list[dict]:
@@ -40,7 +46,7 @@ def plan_rows(shape: ModelShape, cfg: RunConfig, zero: dict, target: Target, dty
     rows = []
     given = int(zero.get("stage", 0))
     ranks, seq = zero_ranks(cfg, target), rank_seq_len(cfg)
-    for stage in range(4):
+    for stage in stages(cfg):
         z = zero if stage == given else stage_zero(f"zero{stage}", shape)
         for ckpt in (cfg.model.activation_checkpointing, not cfg.model.activation_checkpointing):
             est = estimate(shape, stage, dtype, ranks, cfg.train.micro_batch_size, seq, ckpt, z,
@@ -123,7 +129,7 @@ def suggestions(shape: ModelShape, cfg: RunConfig, zero: dict, target: Target, d
     def add(change: str, **kw):
         est = estimate(shape, kw.get("stage", stage), dtype, kw.get("ranks", zero_ranks(cfg, target)),
                        kw.get("micro", micro), kw.get("seq", seq) // kw.get("sp", sp), kw.get("ckpt", ckpt),
-                       kw.get("zero", zero), *tiles(cfg))
+                       kw.get("zero", zero), *tiles(cfg)[:2], kw.get("tp", cfg.parallel.tensor))
         out.append({"change": change, "gpu_peak_gib": est.gpu_peak / GiB,
                     "fits": est.gpu_peak / GiB <= target.gpu_memory_gib})
 
@@ -134,14 +140,21 @@ def suggestions(shape: ModelShape, cfg: RunConfig, zero: dict, target: Target, d
         add(f"train.micro_batch_size={m} (more accumulation, same global batch)", micro=m)
     if not ckpt:
         add("model.activation_checkpointing=true (about a third more compute)", ckpt=True)
-    for s in range(stage + 1, 4):
+    for s in range(stage + 1, stages(cfg).stop):
         add(f"--ds-config ds_configs/{STAGE_FILES[s]}", stage=s, zero=stage_zero(f"zero{s}", shape))
-    add("--ds-config ds_configs/zero3_offload.json optimizer and parameter offload (slower steps)", stage=3,
-        zero=stage_zero("zero3_offload", shape))
+    if cfg.parallel.tensor == 1:
+        add("--ds-config ds_configs/zero3_offload.json optimizer and parameter offload (slower steps)", stage=3,
+            zero=stage_zero("zero3_offload", shape))
     more = 2 * sp  # twice the sequence ranks, out of the data-parallel ones
-    if data % 2 == 0 and seq % more == 0 and shape.heads and shape.heads % more == 0:
+    tp = cfg.parallel.tensor
+    if tp == 1 and data % 2 == 0 and seq % more == 0 and shape.heads and shape.heads % more == 0:
         add(f"parallel.sequence={more} (Ulysses: each rank holds seq_len / {more} positions; the data-parallel "
             f"size halves, to {data // 2})", sp=more)
+    if sp == 1 and data % 2 == 0 and shape.tensor_split and shape.heads % (2 * tp) == shape.kv_heads % (2 * tp) == 0:
+        ranks = zero_ranks(cfg, target) // 2
+        add(f"parallel.tensor={2 * tp} (AutoTP splits each layer across {2 * tp} ranks; the data-parallel size "
+            f"halves, to {data // 2}; ZeRO 0-2)", tp=2 * tp, ranks=ranks, stage=min(stage, 2),
+            zero=zero if stage < 3 else stage_zero("zero2", shape))
     add(f"train.seq_len={seq // 2} (changes what is learned)", seq=seq // 2)
     return out
 
@@ -160,7 +173,7 @@ def pick_preset(shape: ModelShape, cfg: RunConfig, target: Target, dtype: str, p
                         f"data-parallel size {data}")
     micros = sorted(valid_micro_batch_sizes(cfg.train.global_batch_size, data), reverse=True)
     for ckpt in (False, True):
-        for stage in range(4):
+        for stage in stages(cfg):
             z = stage_zero(f"zero{stage}", shape)
             for m in micros:
                 est = estimate(shape, stage, dtype, zero_ranks(cfg, target), m, rank_seq_len(cfg), ckpt, z,

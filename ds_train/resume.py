@@ -14,16 +14,14 @@ from __future__ import annotations
 import json
 import pickle
 import shutil
-import subprocess
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from ds_train import dist
-from ds_train.checkpoint import (STATE_FILE, TAG_RE, UNIVERSAL_SUFFIX, is_complete, latest_complete, manifest_file,
-                                 rank_file, rank_missing, read_latest, read_marker, save_order, saved_parallel,
-                                 set_rng_state, universal_dir)
+from ds_train.checkpoint import (STATE_FILE, TAG_RE, UNIVERSAL_SUFFIX, ds_to_universal, is_complete, latest_complete,
+                                 manifest_file, rank_file, rank_missing, read_latest, read_marker, save_order,
+                                 saved_parallel, set_rng_state, universal_dir)
 from ds_train.config import RunConfig
 from ds_train.errors import UserError
 from ds_train.fs import file_lock, write_atomic
@@ -277,13 +275,7 @@ def convert_to_universal(tag_dir: Path) -> Path:
             return out
         tmp = out.with_name(f".{out.name}.tmp")
         shutil.rmtree(tmp, ignore_errors=True)
-        cmd = [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
-               str(tag_dir), "--output_folder", str(tmp), "--num_extract_workers", "2",
-               "--num_merge_workers", "1"]
-        proc = subprocess.run(cmd, capture_output=True, text=True)
-        if proc.returncode != 0:
-            last = (proc.stderr.strip() or proc.stdout.strip() or "no output").splitlines()[-1]
-            raise UserError(f"{tag_dir}: DeepSpeed's ds_to_universal failed: {last}")
+        ds_to_universal(tag_dir, tmp)
         state = json.loads((tag_dir / STATE_FILE).read_text())
         state |= {"universal": True, "source_tag": tag_dir.name, "source_world_size": state["world_size"],
                   "world_size": 0}  # no per-rank files: a universal checkpoint fits any world size

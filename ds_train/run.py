@@ -50,7 +50,7 @@ from ds_train.metrics import Logger, build_logger, build_progress, peak_flops, r
 from ds_train.model.build import build_model, count_params, flops_per_token, lookup_params, resolve_dtype
 from ds_train.model.tiled_mlp import tiled_mlps
 from ds_train.model.ulysses import register_ulysses, unregister_ulysses
-from ds_train.parallel import ParallelDims, check_built, check_model, plan_dims
+from ds_train.parallel import ParallelDims, check_model, plan_dims
 from ds_train.plan import oom_report
 from ds_train.reports import doctor_hint, is_secondary
 from ds_train.reports import where as rank_where
@@ -267,7 +267,6 @@ def _build_run(inputs: RunInputs, env: dist.DistEnv, spec: RunSpec, stop: StopRe
     check_run_dir(paths)
     dims, plan, total_steps = spec.check(cfg, env.world_size)
     check_model(dims, source.hf_config, cfg.model.attn_implementation, cfg.train.seq_len)
-    check_built(dims)
     accel = get_accelerator()
     on_gpu = accel.device_name() == "cuda"
     dtype = resolve_dtype(cfg.model.dtype, accel.device_name(), accel.is_bf16_supported())
@@ -355,9 +354,12 @@ def _build_run(inputs: RunInputs, env: dist.DistEnv, spec: RunSpec, stop: StopRe
     if built.new_weights:
         say(f"initialised new weights (model.allow_new_weights): {', '.join(built.new_weights)}")
     say(plan.describe(env.world_size))
-    if dims.sequence * dims.tensor > 1:
-        say(f"{dims.describe()}; each rank holds {cfg.train.seq_len // dims.sequence} positions of a sequence"
-            if dims.sequence > 1 else dims.describe())
+    if dims.sequence > 1:
+        say(f"{dims.describe()}; each rank holds {cfg.train.seq_len // dims.sequence} positions of a sequence")
+    if dims.tensor > 1:  # what AutoTP left on this rank (the layers of its plan split, the rest whole)
+        held = sum(p.numel() for p in engine.module.parameters())
+        rank_log.info(f"AutoTP: this rank holds {held:,} of the model's {n_params:,} parameters")
+        say(f"{dims.describe()}; AutoTP splits the layers: rank 0 holds {held:,} of {n_params:,} parameters")
     if tiled or whole:
         say(f"MLP in tiles of {cfg.train.mlp_tile_positions} positions (train.mlp_tile_positions): "
             f"{', '.join(tiled) or 'none'}"

@@ -1,6 +1,8 @@
-"""Run under the deepspeed launcher by tests/test_memory.py: for each ZeRO stage, build the engine
-with ds_train, take one step, then measure what the engine holds at the next step boundary
-(after the last backward, before engine.step) against ds_train.memory.model_states."""
+"""Run under the deepspeed launcher by tests/test_memory.py: for each ZeRO stage, and for ZeRO-1/2
+under AutoTP (parallel.tensor=2), build the engine with ds_train, take one step, then measure what
+the engine holds at the next step boundary (after the last backward, before engine.step) against
+ds_train.memory.model_states: for AutoTP, of the parameters the memory plan predicts a rank holds
+(ModelShape.rank_params, from the model's config), as the estimate and the dry run print it."""
 
 import json
 import sys
@@ -11,39 +13,43 @@ from ds_train.configfile import build_config
 from ds_train.data.datasets import rank_micro_batches
 from ds_train.inputs import check_inputs
 from ds_train.losses import forward_loss
-from ds_train.memory import engine_state_bytes, model_states
+from ds_train.memory import engine_state_bytes, model_shape, model_states
 from ds_train.model.build import count_params
 from ds_train.run import build_run
 from ds_train.trainer import train_spec, train_step
 
 data_dir, out_dir, root = (Path(a) for a in [a for a in sys.argv[1:] if not a.startswith("--")])
 env = dist.detect_env()
-for stage in (0, 1, 2, 3):
-    for dtype in ("fp32", "bf16"):
-        cfg = build_config({
-            "output_dir": str(out_dir / f"z{stage}_{dtype}"), "seed": 1,
-            "model": {"dtype": dtype, "config": {
-                "model_type": "llama", "hidden_size": 128, "intermediate_size": 352,
-                "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-                "max_position_embeddings": 128, "tie_word_embeddings": False}},
-            "data": {"dir": str(data_dir)},
-            "train": {"max_steps": 4, "micro_batch_size": 2, "global_batch_size": 8, "seq_len": 64},
-            "checkpoint": {"save_final": False, "resume": "none"},
-            "log": {"progress": False, "sample_prompt": ""}})
-        inputs = check_inputs(cfg, str(root / "ds_configs" / f"zero{stage}.json"))
-        # keep_group: the next stage's run joins the same process group.
-        with build_run(inputs, env, train_spec(cfg, keep_group=True)) as run:
-            engine, n = run.engine, count_params(run.engine.module)
-            train_step(engine, rank_micro_batches(inputs.data.train, 0, 8, 2, env.rank, env.world_size))
-            for batch in rank_micro_batches(inputs.data.train, 1, 8, 2, env.rank, env.world_size):
-                loss, tokens = forward_loss(engine, batch)
-                engine.backward(loss / tokens)
-                if engine.is_gradient_accumulation_boundary():
-                    measured = engine_state_bytes(engine)
-                engine.step()
-            predicted = model_states(n, stage, dtype, env.world_size).held
-            print("PROBE " + json.dumps({"stage": stage, "dtype": dtype, "rank": env.rank,
-                                         "measured": measured, "predicted": predicted}), flush=True)
-            engine.destroy()
+CASES = [(stage, dtype, 1) for stage in (0, 1, 2, 3) for dtype in ("fp32", "bf16")]
+CASES += [(stage, dtype, 2) for stage in (1, 2) for dtype in ("fp32", "bf16")]
+for stage, dtype, tensor in CASES:
+    cfg = build_config({
+        "output_dir": str(out_dir / f"z{stage}_{dtype}_tp{tensor}"), "seed": 1, "parallel": {"tensor": tensor},
+        "model": {"dtype": dtype, "config": {
+            "model_type": "llama", "hidden_size": 128, "intermediate_size": 352,
+            "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "max_position_embeddings": 128, "tie_word_embeddings": False}},
+        "data": {"dir": str(data_dir)},
+        "train": {"max_steps": 4, "micro_batch_size": 2, "global_batch_size": 8, "seq_len": 64},
+        "checkpoint": {"save_final": False, "resume": "none"},
+        "log": {"progress": False, "sample_prompt": ""}})
+    inputs = check_inputs(cfg, str(root / "ds_configs" / f"zero{stage}.json"))
+    # keep_group: the next stage's run joins the same process group.
+    with build_run(inputs, env, train_spec(cfg, keep_group=True)) as run:
+        engine, n = run.engine, count_params(run.engine.module)
+        data_rank, data = run.dims.data_rank(env.rank), run.dims.data
+        train_step(engine, rank_micro_batches(inputs.data.train, 0, 8, 2, data_rank, data))
+        for batch in rank_micro_batches(inputs.data.train, 1, 8, 2, data_rank, data):
+            loss, tokens = forward_loss(engine, batch)
+            engine.backward(loss / tokens)
+            if engine.is_gradient_accumulation_boundary():
+                measured = engine_state_bytes(engine)
+            engine.step()
+        if tensor > 1:  # the plan's count, not the engine's
+            n = model_shape(inputs.source.hf_config).rank_params(tensor)
+        predicted = model_states(n, stage, dtype, data).held
+        print("PROBE " + json.dumps({"stage": stage, "dtype": dtype, "tensor": tensor, "rank": env.rank,
+                                     "measured": measured, "predicted": predicted}), flush=True)
+        engine.destroy()
 dist.release_shared_memory(env)
 dist.shutdown()

@@ -92,8 +92,8 @@ def test_batch_math_names_the_numbers_and_valid_choices(capsys, run_dir, tiny_da
 def test_a_parallel_layout_that_does_not_fit_is_one_line_naming_the_numbers_and_the_choices(
         capsys, run_dir, tiny_data, tmp_path):
     """The world size (a run of one process), the model's heads (the plan for a target cluster, and
-    `ds-train launch`'s check of a hostfile's world), and a valid layout whose capability has not
-    landed: each one line before anything is written."""
+    `ds-train launch`'s check of a hostfile's world), AutoTP's refusals (ZeRO-3, a model type without a
+    tensor-parallel plan): each one line before anything is written."""
     cfg = write_config(tmp_path / "c.yaml", tiny_config(tiny_data, run_dir))
     expect_error(capsys, run_dir, ["train", "--config", str(cfg), "--ds-config", ZERO0, "parallel.sequence=2"],
                  "parallel.sequence=2 x parallel.tensor=1 = 2 does not divide the world size 1",
@@ -106,10 +106,17 @@ def test_a_parallel_layout_that_does_not_fit_is_one_line_naming_the_numbers_and_
     expect_error(capsys, run_dir, ["launch", "--hostfile", str(hostfile), "--check", "--", "train", "--config",
                                    str(cfg), "--ds-config", ZERO0, "parallel.sequence=3"],
                  "parallel.sequence=3 does not divide the model's 4 attention heads; choose 1, 2 or 4")
-    expect_error(capsys, run_dir, ["estimate", "--config", str(cfg), "--ds-config", ZERO0, "--nodes", "1",
-                                   "--gpus-per-node", "4", "parallel.tensor=2"],
-                 "parallel.tensor=2: AutoTP tensor parallelism is not available",
-                 "parallel: data 2 x sequence 1 x tensor 2 = world 4")
+    expect_error(capsys, run_dir, ["estimate", "--config", str(cfg), "--ds-config", str(ROOT / "ds_configs" / "zero3.json"),
+                                   "--nodes", "1", "--gpus-per-node", "4", "parallel.tensor=2"],
+                 "parallel.tensor=2 with ZeRO-3: ds_train trains AutoTP with ZeRO 0-2")
+    expect_error(capsys, run_dir, ["launch", "--hostfile", str(hostfile), "--check", "--", "train", "--config",
+                                   str(cfg), "--ds-config", ZERO0, "parallel.tensor=3"],
+                 "parallel.tensor=3 does not divide the model's 4 attention heads; choose 1, 2 or 4")
+    gpt2 = write_config(tmp_path / "gpt2.yaml", tiny_config(tiny_data, run_dir, model={
+        "config": {"model_type": "gpt2", "n_embd": 64, "n_layer": 2, "n_head": 4, "n_positions": 128}}))
+    expect_error(capsys, run_dir, ["estimate", "--config", str(gpt2), "--ds-config", ZERO0, "--nodes", "1",
+                                   "--gpus-per-node", "2", "parallel.tensor=2"],
+                 "parallel.tensor=2: model type 'gpt2' has no Hugging Face tensor-parallel plan")
     expect_error(capsys, run_dir, ["train", "--config", str(cfg), "--ds-config", ZERO0, "parallel.sequence=2",
                                    "train.seq_len=63", "model.attn_implementation=eager"],
                  "train.seq_len=63 is not divisible by parallel.sequence=2 (each sequence rank holds seq_len / 2 "

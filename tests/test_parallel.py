@@ -9,7 +9,8 @@ import pytest
 from ds_train.batch import plan_batch
 from ds_train.config import ParallelConfig
 from ds_train.errors import UserError
-from ds_train.parallel import ParallelDims, check_built, check_heads, plan_dims
+from ds_train.memory import tp_plan
+from ds_train.parallel import ParallelDims, check_heads, check_parallel, check_tensor_model, plan_dims
 
 
 class Heads:
@@ -67,14 +68,49 @@ def test_a_layout_that_does_not_divide_the_heads_names_the_numbers_and_the_choic
     check_heads(ParallelDims(4), Heads(3))  # all data-parallel: nothing is split
 
 
-def test_sizes_whose_capability_has_not_landed_are_refused_after_the_layout_checks():
-    check_built(ParallelDims(4))
-    check_built(ParallelDims(2, 2, 1))  # Ulysses sequence parallelism has landed
+def test_autotp_shards_the_model_types_with_a_tensor_parallel_plan_and_what_it_splits_must_divide():
+    """The plan DeepSpeed's AutoTP follows: the config's base_model_tp_plan and the causal-LM class's
+    (lm_head, vocabulary-split then gathered). A model type without one, a size that does not divide
+    what it splits: one line each, naming the numbers and the choices."""
+    from transformers import AutoConfig
+
+    llama = AutoConfig.for_model("llama", num_attention_heads=4, num_key_value_heads=2, hidden_size=64,
+                                 intermediate_size=176, vocab_size=512)
+    plan = tp_plan(llama)
+    assert plan["layers.*.self_attn.q_proj"] == "colwise" and plan["layers.*.mlp.down_proj"] == "rowwise"
+    assert plan["lm_head"] == "colwise_gather_output"
+    for model_type in ("llama", "qwen2", "mistral"):
+        check_tensor_model(ParallelDims(1, 1, 2), AutoConfig.for_model(model_type, intermediate_size=176,
+                                                                       vocab_size=512))
     with pytest.raises(UserError) as e:
-        check_built(ParallelDims(1, 1, 2))
-    assert str(e.value) == ("parallel.tensor=2: AutoTP tensor parallelism is not available in this version of "
-                            "ds_train (the layout itself is valid: parallel: data 1 x sequence 1 x tensor 2 = world "
-                            "2); set parallel.tensor=1")
+        check_tensor_model(ParallelDims(1, 1, 2), AutoConfig.for_model("gpt2"))
+    assert str(e.value).startswith("parallel.tensor=2: model type 'gpt2' has no Hugging Face tensor-parallel plan, "
+                                   "so AutoTP cannot shard it; tensor parallelism trains the model types whose")
+    assert "use parallel.tensor=1 and ZeRO-3" in str(e.value)
+    with pytest.raises(UserError) as e:
+        check_tensor_model(ParallelDims(1, 1, 2), AutoConfig.for_model("llama", intermediate_size=175,
+                                                                       vocab_size=32001))
+    assert str(e.value) == ("parallel.tensor=2 does not divide the model's intermediate_size 175 (AutoTP splits it); "
+                            "choose 1, 5, 7, 25 or 35; parallel.tensor=2 does not divide the model's vocab_size 32001 "
+                            "(AutoTP splits it); choose 1 or 3"), str(e.value)
+    check_tensor_model(ParallelDims(2), AutoConfig.for_model("gpt2"))  # no tensor parallelism: anything goes
+
+
+def test_tensor_parallelism_with_zero3_or_with_sequence_parallelism_is_one_line():
+    def tp(sequence=1):
+        return sp_config(parallel={"sequence": sequence, "tensor": 2})
+
+    check_parallel(tp(), {"zero_optimization": {"stage": 2}})
+    check_parallel(tp(), {"zero_optimization": {"stage": 1}})
+    check_parallel(tp(), {})
+    with pytest.raises(UserError) as e:
+        check_parallel(tp(), {"zero_optimization": {"stage": 3}})
+    assert str(e.value).startswith("parallel.tensor=2 with ZeRO-3: ds_train trains AutoTP with ZeRO 0-2")
+    assert "use ds_configs/zero1.json or zero2.json, or parallel.tensor=1 to shard everything with ZeRO-3" in str(e.value)
+    with pytest.raises(UserError) as e:
+        check_parallel(tp(sequence=2), {"zero_optimization": {"stage": 3}})
+    assert "\n" not in str(e.value) and "; parallel.tensor=2 with parallel.sequence=2: DeepSpeed 0.19.8's AutoTP " \
+        "replaces the Ulysses process groups with its own" in str(e.value)
 
 
 def sp_config(**sections):
