@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import (ROOT, STRAIGHT_STEPS, Result, deepspeed_args, deepspeed_train, ds_train,
-                      expect_error, pids_with, reap, spawn, tiny_config, tree_listing, write_config)
+from conftest import (BIN, ROOT, STRAIGHT_STEPS, Result, deepspeed_args, deepspeed_train, ds_train, expect_error,
+                      free_port, pids_with, reap, run_cmd, spawn, tiny_config, tree_listing, write_config)
 from ds_train import checkpoint, resume
 from ds_train.doctor import diagnose
 
@@ -196,6 +196,72 @@ def test_sigkill_of_rank_0_then_of_rank_1_each_named_and_each_resume_is_exact(ti
     assert sorted(got) == sorted(ref) == list(range(1, 9))  # no duplicated or missing lines
     for step in range(k2 + 1, 9):  # bitwise: same float printed
         assert got[step]["loss"] == ref[step]["loss"], (step, got[step]["loss"], ref[step]["loss"])
+
+
+@pytest.mark.slow
+def test_tensor_parallelism_resumes_exactly_converts_to_one_rank_a_layer_and_exports(tiny_data, tmp_path):
+    """AutoTP (parallel.tensor=2 on 2 processes, ZeRO-2), saving every 2 steps. Rank 1 is killed after
+    step 3; the same command resumes from the newest whole save (its marker records the layout) and
+    finishes with the uninterrupted run's losses, bitwise. A save resumed at parallel.tensor=1 goes
+    through DeepSpeed's universal checkpoint (AutoTP's shards merged) and continues within 1e-5 of
+    the uninterrupted run. The last save exported loads with from_pretrained and gives the TP
+    engine's logits within 1e-5."""
+    def config(run_dir, tensor=2):
+        return write_config(tmp_path / f"{run_dir.name}.yaml", tiny_config(
+            tiny_data, run_dir, parallel={"tensor": tensor}, checkpoint={"every": 2, "keep": 0},
+            watchdog={"stall_s": STALL_S, "heartbeat_s": 0.5}))
+
+    straight = tmp_path / "straight"
+    res = deepspeed_train(config(straight), "zero2.json")
+    assert res.returncode == 0, res.out[-3000:]
+    assert "parallel: data 1 x sequence 1 x tensor 2 = world 2; AutoTP splits the layers: rank 0 holds" in res.out
+    ref = metrics_by_step(straight)
+    run_dir = tmp_path / "killed"
+    args = deepspeed_args(config(run_dir), "zero2.json", "watchdog.debug_fault=slow:0:0.3")  # slower, same numbers
+    kill_rank(spawn(args), run_dir, 1, after=3)
+    first = checkpoint.latest_complete(run_dir / "checkpoints")
+    assert first in ("step_00000002", "step_00000004")
+    assert checkpoint.read_marker(run_dir / "checkpoints" / first)[0]["parallel"] == {"data": 1, "sequence": 1,
+                                                                                       "tensor": 2}
+    res = deepspeed_train(config(run_dir), "zero2.json")
+    assert res.returncode == 0, res.out[-3000:]
+    k = int(first.split("_")[1])
+    assert f"resumed from {run_dir / 'checkpoints' / first} at step {k}" in res.out
+    got = metrics_by_step(run_dir)
+    assert sorted(got) == sorted(ref) == list(range(1, 9))
+    for step in range(k + 1, 9):  # bitwise: the same float printed
+        assert got[step]["loss"] == ref[step]["loss"], (step, got[step]["loss"], ref[step]["loss"])
+
+    one = tmp_path / "tensor1"  # the same 2 ranks, data-parallel now
+    res = deepspeed_train(config(one, tensor=1), "zero2.json",
+                          f"checkpoint.resume={straight / 'checkpoints' / 'step_00000004'}")
+    assert res.returncode == 0, res.out[-3000:]
+    assert ("parallel: data 1 x sequence 1 x tensor 2 = world 2 -> data 2 x sequence 1 x tensor 1 = world 2: loading "
+            "through DeepSpeed's universal checkpoint step_00000004_universal") in res.out
+    after = metrics_by_step(one)
+    assert sorted(after) == list(range(5, 9))
+    assert abs(after[5]["loss"] - ref[5]["loss"]) <= 1e-5 * abs(ref[5]["loss"]), (after[5], ref[5])
+
+    exported = tmp_path / "exported"
+    res = ds_train("export", str(straight), "--out", str(exported), timeout=300)
+    assert res.returncode == 0, res.out[-3000:]
+    assert sorted(p.name for p in exported.iterdir() if p.name.startswith(".")) == []  # no scratch left
+    probe = tmp_path / "engine_logits.pt"
+    res = run_cmd([str(BIN / "deepspeed"), "--num_gpus", "2", "--master_port", str(free_port()),
+                   str(ROOT / "tests" / "tp_logits_probe.py"), str(config(straight)),
+                   str(ROOT / "ds_configs" / "zero2.json"), str(straight / "checkpoints"), "step_00000008",
+                   str(probe)], timeout=300)
+    assert res.returncode == 0, res.out[-3000:]
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    engine = torch.load(probe)
+    model = AutoModelForCausalLM.from_pretrained(exported).eval()
+    with torch.no_grad():
+        logits = model(input_ids=engine["input_ids"]).logits
+    assert logits.shape == engine["logits"].shape
+    scale = engine["logits"].abs().max()
+    assert float((logits - engine["logits"]).abs().max() / scale) <= 1e-5
 
 
 def stop_by(proc, run_dir: Path, after: int, pid, signum: int, within_s: float) -> int:
