@@ -98,6 +98,7 @@ def _row(est: Estimate, ckpt: bool, given: bool, target: Target, micro: int, lab
     return {"config": label, "activation_checkpointing": ckpt, "micro_batch_size": micro,
             "given": given, "params_gib": s.params / GiB, "grads_gib": s.grads / GiB,
             "optimizer_gib": (s.optimizer + s.step_transient) / GiB,
+            "model_states_gib": s.held / GiB,  # what the engine holds between steps (tests/test_memory.py)
             "activations_gib": est.activations.peak / GiB, "buffers_gib": est.buffers / GiB,
             "gpu_peak_gib": est.gpu_peak / GiB, "cpu_gib": est.cpu / GiB,
             "fits": est.gpu_peak / GiB <= target.gpu_memory_gib}

@@ -1,8 +1,8 @@
 """Run under the deepspeed launcher by tests/test_memory.py: for each ZeRO stage, and for ZeRO-1/2
 under AutoTP (parallel.tensor=2), build the engine with ds_train, take one step, then measure what
 the engine holds at the next step boundary (after the last backward, before engine.step) against
-ds_train.memory.model_states: for AutoTP, of the parameters the memory plan predicts a rank holds
-(ModelShape.rank_params, from the model's config), as the estimate and the dry run print it."""
+ds_train.memory.model_states; for AutoTP, against what `ds-train estimate` and `dry-run` report a rank
+holds (run_estimate's row for the run: the model's config, not the engine, says what AutoTP splits)."""
 
 import json
 import sys
@@ -13,7 +13,9 @@ from ds_train.configfile import build_config
 from ds_train.data.datasets import rank_micro_batches
 from ds_train.inputs import check_inputs
 from ds_train.losses import forward_loss
-from ds_train.memory import engine_state_bytes, model_shape, model_states
+from ds_train.dryrun import run_estimate
+from ds_train.memory import GiB, engine_state_bytes, model_states
+from ds_train.plan import Target
 from ds_train.model.build import count_params
 from ds_train.run import build_run
 from ds_train.trainer import train_spec, train_step
@@ -45,9 +47,12 @@ for stage, dtype, tensor in CASES:
             if engine.is_gradient_accumulation_boundary():
                 measured = engine_state_bytes(engine)
             engine.step()
-        if tensor > 1:  # the plan's count, not the engine's
-            n = model_shape(inputs.source.hf_config).rank_params(tensor)
-        predicted = model_states(n, stage, dtype, data).held
+        if tensor > 1:  # what `ds-train estimate` and `dry-run` say a rank holds, from the model's config
+            rows = run_estimate(cfg, str(root / "ds_configs" / f"zero{stage}.json"),
+                                Target(1, env.world_size, 80.0), None)["rows"]
+            predicted = next(r for r in rows if r["given"])["model_states_gib"] * GiB
+        else:
+            predicted = model_states(n, stage, dtype, data).held
         print("PROBE " + json.dumps({"stage": stage, "dtype": dtype, "tensor": tensor, "rank": env.rank,
                                      "measured": measured, "predicted": predicted}), flush=True)
         engine.destroy()
