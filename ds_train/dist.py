@@ -419,6 +419,13 @@ def tensor_parallel_groups(size: int):
     return groups
 
 
+def tensor_parallel_group():
+    """This rank's AutoTP group (tensor_parallel_groups made it)."""
+    from deepspeed.utils import groups
+
+    return groups.get_tensor_model_parallel_group()
+
+
 def all_reduce_max(values: list[float]) -> list[float]:
     return _reduce(values, "max")
 

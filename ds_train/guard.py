@@ -15,6 +15,7 @@ import contextlib
 import math
 from typing import Callable
 
+from ds_train import dist
 from ds_train.errors import NonFiniteStop
 
 
@@ -27,12 +28,20 @@ def grad_norm(engine) -> float:
     """The global L2 norm of the gradients (after backward's all-reduce: the same on every rank),
     accumulated in fp64 as DeepSpeed's ZeRO accumulates its own: torch's fp32 norm on the CPU drifts
     with the size of the tensor (1e-6 relative at 262k elements, 8e-5 at 4M; `ds-train parity`
-    found it as a gradient-norm difference from every ZeRO stage)."""
+    found it as a gradient-norm difference from every ZeRO stage). Under AutoTP a split parameter's
+    shards are summed over the tensor group; one kept whole counts once."""
     import torch
+    from deepspeed.runtime.utils import is_model_parallel_parameter
 
-    norms = [torch.linalg.vector_norm(p.grad.detach(), dtype=torch.float64) for p in engine.module.parameters()
-             if p.grad is not None]
-    return float(torch.linalg.vector_norm(torch.stack(norms))) if norms else 0.0
+    split = engine.autotp_size() > 1
+    squares = [0.0, 0.0]  # whole, split
+    for p in engine.module.parameters():
+        if p.grad is not None:
+            norm = float(torch.linalg.vector_norm(p.grad.detach(), dtype=torch.float64))
+            squares[split and is_model_parallel_parameter(p)] += norm * norm
+    if split:
+        squares[1] = dist.all_reduce_sum([squares[1]], group=dist.tensor_parallel_group())[0]
+    return math.sqrt(squares[0] + squares[1])
 
 
 @contextlib.contextmanager

@@ -175,10 +175,15 @@ def check_parallel(cfg: RunConfig, template: dict) -> None:
     zero = template.get("zero_optimization") or {}
     stage = int(zero.get("stage", 0)) if isinstance(zero, dict) else 0
     problems = []
-    if stage == 3:
-        problems.append(f"parallel.tensor={tp} with ZeRO-3: ds_train trains AutoTP with ZeRO 0-2 (TP splits each "
-                        f"layer's weights across a tensor group, ZeRO-1/2 the optimizer states across the data ranks); "
-                        f"use ds_configs/zero1.json or zero2.json, or parallel.tensor=1 to shard everything with ZeRO-3")
+    why = {3: "TP splits each layer's weights across a tensor group, ZeRO-1/2 the optimizer states across the "
+              "data ranks",
+           0: "ZeRO-0's checkpoints under AutoTP cannot be merged by DeepSpeed's universal conversion (fp32: a plain "
+              "torch optimizer) or saved at all (bf16), so they could neither be exported nor resumed in another "
+              "layout"}
+    if stage in why:
+        instead = ", or parallel.tensor=1 to shard everything with ZeRO-3" if stage == 3 else ""
+        problems.append(f"parallel.tensor={tp} with ZeRO-{stage}: ds_train trains AutoTP with ZeRO-1 or ZeRO-2 "
+                        f"({why[stage]}); use ds_configs/zero1.json or zero2.json{instead}")
     if cfg.parallel.sequence > 1:
         problems.append(f"parallel.tensor={tp} with parallel.sequence={cfg.parallel.sequence}: DeepSpeed 0.19.8's "
                         f"AutoTP replaces the Ulysses process groups with its own, so the two do not combine; "

@@ -36,8 +36,8 @@ def tiles(cfg: RunConfig) -> tuple[int, int, int]:
 
 
 def stages(cfg: RunConfig) -> range:
-    """The ZeRO stages the run may use: 0-3, or 0-2 under AutoTP (parallel.check_parallel)."""
-    return range(3 if cfg.parallel.tensor > 1 else 4)
+    """The ZeRO stages the run may use: 0-3, or 1-2 under AutoTP (parallel.check_parallel)."""
+    return range(1, 3) if cfg.parallel.tensor > 1 else range(4)
 
 
 def plan_rows(shape: ModelShape, cfg: RunConfig, zero: dict, target: Target, dtype: str) -> list[dict]:
@@ -154,8 +154,8 @@ def suggestions(shape: ModelShape, cfg: RunConfig, zero: dict, target: Target, d
     if sp == 1 and data % 2 == 0 and shape.tensor_split and shape.heads % (2 * tp) == shape.kv_heads % (2 * tp) == 0:
         ranks = zero_ranks(cfg, target) // 2
         add(f"parallel.tensor={2 * tp} (AutoTP splits each layer across {2 * tp} ranks; the data-parallel size "
-            f"halves, to {data // 2}; ZeRO 0-2)", tp=2 * tp, ranks=ranks, stage=min(stage, 2),
-            zero=zero if stage < 3 else stage_zero("zero2", shape))
+            f"halves, to {data // 2}; ZeRO-1 or 2)", tp=2 * tp, ranks=ranks, stage=min(max(stage, 1), 2),
+            zero=zero if 0 < stage < 3 else stage_zero("zero2", shape))
     add(f"train.seq_len={seq // 2} (changes what is learned)", seq=seq // 2)
     return out
 

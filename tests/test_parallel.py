@@ -102,11 +102,15 @@ def test_tensor_parallelism_with_zero3_or_with_sequence_parallelism_is_one_line(
 
     check_parallel(tp(), {"zero_optimization": {"stage": 2}})
     check_parallel(tp(), {"zero_optimization": {"stage": 1}})
-    check_parallel(tp(), {})
     with pytest.raises(UserError) as e:
         check_parallel(tp(), {"zero_optimization": {"stage": 3}})
-    assert str(e.value).startswith("parallel.tensor=2 with ZeRO-3: ds_train trains AutoTP with ZeRO 0-2")
+    assert str(e.value).startswith("parallel.tensor=2 with ZeRO-3: ds_train trains AutoTP with ZeRO-1 or ZeRO-2")
     assert "use ds_configs/zero1.json or zero2.json, or parallel.tensor=1 to shard everything with ZeRO-3" in str(e.value)
+    for template in ({}, {"zero_optimization": {"stage": 0}}):  # DeepSpeed's default stage is 0
+        with pytest.raises(UserError) as e:
+            check_parallel(tp(), template)
+        assert str(e.value).startswith("parallel.tensor=2 with ZeRO-0: ds_train trains AutoTP with ZeRO-1 or ZeRO-2 "
+                                       "(ZeRO-0's checkpoints under AutoTP cannot be merged"), str(e.value)
     with pytest.raises(UserError) as e:
         check_parallel(tp(sequence=2), {"zero_optimization": {"stage": 3}})
     assert "\n" not in str(e.value) and "; parallel.tensor=2 with parallel.sequence=2: DeepSpeed 0.19.8's AutoTP " \
