@@ -194,7 +194,7 @@ def dry_run(cfg: RunConfig, ds_config_path: str, target: Target, steps: int = 3,
     if tp > 1:
         notes.append(f"parallel.tensor={tp}: ran the whole model here ({measured_s:.3f} s a step, peak memory "
                      f"included); a rank holds and multiplies {share:.0%} of its parameters (the layers AutoTP "
-                     f"splits, a {tp}th each), so the step time is scaled by that; AutoTP's all-reduces (two a "
+                     f"splits, 1/{tp} of each), so the step time is scaled by that; AutoTP's all-reduces (two a "
                      f"layer, each way) are communication, not included; the memory columns are a rank's share")
     return {
         **estimate_out,
