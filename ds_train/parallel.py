@@ -165,6 +165,12 @@ def check_model(dims: ParallelDims, hf_config, attn_implementation: str, seq_len
     check_tensor_model(dims, hf_config)
 
 
+def _zero(template: dict) -> dict:
+    """The DeepSpeed JSON's zero_optimization section ({} when missing or not a mapping)."""
+    zero = template.get("zero_optimization")
+    return zero if isinstance(zero, dict) else {}
+
+
 def check_parallel(cfg: RunConfig, template: dict) -> None:
     """What the model-parallel sizes cannot take, from the run config and the DeepSpeed JSON alone
     (before anything is written; every problem, one line)."""
@@ -172,8 +178,7 @@ def check_parallel(cfg: RunConfig, template: dict) -> None:
     tp = cfg.parallel.tensor
     if tp == 1:
         return
-    zero = template.get("zero_optimization") or {}
-    stage = int(zero.get("stage", 0)) if isinstance(zero, dict) else 0
+    stage = int(_zero(template).get("stage", 0))
     problems = []
     why = {3: "TP splits each layer's weights across a tensor group, ZeRO-1/2 the optimizer states across the "
               "data ranks",
@@ -195,9 +200,8 @@ def check_parallel(cfg: RunConfig, template: dict) -> None:
 def check_sequence(cfg: RunConfig, template: dict) -> None:
     """What Ulysses sequence parallelism (parallel.sequence) cannot take, found before anything is
     written (every problem, one line); `template`: the DeepSpeed JSON."""
-    zero = template.get("zero_optimization") or {}
-    stage = int(zero.get("stage", 0)) if isinstance(zero, dict) else 0
-    zero = zero if isinstance(zero, dict) else {}
+    zero = _zero(template)
+    stage = int(zero.get("stage", 0))
     sp = cfg.parallel.sequence
     if sp == 1:
         return
