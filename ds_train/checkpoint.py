@@ -192,9 +192,10 @@ def weights_finite(engine) -> bool:
 
 def needed_files(engine, ckpt_dir: Path, tag: str) -> list[str]:
     """The DeepSpeed files this rank reads when it loads the tag at the same world size: its model
-    states (shared by all ranks below ZeRO-3) and its optimizer partition."""
+    states (shared by the data ranks below ZeRO-3) and, under ZeRO 1-3, its optimizer partition
+    (ZeRO-0 keeps the optimizer in the model states, in bf16 too)."""
     names = [Path(engine._get_ckpt_name(str(ckpt_dir), tag)).name]
-    if engine.zero_optimization() or engine.bfloat16_enabled():
+    if engine.zero_optimization():
         names.append(Path(engine._get_zero_ckpt_name(str(ckpt_dir), tag)).name)
     return names
 
@@ -369,3 +370,38 @@ def universal_state_dict(universal: Path) -> dict:
 
     return {p.name: torch.load(p / "fp32.pt", map_location="cpu", weights_only=False)["param"]
             for p in sorted((universal / "zero").iterdir()) if (p / "fp32.pt").is_file()}
+
+
+def tensor_module_state_dict(tag_dir: Path, tensor: int) -> dict:
+    """The whole weights of a ZeRO-0 AutoTP checkpoint (no optimizer partitions, so no ds_to_universal):
+    each tensor rank's mp_rank_XX_model_states.pt holds its shards, put together by the affine map
+    AutoTP saved for every parameter (DeepSpeed's own ParamAffineMap.rebuild). A tied alias keeps its
+    parameter; anything else without a map must be the same on every rank."""
+    import torch
+    from deepspeed.checkpoint.affine import ParamAffineMap
+    from deepspeed.checkpoint.constants import AFFINE_MAP, AFFINE_MAP_PARAMS, UNIVERSAL_CHECKPOINT_INFO
+
+    files = [tag_dir / f"mp_rank_{r:02d}_model_states.pt" for r in range(tensor)]
+    missing = [f.name for f in files if not f.is_file()]
+    if missing:
+        raise UserError(f"{tag_dir}: {', '.join(missing)} not found; a parallel.tensor={tensor} ZeRO-0 checkpoint "
+                        f"has one model-states file per tensor rank")
+    # mmap: the optimizer state in the same files is never read into memory.
+    saved = [torch.load(f, map_location="cpu", mmap=True, weights_only=False) for f in files]
+    maps = ((saved[0].get(UNIVERSAL_CHECKPOINT_INFO) or {}).get(AFFINE_MAP) or {}).get(AFFINE_MAP_PARAMS, {})
+    modules = [s["module"] for s in saved]
+    out, seen = {}, {}
+    for name, first in modules[0].items():
+        ptr = first.untyped_storage().data_ptr()
+        pattern = next((p for p in maps if re.match(p, name)), None)
+        if pattern is not None:
+            out[name] = ParamAffineMap.from_dict(maps[pattern]).rebuild({r: m[name] for r, m in enumerate(modules)})
+        elif ptr in seen:  # a tied weight saved under a second name
+            out[name] = out[seen[ptr]]
+        elif all(m[name].shape == first.shape and torch.equal(m[name], first) for m in modules[1:]):
+            out[name] = first
+        else:
+            raise UserError(f"{tag_dir}: {name!r} differs across the tensor ranks and AutoTP saved no map for it; "
+                            f"this checkpoint cannot be merged (train with ZeRO-1/2 and use ds-train convert)")
+        seen.setdefault(ptr, name)
+    return {k: v.float() if v.is_floating_point() else v for k, v in out.items()}

@@ -163,9 +163,12 @@ def locate_model(path: str | Path) -> tuple[Path, Path | None]:
 def load_fp32_state_dict(src: ExportSource, scratch: Path) -> dict:
     """The full fp32 weights of one tag: DeepSpeed's master copy for ZeRO 1-3, the module for ZeRO 0.
     AutoTP's shards are merged by DeepSpeed's universal conversion (its tensor-parallel patterns say
-    how), written under `scratch` and removed, unless a resume already converted the tag."""
+    how), written under `scratch` and removed, unless a resume already converted the tag; under ZeRO-0
+    (no optimizer partitions to convert) from the module shards by AutoTP's saved maps."""
     import torch
 
+    if src.tensor > 1 and src.zero_stage == 0:
+        return checkpoint.tensor_module_state_dict(src.tag_dir, src.tensor)
     if src.tensor > 1:
         universal = checkpoint.universal_dir(src.tag_dir)
         if not checkpoint.is_complete(universal):

@@ -180,15 +180,17 @@ def check_parallel(cfg: RunConfig, template: dict) -> None:
         return
     stage = int(_zero(template).get("stage", 0))
     problems = []
-    why = {3: "TP splits each layer's weights across a tensor group, ZeRO-1/2 the optimizer states across the "
-              "data ranks",
-           0: "ZeRO-0's checkpoints under AutoTP cannot be merged by DeepSpeed's universal conversion (fp32: a plain "
-              "torch optimizer) or saved at all (bf16), so they could neither be exported nor resumed in another "
-              "layout"}
-    if stage in why:
-        instead = ", or parallel.tensor=1 to shard everything with ZeRO-3" if stage == 3 else ""
-        problems.append(f"parallel.tensor={tp} with ZeRO-{stage}: ds_train trains AutoTP with ZeRO-1 or ZeRO-2 "
-                        f"({why[stage]}); use ds_configs/zero1.json or zero2.json{instead}")
+    if stage == 3:
+        problems.append(f"parallel.tensor={tp} with ZeRO-3: ds_train trains AutoTP with ZeRO 0-2 (TP splits each "
+                        f"layer's weights across a tensor group, ZeRO-1/2 the optimizer states across the data "
+                        f"ranks); use ds_configs/zero1.json or zero2.json, or parallel.tensor=1 to shard everything "
+                        f"with ZeRO-3")
+    if stage == 0 and cfg.model.dtype != "fp32":
+        auto = " (bf16 on a GPU)" if cfg.model.dtype == "auto" else ""
+        problems.append(f"parallel.tensor={tp} with ZeRO-0 and model.dtype={cfg.model.dtype}{auto}: DeepSpeed 0.19.8's "
+                        f"ZeRO-0 bf16/fp16 optimizer measures the gradient norm it clips by from tensor rank 0's "
+                        f"shards alone under AutoTP (it filters gradients by a mark only the parameters carry); "
+                        f"set model.dtype=fp32, or use ds_configs/zero1.json or zero2.json")
     if cfg.parallel.sequence > 1:
         problems.append(f"parallel.tensor={tp} with parallel.sequence={cfg.parallel.sequence}: DeepSpeed 0.19.8's "
                         f"AutoTP replaces the Ulysses process groups with its own, so the two do not combine; "

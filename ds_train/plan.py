@@ -35,9 +35,12 @@ def tiles(cfg: RunConfig) -> tuple[int, int, int]:
     return cfg.train.loss_tile_tokens, cfg.train.mlp_tile_positions, cfg.parallel.tensor
 
 
-def stages(cfg: RunConfig) -> range:
-    """The ZeRO stages the run may use: 0-3, or 1-2 under AutoTP (parallel.check_parallel)."""
-    return range(1, 3) if cfg.parallel.tensor > 1 else range(4)
+def stages(cfg: RunConfig, dtype: str) -> range:
+    """The ZeRO stages the run may use: 0-3; under AutoTP 0-2 in fp32, 1-2 in bf16/fp16
+    (parallel.check_parallel)."""
+    if cfg.parallel.tensor == 1:
+        return range(4)
+    return range(0 if dtype == "fp32" else 1, 3)
 
 
 def plan_rows(shape: ModelShape, cfg: RunConfig, zero: dict, target: Target, dtype: str) -> list[dict]:
@@ -46,7 +49,7 @@ def plan_rows(shape: ModelShape, cfg: RunConfig, zero: dict, target: Target, dty
     rows = []
     given = int(zero.get("stage", 0))
     ranks, seq = zero_ranks(cfg, target), rank_seq_len(cfg)
-    for stage in stages(cfg):
+    for stage in stages(cfg, dtype):
         z = zero if stage == given else stage_zero(f"zero{stage}", shape)
         for ckpt in (cfg.model.activation_checkpointing, not cfg.model.activation_checkpointing):
             est = estimate(shape, stage, dtype, ranks, cfg.train.micro_batch_size, seq, ckpt, z,
@@ -141,7 +144,7 @@ def suggestions(shape: ModelShape, cfg: RunConfig, zero: dict, target: Target, d
         add(f"train.micro_batch_size={m} (more accumulation, same global batch)", micro=m)
     if not ckpt:
         add("model.activation_checkpointing=true (about a third more compute)", ckpt=True)
-    for s in range(stage + 1, stages(cfg).stop):
+    for s in range(stage + 1, stages(cfg, dtype).stop):
         add(f"--ds-config ds_configs/{STAGE_FILES[s]}", stage=s, zero=stage_zero(f"zero{s}", shape))
     if cfg.parallel.tensor == 1:
         add("--ds-config ds_configs/zero3_offload.json optimizer and parameter offload (slower steps)", stage=3,
@@ -174,7 +177,7 @@ def pick_preset(shape: ModelShape, cfg: RunConfig, target: Target, dtype: str, p
                         f"data-parallel size {data}")
     micros = sorted(valid_micro_batch_sizes(cfg.train.global_batch_size, data), reverse=True)
     for ckpt in (False, True):
-        for stage in stages(cfg):
+        for stage in stages(cfg, dtype):
             z = stage_zero(f"zero{stage}", shape)
             for m in micros:
                 est = estimate(shape, stage, dtype, zero_ranks(cfg, target), m, rank_seq_len(cfg), ckpt, z,

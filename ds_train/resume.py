@@ -266,9 +266,10 @@ def convert_to_universal(tag_dir: Path) -> Path:
     if not is_complete(tag_dir):
         raise UserError(f"{tag_dir}: not a complete ds_train checkpoint; cannot convert it")
     state = read_marker(tag_dir)[0]
-    if uses_torch_optimizer(state["zero_stage"], state.get("dtype", "fp32")):
-        raise UserError(f"{tag_dir}: an fp32 ZeRO-0 checkpoint (a plain torch optimizer, replicated) has no "
-                        f"partitions to convert: it resumes at any world size as it is, under fp32 ZeRO-0")
+    if state["zero_stage"] == 0:
+        raise UserError(f"{tag_dir}: a ZeRO-0 checkpoint (its optimizer whole in each model-states file) has no "
+                        f"partitions to convert: it resumes at any data-parallel size as it is, under ZeRO-0 and "
+                        f"model.dtype={state.get('dtype', 'fp32')}")
     out = universal_dir(tag_dir)
     with file_lock(tag_dir.parent / ".convert.lock"):
         if is_complete(out):
@@ -282,11 +283,6 @@ def convert_to_universal(tag_dir: Path) -> Path:
         write_atomic(tmp / STATE_FILE, json.dumps(state, indent=2))
         tmp.rename(out)
     return out
-
-
-def uses_torch_optimizer(stage: int, dtype: str) -> bool:
-    """fp32 ZeRO-0 steps a plain torch optimizer, whose states DeepSpeed cannot re-partition."""
-    return stage == 0 and dtype == "fp32"
 
 
 def check_resume(point: ResumePoint | None, cfg: RunConfig, kind: str, world: int,
@@ -341,8 +337,7 @@ def plan_resume(point: ResumePoint | None, dims: ParallelDims, stage: int, dtype
         return ResumePlan(point, (f"loading universal checkpoint {point.tag}",), universal=True)
     saved_world, saved_stage = point.state["world_size"], point.state["zero_stage"]
     saved_dims = ParallelDims.from_record(saved_parallel(point.state), saved_world)
-    saved_torch = uses_torch_optimizer(saved_stage, point.state.get("dtype", "fp32"))
-    target_torch = uses_torch_optimizer(stage, dtype)
+    saved_dtype = point.state.get("dtype", "fp32")
     if saved_world == dims.world and saved_dims == dims and saved_stage == stage and not force_universal:
         return ResumePlan(point)
     if (saved_world == dims.world and saved_dims.tensor == dims.tensor and saved_stage == stage
@@ -353,12 +348,8 @@ def plan_resume(point: ResumePoint | None, dims: ParallelDims, stage: int, dtype
     change = f"world size {saved_world} -> {dims.world}, ZeRO stage {saved_stage} -> {stage}"
     if saved_dims.world == saved_world and (saved_dims.sequence, saved_dims.tensor) != (dims.sequence, dims.tensor):
         change += f", {saved_dims.describe()} -> {dims.describe().removeprefix('parallel: ')}"
-    if saved_torch and target_torch:  # replicated weights and optimizer: loadable at any world size
-        return ResumePlan(point, (f"{change}: the fp32 ZeRO-0 checkpoint loads as it is",))
-    if saved_torch or target_torch:
-        raise UserError(f"{point.load_dir / point.tag}: {change}: DeepSpeed cannot move optimizer "
-                        f"states between fp32 ZeRO-0 (a plain torch optimizer) and ZeRO-{max(stage, saved_stage)} "
-                        f"or bf16; resume with the stage and dtype it was saved with")
+    if 0 in (saved_stage, stage):  # ZeRO-0: the optimizer whole in each tensor rank's model-states file
+        return _zero0_plan(point, change, saved_dims, dims, (saved_stage, saved_dtype), (stage, dtype))
     if saved_dims.sequence > 1:
         raise UserError(f"{point.load_dir / point.tag}: {change}: a checkpoint saved with parallel.sequence="
                         f"{saved_dims.sequence} cannot go through DeepSpeed's universal checkpoint (ds_to_universal "
@@ -367,6 +358,24 @@ def plan_resume(point: ResumePoint | None, dims: ParallelDims, stage: int, dtype
     name = universal_dir(point.load_dir / point.tag).name
     return ResumePlan(point, (f"{change}: loading through DeepSpeed's universal checkpoint {name}",),
                       universal=True, convert=True)
+
+
+def _zero0_plan(point: ResumePoint, change: str, saved_dims: ParallelDims, dims: ParallelDims,
+                saved: tuple[int, str], target: tuple[int, str]) -> ResumePlan:
+    """ZeRO-0 keeps the optimizer whole (a torch optimizer in fp32, DeepSpeed's unfused one in bf16/fp16)
+    in each tensor rank's model-states file, which DeepSpeed's universal conversion cannot read: such a
+    checkpoint loads as it is at any data-parallel size, with the same stage, dtype and tensor split."""
+    where = point.load_dir / point.tag
+    if saved != target:
+        raise UserError(f"{where}: {change}: DeepSpeed cannot move optimizer states between ZeRO-{saved[0]} "
+                        f"{saved[1]} and ZeRO-{target[0]} {target[1]} (a ZeRO-0 optimizer is not partitioned, so "
+                        f"ds_to_universal cannot read it); resume with ZeRO-{saved[0]} and model.dtype={saved[1]}")
+    if saved_dims.tensor != dims.tensor:
+        raise UserError(f"{where}: {change}: a ZeRO-0 checkpoint saved with parallel.tensor={saved_dims.tensor} holds "
+                        f"each tensor rank's shard of the weights and optimizer in its own file, which DeepSpeed cannot "
+                        f"re-split; resume with parallel.tensor={saved_dims.tensor} (any data-parallel size), or train "
+                        f"with ZeRO-1/2 to change the tensor split later")
+    return ResumePlan(point, (f"{change}: the ZeRO-0 checkpoint loads as it is",))
 
 
 def prepare_resume(plan: ResumePlan) -> ResumePoint | None:

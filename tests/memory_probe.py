@@ -23,7 +23,7 @@ from ds_train.trainer import train_spec, train_step
 data_dir, out_dir, root = (Path(a) for a in [a for a in sys.argv[1:] if not a.startswith("--")])
 env = dist.detect_env()
 CASES = [(stage, dtype, 1) for stage in (0, 1, 2, 3) for dtype in ("fp32", "bf16")]
-CASES += [(stage, dtype, 2) for stage in (1, 2) for dtype in ("fp32", "bf16")]
+CASES += [(0, "fp32", 2)] + [(stage, dtype, 2) for stage in (1, 2) for dtype in ("fp32", "bf16")]
 for stage, dtype, tensor in CASES:
     cfg = build_config({
         "output_dir": str(out_dir / f"z{stage}_{dtype}_tp{tensor}"), "seed": 1, "parallel": {"tensor": tensor},

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from conftest import (BIN, ROOT, STRAIGHT_STEPS, Result, deepspeed_args, deepspeed_train, ds_train, expect_error,
-                      free_port, pids_with, reap, run_cmd, spawn, tiny_config, tree_listing, write_config)
+                      TINY_MODEL, free_port, pids_with, reap, run_cmd, spawn, tiny_config, tree_listing, write_config)
 from ds_train import checkpoint, resume
 from ds_train.doctor import diagnose
 
@@ -245,24 +245,92 @@ def test_tensor_parallelism_resumes_exactly_converts_to_one_rank_a_layer_and_exp
     exported = tmp_path / "exported"
     res = ds_train("export", str(straight), "--out", str(exported), timeout=300)
     assert res.returncode == 0, res.out[-3000:]
-    assert sorted(p.name for p in exported.iterdir() if p.name.startswith(".")) == []  # no scratch left
-    probe = tmp_path / "engine_logits.pt"
+    assert_export_matches(exported, engine_logits(config(straight), "zero2.json", straight / "checkpoints",
+                                                  "step_00000008", tmp_path / "engine_logits.pt"))
+
+
+
+def engine_logits(config: Path, ds_config: str, ckpt_dir: Path, tag: str, out: Path):
+    """tests/tp_logits_probe.py on 2 processes: the AutoTP engine given the tag, its logits on a fixed input."""
+    import torch
+
     res = run_cmd([str(BIN / "deepspeed"), "--num_gpus", "2", "--master_port", str(free_port()),
-                   str(ROOT / "tests" / "tp_logits_probe.py"), str(config(straight)),
-                   str(ROOT / "ds_configs" / "zero2.json"), str(straight / "checkpoints"), "step_00000008",
-                   str(probe)], timeout=300)
+                   str(ROOT / "tests" / "tp_logits_probe.py"), str(config), str(ROOT / "ds_configs" / ds_config),
+                   str(ckpt_dir), tag, str(out)], timeout=300)
     assert res.returncode == 0, res.out[-3000:]
+    return torch.load(out)
+
+
+def assert_export_matches(exported: Path, engine: dict) -> None:
     import torch
     from transformers import AutoModelForCausalLM
 
-    engine = torch.load(probe)
+    assert sorted(p.name for p in exported.iterdir() if p.name.startswith(".")) == []  # no scratch left
     model = AutoModelForCausalLM.from_pretrained(exported).eval()
     with torch.no_grad():
         logits = model(input_ids=engine["input_ids"]).logits
     assert logits.shape == engine["logits"].shape
-    scale = engine["logits"].abs().max()
-    assert float((logits - engine["logits"]).abs().max() / scale) <= 1e-5
+    assert float((logits - engine["logits"]).abs().max() / engine["logits"].abs().max()) <= 1e-5
 
+
+@pytest.mark.slow
+def test_zero0_tensor_parallelism_resumes_at_another_data_size_and_exports(tiny_data, tmp_path):
+    """fp32 ZeRO-0 under AutoTP (parallel.tensor=2): no optimizer partitions, each tensor rank's
+    shard of the weights and optimizer in its own mp_rank file. A save resumes as it is on 4 processes
+    (data 2 x tensor 2) and continues within 1e-5; the last save exports (the shards merged by
+    AutoTP's saved maps) to the TP engine's logits within 1e-5."""
+    def config(run_dir):
+        return write_config(tmp_path / f"{run_dir.name}.yaml", tiny_config(
+            tiny_data, run_dir, parallel={"tensor": 2}, train={"max_steps": 4},
+            checkpoint={"every": 2, "keep": 0}))
+
+    straight = tmp_path / "straight"
+    res = deepspeed_train(config(straight), "zero0.json")
+    assert res.returncode == 0, res.out[-3000:]
+    assert "parallel: data 1 x sequence 1 x tensor 2 = world 2; AutoTP splits the layers" in res.out
+    saved = straight / "checkpoints" / "step_00000002"
+    assert sorted(p.name for p in saved.glob("mp_rank_*")) == ["mp_rank_00_model_states.pt",
+                                                               "mp_rank_01_model_states.pt"]
+    ref = metrics_by_step(straight)
+
+    wider = tmp_path / "wider"
+    res = deepspeed_train(config(wider), "zero0.json", f"checkpoint.resume={saved}", nproc=4)
+    assert res.returncode == 0, res.out[-3000:]
+    assert "world size 2 -> 4, ZeRO stage 0 -> 0: the ZeRO-0 checkpoint loads as it is" in res.out
+    got = metrics_by_step(wider)
+    assert sorted(got) == [3, 4]
+    for step in (3, 4):  # the same weights and optimizer; the gradient now all-reduced over 2 data ranks
+        assert abs(got[step]["loss"] - ref[step]["loss"]) <= 1e-5 * abs(ref[step]["loss"]), (step, got, ref)
+
+    exported = tmp_path / "exported"
+    res = ds_train("export", str(straight), "--out", str(exported), timeout=300)
+    assert res.returncode == 0, res.out[-3000:]
+    assert_export_matches(exported, engine_logits(config(straight), "zero0.json", straight / "checkpoints",
+                                                  "step_00000004", tmp_path / "engine_logits.pt"))
+
+
+@pytest.mark.slow
+def test_bf16_zero0_saves_its_optimizer_in_the_model_states_and_resumes_exactly(tiny_data, tmp_path):
+    """bf16 ZeRO-0 steps DeepSpeed's unfused optimizer, whose state goes in mp_rank_00_model_states.pt
+    (no ZeRO optimizer file): its save completes and a resume continues bitwise (one process each)."""
+    zero0 = str(ROOT / "ds_configs" / "zero0.json")
+
+    def run(run_dir, *overrides):
+        cfg = write_config(tmp_path / f"{run_dir.name}.yaml", tiny_config(
+            tiny_data, run_dir, model={"config": dict(TINY_MODEL), "dtype": "bf16"}, train={"max_steps": 4},
+            checkpoint={"every": 2, "keep": 0}))
+        res = ds_train("train", "--config", str(cfg), "--ds-config", zero0, *overrides, timeout=180)
+        assert res.returncode == 0, res.out[-3000:]
+        return res
+
+    straight = tmp_path / "straight"
+    run(straight)
+    saved = straight / "checkpoints" / "step_00000002"
+    assert checkpoint.is_complete(saved) and not list(saved.glob("*optim_states.pt"))
+    resumed = tmp_path / "resumed"
+    assert f"resumed from {saved} at step 2" in run(resumed, f"checkpoint.resume={saved}").out
+    ref, got = metrics_by_step(straight), metrics_by_step(resumed)
+    assert sorted(got) == [3, 4] and all(got[s]["loss"] == ref[s]["loss"] for s in (3, 4)), (got, ref)
 
 def stop_by(proc, run_dir: Path, after: int, pid, signum: int, within_s: float) -> int:
     """Once the run logged step `after`, send `signum` to `pid()` (a rank, or the launcher alone): every
@@ -388,7 +456,7 @@ def test_changed_config_on_resume_convert_command_and_refused_stage_change(tiny_
 
     res = ds_train("train", "--config", str(cfg), "--ds-config", zero0, "train.max_steps=12")
     assert res.returncode == 2
-    assert "DeepSpeed cannot move optimizer states between fp32 ZeRO-0" in res.out
+    assert "DeepSpeed cannot move optimizer states between ZeRO-2 fp32 and ZeRO-0 fp32" in res.out
 
 
 def single(cfg, *overrides, timeout=180):

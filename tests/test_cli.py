@@ -108,7 +108,7 @@ def test_a_parallel_layout_that_does_not_fit_is_one_line_naming_the_numbers_and_
                  "parallel.sequence=3 does not divide the model's 4 attention heads; choose 1, 2 or 4")
     expect_error(capsys, run_dir, ["estimate", "--config", str(cfg), "--ds-config", str(ROOT / "ds_configs" / "zero3.json"),
                                    "--nodes", "1", "--gpus-per-node", "4", "parallel.tensor=2"],
-                 "parallel.tensor=2 with ZeRO-3: ds_train trains AutoTP with ZeRO-1 or ZeRO-2")
+                 "parallel.tensor=2 with ZeRO-3: ds_train trains AutoTP with ZeRO 0-2")
     expect_error(capsys, run_dir, ["launch", "--hostfile", str(hostfile), "--check", "--", "train", "--config",
                                    str(cfg), "--ds-config", ZERO0, "parallel.tensor=3"],
                  "parallel.tensor=3 does not divide the model's 4 attention heads; choose 1, 2 or 4")

@@ -23,7 +23,7 @@ def test_predicted_model_states_match_what_each_rank_holds(tiny_data, tmp_path):
     probes = [json.loads(m) for m in re.findall(r"PROBE (\{[^}]*\})", res.out)]  # ranks interleave
     assert {(p["stage"], p["dtype"], p["tensor"], p["rank"]) for p in probes} == {
         (s, d, 1, r) for s in range(4) for d in ("fp32", "bf16") for r in range(2)} | {
-        (s, d, 2, r) for s in (1, 2) for d in ("fp32", "bf16") for r in range(2)}
+        (s, d, 2, r) for s in (1, 2) for d in ("fp32", "bf16") for r in range(2)} | {(0, "fp32", 2, r) for r in range(2)}
     for p in probes:
         assert p["predicted"] == pytest.approx(p["measured"], rel=0.05), p
 

@@ -96,21 +96,24 @@ def test_autotp_shards_the_model_types_with_a_tensor_parallel_plan_and_what_it_s
     check_tensor_model(ParallelDims(2), AutoConfig.for_model("gpt2"))  # no tensor parallelism: anything goes
 
 
-def test_tensor_parallelism_with_zero3_or_with_sequence_parallelism_is_one_line():
-    def tp(sequence=1):
-        return sp_config(parallel={"sequence": sequence, "tensor": 2})
+def test_tensor_parallelism_with_zero3_bf16_zero0_or_sequence_parallelism_is_one_line():
+    def tp(sequence=1, dtype="auto"):
+        return sp_config(parallel={"sequence": sequence, "tensor": 2}, model={"dtype": dtype})
 
     check_parallel(tp(), {"zero_optimization": {"stage": 2}})
     check_parallel(tp(), {"zero_optimization": {"stage": 1}})
     with pytest.raises(UserError) as e:
         check_parallel(tp(), {"zero_optimization": {"stage": 3}})
-    assert str(e.value).startswith("parallel.tensor=2 with ZeRO-3: ds_train trains AutoTP with ZeRO-1 or ZeRO-2")
+    assert str(e.value).startswith("parallel.tensor=2 with ZeRO-3: ds_train trains AutoTP with ZeRO 0-2")
     assert "use ds_configs/zero1.json or zero2.json, or parallel.tensor=1 to shard everything with ZeRO-3" in str(e.value)
     for template in ({}, {"zero_optimization": {"stage": 0}}):  # DeepSpeed's default stage is 0
-        with pytest.raises(UserError) as e:
-            check_parallel(tp(), template)
-        assert str(e.value).startswith("parallel.tensor=2 with ZeRO-0: ds_train trains AutoTP with ZeRO-1 or ZeRO-2 "
-                                       "(ZeRO-0's checkpoints under AutoTP cannot be merged"), str(e.value)
+        check_parallel(tp(dtype="fp32"), template)
+        for dtype, shown in (("bf16", "bf16"), ("auto", "auto (bf16 on a GPU)")):
+            with pytest.raises(UserError) as e:
+                check_parallel(tp(dtype=dtype), template)
+            assert str(e.value).startswith(f"parallel.tensor=2 with ZeRO-0 and model.dtype={shown}: DeepSpeed 0.19.8's "
+                                           f"ZeRO-0 bf16/fp16 optimizer measures the gradient norm"), str(e.value)
+            assert str(e.value).endswith("set model.dtype=fp32, or use ds_configs/zero1.json or zero2.json")
     with pytest.raises(UserError) as e:
         check_parallel(tp(sequence=2), {"zero_optimization": {"stage": 3}})
     assert "\n" not in str(e.value) and "; parallel.tensor=2 with parallel.sequence=2: DeepSpeed 0.19.8's AutoTP " \

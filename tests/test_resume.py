@@ -189,9 +189,32 @@ def test_plan_resume_decides_without_writing(tmp_path):
     assert resume.plan_resume(point, ParallelDims(2), 2, "fp32", False) == resume.ResumePlan(point)
     moved = resume.plan_resume(point, ParallelDims(1), 3, "fp32", False)
     assert moved.universal and moved.convert and "world size 2 -> 1, ZeRO stage 2 -> 3" in moved.notes[0]
-    with pytest.raises(UserError, match="fp32 ZeRO-0"):
+    with pytest.raises(UserError, match="between ZeRO-2 fp32 and ZeRO-0 fp32 .* resume with ZeRO-2 and model.dtype=fp32"):
         resume.plan_resume(point, ParallelDims(2), 0, "fp32", False)
     assert list(tmp_path.iterdir()) == []  # deciding wrote nothing; prepare_resume converts
+
+
+def test_a_zero0_checkpoint_loads_as_it_is_at_any_data_size_with_its_dtype_and_tensor_split(tmp_path):
+    """ZeRO-0 keeps the optimizer whole in each tensor rank's model-states file (fp32: torch's, bf16:
+    DeepSpeed's unfused one): no universal conversion reads it, none is needed for another data size."""
+    tp2 = {"world_size": 2, "zero_stage": 0, "dtype": "bf16", "parallel": {"data": 1, "sequence": 1, "tensor": 2}}
+    point = resume.ResumePoint(tmp_path, "step_00000004", tp2)
+    wider = resume.plan_resume(point, ParallelDims(2, 1, 2), 0, "bf16", False)
+    assert not wider.universal and wider.notes == ("world size 2 -> 4, ZeRO stage 0 -> 0: the ZeRO-0 checkpoint "
+                                                   "loads as it is",)
+    with pytest.raises(UserError) as e:
+        resume.plan_resume(point, ParallelDims(2), 0, "bf16", False)
+    assert "a ZeRO-0 checkpoint saved with parallel.tensor=2 holds each tensor rank's shard" in str(e.value)
+    assert str(e.value).endswith("resume with parallel.tensor=2 (any data-parallel size), or train with ZeRO-1/2 to "
+                                 "change the tensor split later")
+    with pytest.raises(UserError, match="between ZeRO-0 bf16 and ZeRO-0 fp32"):
+        resume.plan_resume(point, ParallelDims(2, 1, 2), 0, "fp32", False)
+    with pytest.raises(UserError, match="between ZeRO-0 bf16 and ZeRO-1 bf16"):
+        resume.plan_resume(point, ParallelDims(2, 1, 2), 1, "bf16", False)
+    plain = resume.ResumePoint(tmp_path, "step_00000004", {"world_size": 2, "zero_stage": 0, "dtype": "bf16"})
+    assert resume.plan_resume(plain, ParallelDims(1), 0, "bf16", False).notes == (
+        "world size 2 -> 1, ZeRO stage 0 -> 0: the ZeRO-0 checkpoint loads as it is",)
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_a_checkpoint_resumes_directly_where_zero_partitions_over_the_same_ranks(tmp_path):
