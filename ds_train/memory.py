@@ -222,7 +222,8 @@ and their fp32 copy are transient.
     Under AutoTP (`tensor` ranks) what the column-split projections produce is split too: Q and
     rotated Q, the attention output, K/V and the MLP's 4f (3h + 3kv + 4f of the 8h + 3kv + 4f); the
     block input, the norms and the residual, and the gathered logits, stay whole.
-    Checked against the tensors autograd actually saves in tests/test_memory.py.
+    Checked against the tensors autograd actually saves in tests/test_memory.py (on a tensor rank of
+    an AutoTP engine too, in tests/memory_probe.py).
     """
     p = param_bytes(dtype)
     tokens = micro_batch * seq_len

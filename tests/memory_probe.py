@@ -2,11 +2,14 @@
 under AutoTP (parallel.tensor=2), build the engine with ds_train, take one step, then measure what
 the engine holds at the next step boundary (after the last backward, before engine.step) against
 ds_train.memory.model_states; for AutoTP, against what `ds-train estimate` and `dry-run` report a rank
-holds (run_estimate's row for the run: the model's config, not the engine, says what AutoTP splits)."""
+holds (run_estimate's row for the run: the model's config, not the engine, says what AutoTP splits),
+and the activations autograd saves in one forward on a tensor rank against memory.activation_bytes."""
 
 import json
 import sys
 from pathlib import Path
+
+import torch
 
 from ds_train import dist
 from ds_train.configfile import build_config
@@ -14,7 +17,7 @@ from ds_train.data.datasets import rank_micro_batches
 from ds_train.inputs import check_inputs
 from ds_train.losses import forward_loss
 from ds_train.dryrun import run_estimate
-from ds_train.memory import GiB, engine_state_bytes, model_states
+from ds_train.memory import GiB, activation_bytes, engine_state_bytes, model_shape, model_states
 from ds_train.plan import Target
 from ds_train.model.build import count_params
 from ds_train.run import build_run
@@ -55,6 +58,22 @@ for stage, dtype, tensor in CASES:
             predicted = model_states(n, stage, dtype, data).held
         print("PROBE " + json.dumps({"stage": stage, "dtype": dtype, "tensor": tensor, "rank": env.rank,
                                      "measured": measured, "predicted": predicted}), flush=True)
+        if tensor > 1 and stage == 1:  # activations: the same forward as the single-process test's
+            batch = rank_micro_batches(inputs.data.train, 2, 8, 2, data_rank, data)[0]  # (micro, seq_len + 1)
+            saved = {}
+
+            def pack(t):
+                saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+                return t
+
+            weights = {q.untyped_storage().data_ptr() for q in engine.module.parameters()}
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                forward_loss(engine, batch)  # as the trainer does
+            act = activation_bytes(model_shape(run.engine.module.config), batch.shape[0], batch.shape[1] - 1, dtype,
+                                   False, tensor=tensor).saved
+            print("ACTIVATIONS " + json.dumps({"dtype": dtype, "rank": env.rank, "predicted": act,
+                                               "measured": sum(n for q, n in saved.items() if q not in weights)}),
+                  flush=True)
         engine.destroy()
 dist.release_shared_memory(env)
 dist.shutdown()
