@@ -22,9 +22,8 @@ if ! command -v pdsh >/dev/null || [ ! -x /usr/sbin/sshd ] || ! command -v ssh-k
   fi
 fi
 export PATH="$PWD/.venv/bin:$PATH"
-# DeepSpeed JIT-builds its CPU ops into TORCH_EXTENSIONS_DIR; one per checkout, so two checkouts
-# never rebuild over each other (a process killed mid-build leaves a lock that stalls the next run).
-export TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-$PWD/.venv/torch_extensions}"
+# DeepSpeed JIT-builds its CPU ops once per user and version (scripts/extensions_dir.sh says where).
+export TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-$(bash scripts/extensions_dir.sh)}"
 # The import contract first (pyproject.toml [tool.importlinter]): a wrong import fails in a second.
 lint-imports --no-cache > .venv/lint-imports.log 2>&1 || { cat .venv/lint-imports.log; exit 1; }
 exec python -m pytest -q "$@"

@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# Prints the directory DeepSpeed JIT-builds its CPU ops into (the shared-memory comm op on the first
+# multi-process run, CPU Adam for offload; a few minutes on a 2-core CPU): one per user and per
+# Python / torch / DeepSpeed version, shared by every checkout, so a fresh clone reuses what another
+# built (torch rebuilds an op whose sources or flags changed). torch locks an op's directory while it
+# builds it, so two runs never build over each other; a lock left by a build that was killed would
+# stall every later run, so a lock older than any build here (15 minutes) is removed.
+# Run after scripts/setup.sh (it reads the versions from .venv).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+key=$(.venv/bin/python -c 'import importlib.metadata as m, sys
+v = sys.version_info
+print("py%d.%d-torch%s-deepspeed%s" % (v[0], v[1], m.version("torch"), m.version("deepspeed")))')
+dir="${XDG_CACHE_HOME:-$HOME/.cache}/ds_train/torch_extensions/$key"
+mkdir -p "$dir"
+find "$dir" -mindepth 2 -maxdepth 2 -name lock -mmin +15 -print -delete | sed 's/^/extensions: removed a stale build lock /' >&2
+echo "$dir"

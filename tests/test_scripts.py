@@ -1,0 +1,35 @@
+"""scripts/extensions_dir.sh: where test.sh and quickstart.sh let DeepSpeed JIT-build its CPU ops."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import subprocess
+import sys
+import time
+
+from conftest import ROOT
+
+
+def test_the_extensions_dir_is_per_version_shared_and_a_stale_build_lock_goes(tmp_path):
+    def run():
+        env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path)}
+        return subprocess.run(["bash", str(ROOT / "scripts" / "extensions_dir.sh")], capture_output=True, text=True,
+                              env=env, timeout=60)
+
+    res = run()
+    assert res.returncode == 0, res.stderr
+    key = (f"py{sys.version_info[0]}.{sys.version_info[1]}-torch{importlib.metadata.version('torch')}"
+           f"-deepspeed{importlib.metadata.version('deepspeed')}")
+    out = tmp_path / "ds_train" / "torch_extensions" / key
+    assert res.stdout == f"{out}\n" and out.is_dir() and res.stderr == ""
+    stale, building = out / "cpu_adam" / "lock", out / "deepspeed_shm_comm" / "lock"
+    for lock in (stale, building):
+        lock.parent.mkdir()
+        lock.touch()
+    old = time.time() - 16 * 60  # a build here takes minutes; a lock this old was left by a killed one
+    os.utime(stale, (old, old))
+    res = run()
+    assert res.returncode == 0 and res.stdout == f"{out}\n", res.stderr
+    assert not stale.exists() and building.exists()  # a build under way keeps its lock
+    assert res.stderr == f"extensions: removed a stale build lock {stale}\n"
