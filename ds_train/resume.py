@@ -267,9 +267,11 @@ def convert_to_universal(tag_dir: Path) -> Path:
         raise UserError(f"{tag_dir}: not a complete ds_train checkpoint; cannot convert it")
     state = read_marker(tag_dir)[0]
     if state["zero_stage"] == 0:
+        tensor = saved_parallel(state).get("tensor", 1)
         raise UserError(f"{tag_dir}: a ZeRO-0 checkpoint (its optimizer whole in each model-states file) has no "
                         f"partitions to convert: it resumes at any data-parallel size as it is, under ZeRO-0 and "
-                        f"model.dtype={state.get('dtype', 'fp32')}")
+                        f"model.dtype={state.get('dtype', 'fp32')}" + (f" with parallel.tensor={tensor}" if tensor > 1
+                                                                      else ""))
     out = universal_dir(tag_dir)
     with file_lock(tag_dir.parent / ".convert.lock"):
         if is_complete(out):

@@ -302,6 +302,12 @@ def test_zero0_tensor_parallelism_resumes_at_another_data_size_and_exports(tiny_
     for step in (3, 4):  # the same weights and optimizer; the gradient now all-reduced over 2 data ranks
         assert abs(got[step]["loss"] - ref[step]["loss"]) <= 1e-5 * abs(ref[step]["loss"]), (step, got, ref)
 
+    res = ds_train("convert", "--to", "universal", str(straight))
+    assert res.returncode == 2 and res.out.strip().splitlines()[-1] == (
+        f"ds-train: error: {straight / 'checkpoints' / 'step_00000004'}: a ZeRO-0 checkpoint (its optimizer whole in "
+        f"each model-states file) has no partitions to convert: it resumes at any data-parallel size as it is, under "
+        f"ZeRO-0 and model.dtype=fp32 with parallel.tensor=2"), res.out[-2000:]
+
     exported = tmp_path / "exported"
     res = ds_train("export", str(straight), "--out", str(exported), timeout=300)
     assert res.returncode == 0, res.out[-3000:]
