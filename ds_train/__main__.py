@@ -159,6 +159,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_checkpoint_source(e, "export")
     e.add_argument("--out", required=True, help="output directory (must not exist or be empty)")
     e.add_argument("--max-shard-size", default="5GB", help="safetensors shard size (default 5GB)")
+    e.add_argument("--merge", action="store_true",
+                   help="LoRA runs: merge the adapters into the base and write one model (default: the peft "
+                        "adapter directory)")
 
     es = _command(sub, "estimate", cmd.cmd_estimate)
     _add_plan_args(es)

@@ -135,8 +135,7 @@ class BackgroundSave:
         inner = engine.checkpoint_engine
         capture = engine.checkpoint_engine = Capture(inner)
         try:
-            engine.save_checkpoint(str(ckpt_dir), tag=self.tag, client_state=checkpoint.client_state(state, engine),
-                                   save_latest=False)
+            checkpoint.save_engine(engine, ckpt_dir, self.tag, state)
         finally:
             engine.checkpoint_engine = inner
         files = [*capture.files, (str(checkpoint.rank_file(ckpt_dir / self.tag, rank)),

@@ -190,6 +190,17 @@ def weights_finite(engine) -> bool:
     return dist.all_reduce_max([bad])[0] == 0.0
 
 
+def has_frozen(engine) -> bool:
+    """A frozen base (LoRA): its weights are left out of the checkpoint (they come from model.path or
+    model.config and the seed, recorded by fingerprint), and loading puts back the trained rest."""
+    return any(not p.requires_grad for p in engine.module.parameters())
+
+
+def save_engine(engine, ckpt_dir: Path, tag: str, state: dict) -> None:
+    engine.save_checkpoint(str(ckpt_dir), tag=tag, client_state=client_state(state, engine), save_latest=False,
+                           exclude_frozen_parameters=has_frozen(engine))
+
+
 def needed_files(engine, ckpt_dir: Path, tag: str) -> list[str]:
     """The DeepSpeed files this rank reads when it loads the tag at the same world size: its model
     states (shared by the data ranks below ZeRO-3) and, under ZeRO 1-3, its optimizer partition
@@ -305,7 +316,7 @@ def save(engine, ckpt_dir: Path, step: int, state: dict, rank: int, world: int, 
 
     writer = rank == 0 if writer is None else writer
     tag = begin(engine, ckpt_dir, step, writer, fault)
-    engine.save_checkpoint(str(ckpt_dir), tag=tag, client_state=client_state(state, engine), save_latest=False)
+    save_engine(engine, ckpt_dir, tag, state)
     fault("written", step)
     torch.save(rank_record(rank_state), rank_file(ckpt_dir / tag, rank))
     commit(ckpt_dir, tag, step, state, rank, world, keep, writer, seq, needed_files(engine, ckpt_dir, tag),

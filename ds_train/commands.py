@@ -119,13 +119,24 @@ def cmd_export(args) -> int:
     """write a Hugging Face model directory from a checkpoint
 
     Export a checkpoint (ZeRO 0-3) as config.json, model.safetensors (sharded when large),
-    generation_config.json and the tokenizer."""
+    generation_config.json and the tokenizer. A LoRA run (model.lora) exports its adapters as a peft
+    directory (adapter_config.json, adapter_model.safetensors) on its base, or with --merge one model
+    with the adapters merged in."""
     from ds_train.export import export, resolve_source
+    from ds_train.lora_export import export_lora, run_lora
 
-    tag = resolve_source(args.source, args.tag).tag
-    out = export(args.source, args.out, args.tag, args.max_shard_size)
-    print(f"wrote {out} from {tag}: a Hugging Face model directory "
-          f"(AutoModelForCausalLM.from_pretrained({str(out)!r}))")
+    src = resolve_source(args.source, args.tag)
+    lora = run_lora(src)[0]
+    if lora is None and not args.merge:
+        out = export(args.source, args.out, args.tag, args.max_shard_size)
+    else:
+        out = export_lora(args.source, args.out, args.tag, args.merge, args.max_shard_size)
+    if lora is not None and not args.merge:
+        print(f"wrote {out} from {src.tag}: a peft LoRA adapter (PeftModel.from_pretrained(base, {str(out)!r}); "
+              f"--merge writes one merged model)")
+    else:
+        print(f"wrote {out} from {src.tag}: a Hugging Face model directory "
+              f"(AutoModelForCausalLM.from_pretrained({str(out)!r}))")
     return 0
 
 

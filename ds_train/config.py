@@ -47,6 +47,35 @@ class Section:
 
 
 @dataclass(frozen=True)
+class LoraConfig(Section):
+    """LoRA (peft): low-rank adapters on the model's linear layers; only they (and modules_to_save)
+    train, the base stays frozen. model.lora.rank > 0 turns it on."""
+
+    rank: int = _f(0, "Adapter rank r. 0: off (every weight trains).", NON_NEGATIVE)
+    alpha: float = _f(16.0, "Scaling numerator: an adapter's update is scaled by alpha / rank.", POSITIVE)
+    dropout: float = _f(0.0, "Dropout on the adapters' input (0: none).", NON_NEGATIVE)
+    target_modules: list[str] = _f(["all-linear"], "Module names (or name suffixes) that get adapters; "
+                                   "all-linear: every linear layer but the output head.")
+    modules_to_save: list[str] = _f([], "Modules trained whole beside the adapters (e.g. embed_tokens, "
+                                        "lm_head), saved with them.")
+    load_in: Literal["none", "4bit", "8bit"] = _f("none", "Quantised base weights (QLoRA, bitsandbytes on a "
+                                                          "CUDA GPU): none, 4bit or 8bit.")
+
+    def check(self) -> list[str]:
+        errs = []
+        if self.rank and not self.target_modules and not self.modules_to_save:
+            errs.append(f"model.lora: rank {self.rank} with empty target_modules and modules_to_save trains "
+                        f"nothing; list target_modules (e.g. [all-linear] or [q_proj, v_proj]), or set "
+                        f"model.lora.rank=0 to train every weight")
+        if self.dropout >= 1:
+            errs.append(f"model.lora.dropout: {self.dropout:g} must be below 1")
+        if not self.rank and self.load_in != "none":
+            errs.append(f"model.lora.load_in={self.load_in} needs LoRA (a quantised base cannot train); set "
+                        f"model.lora.rank")
+        return errs
+
+
+@dataclass(frozen=True)
 class ModelConfig(Section):
     """The model: a local Hugging Face directory or an architecture to train from scratch, and how it runs."""
 
@@ -61,9 +90,13 @@ class ModelConfig(Section):
     attn_implementation: str = _f("sdpa", "Hugging Face attention implementation (sdpa, eager, ...).")
     allow_new_weights: bool = _f(False, "Allow tensors missing from model.path's weights (a new head); "
                                         "they are initialised and listed.")
+    lora: LoraConfig = field(default_factory=LoraConfig)
 
     def check(self) -> list[str]:
-        errs = []
+        errs = out_of_bounds(self.lora, "model.lora") + self.lora.check()
+        if self.lora.load_in != "none" and not self.path:
+            errs.append(f"model.lora.load_in={self.lora.load_in}: a quantised base is loaded from model.path; a "
+                        f"model trained from scratch (model.config) cannot be quantised")
         if bool(self.path) == bool(self.config):
             errs.append("model: set exactly one of model.path (a local HF directory) "
                         "or model.config (an architecture to train from scratch)")

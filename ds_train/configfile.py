@@ -26,27 +26,30 @@ def _hints(cls) -> dict:
 
 def all_keys() -> list[str]:
     """Every valid dotted key, for suggestions and --help-config."""
-    keys = []
-    for name, tp in _hints(RunConfig).items():
-        if dataclasses.is_dataclass(tp):
-            keys += [f"{name}.{f.name}" for f in dataclasses.fields(tp)]
-        else:
-            keys.append(name)
-    return keys
+    def walk(cls, prefix: str) -> list[str]:
+        out = []
+        for name, tp in _hints(cls).items():
+            out += walk(tp, f"{prefix}{name}.") if dataclasses.is_dataclass(tp) else [f"{prefix}{name}"]
+        return out
+
+    return walk(RunConfig, "")
 
 
 def describe() -> str:
     """The config reference printed by `ds-train train --help-config`."""
     lines = []
-    for f in dataclasses.fields(RunConfig):
-        tp = _hints(RunConfig)[f.name]
-        if dataclasses.is_dataclass(tp):
-            lines.append(f"{f.name}: {' '.join((tp.__doc__ or '').split())}")
-            for sub in dataclasses.fields(tp):
-                default = sub.default if sub.default is not dataclasses.MISSING else sub.default_factory()
-                lines.append(f"  {f.name}.{sub.name} = {default!r}\n      {sub.metadata['help']}")
-        else:
-            lines.append(f"{f.name} = {f.default!r}\n    {f.metadata['help']}")
+
+    def walk(cls, prefix: str, indent: str) -> None:
+        for f in dataclasses.fields(cls):
+            tp = _hints(cls)[f.name]
+            if dataclasses.is_dataclass(tp):
+                lines.append(f"{indent}{prefix}{f.name}: {' '.join((tp.__doc__ or '').split())}")
+                walk(tp, f"{prefix}{f.name}.", indent + "  ")
+            else:
+                default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+                lines.append(f"{indent}{prefix}{f.name} = {default!r}\n{indent}    {f.metadata['help']}")
+
+    walk(RunConfig, "", "")
     return "\n".join(lines)
 
 
@@ -155,7 +158,7 @@ def _build(cls, raw: dict, prefix: str, errs: list[str]):
     for f in dataclasses.fields(cls):
         tp = hints[f.name]
         if dataclasses.is_dataclass(tp):
-            kwargs[f.name] = _build(tp, raw.get(f.name) or {}, f"{f.name}.", errs)
+            kwargs[f.name] = _build(tp, raw.get(f.name) or {}, f"{prefix}{f.name}.", errs)
         elif f.name in raw:
             value = raw[f.name]
             if tp is float and isinstance(value, int) and not isinstance(value, bool):
@@ -182,14 +185,12 @@ def _set_dotted(raw: dict, key: str, value: Any) -> None:
 
 def _field_type(key: str):
     """The annotated type of a dotted key (None for keys inside a free-form mapping)."""
-    head, _, rest = key.partition(".")
-    hints = _hints(RunConfig)
-    if head not in hints:
-        return None
-    if not rest:
-        return hints[head]
-    tp = hints[head]
-    return _hints(tp).get(rest) if dataclasses.is_dataclass(tp) else None
+    tp = RunConfig
+    for part in key.split("."):
+        if not dataclasses.is_dataclass(tp):
+            return None
+        tp = _hints(tp).get(part)
+    return tp
 
 
 def parse_overrides(items: list[str]) -> list[tuple[str, Any]]:

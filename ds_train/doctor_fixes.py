@@ -37,7 +37,7 @@ def _planned_fix(view, gpu_gib: float) -> list[str]:
         model = replace(cfg.model, path=str(view.paths.hf_model), config={}) \
             if (view.paths.hf_model / "config.json").is_file() else cfg.model
         shape = model_shape(build_hf_config(model, int(cfg.model.config.get("vocab_size") or cfg.data.vocab_size),
-                                            cfg.train.seq_len, weights=False))
+                                            cfg.train.seq_len, weights=False), cfg.model.lora)
     except (UserError, OSError, ValueError, KeyError, TypeError) as e:
         return [f"(the memory plan needs the run's config.yaml and ds_config.json: {str(e).splitlines()[0][:120]})"]
     world = int(view.env.get("world_size") or 1)

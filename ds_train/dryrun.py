@@ -72,7 +72,7 @@ def _this_gpu_memory_gib() -> float | None:
 def resolve_shape(cfg: RunConfig) -> tuple[ModelShape, object]:
     """The model's shape from its config (the vocabulary as ds_train.inputs.plan_config finds it)."""
     hf_config = plan_config(cfg)
-    return model_shape(hf_config), hf_config
+    return model_shape(hf_config, cfg.model.lora), hf_config
 
 
 def _dtype(cfg: RunConfig, on_gpu: bool) -> str:

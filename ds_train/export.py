@@ -115,7 +115,7 @@ def _check_out(out: Path) -> None:
         raise UserError(f"export: {str(out)!r} exists and is not a directory; give a new directory")
 
 
-def _hf_metadata_dir(src: ExportSource) -> Path:
+def hf_metadata_dir(src: ExportSource) -> Path:
     hf_dir = RunPaths(src.run_dir).hf_model
     if not (hf_dir / "config.json").is_file():
         raise UserError(f"export: {str(hf_dir / 'config.json')!r} not found; export needs the run "
@@ -154,7 +154,7 @@ def locate_model(path: str | Path) -> tuple[Path, Path | None]:
         raise UserError(f"model.path: {str(src)!r} is neither a Hugging Face directory (config.json) nor a "
                         f"ds_train run or checkpoint directory")
     try:
-        hf_dir = _hf_metadata_dir(resolve_source(src))
+        hf_dir = hf_metadata_dir(resolve_source(src))
     except UserError as e:
         raise UserError(f"model.path: {str(e).removeprefix('export: ')}") from None
     return hf_dir, src
@@ -261,7 +261,7 @@ def save_config(model, out: Path) -> None:
     model.config.save_pretrained(out)
 
 
-def _copy_metadata(hf_dir: Path, out: Path) -> None:
+def copy_metadata(hf_dir: Path, out: Path) -> None:
     """Tokenizer files and the recorded generation config (config.json is written by save_config)."""
     for path in sorted(hf_dir.iterdir()):
         if path.is_file() and path.name != "config.json" and not path.name.endswith(WEIGHT_SUFFIXES):
@@ -281,14 +281,33 @@ def export(source: str | Path, out: str | Path, tag: str | None = None, max_shar
     `source`: a run directory, its checkpoints/ directory or a tag directory; `tag`: a tag name
     (or a step number), else the latest complete tag. Returns `out`. Raises UserError on bad input.
     """
-    out = Path(out)
     src = resolve_source(source, tag)
-    hf_dir = _hf_metadata_dir(src)
+    hf_dir = hf_metadata_dir(src)
+
+    def fill(tmp: Path) -> None:
+        write_model(build_model(hf_dir, load_fp32_state_dict(src, tmp / ".universal"), src.tag_dir), hf_dir, tmp,
+                    max_shard_size)
+
+    return write_dir(Path(out), fill, max_shard_size)
+
+
+def write_model(model, hf_dir: Path, out: Path, max_shard_size: str) -> None:
+    """A Hugging Face model directory: the weights, config.json, the run's tokenizer and generation config."""
+    save_weights(model, out, max_shard_size)
+    save_config(model, out)
+    copy_metadata(hf_dir, out)
+    _match_modes(out)
+
+
+def write_dir(out: Path, fill, max_shard_size: str = "5GB") -> Path:
+    """`fill(tmp)` writes the export into a temporary directory beside `out`, renamed to `out` at the
+    end: a failed export leaves nothing, an existing non-empty `out` is never touched. Every check
+    comes before the weights are read."""
     _check_out(out)
     # The export is written beside `out` and renamed over it: both must be writable.
     for path in (out, out.parent) if out.exists() else (out,):
         check_writable(path, "--out")
-    _check_shard_size(max_shard_size)  # every check before the weights are read
+    _check_shard_size(max_shard_size)
 
     tmp = out.parent / f".{out.name}.export-{os.getpid()}-{secrets.token_hex(4)}"
     cannot_write = f"export: cannot write the export beside {str(out)!r}"
@@ -298,13 +317,8 @@ def export(source: str | Path, out: str | Path, tag: str | None = None, max_shar
     except OSError as e:
         raise UserError(f"{cannot_write} ({e.strerror or e}); choose another --out") from None
     try:
-        model = build_model(hf_dir, load_fp32_state_dict(src, tmp / ".universal"), src.tag_dir)
         try:
-            save_weights(model, tmp, max_shard_size)
-            save_config(model, tmp)
-            del model
-            _copy_metadata(hf_dir, tmp)
-            _match_modes(tmp)
+            fill(tmp)
         except OSError as e:  # a full disk, a quota: nothing is left behind (tmp goes below)
             raise UserError(f"{cannot_write} ({e.strerror or e}); free space there or choose another "
                             f"--out") from None

@@ -22,9 +22,12 @@ from ds_train.data.prepare import ensure_prepared
 from ds_train.data.tokenizer import load_tokenizer, vocabulary_id
 from ds_train.engine import read_ds_template
 from ds_train.errors import UserError
-from ds_train.export import locate_model
+from ds_train.export import locate_model, resolve_source
 from ds_train.model.build import supports_packing
 from ds_train.model.hfconfig import build_hf_config, with_vocab
+from ds_train.model.lora import check_lora
+from ds_train.model.lora import enabled as lora_enabled
+from ds_train.model.weights import fingerprint, weight_files
 from ds_train.parallel import check_parallel, packs_under_sequence
 
 
@@ -48,8 +51,24 @@ class RunInputs:
 
     def data_id(self) -> dict:
         """What identifies the tokenizer and the prepared data, recorded in every checkpoint: the
-        same data.dir re-prepared with another tokenizer would feed the saved weights other ids."""
-        return {**(self.data.identity() if self.data else {}), "tokenizer": vocabulary_id(self.source.tokenizer)}
+        same data.dir re-prepared with another tokenizer would feed the saved weights other ids.
+        Under LoRA also the frozen base (`base`: its weights' fingerprint), which the checkpoint
+        does not hold: its adapters were trained on that base alone."""
+        ids = {**(self.data.identity() if self.data else {}), "tokenizer": vocabulary_id(self.source.tokenizer)}
+        if lora_enabled(self.cfg.model.lora):
+            ids["base"] = base_fingerprint(self.source)
+        return ids
+
+
+def base_fingerprint(source: ModelSource) -> str:
+    """model.path's weight files, or the ds_train run's checkpoint they are exported from; a model
+    built from scratch is fixed by model.config and the seed, which every checkpoint records."""
+    if source.weights is not None:
+        return fingerprint(weight_files(source.weights))
+    if source.export_from is not None:
+        tag = resolve_source(source.export_from)
+        return fingerprint(sorted(p for p in tag.tag_dir.iterdir() if p.is_file() and p.suffix == ".pt"))
+    return "model.config"
 
 
 def tokenizer_dir(cfg: RunConfig, model_dir: Path | None) -> str:
@@ -80,6 +99,7 @@ def check_inputs(cfg: RunConfig, ds_config_path: str, data: bool = True) -> RunI
     check_parallel(cfg, template)
     model_dir, export_from = locate(cfg)
     hf_config = _hf_config(cfg, model_dir, weights=export_from is None)  # a run's weights: in its checkpoint
+    check_lora(cfg.model.lora, hf_config)
     if not data:  # the model's own tokenizer
         source = ModelSource(hf_config, load_tokenizer(model_dir), model_dir if export_from is None else None,
                              export_from)

@@ -53,22 +53,25 @@ def param_bytes(dtype: str) -> int:
 
 
 def model_states(n_params: int, stage: int, dtype: str, world: int, offload_optimizer: bool = False,
-                 offload_params: bool = False) -> ModelStates:
-    """Per-rank bytes for parameters, gradients and optimizer states (table in the module doc)."""
+                 offload_params: bool = False, trainable: float | None = None) -> ModelStates:
+    """Per-rank bytes for parameters, gradients and optimizer states (table in the module doc).
+    `trainable`: the parameters that train (LoRA: the adapters), when not all of them do: a frozen
+    parameter is held in the training dtype and has no gradient and no optimizer state."""
     p, n = param_bytes(dtype), n_params
+    t = n if trainable is None else trainable
     mixed = dtype != "fp32"
     upcast = 4 - p if mixed else 0  # the step's fp32 gradient replaces the low-precision one
     if stage == 0:
-        params, grads = p * n, p * n
-        optim = ((4 if mixed else 0) + 8) * n
-        transient = upcast * n
+        params, grads = p * n, p * t
+        optim = ((4 if mixed else 0) + 8) * t
+        transient = upcast * t
     else:
         params = p * n / (world if stage == 3 else 1)
-        grads = p * n / world
-        optim = 12 * n / world
-        transient = upcast * n / world
+        grads = p * t / world
+        optim = 12 * t / world
+        transient = upcast * t / world
         if stage == 1:  # ZeRO-1 accumulates full-size gradients until the boundary reduce
-            transient += p * n * (1 - 1 / world)
+            transient += p * t * (1 - 1 / world)
     cpu = 0.0
     if offload_optimizer and stage > 0:
         cpu += optim + transient
@@ -79,12 +82,14 @@ def model_states(n_params: int, stage: int, dtype: str, world: int, offload_opti
     return ModelStates(params, grads, optim, transient, cpu)
 
 
-def checkpoint_bytes(n_params: int, stage: int, dtype: str, world: int, ranks_here: int) -> int:
+def checkpoint_bytes(n_params: int, stage: int, dtype: str, world: int, ranks_here: int,
+                     trainable: int | None = None) -> int:
     """Bytes one checkpoint tag takes on a file system holding `ranks_here` of the `world` ranks'
     files: the weights in the training dtype (one model-states file below ZeRO-3, partitioned in
     ZeRO-3) and 12 bytes a parameter of fp32 master weights and Adam moments, partitioned (fp32
-    ZeRO-0: a plain torch optimizer, weights and moments in the one file)."""
-    p, n, share = param_bytes(dtype), n_params, ranks_here / world
+    ZeRO-0: a plain torch optimizer, weights and moments in the one file). A frozen base (LoRA) is
+    not saved: only the `trainable` parameters are."""
+    p, n, share = param_bytes(dtype), n_params if trainable is None else trainable, ranks_here / world
     if stage == 0 and dtype == "fp32":
         return int(12 * n)
     weights = p * n * (share if stage == 3 else 1)
@@ -139,6 +144,7 @@ class ModelShape:
     heads: int = 0  # attention heads (what Ulysses and AutoTP split); 0: unknown
     tensor_split: int = 0  # parameters of the modules AutoTP splits across the tensor ranks (tp_plan)
     kv_heads: int = 0  # key/value heads (AutoTP splits them too); 0: unknown
+    trainable: int = 0  # LoRA: the adapters and modules_to_save copies (n_params counts them too); 0: all
 
     def rank_params(self, tensor: int) -> float:
         """Parameters one rank holds under parallel.tensor (the split modules' share, the rest whole)."""
@@ -177,14 +183,38 @@ def tensor_split_params(model, plan: dict) -> int:
     return split
 
 
-def model_shape(hf_config) -> ModelShape:
-    """Count parameters on the meta device: no memory, no accelerator, any size."""
+def lora_params(model, lora) -> tuple[int, int]:
+    """(adapter parameters, modules_to_save copies) peft adds for `lora` (model.lora): rank x (in +
+    out) for each targeted linear layer (all-linear: all but the output head), and a trainable copy
+    of each module to save."""
+    import torch
+
+    head = model.get_output_embeddings()
+    targets = list(lora.target_modules)
+    adapters = copies = 0
+    for name, module in model.named_modules():
+        last = name.rsplit(".", 1)[-1]
+        if isinstance(module, torch.nn.Linear) and (("all-linear" in targets and module is not head)
+                                                    or any(name == t or name.endswith("." + t) for t in targets)):
+            adapters += lora.rank * (module.in_features + module.out_features)
+        if name and last in lora.modules_to_save:
+            copies += sum(p.numel() for p in module.parameters())
+    return adapters, copies
+
+
+def model_shape(hf_config, lora=None) -> ModelShape:
+    """Count parameters on the meta device: no memory, no accelerator, any size. `lora`: model.lora,
+    when on (its rank > 0): the adapters peft adds, the only parameters that train."""
     import torch
     from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(hf_config)
     n_params = sum(p.numel() for p in model.parameters())  # tied weights are counted once
+    trainable = 0
+    if lora is not None and lora.rank > 0:
+        adapters, copies = lora_params(model, lora)
+        n_params, trainable = n_params + adapters + copies, adapters + copies
     largest = max(sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules())
     split = tensor_split_params(model, tp_plan(hf_config))
     hidden = hf_config.hidden_size
@@ -193,7 +223,7 @@ def model_shape(hf_config) -> ModelShape:
     head_dim = getattr(hf_config, "head_dim", None) or hidden // heads
     return ModelShape(n_params, hf_config.num_hidden_layers, hidden,
                       getattr(hf_config, "intermediate_size", 4 * hidden), kv_heads * head_dim,
-                      hf_config.vocab_size, largest, heads, split, kv_heads)
+                      hf_config.vocab_size, largest, heads, split, kv_heads, trainable)
 
 
 @dataclass(frozen=True)
@@ -287,7 +317,8 @@ def estimate(shape: ModelShape, stage: int, dtype: str, world: int, micro_batch:
     rank's model states are its share, ZeRO-partitioned over `world`)."""
     offload_opt = zero.get("offload_optimizer", {}).get("device") in ("cpu", "nvme")
     offload_par = zero.get("offload_param", {}).get("device") in ("cpu", "nvme")
-    return Estimate(stage, model_states(shape.rank_params(tensor), stage, dtype, world, offload_opt, offload_par),
+    return Estimate(stage, model_states(shape.rank_params(tensor), stage, dtype, world, offload_opt, offload_par,
+                                        shape.trainable or None),
                     activation_bytes(shape, micro_batch, seq_len, dtype, checkpointing, tile_tokens,
                                      mlp_tile_positions, tensor),
                     buffer_bytes(zero, stage, dtype, shape))

@@ -191,6 +191,10 @@ def check_parallel(cfg: RunConfig, template: dict) -> None:
                         f"ZeRO-0 bf16/fp16 optimizer measures the gradient norm it clips by from tensor rank 0's "
                         f"shards alone under AutoTP (it filters gradients by a mark only the parameters carry); "
                         f"set model.dtype=fp32, or use ds_configs/zero1.json or zero2.json")
+    if cfg.model.lora.rank:
+        problems.append(f"parallel.tensor={tp} with LoRA (model.lora.rank={cfg.model.lora.rank}): AutoTP replaces "
+                        f"the linear layers peft puts its adapters on; ds_train does not combine them: use ZeRO-3 "
+                        f"with parallel.tensor=1 for a base that does not fit one GPU")
     if cfg.parallel.sequence > 1:
         problems.append(f"parallel.tensor={tp} with parallel.sequence={cfg.parallel.sequence}: DeepSpeed 0.19.8's "
                         f"AutoTP replaces the Ulysses process groups with its own, so the two do not combine; "

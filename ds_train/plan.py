@@ -201,7 +201,7 @@ def ds_config_dtype(ds_config: dict) -> str:
 def oom_report(cfg: RunConfig, ds_config: dict, hf_config, world: int, gpu_memory_gib: float) -> str:
     """What to change after a real out-of-memory of a run on `world` GPUs: the estimate for this run
     and the ranked fixes."""
-    shape = model_shape(hf_config)
+    shape = model_shape(hf_config, cfg.model.lora)
     target = Target(1, world, gpu_memory_gib)
     dtype = ds_config_dtype(ds_config)
     zero = ds_config.get("zero_optimization", {"stage": 0})

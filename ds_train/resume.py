@@ -19,9 +19,9 @@ from pathlib import Path
 from typing import Any
 
 from ds_train import dist
-from ds_train.checkpoint import (STATE_FILE, TAG_RE, UNIVERSAL_SUFFIX, ds_to_universal, is_complete, latest_complete,
-                                 manifest_file, rank_file, rank_missing, read_latest, read_marker, save_order,
-                                 saved_parallel, set_rng_state, universal_dir)
+from ds_train.checkpoint import (STATE_FILE, TAG_RE, UNIVERSAL_SUFFIX, ds_to_universal, has_frozen, is_complete,
+                                 latest_complete, manifest_file, rank_file, rank_missing, read_latest, read_marker,
+                                 save_order, saved_parallel, set_rng_state, universal_dir)
 from ds_train.config import RunConfig
 from ds_train.errors import UserError
 from ds_train.fs import file_lock, write_atomic
@@ -253,8 +253,9 @@ def config_changes(saved: dict, current: dict) -> tuple[list[str], list[str]]:
     old, new = _flatten(saved), _flatten(current)
     errors, notes = [], []
     for key in sorted(set(old) | set(new)):
-        if key not in old and key.startswith(("launch.", "ript.", "dist.", "watchdog.")):
-            continue  # a section added since the checkpoint was written
+        if key not in old and (key.startswith(("launch.", "ript.", "dist.", "watchdog."))
+                               or key.startswith("model.lora.") and not new.get("model.lora.rank")):
+            continue  # a section added since the checkpoint was written (LoRA: while it is off)
         if old.get(key) != new.get(key) and key != "output_dir":
             line = f"{key}: {old.get(key)!r} -> {new.get(key)!r}"
             (errors if key.startswith(FIXED_KEYS) else notes).append(line)
@@ -296,8 +297,15 @@ def check_resume(point: ResumePoint | None, cfg: RunConfig, kind: str, world: in
     if point is None:
         return []
     where = point.load_dir / point.tag
-    saved_data = point.state.get("data") or {}
-    changed = sorted(k for k in set(saved_data) & set(data or {}) if saved_data[k] != data[k])
+    saved_data = dict(point.state.get("data") or {})
+    data = dict(data or {})
+    saved_base, base = saved_data.pop("base", None), data.pop("base", None)
+    if saved_base and base and saved_base != base:
+        raise UserError(f"{where}: the base model's weights changed since this checkpoint (model.path "
+                        f"{cfg.model.path!r}: fingerprint {saved_base} -> {base}); a LoRA checkpoint holds only the "
+                        f"adapters trained on the old base; point model.path at that base, or start over with "
+                        f"checkpoint.resume=restart")
+    changed = sorted(k for k in set(saved_data) & set(data) if saved_data[k] != data[k])
     if changed:
         raise UserError(f"{where}: the data changed since this checkpoint ({', '.join(changed)}: "
                         f"{', '.join(f'{saved_data[k]} -> {data[k]}' for k in changed)}; data.dir re-prepared?): "
@@ -396,6 +404,7 @@ def load_resume(engine, point: ResumePoint, rank: int, world: int) -> dict:
     where = point.load_dir / point.tag
     try:
         load_path, _ = engine.load_checkpoint(str(point.load_dir), tag=point.tag,
+                                              load_module_strict=not has_frozen(engine),  # LoRA: the base is not in it
                                               load_optimizer_states=True, load_lr_scheduler_states=True)
         if load_path is None:
             raise UserError(f"{where}: DeepSpeed could not load this checkpoint")

@@ -47,7 +47,8 @@ from ds_train.launchers import LauncherWatch, kill_grace
 from ds_train.logs import build_rank_log, capture_console, release_console
 from ds_train.memory import checkpoint_bytes
 from ds_train.metrics import Logger, build_logger, build_progress, peak_flops, rewind_jsonl
-from ds_train.model.build import build_model, count_params, flops_per_token, lookup_params, resolve_dtype
+from ds_train.model.build import (build_model, count_params, flops_per_token, has_frozen_params, lookup_params,
+                                   resolve_dtype)
 from ds_train.model.tiled_mlp import tiled_mlps
 from ds_train.model.ulysses import register_ulysses, unregister_ulysses
 from ds_train.parallel import ParallelDims, check_model, plan_dims
@@ -317,6 +318,7 @@ def _build_run(inputs: RunInputs, env: dist.DistEnv, spec: RunSpec, stop: StopRe
     built = build_model(replace(cfg.model, path=str(weights or "")), source.hf_config, ds_config, cfg.seed)
     tiled, whole = tiled_mlps(built.model, cfg.train.mlp_tile_positions, cfg.train.seq_len // dims.sequence)
     n_params = count_params(built.model)
+    trainable = count_params(built.model, trainable_only=True) if has_frozen_params(built.model) else None
     engine = initialize(built.model, ds_config, mpu)
     if cfg.model.compile:  # torch.compile through DeepSpeed, with the accelerator's backend
         backend = accel.get_compile_backend()
@@ -365,7 +367,10 @@ def _build_run(inputs: RunInputs, env: dist.DistEnv, spec: RunSpec, stop: StopRe
             f"{', '.join(tiled) or 'none'}"
             + (f"; left whole: {', '.join(whole)}" if whole else ""))
     say(f"lr {lr:.3g} (optim.lr {cfg.optim.lr:g}, scaling {cfg.optim.lr_scaling}); dtype {dtype}; "
-        f"ZeRO stage {engine.zero_optimization_stage()}; {n_params / 1e6:.2f}M parameters")
+        f"ZeRO stage {engine.zero_optimization_stage()}; {n_params / 1e6:.2f}M parameters"
+        + (f", {trainable / 1e6:.3g}M of them trained (LoRA rank {cfg.model.lora.rank}: the adapters"
+           + (f" and {', '.join(cfg.model.lora.modules_to_save)}" if cfg.model.lora.modules_to_save else "")
+           + "; the base frozen)" if trainable is not None else ""))
     say(host_table(hosts) + ("; output_dir node-local (each node holds its own ranks' checkpoint files)"
                              if storage == NODE_LOCAL else ""))
 
@@ -376,7 +381,8 @@ def _build_run(inputs: RunInputs, env: dist.DistEnv, spec: RunSpec, stop: StopRe
     record = run_record(spec.kind.name, engine.zero_optimization_stage(), dtype, storage, dims.record(),
                         cfg.to_dict(), data)
     ranks_here = env.local_world_size if storage == NODE_LOCAL else env.world_size
-    needed = checkpoint_bytes(n_params, engine.zero_optimization_stage(), dtype, env.world_size, ranks_here)
+    needed = checkpoint_bytes(n_params, engine.zero_optimization_stage(), dtype, env.world_size, ranks_here,
+                              trainable)
     names = dist.node_hosts()
     heartbeat = Heartbeat(env.rank, env.node_rank, host, names[env.node_rank] if env.node_rank < len(names) else "",
                           fault=fault_at(cfg.watchdog.debug_fault, env.rank))
@@ -387,7 +393,7 @@ def _build_run(inputs: RunInputs, env: dist.DistEnv, spec: RunSpec, stop: StopRe
                         grace=kill_grace(launchers, os.environ), say=say,
                         channel=dist.side_channel(env) if cfg.checkpoint.async_save else None)
     fpt = flops_per_token(n_params, source.hf_config.num_hidden_layers, source.hf_config.hidden_size,
-                          cfg.train.seq_len, lookup_params(source.hf_config))
+                          cfg.train.seq_len, lookup_params(source.hf_config), trainable)
     guard = NonFiniteGuard(cfg.train.nonfinite, cfg.train.nonfinite_patience, rank_log)
     watchdog = Watchdog(heartbeat, paths, env.world_size, cfg.watchdog.stall_s, cfg.watchdog.heartbeat_s,
                         dist.side_channel(env), env.local_rank if on_gpu else None, stop.request,

@@ -166,6 +166,11 @@ def test_config_changes_split_into_errors_and_notes():
     errors, notes = resume.config_changes(saved, now)
     assert errors == ["model.config.hidden_size: 64 -> 128"]
     assert notes == ["optim.lr: 0.001 -> 0.0005", "train.max_steps: 10 -> 20"]
+    # a checkpoint from before model.lora existed: LoRA off is no change, LoRA on is one
+    off = {**saved, "model": {"config": {"hidden_size": 64}, "lora": {"rank": 0, "alpha": 16.0}}}
+    assert resume.config_changes(saved, off) == ([], [])
+    on = {**saved, "model": {"config": {"hidden_size": 64}, "lora": {"rank": 8, "alpha": 16.0}}}
+    assert resume.config_changes(saved, on)[0] == ["model.lora.alpha: None -> 16.0", "model.lora.rank: None -> 8"]
 
 
 def test_check_resume_refuses_another_kind_and_for_ript_another_world_size(tmp_path):

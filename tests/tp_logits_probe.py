@@ -1,4 +1,4 @@
-"""Run under the deepspeed launcher by tests/test_checkpoint.py: the AutoTP engine ds_train builds
+"""Run under the deepspeed launcher by tests/test_checkpoint.py: the engine (AutoTP, LoRA) ds_train builds
 for a run config, given a checkpoint tag's weights (DeepSpeed's load_checkpoint), and its logits on
 a fixed input, which rank 0 writes: what an export of that tag must reproduce."""
 
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from ds_train import dist
+from ds_train import checkpoint, dist
 from ds_train.configfile import load_config
 from ds_train.inputs import check_inputs
 from ds_train.run import build_run
@@ -18,7 +18,8 @@ cfg = load_config(config, [f"output_dir={Path(out).parent / 'probe_run'}", "chec
 env = dist.detect_env()
 inputs = check_inputs(cfg, ds_config)
 with build_run(inputs, env, train_spec(cfg)) as run:
-    run.engine.load_checkpoint(ckpt_dir, tag=tag, load_optimizer_states=False, load_lr_scheduler_states=False)
+    run.engine.load_checkpoint(ckpt_dir, tag=tag, load_optimizer_states=False, load_lr_scheduler_states=False,
+                               load_module_strict=not checkpoint.has_frozen(run.engine))  # LoRA: adapters only
     run.engine.eval()
     ids = torch.arange(2 * 24).reshape(2, 24) * 7 % len(inputs.source.tokenizer)
     with torch.no_grad():

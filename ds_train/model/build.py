@@ -12,6 +12,8 @@ from typing import Any
 from ds_train.config import ModelConfig
 from ds_train.errors import UserError
 from ds_train.model.hfconfig import said
+from ds_train.model.lora import apply_lora, quantisation_config
+from ds_train.model.lora import enabled as lora_enabled
 from ds_train.model.weights import REFETCH, check_loading_info
 
 
@@ -84,7 +86,7 @@ def build_model(model_cfg: ModelConfig, hf_config, ds_config: dict, seed: int = 
         try:
             model, info = AutoModelForCausalLM.from_pretrained(
                 model_cfg.path, config=hf_config, output_loading_info=True, ignore_mismatched_sizes=True,
-                **kwargs)
+                quantization_config=quantisation_config(model_cfg.lora), **kwargs)
         except (SafetensorError, OSError, EOFError) as e:  # build_hf_config checked them; changed since?
             raise UserError(f"model.path {model_cfg.path!r}: cannot load the weights ({said(e)}); "
                             f"{REFETCH}") from None
@@ -101,6 +103,8 @@ def build_model(model_cfg: ModelConfig, hf_config, ds_config: dict, seed: int = 
         seeded_init(model, seed, zero3)
     if model_cfg.activation_checkpointing:
         checkpoint_activations(model)
+    if lora_enabled(model_cfg.lora):  # the adapters on the built (ZeRO-3: partitioned) base
+        model = apply_lora(model, model_cfg.lora, seed)
     return BuiltModel(model, hf_config, keep_alive, new_weights)
 
 
@@ -115,16 +119,24 @@ def checkpoint_activations(model) -> None:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
 
 
-def count_params(model) -> int:
+def count_params(model, trainable_only: bool = False) -> int:
     """Parameter count, also when ZeRO-3 has partitioned the tensors away (ds_numel)."""
-    return sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
+    return sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters() if p.requires_grad or not trainable_only)
 
 
-def flops_per_token(n_params: int, n_layers: int, hidden: int, seq_len: int, lookups: int = 0) -> float:
+def has_frozen_params(model) -> bool:
+    return any(not p.requires_grad for p in model.parameters())
+
+
+def flops_per_token(n_params: int, n_layers: int, hidden: int, seq_len: int, lookups: int = 0,
+                    trainable: int | None = None) -> float:
     """Training FLOPs per token: 6N for the matmuls plus 12 L h s for attention (PaLM, App. B).
     N leaves out `lookups`, the parameters of an input embedding that is only indexed (torchtitan's
-    count; see lookup_params)."""
-    return 6 * (n_params - lookups) + 12 * n_layers * hidden * seq_len
+    count; see lookup_params). With a frozen base (LoRA) only the `trainable` parameters' weight
+    gradients are computed: 4N + 2T."""
+    matmul = n_params - lookups
+    per_param = 6 * matmul if trainable is None else 4 * matmul + 2 * trainable
+    return per_param + 12 * n_layers * hidden * seq_len
 
 
 def lookup_params(hf_config) -> int:

@@ -53,6 +53,24 @@ def weight_files(model_dir: Path) -> list[Path]:
                     f"model.safetensors.index.json and its shards, or pytorch_model.bin); {REFETCH}")
 
 
+def fingerprint(files: list[Path], sample: int = 1 << 20) -> str:
+    """What identifies a set of weight files without reading them whole (a base of many GB): each
+    file's name and size, and a MiB from its start, middle and end (a safetensors header names and
+    shapes the tensors; the samples are tensor values, which any other checkpoint of the same
+    architecture has other)."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for path in files:
+        size = path.stat().st_size
+        h.update(f"{path.name}:{size}".encode())
+        with open(path, "rb") as f:
+            for at in sorted({0, max(0, size // 2 - sample // 2), max(0, size - sample)}):
+                f.seek(at)
+                h.update(f.read(sample))
+    return h.hexdigest()[:16]
+
+
 def _open_weights(path: Path):
     """safetensors' reader (its header checked against the file's size) or torch's, memory-mapped."""
     import torch

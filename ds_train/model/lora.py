@@ -1,0 +1,146 @@
+"""LoRA with peft (model.lora): which modules get adapters, checked on the model's config before
+anything is built; the adapters put on the built model (ZeRO-3: on its partitioned base, before
+DeepSpeed wraps it, which partitions the new adapter weights with the rest); the quantised base
+(QLoRA) where bitsandbytes and a CUDA GPU are present.
+
+Only the adapters (and modules_to_save) require grad, so only they reach the optimizer: a frozen
+base holds no gradients and no optimizer states (ds_train.memory counts it that way).
+"""
+
+from __future__ import annotations
+
+from ds_train.config import LoraConfig
+from ds_train.errors import UserError
+
+ALL_LINEAR = "all-linear"
+
+
+def enabled(lora: LoraConfig) -> bool:
+    return lora.rank > 0
+
+
+def linear_names(hf_config) -> tuple[list[str], str]:
+    """The model's linear layers by their last name (q_proj, ...), and the output head's, from a
+    model built on the meta device (no memory)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(hf_config)
+    head = model.get_output_embeddings()
+    names, head_name = [], ""
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear):
+            last = name.rsplit(".", 1)[-1]
+            if module is head:
+                head_name = last
+            elif last not in names:
+                names.append(last)
+    return names, head_name
+
+
+def module_names(hf_config) -> list[str]:
+    """Every module's last name (for modules_to_save)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(hf_config)
+    return sorted({name.rsplit(".", 1)[-1] for name, _ in model.named_modules() if name})
+
+
+def check_lora(lora: LoraConfig, hf_config) -> None:
+    """Before anything is built or written: every target module names a linear layer of this model
+    (peft matches a name or a name's last parts), every module to save exists, and a quantised base
+    has its GPU library. One line for all problems."""
+    if not enabled(lora):
+        return
+    problems = []
+    if lora.load_in != "none":
+        problems += quantisation_problems(lora.load_in)
+    linears, head = linear_names(hf_config)
+    kind = getattr(hf_config, "model_type", "this")
+    targets = [t for t in lora.target_modules if t != ALL_LINEAR]
+    if ALL_LINEAR in lora.target_modules and len(lora.target_modules) > 1:
+        problems.append(f"model.lora.target_modules: {ALL_LINEAR} already names every linear layer; give it alone "
+                        f"or list modules")
+    missing = [t for t in targets if t.rsplit(".", 1)[-1] not in linears + [head]]
+    if missing:
+        problems.append(f"model.lora.target_modules: {', '.join(map(repr, missing))} match no linear layer of this "
+                        f"{kind} model; choose from {', '.join(linears)}" + (f" (or {head}, the output head)" if head
+                                                                             else "") + f", or {ALL_LINEAR}")
+    if lora.modules_to_save:
+        names = module_names(hf_config)
+        unknown = [m for m in lora.modules_to_save if m.rsplit(".", 1)[-1] not in names]
+        if unknown:
+            problems.append(f"model.lora.modules_to_save: {', '.join(map(repr, unknown))} name no module of this "
+                            f"{kind} model; for example {', '.join(n for n in names if 'embed' in n or n == head)}")
+    if problems:
+        raise UserError("; ".join(problems))
+
+
+def quantisation_problems(load_in: str) -> list[str]:
+    import importlib.util
+
+    import torch
+
+    if importlib.util.find_spec("bitsandbytes") is None:
+        return [f"model.lora.load_in={load_in} (QLoRA) needs bitsandbytes, which is not installed (pip install "
+                f"bitsandbytes; CUDA GPUs only); or set model.lora.load_in=none"]
+    if not torch.cuda.is_available():
+        return [f"model.lora.load_in={load_in} (QLoRA) needs a CUDA GPU for bitsandbytes; none is visible here; "
+                f"set model.lora.load_in=none"]
+    return []
+
+
+def quantisation_config(lora: LoraConfig):
+    """transformers' BitsAndBytesConfig for a quantised base (None: full precision)."""
+    if lora.load_in == "none":
+        return None
+    import torch
+    from transformers import BitsAndBytesConfig
+
+    if lora.load_in == "4bit":
+        return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                                  bnb_4bit_compute_dtype=torch.bfloat16)
+    return BitsAndBytesConfig(load_in_8bit=True)
+
+
+def peft_config(lora: LoraConfig):
+    from peft import LoraConfig as PeftLoraConfig
+
+    targets = ALL_LINEAR if ALL_LINEAR in lora.target_modules else list(lora.target_modules)
+    return PeftLoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=targets,
+                          modules_to_save=list(lora.modules_to_save) or None, task_type="CAUSAL_LM")
+
+
+def apply_lora(model, lora: LoraConfig, seed: int):
+    """The model with peft's adapters on it. Seeded: every rank, every ZeRO stage and world size
+    starts from the same adapter weights (lora_A random, lora_B zero: the adapted model starts as
+    the base)."""
+    import torch
+    from peft import get_peft_model, prepare_model_for_kbit_training
+
+    if lora.load_in != "none":
+        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
+    state = torch.random.get_rng_state()
+    torch.manual_seed(seed)
+    try:
+        adapted = get_peft_model(model, peft_config(lora))
+    finally:
+        torch.random.set_rng_state(state)
+    adapted.register_state_dict_post_hook(_drop_frozen)
+    return adapted
+
+
+def _drop_frozen(module, state_dict, prefix, local_metadata) -> None:
+    """The adapted model's state_dict is what trains: DeepSpeed's exclude_frozen_parameters drops the
+    frozen base by its parameter names, which miss a tied weight's second name (lm_head.weight tied
+    to the embedding), so a checkpoint would carry the whole embedding."""
+    for name, p in module.named_parameters(remove_duplicate=False):
+        if not p.requires_grad:
+            state_dict.pop(prefix + name, None)
+
+
+def trainable(model) -> list:
+    return [p for p in model.parameters() if p.requires_grad]
