@@ -1,0 +1,245 @@
+"""LoRA (model.lora, ds_train/model/lora.py and ds_train/lora_export.py): the config and its checks
+(unit), the memory plan's count of what trains against peft's own model, and through the real
+launcher: ZeRO-3 on 2 processes against ZeRO-0 on 1, the exports, kill -9 and resume, the size of a
+checkpoint, a changed base."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+from conftest import (BIN, ROOT, TINY_MODEL, deepspeed_args, deepspeed_train, ds_train, free_port, run_cmd, spawn,
+                      tiny_config, write_config)
+from ds_train import checkpoint
+from ds_train.configfile import build_config, describe
+from ds_train.errors import UserError
+from ds_train.memory import model_shape, model_states
+from ds_train.model.lora import apply_lora, check_lora
+from test_checkpoint import STALL_S, kill_rank, metrics_by_step
+
+
+def lora_cfg(**lora):
+    return build_config({"model": {"config": dict(TINY_MODEL), "lora": {"rank": 4, **lora}}}).model.lora
+
+
+def hf_llama(**kw):
+    from transformers import AutoConfig
+
+    return AutoConfig.for_model(**{**TINY_MODEL, "vocab_size": 512, **kw})
+
+
+def test_the_lora_section_is_checked_whole_and_listed_by_help_config():
+    assert lora_cfg().rank == 4 and lora_cfg().target_modules == ["all-linear"]
+    assert build_config({"model": {"config": dict(TINY_MODEL)}}).model.lora.rank == 0  # off by default
+    assert "model.lora.rank = 0" in describe() and "model.lora.target_modules = ['all-linear']" in describe()
+    with pytest.raises(UserError) as e:
+        build_config({"model": {"config": dict(TINY_MODEL), "lora": {"rnk": 4}}})
+    assert str(e.value) == "config: model.lora.rnk: unknown key (did you mean 'model.lora.rank'?)"
+    with pytest.raises(UserError) as e:
+        lora_cfg(target_modules=[], modules_to_save=[])
+    assert "model.lora: rank 4 with empty target_modules and modules_to_save trains nothing" in str(e.value)
+    with pytest.raises(UserError) as e:
+        build_config({"model": {"config": dict(TINY_MODEL), "lora": {"load_in": "4bit"}}})
+    assert "model.lora.load_in=4bit needs LoRA" in str(e.value)
+    with pytest.raises(UserError, match="config: 2 problems: model.lora.rank: -1 must be >= 0; model.lora.dropout"):
+        build_config({"model": {"config": dict(TINY_MODEL), "lora": {"rank": -1, "dropout": 1.5}}})
+
+
+def test_target_modules_that_match_nothing_name_the_models_linear_layers():
+    check_lora(lora_cfg(target_modules=["q_proj", "model.layers.0.mlp.down_proj"]), hf_llama())
+    with pytest.raises(UserError) as e:
+        check_lora(lora_cfg(target_modules=["q_proj", "qkv", "c_attn"]), hf_llama())
+    assert str(e.value) == ("model.lora.target_modules: 'qkv', 'c_attn' match no linear layer of this llama model; "
+                            "choose from q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj (or lm_head, "
+                            "the output head), or all-linear")
+    with pytest.raises(UserError, match="model.lora.modules_to_save: 'embeddings' name no module of this llama "
+                                        "model; for example embed_tokens"):
+        check_lora(lora_cfg(modules_to_save=["embeddings"]), hf_llama())
+    with pytest.raises(UserError, match="model.lora.load_in=4bit \\(QLoRA\\) needs bitsandbytes"):
+        check_lora(build_config({"model": {"path": str(ROOT), "lora": {"rank": 4, "load_in": "4bit"}}}).model.lora,
+                   hf_llama())
+
+
+@pytest.mark.parametrize("lora", [{}, {"target_modules": ["q_proj", "v_proj"], "modules_to_save": ["lm_head"]}])
+def test_the_plan_counts_what_peft_trains_and_a_frozen_base_has_no_gradients_or_optimizer(lora):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    config = hf_llama(tie_word_embeddings=False)
+    cfg = lora_cfg(**lora)
+    model = apply_lora(AutoModelForCausalLM.from_config(config), cfg, seed=1)
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    shape = model_shape(config, cfg)
+    assert shape.trainable == trainable and shape.n_params == sum(p.numel() for p in model.parameters())
+    assert torch.count_nonzero(model.base_model.model.model.layers[0].self_attn.v_proj.lora_B.default.weight) == 0
+    full = model_states(shape.n_params, 2, "bf16", 4)
+    adapted = model_states(shape.n_params, 2, "bf16", 4, trainable=trainable)
+    assert adapted.params == full.params  # the frozen base is held all the same
+    assert adapted.grads == pytest.approx(full.grads * trainable / shape.n_params)
+    assert adapted.optimizer == 12 * trainable / 4
+
+
+def test_a_changed_base_is_refused_in_one_line(tmp_path):
+    from ds_train import resume
+
+    cfg = build_config({"model": {"config": dict(TINY_MODEL), "lora": {"rank": 4}}})
+    state = {"step": 4, "world_size": 2, "config": cfg.to_dict(), "data": {"tokenizer": "t", "base": "aaaa"}}
+    point = resume.ResumePoint(tmp_path, "step_00000004", state)
+    assert resume.check_resume(point, cfg, "train", 2, data={"tokenizer": "t", "base": "aaaa"}) == []
+    with pytest.raises(UserError) as e:
+        resume.check_resume(point, cfg, "train", 2, data={"tokenizer": "t", "base": "bbbb"})
+    assert "the base model's weights changed since this checkpoint (model.path '': fingerprint aaaa -> bbbb)" in str(e.value)
+
+
+def test_lora_with_tensor_parallelism_is_refused():
+    from ds_train.parallel import check_parallel
+
+    cfg = build_config({"model": {"config": dict(TINY_MODEL), "lora": {"rank": 4}, "dtype": "fp32"},
+                        "parallel": {"tensor": 2}})
+    with pytest.raises(UserError, match="parallel.tensor=2 with LoRA \\(model.lora.rank=4\\): AutoTP replaces"):
+        check_parallel(cfg, {"zero_optimization": {"stage": 2}})
+
+
+@pytest.fixture(scope="module")
+def base(tiny_data, tmp_path_factory):
+    """A pretrained base: a tiny Llama with the tiny corpus's tokenizer (untied head, as most are)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    out = tmp_path_factory.mktemp("lora_base")
+    tok = AutoTokenizer.from_pretrained(tiny_data / "tokenizer")
+    torch.manual_seed(0)
+    cfg = AutoConfig.for_model(**{**TINY_MODEL, "tie_word_embeddings": False, "vocab_size": len(tok)})
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(out)
+    tok.save_pretrained(out)
+    return out
+
+
+def lora_run(tiny_data, base, run_dir: Path, lr: float = 3e-2, **sections) -> Path:
+    return write_config(run_dir.parent / f"{run_dir.name}.yaml", tiny_config(
+        tiny_data, run_dir, model={"path": str(base), "config": {}, "dtype": "fp32",
+                                   "lora": {"rank": 8, "alpha": 16, "modules_to_save": ["lm_head"]}},
+        optim={"lr": lr, "warmup_steps": 0}, **sections))
+
+
+def read_adapter(path: Path) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(path / "adapter_model.safetensors")
+
+
+@pytest.mark.slow
+def test_zero3_on_two_processes_trains_the_adapters_of_zero0_on_one_and_both_exports_give_the_engines_logits(
+        tiny_data, base, tmp_path):
+    """5 steps, the same global batch: ZeRO-3 on 2 processes (the base partitioned, the adapters with
+    it) and ZeRO-0 on 1 give the same adapters within 1e-6; no exported adapter tensor is empty. The
+    merged export gives the ZeRO-3 engine's logits within 1e-5, and so does PeftModel on the base with
+    the exported adapter."""
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    runs = {}
+    for name, ds_config, nproc in (("zero3", "zero3.json", 2), ("zero0", "zero0.json", 1)):
+        cfg = lora_run(tiny_data, base, tmp_path / name, lr=1e-3, train={"max_steps": 5}, checkpoint={"save_final": True})
+        res = deepspeed_train(cfg, ds_config, nproc=nproc)
+        assert res.returncode == 0, res.out[-3000:]
+        assert "M of them trained (LoRA rank 8: the adapters and lm_head; the base frozen)" in res.out
+        runs[name] = cfg
+        res = ds_train("export", str(tmp_path / name), "--out", str(tmp_path / f"{name}_adapter"), timeout=300)
+        assert res.returncode == 0, res.out[-3000:]
+        assert "a peft LoRA adapter" in res.out
+    got, ref = read_adapter(tmp_path / "zero3_adapter"), read_adapter(tmp_path / "zero0_adapter")
+    assert sorted(got) == sorted(ref) and any("lora_A" in k for k in got) and any("lm_head" in k for k in got)
+    assert all(t.numel() > 0 for t in [*got.values(), *ref.values()])
+    # The adapters as one vector: within 1e-6. Tensor by tensor within 1e-5: Adam divides each
+    # element's momentum by its own scale, so an element whose momentum nearly cancels carries the
+    # 1e-7 reduction-order differences of the gradients (between 1 and 2 ranks) further.
+    diff = sum(float((got[k] - ref[k]).norm() ** 2) for k in got) ** 0.5
+    assert diff <= 1e-6 * sum(float(ref[k].norm() ** 2) for k in ref) ** 0.5
+    for k in got:
+        assert float((got[k] - ref[k]).norm()) <= 1e-5 * float(ref[k].norm()), k
+    assert all(float(ref[k].abs().max()) > 0 for k in ref if "lora_B" in k)  # every adapter trained
+
+    merged = tmp_path / "merged"
+    res = ds_train("export", str(tmp_path / "zero3"), "--out", str(merged), "--merge", timeout=300)
+    assert res.returncode == 0, res.out[-3000:]
+    probe = tmp_path / "engine_logits.pt"
+    res = run_cmd([str(BIN / "deepspeed"), "--num_gpus", "2", "--master_port", str(free_port()),
+                   str(ROOT / "tests" / "tp_logits_probe.py"), str(runs["zero3"]), str(ROOT / "ds_configs" / "zero3.json"),
+                   str(tmp_path / "zero3" / "checkpoints"), "step_00000005", str(probe)], timeout=300)
+    assert res.returncode == 0, res.out[-3000:]
+    engine = torch.load(probe)
+    scale = engine["logits"].abs().max()
+    with torch.no_grad():
+        merged_logits = AutoModelForCausalLM.from_pretrained(merged).eval()(input_ids=engine["input_ids"]).logits
+        adapter = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), tmp_path / "zero3_adapter")
+        peft_logits = adapter.eval()(input_ids=engine["input_ids"]).logits
+        base_logits = AutoModelForCausalLM.from_pretrained(base).eval()(input_ids=engine["input_ids"]).logits
+    assert float((merged_logits - engine["logits"]).abs().max() / scale) <= 1e-5
+    assert float((peft_logits - engine["logits"]).abs().max() / scale) <= 1e-5
+    assert float((base_logits - engine["logits"]).abs().max() / scale) > 1e-3  # the adapters changed it
+    assert json.loads((tmp_path / "zero3_adapter" / "adapter_config.json").read_text())["base_model_name_or_path"] \
+        == str(base.resolve())
+
+
+@pytest.mark.slow
+def test_a_killed_lora_run_resumes_exactly_its_checkpoints_hold_the_adapters_and_a_changed_base_is_refused(
+        tiny_data, base, tmp_path):
+    """ZeRO-2, 2 processes, a save every 2 steps: rank 1 is killed after step 3 and the same command
+    finishes with the uninterrupted run's losses, bitwise. A tag is at most 1.1 x the adapters, their
+    optimizer states and the loop state; a resume on another base is refused in one line."""
+    own_base = tmp_path / "base"
+    shutil.copytree(base, own_base)
+
+    def config(run_dir):
+        return lora_run(tiny_data, own_base, run_dir, checkpoint={"every": 2, "keep": 0},
+                        watchdog={"stall_s": STALL_S, "heartbeat_s": 0.5})
+
+    straight = tmp_path / "straight"
+    assert deepspeed_train(config(straight), "zero2.json").returncode == 0
+    ref = metrics_by_step(straight)
+    run_dir = tmp_path / "killed"
+    kill_rank(spawn(deepspeed_args(config(run_dir), "zero2.json", "watchdog.debug_fault=slow:0:0.3")), run_dir, 1,
+              after=3)
+    first = checkpoint.latest_complete(run_dir / "checkpoints")
+    res = deepspeed_train(config(run_dir), "zero2.json")
+    assert res.returncode == 0, res.out[-3000:]
+    assert f"resumed from {run_dir / 'checkpoints' / first}" in res.out
+    got = metrics_by_step(run_dir)
+    k = int(first.split("_")[1])
+    assert sorted(got) == sorted(ref) and all(got[s]["loss"] == ref[s]["loss"] for s in range(k + 1, 9))
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from ds_train.configfile import load_config
+
+    lora = load_config(str(config(straight)), []).model.lora
+    model = apply_lora(AutoModelForCausalLM.from_pretrained(own_base), lora, 0)
+    trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    tag = straight / "checkpoints" / "step_00000008"
+    size = sum(p.stat().st_size for p in tag.iterdir())
+    loop = sum(p.stat().st_size for p in tag.glob("ds_train_*"))
+    # the adapters (fp32 here) and their optimizer states: DeepSpeed's fp32 master copy, exp_avg, exp_avg_sq
+    assert size <= 1.1 * (trained * 4 + trained * 12 + loop), (size, trained)
+    saved = torch.load(tag / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=False)["module"]
+    assert saved and all(".lora_" in k or ".modules_to_save." in k for k in saved), sorted(saved)[:5]  # no base
+
+    with torch.no_grad():  # another base at the same path: the adapters do not fit it any more
+        other = AutoModelForCausalLM.from_pretrained(own_base)
+        for p in other.parameters():
+            p.add_(0.01)
+        other.save_pretrained(own_base)
+    res = ds_train("train", "--config", str(config(run_dir)), "--ds-config", str(ROOT / "ds_configs" / "zero2.json"),
+                   "train.max_steps=10", timeout=180)
+    assert res.returncode == 2, res.out[-3000:]
+    last = res.out.strip().splitlines()[-1]
+    assert last.startswith(f"ds-train: error: {run_dir / 'checkpoints' / 'step_00000008'}: the base model's weights "
+                           f"changed since this checkpoint (model.path {str(own_base)!r}: fingerprint "), last
+    assert sorted(metrics_by_step(run_dir)) == sorted(ref)  # nothing written
+    assert os.path.exists(run_dir / "checkpoints" / "step_00000008")
