@@ -1,7 +1,7 @@
 """Run under the deepspeed launcher by tests/test_memory.py: for each ZeRO stage, and for ZeRO-1/2
 under AutoTP (parallel.tensor=2), build the engine with ds_train, take one step, then measure what
 the engine holds at the next step boundary (after the last backward, before engine.step) against
-ds_train.memory.model_states; for AutoTP, against what `ds-train estimate` and `dry-run` report a rank
+ds_train.memory.model_states; for AutoTP and LoRA, against what `ds-train estimate` and `dry-run` report a rank
 holds (run_estimate's row for the run: the model's config, not the engine, says what AutoTP splits),
 and the activations autograd saves in one forward on a tensor rank against memory.activation_bytes."""
 
@@ -25,12 +25,15 @@ from ds_train.trainer import train_spec, train_step
 
 data_dir, out_dir, root = (Path(a) for a in [a for a in sys.argv[1:] if not a.startswith("--")])
 env = dist.detect_env()
-CASES = [(stage, dtype, 1) for stage in (0, 1, 2, 3) for dtype in ("fp32", "bf16")]
-CASES += [(0, "fp32", 2)] + [(stage, dtype, 2) for stage in (1, 2) for dtype in ("fp32", "bf16")]
-for stage, dtype, tensor in CASES:
+CASES = [(stage, dtype, 1, 0) for stage in (0, 1, 2, 3) for dtype in ("fp32", "bf16")]
+CASES += [(stage, "bf16", 1, 8) for stage in (0, 2, 3)]  # LoRA rank 8: a frozen base
+# AutoTP last: DeepSpeed keeps its tensor-parallel state in the process after the engine is gone
+CASES += [(0, "fp32", 2, 0)] + [(stage, dtype, 2, 0) for stage in (1, 2) for dtype in ("fp32", "bf16")]
+for stage, dtype, tensor, lora in CASES:
     cfg = build_config({
-        "output_dir": str(out_dir / f"z{stage}_{dtype}_tp{tensor}"), "seed": 1, "parallel": {"tensor": tensor},
-        "model": {"dtype": dtype, "config": {
+        "output_dir": str(out_dir / f"z{stage}_{dtype}_tp{tensor}_lora{lora}"), "seed": 1,
+        "parallel": {"tensor": tensor},
+        "model": {"dtype": dtype, "lora": {"rank": lora}, "config": {
             "model_type": "llama", "hidden_size": 128, "intermediate_size": 352,
             "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
             "max_position_embeddings": 128, "tie_word_embeddings": False}},
@@ -50,13 +53,13 @@ for stage, dtype, tensor in CASES:
             if engine.is_gradient_accumulation_boundary():
                 measured = engine_state_bytes(engine)
             engine.step()
-        if tensor > 1:  # what `ds-train estimate` and `dry-run` say a rank holds, from the model's config
+        if tensor > 1 or lora:  # what `ds-train estimate` and `dry-run` say a rank holds, from the model's config
             rows = run_estimate(cfg, str(root / "ds_configs" / f"zero{stage}.json"),
                                 Target(1, env.world_size, 80.0), None)["rows"]
             predicted = next(r for r in rows if r["given"])["model_states_gib"] * GiB
         else:
             predicted = model_states(n, stage, dtype, data).held
-        print("PROBE " + json.dumps({"stage": stage, "dtype": dtype, "tensor": tensor, "rank": env.rank,
+        print("PROBE " + json.dumps({"stage": stage, "dtype": dtype, "tensor": tensor, "lora": lora, "rank": env.rank,
                                      "measured": measured, "predicted": predicted}), flush=True)
         if tensor > 1 and stage == 1:  # activations: the same forward as the single-process test's
             batch = rank_micro_batches(inputs.data.train, 2, 8, 2, data_rank, data)[0]  # (micro, seq_len + 1)

@@ -21,9 +21,10 @@ def test_predicted_model_states_match_what_each_rank_holds(tiny_data, tmp_path):
                   timeout=600)
     assert res.returncode == 0, res.out[-4000:]
     probes = [json.loads(m) for m in re.findall(r"PROBE (\{[^}]*\})", res.out)]  # ranks interleave
-    assert {(p["stage"], p["dtype"], p["tensor"], p["rank"]) for p in probes} == {
-        (s, d, 1, r) for s in range(4) for d in ("fp32", "bf16") for r in range(2)} | {
-        (s, d, 2, r) for s in (1, 2) for d in ("fp32", "bf16") for r in range(2)} | {(0, "fp32", 2, r) for r in range(2)}
+    assert {(p["stage"], p["dtype"], p["tensor"], p["lora"], p["rank"]) for p in probes} == {
+        (s, d, 1, 0, r) for s in range(4) for d in ("fp32", "bf16") for r in range(2)} | {
+        (s, d, 2, 0, r) for s in (1, 2) for d in ("fp32", "bf16") for r in range(2)} | {
+        (0, "fp32", 2, 0, r) for r in range(2)} | {(s, "bf16", 1, 8, r) for s in (0, 2, 3) for r in range(2)}
     for p in probes:
         assert p["predicted"] == pytest.approx(p["measured"], rel=0.05), p
     # AutoTP (tensor 2, ZeRO-1): the activations one forward saves on each tensor rank, against the

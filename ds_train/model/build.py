@@ -105,7 +105,24 @@ def build_model(model_cfg: ModelConfig, hf_config, ds_config: dict, seed: int = 
         checkpoint_activations(model)
     if lora_enabled(model_cfg.lora):  # the adapters on the built (ZeRO-3: partitioned) base
         model = apply_lora(model, model_cfg.lora, seed)
+        if zero3:
+            match_partitioned_dtype(model)
     return BuiltModel(model, hf_config, keep_alive, new_weights)
+
+
+def match_partitioned_dtype(model) -> None:
+    """Parameters made after zero.Init (LoRA's adapters) take the dtype it gave the partitioned base
+    (bf16/fp16 in mixed precision): DeepSpeed partitions them at initialize and ZeRO-3 keeps one
+    low-precision dtype for all of a group's parameters."""
+    import torch
+
+    dtype = next((p.dtype for p in model.parameters() if hasattr(p, "ds_id")), None)
+    if dtype is None:
+        return
+    with torch.no_grad():
+        for p in model.parameters():
+            if not hasattr(p, "ds_id") and p.dtype != dtype:
+                p.data = p.data.to(dtype)
 
 
 def checkpoint_activations(model) -> None:
