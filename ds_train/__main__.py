@@ -50,6 +50,7 @@ def check_command(argv: list[str], world_size: int):
     from ds_train.configfile import load_config
     from ds_train.engine import read_ds_template
     from ds_train.inputs import model_config
+    from ds_train.model.lora import check_lora
     from ds_train.parallel import check_model, check_parallel
 
     args = build_parser().parse_args(argv)
@@ -63,6 +64,8 @@ def check_command(argv: list[str], world_size: int):
     dims, plan, _ = args.spec(cfg).check(cfg, world_size)
     if dims.sequence * dims.tensor > 1:  # a layout that splits the heads (the model's config, no data)
         check_model(dims, model_config(cfg), cfg.model.attn_implementation, cfg.train.seq_len)
+    if cfg.model.lora.rank:  # target modules the model has
+        check_lora(cfg.model.lora, model_config(cfg))
     check_parallel(cfg, template)
     return cfg, plan
 

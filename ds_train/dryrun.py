@@ -32,6 +32,7 @@ from ds_train.losses import forward_loss
 from ds_train.memory import GiB, ModelShape, model_shape
 from ds_train.metrics import PEAK_TFLOPS, memory_gib, peak_flops
 from ds_train.model.build import count_params, flops_per_token, lookup_params, resolve_dtype
+from ds_train.model.lora import check_lora
 from ds_train.parallel import check_model, check_parallel, plan_dims
 from ds_train.plan import (Target, format_rows, format_suggestions, pick_preset, plan_rows, rank_seq_len, resolved_zero,
                            suggestions)
@@ -87,6 +88,7 @@ def run_estimate(cfg: RunConfig, ds_config_path: str, target: Target, preset: st
                dims.derivation())
     shape, hf_config = resolve_shape(cfg)
     check_model(dims, hf_config, cfg.model.attn_implementation, cfg.train.seq_len)
+    check_lora(cfg.model.lora, hf_config, library=False)  # the plan is for GPUs, not this machine
     check_parallel(cfg, template)
     dtype = _dtype(cfg, on_gpu=True)
     zero = resolved_zero(template, shape)
@@ -94,7 +96,7 @@ def run_estimate(cfg: RunConfig, ds_config_path: str, target: Target, preset: st
     out = {"target": {"nodes": target.nodes, "gpus_per_node": target.gpus_per_node, "world": target.world,
                       "gpu_memory_gib": target.gpu_memory_gib, "parallel": dims.record()},
            "model": {"params": shape.n_params, "layers": shape.n_layers, "hidden": shape.hidden,
-                     "rank_params": round(shape.rank_params(dims.tensor))},
+                     "rank_params": round(shape.rank_params(dims.tensor)), "trainable": shape.trainable or shape.n_params},
            "dtype": dtype, "rows": rows, "seq_len": cfg.train.seq_len, "rank_seq_len": rank_seq_len(cfg)}
     given = next(r for r in rows if r["given"])
     if not given["fits"]:
@@ -106,8 +108,10 @@ def run_estimate(cfg: RunConfig, ds_config_path: str, target: Target, preset: st
 
 def format_estimate(out: dict, target: Target) -> str:
     m = out["model"]
+    lora = (f"; LoRA trains {m['trainable'] / 1e6:,.2f}M of them (the frozen base: no gradients, no optimizer "
+            f"states)") if m.get("trainable", m["params"]) < m["params"] else ""
     lines = [f"model: {m['params'] / 1e6:,.1f}M parameters, {m['layers']} layers, hidden {m['hidden']}; "
-             f"dtype {out['dtype']}", format_rows(out["rows"], target)]
+             f"dtype {out['dtype']}{lora}", format_rows(out["rows"], target)]
     par = out["target"]["parallel"]
     if par["sequence"] > 1:
         lines.insert(1, f"parallel: data {par['data']} x sequence {par['sequence']} x tensor {par['tensor']}; each "

@@ -243,3 +243,34 @@ def test_a_killed_lora_run_resumes_exactly_its_checkpoints_hold_the_adapters_and
                            f"changed since this checkpoint (model.path {str(own_base)!r}: fingerprint "), last
     assert sorted(metrics_by_step(run_dir)) == sorted(ref)  # nothing written
     assert os.path.exists(run_dir / "checkpoints" / "step_00000008")
+
+
+def test_bad_lora_input_is_one_line_before_anything_is_written(capsys, tiny_data, base, tmp_path):
+    """ds-train train, launch --check and estimate: a target that matches nothing, a quantised base
+    without its GPU library, LoRA with AutoTP; each one line, exit 2, the run directory untouched."""
+    from test_cli import expect_error
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "metrics.jsonl").write_text('{"step": 1, "loss": 5.0}\n')
+    cfg = write_config(tmp_path / "c.yaml", tiny_config(tiny_data, run_dir, model={
+        "config": dict(TINY_MODEL), "dtype": "fp32", "lora": {"rank": 4}}))
+    zero2 = str(ROOT / "ds_configs" / "zero2.json")
+    train = ["train", "--config", str(cfg), "--ds-config", zero2]
+    expect_error(capsys, run_dir, [*train, "model.lora.target_modules=[q_proj,query]"],
+                 "model.lora.target_modules: 'query' match no linear layer of this llama model; choose from q_proj")
+    expect_error(capsys, run_dir, [*train, "model.lora.target_modules=[]"],
+                 "trains nothing; list target_modules")
+    expect_error(capsys, run_dir, [*train, f"model.path={base}", "model.config={}", "model.lora.load_in=8bit"],
+                 "model.lora.load_in=8bit (QLoRA) needs bitsandbytes")
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("127.0.0.2 slots=2\n")
+    expect_error(capsys, run_dir, ["launch", "--hostfile", str(hostfile), "--check", "--", *train,
+                                   "model.lora.target_modules=[qkv]"], "'qkv' match no linear layer")
+    expect_error(capsys, run_dir, ["estimate", "--config", str(cfg), "--ds-config", zero2, "--nodes", "1",
+                                   "--gpus-per-node", "2", "parallel.tensor=2"],
+                 "parallel.tensor=2 with LoRA (model.lora.rank=4)")
+    from ds_train.__main__ import main
+
+    assert main(["estimate", "--config", str(cfg), "--ds-config", zero2, "--nodes", "1", "--gpus-per-node", "1"]) == 0
+    assert "; LoRA trains 0.01M of them (the frozen base: no gradients, no optimizer states)" in capsys.readouterr().out

@@ -49,14 +49,14 @@ def module_names(hf_config) -> list[str]:
     return sorted({name.rsplit(".", 1)[-1] for name, _ in model.named_modules() if name})
 
 
-def check_lora(lora: LoraConfig, hf_config) -> None:
+def check_lora(lora: LoraConfig, hf_config, library: bool = True) -> None:
     """Before anything is built or written: every target module names a linear layer of this model
-    (peft matches a name or a name's last parts), every module to save exists, and a quantised base
-    has its GPU library. One line for all problems."""
+    (peft matches a name or a name's last parts), every module to save exists, and (`library`: on the
+    machine that trains) a quantised base has its GPU library. One line for all problems."""
     if not enabled(lora):
         return
     problems = []
-    if lora.load_in != "none":
+    if lora.load_in != "none" and library:
         problems += quantisation_problems(lora.load_in)
     linears, head = linear_names(hf_config)
     kind = getattr(hf_config, "model_type", "this")
