@@ -274,3 +274,24 @@ def test_bad_lora_input_is_one_line_before_anything_is_written(capsys, tiny_data
 
     assert main(["estimate", "--config", str(cfg), "--ds-config", zero2, "--nodes", "1", "--gpus-per-node", "1"]) == 0
     assert "; LoRA trains 0.01M of them (the frozen base: no gradients, no optimizer states)" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_ript_trains_the_adapters_of_the_policy(tiny_policy, tmp_path):
+    """RIPT with model.lora: the policy is the adapted model (ZeRO-2, 2 processes); the update moves
+    the adapters alone and the final checkpoint holds them, not the base."""
+    import torch
+
+    from conftest import ript_config
+    from test_ript_trainer import launch_ript
+
+    # 3 iterations: the first steps at lr 0 (the warmup starts there)
+    res = launch_ript(ript_config(tmp_path, tiny_policy, iterations=3), "model.lora.rank=4",
+                      "model.lora.target_modules=[q_proj,v_proj]")
+    assert res.returncode == 0, res.out[-4000:]
+    assert "M of them trained (LoRA rank 4: the adapters; the base frozen)" in res.out
+    tag = checkpoint.latest_complete(tmp_path / "run" / "checkpoints")
+    saved = torch.load(tmp_path / "run" / "checkpoints" / tag / "mp_rank_00_model_states.pt", map_location="cpu",
+                       weights_only=False)["module"]
+    assert saved and all(k.endswith((".lora_A.default.weight", ".lora_B.default.weight")) for k in saved), sorted(saved)
+    assert any(float(v.abs().max()) > 0 for k, v in saved.items() if "lora_B" in k)  # the update moved them
