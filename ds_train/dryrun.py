@@ -239,9 +239,10 @@ def _checkpoint_round_trip(run, val, work: Path) -> dict:
     size = sum(p.stat().st_size for p in (ckpt_dir / tag).rglob("*") if p.is_file())
     with torch.no_grad():
         for p in engine.module.parameters():
-            t = getattr(p, "ds_tensor", p)
-            t.data.add_(1.0)  # disturb the weights, so the load has to restore them
-    engine.load_checkpoint(str(ckpt_dir), tag=tag)
+            if p.requires_grad:  # what a checkpoint holds (a LoRA run's frozen base is not in it)
+                t = getattr(p, "ds_tensor", p)
+                t.data.add_(1.0)  # disturb the weights, so the load has to restore them
+    engine.load_checkpoint(str(ckpt_dir), tag=tag, load_module_strict=not checkpoint.has_frozen(engine))  # LoRA
     with torch.no_grad():
         after = float(forward_loss(engine, batch)[0])
     engine.train()

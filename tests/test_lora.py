@@ -295,3 +295,13 @@ def test_ript_trains_the_adapters_of_the_policy(tiny_policy, tmp_path):
                        weights_only=False)["module"]
     assert saved and all(k.endswith((".lora_A.default.weight", ".lora_B.default.weight")) for k in saved), sorted(saved)
     assert any(float(v.abs().max()) > 0 for k, v in saved.items() if "lora_B" in k)  # the update moved them
+
+
+@pytest.mark.slow
+def test_the_dry_run_of_a_lora_run_says_what_trains_and_its_checkpoint_round_trips(tiny_data, base, tmp_path):
+    cfg = lora_run(tiny_data, base, tmp_path / "run")
+    res = ds_train("dry-run", "--config", str(cfg), "--ds-config", str(ROOT / "ds_configs" / "zero3.json"),
+                   "--nodes", "1", "--gpus-per-node", "2", timeout=300)
+    assert res.returncode == 0, res.out[-3000:]
+    assert "LoRA trains 0.05M of them (the frozen base: no gradients, no optimizer states)" in res.out
+    assert "save/load round trip ok" in res.out, res.out[-2000:]
