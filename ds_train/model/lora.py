@@ -140,7 +140,3 @@ def _drop_frozen(module, state_dict, prefix, local_metadata) -> None:
     for name, p in module.named_parameters(remove_duplicate=False):
         if not p.requires_grad:
             state_dict.pop(prefix + name, None)
-
-
-def trainable(model) -> list:
-    return [p for p in model.parameters() if p.requires_grad]
