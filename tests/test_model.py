@@ -348,8 +348,8 @@ def test_the_tiled_loss_is_the_full_logits_loss_in_tiles():
         grads.append((float(loss.detach()), count, {n: p.grad.clone() for n, p in model.named_parameters()}))
     (full, n_full, g_full), (tiled, n_tiled, g_tiled) = grads
     assert n_full == n_tiled == 73 and abs(tiled - full) <= 1e-5 * abs(full)
-    for name, g in g_full.items():
-        assert torch.allclose(g_tiled[name], g, rtol=1e-5, atol=1e-7), name
+    for name, g in g_full.items():  # against the tensor's scale: an element near 0 carries fp32 summation order
+        assert float((g_tiled[name] - g).abs().max()) <= 1e-5 * float(g.abs().max()), name
     assert "forward" not in vars(model.get_output_embeddings())  # the head is itself again
     assert tiles(model, 80, 16) and not tiles(model, 16, 16) and not tiles(model, 80, 0)
     model.config.final_logit_softcapping = 30.0
