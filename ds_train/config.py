@@ -359,8 +359,12 @@ class WatchdogConfig(Section):
 class RiptConfig(Section):
     """RIPT post-training: the tasks, RLOO with dynamic sampling, PPO's clipped update, evaluation."""
 
-    tasks: list[str] = _f(["add", "rev", "copy", "sort", "parity", "max", "guess"],
-                     "Tasks to post-train on: built-in names or module:Class (see ds_train/ript/tasks.py).")
+    tasks: list[str | dict[str, Any]] = _f(
+        ["add", "rev", "copy", "sort", "parity", "max", "guess"],
+        "Tasks to post-train on: built-in names, module:Class (ds_train/ript/tasks.py), or datasets of prompts "
+        "and answers: a path (JSONL, parquet, .csv, .arrow, a `datasets` directory) or a mapping {data, "
+        "verifier: exact|numeric|regex|boxed|module:function, prompt_key, answer_key, system, tolerance, "
+        "pattern, heldout_fraction, stop, max_new_tokens, name} (ds_train/ript/datatask.py).")
     policy: str = _f("", "Empty: the model acts. module:Class: a scripted policy with "
                          "act(task, context, transcript, index) -> str (tests and debugging).")
     iterations: int = _f(50, "RIPT iterations (sample, then update).", POSITIVE)
@@ -380,6 +384,39 @@ class RiptConfig(Section):
     task_weighting: Literal["uniform", "accepted"] = _f(
         "uniform", "How a rank shares its rollouts among its tasks: in turn (uniform), or in proportion "
                    "to each task's recent rate of accepted contexts (accepted; at least 0.1 each).")
+    advantage: Literal["rloo", "grpo"] = _f(
+        "rloo", "Advantage estimator (verl adv_estimator): rloo, leave-one-out (RIPT; Ahmadian et al. 2024); grpo, "
+                "group mean and std (Shao et al. 2024; DAPO), scaled as scale_rewards says.")
+    scale_rewards: Literal["group", "batch", "none"] = _f(
+        "group", "grpo's std (TRL scale_rewards): group, each group's own (GRPO, DAPO); batch, the std of every "
+                 "accepted rollout of all ranks; none, centred only (Dr. GRPO). rloo is never scaled.")
+    loss_agg_mode: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = _f(
+        "token-mean", "How token losses make the step's loss, over all ranks and micro-batches (verl loss_agg_mode, "
+                      "TRL loss_type): token-mean, over every valid token (DAPO, TRL dapo); seq-mean-token-mean, "
+                      "each rollout's token mean, then the mean over rollouts (GRPO, TRL grpo); "
+                      "seq-mean-token-sum-norm, token sums over rollouts x the most tokens a rollout can have "
+                      "(Dr. GRPO, TRL dr_grpo).")
+    kl_coef: float = _f(0.0, "KL to the reference policy (the starting model, frozen; with LoRA the base with the "
+                             "adapters off). 0: no reference model is built (DAPO, Dr. GRPO); GRPO used 0.04.",
+                        NON_NEGATIVE)
+    kl_estimator: Literal["k1", "k3"] = _f(
+        "k3", "KL estimator (Schulman 2020): k1, log pi - log pi_ref (verl kl); k3, the low-variance "
+              "exp(d) - d - 1 (verl low_var_kl, GRPO's).")
+    kl_in: Literal["loss", "reward"] = _f(
+        "loss", "Where the KL goes: loss, a per-token term aggregated as the policy loss (verl use_kl_loss, "
+                "GRPO); reward, kl_coef x the rollout's summed KL subtracted from its reward before the "
+                "advantages (verl use_kl_in_reward, RLOO's original).")
+    mask_truncated: bool = _f(False, "Rollouts cut off at max_new_tokens train on no token (TRL "
+                                     "mask_truncated_completions, DAPO's overlong filtering); they still count "
+                                     "in their group's advantages.")
+    overlong_buffer: int = _f(0, "DAPO's soft overlong punishment: a rollout within this many tokens of the most "
+                                 "it may generate loses up to overlong_penalty of reward, linearly. 0: off (DAPO: "
+                                 "4096 of 20480).", NON_NEGATIVE)
+    overlong_penalty: float = _f(1.0, "The reward lost at the length limit under overlong_buffer (DAPO: 1.0).",
+                                 NON_NEGATIVE)
+    max_sampling_rounds: int = _f(0, "Cap on the rounds of dynamic sampling in an iteration (verl "
+                                     "max_num_gen_batches); the update takes what was accepted by then. 0: no "
+                                     "cap but max_contexts_checked.", NON_NEGATIVE)
     ppo_epochs: int = _f(1, "Passes over the accepted rollouts per iteration.", POSITIVE)
     clip_low: float = _f(0.2, "PPO ratio clip below 1 (ratio >= 1 - clip_low).")
     clip_high: float = _f(0.28, "PPO ratio clip above 1 (ratio <= 1 + clip_high).")
@@ -405,6 +442,11 @@ class RiptConfig(Section):
                         f"0 <= clip_low < 1 and clip_high >= 0")
         if not self.tasks or len(set(map(str, self.tasks))) != len(self.tasks):
             errs.append(f"ript.tasks: {self.tasks} must be a non-empty list without repeats")
+        if self.advantage == "rloo" and self.scale_rewards != "group":
+            errs.append(f"ript.scale_rewards: {self.scale_rewards} scales grpo's advantages, and ript.advantage is "
+                        f"rloo (never scaled); set ript.advantage=grpo, or leave scale_rewards out")
+        if self.kl_coef == 0 and (self.kl_in != "loss" or self.kl_estimator != "k3"):
+            errs.append("ript.kl_in / kl_estimator: set, but ript.kl_coef is 0 (no KL term); set kl_coef")
         return errs
 
 

@@ -64,10 +64,17 @@ PATTERNS: list[tuple[str, str, str]] = [
 ]
 # Causes before consequences: the finding of the class listed first heads the report.
 PRIORITY = ["config_error", "missing_module", "ssh", "port_in_use", "wandb_login", "disk_full", "cuda_oom",
-            "cpu_oom", "nccl_error", "nccl_timeout", "rendezvous", "nonfinite", "hang", "killed_rank", "rank_error"]
+            "cpu_oom", "nccl_error", "nccl_timeout", "rendezvous", "nonfinite", "hang", "killed_rank", "rank_error",
+            "rl_truncated", "rl_no_signal"]
 COMPILED = [(cls, title, re.compile(p)) for cls, title, p in PATTERNS]
 RANK_ERROR = next(p for cls, _, p in COMPILED if cls == "rank_error")
-TITLES = {cls: title for cls, title, _ in PATTERNS}
+# Findings of a post-training run's statistics (metrics.jsonl), not of its logs.
+TITLES = {cls: title for cls, title, _ in PATTERNS} | {
+    "rl_no_signal": "post-training without a learning signal: every group's rewards were equal",
+    "rl_truncated": "post-training rollouts cut off at their token limit"}
+RL_RECENT = 5  # the syncs a post-training finding looks at
+RL_NO_SIGNAL = 0.95  # the share of groups with equal rewards above which nothing is learned
+RL_TRUNCATED = 0.5  # the share of truncated rollouts above which the limit decides the reward
 # Lines that look alarming and are not: DeepSpeed's and torch's routine warnings.
 BENIGN = re.compile(r"\[WARNING\].*(get_lr|Setting accelerator|real_accelerator)|UserWarning|FutureWarning|"
                     r"DeprecationWarning|^\s*warnings\.warn")
@@ -212,11 +219,47 @@ def _from_records(view, found: dict[str, Finding]) -> None:
         f.where = f"rank {first.get('rank')} on {first.get('addr') or first.get('host')}" if first else f.where
     if not view.hang and view.state()[0] in ("dead", "not started") and view.heartbeats:
         _stuck_without_report(view, found)
+    if view.kind.name == "ript":
+        _post_training(view, found)
     losses = [r.get("train/loss") for r in view.metrics[-3:]]
     bad = [x for x in losses if isinstance(x, float) and not math.isfinite(x)]
     if bad:
         f = found.setdefault("nonfinite", Finding("nonfinite", TITLES["nonfinite"]))
         f.evidence.append(f"metrics.jsonl: train/loss {bad[-1]} at step {view.metrics[-1]['step']}")
+
+
+def rl_statistics(view) -> str:
+    """A post-training run's statistics at its last sync, one line (empty for other runs)."""
+    synced = [r for r in view.metrics if "ript/checked" in r]
+    if view.kind.name != "ript" or not synced:
+        return ""
+    last = synced[-1]
+    keys = (("reward mean", "ript/reward_mean"), ("reward std", "ript/reward_std"),
+            ("groups with equal rewards", "ript/frac_reward_zero_std"), ("truncated", "ript/truncated_frac"),
+            ("KL", "policy/kl"), ("held-out success", "eval/success"))
+    held = next((r["eval/success"] for r in reversed(view.metrics) if "eval/success" in r), None)
+    parts = [f"{label} {(held if key == 'eval/success' else last[key]):.3g}" for label, key in keys
+             if key in last or key == "eval/success" and held is not None]
+    return f"post-training statistics at iteration {last['step']}: " + ", ".join(parts)
+
+
+def _post_training(view, found: dict[str, Finding]) -> None:
+    """A post-training run that learns nothing: the last syncs' groups all had equal rewards (all
+    solved or all failed), or most rollouts hit their token limit."""
+    recent = [r for r in view.metrics if "ript/checked" in r][-RL_RECENT:]
+    if not recent:
+        return
+    for cls, key, limit, what in (("rl_no_signal", "ript/frac_reward_zero_std", RL_NO_SIGNAL,
+                                   "of the groups had K equal rewards"),
+                                  ("rl_truncated", "ript/truncated_frac", RL_TRUNCATED, "of the rollouts were truncated")):
+        values = [r.get(key) for r in recent]
+        if all(isinstance(v, (int, float)) and v >= limit for v in values):
+            f = found.setdefault(cls, Finding(cls, TITLES[cls]))
+            f.evidence.append(f"metrics.jsonl: iterations {recent[0]['step']}-{recent[-1]['step']}: "
+                              f"{min(values):.0%}-{max(values):.0%} {what}")
+            success = [r.get("ript/success_rate") for r in recent]
+            if cls == "rl_no_signal" and all(isinstance(x, (int, float)) for x in success):
+                f.context.append(f"success rate {min(success):.2f}-{max(success):.2f}")
 
 
 def _stuck_without_report(view, found: dict[str, Finding]) -> None:
@@ -280,5 +323,9 @@ def format_findings(target: str, findings: list[Finding]) -> str:
 
 def doctor(paths: list[str]) -> int:
     findings = diagnose(*paths)
+    for path in paths:  # a post-training run's numbers, whatever was found
+        said = rl_statistics(read_run(path)) if Path(path).is_dir() else ""
+        if said:
+            print(f"ds-train doctor: {path}: {said}")
     print(format_findings(" ".join(paths), findings))
     return 1 if findings else 0

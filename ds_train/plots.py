@@ -127,7 +127,24 @@ class _Plotter:
         return self.finish(fig, [ax], "RIPT: held-out success")
 
 
-FIGURES = ("loss", "lr", "throughput", "memory", "success", "heldout")  # what a RunKind may name
+    def rewards(self):
+        fig, (top, bottom) = self.plt.subplots(2, 1, figsize=(7, 6), sharex=True)
+        for label, recs in self.runs:
+            xs, mean = series(recs, "ript/reward_mean")
+            _, std = series(recs, "ript/reward_std")
+            self.line(top, xs, mean, self.name(label, "reward mean"), linewidth=2)
+            if len(std) == len(mean) and mean:
+                top.fill_between(xs, [m - s for m, s in zip(mean, std)], [m + s for m, s in zip(mean, std)],
+                                 alpha=0.2)
+            for key, what in (("ript/frac_reward_zero_std", "groups with equal rewards"),
+                              ("ript/truncated_frac", "truncated rollouts"), ("policy/kl", "KL to the reference")):
+                self.line(bottom, *series(recs, key), self.name(label, what))
+        top.set(ylabel="reward (rollouts; band: +- std)")
+        bottom.set(xlabel="iteration", ylabel="fraction / KL per token")
+        return self.finish(fig, [top, bottom], "post-training: rewards, filtering, truncation, KL")
+
+
+FIGURES = ("loss", "lr", "throughput", "memory", "success", "heldout", "rewards")  # what a RunKind may name
 
 
 def figures(runs: list[tuple[str, list[dict]]], kind: RunKind = TRAIN) -> dict:

@@ -143,6 +143,7 @@ class Run:
     watchdog: Watchdog
     describe_run: Callable[[int], None]  # writes config.yaml ... and rewinds metrics (see maybe_resume)
     lock: int | None  # the run directory's lock (writers), held until the process ends
+    weights: Path | None = None  # the directory the starting weights were loaded from (None: from scratch)
 
     @property
     def run_dir(self) -> Path:
@@ -401,7 +402,7 @@ def _build_run(inputs: RunInputs, env: dist.DistEnv, spec: RunSpec, stop: StopRe
     token_group = dist.subgroup(dims.token_groups(), env.rank)
     return Run(cfg, env, spec, dims, token_group, plan, paths, ds_config, dtype, lr, engine, source.tokenizer,
                n_params, fpt, peak_flops(device_name, cfg.log.peak_tflops) if on_gpu else None, logger, rank_log,
-               say, ckpt, guard, stop, resume, decision.said, hosts, heartbeat, watchdog, describe_run, lock)
+               say, ckpt, guard, stop, resume, decision.said, hosts, heartbeat, watchdog, describe_run, lock, weights)
 
 
 def _ending(exc: BaseException | None) -> str:

@@ -102,11 +102,14 @@ TRAIN = RunKind(
     figures=("loss", "lr", "throughput", "memory"), progress=("train/loss", "loss"))
 RIPT = RunKind(
     "ript", "iteration", "ript.iterations", "ript_results.json",
-    console_keys=("ript/success_rate", "ript/accepted", "ript/rejected", "ript/checked", "policy/loss",
-                  "policy/clip_frac", "perf/rollouts_per_s", "eval/success"),
-    curves=(("success", "ript/success_rate"), ("held-out", "eval/success"), ("policy loss", "policy/loss"),
+    console_keys=("ript/success_rate", "ript/reward_mean", "ript/accepted", "ript/rejected", "ript/checked",
+                  "ript/truncated_frac", "policy/loss", "policy/kl", "policy/clip_frac", "perf/rollouts_per_s",
+                  "eval/success"),
+    curves=(("success", "ript/success_rate"), ("held-out", "eval/success"), ("reward mean", "ript/reward_mean"),
+            ("reward std", "ript/reward_std"), ("zero-std groups", "ript/frac_reward_zero_std"),
+            ("truncated", "ript/truncated_frac"), ("KL", "policy/kl"), ("policy loss", "policy/loss"),
             ("rollouts/s", "perf/rollouts_per_s")),
-    figures=("success", "heldout"), progress=("ript/success_rate", "success"), per_task=True)
+    figures=("success", "heldout", "rewards"), progress=("ript/success_rate", "success"), per_task=True)
 KINDS = {kind.name: kind for kind in (TRAIN, RIPT)}
 
 

@@ -19,3 +19,12 @@ class Scripted:
     def act(self, task: str, context, transcript: str, index: int) -> str:
         right = load_task(task).answer(context)
         return f" {right if index < wins(task, context) else right + '9'}\n"
+
+
+class Half:
+    """Every context: rollouts 0 and 1 of K right, 2 and 3 wrong. Every group is accepted, so the
+    contexts a run draws do not depend on how the tasks are sharded (the re-split test)."""
+
+    def act(self, task: str, context, transcript: str, index: int) -> str:
+        right = load_task(task).answer(context)
+        return f" {right if index < K // 2 else right + '9'}\n"

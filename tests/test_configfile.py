@@ -29,7 +29,7 @@ def problem(raw: dict, *overrides: str) -> str:
     ({"optim": {"betas": [0.9, None]}}, "optim.betas[1]: None must be a number"),
     ({"train": {"debug_nonfinite_steps": [1, "two"]}}, "train.debug_nonfinite_steps[1]: 'two' must be an integer"),
     ({"train": {"debug_nonfinite_steps": [True]}}, "train.debug_nonfinite_steps[0]: True must be an integer"),
-    ({"ript": {"tasks": ["add", ["rev"]]}}, "ript.tasks[1]: ['rev'] must be a string"),
+    ({"ript": {"tasks": ["add", ["rev"]]}}, "ript.tasks[1]: ['rev'] must be a string or a mapping"),
     ({"launch": {"env": [{"NCCL_DEBUG": 1}]}}, "launch.env[0]: {'NCCL_DEBUG': 1} must be a string"),
     ({"data": {"weights": [1, "2"], "sources": ["a", "b"]}}, "data.weights[1]: '2' must be a number"),
     ({"data": {"pack": 1}}, "data.pack: 1 is not one of auto, true, false"),

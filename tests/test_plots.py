@@ -50,13 +50,20 @@ def test_several_runs_are_overlaid_and_labelled_by_run():
     assert {t.get_text() for t in figs["loss"].axes[0].get_legend().get_texts()} == labels
 
 
-def test_ript_figures_show_success_per_task_and_held_out():
+def test_ript_figures_show_success_per_task_held_out_and_the_reward_statistics():
     recs = [{"step": 0, "eval/success": 0.25, "eval/arith/success": 0.2},
-            {"step": 1, "ript/success_rate": 0.3, "task/arith/success_rate": 0.2, "task/guess/success_rate": 0.4},
+            {"step": 1, "ript/success_rate": 0.3, "task/arith/success_rate": 0.2, "task/guess/success_rate": 0.4,
+             "ript/reward_mean": 0.3, "ript/reward_std": 0.1, "ript/frac_reward_zero_std": 0.5,
+             "ript/truncated_frac": 0.25, "policy/kl": 0.01},
             {"step": 2, "ript/success_rate": 0.5, "task/arith/success_rate": 0.4, "task/guess/success_rate": 0.6,
-             "eval/success": 0.5, "eval/arith/success": 0.45}]
+             "eval/success": 0.5, "eval/arith/success": 0.45, "ript/reward_mean": 0.5, "ript/reward_std": 0.2,
+             "ript/frac_reward_zero_std": 0.25, "ript/truncated_frac": 0.0, "policy/kl": 0.02}]
     figs = figures([("r", recs)], kind=RIPT)
-    assert set(figs) == {"success", "heldout"}
+    assert set(figs) == {"success", "heldout", "rewards"}
+    top, bottom = (lines_of(ax) for ax in figs["rewards"].axes)
+    assert top["reward mean"] == ([1, 2], [0.3, 0.5])
+    assert bottom["groups with equal rewards"] == ([1, 2], [0.5, 0.25])
+    assert bottom["truncated rollouts"] == ([1, 2], [0.25, 0.0]) and bottom["KL to the reference"] == ([1, 2], [0.01, 0.02])
     success = lines_of(figs["success"].axes[0])
     assert success["all tasks"] == ([1, 2], [0.3, 0.5]) and success["guess"] == ([1, 2], [0.4, 0.6])
     held = lines_of(figs["heldout"].axes[0])

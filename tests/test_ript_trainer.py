@@ -23,6 +23,7 @@ from ript_policies import K, wins
 
 pytestmark = pytest.mark.slow
 ZERO2 = str(ROOT / "ds_configs" / "zero2.json")
+TEMPLATE = "{{ bos_token }}{% for m in messages %}{{ m['content'] }}{% endfor %}"  # the policy's plain transcript
 
 
 def ript_args(config: Path, *overrides: str) -> list[str]:
@@ -47,7 +48,8 @@ def predict(iterations: int, quota: int, cap: int) -> list[dict]:
                 (task, _, context), = sampler.next(1, tally)
                 w = wins(task.name, context)
                 keep = 0 < w < K
-                tally.add(task.name, successes=w, rollouts=K, checked=1, accepted=int(keep), rejected=int(not keep))
+                tally.add(task.name, successes=w, rollouts=K, checked=1, accepted=int(keep), rejected=int(not keep),
+                          reward=w, reward_sq=w)  # binary rewards: their squares are themselves
                 accepted, checked = accepted + keep, checked + 1
             per_rank.append(tally.as_dict())
         out.append(per_rank)
@@ -112,8 +114,8 @@ def test_scripted_policy_counts_are_exact_and_summed_over_ranks(scripted_run):
         # one optimizer step per iteration: it starts from the rollout policy, so the PPO ratio is 1
         assert m["policy/ratio"] == 1.0 and m["policy/clip_frac"] == 0.0 and m["policy/tokens"] > 0
         assert ranks[0]["add"]["checked"] + ranks[0]["rev"]["checked"] == 6  # rank 0 hit its cap
-    assert sorted(p.name for p in (run_dir / "plots").iterdir()) == ["heldout.png", "success.png"]
-    assert res.lines(f"plots: {run_dir}/plots/{{success,heldout}}.png"), res.out[-2000:]
+    assert sorted(p.name for p in (run_dir / "plots").iterdir()) == ["heldout.png", "rewards.png", "success.png"]
+    assert res.lines(f"plots: {run_dir}/plots/{{success,heldout,rewards}}.png"), res.out[-2000:]
     results = json.loads((run_dir / "ript_results.json").read_text())
     for task in SCRIPTED_TASKS:  # greedy eval is rollout 0: a success wherever wins >= 1
         heldout = load_task(task).contexts("heldout", 8, 3)
@@ -155,9 +157,11 @@ def test_sigterm_to_the_launcher_saves_and_the_resume_is_exact(sft_policy, tmp_p
     straight, split = tmp_path / "straight", tmp_path / "split"
     for d in (straight, split):
         d.mkdir()
-    scaling = ("optim.lr_scaling=linear", "optim.reference_batch_size=8")
+    scaling = ("optim.lr_scaling=linear", "optim.reference_batch_size=8", f"data.chat_template={TEMPLATE}")
+    data = {"name": "maxdata", "data": str(task_prompts(tmp_path / "max.jsonl", "max")), "stop": ["\n"]}
+    model_ript = {**MODEL_RIPT, "tasks": ["parity", data, "guess"], "kl_coef": 0.02}  # a reference, a dataset
 
-    cfg = ript_config(straight, sft_policy, MODEL_TRAIN, {"lr": LR}, **MODEL_RIPT)
+    cfg = ript_config(straight, sft_policy, MODEL_TRAIN, {"lr": LR}, **model_ript)
     res = run_cmd([sys.executable, "-m", "torch.distributed.launch", "--nproc_per_node", "2", "--master_port",
                    str(free_port()), "--module", "ds_train", "ript", "--config", str(cfg), "--ds-config", ZERO2,
                    *scaling], timeout=300)
@@ -165,7 +169,7 @@ def test_sigterm_to_the_launcher_saves_and_the_resume_is_exact(sft_policy, tmp_p
     assert json.loads((straight / "run" / "env.json").read_text())["launcher"] == "torchrun"
     ref = logged(straight / "run")
 
-    cfg = ript_config(split, sft_policy, MODEL_TRAIN, {"lr": LR}, **MODEL_RIPT)
+    cfg = ript_config(split, sft_policy, MODEL_TRAIN, {"lr": LR}, **model_ript)
     proc = spawn(ript_args(cfg, *scaling, "watchdog.debug_fault=slow:0:1.0"))  # slower (the ranks see the
     wait_for_iteration(proc, split / "run", 2)  # runner gone within a second), same numbers
     os.kill(proc.pid, signal.SIGTERM)  # the `deepspeed` runner alone, as a container runtime signals it
@@ -192,6 +196,7 @@ def test_sigterm_to_the_launcher_saves_and_the_resume_is_exact(sft_policy, tmp_p
             assert got[it].get(key) == ref[it].get(key), (it, key)
         if "policy/loss" in ref[it]:  # logged at each sync: iterations since the last one, over all ranks
             assert got[it]["policy/loss"] == pytest.approx(ref[it]["policy/loss"], rel=1e-6, abs=1e-9)
+            assert got[it]["policy/kl"] == pytest.approx(ref[it]["policy/kl"], rel=1e-6, abs=1e-12)
             assert got[it]["optim/lr"] == pytest.approx(SCALED)  # lr scaling reaches RIPT's engine
     assert sorted(it for it in got if "ript/accepted" in got[it]) == [4, 6]  # ript.sync_every=4, and the last
     # skip_solved's state travels too: the skipped counts above equal the straight run's (how many
@@ -256,3 +261,96 @@ def test_an_idle_rank_joins_every_collective(tiny_policy, tmp_path):
     assert len(idle) == 2 and all(c["copy"]["checked"] == 0 for c in idle)
     busy = rank_counts(tmp_path / "run", 0)
     assert [c["copy"]["accepted"] for c in busy] == [3, 3]  # rank 0 fills its quota alone
+
+
+def final_weights(run_dir: Path) -> dict:
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    tag = checkpoint.latest_complete(run_dir / "checkpoints")
+    return get_fp32_state_dict_from_zero_checkpoint(str(run_dir / "checkpoints"), tag=tag)
+
+
+def test_the_same_rollouts_split_into_other_micro_batches_and_ranks_give_the_same_update(tiny_policy, tmp_path):
+    """ript_policies:Half accepts every context, so 2 ranks x 3 contexts (copy on one, sort on the
+    other) and 1 rank x 6 (copy and sort in turn) roll out the same 24 episodes per iteration. The
+    token-mean loss of the one optimizer step per iteration, and the weights after 4 iterations, are
+    the same on 2 ranks with micro-batches of 4, on 1 rank with 4 (6 accumulation steps) and 1 rank
+    with 8 (3). (DeepSpeed's WarmupCosineLR runs the first two steps at lr 0: iteration 4's loss is
+    the first after an update.) kl_coef 0: no reference policy is built."""
+    common = dict(tasks=["copy", "sort"], policy="ript_policies:Half", advantage="grpo", rollout_contexts=1,
+                  iterations=4)
+    layouts = {"np2_micro4": (2, 3, 4), "np1_micro4": (1, 6, 4), "np1_micro8": (1, 6, 8)}
+    metrics, weights = {}, {}
+    for name, (nproc, quota, micro) in layouts.items():
+        (tmp_path / name).mkdir()
+        cfg = ript_config(tmp_path / name, tiny_policy, {"micro_batch_size": micro, "global_batch_size": 24},
+                          contexts_per_rank=quota, max_contexts_checked=quota, **common)
+        args = ript_args(cfg)
+        args[2] = str(nproc)
+        res = run_cmd(args, timeout=240, env=TESTS_ON_PATH)
+        assert res.returncode == 0, res.out[-4000:]
+        assert "grpo (scale group), token-mean, clip 0.2/0.28, no KL" in res.out
+        assert "reference policy: none (ript.kl_coef 0: no reference model is built)" in res.out
+        run_dir = tmp_path / name / "run"
+        for r in range(nproc):
+            assert "reference policy: none; its parameters hold 0 bytes on this rank" in \
+                (run_dir / "logs" / f"rank_{r}.log").read_text()
+        metrics[name], weights[name] = logged(run_dir), final_weights(run_dir)
+    ref = metrics["np2_micro4"]
+    for name, got in metrics.items():
+        for it in (1, 2, 3, 4):
+            assert got[it]["ript/accepted"] == 6 and got[it]["policy/tokens"] == ref[it]["policy/tokens"] > 0
+            assert got[it]["ript/frac_reward_zero_std"] == 0.0 and got[it]["ript/reward_mean"] == 0.5
+            assert got[it]["policy/loss"] == pytest.approx(ref[it]["policy/loss"], rel=1e-6, abs=1e-9), (name, it)
+        assert got[4]["policy/loss"] != got[3]["policy/loss"]  # the update moved the policy
+        w, w0 = weights[name], weights["np2_micro4"]
+        diff = sum(float((w[k] - w0[k]).norm() ** 2) for k in w0) ** 0.5
+        assert diff <= 1e-6 * sum(float(w0[k].norm() ** 2) for k in w0) ** 0.5, name
+    start = _initial_weights(tiny_policy)
+    assert any(not weights["np1_micro8"][n].equal(w) for n, w in start.items() if n in weights["np1_micro8"])
+
+
+def task_prompts(path: Path, name: str, n: int = 400, answer: str = "") -> Path:
+    """A JSONL dataset of a built-in task's prompts and answers (the policy's own format); `answer`:
+    only the contexts with that answer."""
+    task = load_task(name)
+    rows = [json.dumps({"prompt": task.reset(c), "answer": task.answer(c)})
+            for split in ("train", "heldout") for c in task.contexts(split, n // 2, 0)
+            if answer in ("", task.answer(c))]
+    path.write_text("\n".join(rows) + "\n")
+    return path
+
+
+def test_a_dataset_task_with_a_reference_policy_trains_under_zero3_and_its_heldout_success_rises(sft_policy,
+                                                                                                   tmp_path):
+    """ZeRO-3, 2 processes: the policy learns a task read from a JSONL file (exact verifier, a newline
+    ends a completion) with GRPO and a k3 KL term to a frozen reference that each rank holds half of;
+    held-out success (greedy, prompts the hash keeps out of training) rises. The task: parity prompts
+    whose answer is always "odd": the SFT policy says "even" when greedy, "odd" sometimes when sampling."""
+    data = task_prompts(tmp_path / "odd.jsonl", "parity", n=800, answer="odd")
+    task = {"name": "odds", "data": str(data), "verifier": "exact", "stop": ["\n"], "heldout_fraction": 0.2}
+    cfg = ript_config(tmp_path, sft_policy, {"micro_batch_size": 8, "global_batch_size": 32}, {"lr": 1e-3},
+                      tasks=[task], policy="", iterations=8, contexts_per_rank=4, rollout_contexts=4,
+                      max_contexts_checked=16, eval_contexts=40, advantage="grpo", kl_coef=0.05)
+    args = ript_args(cfg, f"data.chat_template={TEMPLATE}", "ript.allow_idle_ranks=true")
+    args[args.index(ZERO2)] = str(ROOT / "ds_configs" / "zero3.json")
+    res = run_cmd(args, timeout=400, env=TESTS_ON_PATH)
+    assert res.returncode == 0, res.out[-4000:]
+    run_dir = tmp_path / "run"
+    assert "grpo (scale group), token-mean, clip 0.2/0.28, KL k3 x 0.05 in the loss" in res.out
+    assert "partitioned over 2 ranks (ZeRO-3)" in res.out
+    from safetensors.torch import load_file
+
+    whole = sum(t.numel() * 4 for t in load_file(sft_policy / "model.safetensors").values())
+    for r in (0, 1):
+        line = next(x for x in (run_dir / "logs" / f"rank_{r}.log").read_text().splitlines()
+                    if "reference policy:" in x)
+        held = int(line.split("hold ")[1].split(" bytes")[0].replace(",", ""))
+        assert 0.4 * whole < held < 0.6 * whole, (held, whole)  # half of it, never whole on a rank
+    got = logged(run_dir)
+    kls = [m["policy/kl"] for m in got.values() if "policy/kl" in m]
+    assert kls and all(k >= 0 for k in kls) and max(kls) > 0
+    results = json.loads((run_dir / "ript_results.json").read_text())
+    first, last = results["evals"][0], results["evals"][-1]
+    assert first["per_task"]["odds"]["episodes"] == 40
+    assert last["success_rate"] > first["success_rate"], (first, last)

@@ -84,6 +84,14 @@ class Renderer:
             raise UserError(f"{where}: the chat template cannot render this conversation ({said}); fix the "
                             f"record or data.chat_template") from None
 
+    def render(self, messages: list[dict], where: str = "the chat template") -> str:
+        """A whole conversation as text."""
+        return self._render(messages, False, where)
+
+    def render_prompt(self, messages: list[dict], where: str) -> str:
+        """The conversation so far and the header of the assistant's turn: what a reply continues."""
+        return self._render(messages, True, where)
+
     def segments(self, messages: list[dict], where: str) -> list[tuple[str, bool]]:
         """The rendered conversation as (text, is_target) pieces, in order."""
         full = self._render(messages, False, where)

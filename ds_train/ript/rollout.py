@@ -1,8 +1,9 @@
 """Batched rollouts: all K episodes of several contexts advance together, one turn at a time.
 
 Each turn asks the policy for the next action of every live episode at once (for a model: one
-`generate` call with a KV cache over left-padded token ids, sampling, stopping at a newline), then
-asks each task for the next observation. Token ids are kept as generated, never re-tokenised from
+`generate` call with a KV cache over left-padded token ids per kind of action, sampling, stopping at
+the task's stop strings: a newline for the built-in tasks), then asks each task for the next
+observation. An action that reaches its max_new_tokens without a stop is marked truncated. Token ids are kept as generated, never re-tokenised from
 text, so the log-probs the update recomputes are those of exactly the tokens the policy sampled.
 """
 
@@ -23,15 +24,38 @@ class Episode:
     turns: int = 0
     done: bool = False
     success: bool = False
+    reward: float = 0.0  # the task's reward (1.0 / 0.0 for success / failure unless the task says)
+    truncated: bool = False  # an action reached its max_new_tokens without a stop token
 
 
 Act = Callable[[list[Episode]], list[list[int]]]  # live episodes -> each one's action token ids
 
 
-def _newline_ids(tokenizer) -> list[int]:
-    """Every vocabulary entry that ends in a newline: any of them ends an action."""
-    return sorted({i for tok, i in tokenizer.get_vocab().items()
-                   if tokenizer.convert_tokens_to_string([tok]).endswith("\n")})
+@dataclass(frozen=True)
+class Generation:
+    """How a task's actions are generated: the strings that end one, and its most tokens."""
+
+    stop: tuple[str, ...]
+    max_new_tokens: int
+
+
+def generation(task, max_new_tokens: int) -> Generation:
+    """A task's Generation: its own `stop` strings (built-in tasks: a newline) and `max_new_tokens`
+    when it has them, else ript.max_new_tokens."""
+    return Generation(tuple(getattr(task, "stop", ("\n",))), getattr(task, "max_new_tokens", 0) or max_new_tokens)
+
+
+_STOP_IDS: dict[tuple, list[int]] = {}
+
+
+def stop_ids(tokenizer, stop: tuple[str, ...]) -> list[int]:
+    """Every vocabulary entry whose text ends with one of the stop strings: any of them ends an
+    action (a newline inside a longer token too)."""
+    key = (id(tokenizer), stop)
+    if key not in _STOP_IDS:
+        _STOP_IDS[key] = sorted({i for tok, i in tokenizer.get_vocab().items()
+                                 if tokenizer.convert_tokens_to_string([tok]).endswith(stop)})
+    return _STOP_IDS[key]
 
 
 def encode(tokenizer, text: str) -> list[int]:
@@ -39,32 +63,50 @@ def encode(tokenizer, text: str) -> list[int]:
 
 
 def model_policy(model, tokenizer, max_new_tokens: int = 12, temperature: float = 1.0,
-                 synced_gpus: bool = False) -> Act:
-    """Sample (temperature > 0) or decode greedily (0) each live episode's next action in one call."""
+                 synced_gpus: bool = False, tasks: list | None = None) -> Act:
+    """Sample (temperature > 0) or decode greedily (0) each live episode's next action: one
+    `generate` call per kind of generation (stop strings, max_new_tokens) among the live episodes.
+    `synced_gpus` (ZeRO-3, where generation is a collective): one call for every kind of `tasks`,
+    in the same order on every rank, with a dummy row where a rank has no episode of that kind."""
     import torch
 
-    stops = _newline_ids(tokenizer)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     sampling = dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0) if temperature > 0 \
         else dict(do_sample=False)
+    kinds = sorted({generation(t, max_new_tokens) for t in tasks or []}, key=repr)
 
-    def act(live: list[Episode]) -> list[list[int]]:
-        width = max(len(e.ids) for e in live)
-        input_ids = torch.full((len(live), width), pad, dtype=torch.long)
-        attention = torch.zeros((len(live), width), dtype=torch.long)
-        for row, e in enumerate(live):  # left padding: generation continues every row at the end
+    def generate(rows: list[Episode], kind: Generation) -> list[list[int]]:
+        stops = stop_ids(tokenizer, kind.stop)
+        width = max(len(e.ids) for e in rows)
+        input_ids = torch.full((len(rows), width), pad, dtype=torch.long)
+        attention = torch.zeros((len(rows), width), dtype=torch.long)
+        for row, e in enumerate(rows):  # left padding: generation continues every row at the end
             input_ids[row, width - len(e.ids):] = torch.tensor(e.ids)
             attention[row, width - len(e.ids):] = 1
         device = next(model.parameters()).device
         with torch.no_grad():
             out = model.generate(input_ids.to(device), attention_mask=attention.to(device),
-                                 max_new_tokens=max_new_tokens, eos_token_id=stops, pad_token_id=pad,
+                                 max_new_tokens=kind.max_new_tokens, eos_token_id=stops, pad_token_id=pad,
                                  use_cache=True, synced_gpus=synced_gpus, **sampling)
         actions = []
-        for row in range(len(live)):
+        for row in range(len(rows)):
             new = out[row, width:].tolist()
             cut = next((i + 1 for i, t in enumerate(new) if t in stops), len(new))
             actions.append(new[:cut])
+        return actions
+
+    def act(live: list[Episode]) -> list[list[int]]:
+        by_kind: dict[Generation, list[int]] = {}
+        for i, e in enumerate(live):
+            if e.task is not None:
+                by_kind.setdefault(generation(e.task, max_new_tokens), []).append(i)
+        actions: list[list[int]] = [[] for _ in live]
+        dummy = Episode(None, None, 0, [pad], [0], "")
+        for kind in (kinds if synced_gpus else list(by_kind)):
+            rows = by_kind.get(kind, [])
+            got = generate([live[i] for i in rows] or [dummy], kind)
+            for i, ids in zip(rows, got):
+                actions[i] = ids
         return actions
 
     return act
@@ -79,26 +121,30 @@ def scripted_policy(policy, tokenizer) -> Act:
 
 
 def rollout(act: Act, tokenizer, jobs: list[tuple[Any, Any, int]], batch_size: int = 64,
-            turns: int = 0) -> list[Episode]:
-    """One episode per (task, context, index) job, batch_size episodes at a time.
+            turns: int = 0, max_new_tokens: int = 12) -> list[Episode]:
+    """One episode per (task, context, index) job, batch_size episodes at a time. `max_new_tokens`:
+    a task's limit when it sets none (to tell a truncated action; the policy enforces it).
 
     `turns` > 0 makes every batch take exactly that many policy calls, even with no live episode
     left (a one-row dummy), which ZeRO-3's synchronised generation needs on every rank.
     """
     episodes = []
     for start in range(0, len(jobs), batch_size):
-        episodes += _rollout_batch(act, tokenizer, jobs[start:start + batch_size], turns)
+        episodes += _rollout_batch(act, tokenizer, jobs[start:start + batch_size], turns, max_new_tokens)
     if not jobs and turns:
-        _rollout_batch(act, tokenizer, [], turns)
+        _rollout_batch(act, tokenizer, [], turns, max_new_tokens)
     return episodes
 
 
-def _rollout_batch(act: Act, tokenizer, jobs, turns: int) -> list[Episode]:
+def _rollout_batch(act: Act, tokenizer, jobs, turns: int, max_new_tokens: int) -> list[Episode]:
     episodes = []
     start = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
     for task, context, index in jobs:
-        prompt = task.reset(context)  # after a document boundary, as the policy saw text in training
-        ids = [start] + encode(tokenizer, prompt)
+        prompt = task.reset(context)
+        if hasattr(task, "prompt_ids"):  # rendered by the task itself (a chat template)
+            ids = task.prompt_ids(context)
+        else:  # after a document boundary, as the policy saw text in training
+            ids = [start] + encode(tokenizer, prompt)
         episodes.append(Episode(task, context, index, ids, [0] * len(ids), prompt))
     max_turns = turns or max(task.max_turns for task, _, _ in jobs)
     eos = tokenizer.eos_token_id
@@ -111,6 +157,9 @@ def _rollout_batch(act: Act, tokenizer, jobs, turns: int) -> list[Episode]:
             continue
         for e, action_ids in zip(live, act(live)):
             action = tokenizer.decode(action_ids)
+            kind = generation(e.task, max_new_tokens)
+            if len(action_ids) >= kind.max_new_tokens and action_ids[-1] not in stop_ids(tokenizer, kind.stop):
+                e.truncated = True
             e.ids += action_ids
             e.action_mask += [1] * len(action_ids)
             e.text += action
@@ -118,6 +167,7 @@ def _rollout_batch(act: Act, tokenizer, jobs, turns: int) -> list[Episode]:
             step = e.task.step(e.context, turn, action)
             if step.done or turn + 1 >= e.task.max_turns:
                 e.done, e.success = True, step.done and step.success
+                e.reward = float(step.reward) if step.done and step.reward is not None else float(e.success)
             else:
                 obs_ids = encode(tokenizer, step.observation)
                 e.ids += obs_ids

@@ -7,11 +7,13 @@ statistics) is plain JSON, keyed by task, so a checkpoint carries it and a resum
 
 from __future__ import annotations
 
+import math
 import random
 from dataclasses import dataclass, field
 from typing import Any
 
-COUNTS = ("successes", "rollouts", "accepted", "rejected", "skipped", "checked")
+COUNTS = ("successes", "rollouts", "accepted", "rejected", "skipped", "checked", "truncated")
+SUMS = ("reward", "reward_sq")  # the rollouts' rewards and their squares (not whole numbers)
 
 
 @dataclass
@@ -131,36 +133,55 @@ def merge_states(states: list[dict], shards: list[list[str]]) -> dict:
     return merged
 
 
+def std_from_sums(n: float, total: float, squares: float) -> float:
+    """The unbiased std of n values from their count, sum and sum of squares: what an all-reduce of
+    three numbers gives every rank (exact across ranks; GRPO's batch std, the logged reward std)."""
+    if n < 2:
+        return 0.0
+    return math.sqrt(max(squares - total * total / n, 0.0) / (n - 1))
+
+
 class Tally:
-    """Per-task counts on this rank; `vector` / `from_vector` carry them through one all-reduce."""
+    """Per-task counts and reward sums on this rank; `vector` / `from_vector` carry them through one
+    all-reduce."""
 
     def __init__(self, names: list[str]):
         self.names = sorted(names)
-        self.counts = {name: dict.fromkeys(COUNTS, 0) for name in self.names}
+        self.counts = {name: dict.fromkeys(COUNTS + SUMS, 0) for name in self.names}
 
-    def add(self, name: str, **counts: int) -> None:
+    def add(self, name: str, **counts: float) -> None:
         for key, value in counts.items():
             self.counts[name][key] += value
 
     def vector(self) -> list[float]:
-        return [float(self.counts[n][c]) for n in self.names for c in COUNTS]
+        return [float(self.counts[n][c]) for n in self.names for c in COUNTS + SUMS]
 
     @classmethod
     def from_vector(cls, names: list[str], values: list[float]) -> "Tally":
         tally = cls(names)
         it = iter(values)
         for n in tally.names:
-            for c in COUNTS:
-                tally.counts[n][c] = int(round(next(it)))
+            for c in COUNTS + SUMS:
+                value = next(it)
+                tally.counts[n][c] = int(round(value)) if c in COUNTS else value
         return tally
 
-    def total(self, key: str) -> int:
-        return sum(c[key] for c in self.counts.values())
+    def total(self, key: str) -> float:
+        return sum(c.get(key, 0) for c in self.counts.values())
 
     def metrics(self, prefix: str = "ript") -> dict[str, float]:
+        """Success rate, reward mean and std, truncation rate over the rollouts; accepted, rejected,
+        skipped and checked contexts, and the share of checked contexts whose K rewards were all equal
+        (frac_reward_zero_std, TRL's name); per task its success rate and accepted contexts."""
         out: dict[str, float] = {}
-        rollouts = self.total("rollouts")
+        rollouts, checked = self.total("rollouts"), self.total("checked")
         out[f"{prefix}/success_rate"] = self.total("successes") / rollouts if rollouts else 0.0
+        if rollouts:
+            out[f"{prefix}/reward_mean"] = self.total("reward") / rollouts
+            out[f"{prefix}/reward_std"] = std_from_sums(rollouts, self.total("reward"), self.total("reward_sq"))
+            out[f"{prefix}/truncated_frac"] = self.total("truncated") / rollouts
+        if checked:
+            out[f"{prefix}/frac_reward_zero_std"] = self.total("rejected") / checked
         for key in ("accepted", "rejected", "skipped", "checked"):
             out[f"{prefix}/{key}"] = self.total(key)
         for n in self.names:

@@ -24,6 +24,7 @@ class Step:
     observation: str  # text appended to the transcript before the next action ("" when done)
     done: bool
     success: bool = False
+    reward: float | None = None  # the episode's reward when done; None: 1.0 on success, else 0.0
 
 
 class Task(Protocol):

@@ -24,12 +24,14 @@ from ds_train.fs import write_atomic
 from ds_train.inputs import RunInputs, check_inputs
 from ds_train.metrics import Interval
 from ds_train.parallel import plan_dims
-from ds_train.ript.rloo import PolicyStats, keep_mask
+from ds_train.ript.algorithms import PolicyStats, keep_mask
+from ds_train.ript.datatask import DatasetTask, entry_options, is_dataset_entry
+from ds_train.ript.reference import build_reference
 from ds_train.ript.rollout import Episode, model_policy, rollout, scripted_policy
 from ds_train.ript.sampler import ContextSampler, Tally, merge_states
 from ds_train.ript.sharding import format_shards, shard_tasks
 from ds_train.ript.tasks import load_object, load_task
-from ds_train.ript.update import update
+from ds_train.ript.update import max_rollout_tokens, update
 from ds_train.run import Run, RunSpec, build_run
 from ds_train.rundir import RIPT
 
@@ -60,15 +62,53 @@ class RiptInputs:
         if cfg.parallel.sequence > 1:
             raise UserError(f"parallel.sequence={cfg.parallel.sequence}: RIPT's rollouts generate token by token, "
                             f"which Ulysses sequence parallelism cannot split; set parallel.sequence=1 for ript")
-        tasks = {t.name: t for t in map(load_task, map(str, r.tasks))}
+        if cfg.parallel.tensor > 1 and r.kl_coef > 0:
+            raise UserError(f"ript.kl_coef={r.kl_coef:g} with parallel.tensor={cfg.parallel.tensor}: ds_train builds "
+                            f"the reference policy without AutoTP's split; use ZeRO-3 (parallel.tensor=1) to "
+                            f"partition both models, or ript.kl_coef=0")
+        entries = [e for e in r.tasks if not is_dataset_entry(e)]  # fail fast: no model read yet
+        for entry in entries:
+            load_task(str(entry))
+        options = {i: entry_options(e, f"ript.tasks[{i}]") for i, e in enumerate(r.tasks) if is_dataset_entry(e)}
+        run = check_inputs(cfg, ds_config_path, data=False)
+        max_positions = getattr(run.source.hf_config, "max_position_embeddings", None)
+        tasks: dict[str, Any] = {}
+        for i, entry in enumerate(r.tasks):
+            task = (DatasetTask(options[i], run.source.tokenizer, cfg.data.chat_template, r.max_new_tokens,
+                                max_positions, f"ript.tasks[{i}]") if i in options else load_task(str(entry)))
+            if task.name in tasks:
+                raise UserError(f"ript.tasks[{i}]: a second task named {task.name!r}; give it another name "
+                                f"(name: ...)")
+            most = max_rollout_tokens(task, r.max_new_tokens)
+            if r.overlong_buffer and r.overlong_buffer >= most:
+                raise UserError(f"ript.overlong_buffer: {r.overlong_buffer} is not below the {most} tokens task "
+                                f"{task.name!r} may generate (the penalty starts overlong_buffer tokens before the "
+                                f"limit); lower it")
+            tasks[task.name] = task
         data_parallel = plan_dims(cfg.parallel, world_size).data
         shards = shard_tasks(cls.costs(cfg, tasks), data_parallel, r.sharding, r.allow_idle_ranks)
         scripted = load_scripted(r.policy) if r.policy else None
-        return cls(tasks, shards, scripted, check_inputs(cfg, ds_config_path, data=False))
+        return cls(tasks, shards, scripted, run)
 
     @staticmethod
     def costs(cfg: RunConfig, tasks: dict) -> dict[str, float]:
-        return {n: cfg.ript.train_contexts * t.max_turns for n, t in tasks.items()}
+        """A task's estimated cost: its training contexts x turns (a dataset: the prompts it has, up to
+        ript.train_contexts)."""
+        return {n: len(t.contexts("train", cfg.ript.train_contexts, cfg.seed)) * t.max_turns
+                if isinstance(t, DatasetTask) else cfg.ript.train_contexts * t.max_turns for n, t in tasks.items()}
+
+
+def describe_algorithm(cfg: RunConfig) -> str:
+    """The update's recipe in one phrase: `rloo, token-mean, clip 0.2/0.28, no KL`."""
+    r = cfg.ript
+    parts = [r.advantage + (f" (scale {r.scale_rewards})" if r.advantage == "grpo" else ""), r.loss_agg_mode,
+             f"clip {r.clip_low:g}/{r.clip_high:g}",
+             f"KL {r.kl_estimator} x {r.kl_coef:g} in the {r.kl_in}" if r.kl_coef else "no KL"]
+    if r.mask_truncated:
+        parts.append("truncated rollouts masked")
+    if r.overlong_buffer:
+        parts.append(f"overlong penalty over the last {r.overlong_buffer} tokens")
+    return ", ".join(parts)
 
 
 def load_scripted(spec: str):
@@ -89,6 +129,7 @@ class RiptJob:
     sampler: ContextSampler
     scripted: Any
     pending: dict = field(default_factory=dict)  # this rank's counts not yet synced, from a checkpoint
+    reference: Any = None  # the KL term's reference policy (ds_train/ript/reference.py), or None
 
     @property
     def mine(self) -> list[str]:
@@ -99,7 +140,12 @@ class RiptJob:
         if self.scripted is not None:
             return scripted_policy(self.scripted, run.tokenizer)
         return model_policy(run.engine.module, run.tokenizer, run.cfg.ript.max_new_tokens, temperature,
-                            run.zero_stage == 3)
+                            run.zero_stage == 3, list(self.tasks.values()))
+
+    @property
+    def max_tokens(self) -> int:
+        """The most tokens a rollout of any task can generate."""
+        return max(max_rollout_tokens(t, self.run.cfg.ript.max_new_tokens) for t in self.tasks.values())
 
 
 @dataclass
@@ -122,9 +168,16 @@ def ript(cfg: RunConfig, ds_config_path: str) -> dict:
         sampler = ContextSampler([inputs.tasks[n] for n in inputs.shards[run.data_rank]], r.train_contexts,
                                  cfg.seed, r.skip_solved, r.retest_after, r.task_weighting)
         job = RiptJob(run, inputs.tasks, inputs.shards, sampler, inputs.scripted)
+        job.reference = build_reference(run, run.weights)
         run.say(format_shards(inputs.shards, RiptInputs.costs(cfg, inputs.tasks)))
         run.say(f"K={r.rloo_batch_size}; quota {r.contexts_per_rank} contexts per rank; policy "
-                f"{r.policy or cfg.model.path}")
+                f"{r.policy or cfg.model.path}; {describe_algorithm(cfg)}")
+        reference = job.reference
+        held = reference.held_bytes if reference else 0
+        run.rank_log.info(f"reference policy: {reference.describe if reference else 'none'}; its parameters hold "
+                          f"{held:,} bytes on this rank")
+        run.say(f"reference policy: {reference.describe}; {held / 2**20:.1f} MiB of parameters on rank 0"
+                if reference else "reference policy: none (ript.kl_coef 0: no reference model is built)")
         state = resume(job) or start(job)
         ript_loop(run, job, state)
         report(job, state)
@@ -160,7 +213,7 @@ def ript_loop(run: Run, job: RiptJob, state: RiptState) -> None:
         for it in range(state.iteration + 1, r.iterations + 1):
             with counts.rollouts():
                 groups = sample(job, act, counts.window, it)
-            counts.policy += update(run, groups, it)
+            counts.policy += update(run, groups, it, job.reference, job.max_tokens)
             state.iteration = it
             metrics = counts.maybe_sync(it, state) | held_out.maybe_evaluate(it, state)
             run.logger.log(metrics, it)
@@ -216,7 +269,7 @@ class SyncedCounts:
         rollout_s = dist.all_reduce_max([self.rollout_s])[0]
         state.totals = {n: {k: v + counts.counts[n][k] for k, v in c.items()} for n, c in state.totals.items()}
         policy = PolicyStats.from_vector(dist.all_reduce_sum(self.policy.vector()))
-        metrics = counts.metrics() | policy.metrics() | {
+        metrics = counts.metrics() | policy.metrics(reference=self.job.reference is not None) | {
             "policy/skipped_steps": self.job.run.guard.skipped,  # so far; the same on every rank
             "perf/rollouts_per_s": counts.total("rollouts") / max(rollout_s, 1e-9),
             "perf/iteration_s": (time.perf_counter() - self.started) / self.iterations,
@@ -250,12 +303,13 @@ def run_episodes(job: RiptJob, act, jobs: list) -> list[Episode]:
     r = job.run.cfg.ript
     size = r.rollout_contexts * r.rloo_batch_size
     if job.run.zero_stage != 3 or r.policy:  # scripted policies make no collective calls
-        return rollout(act, job.run.tokenizer, jobs, size)
+        return rollout(act, job.run.tokenizer, jobs, size, max_new_tokens=r.max_new_tokens)
     batches = int(dist.all_reduce_max([float(math.ceil(len(jobs) / size))])[0])
     turns = max(t.max_turns for t in job.tasks.values())
     episodes = []
     for b in range(batches):
-        episodes += rollout(act, job.run.tokenizer, jobs[b * size:(b + 1) * size], size, turns=turns)
+        episodes += rollout(act, job.run.tokenizer, jobs[b * size:(b + 1) * size], size, turns=turns,
+                            max_new_tokens=r.max_new_tokens)
     return episodes
 
 
@@ -267,23 +321,26 @@ def sample(job: RiptJob, act, tally: Tally, it: int) -> list[list[Episode]]:
     k, quota = r.rloo_batch_size, r.contexts_per_rank
     target = math.ceil(r.early_stop_fraction * quota * sum(1 for s in job.shards if s))
     groups: list[list[Episode]] = []
-    checked = 0
+    checked = rounds = 0
     job.run.engine.eval()
     while True:
         job.run.beat(it, "rollout")  # a round: every rank all-reduces its progress
         done = not job.mine or len(groups) >= quota or checked >= r.max_contexts_checked
         accepted, busy = dist.all_reduce_sum([float(min(len(groups), quota)), float(not done)])
-        if busy == 0 or accepted >= target:
+        if busy == 0 or accepted >= target or rounds == r.max_sampling_rounds > 0:
             break
+        rounds += 1
         picked = [] if done else job.sampler.next(min(r.rollout_contexts, r.max_contexts_checked - checked), tally)
         checked += len(picked)
         episodes = run_episodes(job, act, [(task, ctx, i) for task, _, ctx in picked for i in range(k)])
-        rewards = torch.tensor([[float(e.success) for e in episodes[g * k:(g + 1) * k]] for g in range(len(picked))])
+        rewards = torch.tensor([[e.reward for e in episodes[g * k:(g + 1) * k]] for g in range(len(picked))])
         keep_groups = keep_mask(rewards).tolist() if picked else []
         for g, (task, index, _) in enumerate(picked):
             group, keep = episodes[g * k:(g + 1) * k], keep_groups[g]
             wins = sum(e.success for e in group)
-            tally.add(task.name, successes=wins, rollouts=k, checked=1, accepted=int(keep), rejected=int(not keep))
+            tally.add(task.name, successes=wins, rollouts=k, checked=1, accepted=int(keep), rejected=int(not keep),
+                      truncated=sum(e.truncated for e in group), reward=sum(e.reward for e in group),
+                      reward_sq=sum(e.reward ** 2 for e in group))
             job.sampler.record(task.name, index, wins, k)
             if keep and len(groups) < quota:
                 groups.append(group)

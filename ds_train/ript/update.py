@@ -1,6 +1,12 @@
 """The RIPT policy update: PPO epochs of the clipped surrogate over the accepted rollouts of every
-rank, token-level and exact across ranks, through the DeepSpeed engine and the run's non-finite
-guard."""
+rank, aggregated as ript.loss_agg_mode says and exact across ranks and micro-batches, with an
+optional KL term to a reference policy, through the DeepSpeed engine and the run's non-finite guard.
+
+Per iteration: the rollouts' rewards (the task's, DAPO's overlong penalty, and with kl_in=reward the
+KL to the reference) make the advantages (ript.advantage); every optimizer step's loss is
+sum(weight x per-token loss) over its tokens on all ranks, the weights from counts all-reduced
+once per epoch (ds_train/ript/algorithms.py: token_weights).
+"""
 
 from __future__ import annotations
 
@@ -9,8 +15,11 @@ import random
 
 from ds_train import dist
 from ds_train.guard import backward_step
-from ds_train.ript.rloo import PolicyStats, clipped_policy_loss, rloo_advantages
-from ds_train.ript.rollout import Episode
+from ds_train.ript.algorithms import (KL_ESTIMATORS, Norms, PolicyStats, advantages, aggregate,
+                                      clipped_policy_loss, overlong_penalty)
+from ds_train.ript.reference import Reference
+from ds_train.ript.rollout import Episode, generation
+from ds_train.ript.sampler import std_from_sums
 from ds_train.run import Run
 
 
@@ -21,14 +30,29 @@ def _token_logp(engine, ids):
     return torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
 
 
-def update(run: Run, groups: list[list[Episode]], iteration: int) -> PolicyStats:
+def max_rollout_tokens(task, max_new_tokens: int) -> int:
+    """The most tokens a rollout of `task` can generate: its actions' limit x its turns."""
+    return generation(task, max_new_tokens).max_new_tokens * task.max_turns
+
+
+def shaped_rewards(groups: list[list[Episode]], buffer: int, factor: float, max_new_tokens: int):
+    """[groups, K]: each rollout's reward plus DAPO's soft overlong penalty on its generated tokens."""
+    import torch
+
+    return torch.tensor([[e.reward + overlong_penalty(sum(e.action_mask), max_rollout_tokens(e.task, max_new_tokens),
+                                                      buffer, factor) for e in g] for g in groups],
+                        dtype=torch.float32)
+
+
+def update(run: Run, groups: list[list[Episode]], iteration: int, reference: Reference | None = None,
+           max_tokens: int = 1) -> PolicyStats:
     """PPO epochs over the accepted rollouts; every rank runs the same number of engine steps.
 
-    The loss of an optimizer step is the clipped surrogate summed over the valid tokens of all ranks
-    divided by their global count (the engine averages over data-parallel ranks and accumulation
-    steps, so each rank's part is scaled by data-parallel size x accumulation). An optimizer step
-    whose gradients are not finite is skipped (the run's non-finite guard counts it, and
-    train.nonfinite=stop ends the run). Returns the summed statistics for the log.
+    The engine averages gradients over data-parallel ranks and accumulation steps, so each
+    micro-batch's share of the step's loss is scaled by data-parallel size x accumulation.
+    `max_tokens`: the most tokens any rollout can generate (seq-mean-token-sum-norm's constant). An
+    optimizer step whose gradients are not finite is skipped (the run's non-finite guard counts
+    it, and train.nonfinite=stop ends the run). Returns the summed statistics for the log.
     """
     import torch
 
@@ -42,46 +66,76 @@ def update(run: Run, groups: list[list[Episode]], iteration: int) -> PolicyStats
     n = n_steps * per_step
     ids = torch.full((n, width), run.tokenizer.eos_token_id, dtype=torch.long)
     mask = torch.zeros((n, width - 1))
-    adv = torch.zeros(n)
-    if groups:
-        adv[:len(rows)] = rloo_advantages(torch.tensor([[float(e.success) for e in g] for g in groups])).flatten()
     for i, e in enumerate(rows):  # right padding: causal attention never looks at it
         ids[i, :len(e.ids)] = torch.tensor(e.ids)
-        mask[i, :len(e.ids) - 1] = torch.tensor(e.action_mask[1:], dtype=torch.float)
+        if not (r.mask_truncated and e.truncated):
+            mask[i, :len(e.ids) - 1] = torch.tensor(e.action_mask[1:], dtype=torch.float)
     ids = ids.to(engine.device)
     micro = plan.micro_batch_size
+    kl = KL_ESTIMATORS[r.kl_estimator]
     orders = [_order(len(rows), n, f"{run.cfg.seed}:{iteration}:{epoch}:{run.env.rank}")
               for epoch in range(r.ppo_epochs)]
+
     # The policy before the update: the rows of the first optimizer step take it from that step's own
-    # forward (no update has happened yet); the others from one no-grad pass now.
-    later = orders[0][per_step:]
+    # forward (no update has happened yet), unless the rewards need it first (kl_in=reward); the
+    # others from one no-grad pass now. The reference's, once, for every row.
+    first = [] if reference is not None and r.kl_in == "reward" else orders[0][:per_step]
+    later = [i for i in orders[0] if i not in set(first)]
     old = torch.zeros((n, width - 1), device=engine.device)
+    ref = torch.zeros((n, width - 1), device=engine.device) if reference is not None else None
     engine.eval()
     with torch.no_grad():
         for i in range(0, len(later), micro):
+            run.beat(iteration, "update")
             old[later[i:i + micro]] = _token_logp(engine, ids[later[i:i + micro]])
+        for i in range(0, n if ref is not None else 0, micro):
+            ref[i:i + micro] = reference.token_logp(ids[i:i + micro])
     engine.train()
+
+    adv = torch.zeros(n)
+    if groups:
+        rewards = shaped_rewards(groups, r.overlong_buffer, r.overlong_penalty, r.max_new_tokens)
+        if reference is not None and r.kl_in == "reward":  # each rollout's summed KL, at the sampling policy
+            seq_kl = (kl(old, ref) * mask.to(old.device)).sum(-1)[:len(rows)].cpu()
+            rewards = rewards - r.kl_coef * seq_kl.view(rewards.shape)
+    batch_std = None
+    if r.advantage == "grpo" and r.scale_rewards == "batch":  # over every accepted rollout of all ranks
+        flat = rewards.flatten().double() if groups else torch.zeros(0, dtype=torch.float64)
+        count, total, squares = dist.all_reduce_sum([float(flat.numel()), float(flat.sum()), float((flat ** 2).sum())])
+        batch_std = std_from_sums(count, total, squares)
+    if groups:
+        adv[:len(rows)] = advantages(r.advantage, rewards, r.scale_rewards, batch_std).flatten()
+
     stats = PolicyStats()
     poison = iteration in run.cfg.train.debug_nonfinite_steps  # fault injection: every update step skipped
     for epoch, order in enumerate(orders):
-        global_counts = dist.all_reduce_sum([float(mask[order[s * per_step:(s + 1) * per_step]].sum())
-                                             for s in range(n_steps)], run.token_group)
+        steps = [mask[order[s * per_step:(s + 1) * per_step]] for s in range(n_steps)]
+        counts = dist.all_reduce_sum([v for m in steps for v in (float(m.sum()), float((m.sum(-1) > 0).sum()))],
+                                     run.token_group)
         for s in range(n_steps):
-            scale = plan.data_parallel_size * plan.grad_accum_steps / max(global_counts[s], 1.0)
+            norms = Norms(counts[2 * s], counts[2 * s + 1], float(max_tokens))
+            scale = plan.data_parallel_size * plan.grad_accum_steps
             skipped_before = engine.skipped_steps
             for m in range(plan.grad_accum_steps):
                 run.beat(iteration, "update")
                 idx = order[s * per_step + m * micro: s * per_step + (m + 1) * micro]
                 logp = _token_logp(engine, ids[idx])
-                if epoch == 0 and s == 0:
+                if epoch == 0 and idx and idx[0] in first:
                     old[idx] = logp.detach()
-                loss, st = clipped_policy_loss(logp, old[idx], adv[idx].to(logp.device),
-                                               mask[idx].to(logp.device), r.clip_low, r.clip_high)
-                scaled = loss * scale
+                mask_m = mask[idx].to(logp.device)
+                per_token, st = clipped_policy_loss(logp, old[idx], adv[idx].to(logp.device), mask_m,
+                                                    r.clip_low, r.clip_high)
+                kl_sum = 0.0
+                if ref is not None:
+                    kl_tokens = kl(logp, ref[idx])
+                    kl_sum = float((kl_tokens.detach() * mask_m).sum())
+                    if r.kl_in == "loss":
+                        per_token = per_token + r.kl_coef * kl_tokens * mask_m
+                scaled = aggregate(per_token, mask_m, r.loss_agg_mode, norms, scale)
                 backward_step(engine, scaled * float("inf") if poison else scaled)
                 weighted_adv = float((adv[idx][:, None] * mask[idx]).sum())
-                stats += PolicyStats(float(loss.detach()), st["tokens"], st["clipped_tokens"], st["ratio_sum"],
-                                     weighted_adv)
+                stats += PolicyStats(float(scaled.detach()) / scale, st["tokens"], st["clipped_tokens"], st["ratio_sum"],
+                                     weighted_adv, kl_sum, 1.0 / plan.data_parallel_size if m == 0 else 0.0)
             run.guard.observe(f"iteration {iteration}", engine.skipped_steps > skipped_before)
     return stats
 

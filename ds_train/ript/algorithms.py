@@ -1,0 +1,213 @@
+"""The policy-gradient algebra of RIPT, pure and registered by name (verl's core_algos.py pattern):
+advantage estimators, the dynamic-sampling filter, the clipped surrogate, loss aggregation, KL
+estimators and DAPO's soft overlong penalty. Each is a small function of tensors, tested against
+hand-computed values; the loop (ds_train/ript/update.py) supplies the global counts that make
+them exact across ranks and micro-batches.
+
+Names follow the anchors: verl `adv_estimator` / `loss_agg_mode` / `kl_loss_type`, TRL
+`scale_rewards` / `loss_type` / `mask_truncated_completions`, DAPO's overlong buffer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Callable
+
+import torch
+
+GRPO_EPS = 1e-6  # verl's compute_grpo_outcome_advantage epsilon (TRL adds 1e-4)
+
+# --- advantage estimators: rewards [groups, K] -> advantages [groups, K] ------------------------
+
+ADVANTAGES: dict[str, Callable[..., torch.Tensor]] = {}
+
+
+def register_advantage(name: str):
+    def add(fn):
+        ADVANTAGES[name] = fn
+        return fn
+    return add
+
+
+@register_advantage("rloo")
+def rloo_advantages(rewards: torch.Tensor, batch_std: float | None = None) -> torch.Tensor:
+    """A_i = r_i - mean of the other K-1 rewards, per group (rows: contexts, columns: K rollouts).
+    Never scaled (RIPT's, and TRL's RLOO default).
+
+    RLOO: Kool et al. 2019, "Buy 4 REINFORCE samples, get a baseline for free"; Ahmadian et al. 2024.
+    """
+    k = rewards.shape[-1]
+    if k < 2:
+        raise ValueError("RLOO needs at least 2 rollouts per context")
+    others = (rewards.sum(-1, keepdim=True) - rewards) / (k - 1)
+    return rewards - others
+
+
+@register_advantage("grpo")
+def grpo_advantages(rewards: torch.Tensor, batch_std: float | None = None, scale: str = "group") -> torch.Tensor:
+    """A_i = (r_i - group mean) / (std + eps): std of the group (scale 'group', GRPO: Shao et al.
+    2024), of the whole batch (`batch_std`, scale 'batch': Liu et al. 2025, "Part I: Tricks or
+    Traps?"), or no division (scale 'none': Dr. GRPO, Liu et al. 2025). Stds are unbiased (K-1),
+    as torch.std, verl and TRL compute them."""
+    centred = rewards - rewards.mean(-1, keepdim=True)
+    if scale == "none":
+        return centred
+    if scale == "batch":
+        if batch_std is None:
+            raise ValueError("scale 'batch' needs the batch's std")
+        return centred / (batch_std + GRPO_EPS)
+    if scale != "group":
+        raise ValueError(f"unknown scale {scale!r}")
+    return centred / (rewards.std(-1, keepdim=True) + GRPO_EPS)
+
+
+def advantages(name: str, rewards: torch.Tensor, scale: str, batch_std: float | None) -> torch.Tensor:
+    if name == "grpo":
+        return grpo_advantages(rewards, batch_std, scale)
+    return ADVANTAGES[name](rewards, batch_std)
+
+
+def keep_mask(rewards: torch.Tensor) -> torch.Tensor:
+    """Dynamic sampling (DAPO) keeps a context only when its K rewards are not all equal (binary
+    rewards: 0 < successes < K)."""
+    return (rewards.max(-1).values - rewards.min(-1).values) > 0
+
+
+# --- the policy loss, token by token -------------------------------------------------------------
+
+def clipped_policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor,
+                        mask: torch.Tensor, clip_low: float, clip_high: float) -> tuple[torch.Tensor, dict]:
+    """PPO's clipped surrogate with separate low / high clip (DAPO's clip-higher), per token.
+
+    logp, old_logp, mask: [rows, tokens]; advantages: [rows]. Returns the per-token loss (zero where
+    mask is 0: padded rows and tokens give exactly zero gradient) and statistics summed over the
+    valid tokens; `aggregate` turns the per-token loss into the step's loss.
+    """
+    ratio = torch.exp(logp - old_logp)
+    adv = advantages[:, None]
+    unclipped = ratio * adv
+    clipped = torch.clamp(ratio, 1 - clip_low, 1 + clip_high) * adv
+    per_token = -torch.minimum(unclipped, clipped) * mask
+    with torch.no_grad():
+        stats = {"tokens": float(mask.sum()), "clipped_tokens": float(((unclipped > clipped) & (mask > 0)).sum()),
+                 "ratio_sum": float((ratio * mask).sum())}
+    return per_token, stats
+
+
+# --- loss aggregation: per-token weights from global counts --------------------------------------
+
+LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+
+
+@dataclass(frozen=True)
+class Norms:
+    """What an optimizer step's loss is normalised by, counted over every rank and micro-batch of
+    the step: valid tokens, sequences with at least one valid token, and (Dr. GRPO) the most tokens
+    a sequence can have."""
+
+    tokens: float
+    sequences: float
+    max_tokens: float
+
+
+def token_weights(mask: torch.Tensor, mode: str, norms: Norms) -> torch.Tensor:
+    """Each valid token's weight in the step's loss, so that sum(weight * per-token loss) over all
+    ranks and micro-batches is the aggregated loss whatever the split:
+
+    token-mean (DAPO; verl's default; TRL 'dapo'): 1 / tokens of the step;
+    seq-mean-token-mean (GRPO; TRL 'grpo'): 1 / (the sequence's tokens x sequences of the step);
+    seq-mean-token-sum-norm (Dr. GRPO; TRL 'dr_grpo'): 1 / (sequences x max_tokens), a constant.
+    """
+    if mode == "token-mean":
+        return mask / max(norms.tokens, 1.0)
+    if mode == "seq-mean-token-mean":
+        lengths = mask.sum(-1, keepdim=True)
+        return mask / (lengths.clamp(min=1.0) * max(norms.sequences, 1.0))
+    if mode == "seq-mean-token-sum-norm":
+        return mask / (max(norms.sequences, 1.0) * norms.max_tokens)
+    raise ValueError(f"unknown loss aggregation {mode!r}")
+
+
+def aggregate(per_token: torch.Tensor, mask: torch.Tensor, mode: str, norms: Norms,
+              scale: float = 1.0) -> torch.Tensor:
+    """This micro-batch's share of the step's loss (see token_weights), times `scale`. per_token
+    must be zero off the mask (clipped_policy_loss's is)."""
+    if mode == "token-mean":  # one division for the whole sum
+        return per_token.sum() * (scale / max(norms.tokens, 1.0))
+    return (per_token * token_weights(mask, mode, norms)).sum() * scale
+
+
+# --- KL to a reference policy ----------------------------------------------------------------------
+
+KL_ESTIMATORS: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {}
+
+
+def register_kl(name: str):
+    def add(fn):
+        KL_ESTIMATORS[name] = fn
+        return fn
+    return add
+
+
+@register_kl("k1")
+def kl_k1(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
+    """log pi(a) - log pi_ref(a): unbiased, high variance (verl 'kl'; Schulman 2020, "Approximating KL
+    divergence")."""
+    return logp - ref_logp
+
+
+@register_kl("k3")
+def kl_k3(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
+    """exp(ref - logp) - (ref - logp) - 1: unbiased, non-negative, low variance (verl 'low_var_kl',
+    GRPO's KL term), clamped to [-10, 10] as verl does."""
+    d = ref_logp - logp
+    return torch.clamp(torch.exp(d) - d - 1, min=-10.0, max=10.0)
+
+
+# --- DAPO's soft overlong punishment ----------------------------------------------------------------
+
+def overlong_penalty(length: int, max_tokens: int, buffer: int, factor: float) -> float:
+    """0 up to max_tokens - buffer generated tokens, then falling linearly to -factor at max_tokens
+    (DAPO, Yu et al. 2025, eq. 13; verl's DAPO reward manager)."""
+    if buffer <= 0:
+        return 0.0
+    exceed = length - (max_tokens - buffer)
+    return min(-exceed / buffer * factor, 0.0)
+
+
+# --- what the updates did ------------------------------------------------------------------------------
+
+@dataclass
+class PolicyStats:
+    """What one or more policy updates did, as sums over their valid tokens: exact across ranks
+    (summed over ranks, divided once)."""
+
+    loss: float = 0.0  # the aggregated loss, summed over the optimizer steps
+    tokens: float = 0.0  # valid (action) tokens
+    clipped: float = 0.0  # tokens whose ratio was clipped
+    ratio: float = 0.0  # the importance ratio, summed over tokens
+    advantage: float = 0.0  # the advantage, summed over tokens
+    kl: float = 0.0  # the KL estimate to the reference, summed over tokens
+    steps: float = 0.0  # optimizer steps (the loss is a mean over them)
+
+    def __add__(self, other: "PolicyStats") -> "PolicyStats":
+        return PolicyStats(*(a + b for a, b in zip(self.vector(), other.vector())))
+
+    def vector(self) -> list[float]:
+        return [getattr(self, f.name) for f in fields(self)]
+
+    @classmethod
+    def from_vector(cls, values: list[float]) -> "PolicyStats":
+        return cls(*values)
+
+    def metrics(self, reference: bool = False) -> dict:
+        """policy/* means per token (the loss: per optimizer step); only the token count when no
+        token was trained on. policy/kl with a reference policy."""
+        out = {"policy/tokens": self.tokens}
+        if self.tokens == 0:
+            return out
+        out |= {"policy/loss": self.loss / max(self.steps, 1.0), "policy/clip_frac": self.clipped / self.tokens,
+                "policy/ratio": self.ratio / self.tokens, "policy/advantage": self.advantage / self.tokens}
+        if reference:
+            out["policy/kl"] = self.kl / self.tokens
+        return out

@@ -1,0 +1,238 @@
+"""Data-driven RL tasks: a dataset of prompts and checkable answers, rendered with the model's chat
+template, scored by a verifier (ds_train/ript/verifiers.py). An entry of ript.tasks:
+
+    ript:
+      tasks:
+        - add                                   # a built-in task
+        - recipes/data/arith_rl.jsonl           # a dataset, every option at its default
+        - name: gsm                             # a dataset with options
+          data: [data/gsm8k_train.parquet]      # files, directories, `datasets` directories (data.sources' kinds)
+          prompt_key: question                  # a string (a user turn) or a list of messages
+          answer_key: answer                    # a value, or a list of right answers
+          system: "Think step by step."         # a system turn before the prompt (optional)
+          verifier: numeric                     # exact | numeric | regex | boxed | module:function
+          tolerance: 1.0e-6                     # numeric, boxed
+          pattern: ""                           # regex
+          heldout_fraction: 0.1                 # prompts held out for evaluation, by a hash of the prompt
+          stop: []                              # strings that end a completion; empty: the template's
+                                                #   end of turn and the EOS token
+          max_new_tokens: 0                     # 0: ript.max_new_tokens
+
+The train / held-out split is by a hash of the rendered prompt, so it is the same on every rank and
+seed, and a prompt that appears twice is on one side only. Every record is read and checked when
+the run starts, before anything is written: a bad one is one line naming the file, its line or row,
+and the field.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import random
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ds_train.data.chat import ROLES, Renderer
+from ds_train.data.sources import chunks
+from ds_train.errors import UserError
+from ds_train.ript.tasks import Step
+from ds_train.ript.verifiers import build_verifier
+
+OPTIONS = {"name": "", "data": [], "prompt_key": "prompt", "answer_key": "answer", "system": "",
+           "verifier": "exact", "tolerance": 1e-6, "pattern": "", "heldout_fraction": 0.1, "stop": [],
+           "max_new_tokens": 0}
+RECORD_SUFFIXES = (".jsonl", ".jsonl.gz", ".parquet", ".csv", ".arrow")
+
+
+def is_dataset_entry(entry: Any) -> bool:
+    """A ript.tasks entry that names a dataset: a mapping, or a path to records."""
+    if isinstance(entry, dict):
+        return True
+    return isinstance(entry, str) and (entry.lower().endswith(RECORD_SUFFIXES) or "/" in entry
+                                       or Path(entry).is_dir())
+
+
+def entry_options(entry: Any, where: str) -> dict:
+    """The options of a dataset entry, its defaults filled in; the problems a config check can see
+    (no file read) as one UserError."""
+    raw = {"data": [entry]} if isinstance(entry, str) else dict(entry)
+    problems = []
+    for key in raw:
+        if key not in OPTIONS:
+            close = difflib.get_close_matches(str(key), list(OPTIONS), n=1)
+            problems.append(f"{where}.{key}: unknown key" + (f" (did you mean {close[0]!r}?)" if close else
+                                                             f"; the keys are {', '.join(OPTIONS)}"))
+    opts = {**OPTIONS, **{k: v for k, v in raw.items() if k in OPTIONS}}
+    if isinstance(opts["data"], str):
+        opts["data"] = [opts["data"]]
+    if not opts["data"] or not all(isinstance(d, str) and d for d in opts["data"]):
+        problems.append(f"{where}.data: {opts['data']!r} must name one or more files or directories of records")
+    for key in ("prompt_key", "answer_key", "verifier"):
+        if not isinstance(opts[key], str) or not opts[key]:
+            problems.append(f"{where}.{key}: {opts[key]!r} must be a non-empty string")
+    for key in ("name", "system", "pattern"):
+        if not isinstance(opts[key], str):
+            problems.append(f"{where}.{key}: {opts[key]!r} must be a string")
+    if not isinstance(opts["stop"], list) or not all(isinstance(s, str) and s for s in opts["stop"]):
+        problems.append(f"{where}.stop: {opts['stop']!r} must be a list of non-empty strings")
+    fraction = opts["heldout_fraction"]
+    if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 < fraction < 1:
+        problems.append(f"{where}.heldout_fraction: {fraction!r} must be a number between 0 and 1")
+    tolerance = opts["tolerance"]
+    if isinstance(tolerance, bool) or not isinstance(tolerance, (int, float)) or tolerance < 0:
+        problems.append(f"{where}.tolerance: {tolerance!r} must be a number >= 0")
+    new = opts["max_new_tokens"]
+    if isinstance(new, bool) or not isinstance(new, int) or new < 0:
+        problems.append(f"{where}.max_new_tokens: {new!r} must be an integer >= 0 (0: ript.max_new_tokens)")
+    if not problems:
+        build_verifier(opts["verifier"], float(tolerance), opts["pattern"], f"{where}.verifier")
+    if problems:
+        raise UserError("; ".join(problems))
+    if not opts["name"]:
+        opts["name"] = _stem(opts["data"][0])
+    return opts
+
+
+def _stem(path: str) -> str:
+    name = Path(path.rstrip("/")).name
+    for suffix in RECORD_SUFFIXES:
+        if name.lower().endswith(suffix):
+            return name[:-len(suffix)]
+    return name
+
+
+def heldout(key: str, fraction: float) -> bool:
+    """Held out by a hash of the prompt: the same side on every rank, seed and run."""
+    return zlib.crc32(key.encode()) / 2**32 < fraction
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """A context of a data-driven task: the rendered prompt's token ids, the answer, where it is from."""
+
+    ids: tuple[int, ...]
+    answer: Any
+    where: str  # file:line or file row N
+    record: dict
+
+
+class DatasetTask:
+    """A single-turn task read from records: prompt -> completion -> verifier."""
+
+    max_turns = 1
+
+    def __init__(self, options: dict, tokenizer, chat_template: str, max_new_tokens: int, max_positions: int | None,
+                 where: str):
+        self.name = options["name"]
+        self.options = options
+        self.where = where
+        self.tokenizer = tokenizer
+        self.renderer = Renderer(tokenizer, chat_template)
+        self.verify = build_verifier(options["verifier"], float(options["tolerance"]), options["pattern"],
+                                     f"{where}.verifier")
+        self.max_new_tokens = options["max_new_tokens"] or max_new_tokens
+        self.stop = tuple(options["stop"]) or default_stops(tokenizer, self.renderer)
+        self.specials = tuple(sorted(set(tokenizer.all_special_tokens), key=len, reverse=True))
+        self.splits: dict[str, list[Prompt]] = {"train": [], "heldout": []}
+        for prompt in self._read(max_positions):
+            text = self.tokenizer.decode(prompt.ids)
+            self.splits["heldout" if heldout(text, options["heldout_fraction"]) else "train"].append(prompt)
+        for split, prompts in self.splits.items():
+            if not prompts:
+                n = sum(len(p) for p in self.splits.values())
+                raise UserError(f"{where} ({self.name}): {', '.join(options['data'])}: no {split} prompts ({n} "
+                                f"record(s), heldout_fraction {options['heldout_fraction']:g}); add records or "
+                                f"change heldout_fraction")
+
+    def _read(self, max_positions: int | None):
+        o = self.options
+        prompt_key, answer_key = o["prompt_key"], o["answer_key"]
+        for chunk in chunks(o["data"], (prompt_key, answer_key)):
+            if chunk.kind == "text":
+                raise UserError(f"{chunk.file}: a text file; a data-driven task reads records (JSONL, parquet, "
+                                f".csv, .arrow, a `datasets` directory) with {prompt_key!r} and {answer_key!r} "
+                                f"fields ({self.where}.data)")
+            for offset, item in enumerate(chunk.items):
+                if chunk.kind == "jsonl":
+                    where = f"{chunk.file}:{chunk.first + offset}"
+                    if not item.strip():
+                        continue
+                    try:
+                        item = json.loads(item)
+                    except (json.JSONDecodeError, UnicodeDecodeError):
+                        raise UserError(f"{where}: not a JSON object; each line holds one record with "
+                                        f"{prompt_key!r} and {answer_key!r}") from None
+                else:
+                    where = f"{chunk.file} row {chunk.first + offset}"
+                yield self._prompt(item, where, max_positions)
+
+    def _prompt(self, record: Any, where: str, max_positions: int | None) -> Prompt:
+        o = self.options
+        if not isinstance(record, dict):
+            raise UserError(f"{where}: expected a JSON object with {o['prompt_key']!r} and {o['answer_key']!r}")
+        for key in (o["prompt_key"], o["answer_key"]):
+            if record.get(key) is None:
+                raise UserError(f"{where}: no {key!r} field ({self.where}: {'prompt' if key == o['prompt_key'] else 'answer'}"
+                                f"_key); add it or set the key to the field that holds it")
+        value = record[o["prompt_key"]]
+        if isinstance(value, str):
+            messages = [{"role": "user", "content": value}]
+        elif isinstance(value, list) and value and all(
+                isinstance(m, dict) and m.get("role") in ROLES and isinstance(m.get("content"), str) for m in value):
+            messages = list(value)
+        else:
+            raise UserError(f"{where}: {o['prompt_key']!r} must be a string or a list of messages ({{role, "
+                            f"content}}); got {repr(value)[:60]}")
+        if o["system"]:
+            messages = [{"role": "system", "content": o["system"]}, *messages]
+        text = self.renderer.render_prompt(messages, where)
+        ids = tuple(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        if max_positions and len(ids) + self.max_new_tokens > max_positions:
+            raise UserError(f"{where}: the prompt is {len(ids)} tokens, and with max_new_tokens "
+                            f"{self.max_new_tokens} exceeds the model's {max_positions} positions; shorten it or "
+                            f"lower max_new_tokens")
+        return Prompt(ids, record[o["answer_key"]], where, record)
+
+    def contexts(self, split: str, n: int, seed: int) -> list[Prompt]:
+        """Up to n prompts of the split, in a seeded order."""
+        prompts = list(self.splits[split])
+        random.Random(f"{self.name}:{seed}").shuffle(prompts)
+        return prompts[:n]
+
+    def prompt_ids(self, context: Prompt) -> list[int]:
+        return list(context.ids)
+
+    def reset(self, context: Prompt) -> str:
+        return self.tokenizer.decode(context.ids)
+
+    def completion(self, action: str) -> str:
+        """The completion up to its first stop string, without special tokens."""
+        cut = min((action.find(s) for s in self.stop if s in action), default=len(action))
+        text = action[:cut]
+        for special in self.specials:
+            text = text.replace(special, "")
+        return text
+
+    def step(self, context: Prompt, turn: int, action: str) -> Step:
+        reward = float(self.verify(self.completion(action), context.answer, context.record))
+        return Step("", True, reward >= 1.0, reward)
+
+
+def default_stops(tokenizer, renderer: Renderer) -> tuple[str, ...]:
+    """What ends a completion when the task names no stop: the text the chat template writes after
+    an assistant's reply (its end of turn, e.g. <|im_end|>), and the EOS token."""
+    stops = []
+    probe = "\x00reply\x00"
+    try:
+        text = renderer.render([{"role": "user", "content": "q"}, {"role": "assistant", "content": probe}])
+        after = text.split(probe, 1)[1].strip() if probe in text else ""
+    except UserError:
+        after = ""
+    if after:
+        first = tokenizer.convert_ids_to_tokens(tokenizer(after, add_special_tokens=False)["input_ids"][:1])
+        stops += [tokenizer.convert_tokens_to_string(first)] if first else []
+    if tokenizer.eos_token:
+        stops.append(tokenizer.eos_token)
+    return tuple(dict.fromkeys(s for s in stops if s.strip()))
