@@ -148,6 +148,9 @@ def test_each_fixture_gets_the_findings_evidence_and_fixes_its_manifest_says(ent
 # Captured keys the doctor does not cite, and why: the class shows in other lines.
 KEY_NOT_CITED = {
     "real/hang_no_watchdog": "the key is the launcher's SIGTERM line; the heartbeats tell the hang",
+    "real/rl_no_signal": "the class is told by metrics.jsonl's statistics (test_post_training_findings_cite_"
+                         "the_runs_own_statistics), not by a log line",
+    "real/rl_truncated": "as real/rl_no_signal",
     # Known gaps (the doctor's class and fixes are right, its evidence misses the clearest line):
     "real/rendezvous/console.log": "evidence stops at 3 lines; ds_train's own start-up line (40) comes after "
                                    "torch's store errors (2, 3, 21)",
@@ -202,3 +205,25 @@ def test_an_earlier_attempt_in_a_rank_log_is_history(tmp_path):
     (finding,) = diagnose(str(tmp_path))
     assert finding.cls == "rank_error" and finding.evidence == [
         "logs/rank_0.log:5: 2026-11-23 10:07:00.000 n0 rank0 err: RuntimeError: boom"] and finding.where == "rank 0 on n0"
+
+
+def test_post_training_findings_cite_the_runs_own_statistics(capsys):
+    """The post-training findings quote metrics.jsonl's last syncs (their range, as percentages),
+    and `ds-train doctor` prints the run's statistics at its last sync first."""
+    from ds_train.doctor import doctor
+
+    for name, key, what in (("rl_no_signal", "ript/frac_reward_zero_std", "of the groups had K equal rewards"),
+                            ("rl_truncated", "ript/truncated_frac", "of the rollouts were truncated")):
+        run = FIXTURES / "real" / name / "run"
+        synced = [r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if key in r][-5:]
+        values = [r[key] for r in synced]
+        cited = next(e for f in diagnose(str(run)) if f.cls == name for e in f.evidence)
+        assert cited == (f"metrics.jsonl: iterations {synced[0]['step']}-{synced[-1]['step']}: "
+                         f"{min(values):.0%}-{max(values):.0%} {what}")
+        assert doctor([str(run)]) == 1
+        last = synced[-1]
+        assert capsys.readouterr().out.splitlines()[0] == (
+            f"ds-train doctor: {run}: post-training statistics at iteration {last['step']}: reward mean "
+            f"{last['ript/reward_mean']:.3g}, reward std {last['ript/reward_std']:.3g}, groups with equal rewards "
+            f"{last['ript/frac_reward_zero_std']:.3g}, truncated {last['ript/truncated_frac']:.3g}, held-out success "
+            f"{last['eval/success']:.3g}")

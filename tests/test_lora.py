@@ -279,17 +279,24 @@ def test_bad_lora_input_is_one_line_before_anything_is_written(capsys, tiny_data
 @pytest.mark.slow
 def test_ript_trains_the_adapters_of_the_policy(tiny_policy, tmp_path):
     """RIPT with model.lora: the policy is the adapted model (ZeRO-2, 2 processes); the update moves
-    the adapters alone and the final checkpoint holds them, not the base."""
+    the adapters alone and the final checkpoint holds them, not the base. With a KL term the
+    reference is the base itself (the adapters turned off): no copy is built."""
+    import json
+
     import torch
 
     from conftest import ript_config
     from test_ript_trainer import launch_ript
 
-    # 3 iterations: the first steps at lr 0 (the warmup starts there)
-    res = launch_ript(ript_config(tmp_path, tiny_policy, iterations=3), "model.lora.rank=4",
+    # 4 iterations: the first two steps at lr 0 (the warmup starts there), the KL of iteration 4 after an update
+    res = launch_ript(ript_config(tmp_path, tiny_policy, iterations=4, kl_coef=0.1), "model.lora.rank=4",
                       "model.lora.target_modules=[q_proj,v_proj]")
     assert res.returncode == 0, res.out[-4000:]
     assert "M of them trained (LoRA rank 4: the adapters; the base frozen)" in res.out
+    assert "reference policy: the base model (the policy with its LoRA adapters off); 0.0 MiB of parameters" in res.out
+    kl = {m["step"]: m.get("policy/kl") for m in map(json.loads, (tmp_path / "run" / "metrics.jsonl").read_text()
+                                                     .splitlines()) if "policy/tokens" in m}
+    assert kl[1] == 0.0 and kl[4] > 0, kl  # the adapters start at zero: policy = base until they move
     tag = checkpoint.latest_complete(tmp_path / "run" / "checkpoints")
     saved = torch.load(tmp_path / "run" / "checkpoints" / tag / "mp_rank_00_model_states.pt", map_location="cpu",
                        weights_only=False)["module"]

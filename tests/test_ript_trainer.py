@@ -236,7 +236,13 @@ def test_bad_ript_input_is_one_line_and_changes_nothing(scripted_run, tiny_polic
     shutil.copytree(finished, source)
     before = {d: tree_listing(d) for d in (run_dir, source)}
     cfg = ript_config(tmp_path, tiny_policy)
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text('{"prompt": "copy 12 =", "answer": "12"}\n{"prompt": "copy 34 ="}\n')
     cases = [(["train.global_batch_size=8"], "must be a multiple of train.global_batch_size / data-parallel size"),
+             ([f"ript.tasks=[{{data: {rows}, verifier: fuzzy}}]"],
+              "ript.tasks[0].verifier: 'fuzzy' is not a verifier; use one of exact, numeric, regex, boxed"),
+             ([f"ript.tasks=[add, {rows}]", f"data.chat_template={TEMPLATE}"],
+              f"{rows}:2: no 'answer' field (ript.tasks[1]: answer_key)"),
              ([f"model.path={tmp_path}"], "neither a Hugging Face directory"),
              (["ript.tasks=[add,nosuch]"], "'nosuch' is neither a built-in task"),
              (["ript.rloo_batch_size=1"], "ript.rloo_batch_size=1: must be at least 2"),
