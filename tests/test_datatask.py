@@ -138,3 +138,27 @@ def test_bad_dataset_input_names_the_file_the_row_and_the_field(tokenizer, tmp_p
                    tmp_path / "g.parquet")
     with pytest.raises(UserError, match=f"{tmp_path / 'g.parquet'} row 0: no 'answer' field"):
         task_of(tmp_path / "g.parquet", tokenizer, prompt_key="question")
+
+
+def test_a_dataset_is_split_over_the_data_parallel_ranks_and_counted_as_one_task(tokenizer, tmp_path):
+    """One dataset on 3 ranks: 3 parts with disjoint prompts that together are the task's, each its
+    share of a cap; their counts add up under the task's name."""
+    from ds_train.ript.datatask import split_for_ranks
+    from ds_train.ript.sampler import Tally
+    from ds_train.ript.sharding import shard_tasks
+
+    path = write_jsonl(tmp_path / "sums.jsonl", [{"prompt": f"add {i}+1 =", "answer": str(i + 1)} for i in range(90)])
+    task = task_of(path, tokenizer)
+    parts = split_for_ranks(task, 3)
+    assert [p.name for p in parts] == ["sums#0", "sums#1", "sums#2"] and split_for_ranks(task, 1) == [task]
+    for split in ("train", "heldout"):
+        got = [p.contexts(split, 1000, 5) for p in parts]
+        flat = [c.ids for g in got for c in g]
+        assert sorted(flat) == sorted(c.ids for c in task.contexts(split, 1000, 5)) and len(set(flat)) == len(flat)
+    assert [len(p.contexts("train", 10, 5)) for p in parts] == [4, 4, 4]  # ceil(10 / 3) each
+    assert shard_tasks({p.name: 1.0 for p in parts}, 3) == [["sums#0"], ["sums#1"], ["sums#2"]]
+    tally = Tally([p.name for p in parts] + ["add"])
+    tally.add("sums#0", successes=1, rollouts=4, accepted=1, checked=1)
+    tally.add("sums#2", successes=3, rollouts=4, accepted=1, checked=1)
+    m = tally.metrics()
+    assert m["task/sums/success_rate"] == 0.5 and m["task/sums/accepted"] == 2 and "task/sums#0/success_rate" not in m

@@ -37,6 +37,7 @@ from typing import Any
 from ds_train.data.chat import ROLES, Renderer
 from ds_train.data.sources import chunks
 from ds_train.errors import UserError
+from ds_train.ript.sampler import family
 from ds_train.ript.tasks import Step
 from ds_train.ript.verifiers import build_verifier
 
@@ -218,6 +219,37 @@ class DatasetTask:
     def step(self, context: Prompt, turn: int, action: str) -> Step:
         reward = float(self.verify(self.completion(action), context.answer, context.record))
         return Step("", True, reward >= 1.0, reward)
+
+
+class DatasetPart:
+    """Part i of n of a dataset task: every n-th prompt of each split (in the task's seeded order),
+    so that one dataset keeps every data-parallel rank busy. Named `name#i`; metrics and results add
+    the parts of a task up under its name."""
+
+    def __init__(self, task: DatasetTask, index: int, parts: int):
+        self.task, self.index, self.parts = task, index, parts
+        self.name = f"{task.name}#{index}"
+        self.max_turns, self.stop, self.max_new_tokens = task.max_turns, task.stop, task.max_new_tokens
+
+    def contexts(self, split: str, n: int, seed: int) -> list[Prompt]:
+        mine = self.task.contexts(split, len(self.task.splits[split]), seed)[self.index::self.parts]
+        return mine[:-(-n // self.parts)]  # this part's share of n, rounded up
+
+    def prompt_ids(self, context: Prompt) -> list[int]:
+        return self.task.prompt_ids(context)
+
+    def reset(self, context: Prompt) -> str:
+        return self.task.reset(context)
+
+    def step(self, context: Prompt, turn: int, action: str) -> Step:
+        return self.task.step(context, turn, action)
+
+
+def split_for_ranks(task, ranks: int) -> list:
+    """A dataset task as `ranks` parts (one per data-parallel rank); any other task whole."""
+    if isinstance(task, DatasetTask) and ranks > 1:
+        return [DatasetPart(task, i, ranks) for i in range(ranks)]
+    return [task]
 
 
 def default_stops(tokenizer, renderer: Renderer) -> tuple[str, ...]:

@@ -133,6 +133,22 @@ def merge_states(states: list[dict], shards: list[list[str]]) -> dict:
     return merged
 
 
+def family(name: str) -> str:
+    """The task a part belongs to: `arith#1` -> `arith` (ds_train/ript/datatask.py splits a dataset
+    task over the data-parallel ranks); a whole task is its own family."""
+    return name.partition("#")[0]
+
+
+def by_family(counts: dict[str, dict]) -> dict[str, dict]:
+    """Per-task counts with the parts of a task added up under its name."""
+    out: dict[str, dict] = {}
+    for name, c in counts.items():
+        total = out.setdefault(family(name), dict.fromkeys(c, 0))
+        for key, value in c.items():
+            total[key] = total.get(key, 0) + value
+    return out
+
+
 def std_from_sums(n: float, total: float, squares: float) -> float:
     """The unbiased std of n values from their count, sum and sum of squares: what an all-reduce of
     three numbers gives every rank (exact across ranks; GRPO's batch std, the logged reward std)."""
@@ -184,8 +200,7 @@ class Tally:
             out[f"{prefix}/frac_reward_zero_std"] = self.total("rejected") / checked
         for key in ("accepted", "rejected", "skipped", "checked"):
             out[f"{prefix}/{key}"] = self.total(key)
-        for n in self.names:
-            c = self.counts[n]
+        for n, c in by_family(self.counts).items():
             if c["rollouts"] or c["skipped"]:
                 out[f"task/{n}/success_rate"] = c["successes"] / c["rollouts"] if c["rollouts"] else 1.0
                 out[f"task/{n}/accepted"] = c["accepted"]

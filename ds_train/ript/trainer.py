@@ -25,10 +25,10 @@ from ds_train.inputs import RunInputs, check_inputs
 from ds_train.metrics import Interval
 from ds_train.parallel import plan_dims
 from ds_train.ript.algorithms import PolicyStats, keep_mask
-from ds_train.ript.datatask import DatasetTask, entry_options, is_dataset_entry
+from ds_train.ript.datatask import DatasetTask, entry_options, is_dataset_entry, split_for_ranks
 from ds_train.ript.reference import build_reference
 from ds_train.ript.rollout import Episode, model_policy, rollout, scripted_policy
-from ds_train.ript.sampler import ContextSampler, Tally, merge_states
+from ds_train.ript.sampler import ContextSampler, Tally, by_family, family, merge_states
 from ds_train.ript.sharding import format_shards, shard_tasks
 from ds_train.ript.tasks import load_object, load_task
 from ds_train.ript.update import max_rollout_tokens, update
@@ -86,6 +86,7 @@ class RiptInputs:
                                 f"limit); lower it")
             tasks[task.name] = task
         data_parallel = plan_dims(cfg.parallel, world_size).data
+        tasks = {part.name: part for task in tasks.values() for part in split_for_ranks(task, data_parallel)}
         shards = shard_tasks(cls.costs(cfg, tasks), data_parallel, r.sharding, r.allow_idle_ranks)
         scripted = load_scripted(r.policy) if r.policy else None
         return cls(tasks, shards, scripted, run)
@@ -95,7 +96,7 @@ class RiptInputs:
         """A task's estimated cost: its training contexts x turns (a dataset: the prompts it has, up to
         ript.train_contexts)."""
         return {n: len(t.contexts("train", cfg.ript.train_contexts, cfg.seed)) * t.max_turns
-                if isinstance(t, DatasetTask) else cfg.ript.train_contexts * t.max_turns for n, t in tasks.items()}
+                if hasattr(t, "prompt_ids") else cfg.ript.train_contexts * t.max_turns for n, t in tasks.items()}
 
 
 def describe_algorithm(cfg: RunConfig) -> str:
@@ -355,11 +356,11 @@ def evaluate(job: RiptJob) -> dict:
     run.engine.eval()
     episodes = run_episodes(job, job.policy(temperature=0.0), jobs)
     run.engine.train()
-    names = sorted(job.tasks)
+    names = sorted({family(n) for n in job.tasks})  # a dataset task's parts add up under its name
     local = {n: [0.0, 0.0] for n in names}
     for e in episodes:
-        local[e.task.name][0] += e.success
-        local[e.task.name][1] += 1
+        local[family(e.task.name)][0] += e.success
+        local[family(e.task.name)][1] += 1
     flat = dist.all_reduce_sum([v for n in names for v in local[n]])
     per_task = {n: {"successes": int(flat[2 * i]), "episodes": int(flat[2 * i + 1]),
                     "success_rate": flat[2 * i] / flat[2 * i + 1] if flat[2 * i + 1] else 0.0}
@@ -376,7 +377,7 @@ def write_results(job: RiptJob, state: RiptState) -> None:
             "iteration": state.iteration, "world_size": run.env.world_size,
             "shards": {f"rank{r}": names for r, names in enumerate(job.shards)},
             "eval": state.evals[-1] if state.evals else None, "evals": state.evals,
-            "train_counts": state.totals}, indent=2))
+            "train_counts": by_family(state.totals)}, indent=2))
 
 
 def report(job: RiptJob, state: RiptState) -> None:
