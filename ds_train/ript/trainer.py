@@ -66,25 +66,9 @@ class RiptInputs:
             raise UserError(f"ript.kl_coef={r.kl_coef:g} with parallel.tensor={cfg.parallel.tensor}: ds_train builds "
                             f"the reference policy without AutoTP's split; use ZeRO-3 (parallel.tensor=1) to "
                             f"partition both models, or ript.kl_coef=0")
-        entries = [e for e in r.tasks if not is_dataset_entry(e)]  # fail fast: no model read yet
-        for entry in entries:
-            load_task(str(entry))
-        options = {i: entry_options(e, f"ript.tasks[{i}]") for i, e in enumerate(r.tasks) if is_dataset_entry(e)}
+        check_task_entries(cfg)  # fail fast: before the model is read
         run = check_inputs(cfg, ds_config_path, data=False)
-        max_positions = getattr(run.source.hf_config, "max_position_embeddings", None)
-        tasks: dict[str, Any] = {}
-        for i, entry in enumerate(r.tasks):
-            task = (DatasetTask(options[i], run.source.tokenizer, cfg.data.chat_template, r.max_new_tokens,
-                                max_positions, f"ript.tasks[{i}]") if i in options else load_task(str(entry)))
-            if task.name in tasks:
-                raise UserError(f"ript.tasks[{i}]: a second task named {task.name!r}; give it another name "
-                                f"(name: ...)")
-            most = max_rollout_tokens(task, r.max_new_tokens)
-            if r.overlong_buffer and r.overlong_buffer >= most:
-                raise UserError(f"ript.overlong_buffer: {r.overlong_buffer} is not below the {most} tokens task "
-                                f"{task.name!r} may generate (the penalty starts overlong_buffer tokens before the "
-                                f"limit); lower it")
-            tasks[task.name] = task
+        tasks = load_tasks(cfg, run.source.tokenizer, run.source.hf_config)
         data_parallel = plan_dims(cfg.parallel, world_size).data
         tasks = {part.name: part for task in tasks.values() for part in split_for_ranks(task, data_parallel)}
         shards = shard_tasks(cls.costs(cfg, tasks), data_parallel, r.sharding, r.allow_idle_ranks)
@@ -97,6 +81,36 @@ class RiptInputs:
         ript.train_contexts)."""
         return {n: len(t.contexts("train", cfg.ript.train_contexts, cfg.seed)) * t.max_turns
                 if hasattr(t, "prompt_ids") else cfg.ript.train_contexts * t.max_turns for n, t in tasks.items()}
+
+
+def check_task_entries(cfg: RunConfig) -> dict[int, dict]:
+    """ript.tasks read without the model: built-in names and module:Class load, dataset entries'
+    options are valid. Returns the options of the dataset entries by index."""
+    for entry in cfg.ript.tasks:
+        if not is_dataset_entry(entry):
+            load_task(str(entry))
+    return {i: entry_options(e, f"ript.tasks[{i}]") for i, e in enumerate(cfg.ript.tasks) if is_dataset_entry(e)}
+
+
+def load_tasks(cfg: RunConfig, tokenizer, hf_config) -> dict[str, Any]:
+    """Every task of ript.tasks by name, whole, checked: a dataset read and rendered with the
+    tokenizer's chat template (or data.chat_template)."""
+    r = cfg.ript
+    options = check_task_entries(cfg)
+    max_positions = getattr(hf_config, "max_position_embeddings", None)
+    tasks: dict[str, Any] = {}
+    for i, entry in enumerate(r.tasks):
+        task = (DatasetTask(options[i], tokenizer, cfg.data.chat_template, r.max_new_tokens, max_positions,
+                            f"ript.tasks[{i}]") if i in options else load_task(str(entry)))
+        if task.name in tasks:
+            raise UserError(f"ript.tasks[{i}]: a second task named {task.name!r}; give it another name (name: ...)")
+        most = max_rollout_tokens(task, r.max_new_tokens)
+        if r.overlong_buffer and r.overlong_buffer >= most:
+            raise UserError(f"ript.overlong_buffer: {r.overlong_buffer} is not below the {most} tokens task "
+                            f"{task.name!r} may generate (the penalty starts overlong_buffer tokens before the "
+                            f"limit); lower it")
+        tasks[task.name] = task
+    return tasks
 
 
 def describe_algorithm(cfg: RunConfig) -> str:

@@ -1,0 +1,241 @@
+"""A post-training demo of the README, run as written, against continued SFT for the same wall time;
+rewrites the README's and BENCHMARKS.md's figures of that demo from what it measured.
+
+    python bench/rl_vs_sft.py [--demo ript|arith] [--replace] [--no-write]
+
+ript: RIPT on the seven built-in tasks (recipes/ript_sft.yaml, then recipes/ript_demo.yaml).
+arith: RL from a dataset of arithmetic word problems with a numeric verifier (recipes/rl_sft.yaml,
+then recipes/rl_demo.yaml).
+
+1. SFT, the README's command: `deepspeed --num_gpus 2 --module ds_train train --config <sft recipe>
+   --ds-config ds_configs/zero2.json`.
+2. RL, the README's command: `deepspeed --num_gpus 2 --module ds_train ript --config <rl recipe>
+   --ds-config ds_configs/zero2.json`; the line it prints last ("held-out success A (iteration 0) ->
+   B (iteration N)") is the README's figure.
+3. Continued SFT: the SFT run resumed into runs/bench_<demo>/sft_continued for at least as long as
+   RL took (launcher start-ups included on both sides; topped up from its own checkpoint if short).
+4. Held-out success per task of all three with the RL run's own evaluation (greedy, the same contexts).
+
+The demo's run directories must not exist (the commands would resume them): --replace removes them,
+and the SFT data prepared for it, first. Writes runs/bench_<demo>/summary.json and, unless
+--no-write, the marked blocks of README.md and BENCHMARKS.md (date, machine, versions, commands,
+numbers).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import platform
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+REPORTED = re.compile(r"held-out success (\d\.\d{3}) \(iteration 0\) -> (\d\.\d{3}) \(iteration (\d+)\)")
+
+
+@dataclass(frozen=True)
+class Demo:
+    sft_recipe: str
+    rl_recipe: str
+    name: str  # what the RL row is called
+    marker: str  # the README / BENCHMARKS.md blocks it rewrites
+    what: str  # the held-out set, in words
+
+    def cmd(self, command: str, recipe: str) -> str:
+        return f"deepspeed --num_gpus 2 --module ds_train {command} --config {recipe} --ds-config ds_configs/zero2.json"
+
+    @property
+    def sft_cmd(self) -> str:
+        return self.cmd("train", self.sft_recipe)
+
+    @property
+    def rl_cmd(self) -> str:
+        return self.cmd("ript", self.rl_recipe)
+
+    def config(self, recipe: str):
+        from ds_train.configfile import load_config
+
+        return load_config(ROOT / recipe)
+
+    @property
+    def sft_dir(self) -> Path:
+        return ROOT / self.config(self.sft_recipe).output_dir
+
+    @property
+    def rl_dir(self) -> Path:
+        return ROOT / self.config(self.rl_recipe).output_dir
+
+    @property
+    def data_dir(self) -> Path:
+        return ROOT / self.config(self.sft_recipe).data.dir
+
+
+DEMOS = {"ript": Demo("recipes/ript_sft.yaml", "recipes/ript_demo.yaml", "RIPT", "ript-bench",
+                      "all seven tasks"),
+         "arith": Demo("recipes/rl_sft.yaml", "recipes/rl_demo.yaml", "RL", "rl-bench",
+                       "arithmetic word problems held out by a hash of the prompt")}
+
+
+def run(command: str, *overrides: str, log: Path) -> tuple[float, str]:
+    """Run a README command (plus overrides) from the repository root, its output teed to `log`;
+    returns the wall time and the output."""
+    args = command.split() + list(overrides)
+    args[0] = str(Path(sys.executable).parent / args[0])  # the venv's launcher
+    t0 = time.perf_counter()
+    proc = subprocess.run(args, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    seconds = time.perf_counter() - t0
+    log.write_text(proc.stdout)
+    if proc.returncode:
+        sys.exit(f"bench: `{' '.join([command, *overrides])}` failed (exit {proc.returncode}); see {log}")
+    return seconds, proc.stdout
+
+
+def heldout_success(model_dir: Path, cfg) -> dict:
+    """The evaluation `ds_train ript` runs, in this process, for a Hugging Face directory."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from ds_train.ript.rollout import model_policy, rollout
+    from ds_train.ript.trainer import load_tasks
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    act = model_policy(model, tok, cfg.ript.max_new_tokens, temperature=0.0)
+    wins = total = 0
+    per_task = {}
+    for task in load_tasks(cfg, tok, model.config).values():
+        eps = rollout(act, tok, [(task, c, 0) for c in task.contexts("heldout", cfg.ript.eval_contexts, cfg.seed)],
+                      cfg.ript.rollout_contexts * cfg.ript.rloo_batch_size, max_new_tokens=cfg.ript.max_new_tokens)
+        per_task[task.name] = sum(e.success for e in eps) / len(eps)
+        wins, total = wins + sum(e.success for e in eps), total + len(eps)
+    return {"success_rate": wins / total, "per_task": per_task}
+
+
+def continued_sft(demo: Demo, out: Path, rl_s: float) -> tuple[float, int]:
+    """SFT resumed from the demo's SFT run for at least rl_s seconds; returns (seconds, extra steps)."""
+    final = demo.config(demo.sft_recipe).train.max_steps
+    steps = [m["perf/step_time_s"] for m in map(json.loads, (demo.sft_dir / "metrics.jsonl").read_text().splitlines())
+             if m.get("perf/step_time_s")]
+    extra = math.ceil(rl_s / statistics.median(steps))  # launcher start-up counted as training time
+    more = out / "sft_continued"
+    common = (f"output_dir={more}", "log.progress=false")
+    more_s, _ = run(demo.sft_cmd, *common, f"checkpoint.resume={demo.sft_dir / 'checkpoints'}",
+                    f"train.max_steps={final + extra}", log=out / "sft_continued.log")
+    while more_s < rl_s:  # at least as long as RL: top up at the rate it just ran (from its checkpoint)
+        extra += math.ceil((rl_s - more_s) * extra / more_s) + 1
+        more_s += run(demo.sft_cmd, *common, f"train.max_steps={final + extra}", log=out / "sft_continued.log")[0]
+    return more_s, extra
+
+
+def machine() -> str:
+    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")), platform.processor())
+    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    return f"{cpu}, {os.cpu_count()} cores, {mem:.0f} GiB, no GPU"
+
+
+def versions() -> str:
+    import deepspeed
+    import torch
+    import transformers
+    return f"torch {torch.__version__}, DeepSpeed {deepspeed.__version__}, transformers {transformers.__version__}"
+
+
+def tables(demo: Demo, s: dict) -> tuple[str, str]:
+    """(the README's paragraph, BENCHMARKS.md's section body) from the summary."""
+    rows, tasks = s["rows"], list(s["rows"][demo.name]["per_task"])
+    start, end, more = (rows[k]["success_rate"] for k in ("SFT (start)", demo.name, "SFT continued"))
+    head = "| policy | wall s | held-out success | " + " | ".join(tasks) + " |\n|---|---|---|" + "---|" * len(tasks)
+    lines = [head] + [f"| {name} | {row['seconds']:.0f} | {row['success_rate']:.3f} | " +
+                      " | ".join(f"{row['per_task'][t]:.2f}" for t in tasks) + " |" for name, row in rows.items()]
+    printed = s["printed"]
+    bench = f"python bench/rl_vs_sft.py --demo {s['demo']}"
+    readme = (f"Measured on this 2-core CPU ({s['date']}, 2 processes, ZeRO-2, fp32; `{bench}` runs the two "
+              f"commands above as written and writes these figures): the {demo.name} command prints "
+              f"\"held-out success {printed[0]} (iteration 0) -> {printed[1]} (iteration {printed[2]})\", "
+              f"**{100 * (end - start):+.1f} points** over the SFT start (greedy, {s['eval_contexts']} held-out "
+              f"contexts per task, {demo.what}), in {s['sft_s'] + s['rl_s']:.0f} s for both commands "
+              f"(SFT {s['sft_s']:.0f} s, {demo.name} {s['rl_s']:.0f} s, start-ups included). SFT continued for "
+              f"{rows['SFT continued']['seconds']:.0f} s instead reaches {more:.3f} ({100 * (end - more):+.1f} points "
+              f"for {demo.name}). Per task:\n\n" + "\n".join(lines) + "\n")
+    section = (f"- Date: {s['date']}. Machine: {s['machine']}; {s['versions']}.\n"
+               f"- Commands (the README's, as written): `{demo.sft_cmd}` ({s['sft_s']:.0f} s), then `{demo.rl_cmd}` "
+               f"({s['rl_s']:.0f} s; it printed \"held-out success {printed[0]} (iteration 0) -> {printed[1]} "
+               f"(iteration {printed[2]})\"); continued SFT: the first command resumed from {demo.sft_dir.name} for "
+               f"{s['rows']['SFT continued']['steps']} more steps. All by `{bench}`, which wrote this section.\n"
+               f"- Held-out success: greedy, {s['eval_contexts']} held-out contexts per task ({demo.what}), the "
+               f"evaluation `ds_train ript` logs (recomputed in-process from each exported model; the "
+               f"{demo.name} column's start and end equal what the command printed).\n\n" + "\n".join(lines) + "\n\n"
+               f"{demo.name} - SFT start: **{100 * (end - start):+.1f} points**; {demo.name} - SFT continued for "
+               f"the same wall time: **{100 * (end - more):+.1f} points**.\n")
+    return readme, section
+
+
+def rewrite(path: Path, name: str, text: str) -> None:
+    """Replace the block between `<!-- NAME:start -->` and `<!-- NAME:end -->` in path."""
+    begin, end = f"<!-- {name}:start -->\n", f"<!-- {name}:end -->"
+    doc = path.read_text()
+    i, j = doc.index(begin) + len(begin), doc.index(end)
+    path.write_text(doc[:i] + text + doc[j:])
+
+
+def main() -> None:
+    from ds_train.export import export
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--demo", choices=sorted(DEMOS), default="ript", help="which demo (default ript)")
+    ap.add_argument("--replace", action="store_true", help="remove the demo's run directories, its "
+                                                           "runs/bench_<demo> and its prepared SFT data first")
+    ap.add_argument("--no-write", action="store_true", help="leave README.md and BENCHMARKS.md as they are")
+    args = ap.parse_args()
+    demo = DEMOS[args.demo]
+    out = ROOT / "runs" / f"bench_{args.demo}"
+    held = [str(p.relative_to(ROOT)) for p in (demo.sft_dir, demo.rl_dir, out) if p.exists()]
+    if held and not args.replace:
+        sys.exit(f"bench: {', '.join(held)} exist: the README's commands would resume them; give --replace "
+                 f"to remove them first")
+    for p in (demo.sft_dir, demo.rl_dir, out, demo.data_dir):
+        shutil.rmtree(p, ignore_errors=True)
+    out.mkdir(parents=True)
+    os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(sys.prefix) / "torch_extensions"))
+    sft_s, _ = run(demo.sft_cmd, log=out / "sft.log")
+    rl_s, said = run(demo.rl_cmd, log=out / "rl.log")
+    printed = REPORTED.findall(said)[-1]
+    more_s, extra = continued_sft(demo, out, rl_s)
+
+    cfg = demo.config(demo.rl_recipe)
+    rows = {}
+    for name, run_dir, seconds in (("SFT (start)", demo.sft_dir, 0.0), (demo.name, demo.rl_dir, rl_s),
+                                   ("SFT continued", out / "sft_continued", more_s)):
+        hf = out / f"hf_{run_dir.name}"
+        export(run_dir, hf)
+        rows[name] = {"seconds": round(seconds, 1), **heldout_success(hf, cfg)}
+    rows["SFT continued"]["steps"] = extra
+    for name, value in (("SFT (start)", printed[0]), (demo.name, printed[1])):
+        assert f"{rows[name]['success_rate']:.3f}" == value, (name, rows[name]["success_rate"], value)
+    summary = {"demo": args.demo, "date": datetime.date.today().isoformat(), "machine": machine(),
+               "versions": versions(), "sft_s": round(sft_s, 1), "rl_s": round(rl_s, 1), "printed": list(printed),
+               "eval_contexts": cfg.ript.eval_contexts, "rows": rows}
+    (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    readme, section = tables(demo, summary)
+    print(section)
+    if not args.no_write:
+        rewrite(ROOT / "README.md", demo.marker, readme)
+        rewrite(ROOT / "BENCHMARKS.md", demo.marker, section)
+        print(f"rewrote the {demo.marker} blocks of README.md and BENCHMARKS.md")
+
+
+if __name__ == "__main__":
+    main()
