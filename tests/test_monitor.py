@@ -79,13 +79,19 @@ def test_once_prints_one_frame_and_a_dead_run_says_why(tmp_path):
     assert bad.returncode == 2 and "is not a directory; give a run's output_dir" in bad.out
 
 
-def test_ript_runs_show_success_per_task(tmp_path):
+def test_ript_runs_show_success_per_task_and_the_reward_statistics(tmp_path):
     run = make_run(tmp_path / "r", kind="ript", target=6, steps=(2,), statuses=("running",))
     with open(run / "metrics.jsonl", "a") as fh:
         for it, (a, b) in enumerate([(0.2, 0.5), (0.4, 0.75)], start=3):
             fh.write(json.dumps({"step": it, "ript/success_rate": (a + b) / 2, "task/arith/success_rate": a,
-                                 "task/guess/success_rate": b, "eval/success": a, "eval/arith/success": a}) + "\n")
+                                 "task/guess/success_rate": b, "eval/success": a, "eval/arith/success": a,
+                                 "ript/reward_mean": a + 0.01, "ript/reward_std": 0.3, "ript/frac_reward_zero_std": b,
+                                 "ript/truncated_frac": 0.125, "policy/kl": 0.0625}) + "\n")
     text = frame(run)
     assert "ript" in text and "iteration 4 of 6" in text
+    curves = {label: line for label in ("reward mean", "reward std", "zero-std groups", "truncated", "KL")
+              for line in text.splitlines() if line.strip("│ ").startswith(label)}
+    assert "0.41" in curves["reward mean"] and "0.75" in curves["zero-std groups"], text
+    assert "0.125" in curves["truncated"] and "0.0625" in curves["KL"], text
     task_rows = {line.split()[0]: line.split()[1:] for line in text.splitlines() if line.strip().startswith(("arith", "guess"))}
     assert task_rows["arith"][:2] == ["0.400", "0.400"] and task_rows["guess"][:2] == ["0.750", "-"], text

@@ -123,6 +123,10 @@ def test_scripted_policy_counts_are_exact_and_summed_over_ranks(scripted_run):
         assert results["eval"]["per_task"][task]["successes"] == want
     totals = results["train_counts"]
     assert sum(t["accepted"] for t in totals.values()) == 6
+    stats, last = results["statistics"], results["last_sync"]  # the whole run's, and the last sync's
+    assert stats["ript/accepted"] == 6 and stats["ript/checked"] == sum(t["checked"] for t in totals.values())
+    assert stats["ript/frac_reward_zero_std"] == pytest.approx(1 - 6 / stats["ript/checked"])
+    assert last["ript/accepted"] == 3 and last["policy/tokens"] > 0 and "ript/reward_mean" in last
     assert results["shards"] == {"rank0": ["add", "rev"], "rank1": ["copy", "sort"]}
     env = json.loads((run_dir / "env.json").read_text())  # the run machinery's record, as for train
     assert env["command"] == "ript" and env["world_size"] == 2 and env["launcher"] == "deepspeed"

@@ -182,6 +182,14 @@ class Tally:
                 tally.counts[n][c] = int(round(value)) if c in COUNTS else value
         return tally
 
+    @classmethod
+    def from_counts(cls, counts: dict[str, dict]) -> "Tally":
+        """A tally of saved counts (as_dict's form)."""
+        tally = cls(list(counts))
+        for name, c in counts.items():
+            tally.add(name, **c)
+        return tally
+
     def total(self, key: str) -> float:
         return sum(c.get(key, 0) for c in self.counts.values())
 

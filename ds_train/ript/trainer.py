@@ -170,6 +170,7 @@ class RiptState:
     iteration: int = 0
     evals: list = field(default_factory=list)
     totals: dict = field(default_factory=dict)
+    synced: dict = field(default_factory=dict)  # the statistics of the last sync (ript/*, policy/*)
 
 
 def ript(cfg: RunConfig, ds_config_path: str) -> dict:
@@ -206,7 +207,7 @@ def resume(job: RiptJob) -> RiptState | None:
         return None
     job.sampler.load_state(saved["ript"]["sampler"])
     job.pending = saved.get("rank", {}).get("counts", {})
-    return RiptState(**{k: saved["ript"][k] for k in ("iteration", "evals", "totals")})
+    return RiptState(**{k: saved["ript"][k] for k in ("iteration", "evals", "totals", "synced") if k in saved["ript"]})
 
 
 def start(job: RiptJob) -> RiptState:
@@ -289,6 +290,7 @@ class SyncedCounts:
             "perf/rollouts_per_s": counts.total("rollouts") / max(rollout_s, 1e-9),
             "perf/iteration_s": (time.perf_counter() - self.started) / self.iterations,
             "optim/lr": float(self.job.run.engine.get_lr()[0])}
+        state.synced = {k: v for k, v in metrics.items() if k.startswith(("ript/", "policy/"))}
         self._restart()
         return metrics
 
@@ -391,7 +393,9 @@ def write_results(job: RiptJob, state: RiptState) -> None:
             "iteration": state.iteration, "world_size": run.env.world_size,
             "shards": {f"rank{r}": names for r, names in enumerate(job.shards)},
             "eval": state.evals[-1] if state.evals else None, "evals": state.evals,
-            "train_counts": by_family(state.totals)}, indent=2))
+            "train_counts": by_family(state.totals),
+            "statistics": Tally.from_counts(state.totals).metrics() if state.totals else {},  # the whole run's
+            "last_sync": state.synced}, indent=2))
 
 
 def report(job: RiptJob, state: RiptState) -> None:
