@@ -19,14 +19,18 @@ GRPO_EPS = 1e-6  # verl's compute_grpo_outcome_advantage epsilon (TRL adds 1e-4)
 
 # --- advantage estimators: rewards [groups, K] -> advantages [groups, K] ------------------------
 
+def _registrar(table: dict):
+    """A decorator factory that enters a function in `table` under a name."""
+    def register(name: str):
+        def add(fn):
+            table[name] = fn
+            return fn
+        return add
+    return register
+
+
 ADVANTAGES: dict[str, Callable[..., torch.Tensor]] = {}
-
-
-def register_advantage(name: str):
-    def add(fn):
-        ADVANTAGES[name] = fn
-        return fn
-    return add
+register_advantage = _registrar(ADVANTAGES)
 
 
 @register_advantage("rloo")
@@ -140,13 +144,7 @@ def aggregate(per_token: torch.Tensor, mask: torch.Tensor, mode: str, norms: Nor
 # --- KL to a reference policy ----------------------------------------------------------------------
 
 KL_ESTIMATORS: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {}
-
-
-def register_kl(name: str):
-    def add(fn):
-        KL_ESTIMATORS[name] = fn
-        return fn
-    return add
+register_kl = _registrar(KL_ESTIMATORS)
 
 
 @register_kl("k1")
