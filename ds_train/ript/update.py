@@ -79,8 +79,8 @@ def update(run: Run, groups: list[list[Episode]], iteration: int, reference: Ref
     # The policy before the update: the rows of the first optimizer step take it from that step's own
     # forward (no update has happened yet), unless the rewards need it first (kl_in=reward); the
     # others from one no-grad pass now. The reference's, once, for every row.
-    first = [] if reference is not None and r.kl_in == "reward" else orders[0][:per_step]
-    later = [i for i in orders[0] if i not in set(first)]
+    first = set() if reference is not None and r.kl_in == "reward" else set(orders[0][:per_step])
+    later = [i for i in orders[0] if i not in first]
     old = torch.zeros((n, width - 1), device=engine.device)
     ref = torch.zeros((n, width - 1), device=engine.device) if reference is not None else None
     engine.eval()
