@@ -334,21 +334,21 @@ def task_prompts(path: Path, name: str, n: int = 400, answer: str = "") -> Path:
 def test_a_dataset_task_with_a_reference_policy_trains_under_zero3_and_its_heldout_success_rises(sft_policy,
                                                                                                    tmp_path):
     """ZeRO-3, 2 processes: the policy learns a task read from a JSONL file (exact verifier, a newline
-    ends a completion; its prompts split over the 2 ranks) with GRPO and a k3 KL term to a frozen
-    reference that each rank holds half of; held-out success (greedy, prompts the hash keeps out of
+    ends a completion; its prompts split over the 2 ranks) with GRPO and a k3 KL penalty in the reward
+    to a frozen reference that each rank holds half of; held-out success (greedy, prompts the hash keeps out of
     training) rises. The task: parity prompts
     whose answer is always "odd": the SFT policy says "even" when greedy, "odd" sometimes when sampling."""
     data = task_prompts(tmp_path / "odd.jsonl", "parity", n=800, answer="odd")
     task = {"name": "odds", "data": str(data), "verifier": "exact", "stop": ["\n"], "heldout_fraction": 0.2}
     cfg = ript_config(tmp_path, sft_policy, {"micro_batch_size": 8, "global_batch_size": 32}, {"lr": 1e-3},
                       tasks=[task], policy="", iterations=8, contexts_per_rank=4, rollout_contexts=4,
-                      max_contexts_checked=16, eval_contexts=40, advantage="grpo", kl_coef=0.05)
+                      max_contexts_checked=16, eval_contexts=40, advantage="grpo", kl_coef=0.05, kl_in="reward")
     args = ript_args(cfg, f"data.chat_template={TEMPLATE}")
     args[args.index(ZERO2)] = str(ROOT / "ds_configs" / "zero3.json")
     res = run_cmd(args, timeout=400, env=TESTS_ON_PATH)
     assert res.returncode == 0, res.out[-4000:]
     run_dir = tmp_path / "run"
-    assert "grpo (scale group), token-mean, clip 0.2/0.28, KL k3 x 0.05 in the loss" in res.out
+    assert "grpo (scale group), token-mean, clip 0.2/0.28, KL k3 x 0.05 in the reward" in res.out
     assert "partitioned over 2 ranks (ZeRO-3)" in res.out
     assert "   0  odds#0" in res.out and "   1  odds#1" in res.out  # one dataset, both ranks busy
     from safetensors.torch import load_file
