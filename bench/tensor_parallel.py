@@ -17,160 +17,47 @@ and ZeRO-3's per-layer all-gathers too (bench/gpu/ for those).
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
-import statistics
-import subprocess
 import sys
-import tempfile
-import time
-from datetime import datetime, timezone
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # run as a script from anywhere, with or without `pip install -e`
+    sys.path.insert(0, str(ROOT))
+
+from bench import sides  # noqa: E402
+
 SIDES = {"zero3": ("zero3.json", 1), "tp2_zero1": ("zero1.json", 2)}
-GiB = 2**30
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--steps", type=int, default=8, help="timed optimizer steps per launch (default 8)")
-    p.add_argument("--warmup", type=int, default=2, help="untimed steps first (default 2: one of them measures the "
-                   "model states)")
-    p.add_argument("--repeats", type=int, default=2, help="launches per side, in turn (default 2)")
-    p.add_argument("--hidden", type=int, default=512, help="hidden size (default 512; 8 heads)")
-    p.add_argument("--layers", type=int, default=4, help="decoder layers (default 4)")
-    p.add_argument("--seq-len", type=int, default=256, help="tokens per sequence (default 256)")
-    p.add_argument("--global-batch", type=int, default=8, help="sequences per step (default 8)")
-    p.add_argument("--data", default=str(ROOT / "data" / "cache" / "python_stdlib"),
-                   help="data.dir (default: the quickstart's corpus, prepared on first use)")
-    p.add_argument("--out", help="write the results here as JSON")
-    p.add_argument("--worker", nargs=2, metavar=("SIDE", "RESULT"), help=argparse.SUPPRESS)
-    p.add_argument("--local_rank", type=int, help=argparse.SUPPRESS)  # the deepspeed launcher's
-    return p.parse_args(argv)
+def run_config(args, side: str, out_dir: Path) -> dict:
+    return {**sides.run_config(args, out_dir), "parallel": {"tensor": SIDES[side][1]}}
 
 
-def run_config(args: argparse.Namespace, side: str, out_dir: Path) -> dict:
-    tensor = SIDES[side][1]
-    h = args.hidden
-    return {"output_dir": str(out_dir), "seed": 1, "parallel": {"tensor": tensor},
-            "model": {"dtype": "fp32", "config": {
-                "model_type": "llama", "hidden_size": h, "intermediate_size": h * 11 // 4,
-                "num_hidden_layers": args.layers, "num_attention_heads": 8, "num_key_value_heads": 8,
-                "max_position_embeddings": args.seq_len, "tie_word_embeddings": False}},
-            "data": {"dir": args.data, "sources": ["python-stdlib"], "vocab_size": 4096},
-            "train": {"max_steps": args.warmup + args.steps, "micro_batch_size": 2,
-                      "global_batch_size": args.global_batch, "seq_len": args.seq_len},
-            "checkpoint": {"save_final": False, "resume": "none"},
-            "log": {"progress": False, "sample_prompt": "", "wandb": "off"}}
+def figures(cfg, inputs, run, held: list[int]) -> dict:
+    """A rank holds 1/tensor of each parameter TP splits, whose states ZeRO then divides over the
+    data-parallel ranks: the plan's prediction from that, beside the measured."""
+    from ds_train.memory import model_shape, model_states
 
-
-def worker(args: argparse.Namespace, side: str, result: str) -> int:
-    """One side in this launch's process group: build the run, time the steps, measure the states."""
-    from ds_train import dist
-    from ds_train.configfile import build_config
-    from ds_train.data.datasets import rank_micro_batches
-    from ds_train.inputs import check_inputs
-    from ds_train.losses import forward_loss
-    from ds_train.memory import engine_state_bytes, model_shape, model_states
-    from ds_train.run import build_run
-    from ds_train.trainer import train_spec, train_step
-
-    cfg = build_config(run_config(args, side, Path(result).parent / f"run_{side}"), source=side)
-    inputs = check_inputs(cfg, str(ROOT / "ds_configs" / SIDES[side][0]))
-    env = dist.detect_env()
-    with build_run(inputs, env, train_spec(cfg), quiet=True) as run:
-        engine, dims, plan = run.engine, run.dims, run.plan
-        rank = dims.data_rank(env.rank)
-        def batches(step):
-            return rank_micro_batches(inputs.data.train, step, plan.global_batch_size, plan.micro_batch_size,
-                                      rank, dims.data)
-
-        train_step(engine, batches(0))  # the optimizer states exist from here
-        for batch in batches(1):  # a step by hand, measured where tests/test_memory.py measures
-            loss, tokens = forward_loss(engine, batch)
-            engine.backward(loss / tokens)
-            if engine.is_gradient_accumulation_boundary():
-                measured = engine_state_bytes(engine)  # parameters, gradients, optimizer states
-            engine.step()
-        times = []
-        for step in range(2, args.warmup + args.steps):
-            t0 = time.perf_counter()
-            train_step(engine, batches(step), group=run.token_group, data_parallel=dims.gradient_ranks(run.zero_stage))
-            times.append(time.perf_counter() - t0)
-        shape = model_shape(inputs.source.hf_config)
-        predicted = model_states(shape.rank_params(dims.tensor), run.zero_stage, run.dtype,
-                                 dims.data * dims.sequence).held
-        held = dist.all_gather_object(measured)
-        if env.rank == 0:
-            step_s = statistics.median(times[max(args.warmup - 2, 0):])
-            Path(result).write_text(json.dumps({
-                "side": side, "zero_stage": run.zero_stage, "parallel": dims.record(), "params": shape.n_params,
-                "rank_params": shape.rank_params(dims.tensor), "model_states_gib_per_rank": [b / GiB for b in held],
-                "predicted_gib_per_rank": predicted / GiB, "step_s": step_s, "step_times_s": times,
-                "tokens_per_s": plan.global_batch_size * plan.seq_len / step_s}))
-    return 0
-
-
-def launch(args: argparse.Namespace, side: str, work: Path) -> dict:
-    result = work / f"{side}.json"
-    result.unlink(missing_ok=True)
-    cmd = [sys.executable, "-u", "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_port",
-           str(free_port()), str(Path(__file__).resolve()), "--worker", side, str(result),
-           "--steps", str(args.steps), "--warmup", str(args.warmup), "--hidden", str(args.hidden),
-           "--layers", str(args.layers), "--seq-len", str(args.seq_len), "--global-batch",
-           str(args.global_batch), "--data", args.data]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
-    if proc.returncode != 0 or not result.is_file():
-        tail = (proc.stdout + proc.stderr).strip().splitlines()[-15:]
-        raise SystemExit(f"bench: the {side} launch failed (exit {proc.returncode}):\n" + "\n".join(tail))
-    return json.loads(result.read_text())
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    dims = run.dims
+    shape = model_shape(inputs.source.hf_config)
+    predicted = model_states(shape.rank_params(dims.tensor), run.zero_stage, run.dtype,
+                             dims.data * dims.sequence).held
+    return {"parallel": dims.record(), "params": shape.n_params, "rank_params": shape.rank_params(dims.tensor),
+            "model_states_gib_per_rank": [b / sides.GiB for b in held], "predicted_gib_per_rank": predicted / sides.GiB}
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+    args = sides.parse_args(__doc__, argv)
     if args.worker:
-        return worker(args, *args.worker)
-    runs: dict[str, list[dict]] = {side: [] for side in SIDES}
-    with tempfile.TemporaryDirectory(prefix="ds_train_bench_tp_") as work:
-        for _ in range(args.repeats):
-            for side in SIDES:
-                runs[side].append(launch(args, side, Path(work)))
-                r = runs[side][-1]
-                print(f"{side}: {r['tokens_per_s']:,.0f} tokens/s, model states "
-                      f"{max(r['model_states_gib_per_rank']) * 1024:,.1f} MiB per rank "
-                      f"(plan {r['predicted_gib_per_rank'] * 1024:,.1f})", flush=True)
-    best = {side: max(rs, key=lambda r: r["tokens_per_s"]) for side, rs in runs.items()}
-    tp, z3 = best["tp2_zero1"], best["zero3"]
-    out = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "machine": _machine(),
-           "command": " ".join([Path(sys.argv[0]).name, *(argv if argv is not None else sys.argv[1:])]),
-           "model": {"hidden": args.hidden, "layers": args.layers, "params": z3["params"]},
-           "seq_len": args.seq_len, "global_batch": args.global_batch, "sides": best,
-           "tokens_per_s_runs": {side: [r["tokens_per_s"] for r in rs] for side, rs in runs.items()},
-           "ratios": {"tokens_per_s_tp2_over_zero3": tp["tokens_per_s"] / z3["tokens_per_s"],
-                      "model_states_tp2_over_zero3": max(tp["model_states_gib_per_rank"]) /
-                      max(z3["model_states_gib_per_rank"])}}
-    print(f"results: TP=2 + ZeRO-1 / ZeRO-3 on 2 processes: tokens/s x{out['ratios']['tokens_per_s_tp2_over_zero3']:.2f}, "
-          f"model states per rank x{out['ratios']['model_states_tp2_over_zero3']:.2f}")
-    if args.out:
-        Path(args.out).write_text(json.dumps(out, indent=2))
-    return 0
-
-
-def _machine() -> str:
-    import platform
-
-    return f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, " \
-           f"{os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / GiB:.0f} GiB"
+        side, result = args.worker
+        return sides.worker(args, side, result, run_config, SIDES[side][0], figures)
+    runs = sides.compare(args, __file__, SIDES, "ds_train_bench_tp_")
+    out = sides.results(args, argv, runs, "zero3")
+    r = out["ratios"] = sides.ratios(out["sides"]["tp2_zero1"], out["sides"]["zero3"], "tp2_over_zero3",
+                                     ("model_states",))
+    return sides.finish(args, out, f"results: TP=2 + ZeRO-1 / ZeRO-3 on 2 processes: tokens/s "
+                        f"x{r['tokens_per_s_tp2_over_zero3']:.2f}, model states per rank "
+                        f"x{r['model_states_tp2_over_zero3']:.2f}")
 
 
 if __name__ == "__main__":
