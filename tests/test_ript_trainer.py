@@ -263,14 +263,18 @@ def test_bad_ript_input_is_one_line_and_changes_nothing(scripted_run, tiny_polic
 
 
 def test_an_idle_rank_joins_every_collective(tiny_policy, tmp_path):
-    """One task, two ranks: rank 1 owns nothing, yet sampling, update and evaluation finish."""
-    res = launch_ript(ript_config(tmp_path, tiny_policy, tasks=["copy"], allow_idle_ranks=True))
+    """One task, two ranks: rank 1 owns nothing, yet sampling, update and evaluation finish. Without
+    a cap rank 0 fills its quota of 3 alone; ript.max_sampling_rounds=2 stops every rank after two
+    rounds of one context each."""
+    res = launch_ript(ript_config(tmp_path, tiny_policy, tasks=["copy"], allow_idle_ranks=True, iterations=3),
+                      "ript.max_sampling_rounds=2")
     assert res.returncode == 0, res.out[-4000:]
     assert "   1  (idle)" in res.out
     idle = rank_counts(tmp_path / "run", 1)
-    assert len(idle) == 2 and all(c["copy"]["checked"] == 0 for c in idle)
+    assert len(idle) == 3 and all(c["copy"]["checked"] == 0 for c in idle)
     busy = rank_counts(tmp_path / "run", 0)
-    assert [c["copy"]["accepted"] for c in busy] == [3, 3]  # rank 0 fills its quota alone
+    assert [c["copy"]["checked"] for c in busy] == [2, 2, 2]  # the cap, not the quota, ends each iteration
+    assert all(c["copy"]["accepted"] <= 2 for c in busy)
 
 
 def final_weights(run_dir: Path) -> dict:
@@ -284,12 +288,13 @@ def test_the_same_rollouts_split_into_other_micro_batches_and_ranks_give_the_sam
     """ript_policies:Half accepts every context, so 2 ranks x 3 contexts (copy on one, sort on the
     other) and 1 rank x 6 (copy and sort in turn) roll out the same 24 episodes per iteration. The
     token-mean loss of the one optimizer step per iteration, and the weights after 4 iterations, are
-    the same on 2 ranks with micro-batches of 4, on 1 rank with 4 (6 accumulation steps) and 1 rank
-    with 8 (3). (DeepSpeed's WarmupCosineLR runs the first two steps at lr 0: iteration 4's loss is
-    the first after an update.) kl_coef 0: no reference policy is built."""
+    the same on 2 ranks with micro-batches of 4 (12 rollouts a rank in 3) as on 1 rank with
+    micro-batches of 8 (24 in 3): other ranks and other micro-batches. (DeepSpeed's WarmupCosineLR
+    runs the first two steps at lr 0: iteration 4's loss is the first after an update.) kl_coef 0: no
+    reference policy is built."""
     common = dict(tasks=["copy", "sort"], policy="ript_policies:Half", advantage="grpo", rollout_contexts=1,
                   iterations=4)
-    layouts = {"np2_micro4": (2, 3, 4), "np1_micro4": (1, 6, 4), "np1_micro8": (1, 6, 8)}
+    layouts = {"np2_micro4": (2, 3, 4), "np1_micro8": (1, 6, 8)}
     metrics, weights = {}, {}
     for name, (nproc, quota, micro) in layouts.items():
         (tmp_path / name).mkdir()
