@@ -33,3 +33,24 @@ def test_the_extensions_dir_is_per_version_shared_and_a_stale_build_lock_goes(tm
     assert res.returncode == 0 and res.stdout == f"{out}\n", res.stderr
     assert not stale.exists() and building.exists()  # a build under way keeps its lock
     assert res.stderr == f"extensions: removed a stale build lock {stale}\n"
+
+
+def test_the_shipped_word_problems_are_what_scripts_word_problems_writes_and_their_answers_are_right(tmp_path):
+    """recipes/rl_sft.yaml and rl_demo.yaml read them: 300 solved conversations and 4,000 problems
+    whose answer is the sum or difference the sentence tells."""
+    import json
+    import re
+
+    subprocess.run([sys.executable, str(ROOT / "scripts" / "word_problems.py"), "--out", str(tmp_path)], check=True,
+                   capture_output=True)
+    for name in ("word_problems_sft.jsonl", "word_problems.jsonl"):
+        assert (tmp_path / name).read_bytes() == (ROOT / "recipes" / "data" / name).read_bytes(), name
+    rows = [json.loads(line) for line in (tmp_path / "word_problems.jsonl").read_text().splitlines()]
+    sft = [json.loads(line) for line in (tmp_path / "word_problems_sft.jsonl").read_text().splitlines()]
+    assert len(rows) == 4000 and len(sft) == 300
+    pairs = [(r["prompt"], r["answer"]) for r in rows] + [(c["messages"][0]["content"], int(c["messages"][1]["content"]))
+                                                          for c in sft]
+    for prompt, answer in pairs:
+        a, b = map(int, re.findall(r"\d+", prompt))
+        minus = re.search(r"gives|took|lost", prompt)
+        assert answer == (a - b if minus else a + b) and answer >= 0, prompt
