@@ -90,6 +90,22 @@ def test_a_jsonl_dataset_is_rendered_with_the_template_split_by_hash_and_verifie
     assert {p.ids for p in again.contexts("heldout", 1000, 9)} == {p.ids for p in held}
 
 
+def test_parquet_and_datasets_directories_are_read_as_jsonl_is(tokenizer, tmp_path):
+    import datasets
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = {"question": [f"q{i} =" for i in range(60)], "answer": [str(i) for i in range(60)]}
+    pq.write_table(pa.table(rows), tmp_path / "qa.parquet")
+    datasets.Dataset.from_dict(rows).save_to_disk(str(tmp_path / "qa_dir"))
+    write_jsonl(tmp_path / "qa.jsonl", [{"question": q, "answer": a} for q, a in zip(rows["question"], rows["answer"])])
+    splits = []
+    for source in ("qa.parquet", "qa_dir", "qa.jsonl"):
+        task = task_of(tmp_path / source, tokenizer, prompt_key="question")
+        splits.append({s: sorted((p.ids, p.answer) for p in task.splits[s]) for s in ("train", "heldout")})
+    assert splits[0] == splits[1] == splits[2] and len(splits[0]["train"]) + len(splits[0]["heldout"]) == 60
+
+
 def test_the_default_stop_is_the_templates_end_of_turn_and_eos(tokenizer, tmp_path):
     from ds_train.data.chat import Renderer
 
