@@ -1,5 +1,6 @@
-"""Data-driven RL tasks: a dataset of prompts and checkable answers, rendered with the model's chat
-template, scored by a verifier (ds_train/ript/verifiers.py). An entry of ript.tasks:
+"""The tasks of an RL run (load_tasks), and the data-driven kind: a dataset of prompts and
+checkable answers, rendered with the model's chat template, scored by a verifier
+(ds_train/ript/verifiers.py). An entry of ript.tasks:
 
     ript:
       tasks:
@@ -37,8 +38,8 @@ from typing import Any
 from ds_train.data.chat import ROLES, Renderer
 from ds_train.data.sources import chunks
 from ds_train.errors import UserError
-from ds_train.ript.sampler import family
-from ds_train.ript.tasks import Step
+from ds_train.ript.rollout import max_rollout_tokens
+from ds_train.ript.tasks import Step, load_task
 from ds_train.ript.verifiers import build_verifier
 
 OPTIONS = {"name": "", "data": [], "prompt_key": "prompt", "answer_key": "answer", "system": "",
@@ -268,3 +269,33 @@ def default_stops(tokenizer, renderer: Renderer) -> tuple[str, ...]:
     if tokenizer.eos_token:
         stops.append(tokenizer.eos_token)
     return tuple(dict.fromkeys(s for s in stops if s.strip()))
+
+
+def check_task_entries(cfg) -> dict[int, dict]:
+    """ript.tasks read without the model: built-in names and module:Class load, dataset entries'
+    options are valid. Returns the options of the dataset entries by index."""
+    for entry in cfg.ript.tasks:
+        if not is_dataset_entry(entry):
+            load_task(str(entry))
+    return {i: entry_options(e, f"ript.tasks[{i}]") for i, e in enumerate(cfg.ript.tasks) if is_dataset_entry(e)}
+
+
+def load_tasks(cfg, tokenizer, hf_config) -> dict[str, Any]:
+    """Every task of ript.tasks by name, whole, checked: a dataset read and rendered with the
+    tokenizer's chat template (or data.chat_template)."""
+    r = cfg.ript
+    options = check_task_entries(cfg)
+    max_positions = getattr(hf_config, "max_position_embeddings", None)
+    tasks: dict[str, Any] = {}
+    for i, entry in enumerate(r.tasks):
+        task = (DatasetTask(options[i], tokenizer, cfg.data.chat_template, r.max_new_tokens, max_positions,
+                            f"ript.tasks[{i}]") if i in options else load_task(str(entry)))
+        if task.name in tasks:
+            raise UserError(f"ript.tasks[{i}]: a second task named {task.name!r}; give it another name (name: ...)")
+        most = max_rollout_tokens(task, r.max_new_tokens)
+        if r.overlong_buffer and r.overlong_buffer >= most:
+            raise UserError(f"ript.overlong_buffer: {r.overlong_buffer} is not below the {most} tokens task "
+                            f"{task.name!r} may generate (the penalty starts overlong_buffer tokens before the "
+                            f"limit); lower it")
+        tasks[task.name] = task
+    return tasks

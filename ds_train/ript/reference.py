@@ -80,3 +80,12 @@ def build_reference(run: Run, weights) -> Reference | None:
     zero3 = config["zero_optimization"]["stage"] == 3
     return Reference(engine, False, held, f"a frozen copy of {cfg.model.path}"
                      + (f", partitioned over {run.env.world_size} ranks (ZeRO-3)" if zero3 else ""))
+
+
+def report_reference(run: Run, reference: Reference | None) -> None:
+    """Where the reference lives, and (each rank's log) what its parameters hold on the rank."""
+    held = reference.held_bytes if reference else 0
+    run.rank_log.info(f"reference policy: {reference.describe if reference else 'none'}; its parameters hold "
+                      f"{held:,} bytes on this rank")
+    run.say(f"reference policy: {reference.describe}; {held / 2**20:.1f} MiB of parameters on rank 0"
+            if reference else "reference policy: none (ript.kl_coef 0: no reference model is built)")

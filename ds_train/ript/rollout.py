@@ -45,6 +45,11 @@ def generation(task, max_new_tokens: int) -> Generation:
     return Generation(tuple(getattr(task, "stop", ("\n",))), getattr(task, "max_new_tokens", 0) or max_new_tokens)
 
 
+def max_rollout_tokens(task, max_new_tokens: int) -> int:
+    """The most tokens a rollout of `task` can generate: its actions' limit x its turns."""
+    return generation(task, max_new_tokens).max_new_tokens * task.max_turns
+
+
 _STOP_IDS: dict[tuple, list[int]] = {}
 
 

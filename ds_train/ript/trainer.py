@@ -25,13 +25,13 @@ from ds_train.inputs import RunInputs, check_inputs
 from ds_train.metrics import Interval
 from ds_train.parallel import plan_dims
 from ds_train.ript.algorithms import PolicyStats, keep_mask
-from ds_train.ript.datatask import DatasetTask, entry_options, is_dataset_entry, split_for_ranks
-from ds_train.ript.reference import build_reference
-from ds_train.ript.rollout import Episode, model_policy, rollout, scripted_policy
+from ds_train.ript.datatask import check_task_entries, load_tasks, split_for_ranks
+from ds_train.ript.reference import build_reference, report_reference
+from ds_train.ript.rollout import Episode, max_rollout_tokens, model_policy, rollout, scripted_policy
 from ds_train.ript.sampler import ContextSampler, Tally, by_family, family, merge_states
 from ds_train.ript.sharding import format_shards, shard_tasks
-from ds_train.ript.tasks import load_object, load_task
-from ds_train.ript.update import max_rollout_tokens, update
+from ds_train.ript.tasks import load_object
+from ds_train.ript.update import update
 from ds_train.run import Run, RunSpec, build_run
 from ds_train.rundir import RIPT
 
@@ -81,36 +81,6 @@ class RiptInputs:
         ript.train_contexts)."""
         return {n: len(t.contexts("train", cfg.ript.train_contexts, cfg.seed)) * t.max_turns
                 if hasattr(t, "prompt_ids") else cfg.ript.train_contexts * t.max_turns for n, t in tasks.items()}
-
-
-def check_task_entries(cfg: RunConfig) -> dict[int, dict]:
-    """ript.tasks read without the model: built-in names and module:Class load, dataset entries'
-    options are valid. Returns the options of the dataset entries by index."""
-    for entry in cfg.ript.tasks:
-        if not is_dataset_entry(entry):
-            load_task(str(entry))
-    return {i: entry_options(e, f"ript.tasks[{i}]") for i, e in enumerate(cfg.ript.tasks) if is_dataset_entry(e)}
-
-
-def load_tasks(cfg: RunConfig, tokenizer, hf_config) -> dict[str, Any]:
-    """Every task of ript.tasks by name, whole, checked: a dataset read and rendered with the
-    tokenizer's chat template (or data.chat_template)."""
-    r = cfg.ript
-    options = check_task_entries(cfg)
-    max_positions = getattr(hf_config, "max_position_embeddings", None)
-    tasks: dict[str, Any] = {}
-    for i, entry in enumerate(r.tasks):
-        task = (DatasetTask(options[i], tokenizer, cfg.data.chat_template, r.max_new_tokens, max_positions,
-                            f"ript.tasks[{i}]") if i in options else load_task(str(entry)))
-        if task.name in tasks:
-            raise UserError(f"ript.tasks[{i}]: a second task named {task.name!r}; give it another name (name: ...)")
-        most = max_rollout_tokens(task, r.max_new_tokens)
-        if r.overlong_buffer and r.overlong_buffer >= most:
-            raise UserError(f"ript.overlong_buffer: {r.overlong_buffer} is not below the {most} tokens task "
-                            f"{task.name!r} may generate (the penalty starts overlong_buffer tokens before the "
-                            f"limit); lower it")
-        tasks[task.name] = task
-    return tasks
 
 
 def describe_algorithm(cfg: RunConfig) -> str:
@@ -183,17 +153,12 @@ def ript(cfg: RunConfig, ds_config_path: str) -> dict:
         r = cfg.ript
         sampler = ContextSampler([inputs.tasks[n] for n in inputs.shards[run.data_rank]], r.train_contexts,
                                  cfg.seed, r.skip_solved, r.retest_after, r.task_weighting)
-        job = RiptJob(run, inputs.tasks, inputs.shards, sampler, inputs.scripted)
-        job.reference = build_reference(run, run.weights)
+        job = RiptJob(run, inputs.tasks, inputs.shards, sampler, inputs.scripted,
+                      reference=build_reference(run, run.weights))
         run.say(format_shards(inputs.shards, RiptInputs.costs(cfg, inputs.tasks)))
         run.say(f"K={r.rloo_batch_size}; quota {r.contexts_per_rank} contexts per rank; policy "
                 f"{r.policy or cfg.model.path}; {describe_algorithm(cfg)}")
-        reference = job.reference
-        held = reference.held_bytes if reference else 0
-        run.rank_log.info(f"reference policy: {reference.describe if reference else 'none'}; its parameters hold "
-                          f"{held:,} bytes on this rank")
-        run.say(f"reference policy: {reference.describe}; {held / 2**20:.1f} MiB of parameters on rank 0"
-                if reference else "reference policy: none (ript.kl_coef 0: no reference model is built)")
+        report_reference(run, job.reference)
         state = resume(job) or start(job)
         ript_loop(run, job, state)
         report(job, state)

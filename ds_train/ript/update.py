@@ -18,7 +18,7 @@ from ds_train.guard import backward_step
 from ds_train.ript.algorithms import (KL_ESTIMATORS, Norms, PolicyStats, advantages, aggregate,
                                       clipped_policy_loss, overlong_penalty)
 from ds_train.ript.reference import Reference
-from ds_train.ript.rollout import Episode, generation
+from ds_train.ript.rollout import Episode, max_rollout_tokens
 from ds_train.ript.sampler import std_from_sums
 from ds_train.run import Run
 
@@ -28,11 +28,6 @@ def _token_logp(engine, ids):
 
     logits = engine(input_ids=ids[:, :-1], use_cache=False).logits.float()
     return torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
-
-
-def max_rollout_tokens(task, max_new_tokens: int) -> int:
-    """The most tokens a rollout of `task` can generate: its actions' limit x its turns."""
-    return generation(task, max_new_tokens).max_new_tokens * task.max_turns
 
 
 def shaped_rewards(groups: list[list[Episode]], buffer: int, factor: float, max_new_tokens: int):
