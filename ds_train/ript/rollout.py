@@ -106,7 +106,7 @@ def model_policy(model, tokenizer, max_new_tokens: int = 12, temperature: float 
             if e.task is not None:
                 by_kind.setdefault(generation(e.task, max_new_tokens), []).append(i)
         actions: list[list[int]] = [[] for _ in live]
-        dummy = Episode(None, None, 0, [pad], [0], "")
+        dummy = Episode(None, None, 0, [tokenizer.eos_token_id], [0], "")  # a rank with nothing of this kind
         for kind in (kinds if synced_gpus else list(by_kind)):
             rows = by_kind.get(kind, [])
             got = generate([live[i] for i in rows] or [dummy], kind)
