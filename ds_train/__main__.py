@@ -143,12 +143,12 @@ def build_parser() -> argparse.ArgumentParser:
                     help="the trained BPE makes every digit its own token (data.split_digits)")
     pr.add_argument("--val-fraction", type=float, default=0.02, help="documents held out (default 0.02)")
     pr.add_argument("--text-key", default="text", help="the records' text field (default text)")
-    pr.add_argument("--format", choices=("text", "sft"), default="text",
+    pr.add_argument("--format", choices=("text", "sft", "preference"), default="text",
                     help="text (default): pretraining documents; sft: conversations ('messages') or "
                          "'prompt'/'completion' records, rendered with the chat template, targets on the "
-                         "assistant's tokens")
+                         "assistant's tokens; preference: 'prompt', 'chosen' and 'rejected' records")
     pr.add_argument("--chat-template", default="", metavar="FILE",
-                    help="sft: a file holding the Jinja chat template (default: the tokenizer's)")
+                    help="sft, preference: a file holding the Jinja chat template (default: the tokenizer's)")
     pr.add_argument("--workers", type=int, default=None,
                     help="tokenising processes (default: data.workers with --config, else 0: one per core)")
     pr.add_argument("--config", help="take the data section of this run config instead")

@@ -1,7 +1,9 @@
 """Instruction data (data.format: sft): a record as a conversation, rendered with a chat template
-into token ids and the mask of the tokens the loss is on (the assistant's).
+into token ids and the mask of the tokens the loss is on (the assistant's). Preference data
+(data.format: preference): a prompt and two completions, chosen and rejected, each rendered after
+the prompt with targets on the completion's assistant tokens alone.
 
-A record is a conversation, `{"messages": [{"role": ..., "content": ...}, ...]}`, or a pair,
+An sft record is a conversation, `{"messages": [{"role": ..., "content": ...}, ...]}`, or a pair,
 `{"prompt": ..., "completion": ...}` (strings: a user turn and an assistant turn; or lists of
 messages). The template renders the whole conversation once; the assistant's spans are found by
 rendering its prefixes (the text before each assistant turn with the generation prompt, and the
@@ -9,6 +11,10 @@ text through that turn), as Hugging Face's `{% generation %}` marking would mark
 assistant's reply and the end-of-turn text the template writes after it (so the model learns to
 stop), never the system or user turns nor the template's role headers. Each span is tokenised on
 its own, so no token straddles a boundary.
+
+A preference record is `{"prompt": ..., "chosen": ..., "rejected": ...}` (strings: a user turn and
+two assistant replies; or lists of messages), or, without a prompt, two conversations `chosen` and
+`rejected` that share their start (the prompt) and differ in their ending (TRL's implicit prompt).
 """
 
 from __future__ import annotations
@@ -33,6 +39,15 @@ def conversation(record: dict, where: str) -> list[dict]:
         missing = "completion" if "prompt" in record else "prompt" if "completion" in record else "messages"
         raise UserError(f"{where}: no {missing!r} field (data.format sft reads 'messages', a conversation, "
                         f"or 'prompt' and 'completion'); fix the record or set data.format=text")
+    check_messages(messages, field, where)
+    if not any(m["role"] == "assistant" for m in messages):
+        raise UserError(f"{where}: no assistant turn (roles: {', '.join(m['role'] for m in messages)}); "
+                        f"there is nothing to train on: add the reply or remove the record")
+    return messages
+
+
+def check_messages(messages, field: str, where: str) -> None:
+    """A non-empty list of {role, content} messages; one line naming the record and the field otherwise."""
     if not isinstance(messages, list) or not messages:
         raise UserError(f"{where}: {field!r} is {_short(messages)}, not a list of messages")
     for j, m in enumerate(messages):
@@ -46,10 +61,38 @@ def conversation(record: dict, where: str) -> list[dict]:
             raise UserError(f"{at}.role is {_short(m['role'])}, not one of {', '.join(ROLES)}")
         if not isinstance(m["content"], str):
             raise UserError(f"{at}.content is {_short(m['content'])}, not a string")
-    if not any(m["role"] == "assistant" for m in messages):
-        raise UserError(f"{where}: no assistant turn (roles: {', '.join(m['role'] for m in messages)}); "
-                        f"there is nothing to train on: add the reply or remove the record")
-    return messages
+
+
+def preference(record: dict, where: str) -> tuple[list[dict], list[dict], list[dict]]:
+    """The checked (prompt, chosen, rejected) messages of a preference record; one line naming the
+    record and the field otherwise."""
+    for key in ("chosen", "rejected"):
+        if key not in record:
+            raise UserError(f"{where}: no {key!r} field (data.format preference reads 'prompt', 'chosen' and "
+                            f"'rejected'); fix the record or remove it")
+    if "prompt" in record:
+        prompt = _turns(record["prompt"], "user", where, "prompt")
+        chosen = _turns(record["chosen"], "assistant", where, "chosen")
+        rejected = _turns(record["rejected"], "assistant", where, "rejected")
+        if prompt:
+            check_messages(prompt, "prompt", where)
+    else:  # implicit prompt: what the two conversations share
+        chosen, rejected = record["chosen"], record["rejected"]
+        for key, value in (("chosen", chosen), ("rejected", rejected)):
+            if not isinstance(value, list):
+                raise UserError(f"{where}: no 'prompt' field, and {key!r} is {_short(value)}, not a conversation "
+                                f"(without a prompt, chosen and rejected are conversations that share their "
+                                f"start); add 'prompt'")
+        shared = 0
+        while shared < min(len(chosen), len(rejected)) and chosen[shared] == rejected[shared]:
+            shared += 1
+        prompt, chosen, rejected = chosen[:shared], chosen[shared:], rejected[shared:]
+    for key, value in (("chosen", chosen), ("rejected", rejected)):
+        check_messages(value, key, where)
+        if not any(m["role"] == "assistant" for m in value):
+            raise UserError(f"{where}: {key!r} has no assistant turn after the prompt (roles: "
+                            f"{', '.join(m['role'] for m in value)}); a completion is the assistant's reply")
+    return prompt, chosen, rejected
 
 
 def _turns(value, role: str, where: str, field: str) -> list[dict]:
@@ -92,12 +135,13 @@ class Renderer:
         """The conversation so far and the header of the assistant's turn: what a reply continues."""
         return self._render(messages, True, where)
 
-    def segments(self, messages: list[dict], where: str) -> list[tuple[str, bool]]:
-        """The rendered conversation as (text, is_target) pieces, in order."""
+    def segments(self, messages: list[dict], where: str, first: int = 0) -> list[tuple[str, bool]]:
+        """The rendered conversation as (text, is_target) pieces, in order: the assistant's turns
+        from message `first` on are targets."""
         full = self._render(messages, False, where)
         out, pos = [], 0
         for i, m in enumerate(messages):
-            if m["role"] != "assistant":
+            if m["role"] != "assistant" or i < first:
                 continue
             before = self._render(messages[:i], True, where) if i else ""
             through = self._render(messages[:i + 1], False, where)
@@ -112,7 +156,14 @@ class Renderer:
 
     def encode(self, record: dict, where: str) -> tuple[np.ndarray, np.ndarray]:
         """Token ids and the target mask (1 on the assistant's tokens) of one record."""
-        pieces = self.segments(conversation(record, where), where)
+        return self._tokens(self.segments(conversation(record, where), where))
+
+    def encode_completion(self, prompt: list[dict], completion: list[dict], where: str) -> tuple[np.ndarray,
+                                                                                                  np.ndarray]:
+        """Token ids of prompt + completion and the target mask (1 on the completion's assistant tokens)."""
+        return self._tokens(self.segments(prompt + completion, where, first=len(prompt)))
+
+    def _tokens(self, pieces: list[tuple[str, bool]]) -> tuple[np.ndarray, np.ndarray]:
         ids = self.tok([text for text, _ in pieces], add_special_tokens=False)["input_ids"]
         tokens = np.fromiter((t for piece in ids for t in piece), dtype=np.int64)
         mask = np.fromiter((target for piece, (_, target) in zip(ids, pieces) for _ in piece), dtype=np.uint8)

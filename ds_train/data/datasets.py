@@ -97,6 +97,29 @@ class TokenData:
 IGNORE = -100  # a position with no target (prompt, padding, an example's last token)
 
 
+def target_counts(mask: np.ndarray, offsets: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """Targets each example can learn within its first `lengths` tokens (the whole example, or what
+    truncation leaves): a masked token with a token before it in the same example."""
+    full = np.diff(offsets)
+    targets = np.zeros(len(full), dtype=np.int64)
+    if len(mask):
+        starts = offsets[:-1][full > 0]
+        targets[full > 0] = np.add.reduceat(mask.astype(np.int64), starts) - mask[starts]
+        for i in np.flatnonzero(full > lengths):  # truncated: count what is left
+            o = offsets[i]
+            targets[i] = int(mask[o + 1:o + lengths[i]].sum())
+    return targets
+
+
+def fill_example(data, e: int, inputs: np.ndarray, targets: np.ndarray, at: int) -> int:
+    """Example `e` of `data` (its tokens, mask, offsets and kept lengths) written into a row from
+    position `at`: its tokens, and the next token as the target where the mask marks it. Its length."""
+    o, n = int(data.offsets[e]), int(data.lengths[e])
+    inputs[at:at + n] = data.tokens[o:o + n]
+    targets[at:at + n - 1] = np.where(data.mask[o + 1:o + n] > 0, data.tokens[o + 1:o + n].astype(np.int64), IGNORE)
+    return n
+
+
 @dataclass(frozen=True)
 class Batch:
     """Sequences of instruction data: inputs, aligned targets (IGNORE where no loss) and positions
@@ -128,15 +151,7 @@ class SftData:
         self.overlong = int(np.count_nonzero(lengths > seq_len))
         self.lengths = np.minimum(lengths, seq_len) if overlong == "truncate" else lengths
         keep = self.lengths <= seq_len
-        # Targets a sequence can learn: a masked token with a token before it in the same example.
-        targets = np.zeros(self.examples, dtype=np.int64)
-        if len(self.mask):
-            starts = self.offsets[:-1][lengths > 0]
-            targets[lengths > 0] = np.add.reduceat(self.mask.astype(np.int64), starts) - self.mask[starts]
-            long = np.flatnonzero(lengths > self.lengths)
-            for i in long:  # truncated: count what is left
-                o = self.offsets[i]
-                targets[i] = int(self.mask[o + 1:o + self.lengths[i]].sum())
+        targets = target_counts(self.mask, self.offsets, self.lengths)
         self.no_targets = int(np.count_nonzero(keep & (targets == 0)))
         kept = np.flatnonzero(keep & (targets > 0))
         if not len(kept):
@@ -189,10 +204,7 @@ class SftData:
         positions = np.zeros(L, dtype=np.int64)
         at = 0
         for e in self.order[self.bins[i]:self.bins[i + 1]]:
-            o, n = int(self.offsets[e]), int(self.lengths[e])
-            inputs[at:at + n] = self.tokens[o:o + n]
-            nxt = np.where(self.mask[o + 1:o + n] > 0, self.tokens[o + 1:o + n].astype(np.int64), IGNORE)
-            targets[at:at + n - 1] = nxt
+            n = fill_example(self, int(e), inputs, targets, at)
             positions[at:at + n] = np.arange(n)
             at += n
         positions[at:] = np.arange(L - at)  # padding: one more "example", with no targets
@@ -217,6 +229,85 @@ class SftData:
         return line
 
 
+@dataclass(frozen=True)
+class PairBatch(Batch):
+    """Preference pairs: rows 0..m-1 the chosen sequences, m..2m-1 the rejected ones, in pair order,
+    as wide as the longest of them; `pairs`: each pair's index in its split (its chosen example is
+    2 x pair, its rejected one 2 x pair + 1)."""
+    pairs: np.ndarray | None = None
+
+
+class PreferenceData:
+    """Preference pairs (data.format preference): example 2p is pair p's chosen sequence, 2p + 1 its
+    rejected one. A sample is a pair: both of its sequences are in one micro-batch on one rank.
+    Pairs are drawn in a seeded order per epoch as SftData's sequences are. A pair with a side
+    longer than seq_len is dropped or (data.overlong truncate) both sides cut; one with a side left
+    without a target token is dropped; both counted in summary()."""
+
+    def __init__(self, data_dir: Path, split: str, dtype: str, seq_len: int, seed: int, overlong: str, pad_id: int):
+        self.tokens = np.memmap(data_dir / f"{split}.bin", dtype=np.dtype(dtype), mode="r")
+        self.mask = np.memmap(data_dir / f"{split}.mask", dtype=np.uint8, mode="r")
+        self.offsets = np.fromfile(data_dir / f"{split}.idx", dtype=np.int64)
+        self.seq_len, self.seed, self.pad_id, self.policy = seq_len, seed, pad_id, overlong
+        lengths = np.diff(self.offsets)
+        if len(lengths) % 2:
+            raise UserError(f"{data_dir / f'{split}.idx'}: {len(lengths)} examples, an odd number, so not chosen / "
+                            f"rejected pairs (prepared as another format?); prepare it again with data.format "
+                            f"preference (data.reprepare=true)")
+        self.pairs_total = len(lengths) // 2
+        self.lengths = np.minimum(lengths, seq_len) if overlong == "truncate" else lengths
+        targets = target_counts(self.mask, self.offsets, self.lengths)
+        sides = lambda a: (a[0::2], a[1::2])  # noqa: E731 (chosen, rejected) of each pair
+        long_c, long_r = sides(lengths > seq_len)
+        fit_c, fit_r = sides(self.lengths <= seq_len)
+        has_c, has_r = sides(targets > 0)
+        fits = fit_c & fit_r
+        self.overlong = int(np.count_nonzero(long_c | long_r))
+        self.no_targets = int(np.count_nonzero(fits & ~(has_c & has_r)))
+        self.kept = np.flatnonzero(fits & has_c & has_r)
+        if not len(self.kept):
+            raise UserError(f"{data_dir / f'{split}.bin'}: none of its {self.pairs_total} preference pairs fits "
+                            f"train.seq_len={seq_len} with a target token left on both sides; raise "
+                            f"train.seq_len or set data.overlong=truncate")
+        self.num_samples = len(self.kept)
+        self._perm_epoch, self._perm = -1, None
+
+    def pair(self, sample: int, shuffle: bool = True) -> int:
+        """Global sample index -> the pair it is (its index in the split)."""
+        epoch, i = divmod(sample, self.num_samples)
+        if shuffle:
+            if epoch != self._perm_epoch:
+                self._perm = np.random.default_rng([self.seed, epoch]).permutation(self.num_samples)
+                self._perm_epoch = epoch
+            i = int(self._perm[i])
+        return int(self.kept[i])
+
+    def samples(self, indices, shuffle: bool = True) -> PairBatch:
+        return self.samples_of(np.array([self.pair(s, shuffle) for s in indices], dtype=np.int64))
+
+    def samples_of(self, pairs: np.ndarray) -> PairBatch:
+        """The micro-batch of these pairs (indices in the split)."""
+        examples = np.concatenate([2 * pairs, 2 * pairs + 1])  # the chosen rows, then the rejected ones
+        width = int(self.lengths[examples].max())
+        inputs = np.full((len(examples), width), self.pad_id, dtype=np.int64)
+        targets = np.full((len(examples), width), IGNORE, dtype=np.int64)
+        for row, e in enumerate(examples):
+            fill_example(self, int(e), inputs[row], targets[row], 0)
+        return PairBatch(inputs, targets, None, pairs)
+
+    def batch(self, first_sample: int, size: int, shuffle: bool = True) -> PairBatch:
+        return self.samples(range(first_sample, first_sample + size), shuffle)
+
+    def summary(self) -> str:
+        line = f"{self.pairs_total:,} preference pairs, {self.num_samples:,} trained on"
+        if self.overlong:
+            line += (f"; {self.overlong:,} with a side longer than train.seq_len={self.seq_len} "
+                     f"{'truncated' if self.policy == 'truncate' else 'dropped'} (data.overlong)")
+        if self.no_targets:
+            line += f"; {self.no_targets:,} with a side left without a target token within train.seq_len dropped"
+        return line
+
+
 def sequence_shard(batch: np.ndarray | Batch, rank: int, size: int) -> np.ndarray | Batch:
     """Sequence rank `rank`'s part of a micro-batch under Ulysses sequence parallelism (`size`
     ranks): seq_len / size consecutive positions of every sequence, as inputs, targets shifted
@@ -232,7 +323,7 @@ def sequence_shard(batch: np.ndarray | Batch, rank: int, size: int) -> np.ndarra
     return Batch(*(np.ascontiguousarray(a[:, part]) for a in (batch.inputs, batch.targets, positions)))
 
 
-def rank_micro_batches(data: TokenData | SftData, step: int, global_batch: int, micro: int, data_rank: int,
+def rank_micro_batches(data: TokenData | SftData | PreferenceData, step: int, global_batch: int, micro: int, data_rank: int,
                        data_parallel: int) -> list:
     """The micro-batches data-parallel rank `data_rank` trains on at `step` (0-based): a disjoint
     slice of the global batch (the sequence / tensor ranks of one data-parallel group read the same)."""
@@ -241,7 +332,7 @@ def rank_micro_batches(data: TokenData | SftData, step: int, global_batch: int, 
     return [data.batch(first + k * micro, micro) for k in range(per_rank // micro)]
 
 
-def eval_micro_batches(data: TokenData | SftData, batches: int, micro: int, data_rank: int,
+def eval_micro_batches(data: TokenData | SftData | PreferenceData, batches: int, micro: int, data_rank: int,
                        data_parallel: int) -> list:
     """A fixed evaluation set: the first batches x micro x data-parallel sequences of the val split,
     in file order."""
@@ -254,8 +345,8 @@ def eval_micro_batches(data: TokenData | SftData, batches: int, micro: int, data
 
 @dataclass(frozen=True)
 class Datasets:
-    train: TokenData | SftData
-    val: TokenData | SftData
+    train: TokenData | SftData | PreferenceData
+    val: TokenData | SftData | PreferenceData
     summary: str = ""  # how sft examples became sequences (said at the start of a run)
 
     @property
@@ -266,7 +357,9 @@ class Datasets:
     def identity(self) -> dict:
         """What identifies the sample stream, recorded in every checkpoint (a resume checks it)."""
         out = {"train_tokens": len(self.train.tokens), "val_tokens": len(self.val.tokens)}
-        if isinstance(self.train, SftData):
+        if isinstance(self.train, PreferenceData):
+            out |= {"format": "preference", "train_samples": self.train.num_samples}
+        elif isinstance(self.train, SftData):
             out |= {"format": "sft", "train_samples": self.train.num_samples, "packed": self.train.pack}
         elif self.train.mix is not None:
             out["mixture_slots"] = self.train.mix[2].tolist()
@@ -281,6 +374,13 @@ def build_datasets(d: DataConfig, meta: dict, seq_len: int, seed: int, can_pack:
     if meta.get("format", "text") != d.format:
         raise UserError(f"data.dir {d.dir!r} holds {meta.get('format', 'text')} data and data.format is "
                         f"{d.format}; prepare it again (data.reprepare=true) or set data.format")
+    if d.format == "preference":
+        pad = meta.get("eos_token_id") or 0
+        train, val = (PreferenceData(Path(d.dir), split, meta["dtype"], seq_len, seed, d.overlong, pad)
+                      for split in ("train", "val"))
+        return Datasets(train, val, f"preference, {train.summary()}" + (
+            f"; {meta['identical_pairs']:,} pairs whose chosen and rejected are the same were left out by "
+            f"prepare" if meta.get("identical_pairs") else ""))
     if d.format == "sft":
         if d.pack is True and not can_pack:
             raise UserError(f"data.pack: {model_name} does not separate packed examples (its attention mask "

@@ -8,15 +8,15 @@ import multiprocessing as mp
 import os
 import zlib
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Iterator
 
 import numpy as np
 
-from ds_train.data.chat import Renderer, conversation
+from ds_train.data.chat import Renderer, conversation, preference
 from ds_train.data.meta import SFT_FILES, token_dtype
-from ds_train.data.sources import SFT_FIELDS, Chunk, chunks, records
+from ds_train.data.sources import Chunk, chunks, format_fields, records
 from ds_train.data.tokenizer import EOS, load_tokenizer
 
 BPE_SAMPLE_BYTES = 64 << 20  # the BPE (no tokenizer given) learns from at most this much text
@@ -28,22 +28,26 @@ def _is_val(name: str, val_fraction: float) -> bool:
 
 @dataclass(frozen=True)
 class Encoded:
-    """One chunk's documents of one split: their tokens (and targets, sft) and each one's length."""
+    """One chunk's documents of one split: their tokens (and targets, sft and preference) and each
+    example's length (a preference document is two examples: chosen, then rejected)."""
     tokens: np.ndarray
     lengths: np.ndarray
     mask: np.ndarray | None = None
+    identical: tuple[int, str] = (0, "")  # preference pairs left out: chosen == rejected (count, the first's place)
 
 
 class Encoder:
     """Records -> token arrays per split: what a worker process does with each chunk. Text: each
     document's tokens and EOS, through the tokenizer's Rust backend alone (`backend`: its JSON, as
     the main process loaded it; a worker then never imports transformers); sft: each
-    conversation's tokens and its target mask (ds_train.chat, the whole Hugging Face tokenizer)."""
+    conversation's tokens and its target mask (ds_train.chat, the whole Hugging Face tokenizer);
+    preference: each pair's chosen and rejected sequences and their masks, a pair whose two sides
+    are the same left out and counted."""
 
     def __init__(self, tokenizer_dir: str, backend: str, eos: int, vocab: int, fmt: str, text_key: str,
                  chat_template: str, val_fraction: float):
         self.fmt, self.val_fraction, self.eos = fmt, val_fraction, eos
-        self.fields = SFT_FIELDS if fmt == "sft" else (text_key,)
+        self.fields = format_fields(fmt, text_key)
         self.dtype = token_dtype(vocab)
         if fmt == "text" and backend:
             from tokenizers import Tokenizer
@@ -52,14 +56,23 @@ class Encoder:
             self._batch = lambda texts: [e.ids for e in fast.encode_batch_fast(texts, add_special_tokens=False)]
         else:
             tok = load_tokenizer(tokenizer_dir)
-            self.renderer = Renderer(tok, chat_template) if fmt == "sft" else None
+            self.renderer = Renderer(tok, chat_template) if fmt != "text" else None
             self._batch = lambda texts: tok(texts, add_special_tokens=False)["input_ids"]
 
     def __call__(self, chunk: Chunk) -> dict[str, Encoded]:
         splits: dict[str, list] = {"train": [], "val": []}
+        identical: tuple[int, str] = (0, "")
         for name, record in records(chunk, self.fields):
+            if self.fmt == "preference":
+                where = _where(chunk, name)
+                record = preference(record, where)
+                if record[1] == record[2]:  # chosen == rejected: nothing to prefer
+                    identical = (identical[0] + 1, identical[1] or where)
+                    continue
             splits["val" if _is_val(name, self.val_fraction) else "train"].append((name, record))
-        return {split: self._encode(docs, chunk) for split, docs in splits.items()}
+        out = {split: self._encode(docs, chunk) for split, docs in splits.items()}
+        out["train"] = replace(out["train"], identical=identical)  # counted once, in file order
+        return out
 
     def _encode(self, docs: list, chunk: Chunk) -> Encoded:
         if self.fmt == "text":
@@ -67,7 +80,11 @@ class Encoder:
             lengths = np.array([len(d) + 1 for d in ids], dtype=np.int64)
             flat = list(itertools.chain.from_iterable(d + [self.eos] for d in ids))
             return Encoded(np.array(flat, dtype=self.dtype), lengths)
-        pairs = [self.renderer.encode(record, _where(chunk, name)) for name, record in docs]
+        if self.fmt == "preference":  # records checked by __call__: (prompt, chosen, rejected)
+            pairs = [self.renderer.encode_completion(prompt, side, _where(chunk, name))
+                     for name, (prompt, chosen, rejected) in docs for side in (chosen, rejected)]
+        else:
+            pairs = [self.renderer.encode(record, _where(chunk, name)) for name, record in docs]
         lengths = np.array([len(t) for t, _ in pairs], dtype=np.int64)
         if not pairs:
             return Encoded(np.zeros(0, self.dtype), lengths, np.zeros(0, np.uint8))
@@ -114,11 +131,13 @@ def encoded_chunks(sources: list[str], fields: tuple[str, ...], encoder_args: tu
 
 
 class SplitWriter:
-    """Appends a split's encoded chunks to partial files (tokens; sft: mask and offsets)."""
+    """Appends a split's encoded chunks to partial files (tokens; sft and preference: mask and
+    offsets). `group`: examples per document (a preference pair: 2), moved whole by _balance."""
 
-    def __init__(self, out: Path, split: str, sft: bool):
-        self.out, self.sft = out, sft
+    def __init__(self, out: Path, split: str, sft: bool, group: int = 1):
+        self.out, self.sft, self.group = out, sft, group
         self.tokens, self.docs, self.max_id, self.itemsize, self.last = 0, 0, -1, 1, None
+        self.identical: tuple[int, str] = (0, "")
         self._open(split, "wb")
         if sft:
             np.zeros(1, np.int64).tofile(self.files[2])  # offsets: 0, then each example's end
@@ -129,6 +148,8 @@ class SplitWriter:
         self.files = [open(p, mode) for p in self.paths]
 
     def write(self, part: Encoded) -> None:
+        if part.identical[0]:
+            self.identical = (self.identical[0] + part.identical[0], self.identical[1] or part.identical[1])
         if not len(part.lengths):
             return
         part.tokens.tofile(self.files[0])
@@ -138,13 +159,14 @@ class SplitWriter:
         self.tokens += len(part.tokens)
         self.docs += len(part.lengths)
         self.max_id, self.itemsize = max(self.max_id, int(part.tokens.max())), part.tokens.itemsize
-        n = int(part.lengths[-1])
-        self.last = Encoded(part.tokens[-n:], part.lengths[-1:], None if part.mask is None else part.mask[-n:])
+        lengths = part.lengths[-self.group:]
+        n = int(lengths.sum())
+        self.last = Encoded(part.tokens[-n:], lengths, None if part.mask is None else part.mask[-n:])
 
     def drop_last(self) -> None:
         """Remove the last document (it moves to the other split)."""
-        self.tokens -= int(self.last.lengths[0])
-        self.docs -= 1
+        self.tokens -= int(self.last.lengths.sum())
+        self.docs -= len(self.last.lengths)
         sizes = [self.tokens * self.itemsize, self.tokens, (self.docs + 1) * 8]
         for f, size in zip(self.files, sizes):
             f.flush()
@@ -179,7 +201,7 @@ def bpe_sample(sources: list[str], fields: tuple[str, ...], fmt: str, chat_templ
     from transformers import PreTrainedTokenizerFast
 
     renderer = None
-    if fmt == "sft":  # rendering needs only the special tokens' text
+    if fmt != "text":  # rendering needs only the special tokens' text
         blank = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.BPE()), eos_token=EOS, bos_token=EOS)
         renderer = Renderer(blank, chat_template)
     budget = BPE_SAMPLE_BYTES // max(1, len(sources))
@@ -192,7 +214,11 @@ def bpe_sample(sources: list[str], fields: tuple[str, ...], fmt: str, chat_templ
                 continue
             if renderer is not None:
                 where = _where(chunk, name)
-                record = "".join(t for t, _ in renderer.segments(conversation(record, where), where))
+                if fmt == "preference":
+                    prompt, chosen, rejected = preference(record, where)
+                    record = "".join(renderer.render(prompt + side, where) for side in (chosen, rejected))
+                else:
+                    record = "".join(t for t, _ in renderer.segments(conversation(record, where), where))
             texts.append(record)
             taken[chunk.source] += len(record)
             if taken[chunk.source] >= budget:

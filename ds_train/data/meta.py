@@ -15,7 +15,7 @@ from ds_train.fs import file_lock, read_json, write_atomic
 
 PREPARED = ("meta.json", "train.bin", "val.bin", "tokenizer")  # what prepare writes into out_dir
 SFT_FILES = ("mask", "idx")  # data.format sft: {split}.mask (1: a target token), {split}.idx (offsets)
-FORMATS = ("text", "sft")
+FORMATS = ("text", "sft", "preference")
 SPLITS = ("train", "val")
 DTYPES = {"uint16": 2**16, "uint32": 2**32}  # dtype -> ids it can hold
 PREPARE_AGAIN = "prepare it again (data.reprepare=true with data.sources, or `ds-train prepare --overwrite`)"
@@ -28,7 +28,7 @@ META_FIELDS = {
     "val_tokens": ("a token count (an integer >= 0)", lambda v: _whole(v) and v >= 0),
 }
 OPTIONAL_META_FIELDS = {
-    "format": ("text or sft", lambda v: v in FORMATS),
+    "format": ("text, sft or preference", lambda v: v in FORMATS),
     "eos_token_id": ("a token id (an integer >= 0)", lambda v: _whole(v) and v >= 0),
     "max_token_id": ("a token id (an integer)", lambda v: _whole(v)),
     "scan": ("a mapping", lambda v: isinstance(v, dict)),
@@ -77,7 +77,7 @@ def read_meta(data_dir: Path) -> dict:
             raise UserError(f"data.dir {str(data_dir)!r}: {split}.bin is {size} bytes, not {tokens} {dtype} "
                             f"tokens ({tokens * itemsize} bytes) as meta.json records (truncated or "
                             f"overwritten); {PREPARE_AGAIN}")
-    if meta.get("format", "text") == "sft":  # the targets and the example offsets agree with it too
+    if meta.get("format", "text") != "text":  # the targets and the example offsets agree with it too
         for split in SPLITS:
             docs = meta.get(f"{split}_documents")
             for name, want in ((f"{split}.mask", meta[f"{split}_tokens"]),

@@ -23,7 +23,7 @@ from ds_train.data.chat import Renderer
 from ds_train.data.encode import SplitWriter, bpe_sample, encoded_chunks
 from ds_train.data.fingerprint import NO_RECORD, fingerprint_differences, input_fingerprint
 from ds_train.data.meta import PREPARED, check_is_dir, read_meta, read_meta_json, load_meta, token_dtype
-from ds_train.data.sources import SFT_FIELDS, check_source_files, input_bytes, no_documents_error
+from ds_train.data.sources import check_source_files, format_fields, input_bytes, no_documents_error
 from ds_train.data.tokenizer import content_id, load_tokenizer, tokenizer_content_id, train_tokenizer
 from ds_train.errors import UserError
 from ds_train.fs import check_writable, file_lock, write_atomic
@@ -57,7 +57,7 @@ def prepare(sources: list[str], out_dir: str | Path, tokenizer: str = "", vocab_
     check_writable(out, OUT_KEY)
     check_source_files(sources)
     tok = load_tokenizer(tokenizer) if tokenizer else None
-    if fmt == "sft" and tok is not None:
+    if fmt != "text" and tok is not None:
         Renderer(tok, chat_template)  # the template is there
     # Taken before the sources are read: a file edited meanwhile then differs from the record.
     if split_digits and tok is not None:
@@ -70,7 +70,7 @@ def prepare(sources: list[str], out_dir: str | Path, tokenizer: str = "", vocab_
     partial_tok = out / ".tokenizer.partial"
     writers: list[SplitWriter] = []
     try:
-        fields = SFT_FIELDS if fmt == "sft" else (text_key,)
+        fields = format_fields(fmt, text_key)
         if tok is not None:
             tok_dir = Path(tokenizer).resolve()
         else:
@@ -88,7 +88,8 @@ def prepare(sources: list[str], out_dir: str | Path, tokenizer: str = "", vocab_
         backend = getattr(tok, "backend_tokenizer", None)
         encoder_args = (str(partial_tok if not tokenizer else tok_dir), backend.to_str() if backend else "",
                         tok.eos_token_id, len(tok), fmt, text_key, chat_template, val_fraction)
-        writers[:] = [SplitWriter(out, "train", fmt == "sft"), SplitWriter(out, "val", fmt == "sft")]
+        group = 2 if fmt == "preference" else 1  # a pair: its chosen and rejected examples, kept together
+        writers[:] = [SplitWriter(out, split, fmt != "text", group) for split in ("train", "val")]
         train, val = writers
         total = input_bytes(sources)
         n_workers = _workers(workers, total)
@@ -106,6 +107,10 @@ def prepare(sources: list[str], out_dir: str | Path, tokenizer: str = "", vocab_
                 bar.set_postfix_str(f"{(train.tokens + val.tokens) / (time.monotonic() - started):,.0f} tokens/s",
                                     refresh=False)
         if not train.docs + val.docs:
+            if train.identical[0]:
+                raise UserError(f"data.sources: all {train.identical[0]:,} preference pairs have the same chosen and "
+                                f"rejected (the first at {train.identical[1]}): nothing to prefer; check which "
+                                f"fields hold the two completions")
             raise no_documents_error(sources)
         _balance(out, writers)
         train, val = writers
@@ -131,7 +136,13 @@ def prepare(sources: list[str], out_dir: str | Path, tokenizer: str = "", vocab_
             st = (out / f"{split}.bin").stat()
             meta[f"{split}_tokens"], meta[f"{split}_documents"] = w.tokens, w.docs
             meta["scan"][split] = {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "max_token_id": w.max_id}
-        if fmt == "sft":
+        if fmt == "preference":
+            identical = train.identical
+            meta["identical_pairs"] = identical[0]
+            if identical[0]:
+                print(f"prepare: {identical[0]:,} pair(s) whose chosen and rejected are the same left out (nothing "
+                      f"to prefer), the first at {identical[1]}", file=sys.stderr)
+        if fmt != "text":
             for split in ("train", "val"):
                 meta[f"{split}_targets"] = int(np.count_nonzero(np.memmap(out / f"{split}.mask", np.uint8, "r")))
         meta["fingerprint"] = fingerprint
@@ -154,8 +165,8 @@ def prepare(sources: list[str], out_dir: str | Path, tokenizer: str = "", vocab_
 
 
 def _position(writer: SplitWriter, fmt: str) -> int:
-    """Where the train split stands: in tokens (text), in examples (sft)."""
-    return writer.docs if fmt == "sft" else writer.tokens
+    """Where the train split stands: in tokens (text), in examples (sft, preference)."""
+    return writer.tokens if fmt == "text" else writer.docs
 
 
 def _balance(out: Path, writers: list[SplitWriter]) -> None:
@@ -164,11 +175,12 @@ def _balance(out: Path, writers: list[SplitWriter]) -> None:
     if not train.docs:  # every document hashed to val: they train instead
         train.close()
         val.become("train")  # over the empty train files
-        writers[:] = train, val = [val, SplitWriter(out, "val", val.sft)]
+        val.identical = train.identical
+        writers[:] = train, val = [val, SplitWriter(out, "val", val.sft, val.group)]
     if val.docs:
         return
     last = train.last
-    if train.docs > 1:
+    if train.docs > train.group:
         train.drop_last()
     val.write(last)
 

@@ -214,13 +214,18 @@ def _check_columns(path: Path, names: list[str], columns: tuple[str, ...]) -> No
         if "messages" in names or {"prompt", "completion"} <= set(names):
             return
         want = "a 'messages' column, or 'prompt' and 'completion'"
+    elif columns == PREFERENCE_FIELDS:
+        if {"chosen", "rejected"} <= set(names):
+            return
+        want = "'chosen' and 'rejected' columns"
     elif set(columns) <= set(names):
         return
     else:
         want = f"column {columns[0]!r}"
     raise UserError(f"{path}: no {want} (columns: {', '.join(names) or 'none'}); "
-                    + ("set data.text_key to the text column" if columns != SFT_FIELDS else
-                       "data.format sft reads conversations from those"))
+                    + ("set data.text_key to the text column" if columns not in RECORD_FIELDS else
+                       f"data.format {RECORD_FIELDS[columns]} reads "
+                       + ("conversations" if columns == SFT_FIELDS else "pairs") + " from those"))
 
 
 def _open_dataset(path: Path, kind: str):
@@ -245,6 +250,13 @@ def _open_dataset(path: Path, kind: str):
 
 
 SFT_FIELDS = ("messages", "prompt", "completion")
+PREFERENCE_FIELDS = ("prompt", "chosen", "rejected")
+RECORD_FIELDS = {SFT_FIELDS: "sft", PREFERENCE_FIELDS: "preference"}  # formats whose records are objects
+
+
+def format_fields(fmt: str, text_key: str) -> tuple[str, ...]:
+    """The record fields a data.format reads."""
+    return {"sft": SFT_FIELDS, "preference": PREFERENCE_FIELDS}.get(fmt, (text_key,))
 
 
 def records(chunk: Chunk, fields: tuple[str, ...]) -> Iterator[tuple[str, object]]:
@@ -253,9 +265,9 @@ def records(chunk: Chunk, fields: tuple[str, ...]) -> Iterator[tuple[str, object
     further by ds_train.data.chat. A bad one is one line naming the file and its line or row."""
     if chunk.kind == "text":
         text = _decode_text(chunk)
-        if fields == SFT_FIELDS:
-            raise UserError(f"data.sources: {chunk.file!r} is a text file, and data.format sft reads "
-                            f"conversations (JSONL, parquet, datasets); remove it or set data.format=text")
+        if fields in RECORD_FIELDS:
+            raise UserError(f"data.sources: {chunk.file!r} is a text file, and data.format {RECORD_FIELDS[fields]} "
+                            f"reads records (JSONL, parquet, datasets); remove it or set data.format=text")
         if text.strip():
             yield chunk.name, text
         return
@@ -281,10 +293,11 @@ def records(chunk: Chunk, fields: tuple[str, ...]) -> Iterator[tuple[str, object
 
 def _field_record(item, fields: tuple[str, ...], where: str, jsonl: bool):
     """The checked record of a parsed line or row; None when it holds no text."""
-    if fields == SFT_FIELDS:
+    if fields in RECORD_FIELDS:
         if not isinstance(item, dict):
-            raise UserError(f"{where}: expected a JSON object (a conversation: 'messages', or 'prompt' and "
-                            f"'completion')")
+            raise UserError(f"{where}: expected a JSON object " + (
+                "(a conversation: 'messages', or 'prompt' and 'completion')" if fields == SFT_FIELDS else
+                "(a preference pair: 'prompt', 'chosen' and 'rejected')"))
         return item
     key = fields[0]
     text = item.get(key) if isinstance(item, dict) else None
