@@ -123,15 +123,18 @@ class DataConfig(Section):
                            "`python-stdlib` is the bundled default corpus.", path=True)
     weights: list[float] = _f([], "A mixture: one weight per source, the share of training samples drawn "
                            "from it (normalised). Empty: every source in proportion to its size.")
-    format: Literal["text", "sft"] = _f("text", "text: pretraining on raw text. sft: conversations ('messages') or "
-                             "'prompt'/'completion' pairs, rendered with the chat template, loss on "
-                             "the assistant's tokens only.")
+    format: Literal["text", "sft", "preference"] = _f(
+        "text", "text: pretraining on raw text. sft: conversations ('messages') or 'prompt'/'completion' pairs, "
+                "rendered with the chat template, loss on the assistant's tokens only. preference: 'prompt', "
+                "'chosen' and 'rejected' (strings or messages; without 'prompt', two conversations that share their "
+                "start), trained with the dpo section's loss; a sample is a pair (two sequences).")
     chat_template: str = _f("", "sft: a Jinja chat template to render with. Empty: the tokenizer's.")
     pack: Literal["auto", True, False] = _f("auto", "sft: pack several examples per sequence (no attention across them; "
                            "positions restart per example): auto (where the model's attention "
                            "supports it, else one padded example per sequence), true, false.")
-    overlong: Literal["drop", "truncate"] = _f("drop", "sft: an example longer than train.seq_len is dropped or truncated "
-                               "(counted and reported at the start of a run).")
+    overlong: Literal["drop", "truncate"] = _f("drop", "sft, preference: an example (a pair with a side) longer than "
+                                                       "train.seq_len is dropped or truncated (counted and reported at "
+                                                       "the start of a run).")
     workers: int = _f(0, "Processes that tokenise during prepare. 0: one per core (one for a "
                          "corpus under 8 MiB).")
     tokenizer: str = _f("", "Tokenizer directory. Empty: model.path's, else a byte-level BPE trained "
@@ -161,9 +164,9 @@ class DataConfig(Section):
                             f"one per entry of data.sources, or none")
             elif not all(isinstance(w, (int, float)) and not isinstance(w, bool) and w > 0 for w in self.weights):
                 errs.append(f"data.weights: {self.weights} must all be numbers > 0")
-            elif self.format == "sft":
-                errs.append("data.weights: a mixture is for pretraining (data.format text); for sft, repeat "
-                            "or subsample the files instead")
+            elif self.format != "text":
+                errs.append(f"data.weights: a mixture is for pretraining (data.format text); for {self.format}, "
+                            f"repeat or subsample the files instead")
         return errs
 
 
@@ -172,8 +175,10 @@ class TrainConfig(Section):
     """The loop: steps, the batch (DeepSpeed's names), evaluation, non-finite steps."""
 
     max_steps: int = _f(100, "Optimizer steps to train for.", POSITIVE)
-    micro_batch_size: int = _f(8, "Sequences per GPU per forward pass (train_micro_batch_size_per_gpu).", POSITIVE)
-    global_batch_size: int = _f(32, "Sequences per optimizer step across all ranks (train_batch_size).", POSITIVE)
+    micro_batch_size: int = _f(8, "Sequences per GPU per forward pass (train_micro_batch_size_per_gpu; "
+                                  "preference data: pairs).", POSITIVE)
+    global_batch_size: int = _f(32, "Sequences per optimizer step across all ranks (train_batch_size; "
+                                    "preference data: pairs).", POSITIVE)
     seq_len: int = _f(256, "Tokens per training sequence.", POSITIVE)
     loss_tile_tokens: int = _f(1024, "Compute the loss this many tokens at a time when a micro-batch holds "
                                      "more (per rank): the logits over the vocabulary (seq x vocab x 6 bytes "
@@ -451,6 +456,37 @@ class RiptConfig(Section):
 
 
 @dataclass(frozen=True)
+class DpoConfig(Section):
+    """Preference training (data.format preference): a loss on chosen / rejected pairs against a
+    frozen reference model (ds_train/preference.py)."""
+
+    loss: Literal["sigmoid", "ipo", "sigmoid_norm"] = _f(
+        "sigmoid", "sigmoid: DPO (Rafailov et al. 2023), -log sigmoid(beta x margin) of the summed log-prob "
+                   "ratios; ipo: IPO (Azar et al. 2023), (margin - 1 / (2 beta))^2 on per-token mean log-probs "
+                   "(as TRL); sigmoid_norm: DPO on per-token mean log-probs (length-normalised: a longer "
+                   "completion is not favoured for its length).")
+    beta: float = _f(0.1, "The strength of the pull to the reference (DPO's beta; IPO's tau).", POSITIVE)
+    label_smoothing: float = _f(0.0, "Conservative DPO (cDPO): the assumed chance that a pair's label is wrong, "
+                                     "in [0, 0.5). sigmoid losses only.", NON_NEGATIVE)
+    reference: Literal["precomputed", "live"] = _f(
+        "precomputed", "precomputed: the reference's log-probs of every pair, computed in one pass before the first "
+                       "step and stored in data.dir/reference/ (keyed by the model, the data, seq_len and the "
+                       "precision); no reference model while training. live: a frozen copy of the starting model "
+                       "beside the policy (ZeRO-3: partitioned), run on every batch. Under LoRA the reference is "
+                       "the base with the adapters off, either way.")
+
+    def check(self) -> list[str]:
+        errs = []
+        if self.label_smoothing >= 0.5:
+            errs.append(f"dpo.label_smoothing: {self.label_smoothing:g} must be below 0.5 (0.5 would make "
+                        f"chosen and rejected alike)")
+        if self.label_smoothing and self.loss == "ipo":
+            errs.append("dpo.label_smoothing: applies to the sigmoid losses; IPO has none: set dpo.loss=sigmoid "
+                        "or drop label_smoothing")
+        return errs
+
+
+@dataclass(frozen=True)
 class RunConfig:
     output_dir: str = _f("runs/default", "Run directory: resolved configs, logs, metrics, checkpoints.", path=True)
     seed: int = _f(1234, "Seed for weights, data order and sampling.")
@@ -465,6 +501,7 @@ class RunConfig:
     dist: DistConfig = field(default_factory=DistConfig)
     watchdog: WatchdogConfig = field(default_factory=WatchdogConfig)
     ript: RiptConfig = field(default_factory=RiptConfig)
+    dpo: DpoConfig = field(default_factory=DpoConfig)
 
     def check(self) -> list[str]:
         errs = []
@@ -480,6 +517,14 @@ class RunConfig:
             errs.append(f"watchdog.stall_s: {self.watchdog.stall_s:g} must be below dist.timeout_s="
                         f"{self.dist.timeout_s:g} (the watchdog names a hang before the process group "
                         f"times out)")
+        if self.data.format == "preference" and self.parallel.sequence > 1:
+            errs.append(f"parallel.sequence: {self.parallel.sequence} splits each sequence over ranks, and preference "
+                        f"training sums a whole sequence's log-probs on one rank; set parallel.sequence=1 (pairs "
+                        f"longer than one rank holds: use LoRA, activation checkpointing or ZeRO-3)")
+        if self.data.format == "preference" and self.dpo.reference == "live" and self.parallel.tensor > 1:
+            errs.append(f"dpo.reference: live with parallel.tensor={self.parallel.tensor}: ds_train builds the reference "
+                        f"without AutoTP's split (a whole copy on every rank); use dpo.reference=precomputed (no "
+                        f"copy while training), or ZeRO-3 (parallel.tensor=1) to partition both models")
         if self.data.split_digits and (self.data.tokenizer or self.model.path):
             errs.append(f"data.split_digits: applies to the BPE prepare trains when no tokenizer is given, but "
                         f"{'data.tokenizer' if self.data.tokenizer else 'model.path'} gives one; drop "

@@ -23,7 +23,7 @@ from pathlib import Path
 from ds_train import checkpoint, dist
 from ds_train.batch import plan_batch
 from ds_train.config import RunConfig
-from ds_train.data.datasets import eval_micro_batches, rank_micro_batches
+from ds_train.data.datasets import PreferenceData, eval_micro_batches, rank_micro_batches
 from ds_train.engine import read_ds_template
 from ds_train.errors import UserError
 from ds_train.fs import write_atomic
@@ -38,7 +38,9 @@ from ds_train.plan import (Target, format_rows, format_suggestions, pick_preset,
                            suggestions)
 from ds_train.rundir import RunPaths
 from ds_train.run import build_run
-from ds_train.trainer import train_spec, train_step
+from ds_train.meters import ComputeClock
+from ds_train.reference import PairReference
+from ds_train.trainer import run_step, train_spec
 
 def target_from_args(hostfile: str | None, nodes: int | None, gpus_per_node: int | None,
                      gpu_memory_gib: float | None) -> Target:
@@ -158,6 +160,9 @@ def dry_run(cfg: RunConfig, ds_config_path: str, target: Target, steps: int = 3,
         data = inputs.data
         with build_run(inputs, dist.detect_env(), train_spec(local), quiet=True) as run:
             engine = run.engine
+            # preference pairs: the step of a precomputed reference (log-probs looked up: no model)
+            zeros = lambda batch: torch.zeros(len(batch.inputs), dtype=torch.float64)  # noqa: E731
+            reference = PairReference(zeros, zeros) if isinstance(data.train, PreferenceData) else None
             on_gpu = engine.device.type == "cuda"
             if on_gpu:
                 torch.cuda.reset_peak_memory_stats()
@@ -165,8 +170,8 @@ def dry_run(cfg: RunConfig, ds_config_path: str, target: Target, steps: int = 3,
             times = []
             for step in range(warmup + steps):
                 t0 = time.perf_counter()
-                train_step(engine, rank_micro_batches(data.train, step, plan.sequences_per_rank,
-                                                      plan.micro_batch_size, 0, 1))
+                run_step(run, rank_micro_batches(data.train, step, plan.sequences_per_rank, plan.micro_batch_size,
+                                                 0, 1), step + 1, ComputeClock(False), reference)
                 if on_gpu:
                     torch.cuda.synchronize()
                 times.append(time.perf_counter() - t0)

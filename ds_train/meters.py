@@ -14,6 +14,7 @@ from ds_train import dist
 from ds_train.data.datasets import eval_micro_batches, sequence_shard
 from ds_train.losses import forward_loss, token_mean
 from ds_train.metrics import Interval, memory_gib, mfu
+from ds_train.preference import mean_metrics, pair_losses
 from ds_train.reports import stragglers
 from ds_train.run import Run
 
@@ -74,6 +75,7 @@ class StepMeter:
         run.beat(step, "metrics")
         window_s = time.perf_counter() - self.window_start
         loss = token_mean(float(result.loss_sum), result.tokens, run.token_group)
+        sums = getattr(result, "sums", None)  # a preference step's: its rewards and log-probs
         tokens_per_s = run.plan.tokens_per_step * self.window_steps / window_s
         grad_norm = result.grad_norm if result.grad_norm is not None else run.engine.get_global_grad_norm()
         metrics = {
@@ -86,6 +88,7 @@ class StepMeter:
             "perf/step_time_s": window_s / self.window_steps,
             "perf/mfu": mfu(tokens_per_s / run.env.world_size, run.flops_per_token, run.peak_flops),
             "world_size": run.env.world_size,
+            **(mean_metrics(sums, result.tokens, run.token_group) if sums else {}),
             **self.per_rank(step),
         }
         self.window_start, self.window_steps = time.perf_counter(), 0
@@ -111,10 +114,12 @@ class StepMeter:
 
 
 class Evaluator:
-    """Token-weighted validation loss over a fixed set of the val split, exact across ranks."""
+    """Token-weighted validation loss over a fixed set of the val split, exact across ranks; for
+    preference data (`reference_logps`: the reference's, for val batches) the mean pair loss and
+    the rewards of held-out pairs."""
 
-    def __init__(self, run: Run, val, interval: Interval):
-        self.run, self.val, self.interval = run, val, interval
+    def __init__(self, run: Run, val, interval: Interval, reference_logps=None):
+        self.run, self.val, self.interval, self.reference_logps = run, val, interval, reference_logps
 
     def maybe_evaluate(self, step: int) -> dict[str, float]:
         return self.evaluate(step) if step in self.interval else {}
@@ -124,6 +129,8 @@ class Evaluator:
 
         run, engine = self.run, self.run.engine
         engine.eval()
+        if self.reference_logps is not None:
+            return self.evaluate_pairs(step)
         loss, count = 0.0, 0
         with torch.no_grad():
             for batch in eval_micro_batches(self.val, run.cfg.train.eval_batches, run.plan.micro_batch_size,
@@ -135,5 +142,20 @@ class Evaluator:
         engine.train()
         mean = token_mean(loss, count, run.token_group)
         return {"eval/loss": mean, "eval/ppl": math.exp(min(mean, 50.0))}
+
+    def evaluate_pairs(self, step: int) -> dict[str, float]:
+        import torch
+
+        run, engine = self.run, self.run.engine
+        sums, pairs = {}, 0
+        with torch.no_grad():
+            for batch in eval_micro_batches(self.val, run.cfg.train.eval_batches, run.plan.micro_batch_size,
+                                            run.data_rank, run.dims.data):
+                run.beat(step, "eval")
+                _, part = pair_losses(engine, batch, self.reference_logps, run.cfg.dpo)
+                sums = {k: sums.get(k, 0.0) + v for k, v in part.items()}
+                pairs += len(batch.pairs)
+        engine.train()
+        return mean_metrics(sums, pairs, run.token_group, prefix="eval/")
 
 

@@ -43,6 +43,11 @@ def stages(cfg: RunConfig, dtype: str) -> range:
     return range(0 if dtype == "fp32" else 1, 3)
 
 
+def micro_rows(cfg: RunConfig, micro: int) -> int:
+    """The sequences a micro-batch of `micro` samples runs: a preference sample is a pair (two)."""
+    return micro * (2 if cfg.data.format == "preference" else 1)
+
+
 def plan_rows(shape: ModelShape, cfg: RunConfig, zero: dict, target: Target, dtype: str) -> list[dict]:
     """The given config and ZeRO 0-3 (with and without activation checkpointing) side by side; the
     other stages as ds_configs/zero<stage>.json renders them."""
@@ -52,7 +57,7 @@ def plan_rows(shape: ModelShape, cfg: RunConfig, zero: dict, target: Target, dty
     for stage in stages(cfg, dtype):
         z = zero if stage == given else stage_zero(f"zero{stage}", shape)
         for ckpt in (cfg.model.activation_checkpointing, not cfg.model.activation_checkpointing):
-            est = estimate(shape, stage, dtype, ranks, cfg.train.micro_batch_size, seq, ckpt, z,
+            est = estimate(shape, stage, dtype, ranks, micro_rows(cfg, cfg.train.micro_batch_size), seq, ckpt, z,
                            *tiles(cfg))
             rows.append(_row(est, ckpt, stage == given and ckpt == cfg.model.activation_checkpointing,
                              target, cfg.train.micro_batch_size, zero_label(z)))
@@ -132,7 +137,7 @@ def suggestions(shape: ModelShape, cfg: RunConfig, zero: dict, target: Target, d
 
     def add(change: str, **kw):
         est = estimate(shape, kw.get("stage", stage), dtype, kw.get("ranks", zero_ranks(cfg, target)),
-                       kw.get("micro", micro), kw.get("seq", seq) // kw.get("sp", sp), kw.get("ckpt", ckpt),
+                       micro_rows(cfg, kw.get("micro", micro)), kw.get("seq", seq) // kw.get("sp", sp), kw.get("ckpt", ckpt),
                        kw.get("zero", zero), *tiles(cfg)[:2], kw.get("tp", cfg.parallel.tensor))
         out.append({"change": change, "gpu_peak_gib": est.gpu_peak / GiB,
                     "fits": est.gpu_peak / GiB <= target.gpu_memory_gib})
@@ -180,7 +185,7 @@ def pick_preset(shape: ModelShape, cfg: RunConfig, target: Target, dtype: str, p
         for stage in stages(cfg, dtype):
             z = stage_zero(f"zero{stage}", shape)
             for m in micros:
-                est = estimate(shape, stage, dtype, zero_ranks(cfg, target), m, rank_seq_len(cfg), ckpt, z,
+                est = estimate(shape, stage, dtype, zero_ranks(cfg, target), micro_rows(cfg, m), rank_seq_len(cfg), ckpt, z,
                                *tiles(cfg))
                 if est.gpu_peak / GiB <= budget:
                     return {"preset": preset, "memory_fraction": PRESETS[preset],

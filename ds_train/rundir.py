@@ -95,9 +95,11 @@ class RunKind:
 
 TRAIN = RunKind(
     "train", "step", "train.max_steps", "results.json",
-    console_keys=("train/loss", "eval/loss", "eval/ppl", "optim/lr", "optim/grad_norm", "perf/tokens_per_s",
+    console_keys=("train/loss", "rewards/accuracies", "rewards/margins", "eval/loss", "eval/ppl",
+                  "eval/rewards/accuracies", "optim/lr", "optim/grad_norm", "perf/tokens_per_s",
                   "perf/step_time_s", "perf/mfu", "mem/max_rank_gib", "mem/max_rank_rss_gib"),
-    curves=(("loss", "train/loss"), ("eval loss", "eval/loss"), ("lr", "optim/lr"), ("grad norm", "optim/grad_norm"),
+    curves=(("loss", "train/loss"), ("eval loss", "eval/loss"), ("reward accuracy", "rewards/accuracies"),
+            ("held-out reward accuracy", "eval/rewards/accuracies"), ("lr", "optim/lr"), ("grad norm", "optim/grad_norm"),
             ("tokens/s", "perf/tokens_per_s"), ("MFU", "perf/mfu")),
     figures=("loss", "lr", "throughput", "memory"), progress=("train/loss", "loss"))
 RIPT = RunKind(

@@ -16,13 +16,15 @@ import numpy as np
 
 from ds_train import dist
 from ds_train.config import RunConfig
-from ds_train.data.datasets import Batch, Datasets, rank_micro_batches, sequence_shard
+from ds_train.data.datasets import Batch, Datasets, PreferenceData, rank_micro_batches, sequence_shard
 from ds_train.fs import write_atomic
 from ds_train.guard import backward_step
 from ds_train.inputs import check_inputs
 from ds_train.losses import forward_loss
 from ds_train.meters import ComputeClock, Evaluator, StepMeter
 from ds_train.metrics import Interval
+from ds_train.preference import preference_step
+from ds_train.reference import PairReference, preference_reference
 from ds_train.rundir import TRAIN
 from ds_train.run import Run, RunSpec, build_run
 
@@ -54,16 +56,18 @@ def run_training(run: Run, data: Datasets) -> dict:
             run.say(f"note: {results} is missing or damaged; the trained weights are whole in the checkpoint "
                     f"of step {start}: `ds-train export {run.run_dir} --out DIR` writes a model directory")
         return {"steps": start, "run_dir": str(run.run_dir.resolve())}
-    metrics = train_loop(run, data, start, cfg.train.max_steps)
+    reference = preference_reference(run, data, start) if isinstance(data.train, PreferenceData) else None
+    metrics = train_loop(run, data, start, cfg.train.max_steps, reference)
     return finish(run, metrics)
 
 
-def train_loop(run: Run, data: Datasets, start: int, stop: int) -> dict[str, Any]:
-    """Steps start+1 .. stop: next batch, step, then each component acts if the step is its."""
+def train_loop(run: Run, data: Datasets, start: int, stop: int, reference: PairReference | None = None) -> dict[str, Any]:
+    """Steps start+1 .. stop: next batch, step, then each component acts if the step is its.
+    `reference`: a preference run's (its steps are preference_step's)."""
     c, last = run.cfg, run.cfg.train.max_steps
     clock = ComputeClock(run.engine.device.type == "cuda")
     meter = StepMeter(run, Interval(c.log.every, last), clock)
-    evaluator = Evaluator(run, data.val, Interval(c.train.eval_every, last))
+    evaluator = Evaluator(run, data.val, Interval(c.train.eval_every, last), reference and reference.val)
     summary: dict[str, Any] = {}
     with run.progress(start) as progress:
         for step in range(start + 1, stop + 1):
@@ -72,10 +76,7 @@ def train_loop(run: Run, data: Datasets, start: int, stop: int) -> dict[str, Any
                 batches = [sequence_shard(b, run.sequence_rank, run.dims.sequence) for b in rank_micro_batches(
                     data.train, step - 1, run.plan.global_batch_size, run.plan.micro_batch_size, run.data_rank,
                     run.dims.data)]
-            result = train_step(run.engine, batches, poison=step in c.train.debug_nonfinite_steps,
-                                beat=functools.partial(run.beat, step), clock=clock, group=run.token_group,
-                                data_parallel=run.dims.gradient_ranks(run.zero_stage),
-                                tile_tokens=c.train.loss_tile_tokens)
+            result = run_step(run, batches, step, clock, reference)
             run.guard.observe(f"step {step}", result.skipped)
             metrics = meter.maybe_measure(step, result, run.guard.skipped) | evaluator.maybe_evaluate(step)
             run.logger.log(metrics, step)
@@ -83,6 +84,15 @@ def train_loop(run: Run, data: Datasets, start: int, stop: int) -> dict[str, Any
             run.checkpointer.maybe_save(step, lambda: position(run, step))
             summary |= metrics
     return summary
+
+
+def run_step(run: Run, batches: list, step: int, clock: ComputeClock, reference: PairReference | None):
+    """Step `step` on this rank's micro-batches: train_step, or preference_step on pairs."""
+    kw = {"poison": step in run.cfg.train.debug_nonfinite_steps, "beat": functools.partial(run.beat, step),
+          "clock": clock, "group": run.token_group, "data_parallel": run.dims.gradient_ranks(run.zero_stage)}
+    if reference is not None:
+        return preference_step(run.engine, batches, reference.train, run.cfg.dpo, **kw)
+    return train_step(run.engine, batches, tile_tokens=run.cfg.train.loss_tile_tokens, **kw)
 
 
 def position(run: Run, step: int) -> dict:

@@ -26,7 +26,7 @@ from ds_train.metrics import Interval
 from ds_train.parallel import plan_dims
 from ds_train.ript.algorithms import PolicyStats, keep_mask
 from ds_train.ript.datatask import check_task_entries, load_tasks, split_for_ranks
-from ds_train.ript.reference import build_reference, report_reference
+from ds_train.reference import build_reference, report_reference
 from ds_train.ript.rollout import Episode, max_rollout_tokens, model_policy, rollout, scripted_policy
 from ds_train.ript.sampler import ContextSampler, Tally, by_family, family, merge_states
 from ds_train.ript.sharding import format_shards, shard_tasks
@@ -114,7 +114,7 @@ class RiptJob:
     sampler: ContextSampler
     scripted: Any
     pending: dict = field(default_factory=dict)  # this rank's counts not yet synced, from a checkpoint
-    reference: Any = None  # the KL term's reference policy (ds_train/ript/reference.py), or None
+    reference: Any = None  # the KL term's reference policy (ds_train/reference.py), or None
 
     @property
     def mine(self) -> list[str]:
@@ -154,7 +154,7 @@ def ript(cfg: RunConfig, ds_config_path: str) -> dict:
         sampler = ContextSampler([inputs.tasks[n] for n in inputs.shards[run.data_rank]], r.train_contexts,
                                  cfg.seed, r.skip_solved, r.retest_after, r.task_weighting)
         job = RiptJob(run, inputs.tasks, inputs.shards, sampler, inputs.scripted,
-                      reference=build_reference(run, run.weights))
+                      reference=build_reference(run, run.weights) if r.kl_coef else None)
         run.say(format_shards(inputs.shards, RiptInputs.costs(cfg, inputs.tasks)))
         run.say(f"K={r.rloo_batch_size}; quota {r.contexts_per_rank} contexts per rank; policy "
                 f"{r.policy or cfg.model.path}; {describe_algorithm(cfg)}")
