@@ -54,3 +54,22 @@ def test_the_shipped_word_problems_are_what_scripts_word_problems_writes_and_the
         a, b = map(int, re.findall(r"\d+", prompt))
         minus = re.search(r"gives|took|lost", prompt)
         assert answer == (a - b if minus else a + b) and answer >= 0, prompt
+
+
+def test_the_shipped_preference_pairs_are_what_their_script_writes_and_each_kind_prefers_as_it_says(tmp_path):
+    """recipes/dpo.yaml and bench/dpo.py read them: 2,000 pairs of four kinds, no side the same as
+    the other; a faithful greeting names the prompt's person, the rejected one someone else."""
+    import json
+    import re
+
+    subprocess.run([sys.executable, str(ROOT / "scripts" / "preference_pairs.py"), "--out", str(tmp_path)], check=True,
+                   capture_output=True)
+    shipped = ROOT / "recipes" / "data" / "preference_pairs.jsonl"
+    assert (tmp_path / "preference_pairs.jsonl").read_bytes() == shipped.read_bytes()
+    rows = [json.loads(line) for line in shipped.read_text().splitlines()]
+    assert len(rows) == 2000 and all(r["chosen"] != r["rejected"] for r in rows)
+    greetings = [r for r in rows if r["prompt"].startswith("Write a greeting for ")]
+    assert 300 < len(greetings) < 700
+    for r in greetings:
+        name = re.match(r"Write a greeting for (\w+)", r["prompt"]).group(1)
+        assert r["chosen"].endswith(f", {name}!") and not r["rejected"].endswith(f", {name}!")
