@@ -327,3 +327,20 @@ def test_lora_prefers_against_its_base_live_and_precomputed(pref_data, pref_base
     assert runs["live"][7]["rewards/margins"] > 0 and runs["live"][7]["train/loss"] < LOG2
     res = ds_train("export", str(tmp_path / "live"), "--out", str(tmp_path / "adapter"), timeout=300)
     assert res.returncode == 0 and (tmp_path / "adapter" / "adapter_model.safetensors").is_file(), res.out[-3000:]
+
+
+def test_the_memory_plan_counts_a_pair_as_two_sequences():
+    from transformers import AutoConfig
+
+    from ds_train.memory import model_shape
+    from ds_train.plan import Target, plan_rows
+
+    hf = AutoConfig.for_model(**{**TINY_MODEL, "vocab_size": 512})
+
+    def activations(fmt: str, micro: int) -> list[float]:
+        cfg = build_config({"model": {"config": dict(TINY_MODEL)}, "data": {"format": fmt},
+                            "train": {"micro_batch_size": micro, "global_batch_size": 16}})
+        rows = plan_rows(model_shape(hf, cfg.model.lora), cfg, {"stage": 2}, Target(1, 2, 80.0), "bf16")
+        return [r["activations_gib"] for r in rows]
+
+    assert activations("preference", 4) == activations("sft", 8) != activations("sft", 4)
