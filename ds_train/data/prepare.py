@@ -157,7 +157,9 @@ def prepare(sources: list[str], out_dir: str | Path, tokenizer: str = "", vocab_
             with contextlib.suppress(OSError):
                 p.rmdir()
         raise
-    print(f"prepare: {train.docs + val.docs:,} documents, {train.tokens + val.tokens:,} tokens in {seconds:.1f} s "
+    docs = train.docs + val.docs
+    what = f"{docs // 2:,} preference pairs ({docs:,} sequences)" if fmt == "preference" else f"{docs:,} documents"
+    print(f"prepare: {what}, {train.tokens + val.tokens:,} tokens in {seconds:.1f} s "
           f"({total / 2**20 / max(seconds, 1e-9):.1f} MiB/s, {(train.tokens + val.tokens) / max(seconds, 1e-9):,.0f} "
           f"tokens/s, {n_workers} worker{'s' * (n_workers > 1)})", file=sys.stderr)
     return meta
