@@ -20,6 +20,7 @@ class BatchPlan:
     grad_accum_steps: int  # micro-batches per rank per optimizer step
     data_parallel_size: int  # ranks that read different batches (the world, unless sequence / tensor > 1)
     seq_len: int
+    rows: int = 1  # sequences a sample is: 2 for a preference pair (sample_rows), else 1
 
     @property
     def global_batch_size(self) -> int:  # sequences per optimizer step (train_batch_size)
@@ -32,14 +33,21 @@ class BatchPlan:
 
     @property
     def tokens_per_step(self) -> int:
-        return self.global_batch_size * self.seq_len
+        """Token positions per optimizer step (at most seq_len each sequence: padding included)."""
+        return self.global_batch_size * self.rows * self.seq_len
 
     def describe(self, world_size: int | None = None) -> str:
         ranks = (f"world {self.data_parallel_size}" if world_size in (None, self.data_parallel_size) else
                  f"data-parallel {self.data_parallel_size} (world {world_size})")
-        return (f"batch: global {self.global_batch_size} seqs = micro {self.micro_batch_size} x "
-                f"accum {self.grad_accum_steps} x {ranks}; seq_len {self.seq_len}; "
+        unit, each = ("pairs", " (2 sequences a pair)") if self.rows == 2 else ("seqs", "")
+        return (f"batch: global {self.global_batch_size} {unit} = micro {self.micro_batch_size} x "
+                f"accum {self.grad_accum_steps} x {ranks}; seq_len {self.seq_len}{each}; "
                 f"{self.tokens_per_step:,} tokens/step")
+
+
+def sample_rows(fmt: str) -> int:
+    """The sequences one sample of data.format `fmt` is: a preference pair is two."""
+    return 2 if fmt == "preference" else 1
 
 
 def valid_global_batch_sizes(micro: int, data_parallel: int, near: int, count: int = 2) -> list[int]:
@@ -59,7 +67,7 @@ def valid_micro_batch_sizes(global_batch: int, data_parallel: int) -> list[int]:
 
 
 def plan_batch(global_batch_size: int, micro_batch_size: int, data_parallel: int, seq_len: int,
-               ranks: str = "") -> BatchPlan:
+               ranks: str = "", rows: int = 1) -> BatchPlan:
     """gradient_accumulation_steps = global / (micro x data-parallel size), or an error naming all
     three. `ranks` says where the data-parallel size comes from when it is not the world size
     (ParallelDims.derivation); empty: every rank is a data-parallel rank."""
@@ -79,7 +87,7 @@ def plan_batch(global_batch_size: int, micro_batch_size: int, data_parallel: int
             f"train.global_batch_size={global_batch_size} is not a multiple of "
             f"train.micro_batch_size={micro_batch_size} x {what} "
             f"= {micro_batch_size * data_parallel}; use {hint}")
-    return BatchPlan(micro_batch_size, accum, data_parallel, seq_len)
+    return BatchPlan(micro_batch_size, accum, data_parallel, seq_len, rows)
 
 
 def scaled_lr(lr: float, global_batch_size: int, reference_batch_size: int, mode: str) -> float:

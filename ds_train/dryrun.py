@@ -21,7 +21,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from ds_train import checkpoint, dist
-from ds_train.batch import plan_batch
+from ds_train.batch import plan_batch, sample_rows
 from ds_train.config import RunConfig
 from ds_train.data.datasets import PreferenceData, eval_micro_batches, rank_micro_batches
 from ds_train.engine import read_ds_template
@@ -140,7 +140,7 @@ def dry_run(cfg: RunConfig, ds_config_path: str, target: Target, steps: int = 3,
     estimate_out = run_estimate(cfg, ds_config_path, target, None)
     dims = plan_dims(cfg.parallel, target.world)
     plan = plan_batch(cfg.train.global_batch_size, cfg.train.micro_batch_size, dims.data, cfg.train.seq_len,
-                      dims.derivation())
+                      dims.derivation(), sample_rows(cfg.data.format))
     sp, tp = dims.sequence, dims.tensor
     work = tempfile.mkdtemp(prefix="ds_train_dry_run_")
     try:
@@ -183,7 +183,7 @@ def dry_run(cfg: RunConfig, ds_config_path: str, target: Target, steps: int = 3,
     finally:
         shutil.rmtree(work, ignore_errors=True)
     given = next(r for r in estimate_out["rows"] if r["given"])
-    tokens_per_rank_step = plan.sequences_per_rank * plan.seq_len // sp
+    tokens_per_rank_step = plan.sequences_per_rank * plan.rows * plan.seq_len // sp
     layers, hidden = estimate_out["model"]["layers"], estimate_out["model"]["hidden"]
     fpt = flops_per_token(n_params, layers, hidden, cfg.train.seq_len, lookups)
     # The rank's tokens attend over the whole sequence, not over the seq_len / sp measured here.

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ds_train.batch import valid_micro_batch_sizes
+from ds_train.batch import sample_rows, valid_micro_batch_sizes
 from ds_train.config import RunConfig
 from ds_train.errors import UserError
 from ds_train.engine import resolve_zero, shipped_zero
@@ -45,7 +45,7 @@ def stages(cfg: RunConfig, dtype: str) -> range:
 
 def micro_rows(cfg: RunConfig, micro: int) -> int:
     """The sequences a micro-batch of `micro` samples runs: a preference sample is a pair (two)."""
-    return micro * (2 if cfg.data.format == "preference" else 1)
+    return micro * sample_rows(cfg.data.format)
 
 
 def plan_rows(shape: ModelShape, cfg: RunConfig, zero: dict, target: Target, dtype: str) -> list[dict]:

@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ds_train import dist, signals
-from ds_train.batch import BatchPlan, plan_batch, scaled_lr
+from ds_train.batch import BatchPlan, plan_batch, sample_rows, scaled_lr
 from ds_train.checkpoint import run_record
 from ds_train.checkpointer import Checkpointer
 from ds_train.config import RunConfig
@@ -81,7 +81,7 @@ class RunSpec:
         schedule's length (pure; the launch preflight calls it for the target cluster)."""
         dims = plan_dims(cfg.parallel, world_size)
         plan = plan_batch(cfg.train.global_batch_size, cfg.train.micro_batch_size, dims.data, cfg.train.seq_len,
-                          dims.derivation())
+                          dims.derivation(), sample_rows(cfg.data.format))
         return dims, plan, self.steps(plan)
 
 

@@ -29,6 +29,16 @@ def test_describe_names_the_numbers():
     assert "16,384 tokens/step" in text
 
 
+def test_a_preference_pair_is_one_sample_of_two_sequences():
+    from ds_train.batch import sample_rows
+
+    assert sample_rows("preference") == 2 and sample_rows("sft") == sample_rows("text") == 1
+    plan = plan_batch(32, 8, 2, 128, rows=sample_rows("preference"))
+    assert plan.global_batch_size == 32 and plan.grad_accum_steps == 2 and plan.tokens_per_step == 32 * 2 * 128
+    assert plan.describe() == ("batch: global 32 pairs = micro 8 x accum 2 x world 2; seq_len 128 (2 sequences a "
+                               "pair); 8,192 tokens/step")
+
+
 def test_plan_is_frozen():
     plan = plan_batch(32, 8, 1, 128)
     with pytest.raises(Exception):

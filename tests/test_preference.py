@@ -238,8 +238,9 @@ def test_live_and_precomputed_references_zero3_and_zero0_and_a_resume_train_the_
     """7 steps (the first two at lr 0: DeepSpeed's WarmupCosineLR), global batch 8 pairs: ZeRO-3 on 2 processes with the reference precomputed (one
     pass, stored in data.dir), the same with a live partitioned reference (losses within 1e-6),
     ZeRO-0 on 1 process reading the stored log-probs (loss relative difference <= 1e-5), the same
-    with AutoTP over the 2 processes, and a
-    resume from step 3 that finishes with the uninterrupted run's losses, bitwise; the run exports."""
+    with AutoTP over the 2 processes, and a resume from step 3 without the stored log-probs, which
+    makes them again from the starting weights (the same, bitwise) and finishes with the
+    uninterrupted run's losses, bitwise; the run exports."""
     pre = tmp_path / "pre"
     res = deepspeed_train(dpo_run(pref_data, pre, checkpoint={"every": 3, "keep": 0, "save_final": True}),
                           "zero3.json", timeout=300)
@@ -278,12 +279,16 @@ def test_live_and_precomputed_references_zero3_and_zero0_and_a_resume_train_the_
     t = metrics_by_step(tp)
     assert all(rel(t[s]["train/loss"], c[s]["train/loss"]) <= 1e-5 for s in range(1, 8)), (t, c)
 
-    resumed = tmp_path / "resumed"
+    resumed = tmp_path / "resumed"  # on a node without the stored log-probs: made again from the starting weights
+    stored[0].rename(tmp_path / "aside.npz")
     res = deepspeed_train(dpo_run(pref_data, resumed, checkpoint={
         "resume": str(pre / "checkpoints" / "step_00000003"), "save_final": True, "export_final": True}),
         "zero3.json", timeout=300)
     assert res.returncode == 0, res.out[-3000:]
-    assert "reference log-probs: read from" in res.out
+    assert ("reference log-probs: computing them for every pair with a frozen copy of the starting model, "
+            "partitioned over 2 ranks (ZeRO-3)") in res.out
+    with np.load(stored[0]) as again, np.load(tmp_path / "aside.npz") as first:
+        assert all(np.array_equal(again[k], first[k], equal_nan=True) for k in ("train", "val"))
     d = metrics_by_step(resumed)
     assert sorted(d) == [4, 5, 6, 7] and all(d[s]["train/loss"] == a[s]["train/loss"] for s in range(4, 8))
     results = json.loads((resumed / "results.json").read_text())
