@@ -127,8 +127,8 @@ def policy_as_reference(run: Run) -> Reference:
 
 
 def reference_key(run: Run) -> dict:
-    """What the precomputed log-probs depend on: the starting weights, the prepared data, how
-    sequences are cut, the tokenizer and the precision."""
+    """What the precomputed log-probs depend on: the starting weights, the prepared data (its
+    tokenizer included), how sequences are cut, the precision and the attention."""
     cfg = run.cfg
     weights = fingerprint(weight_files(run.weights)) if run.weights else {"config": cfg.model.config, "seed": cfg.seed}
     meta = read_meta_json(Path(cfg.data.dir))
@@ -171,7 +171,7 @@ def precompute(run: Run, data: Datasets, start: int) -> Precomputed:
     reference = policy_as_reference(run) if start == 0 else build_reference(run, run.weights)
     run.say(f"reference log-probs: computing them for every pair with {reference.describe} (one pass; "
             f"dpo.reference=precomputed)")
-    logps = {split: _one_pass(run, getattr(data, split), reference) for split in ("train", "val")}
+    logps = {split: _one_pass(run, getattr(data, split), reference, start) for split in ("train", "val")}
     del reference
     if run.env.local_rank == 0:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -194,7 +194,7 @@ def _read(path: Path, data: Datasets) -> dict[str, np.ndarray] | None:
     return logps if all(len(logps[s]) == 2 * getattr(data, s).pairs_total for s in logps) else None
 
 
-def _one_pass(run: Run, split, reference: Reference) -> np.ndarray:
+def _one_pass(run: Run, split, reference: Reference, step: int) -> np.ndarray:
     """Every kept pair's two summed log-probs (NaN for a pair left out), each data rank computing
     every dims.data-th micro-batch and the ranks gathering them."""
     micro, ranks = run.plan.micro_batch_size, run.dims.data
@@ -205,7 +205,7 @@ def _one_pass(run: Run, split, reference: Reference) -> np.ndarray:
     run.engine.eval()
     out: list[tuple[list[int], list[float]]] = []
     for i in range(rounds):
-        run.beat(0, "reference")
+        run.beat(step, "reference")
         pairs = mine[i] if i < len(mine) else batches[0]
         batch = split.samples_of(pairs)
         logps = reference.sequence_logps(batch).double().cpu().numpy()
