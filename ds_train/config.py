@@ -522,9 +522,9 @@ class RunConfig:
                         f"training sums a whole sequence's log-probs on one rank; set parallel.sequence=1 (pairs "
                         f"longer than one rank holds: use LoRA, activation checkpointing or ZeRO-3)")
         if self.data.format == "preference" and self.dpo.reference == "live" and self.parallel.tensor > 1:
-            errs.append(f"dpo.reference: live with parallel.tensor={self.parallel.tensor}: ds_train builds the reference "
-                        f"without AutoTP's split (a whole copy on every rank); use dpo.reference=precomputed (no "
-                        f"copy while training), or ZeRO-3 (parallel.tensor=1) to partition both models")
+            errs.append(f"dpo.reference: live with parallel.tensor={self.parallel.tensor}: ds_train builds the "
+                        f"reference without AutoTP's split (a whole copy on every rank); use "
+                        f"dpo.reference=precomputed (no copy while training), or ZeRO-3 (parallel.tensor=1) to partition both models")
         if self.data.split_digits and (self.data.tokenizer or self.model.path):
             errs.append(f"data.split_digits: applies to the BPE prepare trains when no tokenizer is given, but "
                         f"{'data.tokenizer' if self.data.tokenizer else 'model.path'} gives one; drop "

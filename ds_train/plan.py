@@ -137,8 +137,8 @@ def suggestions(shape: ModelShape, cfg: RunConfig, zero: dict, target: Target, d
 
     def add(change: str, **kw):
         est = estimate(shape, kw.get("stage", stage), dtype, kw.get("ranks", zero_ranks(cfg, target)),
-                       micro_rows(cfg, kw.get("micro", micro)), kw.get("seq", seq) // kw.get("sp", sp), kw.get("ckpt", ckpt),
-                       kw.get("zero", zero), *tiles(cfg)[:2], kw.get("tp", cfg.parallel.tensor))
+                       micro_rows(cfg, kw.get("micro", micro)), kw.get("seq", seq) // kw.get("sp", sp),
+                       kw.get("ckpt", ckpt), kw.get("zero", zero), *tiles(cfg)[:2], kw.get("tp", cfg.parallel.tensor))
         out.append({"change": change, "gpu_peak_gib": est.gpu_peak / GiB,
                     "fits": est.gpu_peak / GiB <= target.gpu_memory_gib})
 
@@ -185,8 +185,8 @@ def pick_preset(shape: ModelShape, cfg: RunConfig, target: Target, dtype: str, p
         for stage in stages(cfg, dtype):
             z = stage_zero(f"zero{stage}", shape)
             for m in micros:
-                est = estimate(shape, stage, dtype, zero_ranks(cfg, target), micro_rows(cfg, m), rank_seq_len(cfg), ckpt, z,
-                               *tiles(cfg))
+                est = estimate(shape, stage, dtype, zero_ranks(cfg, target), micro_rows(cfg, m), rank_seq_len(cfg),
+                               ckpt, z, *tiles(cfg))
                 if est.gpu_peak / GiB <= budget:
                     return {"preset": preset, "memory_fraction": PRESETS[preset],
                             "micro_batch_size": m, "activation_checkpointing": ckpt, "stage": stage,

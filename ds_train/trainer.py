@@ -61,7 +61,8 @@ def run_training(run: Run, data: Datasets) -> dict:
     return finish(run, metrics)
 
 
-def train_loop(run: Run, data: Datasets, start: int, stop: int, reference: PairReference | None = None) -> dict[str, Any]:
+def train_loop(run: Run, data: Datasets, start: int, stop: int,
+               reference: PairReference | None = None) -> dict[str, Any]:
     """Steps start+1 .. stop: next batch, step, then each component acts if the step is its.
     `reference`: a preference run's (its steps are preference_step's)."""
     c, last = run.cfg, run.cfg.train.max_steps

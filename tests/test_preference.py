@@ -202,6 +202,9 @@ def test_the_dpo_section_is_checked():
         build_config({**base, "dpo": {"label_smoothing": 0.5}})
     with pytest.raises(UserError, match="parallel.sequence: 2 splits each sequence over ranks, and preference"):
         build_config({**base, "parallel": {"sequence": 2}})
+    with pytest.raises(UserError, match="dpo.reference: live with parallel.tensor=2: ds_train builds the reference "
+                                        "without AutoTP's split"):
+        build_config({**base, "dpo": {"reference": "live"}, "parallel": {"tensor": 2}})
     with pytest.raises(UserError, match="config: dpo.loss: 'kto' is not one of"):
         build_config({**base, "dpo": {"loss": "kto"}})
 
