@@ -97,6 +97,22 @@ class TokenData:
 IGNORE = -100  # a position with no target (prompt, padding, an example's last token)
 
 
+class EpochOrder:
+    """Global sample index -> an index into `n` items: epoch sample // n in a seeded permutation of
+    its own (the current epoch's cached), or in file order without `shuffle`."""
+
+    def __init__(self, seed: int, n: int):
+        self.seed, self.n, self._epoch, self._perm = seed, n, -1, None
+
+    def __call__(self, sample: int, shuffle: bool = True) -> int:
+        epoch, i = divmod(sample, self.n)
+        if not shuffle:
+            return i
+        if epoch != self._epoch:
+            self._perm, self._epoch = np.random.default_rng([self.seed, epoch]).permutation(self.n), epoch
+        return int(self._perm[i])
+
+
 def target_counts(mask: np.ndarray, offsets: np.ndarray, lengths: np.ndarray) -> np.ndarray:
     """Targets each example can learn within its first `lengths` tokens (the whole example, or what
     truncation leaves): a masked token with a token before it in the same example."""
@@ -163,7 +179,7 @@ class SftData:
         self.order, self.bins = self._pack(kept) if pack else (kept, np.arange(len(kept) + 1))
         self.num_samples = len(self.bins) - 1
         self.fill = float(self.lengths[kept].sum()) / (self.num_samples * seq_len)
-        self._perm_epoch, self._perm = -1, None
+        self._order = EpochOrder(seed, self.num_samples)
 
     def _pack(self, order: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Best fit, in `order`: each example goes into the open sequence with the least room that
@@ -192,12 +208,7 @@ class SftData:
         return order[grouped], bounds
 
     def window(self, sample: int, shuffle: bool = True) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        epoch, i = divmod(sample, self.num_samples)
-        if shuffle:
-            if epoch != self._perm_epoch:
-                self._perm = np.random.default_rng([self.seed, epoch]).permutation(self.num_samples)
-                self._perm_epoch = epoch
-            i = int(self._perm[i])
+        i = self._order(sample, shuffle)
         L = self.seq_len
         inputs = np.full(L, self.pad_id, dtype=np.int64)
         targets = np.full(L, IGNORE, dtype=np.int64)
@@ -270,17 +281,11 @@ class PreferenceData:
                             f"train.seq_len={seq_len} with a target token left on both sides; raise "
                             f"train.seq_len or set data.overlong=truncate")
         self.num_samples = len(self.kept)
-        self._perm_epoch, self._perm = -1, None
+        self._order = EpochOrder(seed, self.num_samples)
 
     def pair(self, sample: int, shuffle: bool = True) -> int:
         """Global sample index -> the pair it is (its index in the split)."""
-        epoch, i = divmod(sample, self.num_samples)
-        if shuffle:
-            if epoch != self._perm_epoch:
-                self._perm = np.random.default_rng([self.seed, epoch]).permutation(self.num_samples)
-                self._perm_epoch = epoch
-            i = int(self._perm[i])
-        return int(self.kept[i])
+        return int(self.kept[self._order(sample, shuffle)])
 
     def samples(self, indices, shuffle: bool = True) -> PairBatch:
         return self.samples_of(np.array([self.pair(s, shuffle) for s in indices], dtype=np.int64))
