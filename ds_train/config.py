@@ -321,7 +321,7 @@ class DistConfig(Section):
                                       "ranks that did not are named with their node and host.", POSITIVE)
 
 
-WATCHDOG_FAULTS = ("stall", "slow", "raise", "kill")
+WATCHDOG_FAULTS = ("stall", "slow", "raise", "kill", "device_assert")
 
 
 @dataclass(frozen=True)
@@ -338,7 +338,9 @@ class WatchdogConfig(Section):
     debug_fault: str = _f("", "Fault injection: stall:RANK:STEP (the rank stops at STEP), "
                               "slow:RANK:SECONDS[:FROM_STEP] (it sleeps that long every step), "
                               "raise:RANK:STEP (an exception), "
-                              "kill:RANK:STEP (SIGKILL, as the OOM killer does).")
+                              "kill:RANK:STEP (SIGKILL, as the OOM killer does), "
+                              "device_assert:RANK:STEP (an index out of range in a kernel: on a GPU the "
+                              "real CUDA error 'device-side assert triggered').")
 
     def check(self) -> list[str]:
         errs = []

@@ -22,7 +22,8 @@ from ds_train.rundir import RunPaths, read_run
 # (class, title, pattern). Order: most specific first; a line takes the first class that matches.
 PATTERNS: list[tuple[str, str, str]] = [
     ("cuda_oom", "CUDA out of memory",
-     r"CUDA out of memory|OutOfMemoryError: CUDA|CUBLAS_STATUS_ALLOC_FAILED|out of GPU memory; the plan"),
+     r"CUDA out of memory|OutOfMemoryError: CUDA|CUBLAS_STATUS_ALLOC_FAILED|out of GPU memory; the plan|"
+     r"CUDA error: out of memory"),
     ("cpu_oom", "host (CPU) memory exhausted",
      r"DefaultCPUAllocator: can't allocate memory|std::bad_alloc|\bMemoryError\b|Cannot allocate memory|"
      r"oom[-_]kill(ed)? event|OOM Killed|Out of memory: Killed process|Memory cgroup out of memory"),
@@ -46,6 +47,11 @@ PATTERNS: list[tuple[str, str, str]] = [
      r"NCCL.*[Tt]imeout|collective operation timeout|the process-group timeout fired"),
     ("nccl_error", "NCCL error", r"NCCL error|nccl\w*Error|NCCL WARN|NET/IB|ncclSystemError|ncclInternalError|"
                                  r"ncclRemoteError|ncclUnhandledCudaError|ncclInvalidUsage"),
+    ("cuda_error", "a CUDA error: a kernel or the GPU failed",
+     r"CUDA error: |device-side assert triggered|AcceleratorError|illegal memory access|unspecified launch failure|"
+     r"uncorrectable ECC error|CUBLAS_STATUS_(EXECUTION_FAILED|INTERNAL_ERROR|NOT_INITIALIZED|ARCH_MISMATCH)|"
+     r"CUDNN_STATUS_(EXECUTION_FAILED|INTERNAL_ERROR|MAPPING_ERROR)|NVRM: Xid|\.cu:\d+: .*Assertion `|"
+     r"CUDA driver version is insufficient|no CUDA GPUs are available"),
     ("rendezvous", "rendezvous (TCPStore / libuv) failed",
      r"DistStoreError|libuv|did not reach the rendezvous|could not reach the rendezvous|"
      r"Rendezvous(Timeout|Connection|Closed)Error|waiting for clients|rendezvous at .* ended before|"
@@ -64,8 +70,8 @@ PATTERNS: list[tuple[str, str, str]] = [
 ]
 # Causes before consequences: the finding of the class listed first heads the report.
 PRIORITY = ["config_error", "missing_module", "ssh", "port_in_use", "wandb_login", "disk_full", "cuda_oom",
-            "cpu_oom", "nccl_error", "nccl_timeout", "rendezvous", "nonfinite", "hang", "killed_rank", "rank_error",
-            "rl_truncated", "rl_no_signal"]
+            "cuda_error", "cpu_oom", "nccl_error", "nccl_timeout", "rendezvous", "nonfinite", "hang", "killed_rank",
+            "rank_error", "rl_truncated", "rl_no_signal"]
 COMPILED = [(cls, title, re.compile(p)) for cls, title, p in PATTERNS]
 RANK_ERROR = next(p for cls, _, p in COMPILED if cls == "rank_error")
 # Findings of a post-training run's statistics (metrics.jsonl), not of its logs.
@@ -192,7 +198,8 @@ def diagnose(*path_args: str) -> list[Finding]:
         views += [view] if view is not None else []
     for cls, f in scan(sources).items():
         found[cls] = f
-    if "rank_error" in found and all(CONSEQUENCE.search(e) for e in found["rank_error"].evidence if "Error" in e):
+    errors = [e for e in found["rank_error"].evidence if "Error" in e] if "rank_error" in found else []
+    if errors and all(CONSEQUENCE.search(e) for e in errors):
         found["rank_error"].title = "connection errors after another rank died (consequences)"
     for view in views:
         _from_records(view, found)

@@ -98,6 +98,17 @@ def _injected_stall() -> None:
         time.sleep(3600)
 
 
+def _device_assert() -> None:
+    """watchdog.debug_fault=device_assert: an index out of range inside a kernel on this rank's
+    device, as a token id >= vocab_size makes in the embedding. On a GPU that is the real CUDA error
+    ("device-side assert triggered", the CUDA context lost); on a CPU, torch's IndexError."""
+    import torch
+
+    device = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else torch.device("cpu")
+    table = torch.zeros(4, device=device)
+    table[torch.tensor([len(table)], device=device)].sum().item()  # .item() syncs: the error surfaces here
+
+
 def fault_at(spec: str, rank: int) -> Callable[[int, str], None] | None:
     """The hook Heartbeat.beat calls, for ACTION:RANK:ARG on this rank (None elsewhere)."""
     if not spec:
@@ -119,6 +130,8 @@ def fault_at(spec: str, rank: int) -> Callable[[int, str], None] | None:
             _injected_stall()
         elif action == "kill":
             os.kill(os.getpid(), 9)
+        elif action == "device_assert":
+            _device_assert()
         else:
             raise RuntimeError(f"injected failure on rank {rank} at step {step} (watchdog.debug_fault)")
     return hook

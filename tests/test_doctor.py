@@ -17,7 +17,7 @@ import pytest
 import yaml
 
 from conftest import ROOT, ds_train
-from ds_train.doctor import PRIORITY, diagnose
+from ds_train.doctor import PRIORITY, classify_line, diagnose
 from ds_train.doctor_fixes import FIXES
 
 FIXTURES = Path(__file__).parent / "fixtures" / "doctor"
@@ -189,6 +189,27 @@ def test_the_command_exits_1_on_a_problem_0_on_a_clean_run_and_2_on_no_such_path
     assert clean.returncode == 0 and clean.out.strip().endswith("nothing wrong found"), clean.out
     missing = ds_train("doctor", str(tmp_path / "nope"), timeout=120)
     assert missing.returncode == 2 and "does not exist" in missing.out
+
+
+@pytest.mark.parametrize("line,cls", [
+    # the forms a failing kernel or GPU takes in torch, cuBLAS / cuDNN and the kernel's log
+    ("[rank3]: torch.AcceleratorError: CUDA error: an illegal memory access was encountered", "cuda_error"),
+    ("RuntimeError: CUDA error: unspecified launch failure", "cuda_error"),
+    ("RuntimeError: CUDA error: uncorrectable ECC error encountered", "cuda_error"),
+    ("RuntimeError: CUDA error: CUBLAS_STATUS_EXECUTION_FAILED when calling `cublasGemmEx( handle, opa, opb, m, n, k",
+     "cuda_error"),
+    ("RuntimeError: cuDNN error: CUDNN_STATUS_INTERNAL_ERROR", "cuda_error"),
+    ("[Tue Nov 24 10:02:11 2026] NVRM: Xid (PCI:0000:3b:00): 79, pid=1234, GPU has fallen off the bus.", "cuda_error"),
+    ("RuntimeError: The NVIDIA driver on your system is too old. CUDA driver version is insufficient for "
+     "CUDA runtime version", "cuda_error"),
+    # an allocation that fails is an OOM, whatever prints it; NCCL's lines stay NCCL's
+    ("RuntimeError: CUDA error: out of memory", "cuda_oom"),
+    ("torch.distributed.DistBackendError: NCCL error in: ProcessGroupNCCL.cpp:1970, unhandled cuda error "
+     "(run with NCCL_DEBUG=INFO for details)", "nccl_error"),
+    ("[rank0]: RuntimeError: index 4 is out of bounds for dimension 0 with size 4", "rank_error"),
+])
+def test_a_cuda_error_is_told_from_an_oom_an_nccl_error_and_a_plain_exception(line, cls):
+    assert classify_line(line) == cls
 
 
 def test_an_earlier_attempt_in_a_rank_log_is_history(tmp_path):

@@ -12,6 +12,7 @@ import pytest
 
 from conftest import ROOT, deepspeed_args, deepspeed_train, reap, spawn, tiny_config, write_config
 from ds_train import watchdog as wd
+from ds_train.config import WatchdogConfig
 from ds_train.doctor import diagnose
 from ds_train.rundir import read_metrics
 from test_monitor import frame
@@ -33,6 +34,13 @@ def test_faults_fire_on_their_rank_and_step_only(monkeypatch):
     slow(2, "data")
     slow(3, "rollout")
     assert slept == [0.05, 0.05]
+    # device_assert: a real out-of-range index in a kernel (on this CPU torch's own bounds check)
+    kernel = wd.fault_at("device_assert:0:4", 0)
+    kernel(3, "data")
+    with pytest.raises(IndexError, match="index 4 is out of bounds"):
+        kernel(4, "data")
+    assert WatchdogConfig(debug_fault="device_assert:0:4").check() == []
+    assert "is not ACTION:RANK:ARG" in WatchdogConfig(debug_fault="device_assert:x:4").check()[0]
 
 
 def test_a_heartbeat_file_is_written_and_a_stall_in_one_process_is_reported(tmp_path):
