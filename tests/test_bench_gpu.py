@@ -4,12 +4,21 @@ every side runs, every figure is computed and written, and the OOM report's fix 
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import os
+import signal
+import subprocess
 import sys
+import tarfile
 
 import pytest
 
 from conftest import ROOT, run_cmd
+
+_spec = importlib.util.spec_from_file_location("lease", ROOT / "bench" / "gpu" / "lease.py")
+lease = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(lease)
 
 pytestmark = pytest.mark.slow
 
@@ -65,3 +74,43 @@ def test_steps_overhead_precision_checkpoint_export(tiny_data, tmp_path):
     c = d["checkpoint"]
     assert c["resume"] and c["save_s"] is not None and c["load_s"] is not None and c["bytes"] > 0
     assert d["export"]["bytes"] > 0 and (tmp_path / "export" / "config.json").is_file()
+
+
+def test_one_lease_runs_its_parts_in_order_skips_what_does_not_fit_and_packs_one_archive(tiny_data, tmp_path):
+    """bench/gpu/lease.py, the one command a GPU session runs: `capture` runs (a CUDA error through
+    ds_train under the real deepspeed launcher, kept as a doctor fixture is kept; on this CPU it is
+    torch's IndexError and no OOM can happen), `mfu` needs more than the budget and is skipped, and
+    everything comes back in one archive without checkpoints or weights."""
+    out = tmp_path / "out"
+    r = run_cmd([sys.executable, str(ROOT / "bench" / "gpu" / "lease.py"), "--out", str(out), "--reduced",
+                 "--data", str(tiny_data), "--parts", "capture,mfu", "--budget", "150"], timeout=300)
+    assert r.returncode == 1, r.out[-3000:]  # not every part ran
+    d = json.loads((out / "lease.json").read_text())
+    assert list(d["parts"]) == ["capture", "mfu"] and d["parts"]["capture"]["exit"] == 0
+    assert d["parts"]["mfu"]["skipped"].startswith("needs ~210 s") and "lease: " in r.out
+    cap = json.loads((out / "work" / "capture" / "capture.json").read_text())["captures"]
+    err = cap["cuda_error"]
+    assert cap["cuda_oom"]["skipped"] and err["exit"] == 1 and err["expect"] == "rank_error"
+    assert err["how"].startswith("deepspeed --num_gpus 1 ") and err["how"].endswith("watchdog.debug_fault=device_assert:0:3")
+    together, alone = err["doctor"]
+    assert together[0]["cites"][0].startswith("gpu/cuda_error/console.log:") and alone[0]["where"] == "rank 0 on vm"
+    console = (out / "work" / "capture" / "cuda_error" / "console.log").read_text()
+    assert "IndexError: index 4 is out of bounds for dimension 0 with size 4" in console
+    with tarfile.open(out / "lease.tar.gz") as tar:
+        names = set(tar.getnames())
+    assert {"lease/capture/capture.json", "lease/capture/cuda_error/console.log",
+            "lease/capture/cuda_error/run/logs/rank_0.log"} <= names
+    assert not any(n.endswith(".ds_train.lock") for n in names if "/cuda_error/run/" in n)
+    # what stays out of the archive: checkpoint and weight directories, files past 4 MiB
+    (tmp_path / "w" / "runs" / "a" / "checkpoints").mkdir(parents=True)
+    (tmp_path / "w" / "runs" / "a" / "checkpoints" / "state.pt").write_bytes(b"x")
+    (tmp_path / "w" / "big.bin").write_bytes(b"\0" * (5 << 20))
+    (tmp_path / "w" / "results.json").write_text("{}")
+    lease.pack(tmp_path / "w", tmp_path / "w.tar.gz")
+    with tarfile.open(tmp_path / "w.tar.gz") as tar:
+        assert sorted(tar.getnames()) == ["lease", "lease/results.json", "lease/runs", "lease/runs/a"]
+    # a part past its time: every process it started goes, also one in a session of its own
+    orphan = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"], start_new_session=True,
+                              env={**os.environ, lease.TAG: "t-1"})
+    assert lease.reap("t-0") == 0 and lease.reap("t-1") == 1
+    assert orphan.wait(timeout=30) == -signal.SIGKILL

@@ -1,0 +1,163 @@
+"""One GPU lease, one command: the bench/gpu parts in the order the GPU issue needs them, each only if
+it fits the time left, everything packed into one archive.
+
+    source bench/gpu/env.sh && python3 bench/gpu/lease.py --out $OUT             # on the GPU machine
+    python bench/gpu/lease.py --out OUT --reduced --data DIR --parts capture      # the CPU check
+
+The device tool lends a session 15 minutes of a GPU in all (the machine's start included), at most
+10 minutes a command, and brings back at most 8 files from $OUT. So one command runs the parts in
+order; a part starts only if its estimated seconds (ESTIMATE: a guess for one H200 until a lease
+measures it; lease.json records each part's real seconds) fit in what is left of --budget, and runs
+with the rest of the budget as its limit. A part that fails or is skipped is recorded and the next
+one runs. Parts (--parts chooses and orders them):
+
+  mfu       mfu.py --sides ds_train,bare,hf: tokens/s and MFU of the ~1B Llama, ds_train against a bare
+            DeepSpeed loop and the HF Trainer (its first side JIT-compiles FusedAdam, about a minute)
+  memory    memory.py --ckpt off: predicted against measured peak, micro-batch 4 / 16 x ZeRO-2 / 3
+  oom       oom.py: a micro-batch the planner says does not fit ends with exit 4; its fix runs
+  capture   capture.py: a real CUDA OOM and a real CUDA error through ds_train, kept as doctor fixtures
+  steps     steps.py: loop overhead, bf16 against fp32, checkpoint save / load, export
+  mfu_more  mfu.py --sides ckpt,compile: with activation checkpointing, with model.compile
+
+OUT/lease.tar.gz holds every part's directory (results JSON, logs, configs, the captured fixtures;
+no checkpoints or weights), OUT/lease.json the summary, OUT/lease.log what every part printed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import tarfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import DEFAULT_DATA, versions  # noqa: E402
+
+HERE = Path(__file__).resolve().parent
+# part -> (script and its arguments, estimated seconds on one H200)
+PARTS: dict[str, tuple[list[str], int]] = {
+    "mfu": (["mfu.py", "--sides", "ds_train,bare,hf", "--warmup", "4", "--steps", "8"], 210),
+    "memory": (["memory.py", "--ckpt", "off"], 120),
+    "oom": (["oom.py"], 130),
+    "capture": (["capture.py"], 80),
+    "steps": (["steps.py", "--steps", "30"], 180),
+    "mfu_more": (["mfu.py", "--sides", "ckpt,compile", "--warmup", "4", "--steps", "8"], 200),
+}
+SKIP_IN_ARCHIVE = ("checkpoints", "hf_model", "export", "final", "wandb")  # directories of weights and states
+TAG = "DS_TRAIN_LEASE_PART"  # in the environment of every process a part starts
+MAX_FILE = 4 << 20  # bytes: a bigger file (weights, a core) stays out of the archive
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", required=True, help="output directory ($OUT on the device machine)")
+    p.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated, in order (default {','.join(PARTS)})")
+    p.add_argument("--budget", type=float, default=560,
+                   help="seconds for all parts together (default 560: a 600 s command, with time to pack)")
+    p.add_argument("--data", default=str(DEFAULT_DATA), help="prepared data directory (default: the bundled corpus)")
+    p.add_argument("--reduced", action="store_true", help="every part on this CPU with a tiny model: measures nothing")
+    args = p.parse_args(argv)
+    args.parts = [x.strip() for x in args.parts.split(",") if x.strip()]
+    if bad := [x for x in args.parts if x not in PARTS]:
+        p.error(f"--parts: unknown {bad}; choose from {', '.join(PARTS)}")
+    if args.budget <= 0:
+        p.error("--budget must be positive")
+    return args
+
+
+def reap(tag: str) -> int:
+    """SIGKILL every process that carries this part's tag in its environment: the scripts start their
+    runs in new sessions, which a kill of the part's own group would miss (and the device machine
+    leaves running after the command returns). Returns how many."""
+    killed = 0
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit() or int(proc.name) == os.getpid():
+            continue
+        try:
+            if f"{TAG}={tag}".encode() in (proc / "environ").read_bytes().split(b"\0"):
+                os.kill(int(proc.name), signal.SIGKILL)
+                killed += 1
+        except (OSError, ProcessLookupError):
+            continue
+    return killed
+
+
+def run_part(argv: list[str], log, limit: float, tag: str) -> int:
+    """The part's script in its own session; its output to `log` (and this console); it and every
+    process it started are killed past `limit`."""
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1", TAG: tag})
+    deadline = time.monotonic() + limit
+
+    def stop(*_):
+        reap(tag)
+
+    signal.signal(signal.SIGALRM, stop)
+    signal.setitimer(signal.ITIMER_REAL, max(limit, 0.1))
+    try:
+        for line in proc.stdout:
+            log.write(line)
+            log.flush()
+            print(line, end="", flush=True)
+        rc = proc.wait()
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        reap(tag)  # anything it left behind
+    return 124 if time.monotonic() >= deadline and rc < 0 else rc
+
+
+def pack(work: Path, archive: Path) -> int:
+    """Every part's directory into one .tar.gz (a file the device tool brings back), without weights."""
+    def keep(info: tarfile.TarInfo):
+        parts = Path(info.name).parts
+        if any(p in SKIP_IN_ARCHIVE or p.startswith("global_step") for p in parts):
+            return None
+        return None if info.isfile() and info.size > MAX_FILE else info
+
+    with tarfile.open(archive, "w:gz") as tar:
+        tar.add(work, arcname="lease", filter=keep)
+    return archive.stat().st_size
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    out = Path(args.out).resolve()
+    work = out / "work"
+    work.mkdir(parents=True, exist_ok=True)
+    t0 = time.monotonic()
+    summary: dict = {"what": "bench/gpu in one lease", "budget_s": args.budget, "reduced": args.reduced,
+                     "versions": versions(), "parts": {}}
+    with open(out / "lease.log", "w") as log:
+        for name in args.parts:
+            script, estimate = PARTS[name]
+            left = args.budget - (time.monotonic() - t0)
+            if estimate > left:
+                summary["parts"][name] = {"skipped": f"needs ~{estimate} s, {left:.0f} s left"}
+                print(f"== {name}: skipped (needs ~{estimate} s, {left:.0f} s left)", flush=True)
+                continue
+            argv = [sys.executable, str(HERE / script[0]), *script[1:], "--out", str(work / name),
+                    "--data", args.data, "--timeout", str(int(left))] + (["--reduced"] if args.reduced else [])
+            print(f"== {name}: {' '.join(script)} ({left:.0f} s left)", flush=True)
+            log.write(f"== {name}: {' '.join(argv)}\n")
+            start = time.monotonic()
+            rc = run_part(argv, log, left, f"{os.getpid()}-{name}")
+            results = sorted(str(p.relative_to(work)) for p in (work / name).glob("*.json") if p.name != "versions.json")
+            summary["parts"][name] = {"exit": rc, "seconds": round(time.monotonic() - start, 1),
+                                      "estimate_s": estimate, "results": results}
+            print(f"== {name}: exit {rc} in {summary['parts'][name]['seconds']:.0f} s", flush=True)
+    summary["seconds"] = round(time.monotonic() - t0, 1)
+    (out / "lease.json").write_text(json.dumps(summary, indent=2) + "\n")
+    size = pack(work, out / "lease.tar.gz")
+    print(f"lease: {summary['seconds']:.0f} s; " + "; ".join(
+        f"{n} " + (f"exit {p['exit']} ({p['seconds']:.0f} s)" if "exit" in p else "skipped")
+        for n, p in summary["parts"].items()) + f"; {out / 'lease.tar.gz'} ({size / 2**20:.1f} MiB)", flush=True)
+    return 0 if all(p.get("exit") == 0 for p in summary["parts"].values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
