@@ -91,7 +91,8 @@ def test_one_lease_runs_its_parts_in_order_skips_what_does_not_fit_and_packs_one
     cap = json.loads((out / "work" / "capture" / "capture.json").read_text())["captures"]
     err = cap["cuda_error"]
     assert cap["cuda_oom"]["skipped"] and err["exit"] == 1 and err["expect"] == "rank_error"
-    assert err["how"].startswith("deepspeed --num_gpus 1 ") and err["how"].endswith("watchdog.debug_fault=device_assert:0:3")
+    assert err["how"].startswith("deepspeed --num_gpus 1 ")
+    assert err["how"].endswith("watchdog.debug_fault=device_assert:0:3")
     together, alone = err["doctor"]
     assert together[0]["cites"][0].startswith("gpu/cuda_error/console.log:") and alone[0]["where"] == "rank 0 on vm"
     console = (out / "work" / "capture" / "cuda_error" / "console.log").read_text()

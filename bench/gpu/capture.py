@@ -36,7 +36,8 @@ from common import (LLAMA_124M, ROOT, _free_port, add_common_args, run_config, s
                     write_results)
 
 DS_CONFIG = ROOT / "ds_configs" / "zero2.json"
-KEEP_OUT = ("checkpoints", "hf_model", "final", "wandb", "plots", ".ds_train.lock")  # run-directory entries a fixture does not need
+# run-directory entries a fixture does not need
+KEEP_OUT = ("checkpoints", "hf_model", "final", "wandb", "plots", ".ds_train.lock")
 CAPTURES = ("cuda_oom", "cuda_error")
 
 

@@ -146,7 +146,8 @@ def main(argv=None) -> int:
             log.write(f"== {name}: {' '.join(argv)}\n")
             start = time.monotonic()
             rc = run_part(argv, log, left, f"{os.getpid()}-{name}")
-            results = sorted(str(p.relative_to(work)) for p in (work / name).glob("*.json") if p.name != "versions.json")
+            results = sorted(str(p.relative_to(work)) for p in (work / name).glob("*.json")
+                             if p.name != "versions.json")
             summary["parts"][name] = {"exit": rc, "seconds": round(time.monotonic() - start, 1),
                                       "estimate_s": estimate, "results": results}
             print(f"== {name}: exit {rc} in {summary['parts'][name]['seconds']:.0f} s", flush=True)
