@@ -1,7 +1,7 @@
 """Reading a run config: YAML file -> `key=value` overrides -> type checks -> cross-field checks.
 
 Every problem is collected and reported at once; unknown keys suggest the closest valid key. The
-help text of each field (ds_train/config.py) is what `ds-train train --help-config` prints.
+help text of each field (ds_train/config/) is what `ds-train train --help-config` prints.
 """
 
 from __future__ import annotations

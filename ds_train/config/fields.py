@@ -1,0 +1,37 @@
+"""The parts every section of the run config is made of: a field with its help, bound and path flag
+(`_f`), the bounds check, and the Section base class."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import field
+
+STDLIB_SOURCE = "python-stdlib"  # data.sources: the bundled corpus (ds_train.data.sources.STDLIB)
+NOT_PATHS = ("", STDLIB_SOURCE, "auto", "none", "restart")  # values of path fields that name no path
+POSITIVE, NON_NEGATIVE = "positive", ">= 0"  # a field's bound (checked for every section in one place)
+
+
+def _f(default, help: str, bound: str = "", path: bool = False, **kw):
+    """A config field: its default, the help `--help-config` prints, its bound (POSITIVE, NON_NEGATIVE)
+    and whether it names a path (or a list of them) the operating system must take."""
+    metadata = {"help": help, "bound": bound, "path": path}
+    if isinstance(default, (dict, list)):
+        return field(default_factory=lambda: type(default)(default), metadata=metadata, **kw)
+    return field(default=default, metadata=metadata, **kw)
+
+
+def out_of_bounds(section, prefix: str) -> list[str]:
+    """One error for each field of `section` outside its bound."""
+    errs = []
+    for f in dataclasses.fields(section):
+        value, bound = getattr(section, f.name), f.metadata.get("bound")
+        if bound == POSITIVE and value <= 0 or bound == NON_NEGATIVE and value < 0:
+            errs.append(f"{prefix}.{f.name}: {value} must be {bound}")
+    return errs
+
+
+class Section:
+    """A section of the run config: its fields' bounds are checked for it; check() adds the rest."""
+
+    def check(self) -> list[str]:
+        return []
