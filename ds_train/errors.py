@@ -76,6 +76,15 @@ class OutOfMemory(Exception):
     exit_code = 4
 
 
+# What a failed device allocation says: torch's OutOfMemoryError, and the RuntimeError a raw CUDA call
+# or cuBLAS (its workspace, at the first matmul of a nearly full GPU) raises instead.
+DEVICE_OOM = ("CUDA out of memory", "CUDA error: out of memory", "CUBLAS_STATUS_ALLOC_FAILED")
+
+
+def is_device_oom(exc: BaseException | None) -> bool:
+    return isinstance(exc, RuntimeError) and any(s in str(exc) for s in DEVICE_OOM)
+
+
 class OneLineParser(__import__("argparse").ArgumentParser):
     """An argparse parser whose errors are bad input like any other: one `ds-train: error:` line
     (exit 2), pointing at --help instead of printing the usage block first."""

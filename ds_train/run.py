@@ -38,7 +38,7 @@ from ds_train.checkpointer import Checkpointer
 from ds_train.config import RunConfig
 from ds_train.configfile import save_config
 from ds_train.engine import initialize, render_ds_config, zero_stage
-from ds_train.errors import AgreedError, OutOfMemory, PeerFailed, Preempted, RunStopped, UserError
+from ds_train.errors import AgreedError, OutOfMemory, PeerFailed, Preempted, RunStopped, UserError, is_device_oom
 from ds_train.export import export, save_hf_metadata
 from ds_train.fs import check_writable, file_lock, write_atomic
 from ds_train.guard import NonFiniteGuard
@@ -212,7 +212,7 @@ class Run:
     def __exit__(self, exc_type, exc, tb) -> None:
         import torch
 
-        if isinstance(exc, torch.cuda.OutOfMemoryError):  # the memory plan of this run says what to change
+        if is_device_oom(exc):  # the memory plan of this run says what to change
             gib = torch.cuda.get_device_properties(self.engine.device).total_memory / 2**30
             exc = OutOfMemory(oom_report(self.cfg, self.ds_config, self.engine.module.config,
                                          self.env.world_size, gib))
