@@ -57,7 +57,8 @@ def heldout(model_dir: str, data_dir: Path, stored: Path, loss: str, beta: float
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from ds_train.data.datasets import IGNORE, PreferenceData
+    from ds_train.data.examples import IGNORE
+    from ds_train.data.pairs import PreferenceData
     from ds_train.data.meta import load_meta
     from ds_train.preference import NORMALISED, sequence_logps
 

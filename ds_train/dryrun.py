@@ -23,7 +23,8 @@ from pathlib import Path
 from ds_train import checkpoint, dist
 from ds_train.batch import plan_batch, sample_rows
 from ds_train.config import RunConfig
-from ds_train.data.datasets import PreferenceData, eval_micro_batches, rank_micro_batches
+from ds_train.data.datasets import eval_micro_batches, rank_micro_batches
+from ds_train.data.pairs import PreferenceData
 from ds_train.engine import read_ds_template
 from ds_train.errors import UserError
 from ds_train.fs import write_atomic

@@ -9,7 +9,7 @@ from contextlib import contextmanager
 import numpy as np
 
 from ds_train import dist
-from ds_train.data.datasets import IGNORE, Batch
+from ds_train.data.examples import IGNORE, Batch
 
 
 def token_mean(loss_sum: float, tokens: int, group=None) -> float:

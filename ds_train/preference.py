@@ -22,7 +22,8 @@ from typing import Any, Callable
 
 from ds_train import dist
 from ds_train.config import DpoConfig
-from ds_train.data.datasets import IGNORE, PairBatch
+from ds_train.data.examples import IGNORE
+from ds_train.data.pairs import PairBatch
 from ds_train.guard import backward_step
 
 NORMALISED = {"sigmoid": False, "ipo": True, "sigmoid_norm": True}  # per-token mean log-probs

@@ -29,7 +29,8 @@ from typing import Any, Callable
 import numpy as np
 
 from ds_train import dist
-from ds_train.data.datasets import Datasets, PairBatch
+from ds_train.data.datasets import Datasets
+from ds_train.data.pairs import PairBatch
 from ds_train.data.meta import read_meta_json
 from ds_train.engine import initialize
 from ds_train.fs import replacing, write_atomic

@@ -16,7 +16,9 @@ import numpy as np
 
 from ds_train import dist
 from ds_train.config import RunConfig
-from ds_train.data.datasets import Batch, Datasets, PreferenceData, rank_micro_batches, sequence_shard
+from ds_train.data.datasets import Datasets, rank_micro_batches, sequence_shard
+from ds_train.data.examples import Batch
+from ds_train.data.pairs import PreferenceData
 from ds_train.fs import write_atomic
 from ds_train.guard import backward_step
 from ds_train.inputs import check_inputs

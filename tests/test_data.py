@@ -1013,7 +1013,8 @@ def sft_dir(tmp_path_factory) -> Path:
 
 
 def test_sft_sequences_hold_whole_examples_with_targets_on_the_assistant_tokens_only(sft_dir):
-    from ds_train.data.datasets import IGNORE, SftData
+    from ds_train.data.datasets import SftData
+    from ds_train.data.examples import IGNORE
 
     meta = load_meta(sft_dir)
     data = SftData(sft_dir, "train", meta["dtype"], 96, 0, True, "drop", meta["eos_token_id"])
@@ -1082,7 +1083,8 @@ def test_a_packed_example_gets_the_same_logits_as_alone(sft_dir, model_type):
 def test_a_sequence_rank_holds_its_part_of_every_sequence_with_targets_shifted_before_the_split():
     import numpy as np
 
-    from ds_train.data.datasets import Batch, sequence_shard
+    from ds_train.data.datasets import sequence_shard
+    from ds_train.data.examples import Batch
 
     windows = np.arange(2 * 9).reshape(2, 9)  # two windows of seq_len 8 + 1
     assert sequence_shard(windows, 0, 1) is windows

@@ -329,7 +329,7 @@ def test_the_tiled_loss_is_the_full_logits_loss_in_tiles():
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from ds_train.data.datasets import Batch
+    from ds_train.data.examples import Batch
     from ds_train.losses import forward_loss, tiles
 
     cfg = AutoConfig.for_model("llama", hidden_size=32, intermediate_size=64, num_hidden_layers=2,

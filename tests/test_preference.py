@@ -16,7 +16,9 @@ import pytest
 from conftest import ROOT, TINY_MODEL, deepspeed_train, ds_train, expect_error, tiny_config, write_config
 from ds_train.configfile import build_config
 from ds_train.data.chat import Renderer, preference
-from ds_train.data.datasets import IGNORE, PreferenceData, rank_micro_batches
+from ds_train.data.datasets import rank_micro_batches
+from ds_train.data.examples import IGNORE
+from ds_train.data.pairs import PreferenceData
 from ds_train.data.prepare import prepare
 from ds_train.errors import UserError
 from ds_train.preference import mean_metrics, pair_sums, preference_loss, sequence_logps
