@@ -2,14 +2,13 @@
 checkpoint.every steps, the last step, or a stop every rank agreed on), checks the free space, saves
 (ds_train/checkpoint.py; periodic saves in the background with checkpoint.async_save,
 ds_train/asyncsave.py) and turns a failed write into one line; checkpoint.debug_fault injects a
-crash or a full disk at a phase of a save."""
+crash or a full disk at a phase of a save (ds_train/faults.py)."""
 
 from __future__ import annotations
 
 import os
 import re
 import shutil
-import signal
 import time
 from pathlib import Path
 from typing import Callable
@@ -19,34 +18,7 @@ from ds_train.asyncsave import Abandoned, BackgroundSave
 from ds_train.checkpoint import latest_complete, save, tag_for, weights_finite
 from ds_train.config import CheckpointConfig
 from ds_train.errors import AgreedError, Preempted, UserError
-
-
-def parse_fault(spec: str) -> tuple[str, str, int, int | None] | None:
-    """checkpoint.debug_fault `ACTION:PHASE:STEP[:RANK]` (kill or enospc) -> (action, phase, step,
-    rank or None for every rank)."""
-    if not spec:
-        return None
-    action, phase, step, *rank = spec.split(":")
-    return action, phase, int(step), int(rank[0]) if rank else None
-
-
-def fault_at(spec: str, rank: int = 0) -> Callable[[str, int], None]:
-    """The fault-injection hook of checkpoint.debug_fault: at PHASE of the save of STEP, on RANK (every
-    rank without one), `kill` SIGKILLs this process (a crash), `enospc` raises the error a full disk
-    raises."""
-    fault = parse_fault(spec)
-    if fault is not None and fault[3] not in (None, rank):
-        fault = None
-
-    def hook(phase: str, step: int) -> None:
-        if fault is None or (phase, step) != fault[1:3]:
-            return
-        if fault[0] == "kill":
-            os.kill(os.getpid(), signal.SIGKILL)
-        raise OSError(28, "No space left on device (checkpoint.debug_fault)")
-
-    return hook
-
+from ds_train.faults import save_fault
 
 
 # A save that takes more than this share of the launcher's grace period would not fit with the step in progress.
@@ -82,7 +54,7 @@ class Checkpointer:
         self.rank, self.world, self.record, self.stop, self.log, self.unit = rank, world, record, stop, log, unit
         self.writer = rank == 0 if writer is None else writer
         self.seq, self.needed_bytes, self.where = seq, needed_bytes, where
-        self.fault = fault_at(cfg.debug_fault, rank)
+        self.fault = save_fault(cfg.debug_fault, rank)
         self.beat = beat  # the heartbeat: the stop agreement is a collective, a save is long I/O
         self.grace, self.say = grace, say  # (who, seconds) between a stop's SIGTERM and its SIGKILL
         self.channel = channel  # the rendezvous store, where background saves meet (None: one process)

@@ -40,6 +40,7 @@ from ds_train.configfile import save_config
 from ds_train.engine import initialize, render_ds_config, zero_stage
 from ds_train.errors import AgreedError, OutOfMemory, PeerFailed, Preempted, RunStopped, UserError, is_device_oom
 from ds_train.export import export, save_hf_metadata
+from ds_train.faults import step_fault
 from ds_train.fs import check_writable, file_lock, write_atomic
 from ds_train.guard import NonFiniteGuard
 from ds_train.inputs import ModelSource, RunInputs
@@ -59,7 +60,7 @@ from ds_train.resume import ResumePoint, agree, check_resume, load_resume, locat
 from ds_train.rundir import RunKind, RunPaths
 from ds_train.storage import (NODE_LOCAL, check_run_dir, check_storage, env_record, hold_run_dir, host_table,
                               start_over, storage_layout)
-from ds_train.watchdog import Heartbeat, Watchdog, fault_at
+from ds_train.watchdog import Heartbeat, Watchdog
 
 
 @dataclass(frozen=True)
@@ -386,7 +387,7 @@ def _build_run(inputs: RunInputs, env: dist.DistEnv, spec: RunSpec, stop: StopRe
                               trainable)
     names = dist.node_hosts()
     heartbeat = Heartbeat(env.rank, env.node_rank, host, names[env.node_rank] if env.node_rank < len(names) else "",
-                          fault=fault_at(cfg.watchdog.debug_fault, env.rank))
+                          fault=step_fault(cfg.watchdog.debug_fault, env.rank))
     launchers = LauncherWatch()  # a launcher above that ends stops the run, as SIGTERM does
     ckpt = Checkpointer(engine, paths.checkpoints, cfg.checkpoint, spec.last, env.rank, env.world_size, record,
                         stop, rank_log, spec.unit, writer=writer, seq=decision.next_seq, needed_bytes=needed,

@@ -89,54 +89,6 @@ def memory_now(device_index: int | None) -> dict[str, float | None]:
     return out
 
 
-# ---- fault injection (watchdog.debug_fault) -------------------------------------------------------
-
-def _injected_stall() -> None:
-    """watchdog.debug_fault=stall: this rank stops making progress (and sleeps, as a rank stuck on
-    I/O or a lock does)."""
-    while True:
-        time.sleep(3600)
-
-
-def _device_assert() -> None:
-    """watchdog.debug_fault=device_assert: an index out of range inside a kernel on this rank's
-    device, as a token id >= vocab_size makes in the embedding. On a GPU that is the real CUDA error
-    ("device-side assert triggered", the CUDA context lost); on a CPU, torch's IndexError."""
-    import torch
-
-    device = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else torch.device("cpu")
-    table = torch.zeros(4, device=device)
-    table[torch.tensor([len(table)], device=device)].sum().item()  # .item() syncs: the error surfaces here
-
-
-def fault_at(spec: str, rank: int) -> Callable[[int, str], None] | None:
-    """The hook Heartbeat.beat calls, for ACTION:RANK:ARG on this rank (None elsewhere)."""
-    if not spec:
-        return None
-    action, target, arg, *start = spec.split(":")
-    if int(target) != rank:
-        return None
-    if action == "slow":
-        def slow(step: int, phase: str) -> None:
-            if phase in ("data", "rollout") and step >= int((start or [0])[0]):
-                time.sleep(float(arg))
-        return slow
-    at = int(float(arg))
-
-    def hook(step: int, phase: str) -> None:
-        if step != at or phase not in ("data", "rollout"):
-            return
-        if action == "stall":
-            _injected_stall()
-        elif action == "kill":
-            os.kill(os.getpid(), 9)
-        elif action == "device_assert":
-            _device_assert()
-        else:
-            raise RuntimeError(f"injected failure on rank {rank} at step {step} (watchdog.debug_fault)")
-    return hook
-
-
 # ---- the thread ------------------------------------------------------------------------------
 
 class Watchdog:

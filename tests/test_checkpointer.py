@@ -82,18 +82,3 @@ def test_a_save_longer_than_half_the_launchers_grace_period_is_said_once_with_th
     said = grace_warning(42.4, ("the deepspeed launcher", 30.0))
     assert said.startswith("checkpoint: a save takes 42 s; the deepspeed launcher kills the ranks 30 s after a "
                            "SIGTERM") and "SIGUSR1" in said and "--signal-lead" in said and "\n" not in said
-
-
-def test_a_save_fault_can_name_the_one_rank_it_fires_on():
-    from ds_train.checkpointer import fault_at, parse_fault
-
-    assert parse_fault("kill:written:4") == ("kill", "written", 4, None)
-    assert parse_fault("enospc:marked:6:0") == ("enospc", "marked", 6, 0)
-    quiet = fault_at("enospc:written:4:1", rank=0)  # rank 1's fault: rank 0 goes on
-    quiet("written", 4)
-    loud = fault_at("enospc:written:4:1", rank=1)
-    loud("written", 2)  # another step
-    with pytest.raises(OSError, match="No space left on device"):
-        loud("written", 4)
-    with pytest.raises(OSError):
-        fault_at("enospc:written:4", rank=3)("written", 4)  # no rank: every rank

@@ -1,0 +1,88 @@
+"""Fault injection: the debug_fault hooks that make real failures on purpose, so that every path a
+failure takes is tested, and can be tried by hand.
+
+  watchdog.debug_fault    at the data phase of a step, on one rank: stall, slow, raise, kill,
+                          device_assert (step_fault; Heartbeat.beat calls it)
+  checkpoint.debug_fault  at a phase of a save: kill, enospc (save_fault; the checkpointer calls it)
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from typing import Callable
+
+
+def _injected_stall() -> None:
+    """watchdog.debug_fault=stall: this rank stops making progress (and sleeps, as a rank stuck on
+    I/O or a lock does)."""
+    while True:
+        time.sleep(3600)
+
+
+def _device_assert() -> None:
+    """watchdog.debug_fault=device_assert: an index out of range inside a kernel on this rank's
+    device, as a token id >= vocab_size makes in the embedding. On a GPU that is the real CUDA error
+    ("device-side assert triggered", the CUDA context lost); on a CPU, torch's IndexError."""
+    import torch
+
+    device = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else torch.device("cpu")
+    table = torch.zeros(4, device=device)
+    table[torch.tensor([len(table)], device=device)].sum().item()  # .item() syncs: the error surfaces here
+
+
+def step_fault(spec: str, rank: int) -> Callable[[int, str], None] | None:
+    """watchdog.debug_fault: the hook Heartbeat.beat calls, for ACTION:RANK:ARG on this rank (None
+    elsewhere)."""
+    if not spec:
+        return None
+    action, target, arg, *start = spec.split(":")
+    if int(target) != rank:
+        return None
+    if action == "slow":
+        def slow(step: int, phase: str) -> None:
+            if phase in ("data", "rollout") and step >= int((start or [0])[0]):
+                time.sleep(float(arg))
+        return slow
+    at = int(float(arg))
+
+    def hook(step: int, phase: str) -> None:
+        if step != at or phase not in ("data", "rollout"):
+            return
+        if action == "stall":
+            _injected_stall()
+        elif action == "kill":
+            os.kill(os.getpid(), 9)
+        elif action == "device_assert":
+            _device_assert()
+        else:
+            raise RuntimeError(f"injected failure on rank {rank} at step {step} (watchdog.debug_fault)")
+    return hook
+
+
+def parse_save_fault(spec: str) -> tuple[str, str, int, int | None] | None:
+    """checkpoint.debug_fault `ACTION:PHASE:STEP[:RANK]` (kill or enospc) -> (action, phase, step,
+    rank or None for every rank)."""
+    if not spec:
+        return None
+    action, phase, step, *rank = spec.split(":")
+    return action, phase, int(step), int(rank[0]) if rank else None
+
+
+def save_fault(spec: str, rank: int = 0) -> Callable[[str, int], None]:
+    """The fault-injection hook of checkpoint.debug_fault: at PHASE of the save of STEP, on RANK (every
+    rank without one), `kill` SIGKILLs this process (a crash), `enospc` raises the error a full disk
+    raises."""
+    fault = parse_save_fault(spec)
+    if fault is not None and fault[3] not in (None, rank):
+        fault = None
+
+    def hook(phase: str, step: int) -> None:
+        if fault is None or (phase, step) != fault[1:3]:
+            return
+        if fault[0] == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        raise OSError(28, "No space left on device (checkpoint.debug_fault)")
+
+    return hook
