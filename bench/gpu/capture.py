@@ -25,14 +25,12 @@ import argparse
 import json
 import os
 import shutil
-import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import (LLAMA_124M, ROOT, _free_port, add_common_args, run_config, start, tail,  # noqa: E402
+from common import (LLAMA_124M, ROOT, _free_port, add_common_args, launch, run_config, start, tail,  # noqa: E402
                     write_results)
 
 DS_CONFIG = ROOT / "ds_configs" / "zero2.json"
@@ -63,15 +61,7 @@ def deepspeed_train(cfg: Path, overrides: list[str], console: Path, timeout: flo
             "--module", "ds_train", "train", "--config", str(cfg), "--ds-config", str(DS_CONFIG), *overrides]
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT")}
     env.update(PYTHONUNBUFFERED="1", PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")])))
-    console.parent.mkdir(parents=True, exist_ok=True)
-    with open(console, "w") as f:
-        proc = subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=ROOT, start_new_session=True)
-        try:
-            rc = proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-            rc = 124
+    rc, _ = launch(argv, console, timeout, env=env)
     how = " ".join(["deepspeed", *argv[3:]]).replace(str(ROOT) + "/", "")
     return rc, how
 

@@ -96,10 +96,11 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(args: list[str], log: Path, timeout: float) -> tuple[int, float]:
-    """One process of world size 1 (the env a launcher would give it), in its own session; output to
-    `log`. Returns (exit code, seconds); past `timeout` the whole group is killed (exit 124)."""
-    env = {**os.environ, "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1",
+def launch(args: list[str], log: Path, timeout: float, env: dict | None = None) -> tuple[int, float]:
+    """One process of world size 1 (the env a launcher would give it; or `env`, its whole environment),
+    in its own session; output to `log`. Returns (exit code, seconds); past `timeout` the whole group
+    is killed (exit 124)."""
+    env = env or {**os.environ, "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1",
            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "PYTHONUNBUFFERED": "1",
            "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     log.parent.mkdir(parents=True, exist_ok=True)
