@@ -157,8 +157,10 @@ def render_ds_config(template: dict, cfg: RunConfig, plan: BatchPlan, *, dtype: 
                                   ("eps", "optim.eps", o.eps), ("weight_decay", "optim.weight_decay",
                                                                 o.weight_decay)):
             _resolve(params, (key,), value, owner, source + ": optimizer.params")
-        if params.get("torch_adam") == AUTO:  # FusedAdam needs CUDA; CPU offload uses DeepSpeedCPUAdam
-            params["torch_adam"] = not on_gpu and not offload
+        if params.get("torch_adam") == AUTO:  # torch's AdamW: no op to build; CPU offload keeps DeepSpeedCPUAdam
+            params["torch_adam"] = not offload
+            if on_gpu and not offload:
+                params.setdefault("fused", True)  # one CUDA kernel per group, like FusedAdam, built into torch
     if "scheduler" in ds:
         params = ds["scheduler"].setdefault("params", {})
         sched = ds["scheduler"].get("type")
