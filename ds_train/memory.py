@@ -13,11 +13,14 @@ mixed-precision Adam), as DeepSpeed 0.19 allocates them; N is the data-parallel 
 | 3 | p / N | p / N | (4 + 8) / N, master included as in 1-2 |
 
 with p = 2 bytes (bf16/fp16) or 4 (fp32). ZeRO 1-3 keep an fp32 master partition even in fp32
-training. `held` above is measured at the step boundary (tests/test_memory.py). The peak adds
-`step_transient`: inside the step the gradient partition is upcast to fp32 (4 - p bytes more per
-parameter of the partition: 18 bytes / N in all for bf16 ZeRO-3, DeepSpeed's own figure), and
-ZeRO-1 holds full-size gradients until the reduce at the accumulation boundary. Offloading the optimizer moves the
-optimizer column (and its transient) to CPU memory; offloading parameters (stage 3) moves the
+training. `held` above is measured at the step boundary (tests/test_memory.py). ZeRO-1 also holds
+full-size gradients through the micro-steps until the reduce at the accumulation boundary
+(`accumulation`). The optimizer step adds `step_transient`: the gradient partition upcast to fp32
+(4 - p bytes more per parameter of the partition: 18 bytes / N in all for bf16 ZeRO-3, DeepSpeed's
+own figure). The step runs after the backward has freed the activations, so a rank's peak is the
+larger of the two moments (`Estimate.gpu_peak`): measured on an H200, adding them overshot every
+case by the transient (BENCHMARKS.md, "Memory plan against an H200"). Offloading the optimizer moves
+the optimizer column (and its transient) to CPU memory; offloading parameters (stage 3) moves the
 parameter partition too.
 """
 
@@ -30,14 +33,16 @@ GiB = 2**30
 
 @dataclass(frozen=True)
 class ModelStates:
-    """Bytes per rank. `held` is what the engine keeps between steps plus gradients; `peak` adds the
-    fp32 gradient copy made inside the optimizer step."""
+    """Bytes per rank. `held` is what the engine keeps between steps plus gradients; `accumulation`
+    what it holds on top through the micro-steps (ZeRO-1's full-size gradients); `peak` the states'
+    own worst moment, the optimizer step, which adds the fp32 gradient copy (`step_transient`)."""
 
     params: float
     grads: float
     optimizer: float
     step_transient: float
     cpu: float  # offloaded to host memory, per rank
+    accumulation: float = 0.0
 
     @property
     def held(self) -> float:
@@ -45,7 +50,7 @@ class ModelStates:
 
     @property
     def peak(self) -> float:
-        return self.held + self.step_transient
+        return self.held + self.accumulation + self.step_transient
 
 
 def param_bytes(dtype: str) -> int:
@@ -61,6 +66,7 @@ def model_states(n_params: int, stage: int, dtype: str, world: int, offload_opti
     t = n if trainable is None else trainable
     mixed = dtype != "fp32"
     upcast = 4 - p if mixed else 0  # the step's fp32 gradient replaces the low-precision one
+    accumulation = 0.0
     if stage == 0:
         params, grads = p * n, p * t
         optim = ((4 if mixed else 0) + 8) * t
@@ -71,7 +77,7 @@ def model_states(n_params: int, stage: int, dtype: str, world: int, offload_opti
         optim = 12 * t / world
         transient = upcast * t / world
         if stage == 1:  # ZeRO-1 accumulates full-size gradients until the boundary reduce
-            transient += p * t * (1 - 1 / world)
+            accumulation = p * t * (1 - 1 / world)
     cpu = 0.0
     if offload_optimizer and stage > 0:
         cpu += optim + transient
@@ -79,7 +85,7 @@ def model_states(n_params: int, stage: int, dtype: str, world: int, offload_opti
     if offload_params and stage == 3:
         cpu += params
         params = 0.0
-    return ModelStates(params, grads, optim, transient, cpu)
+    return ModelStates(params, grads, optim, transient, cpu, accumulation)
 
 
 def checkpoint_bytes(n_params: int, stage: int, dtype: str, world: int, ranks_here: int,
@@ -303,7 +309,10 @@ class Estimate:
 
     @property
     def gpu_peak(self) -> float:
-        return self.states.peak + self.activations.peak + self.buffers
+        """The worse of the two moments: the backward (activations at their peak) and the optimizer
+        step (activations freed, the fp32 gradient partition made)."""
+        s = self.states
+        return s.held + s.accumulation + self.buffers + max(self.activations.peak, s.step_transient)
 
     @property
     def cpu(self) -> float:

@@ -114,3 +114,29 @@ def test_model_states_by_stage_shrink_with_world_size():
         assert model_states(n, 3, dtype, 16).held == pytest.approx(model_states(n, 3, dtype, 8).held / 2)
     offloaded = model_states(n, 3, "bf16", 8, offload_optimizer=True, offload_params=True)
     assert offloaded.params == offloaded.optimizer == 0 and offloaded.cpu > 0
+
+
+H200 = json.loads((ROOT / "tests" / "fixtures" / "gpu" / "h200_memory.json").read_text())
+
+
+def h200_case_peak(micro: int, stage: int, ckpt: bool, *, target_gib: float | None = None) -> dict:
+    """The plan's given row for one case of the H200 measurement (bench/gpu/memory.py's run config)."""
+    from ds_train.configfile import build_config
+    from ds_train.dryrun import run_estimate
+    from ds_train.plan import Target
+
+    cfg = build_config({"output_dir": "/nonexistent/run", "model": {"config": H200["model"], "dtype": "bf16",
+                                                                     "activation_checkpointing": ckpt},
+                        "train": {"seq_len": H200["seq_len"], "micro_batch_size": micro,
+                                  "global_batch_size": 2 * micro}}, source="h200")
+    out = run_estimate(cfg, str(ROOT / "ds_configs" / f"zero{stage}.json"),
+                       Target(1, 1, target_gib or H200["measured_on"]["gpu_memory_gib"]), None)
+    return next(r for r in out["rows"] if r["given"])
+
+
+@pytest.mark.parametrize("case", H200["cases"], ids=lambda c: c["case"])
+def test_the_planned_peak_is_within_10_percent_of_what_an_h200_measured(case):
+    """torch.cuda.max_memory_allocated on one H200 (tests/fixtures/gpu/h200_memory.json, BENCHMARKS.md):
+    a 124M Llama, seq 2048, bf16, micro-batch 4 / 16 x ZeRO-2 / 3 x checkpointing off / on."""
+    row = h200_case_peak(case["micro_batch_size"], case["zero_stage"], case["activation_checkpointing"])
+    assert row["gpu_peak_gib"] == pytest.approx(case["measured_gib"], rel=0.10), (case, row["gpu_peak_gib"])
