@@ -85,6 +85,13 @@ def is_device_oom(exc: BaseException | None) -> bool:
     return isinstance(exc, RuntimeError) and any(s in str(exc) for s in DEVICE_OOM)
 
 
+def device_oom_said(exc: BaseException) -> str:
+    """What the device's allocator said, on one line, without its advice: torch's "CUDA out of memory.
+    Tried to allocate 2.00 GiB. GPU 0 has a total capacity of ... Of the allocated memory ..."."""
+    text = " ".join(str(exc).split())
+    return text.split(" If reserved but unallocated")[0].split(" See documentation for Memory Management")[0]
+
+
 class OneLineParser(__import__("argparse").ArgumentParser):
     """An argparse parser whose errors are bad input like any other: one `ds-train: error:` line
     (exit 2), pointing at --help instead of printing the usage block first."""

@@ -14,6 +14,10 @@ from ds_train.memory import GiB, Estimate, ModelShape, estimate, model_shape
 from ds_train.parallel import plan_dims
 
 PRESETS = {"conservative": 0.5, "balanced": 0.7, "aggressive": 0.9}  # target fraction of GPU memory
+# What a plan may fill of a GPU's memory and still say "fits": the CUDA context, the cuBLAS and NCCL
+# workspaces and the caching allocator's fragmentation lie outside the allocated peak it predicts. On
+# an H200 a run planned at 138.3 of 139.8 GiB (99%) ran out of memory (BENCHMARKS.md).
+USABLE = PRESETS["aggressive"]
 STAGE_FILES = {0: "zero0.json", 1: "zero1.json", 2: "zero2.json", 3: "zero3.json"}
 
 
@@ -104,17 +108,22 @@ def zero_label(zero: dict) -> str:
 def _row(est: Estimate, ckpt: bool, given: bool, target: Target, micro: int, label: str) -> dict:
     s = est.states
     return {"config": label, "activation_checkpointing": ckpt, "micro_batch_size": micro,
-            "given": given, "params_gib": s.params / GiB, "grads_gib": s.grads / GiB,
-            "optimizer_gib": (s.optimizer + s.step_transient) / GiB,
+            "given": given, "params_gib": s.params / GiB, "grads_gib": (s.grads + s.accumulation) / GiB,
+            "optimizer_gib": s.optimizer / GiB,  # the step's fp32 gradient copy comes after the activations are freed
             "model_states_gib": s.held / GiB,  # what the engine holds between steps (tests/test_memory.py)
             "activations_gib": est.activations.peak / GiB, "buffers_gib": est.buffers / GiB,
             "gpu_peak_gib": est.gpu_peak / GiB, "cpu_gib": est.cpu / GiB,
-            "fits": est.gpu_peak / GiB <= target.gpu_memory_gib}
+            "fits": fits(est, target)}
+
+
+def fits(est: Estimate, target: Target) -> bool:
+    return est.gpu_peak / GiB <= USABLE * target.gpu_memory_gib
 
 
 def format_rows(rows: list[dict], target: Target) -> str:
     head = (f"per-GPU memory (GiB) for {target.nodes} node(s) x {target.gpus_per_node} GPU(s) = "
-            f"world {target.world}, {target.gpu_memory_gib:g} GiB each\n"
+            f"world {target.world}, {target.gpu_memory_gib:g} GiB each (fits: a peak within {USABLE:.0%}, "
+            f"{USABLE * target.gpu_memory_gib:.1f} GiB)\n"
             f"  {'config':<28} {'ckpt':>4} {'params':>7} {'grads':>7} {'optim':>7} {'activ':>7} "
             f"{'buffers':>7} {'peak':>7} {'cpu':>6}  fits")
     lines = [head]
@@ -139,14 +148,15 @@ def suggestions(shape: ModelShape, cfg: RunConfig, zero: dict, target: Target, d
         est = estimate(shape, kw.get("stage", stage), dtype, kw.get("ranks", zero_ranks(cfg, target)),
                        micro_rows(cfg, kw.get("micro", micro)), kw.get("seq", seq) // kw.get("sp", sp),
                        kw.get("ckpt", ckpt), kw.get("zero", zero), *tiles(cfg)[:2], kw.get("tp", cfg.parallel.tensor))
-        out.append({"change": change, "gpu_peak_gib": est.gpu_peak / GiB,
-                    "fits": est.gpu_peak / GiB <= target.gpu_memory_gib})
+        out.append({"change": change, "gpu_peak_gib": est.gpu_peak / GiB, "fits": fits(est, target)})
 
     per_rank = cfg.train.global_batch_size // data if cfg.train.global_batch_size % data == 0 else 0
     smaller = [m for m in valid_micro_batch_sizes(per_rank * data, data) if m < micro] if per_rank else []
-    if smaller:
-        m = max(smaller)
+    for m in sorted(smaller, reverse=True):  # the largest that fits (the fewest accumulation steps), else the smallest
+        out.clear()
         add(f"train.micro_batch_size={m} (more accumulation, same global batch)", micro=m)
+        if out[0]["fits"]:
+            break
     if not ckpt:
         add("model.activation_checkpointing=true (about a third more compute)", ckpt=True)
     for s in range(stage + 1, stages(cfg, dtype).stop):

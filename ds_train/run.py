@@ -38,7 +38,8 @@ from ds_train.checkpointer import Checkpointer
 from ds_train.config import RunConfig
 from ds_train.configfile import save_config
 from ds_train.engine import initialize, render_ds_config, zero_stage
-from ds_train.errors import AgreedError, OutOfMemory, PeerFailed, Preempted, RunStopped, UserError, is_device_oom
+from ds_train.errors import (AgreedError, OutOfMemory, PeerFailed, Preempted, RunStopped, UserError, device_oom_said,
+                             is_device_oom)
 from ds_train.export import export, save_hf_metadata
 from ds_train.faults import step_fault
 from ds_train.fs import check_writable, file_lock, write_atomic
@@ -213,10 +214,12 @@ class Run:
     def __exit__(self, exc_type, exc, tb) -> None:
         import torch
 
-        if is_device_oom(exc):  # the memory plan of this run says what to change
+        if is_device_oom(exc):  # the memory plan of this run says what to change, after what the device said
             gib = torch.cuda.get_device_properties(self.engine.device).total_memory / 2**30
+            peak = torch.cuda.max_memory_allocated(self.engine.device) / 2**30
             exc = OutOfMemory(oom_report(self.cfg, self.ds_config, self.engine.module.config,
-                                         self.env.world_size, gib))
+                                         self.env.world_size, gib)
+                              + f"\nthe device said: {device_oom_said(exc)} (allocated peak before it: {peak:.2f} GiB)")
         verdict, replacement = None, None
         if exc is not None and not isinstance(exc, (RunStopped, AgreedError)):  # this rank failed alone
             verdict = self.watchdog.fail(exc)

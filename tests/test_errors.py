@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from ds_train.errors import is_device_oom
+from ds_train.errors import device_oom_said, is_device_oom
 
 
 def test_every_form_of_a_failed_device_allocation_is_an_oom_and_nothing_else_is():
@@ -18,3 +18,19 @@ def test_every_form_of_a_failed_device_allocation_is_an_oom_and_nothing_else_is(
     assert not is_device_oom(MemoryError("host memory"))  # the host's: not the memory plan's to fix
     assert not is_device_oom(ValueError("CUDA out of memory"))  # only what torch raises
     assert not is_device_oom(None)
+
+
+def test_what_the_allocator_said_is_kept_on_one_line_without_its_advice():
+    """torch's OutOfMemoryError as the CUDA caching allocator words it (torch 2.11, c10/cuda/
+    CUDACachingAllocator.cpp): the figures stay, the advice about PYTORCH_CUDA_ALLOC_CONF goes."""
+    said = device_oom_said(torch.OutOfMemoryError(
+        "CUDA out of memory. Tried to allocate 7.81 GiB. GPU 0 has a total capacity of 139.80 GiB of which 5.12 GiB "
+        "is free. Including non-PyTorch memory, this process has 134.67 GiB memory in use. Of the allocated memory "
+        "131.02 GiB is allocated by PyTorch, and 3.01 GiB is reserved by PyTorch but unallocated. If reserved but "
+        "unallocated memory is large try setting PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to avoid "
+        "fragmentation.  See documentation for Memory Management  (https://pytorch.org/docs/stable/notes/cuda.html"
+        "#environment-variables)"))
+    assert said.startswith("CUDA out of memory. Tried to allocate 7.81 GiB. GPU 0 has a total capacity of 139.80 GiB")
+    assert said.endswith("and 3.01 GiB is reserved by PyTorch but unallocated.") and "\n" not in said
+    assert device_oom_said(RuntimeError("CUDA error: out of memory\nCUDA kernel errors might be")) == \
+        "CUDA error: out of memory CUDA kernel errors might be"
