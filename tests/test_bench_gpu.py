@@ -15,6 +15,7 @@ import tarfile
 import pytest
 
 from conftest import ROOT, run_cmd
+from ds_train.plan import USABLE
 
 _spec = importlib.util.spec_from_file_location("lease", ROOT / "bench" / "gpu" / "lease.py")
 lease = importlib.util.module_from_spec(_spec)
@@ -59,7 +60,8 @@ def test_oom_report_fix_is_parsed_and_runs(tiny_data, tmp_path):
     bench("oom.py", tmp_path, tiny_data)
     d = json.loads((tmp_path / "oom.json").read_text())
     first = d["attempts"][0]
-    assert first["micro_batch_size"] == 2 and first["predicted_gib"] > d["gpu_memory_gib"] and first["exit"] == 0
+    assert first["micro_batch_size"] == 2 and first["exit"] == 0
+    assert first["predicted_gib"] > USABLE * d["gpu_memory_gib"]  # beyond what the plan may fill
     assert "out of GPU memory" in d["oom_report"] and " fits " in d["oom_report"]
     assert d["fix"]["change"][1:] == ["train.micro_batch_size=1"] and d["fix"]["exit"] == 0 and d["verified"]
 
@@ -83,11 +85,11 @@ def test_one_lease_runs_its_parts_in_order_skips_what_does_not_fit_and_packs_one
     everything comes back in one archive without checkpoints or weights."""
     out = tmp_path / "out"
     r = run_cmd([sys.executable, str(ROOT / "bench" / "gpu" / "lease.py"), "--out", str(out), "--reduced",
-                 "--data", str(tiny_data), "--parts", "capture,mfu", "--budget", "150"], timeout=300)
+                 "--data", str(tiny_data), "--parts", "capture,mfu", "--budget", "140"], timeout=300)
     assert r.returncode == 1, r.out[-3000:]  # not every part ran
     d = json.loads((out / "lease.json").read_text())
     assert list(d["parts"]) == ["capture", "mfu"] and d["parts"]["capture"]["exit"] == 0
-    assert d["parts"]["mfu"]["skipped"].startswith("needs ~210 s") and "lease: " in r.out
+    assert d["parts"]["mfu"]["skipped"].startswith("needs ~150 s") and "lease: " in r.out
     cap = json.loads((out / "work" / "capture" / "capture.json").read_text())["captures"]
     err = cap["cuda_error"]
     assert cap["cuda_oom"]["skipped"] and err["exit"] == 1 and err["expect"] == "rank_error"

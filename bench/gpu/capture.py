@@ -125,7 +125,9 @@ def main(argv=None) -> int:
               + (f"; key: {r['key'][:160]}" if r.get("key") else ""), flush=True)
     path = write_results(out, "capture", results)
     print(f"results: {path}")
-    wanted = {"cuda_oom": (4, "cuda_oom"), "cuda_error": (1, "rank_error" if args.reduced else "cuda_error")}
+    # On a GPU the device-side assert leaves CUDA unusable and the NCCL watchdog aborts the process
+    # (SIGABRT), which the DeepSpeed runner reports as 250 (H200, 2026-11-26); a CPU raises IndexError.
+    wanted = {"cuda_oom": (4, "cuda_oom"), "cuda_error": (1, "rank_error") if args.reduced else (250, "cuda_error")}
     ok = all(r.get("skipped") or (r["exit"], r.get("expect")) == wanted[n] for n, r in results["captures"].items())
     return 0 if ok else 1
 

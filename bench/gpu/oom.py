@@ -89,8 +89,10 @@ def main(argv=None) -> int:
                           global_batch=4 * micro, steps=STEPS, dtype=dtype)
 
     if args.reduced:  # a memory the planner calls too small for micro-batch 2, not for 1
+        from ds_train.plan import USABLE
+
         rows = {m: planner(config(m), 1e6)["gpu_peak_gib"] for m in (1, 2)}
-        memory = (rows[1] + rows[2]) / 2
+        memory = (rows[1] + rows[2]) / 2 / USABLE
     else:
         memory = args.gpu_memory or gpu_memory_gib()
     result: dict = {"what": "OOM report and its fix", "model": model, "seq_len": seq, "gpu_memory_gib": memory,
