@@ -23,6 +23,7 @@ import contextlib
 import hashlib
 import json
 from dataclasses import dataclass, replace
+from importlib.metadata import version
 from pathlib import Path
 from typing import Any, Callable
 
@@ -34,7 +35,7 @@ from ds_train.data.pairs import PairBatch
 from ds_train.data.meta import read_meta_json
 from ds_train.engine import initialize
 from ds_train.fs import replacing, write_atomic
-from ds_train.model.build import build_model
+from ds_train.model.build import INIT_SCHEME, build_model
 from ds_train.model.lora import enabled as lora_enabled
 from ds_train.model.weights import fingerprint, weight_files
 from ds_train.preference import sequence_logps
@@ -131,7 +132,9 @@ def reference_key(run: Run) -> dict:
     """What the precomputed log-probs depend on: the starting weights, the prepared data (its
     tokenizer included), how sequences are cut, the precision and the attention."""
     cfg = run.cfg
-    weights = fingerprint(weight_files(run.weights)) if run.weights else {"config": cfg.model.config, "seed": cfg.seed}
+    weights = fingerprint(weight_files(run.weights)) if run.weights else {
+        "config": cfg.model.config, "seed": cfg.seed, "init": INIT_SCHEME,  # from scratch: the model's own init
+        "transformers": version("transformers")}
     meta = read_meta_json(Path(cfg.data.dir))
     return {"weights": weights, "data": {"fingerprint": meta.get("fingerprint"), "scan": meta.get("scan")},
             "seq_len": cfg.train.seq_len, "overlong": cfg.data.overlong, "dtype": run.dtype,

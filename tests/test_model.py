@@ -424,3 +424,42 @@ def test_the_tiled_mlp_is_the_mlp_in_tiles():
     assert tiled_mlps(model, 40, 40) == ([], []) and "forward" not in vars(model.model.layers[0].mlp)
     gpt2 = AutoModelForCausalLM.from_config(AutoConfig.for_model("gpt2", n_embd=32, n_layer=1, n_head=4))
     assert tiled_mlps(gpt2, 16, 40) == ([], ["GPT2MLP (dropout p=0.1 would differ in the recomputation)"])
+
+
+def test_from_scratch_weights_depend_on_the_seed_alone_and_leave_the_callers_rng_as_it_was(tmp_path):
+    """The default generator seeded otherwise and consumed before the build changes nothing; the
+    caller's RNG state is the same after the build as before it."""
+    def weights(caller_seed: int, draws: int) -> dict[str, torch.Tensor]:
+        torch.manual_seed(caller_seed)
+        torch.rand(draws)
+        before = torch.get_rng_state()
+        cfg = ModelConfig(config={"model_type": "llama", **TINY})
+        built = build_model(cfg, build_hf_config(cfg, 300, 64), {}, seed=7)
+        assert torch.equal(torch.get_rng_state(), before)
+        return {k: v.clone() for k, v in built.model.state_dict().items()}
+
+    a, b = weights(1, 0), weights(2, 12345)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    other = ModelConfig(config={"model_type": "llama", **TINY})
+    c = build_model(other, build_hf_config(other, 300, 64), {}, seed=8).model.state_dict()
+    assert not torch.equal(a["model.embed_tokens.weight"], c["model.embed_tokens.weight"])
+
+
+def test_seeded_init_draws_on_cpu_copies_wherever_the_parameters_live():
+    """A ZeRO-3 parameter is gathered on its device; the draws must still come from the CPU generator
+    (a GPU's gives another sequence for the same seed). Parameters on the meta device stand in for a
+    device here: every module's parameters reach `_init_weights` on the CPU, and end where they were."""
+    from transformers import AutoModelForCausalLM
+
+    from ds_train.model.build import seeded_init
+
+    cfg = ModelConfig(config={"model_type": "llama", **TINY})
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(build_hf_config(cfg, 300, 64))
+    seen = []
+    init = model._init_weights
+    model._init_weights = lambda module: (seen.extend(p.device.type for p in module.parameters(recurse=False)),
+                                          init(module))
+    seeded_init(model, 0, zero3=False)
+    assert seen and set(seen) == {"cpu"}
+    assert {p.device.type for p in model.parameters()} == {"meta"}

@@ -21,6 +21,7 @@ from ds_train.data.examples import IGNORE
 from ds_train.data.pairs import PreferenceData
 from ds_train.data.prepare import prepare
 from ds_train.errors import UserError
+from ds_train.model.build import INIT_SCHEME
 from ds_train.preference import mean_metrics, pair_sums, preference_loss, sequence_logps
 from test_chat import CHATML
 from test_checkpoint import metrics_by_step
@@ -254,6 +255,8 @@ def test_live_and_precomputed_references_zero3_and_zero0_and_a_resume_train_the_
     assert "data: preference, " in res.out
     stored = list((pref_data / "reference").glob("*.npz"))
     assert len(stored) == 1
+    key = json.loads(stored[0].with_suffix(".json").read_text())["weights"]  # from scratch: what decides them
+    assert key["seed"] == 1234 and key["init"] == INIT_SCHEME and key["transformers"] and key["config"]
     a = metrics_by_step(pre)
     assert abs(a[1]["train/loss"] - LOG2) <= 1e-6  # the policy is still the reference
     assert a[1]["rewards/accuracies"] == 0 and abs(a[1]["rewards/margins"]) <= 1e-6

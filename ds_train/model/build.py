@@ -38,11 +38,19 @@ class BuiltModel:
     new_weights: tuple[str, ...] = ()  # initialised, not loaded: missing from model.path (allow_new_weights)
 
 
+# What from-scratch weights depend on beyond model.config and the seed (the DPO reference cache keys on
+# it): the model's own _init_weights, run on CPU copies, one CPU generator seed per module name.
+INIT_SCHEME = "per-module crc32 seed, CPU generator"
+
+
 def seeded_init(model, seed: int, zero3: bool) -> None:
     """Re-initialise each module with the model's own `_init_weights`, seeded by the module's name.
 
     The weights then depend on the seed alone, not on how construction consumed the RNG, so ZeRO-3
-    (built inside zero.Init) starts from the same weights as ZeRO 0-2 and any world size.
+    (built inside zero.Init) starts from the same weights as ZeRO 0-2 and any world size. Every
+    draw comes from the CPU generator, on CPU copies of the module's parameters: a ZeRO-3 parameter
+    gathered on a GPU would otherwise draw from the GPU's generator, another sequence for the same
+    seed. The caller's RNG state is left as it was.
     """
     import zlib
     from contextlib import nullcontext
@@ -50,14 +58,24 @@ def seeded_init(model, seed: int, zero3: bool) -> None:
     import deepspeed
     import torch
 
-    for name, module in model.named_modules():
-        params = list(module.parameters(recurse=False))
-        if not params:
-            continue
-        gather = deepspeed.zero.GatheredParameters(params, modifier_rank=0) if zero3 else nullcontext()
-        with gather, torch.no_grad():
-            torch.manual_seed(seed + zlib.crc32(name.encode()))
-            model._init_weights(module)
+    with torch.random.fork_rng(devices=[]), torch.no_grad():
+        for name, module in model.named_modules():
+            params = list(module.parameters(recurse=False))
+            if not params:
+                continue
+            gather = deepspeed.zero.GatheredParameters(params, modifier_rank=0) if zero3 else nullcontext()
+            with gather:
+                held = dict(module._parameters)
+                for key, p in held.items():  # a CPU stand-in for each parameter elsewhere, while it is drawn
+                    if p is not None and p.device.type != "cpu":
+                        module._parameters[key] = torch.nn.Parameter(torch.empty_like(p, device="cpu"),
+                                                                     requires_grad=p.requires_grad)
+                torch.default_generator.manual_seed(seed + zlib.crc32(name.encode()))  # the CPU one alone
+                model._init_weights(module)
+                for key, p in held.items():
+                    if module._parameters[key] is not p:
+                        p.data.copy_(module._parameters[key].data)
+                        module._parameters[key] = p
 
 
 def build_model(model_cfg: ModelConfig, hf_config, ds_config: dict, seed: int = 0) -> BuiltModel:
@@ -95,11 +113,12 @@ def build_model(model_cfg: ModelConfig, hf_config, ds_config: dict, seed: int = 
         new_weights = check_loading_info(model_cfg.path, getattr(hf_config, "model_type", ""), info,
                                          model_cfg.allow_new_weights)
     else:
-        try:
-            model = AutoModelForCausalLM.from_config(hf_config, **kwargs)
-        except (ValueError, TypeError, KeyError) as e:  # check_buildable ran without ZeRO-3's zero.Init
-            raise UserError(f"model.config: Hugging Face cannot build the model ({said(e)}); "
-                            f"fix model.config") from None
+        with torch.random.fork_rng(devices=[]):  # construction's own draws leave the caller's RNG as it was
+            try:
+                model = AutoModelForCausalLM.from_config(hf_config, **kwargs)
+            except (ValueError, TypeError, KeyError) as e:  # check_buildable ran without ZeRO-3's zero.Init
+                raise UserError(f"model.config: Hugging Face cannot build the model ({said(e)}); "
+                                f"fix model.config") from None
         seeded_init(model, seed, zero3)
     if model_cfg.activation_checkpointing:
         checkpoint_activations(model)
