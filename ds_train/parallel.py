@@ -171,6 +171,32 @@ def _zero(template: dict) -> dict:
     return zero if isinstance(zero, dict) else {}
 
 
+# The DeepSpeed versions the workarounds in this module were proven on (pyproject.toml declares the
+# same range): what each relies on, for a run outside it.
+DEEPSPEED_PROVEN = ("0.19.8", "0.20")
+TIED_TO_DEEPSPEED = {
+    "sequence": "the loss divisor under Ulysses (ZeRO-3 averages gradients over data x sequence ranks, ZeRO 0-2 "
+                "over data ranks) and the refusal of zero_optimization.reduce_scatter=false",
+    "tensor": "the AutoTP process groups made before deepspeed.initialize and the refusals of ZeRO-0 in bf16/fp16 "
+              "and of AutoTP with Ulysses",
+}
+
+
+def deepspeed_range_note(cfg: RunConfig, version: str) -> str | None:
+    """One line when `version` (DeepSpeed's) is outside DEEPSPEED_PROVEN and the run relies on a
+    workaround tied to it (parallel.sequence or parallel.tensor > 1); None otherwise."""
+    from packaging.version import Version
+
+    low, high = DEEPSPEED_PROVEN
+    if Version(low) <= Version(version) < Version(high):
+        return None
+    used = [TIED_TO_DEEPSPEED[k] for k in ("sequence", "tensor") if getattr(cfg.parallel, k) > 1]
+    if not used:
+        return None
+    return (f"DeepSpeed {version} is outside the range ds_train's parallel workarounds were proven on (>={low}, "
+            f"<{high}): check {'; and '.join(used)} with `ds-train parity` before trusting the losses")
+
+
 def check_parallel(cfg: RunConfig, template: dict) -> None:
     """What the model-parallel sizes cannot take, from the run config and the DeepSpeed JSON alone
     (before anything is written; every problem, one line)."""

@@ -28,6 +28,7 @@ import time
 import traceback
 from dataclasses import dataclass, replace
 from functools import partial
+from importlib.metadata import version
 from pathlib import Path
 from typing import Any, Callable
 
@@ -53,7 +54,7 @@ from ds_train.model.build import (build_model, count_params, flops_per_token, ha
                                    resolve_dtype)
 from ds_train.model.tiled_mlp import tiled_mlps
 from ds_train.model.ulysses import register_ulysses, unregister_ulysses
-from ds_train.parallel import ParallelDims, check_model, plan_dims
+from ds_train.parallel import ParallelDims, check_model, deepspeed_range_note, plan_dims
 from ds_train.plan import oom_report
 from ds_train.reports import doctor_hint, is_secondary
 from ds_train.reports import where as rank_where
@@ -354,6 +355,8 @@ def _build_run(inputs: RunInputs, env: dist.DistEnv, spec: RunSpec, stop: StopRe
 
     if decision.point is None:
         say(decision.said)
+    if outside := deepspeed_range_note(cfg, version("deepspeed")):
+        say(outside)
     if changes:
         say("resuming with changed settings: " + "; ".join(changes))
     for note in resume_plan.notes:

@@ -189,3 +189,21 @@ def test_the_batch_plan_counts_data_parallel_ranks():
     assert str(e.value).startswith("train.global_batch_size=10 is not a multiple of train.micro_batch_size=4 x "
                                    "data-parallel size 2 (world size 4 / (parallel.sequence 2 x parallel.tensor 1)) "
                                    "= 8; use train.global_batch_size=8 or 16")
+
+
+def test_a_deepspeed_outside_the_proven_range_is_named_with_the_workarounds_the_run_relies_on():
+    import tomllib
+
+    from conftest import ROOT
+    from ds_train.parallel import DEEPSPEED_PROVEN, deepspeed_range_note
+
+    declared = [d for d in tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+                if d.startswith("deepspeed")]
+    low, high = DEEPSPEED_PROVEN
+    assert declared == [f"deepspeed>={low},<{high}"]  # pyproject declares the range the code checks
+    plain, sp, tp = sp_config(parallel={"sequence": 1}), sp_config(), sp_config(parallel={"sequence": 1, "tensor": 2})
+    assert deepspeed_range_note(sp, "0.19.8") is None and deepspeed_range_note(sp, "0.19.9") is None
+    assert deepspeed_range_note(plain, "0.21.0") is None  # no workaround of the range in use
+    note = deepspeed_range_note(sp, "0.20.0")
+    assert note.startswith("DeepSpeed 0.20.0 is outside the range") and "loss divisor under Ulysses" in note
+    assert "AutoTP" not in note and "AutoTP process groups" in deepspeed_range_note(tp, "0.18.2")
