@@ -117,3 +117,22 @@ def test_one_lease_runs_its_parts_in_order_skips_what_does_not_fit_and_packs_one
                               env={**os.environ, lease.TAG: "t-1"})
     assert lease.reap("t-0") == 0 and lease.reap("t-1") == 1
     assert orphan.wait(timeout=30) == -signal.SIGKILL
+
+
+def test_a_prepared_corpus_is_named_by_its_directory_alone_so_no_host_fingerprint_is_checked(tmp_path, monkeypatch):
+    """On 2026-11-26 the GPU host (Python 3.12) refused the bundled corpus prepared here (3.11): its
+    source, python-stdlib, is fingerprinted by the host's own standard library. A prepared corpus is
+    now named by its directory alone; only an unprepared bundled corpus names its source."""
+    common = sys.modules["common"]
+    corpus = tmp_path / "python_stdlib"
+    monkeypatch.setattr(common, "DEFAULT_DATA", corpus)
+    unprepared = common.run_config(tmp_path, "a", common.TINY, str(corpus), seq=64, micro=1, global_batch=1,
+                                   steps=1, dtype="fp32")
+    corpus.mkdir()
+    (corpus / "meta.json").write_text("{}")
+    prepared = common.run_config(tmp_path, "b", common.TINY, str(corpus), seq=64, micro=1, global_batch=1,
+                                 steps=1, dtype="fp32")
+    import yaml
+
+    assert yaml.safe_load(unprepared.read_text())["data"]["sources"] == ["python-stdlib"]
+    assert yaml.safe_load(prepared.read_text())["data"] == {"dir": str(corpus)}
