@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import difflib
+import re
 from pathlib import Path
 from typing import Any
 
@@ -185,6 +186,35 @@ def render_ds_config(template: dict, cfg: RunConfig, plan: BatchPlan, *, dtype: 
         ds["checkpoint"] = {**ds.get("checkpoint", {}), "use_node_local_storage": True}
     _check_sections(ds, source)
     return ds
+
+
+ARCH_ENTRY = re.compile(r"^(\d+)\.(\d+)[a-z]?(\+PTX)?$")
+
+
+def deepspeed_arch_list(value: str | None) -> str | None:
+    """TORCH_CUDA_ARCH_LIST as DeepSpeed 0.19.8's op builder parses it, or None when it needs no
+    change: it reads an entry as major.minor[+PTX], so torch's arch-specific targets ('9.0a', '10.0f',
+    set by CUDA images) fail its build with "invalid literal for int() ... '0a'". Such an entry loses
+    its suffix: DeepSpeed's ops then build for the plain architecture (sm_90), which runs there."""
+    if not value or not value.strip():
+        return None
+    out = []
+    for entry in value.replace(" ", ";").split(";"):
+        m = ARCH_ENTRY.match(entry.strip())
+        plain = f"{m.group(1)}.{m.group(2)}{m.group(3) or ''}" if m else entry.strip()
+        if plain and plain not in out:
+            out.append(plain)
+    fixed = ";".join(out)
+    return None if fixed == value.strip() else fixed
+
+
+def builds_deepspeed_op(ds_config: dict) -> bool:
+    """Whether the rendered optimizer is one of DeepSpeed's own (JIT-built on first use: FusedAdam,
+    DeepSpeedCPUAdam under offload, FusedLamb, FusedLion...) rather than torch's."""
+    opt = ds_config.get("optimizer")
+    if not isinstance(opt, dict):
+        return False
+    return not (str(opt.get("type", "")).lower() in ("adam", "adamw") and opt.get("params", {}).get("torch_adam"))
 
 
 def zero_stage(ds_config: dict) -> int:

@@ -253,3 +253,39 @@ def test_schedule_length_and_universal_loading_are_arguments_not_patches():
     assert ds["scheduler"]["params"]["total_num_steps"] == 120
     assert ds["checkpoint"] == {"tag_validation": "Warn", "load_universal": True}
     assert "checkpoint" not in render(template)
+
+
+@pytest.mark.parametrize("given, fixed", [("9.0a", "9.0"), ("8.0;9.0a", "8.0;9.0"), ("9.0 10.0f+PTX", "9.0;10.0+PTX"),
+                                          ("9.0", None), ("8.0;9.0+PTX", None), ("", None), (None, None)])
+def test_an_arch_list_deepspeed_cannot_parse_is_made_one_its_real_builder_parses(given, fixed, monkeypatch):
+    """Through DeepSpeed's own FusedAdam builder (the failure of the first GPU lease: the image's
+    TORCH_CUDA_ARCH_LIST=9.0a): the list as given fails it, the list ds_train hands it parses."""
+    from deepspeed.ops.op_builder.fused_adam import FusedAdamBuilder
+
+    from ds_train.engine import deepspeed_arch_list
+
+    assert deepspeed_arch_list(given) == fixed
+
+    def parse(value):
+        monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", value)
+        builder = FusedAdamBuilder()
+        builder.jit_mode = True
+        builder.compute_capability_args()
+
+    if fixed:
+        with pytest.raises(ValueError, match="invalid literal for int"):
+            parse(given)
+        parse(fixed)
+    elif given:
+        parse(given)
+
+
+def test_only_deepspeeds_own_optimizers_build_an_op():
+    from ds_train.engine import builds_deepspeed_op
+
+    for path in TEMPLATES:
+        rendered = render(read_ds_template(path), on_gpu=True)
+        assert builds_deepspeed_op(rendered) is path.stem.endswith("_offload"), path.stem
+    fused = render({**read_ds_template(TEMPLATES[0]), "optimizer": {"type": "AdamW", "params": {"torch_adam": False}}},
+                   on_gpu=True)
+    assert builds_deepspeed_op(fused) and not builds_deepspeed_op({})
