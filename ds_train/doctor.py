@@ -24,6 +24,10 @@ PATTERNS: list[tuple[str, str, str]] = [
     ("cuda_oom", "CUDA out of memory",
      r"CUDA out of memory|OutOfMemoryError: CUDA|CUBLAS_STATUS_ALLOC_FAILED|out of GPU memory; the plan|"
      r"CUDA error: out of memory"),
+    ("op_build", "a DeepSpeed op could not be built (its JIT compile)",
+     r"deepspeed/ops/op_builder/|Unable to JIT load the \w+ op|MissingCUDAException|"
+     r"CUDA_HOME (environment variable is not set|does not exist)|Ninja is required to load C\+\+ extensions|"
+     r"Error building extension '|DeepSpeed JIT builder for '|nvcc fatal|nvcc: (not found|command not found)"),
     ("cpu_oom", "host (CPU) memory exhausted",
      r"DefaultCPUAllocator: can't allocate memory|std::bad_alloc|\bMemoryError\b|Cannot allocate memory|"
      r"oom[-_]kill(ed)? event|OOM Killed|Out of memory: Killed process|Memory cgroup out of memory"),
@@ -69,7 +73,7 @@ PATTERNS: list[tuple[str, str, str]] = [
                                              r"^(\S+: )?(\[rank\d+\]: )?(\w+\.)*\w+(Error|Exception): "),
 ]
 # Causes before consequences: the finding of the class listed first heads the report.
-PRIORITY = ["config_error", "missing_module", "ssh", "port_in_use", "wandb_login", "disk_full", "cuda_oom",
+PRIORITY = ["config_error", "missing_module", "op_build", "ssh", "port_in_use", "wandb_login", "disk_full", "cuda_oom",
             "cuda_error", "cpu_oom", "nccl_error", "nccl_timeout", "rendezvous", "nonfinite", "hang", "killed_rank",
             "rank_error", "rl_truncated", "rl_no_signal"]
 COMPILED = [(cls, title, re.compile(p)) for cls, title, p in PATTERNS]
