@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import difflib
+import os
 import re
 from pathlib import Path
 from typing import Any
@@ -215,6 +216,79 @@ def builds_deepspeed_op(ds_config: dict) -> bool:
     if not isinstance(opt, dict):
         return False
     return not (str(opt.get("type", "")).lower() in ("adam", "adamw") and opt.get("params", {}).get("torch_adam"))
+
+
+# The op DeepSpeed JIT-builds for an optimizer it builds itself, by (type, optimizer offloaded): its
+# op builder's NAME (deepspeed/ops/op_builder/*.py), also the torch-extension directory it lands in.
+OPS = {("adam", False): "fused_adam", ("adamw", False): "fused_adam", ("lamb", False): "fused_lamb",
+       ("lion", False): "fused_lion", ("adam", True): "cpu_adam", ("adamw", True): "cpu_adam",
+       ("lion", True): "cpu_lion", ("adagrad", True): "cpu_adagrad"}
+
+
+def op_to_build(ds_config: dict) -> str | None:
+    """The DeepSpeed op a rendered ds_config's optimizer needs on a CUDA host, or None (torch's)."""
+    if not builds_deepspeed_op(ds_config):
+        return None
+    offload = _get(ds_config.get("zero_optimization", {}), ("offload_optimizer", "device")) in ("cpu", "nvme")
+    return OPS.get((str(ds_config["optimizer"].get("type", "")).lower(), offload))
+
+
+def op_build_problem(op: str, *, cuda_home: str | None, nvcc_cuda: str | None, torch_cuda: str | None,
+                     ninja: bool, arch_list: str | None) -> str | None:
+    """What keeps DeepSpeed from building `op` on this host, in one line with the fix; None if nothing.
+    A CUDA op (fused_*) needs nvcc of torch's CUDA major version; the CPU ones (offload) the CUDA
+    headers under CUDA_HOME; both ninja and an arch list DeepSpeed parses."""
+    lacks = []
+    if not ninja:
+        lacks.append("ninja (pip install ninja)")
+    if cuda_home is None:
+        lacks.append("the CUDA toolkit (no nvcc on PATH, CUDA_HOME unset)")
+    elif op.startswith("fused") and nvcc_cuda is None:
+        lacks.append(f"nvcc under CUDA_HOME={cuda_home}")
+    elif op.startswith("fused") and torch_cuda and nvcc_cuda.split(".")[0] != torch_cuda.split(".")[0]:
+        lacks.append(f"nvcc of torch's CUDA {torch_cuda} (CUDA_HOME={cuda_home} has {nvcc_cuda})")
+    bad = [e for e in (arch_list or "").replace(" ", ";").split(";") if e.strip() and not ARCH_ENTRY.match(e.strip())]
+    if bad:
+        lacks.append(f"TORCH_CUDA_ARCH_LIST entries as major.minor, like 9.0 (not {bad[0]!r})")
+    if not lacks:
+        return None
+    return (f"the ds_config's optimizer needs DeepSpeed's {op} op, compiled on first use, and this host lacks "
+            f"{'; '.join(lacks)}: install it, or let torch's AdamW run (optimizer.params.torch_adam \"auto\", "
+            f"as ds_configs/zero*.json have it)")
+
+
+def check_op_build(ds_config: dict) -> None:
+    """Before deepspeed.initialize on a CUDA host: a DeepSpeed op the optimizer needs, not prebuilt
+    nor in the JIT cache, must be buildable here; otherwise one line (UserError) says what is missing."""
+    op = op_to_build(ds_config)
+    if op is None:
+        return
+    import subprocess
+
+    import torch
+    from deepspeed.git_version_info import installed_ops
+    from torch.utils import cpp_extension
+
+    if installed_ops.get(op):
+        return
+    try:  # built before (JIT) in this torch-extensions directory: loaded without a compiler
+        if (Path(cpp_extension._get_build_directory(op, verbose=False)) / f"{op}.so").is_file():
+            return
+    except (AttributeError, OSError):
+        pass
+    home, nvcc_cuda = cpp_extension.CUDA_HOME, None
+    if home:
+        try:
+            said = subprocess.run([str(Path(home) / "bin" / "nvcc"), "--version"], capture_output=True, text=True,
+                                  timeout=60).stdout
+            nvcc_cuda = (re.search(r"release (\d+\.\d+)", said) or [None, None])[1]
+        except (OSError, subprocess.SubprocessError):
+            pass
+    problem = op_build_problem(op, cuda_home=home, nvcc_cuda=nvcc_cuda, torch_cuda=torch.version.cuda,
+                               ninja=cpp_extension.is_ninja_available(),
+                               arch_list=os.environ.get("TORCH_CUDA_ARCH_LIST"))
+    if problem:
+        raise UserError(problem)
 
 
 def zero_stage(ds_config: dict) -> int:

@@ -38,7 +38,8 @@ from ds_train.checkpoint import run_record
 from ds_train.checkpointer import Checkpointer
 from ds_train.config import RunConfig
 from ds_train.configfile import save_config
-from ds_train.engine import builds_deepspeed_op, deepspeed_arch_list, initialize, render_ds_config, zero_stage
+from ds_train.engine import (builds_deepspeed_op, check_op_build, deepspeed_arch_list, initialize, render_ds_config,
+                             zero_stage)
 from ds_train.errors import (AgreedError, OutOfMemory, PeerFailed, Preempted, RunStopped, UserError, device_oom_said,
                              is_device_oom)
 from ds_train.export import export, save_hf_metadata
@@ -280,7 +281,9 @@ def _build_run(inputs: RunInputs, env: dist.DistEnv, spec: RunSpec, stop: StopRe
     lr = scaled_lr(cfg.optim.lr, plan.global_batch_size, cfg.optim.reference_batch_size, cfg.optim.lr_scaling)
     render = partial(render_ds_config, inputs.template, cfg, plan, dtype=dtype, lr=lr, total_steps=total_steps,
                      hidden_size=source.hf_config.hidden_size, on_gpu=on_gpu, source=inputs.ds_config_path)
-    render()
+    rendered = render()
+    if on_gpu:  # an op DeepSpeed would JIT-build: what its build needs is here, or one line says what is not
+        check_op_build(rendered)
     locate(cfg.checkpoint.resume, paths.checkpoints)
 
     # 2. Checks every rank makes together: the file-system layout and the resume point.

@@ -289,3 +289,31 @@ def test_only_deepspeeds_own_optimizers_build_an_op():
     fused = render({**read_ds_template(TEMPLATES[0]), "optimizer": {"type": "AdamW", "params": {"torch_adam": False}}},
                    on_gpu=True)
     assert builds_deepspeed_op(fused) and not builds_deepspeed_op({})
+
+
+def test_the_op_an_optimizer_needs_and_what_keeps_it_from_being_built_are_one_line():
+    from ds_train.engine import check_op_build, op_build_problem, op_to_build
+
+    assert [op_to_build(render(read_ds_template(p), on_gpu=True)) for p in TEMPLATES] == \
+        [("cpu_adam" if p.stem.endswith("_offload") else None) for p in TEMPLATES]
+    fused = render({**read_ds_template(TEMPLATES[0]), "optimizer": {"type": "AdamW", "params": {"torch_adam": False}}},
+                   on_gpu=True)
+    assert op_to_build(fused) == "fused_adam"
+    ok = dict(cuda_home="/usr/local/cuda", nvcc_cuda="13.0", torch_cuda="13.0", ninja=True, arch_list="9.0")
+    assert op_build_problem("fused_adam", **ok) is None
+    assert op_build_problem("fused_adam", **{**ok, "arch_list": "8.0;9.0a"}) is None  # ds_train rewrites 9.0a
+    for change, said in [
+            ({"cuda_home": None, "nvcc_cuda": None}, "the CUDA toolkit (no nvcc on PATH, CUDA_HOME unset)"),
+            ({"nvcc_cuda": None}, "nvcc under CUDA_HOME=/usr/local/cuda"),
+            ({"nvcc_cuda": "12.4"}, "nvcc of torch's CUDA 13.0 (CUDA_HOME=/usr/local/cuda has 12.4)"),
+            ({"ninja": False}, "ninja (pip install ninja)"),
+            ({"arch_list": "sm_90"}, "TORCH_CUDA_ARCH_LIST entries as major.minor, like 9.0 (not 'sm_90')")]:
+        line = op_build_problem("fused_adam", **{**ok, **change})
+        assert line.startswith("the ds_config's optimizer needs DeepSpeed's fused_adam op") and said in line, line
+        assert "\n" not in line
+        assert line.endswith('(optimizer.params.torch_adam "auto", as ds_configs/zero*.json have it)')
+    assert op_build_problem("cpu_adam", **{**ok, "nvcc_cuda": None}) is None  # C++ only: the headers suffice
+    # this host, for real: no CUDA toolkit (torch's own CUDA_HOME finds none), and the op never built here
+    with pytest.raises(UserError, match=r"needs DeepSpeed's fused_adam op, .* lacks the CUDA toolkit"):
+        check_op_build(fused)
+    check_op_build(render(read_ds_template(TEMPLATES[0]), on_gpu=True))  # torch's AdamW: nothing to build
