@@ -7,10 +7,12 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import tarfile
+from pathlib import Path
 
 import pytest
 
@@ -84,8 +86,20 @@ def test_one_lease_runs_its_parts_in_order_skips_what_does_not_fit_and_packs_one
     torch's IndexError and no OOM can happen), `mfu` needs more than the budget and is skipped, and
     everything comes back in one archive without checkpoints or weights."""
     out = tmp_path / "out"
+    # The GPU host as the first lease met it: a corpus prepared under another Python (its stdlib
+    # fingerprint names 3.12.3), TORCH_CUDA_ARCH_LIST with an arch-specific entry, no nvcc. The run
+    # configs name the corpus by its directory (the bundled one too: the test above), so it trains; on
+    # a CPU the arch list and nvcc meet no build (test_engine checks those through DeepSpeed's builder).
+    corpus = tmp_path / "corpus"
+    shutil.copytree(tiny_data, corpus)
+    meta = json.loads((corpus / "meta.json").read_text())
+    meta.update(sources=["python-stdlib"], fingerprint=str({"version": 1, "sources": [
+        {"source": "python-stdlib", "kind": "stdlib", "python": "3.12.3", "files": {}}]}))
+    (corpus / "meta.json").write_text(json.dumps(meta))
+    path = os.pathsep.join(d for d in os.environ["PATH"].split(os.pathsep) if not (Path(d) / "nvcc").exists())
     r = run_cmd([sys.executable, str(ROOT / "bench" / "gpu" / "lease.py"), "--out", str(out), "--reduced",
-                 "--data", str(tiny_data), "--parts", "capture,mfu", "--budget", "140"], timeout=300)
+                 "--data", str(corpus), "--parts", "capture,mfu", "--budget", "140"], timeout=300,
+                env={**os.environ, "TORCH_CUDA_ARCH_LIST": "9.0a", "PATH": path})
     assert r.returncode == 1, r.out[-3000:]  # not every part ran
     d = json.loads((out / "lease.json").read_text())
     assert list(d["parts"]) == ["capture", "mfu"] and d["parts"]["capture"]["exit"] == 0
