@@ -20,33 +20,58 @@ def token_mean(loss_sum: float, tokens: int, group=None) -> float:
     return loss / count
 
 
-def _tile_loss(hidden, weight, bias, targets):
+def _tile_loss(project, hidden, targets):
     import torch.nn.functional as F
 
-    return F.cross_entropy(F.linear(hidden, weight, bias).float(), targets, reduction="sum", ignore_index=IGNORE)
+    return F.cross_entropy(project(hidden).float(), targets, reduction="sum", ignore_index=IGNORE)
 
 
-def tiled_loss_sum(hidden, weight, bias, targets, tile_tokens: int):
-    """Summed cross-entropy of the output head over `hidden`, `tile_tokens` tokens at a time: a
-    tile's logits (and their fp32 copy) exist only while that tile is computed, in the forward and
-    again, recomputed, in the backward; never the whole micro-batch's (DeepSpeed's
-    TiledFusedLogitsLoss does the same). The same sums as the full logits, in tiles."""
+def tiled_loss_sum(project, hidden, targets, tile_tokens: int):
+    """Summed cross-entropy of `project(hidden)` (the logits: the head module and what the model does
+    after it), `tile_tokens` tokens at a time: a tile's logits (and their fp32 copy) exist only while
+    that tile is computed, in the forward and again, recomputed, in the backward; never the whole
+    micro-batch's (DeepSpeed's TiledFusedLogitsLoss does the same). The same sums as the full
+    logits, in tiles."""
     from torch.utils.checkpoint import checkpoint
 
     h, t = hidden.reshape(-1, hidden.size(-1)), targets.reshape(-1)
     total = None
     for i in range(0, h.size(0), tile_tokens):
-        part = checkpoint(_tile_loss, h[i:i + tile_tokens], weight, bias, t[i:i + tile_tokens], use_reentrant=False)
+        part = checkpoint(_tile_loss, project, h[i:i + tile_tokens], t[i:i + tile_tokens], use_reentrant=False)
         total = part if total is None else total + part
     return total
 
 
+# What a model's forward does to its head's output before the logits are returned (transformers), by
+# config key: (the op on the logits, the value the head hands back so that the op turns it into the
+# loss). Granite divides by logits_scaling, Cohere multiplies by logit_scale.
+POST_HEAD = {"logits_scaling": (lambda x, s: x / s, lambda loss, s: loss * s),
+             "logit_scale": (lambda x, s: x * s, lambda loss, s: loss / s)}
+
+
+def _post_head(config):
+    for key, (apply, undo) in POST_HEAD.items():
+        value = getattr(config, key, None)
+        if isinstance(value, (int, float)) and value != 1:
+            return value, apply, undo
+    return None
+
+
 @contextmanager
 def _head_computes_the_loss(model, targets, tile_tokens: int):
-    """During one forward, the output head returns the tiled summed loss instead of logits (its
-    ZeRO-3 hooks still gather and release its weight around it)."""
+    """During one forward, the output head returns the tiled summed loss instead of logits. Each tile
+    goes through the head module's own forward (LoRA adapters, a modules_to_save copy: whatever the
+    module is; its ZeRO-3 hooks still gather and release its weight around the call) and through the
+    model's scaling after the head, whose op the returned value is made to survive."""
     head = model.get_output_embeddings()
-    head.forward = lambda hidden: tiled_loss_sum(hidden, head.weight, head.bias, targets, tile_tokens)
+    own = type(head).forward
+    post = _post_head(getattr(model, "config", None))
+    if post is None:
+        head.forward = lambda hidden: tiled_loss_sum(lambda h: own(head, h), hidden, targets, tile_tokens)
+    else:
+        scale, apply, undo = post
+        head.forward = lambda hidden: undo(
+            tiled_loss_sum(lambda h: apply(own(head, h), scale), hidden, targets, tile_tokens), scale)
     try:
         yield
     finally:
@@ -55,7 +80,8 @@ def _head_computes_the_loss(model, targets, tile_tokens: int):
 
 def tiles(model, tokens: int, tile_tokens: int) -> bool:
     """Whether a micro-batch of `tokens` tokens gets the tiled loss: more tokens than a tile, and a
-    model whose logits are the head's output as they are (no soft-capping after the head)."""
+    model whose logits are the head's output, or that scaled (POST_HEAD): a model that soft-caps
+    its logits after the head keeps the full logits."""
     config = getattr(model, "config", None)
     return bool(tile_tokens) and tokens > tile_tokens and not getattr(config, "final_logit_softcapping", None)
 
