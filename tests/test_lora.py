@@ -59,9 +59,18 @@ def test_target_modules_that_match_nothing_name_the_models_linear_layers():
     with pytest.raises(UserError, match="model.lora.modules_to_save: 'embeddings' name no module of this llama "
                                         "model; for example embed_tokens"):
         check_lora(lora_cfg(modules_to_save=["embeddings"]), hf_llama())
-    with pytest.raises(UserError, match="model.lora.load_in=4bit \\(QLoRA\\) needs bitsandbytes"):
-        check_lora(build_config({"model": {"path": str(ROOT), "lora": {"rank": 4, "load_in": "4bit"}}}).model.lora,
-                   hf_llama())
+    qlora = build_config({"model": {"path": str(ROOT), "lora": {"rank": 4, "load_in": "4bit"}}}).model.lora
+    check_lora(qlora, hf_llama())  # bitsandbytes' CPU backend: QLoRA runs here (test_qlora_trains_the_adapters...)
+    import importlib.util
+
+    real = importlib.util.find_spec
+    try:
+        importlib.util.find_spec = lambda name, *a: None if name == "bitsandbytes" else real(name, *a)
+        with pytest.raises(UserError, match="model.lora.load_in=4bit \\(QLoRA\\) needs bitsandbytes, which is not "
+                                            "installed \\(pip install 'bitsandbytes>=0.50'\\)"):
+            check_lora(qlora, hf_llama())
+    finally:
+        importlib.util.find_spec = real
 
 
 @pytest.mark.parametrize("lora", [{}, {"target_modules": ["q_proj", "v_proj"], "modules_to_save": ["lm_head"]}])
@@ -261,8 +270,8 @@ def test_bad_lora_input_is_one_line_before_anything_is_written(capsys, tiny_data
                  "model.lora.target_modules: 'query' match no linear layer of this llama model; choose from q_proj")
     expect_error(capsys, run_dir, [*train, "model.lora.target_modules=[]"],
                  "trains nothing; list target_modules")
-    expect_error(capsys, run_dir, [*train, f"model.path={base}", "model.config={}", "model.lora.load_in=8bit"],
-                 "model.lora.load_in=8bit (QLoRA) needs bitsandbytes")
+    expect_error(capsys, run_dir, [*train, "model.lora.load_in=8bit"],
+                 "model.lora.load_in=8bit: a quantised base is loaded from model.path")
     hostfile = tmp_path / "hostfile"
     hostfile.write_text("127.0.0.2 slots=2\n")
     expect_error(capsys, run_dir, ["launch", "--hostfile", str(hostfile), "--check", "--", *train,
@@ -312,3 +321,36 @@ def test_the_dry_run_of_a_lora_run_says_what_trains_and_its_checkpoint_round_tri
     assert res.returncode == 0, res.out[-3000:]
     assert "LoRA trains 0.05M of them (the frozen base: no gradients, no optimizer states)" in res.out
     assert "save/load round trip ok" in res.out, res.out[-2000:]
+
+
+@pytest.mark.slow
+def test_qlora_trains_the_adapters_on_a_4bit_base_through_bitsandbytes_cpu_backend(tiny_data, base, tmp_path):
+    """model.lora.load_in=4bit (NF4, double quantisation) on 2 processes, ZeRO-2: the base loads as
+    bitsandbytes' Linear4bit (its CPU backend; an MLP width its packed CPU kernels take, a multiple
+    of 64), only the adapters train and are saved, the loss falls, the eval runs."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    quantisable = tmp_path / "base"
+    torch.manual_seed(0)
+    tok = AutoTokenizer.from_pretrained(base)
+    cfg = AutoConfig.from_pretrained(base)
+    cfg.intermediate_size = 128
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(quantisable)
+    tok.save_pretrained(quantisable)
+    run_dir = tmp_path / "run"
+    config = lora_run(tiny_data, quantisable, run_dir, train={"max_steps": 6, "eval_every": 6},
+                      checkpoint={"save_final": True})
+    res = deepspeed_train(config, "zero2.json", "model.lora.load_in=4bit", "model.lora.modules_to_save=[]",
+                          "model.lora.target_modules=[q_proj,v_proj,gate_proj]")
+    assert res.returncode == 0, res.out[-3000:]
+    assert "M of them trained (LoRA rank 8: the adapters; the base frozen)" in res.out, res.out[-2000:]
+    m = metrics_by_step(run_dir)
+    assert m[6]["train/loss"] < m[1]["train/loss"] and "eval/loss" in m[6]
+    states = [p for p in (run_dir / "checkpoints").rglob("*model_states.pt")]
+    saved = torch.load(states[0], map_location="cpu", weights_only=False)["module"]
+    base_entries = [k for k in saved if "lora_" not in k]
+    assert any("lora_" in k for k in saved)  # the adapters; of the 4-bit base only its quantisation state
+    assert base_entries and all(".weight." in k and not k.endswith(".weight") for k in base_entries), base_entries[:5]
+    assert sum(v.numel() for k, v in saved.items() if k in base_entries) < sum(
+        p.numel() for p in AutoModelForCausalLM.from_config(cfg).parameters()) / 10

@@ -29,8 +29,8 @@ class LoraConfig(Section):
                                    "all-linear: every linear layer but the output head.")
     modules_to_save: list[str] = _f([], "Modules trained whole beside the adapters (e.g. embed_tokens, "
                                         "lm_head), saved with them.")
-    load_in: Literal["none", "4bit", "8bit"] = _f("none", "Quantised base weights (QLoRA, bitsandbytes on a "
-                                                          "CUDA GPU): none, 4bit or 8bit.")
+    load_in: Literal["none", "4bit", "8bit"] = _f("none", "Quantised base weights (QLoRA, bitsandbytes: a CUDA "
+                                                          "GPU, or its CPU backend from 0.50): none, 4bit or 8bit.")
 
     def check(self) -> list[str]:
         errs = []

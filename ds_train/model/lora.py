@@ -79,6 +79,9 @@ def check_lora(lora: LoraConfig, hf_config, library: bool = True) -> None:
         raise UserError("; ".join(problems))
 
 
+BNB_ON_CPU = "0.50"  # the bitsandbytes whose CPU backend QLoRA was tested with (tests/test_lora.py)
+
+
 def quantisation_problems(load_in: str) -> list[str]:
     import importlib.util
 
@@ -86,10 +89,15 @@ def quantisation_problems(load_in: str) -> list[str]:
 
     if importlib.util.find_spec("bitsandbytes") is None:
         return [f"model.lora.load_in={load_in} (QLoRA) needs bitsandbytes, which is not installed (pip install "
-                f"bitsandbytes; CUDA GPUs only); or set model.lora.load_in=none"]
-    if not torch.cuda.is_available():
-        return [f"model.lora.load_in={load_in} (QLoRA) needs a CUDA GPU for bitsandbytes; none is visible here; "
-                f"set model.lora.load_in=none"]
+                f"'bitsandbytes>={BNB_ON_CPU}'); or set model.lora.load_in=none"]
+    from importlib.metadata import version
+
+    from packaging.version import Version
+
+    if not torch.cuda.is_available() and Version(version("bitsandbytes")) < Version(BNB_ON_CPU):
+        return [f"model.lora.load_in={load_in} (QLoRA) on a CPU needs bitsandbytes >= {BNB_ON_CPU} (its CPU "
+                f"backend; {version('bitsandbytes')} is installed): pip install -U bitsandbytes, or set "
+                f"model.lora.load_in=none"]
     return []
 
 
