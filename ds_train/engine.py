@@ -11,6 +11,7 @@ import copy
 import difflib
 import os
 import re
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -234,22 +235,27 @@ def op_to_build(ds_config: dict) -> str | None:
 
 
 def op_build_problem(op: str, *, cuda_home: str | None, nvcc_cuda: str | None, torch_cuda: str | None,
-                     ninja: bool, arch_list: str | None) -> str | None:
+                     ninja: bool, cxx: bool, arch_list: str | None) -> str | None:
     """What keeps DeepSpeed from building `op` on this host, in one line with the fix; None if nothing.
-    A CUDA op (fused_*) needs nvcc of torch's CUDA major version; the CPU ones (offload) the CUDA
-    headers under CUDA_HOME; both ninja and an arch list DeepSpeed parses."""
+    Every op needs ninja and a C++ compiler; a CUDA op (fused_*) also nvcc of torch's CUDA major
+    version and an arch list DeepSpeed parses. The CPU ones (offload) are plain C++ on a CUDA host
+    too (DeepSpeed's CUDA accelerator takes them from op_builder/cpu)."""
     lacks = []
     if not ninja:
         lacks.append("ninja (pip install ninja)")
-    if cuda_home is None:
-        lacks.append("the CUDA toolkit (no nvcc on PATH, CUDA_HOME unset)")
-    elif op.startswith("fused") and nvcc_cuda is None:
-        lacks.append(f"nvcc under CUDA_HOME={cuda_home}")
-    elif op.startswith("fused") and torch_cuda and nvcc_cuda.split(".")[0] != torch_cuda.split(".")[0]:
-        lacks.append(f"nvcc of torch's CUDA {torch_cuda} (CUDA_HOME={cuda_home} has {nvcc_cuda})")
-    bad = [e for e in (arch_list or "").replace(" ", ";").split(";") if e.strip() and not ARCH_ENTRY.match(e.strip())]
-    if bad:
-        lacks.append(f"TORCH_CUDA_ARCH_LIST entries as major.minor, like 9.0 (not {bad[0]!r})")
+    if not cxx:
+        lacks.append("a C++ compiler (c++, or $CXX)")
+    if op.startswith("fused"):
+        if cuda_home is None:
+            lacks.append("the CUDA toolkit (no nvcc on PATH, CUDA_HOME unset)")
+        elif nvcc_cuda is None:
+            lacks.append(f"nvcc under CUDA_HOME={cuda_home}")
+        elif torch_cuda and nvcc_cuda.split(".")[0] != torch_cuda.split(".")[0]:
+            lacks.append(f"nvcc of torch's CUDA {torch_cuda} (CUDA_HOME={cuda_home} has {nvcc_cuda})")
+        bad = [e for e in (arch_list or "").replace(" ", ";").split(";")
+               if e.strip() and not ARCH_ENTRY.match(e.strip())]
+        if bad:
+            lacks.append(f"TORCH_CUDA_ARCH_LIST entries as major.minor, like 9.0 (not {bad[0]!r})")
     if not lacks:
         return None
     return (f"the ds_config's optimizer needs DeepSpeed's {op} op, compiled on first use, and this host lacks "
@@ -277,7 +283,7 @@ def check_op_build(ds_config: dict) -> None:
     except (AttributeError, OSError):
         pass
     home, nvcc_cuda = cpp_extension.CUDA_HOME, None
-    if home:
+    if home and op.startswith("fused"):
         try:
             said = subprocess.run([str(Path(home) / "bin" / "nvcc"), "--version"], capture_output=True, text=True,
                                   timeout=60).stdout
@@ -286,6 +292,7 @@ def check_op_build(ds_config: dict) -> None:
             pass
     problem = op_build_problem(op, cuda_home=home, nvcc_cuda=nvcc_cuda, torch_cuda=torch.version.cuda,
                                ninja=cpp_extension.is_ninja_available(),
+                               cxx=shutil.which(os.environ.get("CXX", "c++")) is not None,
                                arch_list=os.environ.get("TORCH_CUDA_ARCH_LIST"))
     if problem:
         raise UserError(problem)

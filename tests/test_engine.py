@@ -299,7 +299,7 @@ def test_the_op_an_optimizer_needs_and_what_keeps_it_from_being_built_are_one_li
     fused = render({**read_ds_template(TEMPLATES[0]), "optimizer": {"type": "AdamW", "params": {"torch_adam": False}}},
                    on_gpu=True)
     assert op_to_build(fused) == "fused_adam"
-    ok = dict(cuda_home="/usr/local/cuda", nvcc_cuda="13.0", torch_cuda="13.0", ninja=True, arch_list="9.0")
+    ok = dict(cuda_home="/usr/local/cuda", nvcc_cuda="13.0", torch_cuda="13.0", ninja=True, cxx=True, arch_list="9.0")
     assert op_build_problem("fused_adam", **ok) is None
     assert op_build_problem("fused_adam", **{**ok, "arch_list": "8.0;9.0a"}) is None  # ds_train rewrites 9.0a
     for change, said in [
@@ -307,12 +307,15 @@ def test_the_op_an_optimizer_needs_and_what_keeps_it_from_being_built_are_one_li
             ({"nvcc_cuda": None}, "nvcc under CUDA_HOME=/usr/local/cuda"),
             ({"nvcc_cuda": "12.4"}, "nvcc of torch's CUDA 13.0 (CUDA_HOME=/usr/local/cuda has 12.4)"),
             ({"ninja": False}, "ninja (pip install ninja)"),
+            ({"cxx": False}, "a C++ compiler (c++, or $CXX)"),
             ({"arch_list": "sm_90"}, "TORCH_CUDA_ARCH_LIST entries as major.minor, like 9.0 (not 'sm_90')")]:
         line = op_build_problem("fused_adam", **{**ok, **change})
         assert line.startswith("the ds_config's optimizer needs DeepSpeed's fused_adam op") and said in line, line
         assert "\n" not in line
         assert line.endswith('(optimizer.params.torch_adam "auto", as ds_configs/zero*.json have it)')
-    assert op_build_problem("cpu_adam", **{**ok, "nvcc_cuda": None}) is None  # C++ only: the headers suffice
+    # the offload ops are plain C++ on a CUDA host too: no toolkit needed
+    assert op_build_problem("cpu_adam", **{**ok, "cuda_home": None, "nvcc_cuda": None, "arch_list": "sm_90"}) is None
+    assert "ninja" in op_build_problem("cpu_adam", **{**ok, "ninja": False})
     # this host, for real: no CUDA toolkit (torch's own CUDA_HOME finds none), and the op never built here
     with pytest.raises(UserError, match=r"needs DeepSpeed's fused_adam op, .* lacks the CUDA toolkit"):
         check_op_build(fused)
