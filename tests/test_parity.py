@@ -206,14 +206,17 @@ def test_ulysses_sequence_parallelism_keeps_the_math(kind, tiny_data, sft_data, 
 def test_autotp_tensor_parallelism_keeps_the_math(model_type, tiny_data, tmp_path):
     """parallel.tensor 2 on 2 processes and data-parallel 2 x tensor 2 on 4, ZeRO 0-2 (fp32), for
     Llama (tied embeddings) and Qwen2 (biases on q/k/v, an untied head split over the vocabulary
-    and gathered), against the one-process reference: loss within 1e-5, gradient norm within 1e-4,
-    the held-out loss too. Each rank really holds its shard of the split layers."""
+    and gathered; its loss in tiles of 32 tokens through that head, every layout and the reference),
+    against the one-process reference: loss within 1e-5, gradient norm within 1e-4, the held-out loss
+    too. Each rank really holds its shard of the split layers."""
     model = {**TINY_MODEL, "model_type": model_type, "num_key_value_heads": 2}
+    tile = {}
     if model_type == "qwen2":
         model |= {"tie_word_embeddings": False, "use_sliding_window": False}
+        tile = {"loss_tile_tokens": 32}  # a micro-batch is 128 tokens
     cfg = write_config(tmp_path / "c.yaml", tiny_config(
         tiny_data, tmp_path / "unused", model={"config": model},
-        train={"global_batch_size": GLOBAL_BATCH, "micro_batch_size": 2}))
+        train={"global_batch_size": GLOBAL_BATCH, "micro_batch_size": 2, **tile}))
     out = tmp_path / "parity"
     res = ds_train("parity", "--config", str(cfg), "--ds-config", *STAGES[:3], "--nproc", "2", "4",
                    "--tensor", "2", "--steps", str(STEPS), "--out", str(out), timeout=900)
