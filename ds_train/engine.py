@@ -7,6 +7,7 @@ errors naming both, and unknown keys are errors (DeepSpeed itself ignores them: 
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import difflib
 import os
@@ -210,6 +211,16 @@ def deepspeed_arch_list(value: str | None) -> str | None:
     return None if fixed == value.strip() else fixed
 
 
+def fix_arch_list(ds_config: dict) -> str | None:
+    """When `ds_config` builds a DeepSpeed op, TORCH_CUDA_ARCH_LIST as its builder parses it (in this
+    process's environment); what was changed, to say, or None."""
+    arch = os.environ.get("TORCH_CUDA_ARCH_LIST")
+    if not builds_deepspeed_op(ds_config) or not (fixed := deepspeed_arch_list(arch)):
+        return None
+    os.environ["TORCH_CUDA_ARCH_LIST"] = fixed
+    return f"TORCH_CUDA_ARCH_LIST={arch} -> {fixed} for DeepSpeed's op build (it cannot parse arch-specific entries)"
+
+
 def builds_deepspeed_op(ds_config: dict) -> bool:
     """Whether the rendered optimizer is one of DeepSpeed's own (JIT-built on first use: FusedAdam,
     DeepSpeedCPUAdam under offload, FusedLamb, FusedLion...) rather than torch's."""
@@ -263,33 +274,42 @@ def op_build_problem(op: str, *, cuda_home: str | None, nvcc_cuda: str | None, t
             f"as ds_configs/zero*.json have it)")
 
 
+def _jit_built(op: str) -> bool:
+    """Whether `op` was JIT-built before in this torch-extensions directory (then it loads without a
+    compiler)."""
+    from torch.utils import cpp_extension
+
+    with contextlib.suppress(AttributeError, OSError):
+        return (Path(cpp_extension._get_build_directory(op, verbose=False)) / f"{op}.so").is_file()
+    return False
+
+
+def _nvcc_cuda(home: str) -> str | None:
+    """The CUDA release of `home`/bin/nvcc ("12.4"), None when it does not run."""
+    import subprocess
+
+    with contextlib.suppress(OSError, subprocess.SubprocessError):
+        said = subprocess.run([str(Path(home) / "bin" / "nvcc"), "--version"], capture_output=True, text=True,
+                              timeout=60).stdout
+        m = re.search(r"release (\d+\.\d+)", said)
+        return m.group(1) if m else None
+    return None
+
+
 def check_op_build(ds_config: dict) -> None:
     """Before deepspeed.initialize on a CUDA host: a DeepSpeed op the optimizer needs, not prebuilt
     nor in the JIT cache, must be buildable here; otherwise one line (UserError) says what is missing."""
     op = op_to_build(ds_config)
     if op is None:
         return
-    import subprocess
-
     import torch
     from deepspeed.git_version_info import installed_ops
     from torch.utils import cpp_extension
 
-    if installed_ops.get(op):
+    if installed_ops.get(op) or _jit_built(op):
         return
-    try:  # built before (JIT) in this torch-extensions directory: loaded without a compiler
-        if (Path(cpp_extension._get_build_directory(op, verbose=False)) / f"{op}.so").is_file():
-            return
-    except (AttributeError, OSError):
-        pass
-    home, nvcc_cuda = cpp_extension.CUDA_HOME, None
-    if home and op.startswith("fused"):
-        try:
-            said = subprocess.run([str(Path(home) / "bin" / "nvcc"), "--version"], capture_output=True, text=True,
-                                  timeout=60).stdout
-            nvcc_cuda = (re.search(r"release (\d+\.\d+)", said) or [None, None])[1]
-        except (OSError, subprocess.SubprocessError):
-            pass
+    home = cpp_extension.CUDA_HOME
+    nvcc_cuda = _nvcc_cuda(home) if home and op.startswith("fused") else None
     problem = op_build_problem(op, cuda_home=home, nvcc_cuda=nvcc_cuda, torch_cuda=torch.version.cuda,
                                ninja=cpp_extension.is_ninja_available(),
                                cxx=shutil.which(os.environ.get("CXX", "c++")) is not None,

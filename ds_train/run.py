@@ -38,8 +38,7 @@ from ds_train.checkpoint import run_record
 from ds_train.checkpointer import Checkpointer
 from ds_train.config import RunConfig
 from ds_train.configfile import save_config
-from ds_train.engine import (builds_deepspeed_op, check_op_build, deepspeed_arch_list, initialize, render_ds_config,
-                             zero_stage)
+from ds_train.engine import check_op_build, fix_arch_list, initialize, render_ds_config, zero_stage
 from ds_train.errors import (AgreedError, OutOfMemory, PeerFailed, Preempted, RunStopped, UserError, device_oom_said,
                              is_device_oom)
 from ds_train.export import export, save_hf_metadata
@@ -319,11 +318,7 @@ def _build_run(inputs: RunInputs, env: dist.DistEnv, spec: RunSpec, stop: StopRe
     if on_gpu:
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
-        arch = os.environ.get("TORCH_CUDA_ARCH_LIST")
-        if builds_deepspeed_op(ds_config) and (fixed := deepspeed_arch_list(arch)):
-            os.environ["TORCH_CUDA_ARCH_LIST"] = fixed
-            said = (f"TORCH_CUDA_ARCH_LIST={arch} -> {fixed} for DeepSpeed's op build (it cannot parse "
-                    f"arch-specific entries)")
+        if said := fix_arch_list(ds_config):
             rank_log.info(said)
             if env.is_main and not quiet:
                 print(said)

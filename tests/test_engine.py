@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -280,7 +281,7 @@ def test_an_arch_list_deepspeed_cannot_parse_is_made_one_its_real_builder_parses
         parse(given)
 
 
-def test_only_deepspeeds_own_optimizers_build_an_op():
+def test_only_deepspeeds_own_optimizers_build_an_op(monkeypatch):
     from ds_train.engine import builds_deepspeed_op
 
     for path in TEMPLATES:
@@ -289,6 +290,14 @@ def test_only_deepspeeds_own_optimizers_build_an_op():
     fused = render({**read_ds_template(TEMPLATES[0]), "optimizer": {"type": "AdamW", "params": {"torch_adam": False}}},
                    on_gpu=True)
     assert builds_deepspeed_op(fused) and not builds_deepspeed_op({})
+    from ds_train.engine import fix_arch_list
+
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "8.0;9.0a")
+    assert fix_arch_list(render(read_ds_template(TEMPLATES[0]), on_gpu=True)) is None  # torch's AdamW: as it was
+    assert os.environ["TORCH_CUDA_ARCH_LIST"] == "8.0;9.0a"
+    assert fix_arch_list(fused) == ("TORCH_CUDA_ARCH_LIST=8.0;9.0a -> 8.0;9.0 for DeepSpeed's op build (it "
+                                    "cannot parse arch-specific entries)")
+    assert os.environ["TORCH_CUDA_ARCH_LIST"] == "8.0;9.0"
 
 
 def test_the_op_an_optimizer_needs_and_what_keeps_it_from_being_built_are_one_line():

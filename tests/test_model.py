@@ -498,8 +498,12 @@ def test_the_tiled_loss_applies_the_models_scaling_after_the_head(model_type, sc
 
     cfg = AutoConfig.for_model(model_type, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                num_attention_heads=4, num_key_value_heads=4, vocab_size=300, **scale)
+    from ds_train.losses import _post_head, tiles
+
     torch.manual_seed(0)
-    _tiled_against_full(AutoModelForCausalLM.from_config(cfg), 300)
+    model = AutoModelForCausalLM.from_config(cfg)
+    assert tiles(model, 80, 16) and _post_head(model.config)[0] == next(iter(scale.values()))
+    _tiled_against_full(model, 300)
 
 
 def test_the_tiled_loss_goes_through_a_lora_head():
