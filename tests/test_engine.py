@@ -329,3 +329,38 @@ def test_the_op_an_optimizer_needs_and_what_keeps_it_from_being_built_are_one_li
     with pytest.raises(UserError, match=r"needs DeepSpeed's fused_adam op, .* lacks the CUDA toolkit"):
         check_op_build(fused)
     check_op_build(render(read_ds_template(TEMPLATES[0]), on_gpu=True))  # torch's AdamW: nothing to build
+
+
+UNDO_PROBE = """
+import json, os, sys, torch, deepspeed
+from ds_train import dist
+from ds_train.engine import initialize
+dist.init(dist.detect_env())
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
+ds = {"train_batch_size": 1, "bf16": {"enabled": True}, "gradient_clipping": 1.0, "zero_optimization": {"stage": 0},
+      "optimizer": {"type": "AdamW", "params": {"lr": 0.01, "weight_decay": 0.1, "torch_adam": True}}}
+engine = initialize(model, ds)
+opt = engine.optimizer
+masters = [m for group in opt.fp32_groups for m in group]
+params = [p for group in opt.fp16_groups for p in group]
+print(json.dumps({"kind": type(opt).__name__, "state": len(opt.optimizer.state),
+                  "equal": all(torch.equal(m, p.float()) for m, p in zip(masters, params))}))
+"""
+
+
+def test_zero0_low_precision_optimizer_starts_as_before_a_first_step(tmp_path):
+    """DeepSpeed 0.19.8's ZeRO-0 bf16 optimizer steps AdamW once with zero gradients when it is built
+    (weight decay on every master weight, Adam's step count at 1): ds_train's initialize undoes it.
+    One process, the real engine."""
+    import subprocess
+    import sys
+
+    from conftest import free_port
+
+    env = {**os.environ, "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(free_port()), "PYTHONPATH": str(ROOT)}
+    res = subprocess.run([sys.executable, "-c", UNDO_PROBE], capture_output=True, text=True, env=env, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    got = json.loads(res.stdout.strip().splitlines()[-1])
+    assert got == {"kind": "FP16_UnfusedOptimizer", "state": 0, "equal": True}, got
