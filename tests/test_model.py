@@ -445,6 +445,28 @@ def test_from_scratch_weights_depend_on_the_seed_alone_and_leave_the_callers_rng
     assert not torch.equal(a["model.embed_tokens.weight"], c["model.embed_tokens.weight"])
 
 
+def test_a_bf16_run_builds_in_bf16_exactly_what_the_engine_made_of_the_fp32_build(tmp_path):
+    """The model is built in the dtype it trains in (no fp32 copy in host memory): from scratch and
+    from a checkpoint (fp32 on disk) it is bitwise the fp32 build cast to bf16, which is what
+    DeepSpeed's engine made of the fp32 build before, buffers included."""
+    from transformers import AutoModelForCausalLM
+
+    from ds_train.model.build import training_dtype
+
+    bf16 = {"bf16": {"enabled": True}, "zero_optimization": {"stage": 2}}
+    assert training_dtype(bf16) == torch.bfloat16 and training_dtype({"fp16": {"enabled": True}}) == torch.float16
+    assert training_dtype({"bf16": {"enabled": False}}) == training_dtype({}) == torch.float32
+    scratch = ModelConfig(config={"model_type": "llama", **TINY})
+    hf = build_hf_config(scratch, 300, 64)
+    AutoModelForCausalLM.from_config(hf).save_pretrained(tmp_path / "ckpt")
+    for cfg in (scratch, ModelConfig(path=str(tmp_path / "ckpt"))):
+        model = build_model(cfg, hf, bf16, seed=7).model
+        cast = build_model(cfg, hf, {}, seed=7).model.to(torch.bfloat16)
+        assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+        mine, theirs = model.state_dict(), cast.state_dict()
+        assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k].to(mine[k].dtype)) for k in mine)
+
+
 def test_seeded_init_draws_on_cpu_copies_wherever_the_parameters_live():
     """A ZeRO-3 parameter is gathered on its device; the draws must still come from the CPU generator
     (a GPU's gives another sequence for the same seed). Parameters on the meta device stand in for a

@@ -48,9 +48,10 @@ def seeded_init(model, seed: int, zero3: bool) -> None:
 
     The weights then depend on the seed alone, not on how construction consumed the RNG, so ZeRO-3
     (built inside zero.Init) starts from the same weights as ZeRO 0-2 and any world size. Every
-    draw comes from the CPU generator, on CPU copies of the module's parameters: a ZeRO-3 parameter
-    gathered on a GPU would otherwise draw from the GPU's generator, another sequence for the same
-    seed. The caller's RNG state is left as it was.
+    draw comes from the CPU generator, on fp32 CPU copies of the module's parameters: a ZeRO-3
+    parameter gathered on a GPU would otherwise draw from the GPU's generator, another sequence for
+    the same seed, and a bf16 one would draw other numbers than the fp32 draw it rounds. The
+    caller's RNG state is left as it was.
     """
     import zlib
     from contextlib import nullcontext
@@ -66,10 +67,10 @@ def seeded_init(model, seed: int, zero3: bool) -> None:
             gather = deepspeed.zero.GatheredParameters(params, modifier_rank=0) if zero3 else nullcontext()
             with gather:
                 held = dict(module._parameters)
-                for key, p in held.items():  # a CPU stand-in for each parameter elsewhere, while it is drawn
-                    if p is not None and p.device.type != "cpu":
-                        module._parameters[key] = torch.nn.Parameter(torch.empty_like(p, device="cpu"),
-                                                                     requires_grad=p.requires_grad)
+                for key, p in held.items():  # an fp32 CPU stand-in for each other parameter, while it is drawn
+                    if p is not None and (p.device.type != "cpu" or p.dtype != torch.float32):
+                        module._parameters[key] = torch.nn.Parameter(
+                            torch.empty_like(p, device="cpu", dtype=torch.float32), requires_grad=p.requires_grad)
                 torch.default_generator.manual_seed(seed + zlib.crc32(name.encode()))  # the CPU one alone
                 model._init_weights(module)
                 for key, p in held.items():
@@ -78,8 +79,21 @@ def seeded_init(model, seed: int, zero3: bool) -> None:
                         module._parameters[key] = p
 
 
+def training_dtype(ds_config: dict):
+    """The torch dtype the engine trains the model's weights in: bf16 / fp16 as the ds_config enables."""
+    import torch
+
+    for key, dtype in (("bf16", torch.bfloat16), ("bfloat16", torch.bfloat16), ("fp16", torch.float16)):
+        if (ds_config.get(key) or {}).get("enabled"):
+            return dtype
+    return torch.float32
+
+
 def build_model(model_cfg: ModelConfig, hf_config, ds_config: dict, seed: int = 0) -> BuiltModel:
-    """Construct (ZeRO-3: partitioned) the model in fp32; the engine casts to bf16/fp16."""
+    """Construct (ZeRO-3: partitioned) the model in the dtype it trains in (training_dtype), so no rank
+    holds an fp32 copy of a bf16 model in host memory before the engine takes it (an 8B model: 32 GB
+    per rank instead of 16, and nothing copied for a checkpoint already in that dtype); the engine's
+    cast is then a no-op. Its fp32 master weights come from these, exactly as from the engine's cast."""
     import torch
     from safetensors import SafetensorError
     from transformers import AutoModelForCausalLM
@@ -96,7 +110,7 @@ def build_model(model_cfg: ModelConfig, hf_config, ds_config: dict, seed: int = 
         keep_alive = HfDeepSpeedConfig({k: v for k, v in ds_config.items() if k != "train_batch_size"})
     else:  # an earlier ZeRO-3 run in this process (parity runs several) must not build this one partitioned
         unset_hf_deepspeed_config()
-    kwargs = dict(attn_implementation=model_cfg.attn_implementation, dtype=torch.float32)
+    kwargs = dict(attn_implementation=model_cfg.attn_implementation, dtype=training_dtype(ds_config))
     new_weights: tuple[str, ...] = ()
     if model_cfg.path:
         # ignore_mismatched_sizes: without it transformers raises a multi-line RuntimeError on a
