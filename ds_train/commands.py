@@ -245,8 +245,9 @@ def cmd_parity(args) -> int:
     each --nproc world size and --grad-accum accumulation) and of a reference (one process, ZeRO-0,
     fp32, the same global batch through accumulation, the same data order and initial weights); print
     per step both losses and gradient norms and their relative differences, the held-out loss, and a
-    verdict. Exit 0 within the tolerances, 1 past them. The layouts of one world size share one
-    launch. key=value overrides as for train."""
+    verdict. Exit 0 within the tolerances, 1 past them. In bf16/fp16 the tolerances come from a
+    measured noise floor: the reference run again in that precision. TF32 is off in the fp32 runs
+    unless --tf32. The layouts of one world size share one launch. key=value overrides as for train."""
     from ds_train.configfile import load_config
     from ds_train.parity import parity
 
@@ -266,7 +267,7 @@ def cmd_parity(args) -> int:
     label = args.config + (f" {' '.join(overrides)}" if overrides else "")
     return parity(cfg, label, ds_configs, numbers["--nproc"] or [2], numbers["--grad-accum"], args.steps, args.shrink,
                   args.out or "", args.launcher_args, args.loss_tol, args.grad_tol, numbers["--sequence"],
-                  numbers["--tensor"])
+                  numbers["--tensor"], args.tf32)
 
 
 def cmd_parity_worker(args) -> int:

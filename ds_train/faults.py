@@ -4,6 +4,8 @@ failure takes is tested, and can be tried by hand.
   watchdog.debug_fault    at the data phase of a step, on one rank: stall, slow, raise, kill,
                           device_assert (step_fault; Heartbeat.beat calls it)
   checkpoint.debug_fault  at a phase of a save: kill, enospc (save_fault; the checkpointer calls it)
+  train.debug_loss_fault  in the loss math of a training step: the mistakes `ds-train parity` must
+                          catch (loss_fault; the training step applies it)
 """
 
 from __future__ import annotations
@@ -86,3 +88,33 @@ def save_fault(spec: str, rank: int = 0) -> Callable[[str, int], None]:
         raise OSError(28, "No space left on device (checkpoint.debug_fault)")
 
     return hook
+
+
+# train.debug_loss_fault: the mistakes a trainer's loss math makes that only a comparison across layouts
+# shows (each trains, and its loss goes down).
+LOSS_FAULTS = {
+    "mean_of_rank_means": "every rank's gradient is of its own mean loss, then averaged: ranks with few "
+                          "target tokens weigh as much as ranks with many",
+    "drop_micro_batch": "global rank 0's last micro-batch of every step adds nothing to the gradient or the loss",
+    "sequence_divisor": "the gradient is divided by the data-parallel size under ZeRO-3 and by data x sequence "
+                        "under ZeRO 0-2: the other stage's rule, off by parallel.sequence",
+}
+
+
+def loss_fault_problem(spec: str) -> str | None:
+    """What is wrong with a train.debug_loss_fault value (None: nothing)."""
+    for part in filter(None, spec.split(",")):
+        kind, _, stage = part.partition(":")
+        if kind not in LOSS_FAULTS or stage and stage not in "0123":
+            return (f"{part!r} is not KIND[:STAGE] with KIND one of {', '.join(LOSS_FAULTS)} and STAGE a ZeRO "
+                    f"stage 0-3; give e.g. drop_micro_batch:2")
+    return None
+
+
+def loss_fault(spec: str, zero_stage: int) -> str:
+    """The train.debug_loss_fault kind that applies under `zero_stage` ('' for none)."""
+    for part in filter(None, spec.split(",")):
+        kind, _, stage = part.partition(":")
+        if not stage or int(stage) == zero_stage:
+            return kind
+    return ""

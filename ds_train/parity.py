@@ -39,10 +39,15 @@ from ds_train.parallel import check_parallel, choices
 from ds_train.rundir import RunPaths, read_json, read_metrics
 from ds_train.trainer import train_spec
 
-# Relative differences a layout may show against the fp32 reference. fp32: the two only sum in
-# other orders (ZeRO-3's buckets, accumulation: ~1e-7); bf16 / fp16 round every matmul input.
-TOLERANCES = {"fp32": (1e-5, 1e-4), "bf16": (2e-2, 1e-1), "fp16": (5e-3, 5e-2)}  # (loss, grad norm)
-REFERENCE = "reference"
+# Relative differences (loss, gradient norm) an fp32 layout may show against the fp32 reference: the
+# two only sum in other orders (ZeRO-3's buckets, accumulation: ~1e-7).
+FP32_TOLERANCES = (1e-5, 1e-4)
+# bf16 / fp16 round every matmul input, so a layout in them differs from the fp32 reference by rounding
+# alone. How much is measured each time: the reference's own layout run in that dtype (the noise floor);
+# a layout may differ by FLOOR_FACTOR times it. (Measured on CPU, 8 steps, ZeRO 0-3 x 1-2 ranks x
+# accumulation 1 and 4, Ulysses 2, AutoTP 2: every layout within 2.5x of the floor.)
+FLOOR_FACTOR = 4
+REFERENCE, FLOOR = "reference", "floor"
 SHRUNK_TOKENS_PER_STEP = 8192  # --shrink keeps a step about this small
 
 
@@ -114,7 +119,7 @@ def _job(cfg: RunConfig, name: str, out: Path, steps: int, micro: int, accum: in
     raw = cfg.to_dict()
     raw["output_dir"] = str(out / name)
     raw["train"] |= {"max_steps": steps, "micro_batch_size": micro, "eval_every": 0, "eval_batches": accum,
-                     "debug_nonfinite_steps": []}
+                     "debug_nonfinite_steps": []}  # (train.debug_loss_fault stays: parity's own test sets it)
     raw["checkpoint"] |= {"every": 0, "save_final": False, "export_final": False, "resume": "restart",
                           "debug_fault": ""}
     raw["log"] |= {"every": 1, "progress": False, "plots": False, "wandb": "off", "tensorboard": False,
@@ -128,12 +133,37 @@ def _job(cfg: RunConfig, name: str, out: Path, steps: int, micro: int, accum: in
 
 
 def reference_template(template: dict, out: Path) -> str:
-    """The reference's DeepSpeed JSON: the layout's optimizer, scheduler and clipping, ZeRO-0, fp32."""
+    """The reference's DeepSpeed JSON: the layout's optimizer, scheduler and clipping, ZeRO-0 (its
+    precision comes from model.dtype: fp32 for the reference, the layouts' for the noise floor)."""
     ref = {k: v for k, v in template.items() if k not in ("bf16", "bfloat16", "fp16", "zero_optimization")}
     ref["zero_optimization"] = {"stage": 0}
     path = out / "reference_ds_config.json"
     write_atomic(path, json.dumps(ref, indent=2))
     return str(path)
+
+
+def noise_floor(floor: dict, reference: dict) -> tuple[dict, dict]:
+    """Per step, the largest relative differences so far (loss; gradient norm) between the reference's
+    layout in a low precision and in fp32: what rounding alone has moved them by up to that step (it
+    grows as the runs drift apart); "eval": the held-out loss, against the largest of all."""
+    loss, grad, worst_loss, worst_grad = {}, {}, 0.0, 0.0
+    for step, (ref_loss, ref_grad) in reference["steps"].items():
+        got_loss, got_grad = floor["steps"].get(step, (None, None))
+        worst_loss, worst_grad = max(worst_loss, rel(got_loss, ref_loss)), max(worst_grad, rel(got_grad, ref_grad))
+        loss[step], grad[step] = worst_loss, worst_grad
+    loss["eval"] = max(worst_loss, rel(floor["eval"], reference["eval"]))
+    return loss, grad
+
+
+def tolerances(dtype: str, floor: tuple[dict, dict] | None, loss_tol: float | None,
+               grad_tol: float | None) -> tuple[float | dict, float | dict]:
+    """(loss, gradient norm) tolerances of a layout in `dtype`: fp32's fixed ones, else per step
+    FLOOR_FACTOR x the measured noise floor (never below fp32's); --loss-tol / --grad-tol replace either."""
+    tol: tuple[float | dict, float | dict] = FP32_TOLERANCES
+    if dtype != "fp32" and floor is not None:
+        tol = tuple({k: max(FLOOR_FACTOR * v, fixed) for k, v in series.items()}
+                    for series, fixed in zip(floor, FP32_TOLERANCES))
+    return tol[0] if loss_tol is None else loss_tol, tol[1] if grad_tol is None else grad_tol
 
 
 def dropout(hf_config) -> dict:
@@ -274,25 +304,30 @@ def series(run_dir: Path) -> dict:
     return {"steps": steps, "eval": last.get("eval/loss")}
 
 
-def compare(layout: dict, reference: dict, loss_tol: float, grad_tol: float) -> tuple[list[str], bool]:
-    """The table of one layout against the reference, and whether it is within the tolerances."""
+def compare(layout: dict, reference: dict, loss_tol: float | dict, grad_tol: float | dict) -> tuple[list[str], bool]:
+    """The table of one layout against the reference, and whether every difference is within its
+    tolerance (one for all steps, or one per step and "eval" for the held-out loss)."""
+    def at(tol: float | dict, key) -> float:
+        return tol[key] if isinstance(tol, dict) else tol
+
     lines = [f"  {'step':>5} {'loss':>13} {'reference':>13} {'rel diff':>9} {'grad norm':>11} "
              f"{'reference':>11} {'rel diff':>9}"]
-    worst_loss = worst_grad = 0.0
+    worst = {"loss": (-1.0, 0.0, 0.0, 1), "gradient-norm": (-1.0, 0.0, 0.0, 1)}  # (ratio, diff, tol, step)
     ok = len(layout["steps"]) == len(reference["steps"]) > 0
     for step, (ref_loss, ref_grad) in reference["steps"].items():
         loss, grad = layout["steps"].get(step, (None, None))
         dl, dg = rel(loss, ref_loss), rel(grad, ref_grad)
-        worst_loss, worst_grad = max(worst_loss, dl), max(worst_grad, dg)
+        for what, d, tol in (("loss", dl, at(loss_tol, step)), ("gradient-norm", dg, at(grad_tol, step))):
+            worst[what] = max(worst[what], (d / tol, d, tol, step), key=lambda w: w[0])
         lines.append(f"  {step:>5} {_num(loss, 13)} {_num(ref_loss, 13)} {dl:>9.1e} {_num(grad, 11)} "
                      f"{_num(ref_grad, 11)} {dg:>9.1e}")
     de = rel(layout["eval"], reference["eval"])
-    worst_loss = max(worst_loss, de)
+    worst["loss"] = max(worst["loss"], (de / at(loss_tol, "eval"), de, at(loss_tol, "eval"), "eval"), key=lambda w: w[0])
     lines.append(f"  {'eval':>5} {_num(layout['eval'], 13)} {_num(reference['eval'], 13)} {de:>9.1e}")
-    ok = ok and worst_loss <= loss_tol and worst_grad <= grad_tol
-    lines.append(f"  {'PASS' if ok else 'FAIL'}: largest loss difference {worst_loss:.1e} "
-                 f"({'<=' if worst_loss <= loss_tol else '>'} {loss_tol:g}), largest gradient-norm difference "
-                 f"{worst_grad:.1e} ({'<=' if worst_grad <= grad_tol else '>'} {grad_tol:g})")
+    ok = ok and all(ratio <= 1 for ratio, *_ in worst.values())
+    said = [f"{what} difference {d:.1e} {'at step ' if step != 'eval' else 'on '}{step} "
+            f"({'<=' if d <= tol else '>'} {tol:.2g})" for what, (_, d, tol, step) in worst.items()]
+    lines.append(f"  {'PASS' if ok else 'FAIL'}: largest {', largest '.join(said)}")
     return lines, ok
 
 
@@ -310,11 +345,14 @@ def _launch_failed(code: int, log: Path) -> None:
 
 def parity(cfg: RunConfig, label: str, ds_configs: list[str], nprocs: list[int], accums: list[int], steps: int,
            shrink_it: bool, out: str, launcher_args: str, loss_tol: float | None, grad_tol: float | None,
-           sequences: list[int] | None = None, tensors: list[int] | None = None) -> int:
+           sequences: list[int] | None = None, tensors: list[int] | None = None, tf32: bool = False) -> int:
     """Every layout against the reference, printed as it goes; 0 when every one is within tolerance."""
     templates = {d: read_ds_template(d) for d in ds_configs}
     if steps <= 0 or min(nprocs) <= 0:
         raise UserError(f"parity: --steps {steps} and --nproc {' '.join(map(str, nprocs))} must be positive")
+    for flag, tol in (("--loss-tol", loss_tol), ("--grad-tol", grad_tol)):
+        if tol is not None and not (tol > 0 and math.isfinite(tol)):
+            raise UserError(f"parity: {flag} {tol}: give a positive relative tolerance, e.g. 1e-3")
     notes = []
     if shrink_it:
         sizes = [s * t for s in sequences or [cfg.parallel.sequence] for t in tensors or [cfg.parallel.tensor]]
@@ -327,7 +365,7 @@ def parity(cfg: RunConfig, label: str, ds_configs: list[str], nprocs: list[int],
     out_dir = Path(out) if out else Path(tempfile.mkdtemp(prefix="ds_train_parity_"))
     _check_out(out_dir)
     code = _parity(cfg, label, lays, templates, steps, notes, out_dir, shlex.split(launcher_args),
-                   loss_tol, grad_tol)
+                   loss_tol, grad_tol, tf32)
     if not out:  # a failed launch keeps them: its log is named in the error
         shutil.rmtree(out_dir, ignore_errors=True)
     return code
@@ -359,28 +397,33 @@ def _check_out(out: Path) -> None:
 
 
 def _parity(cfg: RunConfig, label: str, lays: list[Layout], templates: dict, steps: int, notes: list[str],
-            out: Path, launcher_args: list[str], loss_tol: float | None, grad_tol: float | None) -> int:
+            out: Path, launcher_args: list[str], loss_tol: float | None, grad_tol: float | None, tf32: bool) -> int:
     cfg = _exported_once(cfg, out)
     g, seq = cfg.train.global_batch_size, cfg.train.seq_len
     micro_ref = min(lay.micro for lay in lays)
+    alone = {"parallel.sequence": 1, "parallel.tensor": 1, "train.debug_loss_fault": ""}
     ref_cfg = build_config(_job(cfg, REFERENCE, out, steps, micro_ref, g // micro_ref,
-                                **{"model.dtype": "fp32", "parallel.sequence": 1, "parallel.tensor": 1}))
+                                **alone, **{"model.dtype": "fp32", "model.tf32": tf32}))
     ref_ds = reference_template(next(iter(templates.values())), out)
+    fp32 = {"model.tf32": tf32} if cfg.model.dtype == "fp32" else {}  # (auto is fp32 only where TF32 is not)
     write_atomic(out / "parity.json", json.dumps({"config": label, "steps": steps,
                                                    "layouts": [lay.name for lay in lays]}, indent=1))
     for note in notes:
         print(note)
     print(f"parity: {label}, {steps} steps, global batch {g} x seq_len {seq} = {g * seq:,} tokens per step; "
-          f"reference: 1 process, ZeRO-0, fp32, micro {micro_ref} x accum {g // micro_ref}")
+          f"reference: 1 process, ZeRO-0, fp32, micro {micro_ref} x accum {g // micro_ref}; TF32 "
+          f"{'allowed (--tf32)' if tf32 else 'off'} in the fp32 runs")
     ref_inputs = check_inputs(ref_cfg, ref_ds)  # the model and the data, prepared once before any launch
     if dropout(ref_inputs.source.hf_config):
         print(f"note: the model's dropout ({dropout(ref_inputs.source.hf_config)}) draws other masks in each "
               f"layout, so the runs differ by more than rounding; --shrink builds it without dropout")
     # One launch per world size, and per AutoTP size: DeepSpeed makes its tensor groups once a process.
     groups: dict[tuple[int, int], list[Job]] = {(1, 1): [Job(REFERENCE, ref_cfg.to_dict(), ref_ds)]}
+    if cfg.model.dtype != "fp32":  # the noise floor: the reference's layout in the layouts' precision
+        groups[(1, 1)].append(Job(FLOOR, _job(cfg, FLOOR, out, steps, micro_ref, g // micro_ref, **alone), ref_ds))
     for lay in lays:
         job = _job(cfg, lay.name, out, steps, lay.micro, lay.accum,
-                   **{"parallel.sequence": lay.sequence, "parallel.tensor": lay.tensor})
+                   **{"parallel.sequence": lay.sequence, "parallel.tensor": lay.tensor, **fp32})
         groups.setdefault((lay.nproc, lay.tensor), []).append(Job(lay.name, job, lay.ds_config))
     for (n, tp), jobs in sorted(groups.items()):
         name = f"np{n}" + (f"_tp{tp}" if tp > 1 else "")
@@ -390,19 +433,38 @@ def _parity(cfg: RunConfig, label: str, lays: list[Layout], templates: dict, ste
         if code:
             _launch_failed(code, log)
     reference = series(out / REFERENCE)
+    floor = _measured_floor(out, reference) if cfg.model.dtype != "fp32" else None
     passed = 0
     for lay in lays:
         paths = RunPaths(out / lay.name)
         dtype = (read_json(paths.env) or {}).get("dtype", "fp32")
         stage = zero_stage(read_json(paths.ds_config) or {})
-        tol = TOLERANCES.get(dtype, TOLERANCES["fp32"])
-        tol = (tol[0] if loss_tol is None else loss_tol, tol[1] if grad_tol is None else grad_tol)
         print(f"\n{lay.name}: ZeRO-{stage}, {dtype}, {lay.nproc} process(es){lay.describe()}, micro {lay.micro} x accum "
               f"{lay.accum} ({lay.ds_config})")
-        lines, ok = compare(series(out / lay.name), reference, *tol)
+        lines, ok = compare(series(out / lay.name), reference, *tolerances(dtype, floor, loss_tol, grad_tol))
         print("\n".join(lines))
         passed += ok
     verdict = "PASS" if passed == len(lays) else "FAIL"
     print(f"\nverdict: {verdict}: {passed} of {len(lays)} layout(s) within tolerance of the reference over {steps} "
           f"steps")
     return 0 if passed == len(lays) else 1
+
+
+def _measured_floor(out: Path, reference: dict) -> tuple[float, float] | None:
+    """The noise floor of the layouts' precision (None when it resolved to fp32: auto on a CPU), said
+    with the tolerances it gives; a floor run without finite numbers is one line."""
+    dtype = (read_json(RunPaths(out / FLOOR).env) or {}).get("dtype", "fp32")
+    if dtype == "fp32":
+        return None
+    floor = noise_floor(series(out / FLOOR), reference)
+    if not all(math.isfinite(x) for part in floor for x in part.values()):
+        raise UserError(f"parity: the {dtype} noise-floor run (the reference's layout in {dtype}) has no finite "
+                        f"loss or gradient norm at some step, so no {dtype} tolerance can be derived; its metrics "
+                        f"are in {out / FLOOR}")
+    loss_tol, grad_tol = tolerances(dtype, floor, None, None)
+    first = next(iter(floor[1]))
+    print(f"\nnoise floor: the reference's layout in {dtype} differs from it in fp32 by up to {floor[0]['eval']:.1e} "
+          f"(loss) and {max(floor[1].values()):.1e} (gradient norm) over {len(floor[1])} steps; a {dtype} layout may "
+          f"differ by {FLOOR_FACTOR}x the floor so far at each step (at step {first}: loss {loss_tol[first]:.1e}, "
+          f"gradient norm {grad_tol[first]:.1e})")
+    return floor

@@ -315,9 +315,8 @@ def _build_run(inputs: RunInputs, env: dist.DistEnv, spec: RunSpec, stop: StopRe
         start_over(paths, writer)
     resume = prepare_resume(resume_plan)
     weights = _export_initial_model(source, paths)
-    if on_gpu:
-        torch.backends.cuda.matmul.allow_tf32 = True
-        torch.backends.cudnn.allow_tf32 = True
+    if on_gpu:  # set either way: parity's worker runs several runs in one process
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = cfg.model.tf32
         if said := fix_arch_list(ds_config):
             rank_log.info(said)
             if env.is_main and not quiet:

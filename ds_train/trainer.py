@@ -19,6 +19,7 @@ from ds_train.config import RunConfig
 from ds_train.data.datasets import Datasets, rank_micro_batches, sequence_shard
 from ds_train.data.examples import Batch
 from ds_train.data.pairs import PreferenceData
+from ds_train.faults import loss_fault
 from ds_train.fs import write_atomic
 from ds_train.guard import backward_step
 from ds_train.inputs import check_inputs
@@ -95,7 +96,10 @@ def run_step(run: Run, batches: list, step: int, clock: ComputeClock, reference:
           "clock": clock, "group": run.token_group, "data_parallel": run.dims.gradient_ranks(run.zero_stage)}
     if reference is not None:
         return preference_step(run.engine, batches, reference.train, run.cfg.dpo, **kw)
-    return train_step(run.engine, batches, tile_tokens=run.cfg.train.loss_tile_tokens, **kw)
+    fault = loss_fault(run.cfg.train.debug_loss_fault, run.zero_stage)
+    if fault == "sequence_divisor":  # the other stage's rule (ParallelDims.gradient_ranks)
+        kw["data_parallel"] = run.dims.data * (run.dims.sequence if run.zero_stage != 3 else 1)
+    return train_step(run.engine, batches, tile_tokens=run.cfg.train.loss_tile_tokens, fault=fault, **kw)
 
 
 def position(run: Run, step: int) -> dict:
@@ -113,7 +117,7 @@ class StepResult:
 
 def train_step(engine, micro_batches: list[np.ndarray] | list[Batch], poison: bool = False,
                beat: Callable[[str], None] = lambda phase: None, clock: ComputeClock | None = None,
-               group=None, data_parallel: int | None = None, tile_tokens: int = 0) -> StepResult:
+               group=None, data_parallel: int | None = None, tile_tokens: int = 0, fault: str = "") -> StepResult:
     """One optimizer step: the engine owns accumulation scaling, clipping and the optimizer.
 
     The gradient is that of the mean loss over the step's target tokens on every rank. Windows all
@@ -123,24 +127,32 @@ def train_step(engine, micro_batches: list[np.ndarray] | list[Batch], poison: bo
 
     `data_parallel`: how many ranks DeepSpeed divides the summed gradient by (ParallelDims.gradient_ranks;
     default the engine's data-parallel size); `tile_tokens`: train.loss_tile_tokens.
-    `poison` makes the loss infinite (fault injection for train.debug_nonfinite_steps); `beat`
-    tells the heartbeat each phase; `clock` times the forward passes (this rank's own work).
+    `poison` makes the loss infinite (fault injection for train.debug_nonfinite_steps); `fault`: a
+    train.debug_loss_fault kind (ds_train/faults.py); `beat` tells the heartbeat each phase; `clock`
+    times the forward passes (this rank's own work).
     """
     loss_total, tokens_total, grad_norm = 0.0, 0, None
     skipped_before = engine.skipped_steps
     clock = clock or ComputeClock(False)
     per_step = None
     if micro_batches and isinstance(micro_batches[0], Batch):
-        step_targets = dist.all_reduce_sum([sum(b.n_targets for b in micro_batches)], group)[0]
+        mine = sum(b.n_targets for b in micro_batches)
+        step_targets, ranks = dist.all_reduce_sum([mine, 1], group)
+        if fault == "mean_of_rank_means":
+            step_targets = mine * ranks
         # DeepSpeed sums gradients over the sequence ranks and averages over the data-parallel ones
         per_step = max(step_targets, 1) / ((data_parallel or engine.dp_world_size) * engine.gradient_accumulation_steps())
-    for batch in micro_batches:
+    dropped = len(micro_batches) - 1 if fault == "drop_micro_batch" and engine.global_rank == 0 else None
+    for i, batch in enumerate(micro_batches):
         beat("forward")
         with clock.device():
             loss_sum, n_tokens = forward_loss(engine, batch, tile_tokens)
         if poison:
             loss_sum = loss_sum * float("inf")
-        norm = backward_step(engine, loss_sum / (per_step or n_tokens), beat)
+        divisor = per_step or n_tokens
+        if i == dropped:
+            loss_sum, n_tokens = loss_sum * 0.0, 0
+        norm = backward_step(engine, loss_sum / divisor, beat)
         grad_norm = norm if norm is not None else grad_norm
         loss_total = loss_total + loss_sum.detach()
         tokens_total += n_tokens

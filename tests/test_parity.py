@@ -13,7 +13,7 @@ import pytest
 
 from conftest import ROOT, TINY_MODEL, ds_train, tiny_config, write_config
 from ds_train.__main__ import main
-from ds_train.parity import TOLERANCES, compare, rel, shrink_model
+from ds_train.parity import FLOOR_FACTOR, FP32_TOLERANCES, compare, noise_floor, rel, shrink_model, tolerances
 
 STAGES = [str(ROOT / "ds_configs" / f"zero{s}.json") for s in range(4)]
 GLOBAL_BATCH = 8  # accumulation 1 and 4 at 1 and 2 processes: micro-batches 8, 2, 4 and 1
@@ -27,8 +27,8 @@ def series(losses, norms, eval_loss):
 def test_a_layout_within_the_tolerances_passes_and_one_past_them_fails():
     ref = series([2.0, 1.5], [1.0, 0.8], 1.4)
     lines, ok = compare(series([2.0, 1.5 * (1 + 5e-6)], [1.0, 0.8 * (1 + 5e-5)], 1.4), ref, 1e-5, 1e-4)
-    assert ok and lines[-1].startswith("  PASS: largest loss difference 5.0e-06 (<= 1e-05), largest gradient-norm "
-                                       "difference 5.0e-05 (<= 0.0001)")
+    assert ok and lines[-1] == ("  PASS: largest loss difference 5.0e-06 at step 2 (<= 1e-05), largest gradient-norm "
+                                "difference 5.0e-05 at step 2 (<= 0.0001)")
     assert len(lines) == 1 + 2 + 1 + 1  # header, a row per step, the held-out loss, the verdict
     # a mean of per-rank means instead of the token-weighted mean: the loss moves by far more
     _, ok = compare(series([2.0, 1.53], [1.0, 0.8], 1.4), ref, 1e-5, 1e-4)
@@ -39,7 +39,30 @@ def test_a_layout_within_the_tolerances_passes_and_one_past_them_fails():
     assert not ok
     _, ok = compare(series([2.0, math.nan], [1.0, 0.8], 1.4), ref, 1e-5, 1e-4)
     assert not ok and rel(None, 1.0) == math.inf
-    assert TOLERANCES["fp32"] == (1e-5, 1e-4)
+    assert tolerances("fp32", None, None, None) == FP32_TOLERANCES == (1e-5, 1e-4)
+
+
+def test_low_precision_tolerances_follow_the_measured_noise_floor_step_by_step():
+    """bf16: the reference's layout in bf16 against it in fp32 gives, per step, the largest difference
+    so far; a layout may differ by FLOOR_FACTOR x that (never less than fp32's tolerances). A fault
+    that shows from the first step fails there even when later steps drift further apart."""
+    ref = series([2.0, 1.5, 1.2], [1.0, 0.8, 0.6], 1.1)
+    floor = noise_floor(series([2.0 * (1 + 1e-4), 1.5 * (1 + 3e-4), 1.2 * (1 + 1e-4)],
+                               [1.0 * (1 + 1e-3), 0.8 * (1 + 1e-3), 0.6 * (1 + 5e-3)], 1.1 * (1 + 4e-4)), ref)
+    assert [round(v, 9) for v in floor[0].values()] == [1e-4, 3e-4, 3e-4, 4e-4]  # steps 1-3 so far, then eval
+    assert [round(v, 9) for v in floor[1].values()] == [1e-3, 1e-3, 5e-3]
+    loss_tol, grad_tol = tolerances("bf16", floor, None, None)
+    assert FLOOR_FACTOR == 4 and round(loss_tol[1], 9) == 4e-4 and round(grad_tol[3], 9) == 2e-2
+    drifting = series([2.0, 1.5 * (1 + 1e-3), 1.2], [1.0 * (1 + 3e-3), 0.8, 0.6 * (1 + 1.5e-2)], 1.1 * (1 + 1e-3))
+    lines, ok = compare(drifting, ref, loss_tol, grad_tol)
+    assert ok, lines
+    early = series([2.0, 1.5, 1.2], [1.0 * (1 + 6e-3), 0.8, 0.6], 1.1)  # 6e-3 at step 1: past 4 x 1e-3 there
+    lines, ok = compare(early, ref, loss_tol, grad_tol)
+    assert not ok and "gradient-norm difference 6.0e-03 at step 1 (> 0.004)" in lines[-1], lines[-1]
+    assert tolerances("bf16", floor, 1e-2, None)[0] == 1e-2  # --loss-tol replaces the derived one
+    tiny = noise_floor(series([2.0, 1.5, 1.2], [1.0, 0.8, 0.6], 1.1), ref)  # no rounding at all: fp32's
+    assert tolerances("bf16", tiny, None, None) == ({1: 1e-5, 2: 1e-5, 3: 1e-5, "eval": 1e-5},
+                                                     {1: 1e-4, 2: 1e-4, 3: 1e-4})
 
 
 def test_shrink_keeps_the_model_type_and_its_shape_ratios():
@@ -73,6 +96,10 @@ def test_shrink_keeps_the_model_type_and_its_shape_ratios():
     (["--nproc", "4", "parallel.sequence=3"], "parallel.sequence=3 x parallel.tensor=1 = 3 does not divide the world "
                                               "size 4"),
     (["--out", "OCCUPIED"], "exists and is not a parity directory"),
+    (["--loss-tol", "0"], "parity: --loss-tol 0.0: give a positive relative tolerance"),
+    (["--grad-tol", "nan"], "parity: --grad-tol nan: give a positive relative tolerance"),
+    (["train.debug_loss_fault=halve"], "train.debug_loss_fault=halve: is not KIND[:STAGE] with KIND one of "
+                                       "mean_of_rank_means, drop_micro_batch, sequence_divisor"),
 ])
 def test_bad_parity_input_is_one_line_before_any_launch(capsys, tiny_data, tmp_path, extra, needle):
     (tmp_path / "occupied").mkdir()
@@ -240,6 +267,55 @@ def test_autotp_tensor_parallelism_keeps_the_math(model_type, tiny_data, tmp_pat
             mine, whole = (int(n.replace(",", "")) for n in held.pop())
             assert 0.5 * whole < mine < 0.8 * whole, (mine, whole)  # the layers split, embeddings and norms whole
     assert ref[STEPS]["train/loss"] < ref[1]["train/loss"]
+
+
+def loaded(run_dir):
+    import yaml
+
+    return yaml.safe_load((run_dir / "config.yaml").read_text())
+
+
+@pytest.mark.slow
+def test_bf16_parity_measures_its_noise_floor_and_fails_each_injected_fault(tiny_data, sft_data, tmp_path):
+    """bf16 (GPU's default) in two launches. (1) SFT (unequal target counts a rank), 4 processes of
+    data 2 x sequence 2, ZeRO 0-3 with train.debug_loss_fault putting one mistake under each of ZeRO
+    1-3: the tolerances come from the noise floor (the reference's layout in bf16); ZeRO-0 (bf16 +
+    ZeRO-0 + Ulysses, at parity since its optimizer's initial step is undone) passes, and each fault
+    fails: a mean of per-rank means, a dropped micro-batch, the sequence divisor of the other stage.
+    (2) AutoTP 2 (ZeRO 1 and 2) passes bf16 parity; --tf32 lets the fp32 reference use TF32."""
+    cfg = write_config(tmp_path / "sft.yaml", tiny_config(
+        sft_data, tmp_path / "unused", model={"dtype": "bf16"}, data={"dir": str(sft_data), "format": "sft", "pack": True},
+        train={"global_batch_size": GLOBAL_BATCH, "micro_batch_size": 2}))
+    out = tmp_path / "faults"
+    faults = "mean_of_rank_means:1,drop_micro_batch:2,sequence_divisor:3"
+    res = ds_train("parity", "--config", str(cfg), "--ds-config", *STAGES, "--nproc", "4", "--sequence", "2",
+                   "--steps", str(STEPS), "--out", str(out), f"train.debug_loss_fault={faults}", timeout=900)
+    assert res.returncode == 1, res.out[-6000:]
+    assert "verdict: FAIL: 1 of 4 layout(s) within tolerance of the reference over 5 steps" in res.out, res.out[-3000:]
+    assert "TF32 off in the fp32 runs" in res.out
+    floor_line = next(line for line in res.out.splitlines() if line.startswith("noise floor: "))
+    assert "the reference's layout in bf16 differs from it in fp32 by up to" in floor_line, floor_line
+    verdicts = {m.group(1): m.group(2) for m in re.finditer(r"^(zero\d)_np4_sp2_accum2: .*\n(?:.*\n)*?  (PASS|FAIL)",
+                                                             res.out, re.M)}
+    assert verdicts == {"zero0": "PASS", "zero1": "FAIL", "zero2": "FAIL", "zero3": "FAIL"}, verdicts
+    floor, ref = loaded(out / "floor"), loaded(out / "reference")
+    assert (floor["model"]["dtype"], ref["model"]["dtype"], ref["model"]["tf32"]) == ("bf16", "fp32", False)
+    assert floor["train"]["debug_loss_fault"] == ref["train"]["debug_loss_fault"] == ""
+    assert loaded(out / "zero0_np4_sp2_accum2")["train"]["debug_loss_fault"] == faults
+    assert json.loads((out / "zero0_np4_sp2_accum2" / "env.json").read_text())["parallel"] == {
+        "data": 2, "sequence": 2, "tensor": 1}
+    assert json.loads((out / "floor" / "env.json").read_text())["dtype"] == "bf16"
+
+    model = {**TINY_MODEL, "num_key_value_heads": 2}
+    cfg = write_config(tmp_path / "tp.yaml", tiny_config(
+        tiny_data, tmp_path / "unused", model={"config": model, "dtype": "bf16"},
+        train={"global_batch_size": GLOBAL_BATCH, "micro_batch_size": 2}))
+    res = ds_train("parity", "--config", str(cfg), "--ds-config", *STAGES[1:3], "--nproc", "2", "--tensor", "2",
+                   "--steps", str(STEPS), "--out", str(tmp_path / "tp"), "--tf32", timeout=600)
+    assert res.returncode == 0, res.out[-6000:]
+    assert "verdict: PASS: 2 of 2 layout(s) within tolerance of the reference over 5 steps" in res.out
+    assert "zero2_np2_tp2_accum4: ZeRO-2, bf16, 2 process(es), tensor parallel 2" in res.out
+    assert "TF32 allowed (--tf32) in the fp32 runs" in res.out and loaded(tmp_path / "tp" / "reference")["model"]["tf32"]
 
 
 @pytest.fixture(scope="module")

@@ -55,6 +55,9 @@ class ModelConfig(Section):
                           "included (e.g. llama). vocab_size defaults to the tokenizer's.")
     dtype: Literal["auto", "bf16", "fp16", "fp32"] = _f(
         "auto", "Training precision. auto: bf16 on a GPU that supports it, else fp32.")
+    tf32: bool = _f(True, "On a GPU (Ampere or later), let fp32 matmuls and convolutions use TF32 tensor cores "
+                          "(a 10-bit mantissa, several times faster); false: full fp32. `ds-train parity` turns "
+                          "it off for its fp32 runs unless --tf32.")
     activation_checkpointing: bool = _f(False, "Recompute activations in backward to save memory.")
     compile: bool = _f(False, "torch.compile the model through DeepSpeed's engine.compile() (the first "
                               "steps are slow while it compiles).")
@@ -170,6 +173,15 @@ class TrainConfig(Section):
     nonfinite_patience: int = _f(3, "Consecutive non-finite steps before train.nonfinite=stop exits.", POSITIVE)
     debug_nonfinite_steps: list[int] = _f([], "Fault injection: steps (RIPT: iterations) whose loss is made "
                                          "infinite, to rehearse the non-finite handling.")
+    debug_loss_fault: str = _f("", "Fault injection: KIND[:STAGE][,...] breaks the loss math on purpose, so "
+                                   "that `ds-train parity` is seen to catch it (under ZeRO stage STAGE only, when "
+                                   "given): mean_of_rank_means, drop_micro_batch or sequence_divisor.")
+
+    def check(self) -> list[str]:
+        from ds_train.faults import loss_fault_problem
+
+        problem = loss_fault_problem(self.debug_loss_fault)
+        return [f"train.debug_loss_fault: {problem}"] if problem else []
 
 
 @dataclass(frozen=True)
