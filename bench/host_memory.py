@@ -107,8 +107,8 @@ def save_checkpoints(hidden: int, layers: int, where: Path) -> dict[str, Path]:
     dirs = {dtype: where / f"llama_h{hidden}_l{layers}_{dtype}" for dtype in ("bf16", "fp32")}
     if all((d / "config.json").is_file() for d in dirs.values()):
         return dirs
-    cfg = AutoConfig.for_model("llama", hidden_size=hidden, intermediate_size=hidden * 11 // 4, num_hidden_layers=layers,
-                               num_attention_heads=hidden // 64, num_key_value_heads=hidden // 64, vocab_size=32000,
+    cfg = AutoConfig.for_model("llama", hidden_size=hidden, intermediate_size=hidden * 11 // 4,
+                               num_hidden_layers=layers, num_attention_heads=hidden // 64, num_key_value_heads=hidden // 64, vocab_size=32000,
                                max_position_embeddings=2048, tie_word_embeddings=False)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)

@@ -322,7 +322,8 @@ def compare(layout: dict, reference: dict, loss_tol: float | dict, grad_tol: flo
         lines.append(f"  {step:>5} {_num(loss, 13)} {_num(ref_loss, 13)} {dl:>9.1e} {_num(grad, 11)} "
                      f"{_num(ref_grad, 11)} {dg:>9.1e}")
     de = rel(layout["eval"], reference["eval"])
-    worst["loss"] = max(worst["loss"], (de / at(loss_tol, "eval"), de, at(loss_tol, "eval"), "eval"), key=lambda w: w[0])
+    eval_tol = at(loss_tol, "eval")
+    worst["loss"] = max(worst["loss"], (de / eval_tol, de, eval_tol, "eval"), key=lambda w: w[0])
     lines.append(f"  {'eval':>5} {_num(layout['eval'], 13)} {_num(reference['eval'], 13)} {de:>9.1e}")
     ok = ok and all(ratio <= 1 for ratio, *_ in worst.values())
     said = [f"{what} difference {d:.1e} {'at step ' if step != 'eval' else 'on '}{step} "
@@ -439,8 +440,8 @@ def _parity(cfg: RunConfig, label: str, lays: list[Layout], templates: dict, ste
         paths = RunPaths(out / lay.name)
         dtype = (read_json(paths.env) or {}).get("dtype", "fp32")
         stage = zero_stage(read_json(paths.ds_config) or {})
-        print(f"\n{lay.name}: ZeRO-{stage}, {dtype}, {lay.nproc} process(es){lay.describe()}, micro {lay.micro} x accum "
-              f"{lay.accum} ({lay.ds_config})")
+        print(f"\n{lay.name}: ZeRO-{stage}, {dtype}, {lay.nproc} process(es){lay.describe()}, micro {lay.micro} "
+              f"x accum {lay.accum} ({lay.ds_config})")
         lines, ok = compare(series(out / lay.name), reference, *tolerances(dtype, floor, loss_tol, grad_tol))
         print("\n".join(lines))
         passed += ok

@@ -141,7 +141,8 @@ def train_step(engine, micro_batches: list[np.ndarray] | list[Batch], poison: bo
         if fault == "mean_of_rank_means":
             step_targets = mine * ranks
         # DeepSpeed sums gradients over the sequence ranks and averages over the data-parallel ones
-        per_step = max(step_targets, 1) / ((data_parallel or engine.dp_world_size) * engine.gradient_accumulation_steps())
+        ranks_dividing = data_parallel or engine.dp_world_size
+        per_step = max(step_targets, 1) / (ranks_dividing * engine.gradient_accumulation_steps())
     dropped = len(micro_batches) - 1 if fault == "drop_micro_batch" and engine.global_rank == 0 else None
     for i, batch in enumerate(micro_batches):
         beat("forward")
