@@ -349,6 +349,7 @@ print(json.dumps({"kind": type(opt).__name__, "state": len(opt.optimizer.state),
 """
 
 
+@pytest.mark.slow
 def test_zero0_low_precision_optimizer_starts_as_before_a_first_step(tmp_path):
     """DeepSpeed 0.19.8's ZeRO-0 bf16 optimizer steps AdamW once with zero gradients when it is built
     (weight decay on every master weight, Adam's step count at 1): ds_train's initialize undoes it.
