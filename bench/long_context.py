@@ -18,9 +18,22 @@ length that does not fit).
 Search, per side: seq_len doubles from --start while trials train, then bisection between the
 longest that trained and the shortest that did not, to --grain tokens. Then both sides run at the
 longest length SP=1 trained (more steps, no cap, the sides in turn --repeats times) for tokens/s:
-the median of perf/tokens_per_s after the first step, each side's best run; beside them the Hugging Face Trainer's own DeepSpeed sequence parallelism (Accelerate's
-ParallelismConfig, bench/hf_sequence_parallel.py) on the same model, length and steps. The ratio
-longest(SP=2) / longest(SP=1) is the figure (target >= 1.8).
+the median of perf/tokens_per_s after the first step, each side's best run; SP=2 also without
+ds_train's tiles (the loss and MLP whole, as the other side computes them); beside them the Hugging
+Face Trainer's own DeepSpeed sequence parallelism (Accelerate's ParallelismConfig,
+bench/hf_sequence_parallel.py) on the same model, length and steps. The ratio longest(SP=2) /
+longest(SP=1) is the figure (target >= 1.8).
+
+The CPU's allocator: glibc's malloc raises its mmap threshold each time a large block is freed, so
+later activations of that size come from the heap and stay resident after they are freed. On this
+machine that retention was 0.41 of a rank's 1.17 GiB peak above baseline at SP=1 and 8,192 tokens
+(anonymous memory), and it grew with the whole sequence rather than a rank's part of it: at SP=2 and
+16,384 tokens (the same 8,192 a rank) the peak was 1.45 GiB, though autograd saved exactly half as
+much per rank as at SP=1 (ds_train/memory.py's terms all divide by the SP size). A GPU has its own
+caching allocator, so every rank fixes glibc's M_MMAP_THRESHOLD (mallopt, from the bench's
+sitecustomize; --malloc-mmap-threshold, default 64 KiB; 0 keeps glibc's dynamic threshold) in the
+capped trials: large blocks are then mapped and returned on free, and the cap measures what the run
+holds (the peaks above: 0.78 and 0.79 GiB). The speed runs keep glibc's default.
 """
 
 from __future__ import annotations
@@ -46,6 +59,10 @@ _root, _rank = os.environ.get("DS_TRAIN_BENCH_CGROUP"), os.environ.get("RANK")
 if _root and _rank is not None:
     with open(os.path.join(_root, "rank_" + _rank, "cgroup.procs"), "w") as _f:
         _f.write(str(os.getpid()))
+_threshold = int(os.environ.get("DS_TRAIN_BENCH_MMAP_THRESHOLD") or 0)
+if _threshold and _rank is not None:  # glibc's M_MMAP_THRESHOLD, in the ranks alone
+    import ctypes
+    ctypes.CDLL("libc.so.6").mallopt(-3, _threshold)
 '''
 
 
@@ -60,6 +77,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--speed-steps", type=int, default=6, help="steps of the tokens/s runs (default 6)")
     p.add_argument("--repeats", type=int, default=2, help="tokens/s runs per side, in turn (default 2)")
     p.add_argument("--max-len", type=int, default=262144, help="stop doubling here (default 262144)")
+    p.add_argument("--malloc-mmap-threshold", type=int, default=65536,
+                   help="glibc's M_MMAP_THRESHOLD in every rank of the capped trials (default 65536; 0: glibc's "
+                        "dynamic threshold)")
     p.add_argument("--out", help="also write the results as JSON here")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="run config overrides")
     args = p.parse_args(argv)
@@ -78,7 +98,7 @@ class Bench:
         (self.site / "sitecustomize.py").write_text(SITECUSTOMIZE)
         self.trials: list[dict] = []
 
-    def trial(self, sp: int, seq_len: int, steps: int, capped: bool = True) -> dict:
+    def trial(self, sp: int, seq_len: int, steps: int, capped: bool = True, extra: tuple = ()) -> dict:
         """One launch at seq_len (under the cap, or with none: a speed run): trained or killed, the
         ranks' peak memory, tokens/s."""
         name = f"sp{sp}_{seq_len}_{len(self.trials)}"
@@ -91,11 +111,12 @@ class Bench:
         run_dir = self.work / name
         cmd = [str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", str(sp), "--master_port",
                str(free_port()), "--module", "ds_train", "train", "--config", self.args.config,
-               "--ds-config", self.args.ds_config, *self.args.overrides, f"output_dir={run_dir}",
+               "--ds-config", self.args.ds_config, *self.args.overrides, *extra, f"output_dir={run_dir}",
                f"train.seq_len={seq_len}", f"parallel.sequence={sp}", f"train.max_steps={steps}",
                "checkpoint.every=0", "checkpoint.save_final=false", "log.plots=false",
                f"model.config.max_position_embeddings={max(seq_len, 2048)}"]
-        env = {**os.environ, "DS_TRAIN_BENCH_CGROUP": str(group), "WANDB_MODE": "offline",
+        env = {**malloc_env(self.args if capped else None), "DS_TRAIN_BENCH_CGROUP": str(group),
+               "WANDB_MODE": "offline",
                "PYTHONPATH": os.pathsep.join(filter(None, [str(self.site), os.environ.get("PYTHONPATH")]))}
         t0 = time.perf_counter()
         proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
@@ -158,6 +179,20 @@ def hf_trainer(args: argparse.Namespace, seq_len: int, work: Path) -> dict:
     return result
 
 
+# The speed runs' ds_train sides: (parallel.sequence, overrides). The HF Trainer computes the whole
+# logits and MLP at once; ds_train tiles them by default (train.loss_tile_tokens, mlp_tile_positions),
+# recomputing each tile in the backward: the untiled side says what that costs.
+SPEED_SIDES = {"sp1": (1, ()), "sp2": (2, ()),
+               "sp2_untiled": (2, ("train.loss_tile_tokens=0", "train.mlp_tile_positions=0"))}
+
+
+def malloc_env(args: argparse.Namespace | None) -> dict:
+    """The environment of a trial: this one, with glibc's mmap threshold fixed in its ranks when the
+    trial is capped (`args`; see the module's doc). Speed runs keep glibc's own: fixed, every large
+    block is mapped afresh, zeroed by the kernel (0.54x the tokens/s at SP=1 and 4,096 here)."""
+    return {**os.environ, "DS_TRAIN_BENCH_MMAP_THRESHOLD": str(args.malloc_mmap_threshold if args else 0)}
+
+
 def _oom_kills(group: Path) -> int:
     for line in (group / "memory.oom_control").read_text().splitlines():
         if line.startswith("oom_kill "):
@@ -204,28 +239,34 @@ def main(argv: list[str] | None = None) -> int:
         bench = Bench(args, work)
         print(f"bench: longest seq_len under {args.cap_gib:g} GiB per rank ({args.config}, {args.ds_config}, "
               f"{' '.join(args.overrides) or 'no overrides'})", flush=True)
+        # DeepSpeed JIT-builds its CPU ops (the shared-memory collectives) where they are not cached, or were
+        # last built by another command (the HF Trainer's runs below rebuild them: both ways, 2026-11-26):
+        # a build inside a capped rank would be killed by the cap, and read as a length that does not fit.
+        bench.trial(2, args.grain * 2, 1, capped=False)
         longest = {sp: bench.longest(sp) for sp in (1, 2)}
         both = longest[1]
         # Speed without the cap, the sides in turn, --repeats times; each side's best median.
-        runs: dict = {1: [], 2: [], "hf": []}
+        runs: dict = {side: [] for side in (*SPEED_SIDES, "hf")}
         for _ in range(args.repeats):
-            for sp in (1, 2):
-                runs[sp].append(bench.trial(sp, both, args.speed_steps, capped=False)["tokens_per_s"] or 0.0)
+            for side, (sp, extra) in SPEED_SIDES.items():
+                runs[side].append(bench.trial(sp, both, args.speed_steps, capped=False, extra=extra)["tokens_per_s"]
+                                  or 0.0)
             runs["hf"].append(hf_trainer(args, both, work))
         hf = max(runs["hf"], key=lambda r: r.get("tokens_per_s") or 0.0)
         hf["runs_tokens_per_s"] = [r.get("tokens_per_s") for r in runs["hf"]]
-        speed = {sp: {"tokens_per_s": max(runs[sp]), "runs_tokens_per_s": runs[sp]} for sp in (1, 2)}
+        speed = {side: {"tokens_per_s": max(runs[side]), "runs_tokens_per_s": runs[side]} for side in SPEED_SIDES}
     finally:
         shutil.rmtree(work, ignore_errors=True)
     ratio = longest[2] / longest[1]
     out = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "machine": _machine(),
            "command": " ".join([Path(sys.argv[0]).name, *(argv if argv is not None else sys.argv[1:])]),
            "cap_gib_per_rank": args.cap_gib, "cap": "cgroup v1 memory.limit_in_bytes per rank, no swap",
+           "malloc_mmap_threshold": args.malloc_mmap_threshold,
            "longest_seq_len": {f"sp{sp}": n for sp, n in longest.items()}, "ratio_sp2_over_sp1": ratio,
            "target": TARGET, "speed_seq_len": both,
-           "tokens_per_s_runs": {**{f"sp{sp}": t["runs_tokens_per_s"] for sp, t in speed.items()},
+           "tokens_per_s_runs": {**{side: t["runs_tokens_per_s"] for side, t in speed.items()},
                                  "hf_trainer_sp2": hf["runs_tokens_per_s"]},
-           "tokens_per_s": {**{f"sp{sp}": t["tokens_per_s"] for sp, t in speed.items()},
+           "tokens_per_s": {**{side: t["tokens_per_s"] for side, t in speed.items()},
                             "hf_trainer_sp2": hf.get("tokens_per_s")},
            "hf_trainer": hf,
            "trials": bench.trials, "versions": versions()}
@@ -233,7 +274,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"results: longest seq_len sp1 {longest[1]:,}, sp2 {longest[2]:,}: x{ratio:.2f} (target >= {TARGET}); "
           f"at {both:,}: sp1 {rate['sp1'] or 0:,.0f} tokens/s, sp2 {rate['sp2'] or 0:,.0f} tokens/s "
           f"(x{(rate['sp2'] or 0) / (rate['sp1'] or 1):.2f}); the HF Trainer's own SP 2: "
-          + (f"{rate['hf_trainer_sp2']:,.0f} tokens/s (ds_train / HF x{(rate['sp2'] or 0) / rate['hf_trainer_sp2']:.2f})"
+          + (f"{rate['hf_trainer_sp2']:,.0f} tokens/s (ds_train / HF "
+             f"x{(rate['sp2'] or 0) / rate['hf_trainer_sp2']:.2f}; ds_train without its tiles "
+             f"{rate['sp2_untiled'] or 0:,.0f} tokens/s, "
+             f"x{(rate['sp2_untiled'] or 0) / rate['hf_trainer_sp2']:.2f})"
              if rate["hf_trainer_sp2"] else f"did not run ({hf.get('error')})"))
     if args.out:
         Path(args.out).write_text(json.dumps(out, indent=2))

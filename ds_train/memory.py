@@ -260,6 +260,11 @@ and their fp32 copy are transient.
     block input, the norms and the residual, and the gathered logits, stay whole.
     Checked against the tensors autograd actually saves in tests/test_memory.py (on a tensor rank of
     an AutoTP engine too, in tests/memory_probe.py).
+    Under Ulysses (parallel.sequence) the caller passes a rank's seq_len / sequence positions: every
+    term divides (recipes/long_context.yaml at 8,192 tokens: autograd saved 749.3 MiB at
+    sequence 1 and 374.5 MiB on each rank at 2). Not counted: the all-to-all's copies of one layer's
+    Q/K/V and attention output while they are in flight, 2% of the peak at 16,384 tokens there. On
+    the CPU, glibc's malloc may keep freed activations resident (bench/long_context.py's doc).
     """
     p = param_bytes(dtype)
     tokens = micro_batch * seq_len
