@@ -42,6 +42,86 @@ def tiled_loss_sum(project, hidden, targets, tile_tokens: int):
     return total
 
 
+class _FusedLinearLoss:
+    """Summed cross-entropy of `scale * hidden @ weight.T (+ bias)` whose gradients are computed in the
+    forward, tile by tile (a fused linear cross-entropy, as Liger's): a tile's logits exist only while
+    that tile is computed, and the backward only scales what the forward kept (the gradient of the
+    hidden states, the head's weight and bias in fp32), so the head's matmul is never recomputed.
+    The same sums as the full logits, in tiles."""
+
+    @staticmethod
+    def apply(hidden, weight, bias, targets, tile_tokens: int, scale: float):
+        import torch
+
+        grad = torch.is_grad_enabled()  # the forward below runs without autograd: ask now
+
+        class Fn(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx, hidden, weight, bias):
+                wants = [grad and x is not None and x.requires_grad for x in (hidden, weight, bias)]
+                return _fused_forward(ctx, hidden, weight, bias, targets, tile_tokens, scale, wants)
+
+            @staticmethod
+            def backward(ctx, grad):
+                dh, dw, db = ctx.grads
+                del ctx.grads  # the node outlives its backward (the loss is still referenced): free them now
+                return ((dh * grad).to(hidden.dtype) if dh is not None else None,
+                        (dw * grad).to(weight.dtype) if dw is not None else None,
+                        (db * grad).to(bias.dtype) if db is not None else None)
+
+        return Fn.apply(hidden, weight, bias)
+
+
+def _fused_forward(ctx, hidden, weight, bias, targets, tile_tokens: int, scale: float, wants: list[bool]):
+    import torch
+    import torch.nn.functional as F
+
+    h, t = hidden.reshape(-1, hidden.size(-1)), targets.reshape(-1)
+    want_h, want_w, want_b = wants
+    dh = torch.empty_like(h) if want_h else None
+    dw = torch.zeros_like(weight, dtype=torch.float32) if want_w else None
+    db = torch.zeros_like(bias, dtype=torch.float32) if want_b else None
+    total = torch.zeros((), dtype=torch.float32, device=h.device)
+    for i in range(0, h.size(0), tile_tokens):
+        x, y = h[i:i + tile_tokens], t[i:i + tile_tokens]
+        logits = F.linear(x, weight, bias)
+        if scale != 1:
+            logits = logits * scale
+        logits = logits.float()
+        # No host synchronisation: the ignored rows are masked, never looked up.
+        keep = (y != IGNORE).to(logits.dtype)
+        picked = y.clamp(min=0).unsqueeze(1)
+        lse = logits.logsumexp(-1)
+        total += ((lse - logits.gather(1, picked).squeeze(1)) * keep).sum()
+        if not (want_h or want_w or want_b):
+            continue
+        # d(sum of losses)/d(logits): softmax - one-hot on the rows with a target, 0 elsewhere (in place)
+        g = logits.sub_(lse.unsqueeze(1)).exp_().mul_(keep.unsqueeze(1))
+        g.scatter_add_(1, picked, -keep.unsqueeze(1))
+        g = (g if scale == 1 else g.mul_(scale)).to(x.dtype)  # through the scale, as autograd would
+        if want_h:
+            dh[i:i + tile_tokens] = g @ weight
+        if want_w:
+            dw += (g.t() @ x).float()
+        if want_b:
+            db += g.float().sum(0)
+    ctx.grads = (dh.view_as(hidden) if want_h else None, dw, db)
+    return total
+
+
+def fused_loss_sum(head, hidden, targets, tile_tokens: int, scale: float = 1.0):
+    """The summed loss of a plain Linear `head` (then `scale`) by `_FusedLinearLoss`."""
+    return _FusedLinearLoss.apply(hidden, head.weight, head.bias, targets, tile_tokens, scale)
+
+
+def fuses(head) -> bool:
+    """Whether the head's loss can be fused: a plain torch Linear layer (a LoRA adapter, a tensor-parallel
+    shard or any other module keeps its own forward, in recomputed tiles)."""
+    import torch
+
+    return type(head) is torch.nn.Linear
+
+
 # What a model's forward does to its head's output before the logits are returned (transformers), by
 # config key: (the op on the logits, the value the head hands back so that the op turns it into the
 # loss). Granite divides by logits_scaling, Cohere multiplies by logit_scale.
@@ -58,18 +138,20 @@ def _post_head(config):
 
 
 @contextmanager
-def _head_computes_the_loss(model, targets, tile_tokens: int):
-    """During one forward, the output head returns the tiled summed loss instead of logits. Each tile
-    goes through the head module's own forward (LoRA adapters, a modules_to_save copy: whatever the
-    module is; its ZeRO-3 hooks still gather and release its weight around the call) and through the
-    model's scaling after the head, whose op the returned value is made to survive."""
+def _head_computes_the_loss(model, targets, tile_tokens: int, fused: bool = True):
+    """During one forward, the output head returns the tiled summed loss instead of logits. A plain
+    Linear head (`fuses`), with `fused`, computes its gradients in the forward (`fused_loss_sum`); any
+    other goes tile by tile through the head module's own forward (LoRA adapters, a modules_to_save
+    copy: whatever the module is), recomputed in the backward. Either way the module is called, so its
+    ZeRO-3 hooks still gather and release its weight around the call, and the model's scaling after
+    the head (POST_HEAD) is applied to every tile, the returned value made to survive its op."""
     head = model.get_output_embeddings()
     own = type(head).forward
-    post = _post_head(getattr(model, "config", None))
-    if post is None:
-        head.forward = lambda hidden: tiled_loss_sum(lambda h: own(head, h), hidden, targets, tile_tokens)
+    scale, apply, undo = _post_head(getattr(model, "config", None)) or (1.0, lambda x, s: x, lambda x, s: x)
+    if fused and fuses(head):
+        factor = apply(1.0, scale)  # the op is a product: x / s or x * s
+        head.forward = lambda hidden: undo(fused_loss_sum(head, hidden, targets, tile_tokens, factor), scale)
     else:
-        scale, apply, undo = post
         head.forward = lambda hidden: undo(
             tiled_loss_sum(lambda h: apply(own(head, h), scale), hidden, targets, tile_tokens), scale)
     try:
@@ -86,11 +168,12 @@ def tiles(model, tokens: int, tile_tokens: int) -> bool:
     return bool(tile_tokens) and tokens > tile_tokens and not getattr(config, "final_logit_softcapping", None)
 
 
-def forward_loss(engine, batch: np.ndarray | Batch, tile_tokens: int = 0):
+def forward_loss(engine, batch: np.ndarray | Batch, tile_tokens: int = 0, fused: bool = True):
     """Summed next-token cross-entropy and the count of target tokens of one micro-batch: windows
     of seq_len + 1 tokens (pretraining), or a Batch (sft: targets on the assistant's tokens, and
     position ids restarting at each packed example, which keep examples from attending across).
-    `tile_tokens`: above that many tokens the loss is computed in tiles (train.loss_tile_tokens)."""
+    `tile_tokens`: above that many tokens the loss is computed in tiles (train.loss_tile_tokens), their
+    gradients in the forward where the head allows (`fused`: train.fused_loss)."""
     import torch
     import torch.nn.functional as F
 
@@ -104,7 +187,7 @@ def forward_loss(engine, batch: np.ndarray | Batch, tile_tokens: int = 0):
         count = targets.numel()
     model = getattr(engine, "module", engine)
     if tiles(model, inputs.numel(), tile_tokens):
-        with _head_computes_the_loss(model, targets.to(engine.device), tile_tokens):
+        with _head_computes_the_loss(model, targets.to(engine.device), tile_tokens, fused):
             loss_sum = engine(input_ids=inputs.to(engine.device), use_cache=False, **extra).logits
         return loss_sum, count
     logits = engine(input_ids=inputs.to(engine.device), use_cache=False, **extra).logits

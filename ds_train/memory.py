@@ -244,7 +244,7 @@ class Activations:
 
 def activation_bytes(shape: ModelShape, micro_batch: int, seq_len: int, dtype: str,
                      checkpointing: bool, tile_tokens: int = 0, mlp_tile_positions: int = 0,
-                     tensor: int = 1) -> Activations:
+                     tensor: int = 1, fused_loss: bool = True) -> Activations:
     """Activation memory of one micro-batch for a Llama-style decoder with SDPA attention (no
     s x s score matrix is stored) and ds_train's fp32 loss over the logits.
 
@@ -254,7 +254,9 @@ def activation_bytes(shape: ModelShape, micro_batch: int, seq_len: int, dtype: s
     fp32 copies of their input too. With activation checkpointing only each layer's input (and the
     rotary tables) is kept, and one layer's full set exists again while it is recomputed. The loss
     keeps an fp32 log-softmax over the vocabulary, the final norm and lm_head their inputs; the logits
-and their fp32 copy are transient.
+and their fp32 copy are transient. The fused loss in tiles (train.fused_loss) keeps the gradient of
+    lm_head's input in its place, and the head's weight gradient in fp32 (vocab x hidden x 4 bytes)
+    from the loss's forward to the head's backward.
     Under AutoTP (`tensor` ranks) what the column-split projections produce is split too: Q and
     rotated Q, the attention output, K/V and the MLP's 4f (3h + 3kv + 4f of the 8h + 3kv + 4f); the
     block input, the norms and the residual, and the gathered logits, stay whole.
@@ -281,13 +283,17 @@ and their fp32 copy are transient.
     # in the backward, ever exist.
     loss_tokens = min(tokens, tile_tokens) if tile_tokens and tokens > tile_tokens else tokens
     log_softmax = (0 if loss_tokens < tokens else tokens) * shape.vocab * 4
+    # The fused loss's fp32 gradient of the head's weight: made in the forward, freed by the head's backward
+    # (the backward's first step). With checkpointing the peak comes later, in a layer's recomputation.
+    fused = shape.vocab * shape.hidden * 4 / tensor if fused_loss and loss_tokens < tokens else 0
     head = tokens * (3 * shape.hidden * p + (4 * shape.hidden if p < 4 else 0))  # final norm, lm_head input
     logits_transient = loss_tokens * shape.vocab * (p + (4 if p < 4 else 0)) + (
         loss_tokens * shape.vocab * 4 if loss_tokens < tokens else 0)  # a tile's log-softmax, while it lives
     if checkpointing:
         layer_inputs = shape.n_layers * tokens * p * shape.hidden
-        return Activations(layer_inputs + head + log_softmax, layer_full + mlp_transient + logits_transient)
-    return Activations(shape.n_layers * layer_full + head + log_softmax, max(logits_transient, mlp_transient))
+        return Activations(layer_inputs + head + log_softmax,
+                           max(layer_full + mlp_transient + logits_transient, fused + logits_transient))
+    return Activations(shape.n_layers * layer_full + head + log_softmax + fused, max(logits_transient, mlp_transient))
 
 
 def buffer_bytes(zero: dict, stage: int, dtype: str, shape: ModelShape) -> float:
@@ -326,7 +332,7 @@ class Estimate:
 
 def estimate(shape: ModelShape, stage: int, dtype: str, world: int, micro_batch: int, seq_len: int,
              checkpointing: bool, zero: dict, tile_tokens: int = 0, mlp_tile_positions: int = 0,
-             tensor: int = 1) -> Estimate:
+             tensor: int = 1, fused_loss: bool = True) -> Estimate:
     """One rank's memory: `world` the ranks ZeRO partitions over, `tensor` the AutoTP size (each
     rank's model states are its share, ZeRO-partitioned over `world`)."""
     offload_opt = zero.get("offload_optimizer", {}).get("device") in ("cpu", "nvme")
@@ -334,5 +340,5 @@ def estimate(shape: ModelShape, stage: int, dtype: str, world: int, micro_batch:
     return Estimate(stage, model_states(shape.rank_params(tensor), stage, dtype, world, offload_opt, offload_par,
                                         shape.trainable or None),
                     activation_bytes(shape, micro_batch, seq_len, dtype, checkpointing, tile_tokens,
-                                     mlp_tile_positions, tensor),
+                                     mlp_tile_positions, tensor, fused_loss),
                     buffer_bytes(zero, stage, dtype, shape))

@@ -32,11 +32,11 @@ class Target:
         return self.nodes * self.gpus_per_node
 
 
-def tiles(cfg: RunConfig) -> tuple[int, int, int]:
+def tiles(cfg: RunConfig) -> tuple[int, int, int, bool]:
     """The loss's and the MLP's tile sizes in tokens (train.loss_tile_tokens in tokens,
-    train.mlp_tile_positions in positions of a sequence), and the AutoTP size that splits the
-    layers (estimate's last arguments)."""
-    return cfg.train.loss_tile_tokens, cfg.train.mlp_tile_positions, cfg.parallel.tensor
+    train.mlp_tile_positions in positions of a sequence), the AutoTP size that splits the
+    layers and whether the loss is fused (estimate's last arguments)."""
+    return cfg.train.loss_tile_tokens, cfg.train.mlp_tile_positions, cfg.parallel.tensor, cfg.train.fused_loss
 
 
 def stages(cfg: RunConfig, dtype: str) -> range:
@@ -147,7 +147,8 @@ def suggestions(shape: ModelShape, cfg: RunConfig, zero: dict, target: Target, d
     def add(change: str, **kw):
         est = estimate(shape, kw.get("stage", stage), dtype, kw.get("ranks", zero_ranks(cfg, target)),
                        micro_rows(cfg, kw.get("micro", micro)), kw.get("seq", seq) // kw.get("sp", sp),
-                       kw.get("ckpt", ckpt), kw.get("zero", zero), *tiles(cfg)[:2], kw.get("tp", cfg.parallel.tensor))
+                       kw.get("ckpt", ckpt), kw.get("zero", zero), *tiles(cfg)[:2], kw.get("tp", cfg.parallel.tensor),
+                       cfg.train.fused_loss)
         out.append({"change": change, "gpu_peak_gib": est.gpu_peak / GiB, "fits": fits(est, target)})
 
     per_rank = cfg.train.global_batch_size // data if cfg.train.global_batch_size % data == 0 else 0

@@ -52,6 +52,7 @@ from ds_train.memory import checkpoint_bytes
 from ds_train.metrics import Logger, build_logger, build_progress, peak_flops, rewind_jsonl
 from ds_train.model.build import (build_model, count_params, flops_per_token, has_frozen_params, lookup_params,
                                    resolve_dtype)
+from ds_train.model.kernels import apply_liger, compile_layers
 from ds_train.model.tiled_mlp import tiled_mlps
 from ds_train.model.ulysses import register_ulysses, unregister_ulysses
 from ds_train.parallel import ParallelDims, check_model, deepspeed_range_note, plan_dims
@@ -327,14 +328,19 @@ def _build_run(inputs: RunInputs, env: dist.DistEnv, spec: RunSpec, stop: StopRe
     mpu = register_ulysses(source.hf_config, cfg.model.attn_implementation, dims.sequence, plan.micro_batch_size,
                            packed=inputs.data is not None and inputs.data.packed)
     built = build_model(replace(cfg.model, path=str(weights or "")), source.hf_config, ds_config, cfg.seed)
+    if cfg.model.liger_kernels:
+        _, said = apply_liger(built.model, accel.device_name())
+        rank_log.info(said)
+        if env.is_main and not quiet:
+            print(said)
     tiled, whole = tiled_mlps(built.model, cfg.train.mlp_tile_positions, cfg.train.seq_len // dims.sequence)
     n_params = count_params(built.model)
     trainable = count_params(built.model, trainable_only=True) if has_frozen_params(built.model) else None
     engine = initialize(built.model, ds_config, mpu)
-    if cfg.model.compile:  # torch.compile through DeepSpeed, with the accelerator's backend
+    if cfg.model.compile:  # each decoder layer, with the accelerator's backend
         backend = accel.get_compile_backend()
-        engine.compile(backend=backend)
-        rank_log.info(f"engine.compile(backend={backend!r}): compiled {engine.is_compiled}")
+        n, kind = compile_layers(engine.module, backend)
+        rank_log.info(f"model.compile: torch.compile(backend={backend!r}) on {n} {kind} module(s)")
 
     hosts = dist.all_gather_object((env.node_rank, host))  # node rank: loopback nodes share a name
     say = print if env.is_main and not quiet else _silent

@@ -99,7 +99,8 @@ def run_step(run: Run, batches: list, step: int, clock: ComputeClock, reference:
     fault = loss_fault(run.cfg.train.debug_loss_fault, run.zero_stage)
     if fault == "sequence_divisor":  # the other stage's rule (ParallelDims.gradient_ranks)
         kw["data_parallel"] = run.dims.data * (run.dims.sequence if run.zero_stage != 3 else 1)
-    return train_step(run.engine, batches, tile_tokens=run.cfg.train.loss_tile_tokens, fault=fault, **kw)
+    return train_step(run.engine, batches, tile_tokens=run.cfg.train.loss_tile_tokens,
+                      fused_loss=run.cfg.train.fused_loss, fault=fault, **kw)
 
 
 def position(run: Run, step: int) -> dict:
@@ -117,7 +118,8 @@ class StepResult:
 
 def train_step(engine, micro_batches: list[np.ndarray] | list[Batch], poison: bool = False,
                beat: Callable[[str], None] = lambda phase: None, clock: ComputeClock | None = None,
-               group=None, data_parallel: int | None = None, tile_tokens: int = 0, fault: str = "") -> StepResult:
+               group=None, data_parallel: int | None = None, tile_tokens: int = 0, fused_loss: bool = True,
+               fault: str = "") -> StepResult:
     """One optimizer step: the engine owns accumulation scaling, clipping and the optimizer.
 
     The gradient is that of the mean loss over the step's target tokens on every rank. Windows all
@@ -126,7 +128,7 @@ def train_step(engine, micro_batches: list[np.ndarray] | list[Batch], poison: bo
     of a count), times the engine's own averaging over micro-batches and ranks, which backward undoes.
 
     `data_parallel`: how many ranks DeepSpeed divides the summed gradient by (ParallelDims.gradient_ranks;
-    default the engine's data-parallel size); `tile_tokens`: train.loss_tile_tokens.
+    default the engine's data-parallel size); `tile_tokens`, `fused_loss`: train.loss_tile_tokens, train.fused_loss.
     `poison` makes the loss infinite (fault injection for train.debug_nonfinite_steps); `fault`: a
     train.debug_loss_fault kind (ds_train/faults.py); `beat` tells the heartbeat each phase; `clock`
     times the forward passes (this rank's own work).
@@ -147,7 +149,7 @@ def train_step(engine, micro_batches: list[np.ndarray] | list[Batch], poison: bo
     for i, batch in enumerate(micro_batches):
         beat("forward")
         with clock.device():
-            loss_sum, n_tokens = forward_loss(engine, batch, tile_tokens)
+            loss_sum, n_tokens = forward_loss(engine, batch, tile_tokens, fused_loss)
         if poison:
             loss_sum = loss_sum * float("inf")
         divisor = per_step or n_tokens

@@ -341,16 +341,21 @@ def test_the_tiled_loss_is_the_full_logits_loss_in_tiles():
     targets[0, :7] = -100  # targets only where there is a loss, as sft batches have
     batch = Batch(rng.integers(0, 300, (2, 40)), targets, None)
     grads = []
-    for tile in (0, 16):  # 80 tokens: 5 tiles, the last one short
+    for tile, fused in ((0, False), (16, False), (16, True)):  # 80 tokens: 5 tiles, the last one short
         model.zero_grad()
-        loss, count = forward_loss(model, batch, tile)
+        loss, count = forward_loss(model, batch, tile, fused)
         loss.backward()
         grads.append((float(loss.detach()), count, {n: p.grad.clone() for n, p in model.named_parameters()}))
-    (full, n_full, g_full), (tiled, n_tiled, g_tiled) = grads
-    assert n_full == n_tiled == 73 and abs(tiled - full) <= 1e-5 * abs(full)
-    for name, g in g_full.items():  # against the tensor's scale: an element near 0 carries fp32 summation order
-        assert float((g_tiled[name] - g).abs().max()) <= 1e-5 * float(g.abs().max()), name
+    (full, n_full, g_full), *tiled_runs = grads
+    for tiled, n_tiled, g_tiled in tiled_runs:  # recomputed, then fused
+        assert n_full == n_tiled == 73 and abs(tiled - full) <= 1e-5 * abs(full)
+        for name, g in g_full.items():  # against the tensor's scale: an element near 0 carries fp32 summation order
+            assert float((g_tiled[name] - g).abs().max()) <= 1e-5 * float(g.abs().max()), name
     assert "forward" not in vars(model.get_output_embeddings())  # the head is itself again
+    with torch.no_grad():  # evaluation: the fused loss alone, no gradient made
+        model.zero_grad()
+        loss, _ = forward_loss(model, batch, 16, True)
+    assert abs(float(loss) - full) <= 1e-5 * abs(full) and all(p.grad is None for p in model.parameters())
     assert tiles(model, 80, 16) and not tiles(model, 16, 16) and not tiles(model, 80, 0)
     model.config.final_logit_softcapping = 30.0
     assert not tiles(model, 80, 16)
@@ -498,17 +503,18 @@ def _tiled_against_full(model, vocab: int) -> None:
     rng = np.random.default_rng(0)
     batch = Batch(rng.integers(0, vocab, (2, 40)), rng.integers(0, vocab, (2, 40)), None)
     runs = []
-    for tile in (0, 16):
+    for tile, fused in ((0, False), (16, False), (16, True)):
         model.zero_grad()
-        loss, _ = forward_loss(model, batch, tile)
+        loss, _ = forward_loss(model, batch, tile, fused)
         loss.backward()
         runs.append((float(loss.detach()), {n: p.grad.clone() for n, p in model.named_parameters()
                                             if p.grad is not None}))
-    (full, g_full), (tiled, g_tiled) = runs
-    assert abs(tiled - full) <= 1e-6 * abs(full), (tiled, full)
-    assert g_full.keys() == g_tiled.keys() and g_full
-    for name, g in g_full.items():
-        assert float((g_tiled[name] - g).abs().max()) <= 1e-6 * max(float(g.abs().max()), 1e-30), name
+    (full, g_full), *tiled_runs = runs
+    for tiled, g_tiled in tiled_runs:  # recomputed, then fused where the head is a plain Linear
+        assert abs(tiled - full) <= 1e-6 * abs(full), (tiled, full)
+        assert g_full.keys() == g_tiled.keys() and g_full
+        for name, g in g_full.items():
+            assert float((g_tiled[name] - g).abs().max()) <= 1e-6 * max(float(g.abs().max()), 1e-30), name
 
 
 @pytest.mark.parametrize("model_type, scale", [("granite", {"logits_scaling": 4.0}),
@@ -541,3 +547,78 @@ def test_the_tiled_loss_goes_through_a_lora_head():
                                 peft.LoraConfig(r=4, target_modules=["q_proj", "lm_head"], init_lora_weights=False))
     assert any("lm_head.lora_B" in n for n, p in model.named_parameters() if p.requires_grad)
     _tiled_against_full(model, 300)
+
+
+def test_the_fused_loss_takes_a_heads_bias_and_a_frozen_head():
+    """train.fused_loss: a head with a bias gets the bias's gradient too; a frozen head (LoRA elsewhere)
+    gets none made, only its input's; a LoRA-adapted head is not a plain Linear and is recomputed."""
+    import peft
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from ds_train.losses import fuses
+
+    cfg = AutoConfig.for_model("llama", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                               num_attention_heads=4, vocab_size=300, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg)
+    model.lm_head = torch.nn.Linear(32, 300, bias=True)
+    _tiled_against_full(model, 300)
+    assert model.lm_head.bias.grad is not None and float(model.lm_head.bias.grad.abs().sum()) > 0
+    lora = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=["q_proj"], init_lora_weights=False))
+    head = lora.get_output_embeddings()
+    assert fuses(head) and not head.weight.requires_grad
+    _tiled_against_full(lora, 300)
+    assert head.weight.grad is None
+    adapted = peft.get_peft_model(AutoModelForCausalLM.from_config(cfg), peft.LoraConfig(r=4, target_modules=["lm_head"]))
+    assert not fuses(adapted.get_output_embeddings())
+
+
+def test_liger_kernels_patch_a_llama_on_a_gpu_and_say_why_not_elsewhere():
+    """model.liger_kernels: off a CUDA device nothing is patched and one line says so; on one, Liger
+    patches each RMSNorm and MLP instance, or (not installed) one line says how to install it."""
+    import importlib.util
+
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from ds_train.model.kernels import apply_liger
+
+    cfg = AutoConfig.for_model("llama", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                               num_attention_heads=4, vocab_size=300)
+    model = AutoModelForCausalLM.from_config(cfg)
+    done, said = apply_liger(model, "cpu")
+    assert not done and said.endswith("this run is on cpu; it goes on without them")
+    assert "forward" not in vars(model.model.norm) and "forward" not in vars(model.model.layers[0].mlp)
+    done, said = apply_liger(model, "cuda")  # patching needs no GPU; Liger's kernels would
+    if importlib.util.find_spec("liger_kernel") is None:
+        assert not done and "`pip install liger-kernel`, or set model.liger_kernels=false" in said
+    else:
+        assert done and said.endswith("kernels on llama") and "forward" in vars(model.model.layers[0].mlp)
+
+
+def test_model_compile_compiles_each_decoder_layer_once_and_leaves_the_loss_eager():
+    """model.compile: each decoder layer is compiled (one graph for all of them), the tiled loss stays
+    eager, so micro-batch after micro-batch nothing compiles again (a whole-model compile did: the
+    head's forward is the tiled loss for one forward at a time), and the loss is the eager one."""
+    import numpy as np
+    import torch._dynamo
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from ds_train.losses import forward_loss
+    from ds_train.model.kernels import compile_layers
+
+    cfg = AutoConfig.for_model("llama", hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                               num_attention_heads=4, vocab_size=300)
+    torch.manual_seed(0)
+    eager = AutoModelForCausalLM.from_config(cfg)
+    compiled = AutoModelForCausalLM.from_config(cfg)
+    compiled.load_state_dict(eager.state_dict())
+    torch._dynamo.reset()
+    assert compile_layers(compiled, "eager") == (3, "LlamaDecoderLayer")
+    rng = np.random.default_rng(0)
+    for _ in range(4):
+        batch = rng.integers(0, 300, (2, 41))
+        (a, _), (b, _) = forward_loss(eager, batch, 32), forward_loss(compiled, batch, 32)
+        assert abs(float(a) - float(b)) <= 1e-5 * abs(float(a))
+        b.backward()
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
+    assert all(p.grad is not None for p in compiled.parameters())

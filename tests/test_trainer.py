@@ -150,8 +150,11 @@ def test_single_process_form_with_eval_sample_and_checkpoint(tiny_data, tmp_path
         checkpoint={"save_final": True, "export_final": True},
         log={"every": 2, "sample_prompt": "def ", "sample_tokens": 8}))
     res = ds_train("train", "--config", str(cfg), "--ds-config", str(ROOT / "ds_configs" / "zero0.json"),
-                   "optim.lr_scaling=linear", "optim.reference_batch_size=16")  # global 8: half the lr
+                   "optim.lr_scaling=linear", "optim.reference_batch_size=16",  # global 8: half the lr
+                   "model.liger_kernels=true")  # no GPU here: one line, and the run goes on without them
     assert res.returncode == 0, res.out[-4000:]
+    assert ("model.liger_kernels: Liger's kernels are Triton kernels for a CUDA GPU, and this run is on cpu; it "
+            "goes on without them") in res.out
     assert "lr 0.005 (optim.lr 0.01, scaling linear)" in res.out  # as RIPT's (test_ript_trainer.py)
     ds = json.loads((tmp_path / "run" / "ds_config.json").read_text())
     assert ds["optimizer"]["params"]["lr"] == 0.005  # WarmupCosineLR scales from the optimizer lr

@@ -1,6 +1,6 @@
 """MFU and tokens/s of a ~1B Llama: ds_train against a bare DeepSpeed loop and the HF Trainer.
 
-    python bench/gpu/mfu.py --out OUT [--sides ds_train,bare,hf,ckpt,compile] [--steps 20]
+    python bench/gpu/mfu.py --out OUT [--sides ds_train,bare,hf,recompute,liger,ckpt,compile] [--steps 20]
     python bench/gpu/mfu.py --out OUT --reduced --data DIR      # the CPU check the suite runs
 
 One GPU, ZeRO-2 (ds_configs/zero2.json), bf16, seq 2048, micro-batch 8 x accumulation 4. Sides,
@@ -11,11 +11,14 @@ each in its own process, one after another:
             forward (HF loss) / engine.backward / engine.step on random tokens, nothing else
   hf        the Hugging Face Trainer with that same ds_config (every value it owns agrees), random
             tokens, timed by a callback from the end of warm-up to the last step
+  recompute ds_train with train.fused_loss=false: the loss's tiles recomputed in the backward
+  liger     ds_train with model.liger_kernels=true (Liger's RMSNorm, RoPE and SwiGLU)
   ckpt      ds_train with model.activation_checkpointing=true
   compile   ds_train with model.compile=true (DeepSpeed's engine.compile())
 
 Every side times the same steps (after --warmup) with the device synchronised at both ends, and
-MFU = tokens/s x (6 N + 12 L h s) / peak, one formula for all. results: OUT/mfu.json.
+MFU = tokens/s x (6 N + 12 L h s) / peak, one formula for all. results: OUT/mfu.json, rewritten
+after each side (a side cut off by a time limit leaves the others' figures).
 """
 
 from __future__ import annotations
@@ -30,7 +33,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (LLAMA_1B, ROOT, add_common_args, ds_train, launch, metrics,  # noqa: E402
                     run_config, start, tail, versions, write_results)
 
-SIDES = ("ds_train", "bare", "hf", "ckpt", "compile")
+SIDES = ("ds_train", "bare", "hf", "recompute", "liger", "ckpt", "compile")
+# a ds_train side -> what it changes in the run config (run_config's sections)
+DS_TRAIN_SIDES = {"ds_train": {}, "recompute": {"train": {"fused_loss": False}},
+                  "liger": {"model_keys": {"liger_kernels": True}}, "ckpt": {"ckpt": True}, "compile": {"compile": True}}
 DS_CONFIG = ROOT / "ds_configs" / "zero2.json"
 
 
@@ -209,8 +215,8 @@ def summarise(args, sides: dict, model: dict, seq: int) -> dict:
                 s["mfu"] = s["tokens_per_s"] * fpt / peak
     ratio = {}
     base = sides.get("ds_train", {}).get("tokens_per_s")
-    for other in ("bare", "hf"):
-        if base and sides.get(other, {}).get("tokens_per_s"):
+    for other in sides:
+        if base and other != "ds_train" and sides[other].get("tokens_per_s"):
             ratio[f"ds_train/{other}"] = base / sides[other]["tokens_per_s"]
     return {"what": "tokens/s and MFU, one GPU, ZeRO-2", "model": model, "params": params, "seq_len": seq,
             "micro_batch_size": args.micro, "grad_accum": args.accum, "tokens_per_step": tokens_per_step,
@@ -229,19 +235,15 @@ def main(argv=None) -> int:
     out, model, seq, dtype = start(args, LLAMA_1B)
     sides = {}
     for side in args.sides:
-        if side == "ds_train":
-            sides[side] = ds_train_side(args, out, "ds_train", model, seq, dtype)
-        elif side == "ckpt":
-            sides[side] = ds_train_side(args, out, "ckpt", model, seq, dtype, ckpt=True)
-        elif side == "compile":
-            sides[side] = ds_train_side(args, out, "compile", model, seq, dtype, compile=True)
+        if side in DS_TRAIN_SIDES:
+            sides[side] = ds_train_side(args, out, side, model, seq, dtype, **DS_TRAIN_SIDES[side])
         else:
             sides[side] = worker_side(args, out, side)
         s = sides[side]
         print(f"{side}: " + (f"{args.micro * args.accum * seq * s['steps'] / s['seconds']:,.0f} tokens/s"
                              if "seconds" in s else f"FAILED {s['error']}\n{s.get('log_tail', '')}"), flush=True)
-    results = summarise(args, sides, model, seq)
-    path = write_results(out, "mfu", results)
+        results = summarise(args, sides, model, seq)
+        path = write_results(out, "mfu", results)  # after every side: a later one cut off keeps these
     for side, s in sides.items():
         mfu = f", MFU {s['mfu']:.1%}" if s.get("mfu") else ""
         if "tokens_per_s" in s:

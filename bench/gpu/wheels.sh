@@ -19,6 +19,7 @@ specs=()
 for name in hjson pydantic pydantic_core annotated-types typing-inspection typing_extensions transformers tokenizers regex; do
     specs+=("$name==$(version "$name")")
 done
+specs+=("liger-kernel==0.8.5")  # model.liger_kernels (pyproject's `liger` extra); the image has its triton
 "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
     -d .whl "${specs[@]}"

@@ -59,8 +59,11 @@ class ModelConfig(Section):
                           "(a 10-bit mantissa, several times faster); false: full fp32. `ds-train parity` turns "
                           "it off for its fp32 runs unless --tf32.")
     activation_checkpointing: bool = _f(False, "Recompute activations in backward to save memory.")
-    compile: bool = _f(False, "torch.compile the model through DeepSpeed's engine.compile() (the first "
-                              "steps are slow while it compiles).")
+    compile: bool = _f(False, "torch.compile each decoder layer (the loss stays eager); the first steps are "
+                              "slow while it compiles.")
+    liger_kernels: bool = _f(False, "Liger's Triton kernels for RMSNorm, RoPE and the SwiGLU MLP (`pip install "
+                                    "liger-kernel`; a CUDA GPU). Where they cannot run the run goes on without "
+                                    "them and says so in one line.")
     attn_implementation: str = _f("sdpa", "Hugging Face attention implementation (sdpa, eager, ...).")
     allow_new_weights: bool = _f(False, "Allow tensors missing from model.path's weights (a new head); "
                                         "they are initialised and listed.")
@@ -158,6 +161,11 @@ class TrainConfig(Section):
                                      "more (per rank): the logits over the vocabulary (seq x vocab x 6 bytes "
                                      "in bf16) exist for one tile, in the forward and recomputed in the "
                                      "backward, never for the whole sequence. 0: never tile.", NON_NEGATIVE)
+    fused_loss: bool = _f(True, "In the tiled loss, compute each tile's gradients in its forward (a fused "
+                                "linear cross-entropy, as Liger's): the output head's matmul is not "
+                                "recomputed in the backward; its weight gradient is held in fp32 (vocab x "
+                                "hidden x 4 bytes) meanwhile. A head other than a plain Linear layer (LoRA, "
+                                "tensor-parallel) is recomputed either way. false: always recompute.")
     mlp_tile_positions: int = _f(8192, "Run each layer's MLP this many positions of a sequence at a time when "
                                        "a rank holds more positions of a sequence (seq_len / parallel.sequence; "
                                        "DeepSpeed's TiledMLP): its largest activations (about 3 x "

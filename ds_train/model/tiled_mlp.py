@@ -38,7 +38,8 @@ def tiled_mlps(model, tile_positions: int, rank_positions: int) -> tuple[list[st
 def _tile(mlp, shards: int) -> None:
     from deepspeed.runtime.sequence_parallel.ulysses_sp import TiledMLP
 
-    whole = type(mlp).forward
+    own = vars(mlp).get("forward")  # an instance's own forward (model.liger_kernels' SwiGLU), else the class's
+    whole = own.__func__ if own is not None else type(mlp).forward
     params = list(mlp.parameters())
 
     def forward(self, x):
