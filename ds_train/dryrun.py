@@ -100,7 +100,8 @@ def run_estimate(cfg: RunConfig, ds_config_path: str, target: Target, preset: st
                       "gpu_memory_gib": target.gpu_memory_gib, "parallel": dims.record()},
            "model": {"params": shape.n_params, "layers": shape.n_layers, "hidden": shape.hidden,
                      "rank_params": round(shape.rank_params(dims.tensor)), "trainable": shape.trainable or shape.n_params},
-           "dtype": dtype, "rows": rows, "seq_len": cfg.train.seq_len, "rank_seq_len": rank_seq_len(cfg)}
+           "dtype": dtype, "rows": rows, "seq_len": cfg.train.seq_len, "rank_seq_len": rank_seq_len(cfg),
+           "kernels": kernels_said(cfg)}
     given = next(r for r in rows if r["given"])
     if not given["fits"]:
         out["suggestions"] = suggestions(shape, cfg, zero, target, dtype)
@@ -109,12 +110,19 @@ def run_estimate(cfg: RunConfig, ds_config_path: str, target: Target, preset: st
     return out
 
 
+def kernels_said(cfg: RunConfig) -> str:
+    """What the plan takes the layers to run (memory.py: fused kernels keep less of each layer)."""
+    fused = [name for name, on in (("compiled (model.compile)", cfg.model.compile is not False),
+                                   ("Liger's kernels (model.liger_kernels)", cfg.model.liger_kernels)) if on]
+    return "; layers " + " with ".join(fused) if fused else "; layers eager"
+
+
 def format_estimate(out: dict, target: Target) -> str:
     m = out["model"]
     lora = (f"; LoRA trains {m['trainable'] / 1e6:,.2f}M of them (the frozen base: no gradients, no optimizer "
             f"states)") if m.get("trainable", m["params"]) < m["params"] else ""
     lines = [f"model: {m['params'] / 1e6:,.1f}M parameters, {m['layers']} layers, hidden {m['hidden']}; "
-             f"dtype {out['dtype']}{lora}", format_rows(out["rows"], target)]
+             f"dtype {out['dtype']}{out.get('kernels', '')}{lora}", format_rows(out["rows"], target)]
     par = out["target"]["parallel"]
     if par["sequence"] > 1:
         lines.insert(1, f"parallel: data {par['data']} x sequence {par['sequence']} x tensor {par['tensor']}; each "

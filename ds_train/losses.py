@@ -46,7 +46,8 @@ class _FusedLinearLoss:
     """Summed cross-entropy of `scale * hidden @ weight.T (+ bias)` whose gradients are computed in the
     forward, tile by tile (a fused linear cross-entropy, as Liger's): a tile's logits exist only while
     that tile is computed, and the backward only scales what the forward kept (the gradient of the
-    hidden states, the head's weight and bias in fp32), so the head's matmul is never recomputed.
+    hidden states and the head's weight in their dtype, its bias in fp32), so the head's matmul is never
+    recomputed.
     The same sums as the full logits, in tiles."""
 
     @staticmethod
@@ -79,7 +80,7 @@ def _fused_forward(ctx, hidden, weight, bias, targets, tile_tokens: int, scale: 
     h, t = hidden.reshape(-1, hidden.size(-1)), targets.reshape(-1)
     want_h, want_w, want_b = wants
     dh = torch.empty_like(h) if want_h else None
-    dw = torch.zeros_like(weight, dtype=torch.float32) if want_w else None
+    dw = torch.zeros_like(weight) if want_w else None  # in the weight's dtype, summed by the matmul (as Liger)
     db = torch.zeros_like(bias, dtype=torch.float32) if want_b else None
     total = torch.zeros((), dtype=torch.float32, device=h.device)
     for i in range(0, h.size(0), tile_tokens):
@@ -100,9 +101,9 @@ def _fused_forward(ctx, hidden, weight, bias, targets, tile_tokens: int, scale: 
         g.scatter_add_(1, picked, -keep.unsqueeze(1))
         g = (g if scale == 1 else g.mul_(scale)).to(x.dtype)  # through the scale, as autograd would
         if want_h:
-            dh[i:i + tile_tokens] = g @ weight
+            torch.mm(g, weight, out=dh[i:i + tile_tokens])
         if want_w:
-            dw += (g.t() @ x).float()
+            dw.addmm_(g.t(), x)
         if want_b:
             db += g.float().sum(0)
     ctx.grads = (dh.view_as(hidden) if want_h else None, dw, db)
@@ -138,7 +139,7 @@ def _post_head(config):
 
 
 @contextmanager
-def _head_computes_the_loss(model, targets, tile_tokens: int, fused: bool = True):
+def _head_computes_the_loss(model, targets, tile_tokens: int, fused: bool = False):
     """During one forward, the output head returns the tiled summed loss instead of logits. A plain
     Linear head (`fuses`), with `fused`, computes its gradients in the forward (`fused_loss_sum`); any
     other goes tile by tile through the head module's own forward (LoRA adapters, a modules_to_save
@@ -168,7 +169,7 @@ def tiles(model, tokens: int, tile_tokens: int) -> bool:
     return bool(tile_tokens) and tokens > tile_tokens and not getattr(config, "final_logit_softcapping", None)
 
 
-def forward_loss(engine, batch: np.ndarray | Batch, tile_tokens: int = 0, fused: bool = True):
+def forward_loss(engine, batch: np.ndarray | Batch, tile_tokens: int = 0, fused: bool = False):
     """Summed next-token cross-entropy and the count of target tokens of one micro-batch: windows
     of seq_len + 1 tokens (pretraining), or a Batch (sft: targets on the assistant's tokens, and
     position ids restarting at each packed example, which keep examples from attending across).

@@ -244,7 +244,7 @@ class Activations:
 
 def activation_bytes(shape: ModelShape, micro_batch: int, seq_len: int, dtype: str,
                      checkpointing: bool, tile_tokens: int = 0, mlp_tile_positions: int = 0,
-                     tensor: int = 1, fused_loss: bool = True) -> Activations:
+                     tensor: int = 1, fused_loss: bool = False, fused_kernels: bool = False) -> Activations:
     """Activation memory of one micro-batch for a Llama-style decoder with SDPA attention (no
     s x s score matrix is stored) and ds_train's fp32 loss over the logits.
 
@@ -255,8 +255,8 @@ def activation_bytes(shape: ModelShape, micro_batch: int, seq_len: int, dtype: s
     rotary tables) is kept, and one layer's full set exists again while it is recomputed. The loss
     keeps an fp32 log-softmax over the vocabulary, the final norm and lm_head their inputs; the logits
 and their fp32 copy are transient. The fused loss in tiles (train.fused_loss) keeps the gradient of
-    lm_head's input in its place, and the head's weight gradient in fp32 (vocab x hidden x 4 bytes)
-    from the loss's forward to the head's backward.
+    lm_head's input in its place, and the head's weight gradient (vocab x hidden values) from the
+    loss's forward to the head's backward.
     Under AutoTP (`tensor` ranks) what the column-split projections produce is split too: Q and
     rotated Q, the attention output, K/V and the MLP's 4f (3h + 3kv + 4f of the 8h + 3kv + 4f); the
     block input, the norms and the residual, and the gathered logits, stay whole.
@@ -274,18 +274,21 @@ and their fp32 copy are transient. The fused loss in tiles (train.fused_loss) ke
     # norm's output); one tile's 4f values exist while it is recomputed (counted as the untiled MLP's
     # are), beside the gradient of its whole input.
     mlp_tiled = bool(mlp_tile_positions) and seq_len > mlp_tile_positions
-    mlp = 0 if mlp_tiled else 4 * shape.intermediate / tensor
+    # Fused kernels (model.compile, model.liger_kernels) keep only the MLP's gate and up (SiLU and the
+    # product recomputed in the backward) and no fp32 copy of an RMSNorm's input.
+    mlp = 0 if mlp_tiled else (2 if fused_kernels else 4) * shape.intermediate / tensor
+    norm_fp32 = 2 * shape.hidden * (4 - p) if p < 4 and not fused_kernels else 0
     mlp_transient = (micro_batch * mlp_tile_positions * 4 * shape.intermediate / tensor + tokens * shape.hidden) \
         * p if mlp_tiled else 0
     split = (3 * shape.hidden + 3 * shape.kv_hidden) / tensor
-    layer_full = tokens * (p * (5 * shape.hidden + split + mlp) + (2 * shape.hidden * (4 - p) if p < 4 else 0))
+    layer_full = tokens * (p * (5 * shape.hidden + split + mlp) + norm_fp32)
     # The loss in tiles (train.loss_tile_tokens): only a tile's logits and log-softmax, recomputed
     # in the backward, ever exist.
     loss_tokens = min(tokens, tile_tokens) if tile_tokens and tokens > tile_tokens else tokens
     log_softmax = (0 if loss_tokens < tokens else tokens) * shape.vocab * 4
-    # The fused loss's fp32 gradient of the head's weight: made in the forward, freed by the head's backward
+    # The fused loss's gradient of the head's weight: made in the forward, freed by the head's backward
     # (the backward's first step). With checkpointing the peak comes later, in a layer's recomputation.
-    fused = shape.vocab * shape.hidden * 4 / tensor if fused_loss and loss_tokens < tokens else 0
+    fused = shape.vocab * shape.hidden * p / tensor if fused_loss and loss_tokens < tokens else 0
     head = tokens * (3 * shape.hidden * p + (4 * shape.hidden if p < 4 else 0))  # final norm, lm_head input
     logits_transient = loss_tokens * shape.vocab * (p + (4 if p < 4 else 0)) + (
         loss_tokens * shape.vocab * 4 if loss_tokens < tokens else 0)  # a tile's log-softmax, while it lives
@@ -332,7 +335,7 @@ class Estimate:
 
 def estimate(shape: ModelShape, stage: int, dtype: str, world: int, micro_batch: int, seq_len: int,
              checkpointing: bool, zero: dict, tile_tokens: int = 0, mlp_tile_positions: int = 0,
-             tensor: int = 1, fused_loss: bool = True) -> Estimate:
+             tensor: int = 1, fused_loss: bool = False, fused_kernels: bool = False) -> Estimate:
     """One rank's memory: `world` the ranks ZeRO partitions over, `tensor` the AutoTP size (each
     rank's model states are its share, ZeRO-partitioned over `world`)."""
     offload_opt = zero.get("offload_optimizer", {}).get("device") in ("cpu", "nvme")
@@ -340,5 +343,5 @@ def estimate(shape: ModelShape, stage: int, dtype: str, world: int, micro_batch:
     return Estimate(stage, model_states(shape.rank_params(tensor), stage, dtype, world, offload_opt, offload_par,
                                         shape.trainable or None),
                     activation_bytes(shape, micro_batch, seq_len, dtype, checkpointing, tile_tokens,
-                                     mlp_tile_positions, tensor, fused_loss),
+                                     mlp_tile_positions, tensor, fused_loss, fused_kernels),
                     buffer_bytes(zero, stage, dtype, shape))

@@ -32,11 +32,13 @@ class Target:
         return self.nodes * self.gpus_per_node
 
 
-def tiles(cfg: RunConfig) -> tuple[int, int, int, bool]:
+def tiles(cfg: RunConfig) -> tuple[int, int, int, bool, bool]:
     """The loss's and the MLP's tile sizes in tokens (train.loss_tile_tokens in tokens,
     train.mlp_tile_positions in positions of a sequence), the AutoTP size that splits the
-    layers and whether the loss is fused (estimate's last arguments)."""
-    return cfg.train.loss_tile_tokens, cfg.train.mlp_tile_positions, cfg.parallel.tensor, cfg.train.fused_loss
+    layers, whether the loss is fused and whether the layers run fused kernels (model.compile,
+    `auto` included: the plan is for GPUs; model.liger_kernels): estimate's last arguments."""
+    return (cfg.train.loss_tile_tokens, cfg.train.mlp_tile_positions, cfg.parallel.tensor, cfg.train.fused_loss,
+            cfg.model.compile is not False or cfg.model.liger_kernels)
 
 
 def stages(cfg: RunConfig, dtype: str) -> range:
@@ -148,7 +150,7 @@ def suggestions(shape: ModelShape, cfg: RunConfig, zero: dict, target: Target, d
         est = estimate(shape, kw.get("stage", stage), dtype, kw.get("ranks", zero_ranks(cfg, target)),
                        micro_rows(cfg, kw.get("micro", micro)), kw.get("seq", seq) // kw.get("sp", sp),
                        kw.get("ckpt", ckpt), kw.get("zero", zero), *tiles(cfg)[:2], kw.get("tp", cfg.parallel.tensor),
-                       cfg.train.fused_loss)
+                       *tiles(cfg)[3:])
         out.append({"change": change, "gpu_peak_gib": est.gpu_peak / GiB, "fits": fits(est, target)})
 
     per_rank = cfg.train.global_batch_size // data if cfg.train.global_batch_size % data == 0 else 0

@@ -52,7 +52,7 @@ from ds_train.memory import checkpoint_bytes
 from ds_train.metrics import Logger, build_logger, build_progress, peak_flops, rewind_jsonl
 from ds_train.model.build import (build_model, count_params, flops_per_token, has_frozen_params, lookup_params,
                                    resolve_dtype)
-from ds_train.model.kernels import apply_liger, compile_layers
+from ds_train.model.kernels import apply_liger, compile_layers, compiles
 from ds_train.model.tiled_mlp import tiled_mlps
 from ds_train.model.ulysses import register_ulysses, unregister_ulysses
 from ds_train.parallel import ParallelDims, check_model, deepspeed_range_note, plan_dims
@@ -337,7 +337,7 @@ def _build_run(inputs: RunInputs, env: dist.DistEnv, spec: RunSpec, stop: StopRe
     n_params = count_params(built.model)
     trainable = count_params(built.model, trainable_only=True) if has_frozen_params(built.model) else None
     engine = initialize(built.model, ds_config, mpu)
-    if cfg.model.compile:  # each decoder layer, with the accelerator's backend
+    if compiles(cfg.model.compile, accel.device_name()):  # each decoder layer, with the accelerator's backend
         backend = accel.get_compile_backend()
         n, kind = compile_layers(engine.module, backend)
         rank_log.info(f"model.compile: torch.compile(backend={backend!r}) on {n} {kind} module(s)")

@@ -118,7 +118,7 @@ class StepResult:
 
 def train_step(engine, micro_batches: list[np.ndarray] | list[Batch], poison: bool = False,
                beat: Callable[[str], None] = lambda phase: None, clock: ComputeClock | None = None,
-               group=None, data_parallel: int | None = None, tile_tokens: int = 0, fused_loss: bool = True,
+               group=None, data_parallel: int | None = None, tile_tokens: int = 0, fused_loss: bool = False,
                fault: str = "") -> StepResult:
     """One optimizer step: the engine owns accumulation scaling, clipping and the optimizer.
 
@@ -171,7 +171,7 @@ def generate_sample(run: Run) -> str:
     ids = run.tokenizer(prompt, return_tensors="pt").input_ids.to(run.engine.device)
     run.engine.eval()
     torch.manual_seed(run.cfg.seed)
-    with torch.no_grad():
+    with torch.no_grad(), torch.compiler.set_stance("force_eager"):  # compiled layers: not for each cache length
         out = run.engine.module.generate(
             ids, max_new_tokens=run.cfg.log.sample_tokens, min_new_tokens=run.cfg.log.sample_tokens,
             do_sample=True, top_k=40, temperature=0.8, use_cache=True,

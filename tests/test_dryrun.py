@@ -149,7 +149,7 @@ def test_the_plan_of_a_long_context_job_knows_sequence_parallelism():
 
     recipe = run_estimate(load_config(str(ROOT / "recipes" / "llama3_8b_128k.yaml"), []), zero3, target, None)
     row = next(r for r in recipe["rows"] if r["given"])
-    assert (round(row["gpu_peak_gib"], 2), round(row["activations_gib"], 2)) == (16.74, 8.19)
+    assert (round(row["gpu_peak_gib"], 2), round(row["activations_gib"], 2)) == (16.49, 7.94)  # layers compiled
     # the loss in tiles of 4096 tokens: the 16,384 positions' fp32 log-softmax (8 GiB) is never whole
     raw["train"]["loss_tile_tokens"] = 4096
     tiled = run_estimate(build_config({**raw, "parallel": {"sequence": 8}}, source="t"), zero3, target, None)

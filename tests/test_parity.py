@@ -199,14 +199,17 @@ def test_ulysses_sequence_parallelism_keeps_the_math(kind, tiny_data, sft_data, 
     on the assistant's tokens only, so the two halves of a sequence hold different target counts, and
     examples packed several to a sequence (each attends to itself alone, as in the reference).
     Pretraining computes the loss and the MLPs in tiles (train.loss_tile_tokens, mlp_tile_positions),
-    ZeRO-3 gathering the tied head and each MLP again for the backward's recomputation."""
+    ZeRO-3 gathering the tied head and each MLP again for the backward's recomputation, every decoder
+    layer compiled (model.compile=true, its default on a GPU; the reference compiled too: compiled
+    against eager is tests/test_model.py's)."""
     data = {"pretraining": tiny_data, "sft": sft_data}[kind]
     cfg = write_config(tmp_path / "c.yaml", tiny_config(
         data, tmp_path / "unused", train={"global_batch_size": GLOBAL_BATCH, "micro_batch_size": 2},
         data={"dir": str(data), "format": "text" if kind == "pretraining" else "sft", "pack": kind == "sft"}))
     out = tmp_path / "parity"
     # 2 x 32 positions a rank: the loss and every MLP in 2 tiles
-    tiles = ["train.loss_tile_tokens=48", "train.mlp_tile_positions=16"] if kind == "pretraining" else []
+    tiles = ["train.loss_tile_tokens=48", "train.mlp_tile_positions=16", "model.compile=true"] \
+        if kind == "pretraining" else []
     res = ds_train("parity", "--config", str(cfg), "--ds-config", STAGES[2], STAGES[3], "--nproc", "2",
                    "--sequence", "2", "--steps", str(STEPS), "--out", str(out), *tiles, timeout=600)
     assert res.returncode == 0, res.out[-6000:]
@@ -219,6 +222,8 @@ def test_ulysses_sequence_parallelism_keeps_the_math(kind, tiny_data, sft_data, 
         run = out / f"zero{stage}_np2_sp2_accum4"
         assert json.loads((run / "env.json").read_text())["parallel"] == {"data": 1, "sequence": 2, "tensor": 1}
         assert_matches(run, ref)
+        compiled = "model.compile: torch.compile(backend='inductor') on 2 LlamaDecoderLayer module(s)"
+        assert (compiled in (run / "logs" / "rank_1.log").read_text()) == (kind == "pretraining")
     assert ref[STEPS]["train/loss"] < ref[1]["train/loss"]
     if kind == "sft":  # several examples to a sequence: what the attention has to keep apart
         from ds_train.data.datasets import SftData

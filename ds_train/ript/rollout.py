@@ -89,7 +89,8 @@ def model_policy(model, tokenizer, max_new_tokens: int = 12, temperature: float 
             input_ids[row, width - len(e.ids):] = torch.tensor(e.ids)
             attention[row, width - len(e.ids):] = 1
         device = next(model.parameters()).device
-        with torch.no_grad():
+        # eager: compiled layers (model.compile) would compile again for each new length of the cache
+        with torch.no_grad(), torch.compiler.set_stance("force_eager"):
             out = model.generate(input_ids.to(device), attention_mask=attention.to(device),
                                  max_new_tokens=kind.max_new_tokens, eos_token_id=stops, pad_token_id=pad,
                                  use_cache=True, synced_gpus=synced_gpus, **sampling)
