@@ -66,20 +66,21 @@ def start(args, model: dict) -> tuple[Path, dict, int, str]:
 
 
 def run_config(out: Path, name: str, model: dict, data: str, *, seq: int, micro: int, global_batch: int,
-               steps: int, dtype: str, ckpt: bool = False, compile: bool = False, log_every: int = 5,
+               steps: int, dtype: str, ckpt: bool = False, compile: bool | None = None, log_every: int = 5,
                model_keys: dict | None = None, **sections) -> Path:
     """A ds_train run config (YAML) under out/configs; the run directory out/runs/NAME starts empty.
     A prepared corpus is named by its directory alone: its sources' fingerprint (the bundled corpus:
     this host's Python standard library) is not checked on a host with another Python (the GPU's).
-    Only the bundled corpus not yet prepared names its source, to be prepared from it. `model_keys`:
-    more model.* keys; `sections`: more keys of other sections."""
+    Only the bundled corpus not yet prepared names its source, to be prepared from it. `compile`:
+    model.compile (None: ds_train's default); `model_keys`: more model.* keys; `sections`: more keys of
+    other sections."""
     import yaml
 
     shutil.rmtree(out / "runs" / name, ignore_errors=True)  # this bench's own directory: never a resume
 
     cfg = {"output_dir": str(out / "runs" / name), "seed": 1234,
-           "model": {"config": dict(model), "dtype": dtype, "activation_checkpointing": ckpt, "compile": compile,
-                     **(model_keys or {})},
+           "model": {"config": dict(model), "dtype": dtype, "activation_checkpointing": ckpt,
+                     **({} if compile is None else {"compile": compile}), **(model_keys or {})},
            "data": {"dir": data} if Path(data) != DEFAULT_DATA or (Path(data) / "meta.json").is_file() else
                    {"dir": data, "sources": ["python-stdlib"], "vocab_size": 4096},
            "train": {"max_steps": steps, "micro_batch_size": micro, "global_batch_size": global_batch,

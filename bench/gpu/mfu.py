@@ -1,20 +1,22 @@
 """MFU and tokens/s of a ~1B Llama: ds_train against a bare DeepSpeed loop and the HF Trainer.
 
-    python bench/gpu/mfu.py --out OUT [--sides ds_train,bare,hf,recompute,liger,ckpt,compile] [--steps 20]
+    python bench/gpu/mfu.py --out OUT [--sides ds_train,bare,hf,eager,liger,fused_loss,ckpt] [--steps 20]
     python bench/gpu/mfu.py --out OUT --reduced --data DIR      # the CPU check the suite runs
 
 One GPU, ZeRO-2 (ds_configs/zero2.json), bf16, seq 2048, micro-batch 8 x accumulation 4. Sides,
 each in its own process, one after another:
 
-  ds_train  `ds-train train` on the bundled corpus; tokens/s between its log records after warm-up
+  ds_train  `ds-train train` with its defaults (on a GPU: each decoder layer compiled) on the bundled
+            corpus; tokens/s between its log records after warm-up
   bare      deepspeed.initialize on the same HF model with the ds_config ds_train rendered, then
             forward (HF loss) / engine.backward / engine.step on random tokens, nothing else
   hf        the Hugging Face Trainer with that same ds_config (every value it owns agrees), random
             tokens, timed by a callback from the end of warm-up to the last step
-  recompute ds_train with train.fused_loss=false: the loss's tiles recomputed in the backward
+  eager     ds_train with model.compile=false
   liger     ds_train with model.liger_kernels=true (Liger's RMSNorm, RoPE and SwiGLU)
+  fused_loss  ds_train with train.fused_loss=true (the loss's gradients computed in its forward)
   ckpt      ds_train with model.activation_checkpointing=true
-  compile   ds_train with model.compile=true (DeepSpeed's engine.compile())
+  compile   ds_train with model.compile=true (its default on a GPU; the CPU check's compiled side)
 
 Every side times the same steps (after --warmup) with the device synchronised at both ends, and
 MFU = tokens/s x (6 N + 12 L h s) / peak, one formula for all. results: OUT/mfu.json, rewritten
@@ -33,10 +35,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (LLAMA_1B, ROOT, add_common_args, ds_train, launch, metrics,  # noqa: E402
                     run_config, start, tail, versions, write_results)
 
-SIDES = ("ds_train", "bare", "hf", "recompute", "liger", "ckpt", "compile")
-# a ds_train side -> what it changes in the run config (run_config's sections)
-DS_TRAIN_SIDES = {"ds_train": {}, "recompute": {"train": {"fused_loss": False}},
-                  "liger": {"model_keys": {"liger_kernels": True}}, "ckpt": {"ckpt": True}, "compile": {"compile": True}}
+SIDES = ("ds_train", "bare", "hf", "eager", "liger", "fused_loss", "ckpt", "compile")
+# a ds_train side -> what it changes in the run config (run_config's arguments)
+DS_TRAIN_SIDES = {"ds_train": {}, "eager": {"compile": False}, "liger": {"model_keys": {"liger_kernels": True}},
+                  "fused_loss": {"train": {"fused_loss": True}}, "ckpt": {"ckpt": True}, "compile": {"compile": True}}
 DS_CONFIG = ROOT / "ds_configs" / "zero2.json"
 
 
@@ -221,7 +223,7 @@ def summarise(args, sides: dict, model: dict, seq: int) -> dict:
     return {"what": "tokens/s and MFU, one GPU, ZeRO-2", "model": model, "params": params, "seq_len": seq,
             "micro_batch_size": args.micro, "grad_accum": args.accum, "tokens_per_step": tokens_per_step,
             "warmup_steps": args.warmup, "timed_steps": args.steps, "peak_flops": peak, "sides": sides,
-            "ratios": ratio, "targets": {"ds_train/bare": 0.98, "ds_train/hf": 1.0, "mfu": 0.45},
+            "ratios": ratio, "targets": {"ds_train/bare": 1.0, "ds_train/hf": 1.05, "mfu": 0.45},
             "reduced": args.reduced, "versions": v}
 
 
