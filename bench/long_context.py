@@ -163,14 +163,21 @@ class Bench:
         return good
 
 
-def hf_trainer(args: argparse.Namespace, seq_len: int, work: Path) -> dict:
+# DeepSpeed's CPU ops for the HF Trainer's runs: a directory of their own. Sharing one with ds_train's runs,
+# each command rebuilt the shared-memory op the other had built (two build hashes alternating in its ninja
+# log, 2026-11-26), an HF run once during another's timing; kept between runs of this bench.
+HF_EXTENSIONS = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "ds_train" / "bench_hf_extensions"
+
+
+def hf_trainer(args: argparse.Namespace, seq_len: int, work: Path, steps: int | None = None) -> dict:
     """The HF Trainer's own DeepSpeed sequence parallelism, 2 ranks, the same model, length and
     steps (bench/hf_sequence_parallel.py); no cap (only its speed is compared)."""
     out = work / "hf.json"
     cmd = [str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", "2", "--master_port", str(free_port()),
            str(ROOT / "bench" / "hf_sequence_parallel.py"), "--config", args.config, "--seq-len", str(seq_len),
-           "--steps", str(args.speed_steps), "--out", str(out)]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env={**os.environ, "WANDB_MODE": "offline"})
+           "--steps", str(steps or args.speed_steps), "--out", str(out)]
+    env = {**os.environ, "WANDB_MODE": "offline", "TORCH_EXTENSIONS_DIR": str(HF_EXTENSIONS)}
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env)
     if proc.returncode or not out.is_file():
         last = [line for line in (proc.stdout + proc.stderr).splitlines() if line.strip()][-1:]
         return {"error": f"exit {proc.returncode}: {last[0] if last else ''}"}
@@ -243,6 +250,7 @@ def main(argv: list[str] | None = None) -> int:
         # last built by another command (the HF Trainer's runs below rebuild them: both ways, 2026-11-26):
         # a build inside a capped rank would be killed by the cap, and read as a length that does not fit.
         bench.trial(2, args.grain * 2, 1, capped=False)
+        hf_trainer(args, args.grain * 2, work, steps=2)  # its own op directory: built here, not in a timed run
         longest = {sp: bench.longest(sp) for sp in (1, 2)}
         both = longest[1]
         # Speed without the cap, the sides in turn, --repeats times; each side's best median.
