@@ -151,7 +151,7 @@ class DatasetTask:
     def _read(self, max_positions: int | None):
         o = self.options
         prompt_key, answer_key = o["prompt_key"], o["answer_key"]
-        for chunk in chunks(o["data"], (prompt_key, answer_key)):
+        for chunk in chunks(o["data"], (prompt_key, answer_key), f"{self.where}.data"):
             if chunk.kind == "text":
                 raise UserError(f"{chunk.file}: a text file; a data-driven task reads records (JSONL, parquet, "
                                 f".csv, .arrow, a `datasets` directory) with {prompt_key!r} and {answer_key!r} "
