@@ -524,3 +524,23 @@ def test_a_nan_from_the_yaml_file_or_the_ds_config_is_refused_before_anything_is
     expect_error(["train", "--config", str(cfg), "--ds-config", str(ds)],
                  f"{ds}: optimizer.params.betas[1]: nan is not a finite number")
     assert not (tmp_path / "run").exists()
+
+
+def test_a_key_set_in_a_section_the_run_does_not_use_is_refused_by_one_rule():
+    """dpo.* outside preference training and model.lora.* with LoRA off would be ignored: each key set
+    to other than its default is one error naming it and what uses it; defaults (a saved config.yaml
+    writes every key) and a section the run uses pass."""
+    base = {"output_dir": "/nonexistent/run", "model": {"config": {"model_type": "llama"}}}
+    with pytest.raises(UserError) as e:
+        build_config({**base, "dpo": {"beta": 0.5, "label_smoothing": 0.0},
+                      "model": {**base["model"], "lora": {"alpha": 8, "load_in": "4bit"}}})
+    said = str(e.value)
+    assert said.startswith("config: 4 problems: ")  # load_in also needs model.path
+    assert "dpo.beta: set, but only preference training (data.format: preference) uses dpo.*" in said
+    assert "model.lora.alpha: set, but only LoRA (model.lora.rank > 0) uses model.lora.*" in said
+    assert "model.lora.load_in: set" in said and "label_smoothing" not in said
+    full = RunConfig(output_dir="/nonexistent/run", model=build_config(base).model).to_dict()  # every key
+    assert build_config(full).dpo.beta == 0.1
+    used = build_config({**base, "data": {"format": "preference"}, "dpo": {"beta": 0.5},
+                         "model": {**base["model"], "lora": {"rank": 4, "alpha": 8}}})
+    assert (used.dpo.beta, used.model.lora.alpha) == (0.5, 8)
