@@ -87,8 +87,16 @@ def _source_files(source: str, key: str = "data.sources") -> list[tuple[str, Pat
     if not path.is_dir() or is_dataset_dir(path):
         return [(path.name, path)]
     files = (p for p in sorted(path.rglob("*")) if p.is_file() and _is_source_file(p))
-    return [(str(p.relative_to(path)), p) for p in files
-            if not any(part.startswith(".") for part in p.relative_to(path).parts)]
+    out = [(str(p.relative_to(path)), p) for p in files
+           if not any(part.startswith(".") for part in p.relative_to(path).parts)]
+    for name, _ in out:  # the OS gives names as bytes; one that is not UTF-8 cannot name a document
+        try:
+            name.encode("utf-8")
+        except UnicodeEncodeError:
+            shown = os.fsencode(name).decode("utf-8", "backslashreplace")
+            raise UserError(f"{key}: {source!r} holds a file whose name is not UTF-8 ('{shown}'); rename it "
+                            f"in UTF-8 (convmv -f latin1 -t utf-8 does a whole tree) or move it out") from None
+    return out
 
 
 def _stdlib_files() -> list[tuple[str, Path]]:
@@ -103,7 +111,7 @@ def source_files(source: str, key: str = "data.sources") -> list[tuple[str, Path
 def check_source_files(sources: list[str]) -> None:
     """Every path source exists and contributes a file."""
     for i, source in enumerate(sources):
-        if source != STDLIB and not _source_files(source):
+        if source != STDLIB and not _source_files(source, f"data.sources[{i}]"):
             raise UserError(f"data.sources[{i}]: {source!r} holds no documents (a directory source "
                             f"reads {DIRECTORY_FILES}); remove it from data.sources or add files")
 
