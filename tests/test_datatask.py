@@ -170,7 +170,8 @@ def test_bad_dataset_input_names_the_file_the_row_and_the_field(tokenizer, tmp_p
     assert str(e.value) == (f"ript.tasks[0].data[0]: {str(missing)!r} does not exist; correct the path or remove "
                             f"it from ript.tasks[0].data")
     (tmp_path / "h.parquet").write_bytes(b"PAR1 not really")
-    with pytest.raises(UserError, match="cannot be read as parquet .*; replace it or remove it from ript.tasks\[0\].data$"):
+    with pytest.raises(UserError, match="cannot be read as parquet .*; replace it or remove it from "
+                                        "ript.tasks\\[0\\].data$"):
         task_of(tmp_path / "h.parquet", tokenizer)
 
 

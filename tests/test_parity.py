@@ -367,5 +367,6 @@ def test_a_layout_the_model_cannot_take_is_refused_before_any_launch(tiny_data, 
     cfg = write_config(tmp_path / "c.yaml", tiny_config(tiny_data, tmp_path / "unused"))
     out = tmp_path / "parity"
     expect_error(["parity", "--config", str(cfg), "--ds-config", STAGES[2], "--nproc", "3", "--sequence", "3",
-                  "--steps", "2", "--out", str(out)], "parallel.sequence=3 does not divide the model's 4 attention heads")
+                  "--steps", "2", "--out", str(out)],
+                 "parallel.sequence=3 does not divide the model's 4 attention heads")
     assert not out.exists()
