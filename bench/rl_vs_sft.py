@@ -69,17 +69,24 @@ class Demo:
 
         return load_config(ROOT / recipe)
 
+    def written(self, recipe: str) -> dict:
+        """The recipe's YAML as written: its directories are known before the SFT run exists, which the
+        RL recipe's model.path names (a whole config check would refuse it until then)."""
+        import yaml
+
+        return yaml.safe_load((ROOT / recipe).read_text())
+
     @property
     def sft_dir(self) -> Path:
-        return ROOT / self.config(self.sft_recipe).output_dir
+        return ROOT / self.written(self.sft_recipe)["output_dir"]
 
     @property
     def rl_dir(self) -> Path:
-        return ROOT / self.config(self.rl_recipe).output_dir
+        return ROOT / self.written(self.rl_recipe)["output_dir"]
 
     @property
     def data_dir(self) -> Path:
-        return ROOT / self.config(self.sft_recipe).data.dir
+        return ROOT / self.written(self.sft_recipe)["data"]["dir"]
 
 
 DEMOS = {"ript": Demo("recipes/ript_sft.yaml", "recipes/ript_demo.yaml", "RIPT", "ript-bench",

@@ -131,6 +131,8 @@ def cmd_export(args) -> int:
         out = export(args.source, args.out, args.tag, args.max_shard_size)
     else:
         out = export_lora(args.source, args.out, args.tag, args.merge, args.max_shard_size)
+    if src.passed_over:
+        print(f"export: took {src.tag}, the newest complete tag; {src.passed_over}")
     if lora is not None and not args.merge:
         print(f"wrote {out} from {src.tag}: a peft LoRA adapter (PeftModel.from_pretrained(base, {str(out)!r}); "
               f"--merge writes one merged model)")

@@ -279,6 +279,7 @@ def build_config(raw: dict, source: str = "config",
     errs: list[str] = []
     cfg = _build(RunConfig, raw, "", errs)
     errs += cfg.check()  # fields with a type error kept their default, so these checks still run
+    errs += cfg.unused(raw)
     if not errs:
         return cfg
     blamed = [_blame(err, overrides or {}) for err in errs]

@@ -134,9 +134,13 @@ def read_sources(path: Path) -> list[Source]:
     out = []
     for f in files:
         try:
-            lines = f.read_text(errors="replace").splitlines()
+            data = f.read_bytes()
         except OSError as e:
             raise UserError(f"doctor: cannot read {f} ({e.strerror or e})") from None
+        if path.is_file() and b"\0" in data[:1 << 16]:  # a checkpoint, a core, an archive: no log has NUL bytes
+            raise UserError(f"doctor: {f} is not a log (binary data: a NUL byte at offset {data.index(0)}); give a "
+                            f"run directory (output_dir) or a text log (a console, pdsh or SLURM output)")
+        lines = data.decode(errors="replace").splitlines()
         start = max((i for i, line in enumerate(lines) if ATTEMPT.match(line)), default=0)
         name = str(f.relative_to(path)) if path.is_dir() else str(f)
         out.append(Source(name, lines[start:], offset=start))

@@ -98,3 +98,34 @@ class OneLineParser(__import__("argparse").ArgumentParser):
 
     def error(self, message: str):
         raise UserError(f"{message} (see `{self.prog} --help`)")
+
+
+def load_user_object(spec: str, where: str):
+    """`module:attr` named in the config (a verifier, a task, a policy): whatever importing the module or
+    looking the name up raises (a syntax error, an exception at import, a missing name) becomes one
+    UserError naming `where`, the spec, the error and the file and line that raised it; the original
+    traceback is chained to it (printed under --debug)."""
+    import pkgutil
+
+    try:
+        return pkgutil.resolve_name(spec)
+    except (Exception, SystemExit) as e:
+        raise UserError(f"{where}: cannot load {spec!r}: {raised_at(e)}") from e
+
+
+def raised_at(e: BaseException) -> str:
+    """`Type: message (file, line N)`: the error and where in the user's code it was raised (the
+    deepest frame outside Python's own library and the installed packages, else the deepest outside
+    the import machinery; a syntax error's own file and line)."""
+    import sysconfig
+    import traceback
+
+    said = f"{type(e).__name__}: {e.msg if isinstance(e, SyntaxError) else e}"
+    if isinstance(e, SyntaxError) and e.filename:
+        return f"{said} ({e.filename}, line {e.lineno})"
+    libraries = tuple({sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib", "purelib", "platlib")})
+    frames = [f for f in traceback.extract_tb(e.__traceback__)
+              if not f.filename.startswith("<frozen") and not f.filename.endswith(("pkgutil.py", "errors.py"))
+              and "/importlib/" not in f.filename]
+    frame = next((f for f in reversed(frames) if not f.filename.startswith(libraries)), frames[-1] if frames else None)
+    return f"{said} ({frame.filename}, line {frame.lineno})" if frame else said

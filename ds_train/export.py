@@ -39,6 +39,7 @@ class ExportSource:
     tag: str
     zero_stage: int
     tensor: int = 1  # parallel.tensor it was saved with: AutoTP shards to merge
+    passed_over: str = ""  # what newer than `tag` was not taken, and why (said by the command); "" none
 
     @property
     def tag_dir(self) -> Path:
@@ -97,7 +98,21 @@ def resolve_source(source: str | Path, tag: str | None = None) -> ExportSource:
         raise UserError(f"export: {str(ckpt_dir / chosen)!r} is a universal checkpoint (converted from "
                         f"{source_tag} for a resume); export {str(ckpt_dir / source_tag)!r} instead")
     tensor = int((checkpoint.saved_parallel(state) or {}).get("tensor", 1))
-    return ExportSource(ckpt_dir.parent, ckpt_dir, chosen, _zero_stage(state, ckpt_dir / chosen), tensor)
+    passed_over = _passed_over(ckpt_dir, chosen) if wanted is None else ""
+    return ExportSource(ckpt_dir.parent, ckpt_dir, chosen, _zero_stage(state, ckpt_dir / chosen), tensor, passed_over)
+
+
+def _passed_over(ckpt_dir: Path, chosen: str) -> str:
+    """The newest complete tag was taken: the tags named after it (a higher step) that are not complete,
+    and a `latest` that names another tag, said in a few words; "" when there are none."""
+    step = int(checkpoint.TAG_RE.match(chosen).group(1))
+    newer = sorted(p.name for p in ckpt_dir.iterdir() if (m := checkpoint.TAG_RE.match(p.name))
+                   and int(m.group(1)) > step and p.is_dir() and not checkpoint.is_complete(p))
+    said = [f"skipped {', '.join(newer)} (incomplete: a save that did not finish)"] if newer else []
+    latest = checkpoint.read_latest(ckpt_dir)
+    if latest and latest != chosen and latest not in newer:
+        said.append(f"`latest` names {latest}, not the newest complete tag")
+    return "; ".join(said)
 
 
 def _zero_stage(state: dict, tag_dir: Path) -> int:

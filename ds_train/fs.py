@@ -7,6 +7,7 @@ from __future__ import annotations
 import errno
 import fcntl
 import json
+import math
 import os
 import re
 import tempfile
@@ -226,7 +227,23 @@ def read_json(path: Path, what: str, flag: str, fix: str = "", hint: str = "") -
                         + (f"; {fix}" if fix else "")) from None
     if not isinstance(value, dict):
         raise UserError(f"{path}: the top level must be a JSON object" + (f"; {fix}" if fix else ""))
+    if bad := non_finite(value):  # Python's json reads NaN and Infinity, which JSON does not have
+        key, number = bad
+        raise UserError(f"{path}: {key}: {number} is not a finite number; give a number"
+                        + (f" ({fix})" if fix else ""))
     return value
+
+
+def non_finite(value, key: str = "") -> tuple[str, float] | None:
+    """The first number in `value` (nested mappings and lists) that is NaN or infinite: its dotted
+    key (`optimizer.params.lr`, `betas[1]`) and the number; None when every one is finite."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return key, value
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for k, v in items:
+        if found := non_finite(v, f"{key}[{k}]" if isinstance(k, int) else f"{key}.{k}" if key else str(k)):
+            return found
+    return None
 
 
 # --- YAML: bounded loading of every YAML file a user gives ---------------------------------------

@@ -197,6 +197,18 @@ def deepspeed_range_note(cfg: RunConfig, version: str) -> str | None:
             f"<{high}): check {'; and '.join(used)} with `ds-train parity` before trusting the losses")
 
 
+def check_layout(cfg: RunConfig, template: dict, world_size: int, hf_config=None) -> ParallelDims:
+    """The one check of a parallel layout, before anything is written or launched: the sizes divide
+    `world_size` (plan_dims), the model's heads, window and what AutoTP shards take them (check_model;
+    `hf_config` None: not checked), and what they cannot take with this DeepSpeed JSON (check_parallel).
+    Returns the layout."""
+    dims = plan_dims(cfg.parallel, world_size)
+    if hf_config is not None and dims.sequence * dims.tensor > 1:
+        check_model(dims, hf_config, cfg.model.attn_implementation, cfg.train.seq_len)
+    check_parallel(cfg, template)
+    return dims
+
+
 def check_parallel(cfg: RunConfig, template: dict) -> None:
     """What the model-parallel sizes cannot take, from the run config and the DeepSpeed JSON alone
     (before anything is written; every problem, one line)."""

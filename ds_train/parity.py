@@ -35,7 +35,7 @@ from ds_train.engine import read_ds_template, zero_stage
 from ds_train.errors import UserError
 from ds_train.fs import write_atomic
 from ds_train.inputs import check_inputs, locate, model_config
-from ds_train.parallel import check_parallel, choices
+from ds_train.parallel import check_layout, choices
 from ds_train.rundir import RunPaths, read_json, read_metrics
 from ds_train.trainer import train_spec
 
@@ -360,9 +360,9 @@ def parity(cfg: RunConfig, label: str, ds_configs: list[str], nprocs: list[int],
         cfg, notes = shrink(cfg, math.lcm(*sizes))
     lays = layouts(cfg, ds_configs, sorted(set(nprocs)), sorted(set(accums)), sorted(set(sequences or [])),
                    sorted(set(tensors or [])))
-    for lay in lays:
-        lay_cfg = lay.parallel(cfg)
-        check_parallel(lay_cfg, templates[lay.ds_config])
+    hf_config = model_config(cfg) if any(lay.sequence * lay.tensor > 1 for lay in lays) else None
+    for lay in lays:  # every layout, before any launch
+        check_layout(lay.parallel(cfg), templates[lay.ds_config], lay.nproc, hf_config)
     out_dir = Path(out) if out else Path(tempfile.mkdtemp(prefix="ds_train_parity_"))
     _check_out(out_dir)
     code = _parity(cfg, label, lays, templates, steps, notes, out_dir, shlex.split(launcher_args),

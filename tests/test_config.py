@@ -457,3 +457,90 @@ def test_a_path_the_os_refuses_on_the_command_line_is_one_line_and_writes_nothin
         expect_error([*args, override, *(["model.config={}"] if "model.path" in override else [])],
                      override.split("=")[0], "longer than 255 bytes")
     assert tree_listing(tmp_path) == before
+
+
+def _numeric_fields(cls=RunConfig, prefix=""):
+    """(key, type, bound) of every number (int, float, list of floats) of the run config, at any depth."""
+    import typing
+
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        tp = hints[f.name]
+        if dataclasses.is_dataclass(tp):
+            yield from _numeric_fields(tp, f"{prefix}{f.name}.")
+        elif tp in (int, float) or tp == list[float]:
+            yield f"{prefix}{f.name}", tp, f.metadata.get("bound")
+
+
+def _nest(key: str, value) -> dict:
+    for part in reversed(key.split(".")):
+        value = {part: value}
+    return value
+
+
+@pytest.mark.parametrize("key, tp, bound", list(_numeric_fields()), ids=lambda x: x if isinstance(x, str) else "")
+def test_every_number_of_the_config_is_checked_where_it_is_declared(key, tp, bound):
+    """Non-finite numbers (YAML's .nan, .inf), numbers outside the field's declared bound and values of
+    another type: each is one error naming the key, from a file's mapping and from an override alike."""
+    base = {"output_dir": "/nonexistent/run", "model": {"config": {"model_type": "llama"}}}
+    bad = [float("nan"), float("inf"), float("-inf")] if tp is float else []
+    bad += [[float("nan")]] if tp == list[float] else []
+    bad += ["many", [1]] if tp is not list else []
+    if bound == "positive":
+        bad.append(0)
+    if bound in ("positive", ">= 0"):
+        bad.append(-1)
+    if isinstance(bound, tuple):
+        bad += [bound[0] - 1, bound[1] + 1]
+    for value in bad:
+        raw = _nest(key, value)
+        for section, values in base.items():
+            if isinstance(values, dict):
+                raw.setdefault(section, {})
+                raw[section] = {**values, **raw[section]} if section in raw else values
+            else:
+                raw.setdefault(section, values)
+        with pytest.raises(UserError) as e:
+            build_config(raw, source="c.yaml")
+        assert key in str(e.value) and "\n" not in str(e.value), (value, str(e.value))
+    for value in [v for v in bad if isinstance(v, float)]:  # the command line's spelling of the same
+        with pytest.raises(UserError) as e:
+            load_config(None, [f"{key}={value}", "output_dir=/nonexistent/run", "model.config.model_type=llama"])
+        assert key in str(e.value), (value, str(e.value))
+
+
+def test_a_nan_from_the_yaml_file_or_the_ds_config_is_refused_before_anything_is_written(tmp_path):
+    """optim.lr: .nan in the run config, and NaN in the DeepSpeed JSON's optimizer.params: one line each,
+    exit 2, and the output directory never made."""
+    from conftest import ROOT
+
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(f"output_dir: {tmp_path / 'run'}\nmodel: {{config: {{model_type: llama}}}}\noptim: {{lr: .nan}}\n")
+    expect_error(["train", "--config", str(cfg), "--ds-config", str(ROOT / "ds_configs" / "zero0.json")],
+                 "optim.lr: nan must be a finite number")
+    ds = tmp_path / "ds.json"
+    ds.write_text('{"optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": [0.9, NaN]}}}')
+    cfg.write_text(f"output_dir: {tmp_path / 'run'}\nmodel: {{config: {{model_type: llama}}}}\n")
+    expect_error(["train", "--config", str(cfg), "--ds-config", str(ds)],
+                 f"{ds}: optimizer.params.betas[1]: nan is not a finite number")
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_key_set_in_a_section_the_run_does_not_use_is_refused_by_one_rule():
+    """dpo.* outside preference training and model.lora.* with LoRA off would be ignored: each key set
+    to other than its default is one error naming it and what uses it; defaults (a saved config.yaml
+    writes every key) and a section the run uses pass."""
+    base = {"output_dir": "/nonexistent/run", "model": {"config": {"model_type": "llama"}}}
+    with pytest.raises(UserError) as e:
+        build_config({**base, "dpo": {"beta": 0.5, "label_smoothing": 0.0},
+                      "model": {**base["model"], "lora": {"alpha": 8, "load_in": "4bit"}}})
+    said = str(e.value)
+    assert said.startswith("config: 4 problems: ")  # load_in also needs model.path
+    assert "dpo.beta: set, but only preference training (data.format: preference) uses dpo.*" in said
+    assert "model.lora.alpha: set, but only LoRA (model.lora.rank > 0) uses model.lora.*" in said
+    assert "model.lora.load_in: set" in said and "label_smoothing" not in said
+    full = RunConfig(output_dir="/nonexistent/run", model=build_config(base).model).to_dict()  # every key
+    assert build_config(full).dpo.beta == 0.1
+    used = build_config({**base, "data": {"format": "preference"}, "dpo": {"beta": 0.5},
+                         "model": {**base["model"], "lora": {"rank": 4, "alpha": 8}}})
+    assert (used.dpo.beta, used.model.lora.alpha) == (0.5, 8)

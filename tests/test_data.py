@@ -1100,3 +1100,28 @@ def test_a_sequence_rank_holds_its_part_of_every_sequence_with_targets_shifted_b
     halves = [sequence_shard(sft, r, 2) for r in range(2)]
     assert [h.n_targets for h in halves] == [2, 2] and halves[1].positions.tolist() == [[0, 1, 2, 3]]
     assert all(h.inputs.flags["C_CONTIGUOUS"] for h in halves)
+
+
+def test_a_file_name_that_is_not_utf8_is_one_line_naming_it_with_escapes(tmp_path):
+    """The OS gives file names as bytes: a corpus directory holding b'caf\\xe9.txt' (Latin-1) is refused
+    in one line naming the key and the name with escapes (before: a UnicodeEncodeError traceback in
+    prepare); `ds-train prepare` says it and exits 2."""
+    import os
+
+    from conftest import expect_error
+    from ds_train.data.sources import check_source_files
+
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "good.txt").write_text("hello")
+    with open(os.path.join(os.fsencode(corpus), b"caf\xe9.txt"), "wb") as f:
+        f.write(b"hello again")
+    with pytest.raises(UserError) as e:
+        check_source_files([str(corpus)])
+    assert str(e.value).startswith(f"data.sources[0]: {str(corpus)!r} holds a file whose name is not UTF-8 "
+                                   f"('caf\\xe9.txt'); rename it")
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(f"output_dir: {tmp_path / 'run'}\nmodel: {{config: {{model_type: llama}}}}\n"
+                   f"data: {{dir: {tmp_path / 'data'}, sources: [{corpus}]}}\n")
+    expect_error(["prepare", "--config", str(cfg)], "holds a file whose name is not UTF-8 ('caf\\xe9.txt')")
+    assert not (tmp_path / "data").exists()

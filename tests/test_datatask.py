@@ -154,6 +154,25 @@ def test_bad_dataset_input_names_the_file_the_row_and_the_field(tokenizer, tmp_p
                    tmp_path / "g.parquet")
     with pytest.raises(UserError, match=f"{tmp_path / 'g.parquet'} row 0: no 'answer' field"):
         task_of(tmp_path / "g.parquet", tokenizer, prompt_key="question")
+    # an answer no built-in verifier can compare (a mapping, a bool): refused by file and line
+    path = write_jsonl(tmp_path / "i.jsonl", [*good[:3], {"prompt": "p", "answer": {"value": 3}}, *good[3:]])
+    with pytest.raises(UserError) as e:
+        task_of(path, tokenizer)
+    assert str(e.value) == (f"{path}:4: 'answer' must be a string, a number or a list of them (the exact verifier "
+                            f"compares it with the completion's text); got {{'value': 3}}")
+    path = write_jsonl(tmp_path / "j.jsonl", [*good, {"prompt": "p", "answer": ["1", True]}])
+    with pytest.raises(UserError, match=f"{path}:31: 'answer' must be a string, a number or a list of them"):
+        task_of(path, tokenizer)
+    # the key the user wrote, not data.sources: a missing file, a binary one, a damaged table
+    missing = tmp_path / "nope.jsonl"
+    with pytest.raises(UserError) as e:
+        task_of(missing, tokenizer)
+    assert str(e.value) == (f"ript.tasks[0].data[0]: {str(missing)!r} does not exist; correct the path or remove "
+                            f"it from ript.tasks[0].data")
+    (tmp_path / "h.parquet").write_bytes(b"PAR1 not really")
+    with pytest.raises(UserError, match="cannot be read as parquet .*; replace it or remove it from "
+                                        "ript.tasks\\[0\\].data$"):
+        task_of(tmp_path / "h.parquet", tokenizer)
 
 
 def test_a_dataset_is_split_over_the_data_parallel_ranks_and_counted_as_one_task(tokenizer, tmp_path):

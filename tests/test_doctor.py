@@ -235,3 +235,18 @@ def test_post_training_findings_cite_the_runs_own_statistics(capsys):
             f"{last['ript/reward_mean']:.3g}, reward std {last['ript/reward_std']:.3g}, groups with equal rewards "
             f"{last['ript/frac_reward_zero_std']:.3g}, truncated {last['ript/truncated_frac']:.3g}, held-out success "
             f"{last['eval/success']:.3g}")
+
+
+def test_a_file_that_is_not_text_is_refused_as_not_a_log(tmp_path):
+    """`ds-train doctor FILE` given a checkpoint's binary file: one line saying it is not a log, exit 2
+    (before: "nothing wrong found", exit 0); a text log with odd bytes is still read."""
+    from conftest import expect_error
+
+    weights = tmp_path / "mp_rank_00_model_states.pt"
+    weights.write_bytes(b"PK\x03\x04" + bytes(range(256)) * 8)
+    expect_error(["doctor", str(weights)], f"doctor: {weights} is not a log (binary data: a NUL byte at offset")
+    log = tmp_path / "console.log"
+    log.write_bytes(b"step 1: loss 2.0 \xff\xfe\nTraceback (most recent call last):\nValueError: x\n")
+    from ds_train.doctor import read_sources
+
+    assert [len(s.lines) for s in read_sources(log)] == [3]

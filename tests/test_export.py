@@ -151,7 +151,10 @@ def test_an_incomplete_tag_is_refused(trained, tmp_path):
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
     # `latest` still names step 8; without a tag the newest complete tag is exported instead
     assert (run / "checkpoints" / "latest").read_text() == "step_00000008"
-    assert resolve_source(run).tag == "step_00000004"
+    src = resolve_source(run)  # and says so: the command prints it (`export: took ...`)
+    assert src.tag == "step_00000004"
+    assert src.passed_over == "skipped step_00000008 (incomplete: a save that did not finish)"
+    assert resolve_source(run, "step_00000004").passed_over == ""  # asked for by name: nothing passed over
 
 
 @pytest.mark.slow

@@ -357,3 +357,16 @@ def test_shrink_proves_the_sft_recipe_under_zero3_on_two_processes(quickstart_li
     assert [int(r[0]) for r in rows] == [1, 2, 3, 4, 5]
     assert all(float(r[3]) <= 1e-5 and float(r[6]) <= 1e-4 for r in rows), rows
     assert "verdict: PASS: 1 of 1 layout(s)" in res.out
+
+
+def test_a_layout_the_model_cannot_take_is_refused_before_any_launch(tiny_data, tmp_path):
+    """--sequence 3 on a model of 4 attention heads: one line from the layout check the run uses
+    (parallel.check_layout), exit 2, and no launch started (no launch log, no out directory)."""
+    from conftest import expect_error
+
+    cfg = write_config(tmp_path / "c.yaml", tiny_config(tiny_data, tmp_path / "unused"))
+    out = tmp_path / "parity"
+    expect_error(["parity", "--config", str(cfg), "--ds-config", STAGES[2], "--nproc", "3", "--sequence", "3",
+                  "--steps", "2", "--out", str(out)],
+                 "parallel.sequence=3 does not divide the model's 4 attention heads")
+    assert not out.exists()

@@ -73,6 +73,41 @@ def test_sequence_log_probs_sum_the_targets_alone():
     assert counts.tolist() == [3, 2] and all(abs(float(s) - w) <= 1e-6 for s, w in zip(sums, want))
 
 
+@pytest.mark.parametrize("loss", ["sigmoid", "ipo", "sigmoid_norm"])
+def test_pair_losses_normalise_ipo_and_sigmoid_norm_per_target_token(loss):
+    """pair_losses on a model's forward: IPO and sigmoid_norm compare per-token mean log-probs (policy
+    and reference each divided by the row's target count), sigmoid the sums; chosen and rejected rows
+    with 3 and 6 targets, so a missing or doubled division shows."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from ds_train.config import DpoConfig
+    from ds_train.data.pairs import PairBatch
+    from ds_train.preference import pair_losses
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**{**TINY_MODEL, "vocab_size": 50}))
+    rng = np.random.default_rng(0)
+    inputs = rng.integers(0, 50, (4, 8))
+    targets = np.full((4, 8), IGNORE)
+    for row, n in enumerate((3, 6, 6, 3)):  # chosen 0, 1 then rejected 0, 1
+        targets[row, 8 - n:] = rng.integers(0, 50, n)
+    batch = PairBatch(inputs, targets, None, pairs=np.array([0, 1]))
+    ref = torch.tensor([-30.0, -55.0, -62.0, -27.0], dtype=torch.float64)
+    dpo = DpoConfig(beta=0.3, loss=loss)
+    with torch.no_grad():
+        losses, _ = pair_losses(model, batch, lambda b: ref, dpo)
+        logps, counts = sequence_logps(model(input_ids=torch.from_numpy(inputs)).logits, torch.from_numpy(targets))
+    assert counts.tolist() == [3, 6, 6, 3]
+    pol, rf = logps.double(), ref
+    if loss != "sigmoid":
+        pol, rf = pol / counts, rf / counts
+    for i in range(2):
+        want, _, _ = closed_form(float(pol[i]), float(pol[2 + i]), float(rf[i]), float(rf[2 + i]), 0.3,
+                                 "ipo" if loss == "ipo" else "sigmoid", 0.0)
+        assert abs(float(losses[i]) - want) <= 1e-5 * max(1.0, abs(want)), (loss, i, float(losses[i]), want)
+
+
 @pytest.fixture(scope="module")
 def tok(tmp_path_factory):
     from ds_train.data.tokenizer import train_tokenizer

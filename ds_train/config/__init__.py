@@ -40,9 +40,6 @@ class LoraConfig(Section):
                         f"model.lora.rank=0 to train every weight")
         if self.dropout >= 1:
             errs.append(f"model.lora.dropout: {self.dropout:g} must be below 1")
-        if not self.rank and self.load_in != "none":
-            errs.append(f"model.lora.load_in={self.load_in} needs LoRA (a quantised base cannot train); set "
-                        f"model.lora.rank")
         return errs
 
 
@@ -201,12 +198,13 @@ class OptimConfig(Section):
     lr: float = _f(3e-4, "Peak learning rate (AdamW), before optional batch-size scaling.", POSITIVE)
     min_lr_ratio: float = _f(0.1, "Final learning rate of the cosine decay, as a fraction of lr.")
     warmup_steps: int = _f(10, "Linear warm-up steps.", NON_NEGATIVE)
-    weight_decay: float = _f(0.1, "AdamW weight decay.")
+    weight_decay: float = _f(0.1, "AdamW weight decay.", NON_NEGATIVE)
     betas: list[float] = _f([0.9, 0.95], "AdamW betas.")
-    eps: float = _f(1e-8, "AdamW epsilon.")
+    eps: float = _f(1e-8, "AdamW epsilon.", POSITIVE)
     lr_scaling: Literal["none", "linear", "sqrt"] = _f(
         "none", "Scale lr by global_batch_size / reference_batch_size (linear) or its square root.")
-    reference_batch_size: int = _f(0, "Global batch size at which optim.lr was tuned (for lr_scaling).")
+    reference_batch_size: int = _f(0, "Global batch size at which optim.lr was tuned (for lr_scaling).",
+                                   NON_NEGATIVE)
 
     def check(self) -> list[str]:
         errs = []
@@ -281,7 +279,7 @@ class LogConfig(Section):
     tensorboard: bool = _f(False, "Also write the metrics as TensorBoard events (rank 0, output_dir/tensorboard/).")
     plots: bool = _f(True, "A finished run writes PNG plots of its metrics into output_dir/plots/.")
     progress: bool = _f(True, "Show a progress bar with ETA on rank 0.")
-    peak_tflops: float = _f(0.0, "Peak dense TFLOP/s per device for MFU (0: look up the GPU).")
+    peak_tflops: float = _f(0.0, "Peak dense TFLOP/s per device for MFU (0: look up the GPU).", NON_NEGATIVE)
     sample_prompt: str = _f("", "Text to continue with the trained model at the end ('' skips it).")
     sample_tokens: int = _f(64, "Tokens generated for the final sample.", NON_NEGATIVE)
 
@@ -355,10 +353,18 @@ class WatchdogConfig(Section):
         return errs
 
 
+# Sections only some runs use: section -> (whether this run uses it, what does, in words). A key of one set
+# to other than its default in a run that does not use it is refused (RunConfig.unused): it would be ignored.
+APPLIES = {
+    "dpo": (lambda c: c.data.format == "preference", "preference training (data.format: preference)"),
+    "model.lora": (lambda c: c.model.lora.rank > 0, "LoRA (model.lora.rank > 0)"),
+}
+
+
 @dataclass(frozen=True)
 class RunConfig:
     output_dir: str = _f("runs/default", "Run directory: resolved configs, logs, metrics, checkpoints.", path=True)
-    seed: int = _f(1234, "Seed for weights, data order and sampling.")
+    seed: int = _f(1234, "Seed for weights, data order and sampling.", (0, 2**32 - 1))
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
@@ -372,8 +378,25 @@ class RunConfig:
     ript: RiptConfig = field(default_factory=RiptConfig)
     dpo: DpoConfig = field(default_factory=DpoConfig)
 
-    def check(self) -> list[str]:
+    def unused(self, raw: dict) -> list[str]:
+        """Keys of `raw` (the config as written) in a section this run does not use (APPLIES), set to
+        other than their default: each would be silently ignored, so each is one error."""
         errs = []
+        for prefix, (applies, what) in APPLIES.items():
+            written, section = raw, self
+            for part in prefix.split("."):
+                written = written.get(part) if isinstance(written, dict) else None
+                section = getattr(section, part)
+            if applies(self) or not isinstance(written, dict):
+                continue
+            default = type(section)()
+            for key, value in written.items():
+                if hasattr(default, key) and value != getattr(default, key) and not dataclasses.is_dataclass(value):
+                    errs.append(f"{prefix}.{key}: set, but only {what} uses {prefix}.*; remove it, or turn that on")
+        return errs
+
+    def check(self) -> list[str]:
+        errs = out_of_bounds(self, "")
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
             if dataclasses.is_dataclass(value):

@@ -72,22 +72,31 @@ DIRECTORY_FILES = (f"files named *{', *'.join(sorted(TEXT_SUFFIXES | set(RECORD_
                    f"suffix; hidden files and directories are skipped")
 
 
-def _source_files(source: str) -> list[tuple[str, Path]]:
+def _source_files(source: str, key: str = "data.sources") -> list[tuple[str, Path]]:
     """(name relative to the source, path) of each file a path source contributes, in order: a file
     named in data.sources whatever its suffix; in a directory, the DIRECTORY_FILES; a `datasets`
-    directory is one unit (every file in it is fingerprinted).
+    directory is one unit (every file in it is fingerprinted). `key`: the config key that names the
+    sources (data.sources; a data-driven task's ript.tasks[i].data), for messages.
 
     Names, not paths, decide the train/val split, which must not depend on where the corpus sits.
     """
     path = Path(source)
     if not path.exists():
-        raise UserError(f"data.sources: {source!r} does not exist; correct the path or remove it from "
-                        f"data.sources")
+        listed = key.rpartition("[")[0] or key  # the list, where `key` names an entry of it
+        raise UserError(f"{key}: {source!r} does not exist; correct the path or remove it from {listed}")
     if not path.is_dir() or is_dataset_dir(path):
         return [(path.name, path)]
     files = (p for p in sorted(path.rglob("*")) if p.is_file() and _is_source_file(p))
-    return [(str(p.relative_to(path)), p) for p in files
-            if not any(part.startswith(".") for part in p.relative_to(path).parts)]
+    out = [(str(p.relative_to(path)), p) for p in files
+           if not any(part.startswith(".") for part in p.relative_to(path).parts)]
+    for name, _ in out:  # the OS gives names as bytes; one that is not UTF-8 cannot name a document
+        try:
+            name.encode("utf-8")
+        except UnicodeEncodeError:
+            shown = os.fsencode(name).decode("utf-8", "backslashreplace")
+            raise UserError(f"{key}: {source!r} holds a file whose name is not UTF-8 ('{shown}'); rename it "
+                            f"in UTF-8 (convmv -f latin1 -t utf-8 does a whole tree) or move it out") from None
+    return out
 
 
 def _stdlib_files() -> list[tuple[str, Path]]:
@@ -95,14 +104,14 @@ def _stdlib_files() -> list[tuple[str, Path]]:
     return [(str(p.relative_to(root)), p) for p in python_stdlib_files()]
 
 
-def source_files(source: str) -> list[tuple[str, Path]]:
-    return _stdlib_files() if source == STDLIB else _source_files(source)
+def source_files(source: str, key: str = "data.sources") -> list[tuple[str, Path]]:
+    return _stdlib_files() if source == STDLIB else _source_files(source, key)
 
 
 def check_source_files(sources: list[str]) -> None:
     """Every path source exists and contributes a file."""
     for i, source in enumerate(sources):
-        if source != STDLIB and not _source_files(source):
+        if source != STDLIB and not _source_files(source, f"data.sources[{i}]"):
             raise UserError(f"data.sources[{i}]: {source!r} holds no documents (a directory source "
                             f"reads {DIRECTORY_FILES}); remove it from data.sources or add files")
 
@@ -127,7 +136,7 @@ def _size(path: Path) -> int:
 @dataclass(frozen=True)
 class Chunk:
     """A bounded piece of one file: raw JSONL lines, a text file's bytes, or a table's rows."""
-    source: int  # index in data.sources
+    source: int  # index in data.sources (or the key's list)
     file: str  # the path, for messages
     name: str  # the file's name within its source (documents are named after it)
     kind: str  # "text", "jsonl" or "rows"
@@ -135,25 +144,27 @@ class Chunk:
     items: list  # bytes (text, jsonl) or dicts (rows)
     nbytes: int  # input bytes this chunk moves the progress on by
     directory: str = ""  # the directory source the file came from (for the fix a message names)
+    key: str = "data.sources"  # the config key that names the sources, for messages
 
 
-def chunks(sources: list[str], columns: tuple[str, ...]) -> Iterator[Chunk]:
+def chunks(sources: list[str], columns: tuple[str, ...], key: str = "data.sources") -> Iterator[Chunk]:
     """Every source's files in order, in chunks of at most CHUNK_BYTES of text or CHUNK_ROWS rows.
-    `columns`: the record fields a table must have (a table without them is refused by name)."""
+    `columns`: the record fields a table must have (a table without them is refused by name); `key`:
+    the config key that names `sources`, which every message names."""
     for index, source in enumerate(sources):
         directory = source if source != STDLIB and Path(source).is_dir() and not is_dataset_dir(Path(source)) else ""
-        for name, path in source_files(source):
+        for name, path in source_files(source, f"{key}[{index}]"):
             kind = "dataset" if path.is_dir() else _kind(path)
             if kind == "text":
                 data = path.read_bytes()
-                yield Chunk(index, str(path), name, "text", 1, [data], len(data), directory)
+                yield Chunk(index, str(path), name, "text", 1, [data], len(data), directory, key)
             elif kind == "jsonl":
-                yield from _jsonl_chunks(index, path, name)
+                yield from _jsonl_chunks(index, path, name, key)
             else:
-                yield from _table_chunks(index, path, name, kind, columns)
+                yield from _table_chunks(index, path, name, kind, columns, key)
 
 
-def _jsonl_chunks(index: int, path: Path, name: str) -> Iterator[Chunk]:
+def _jsonl_chunks(index: int, path: Path, name: str, key: str = "data.sources") -> Iterator[Chunk]:
     with open(path, "rb") as raw:
         fh = gzip.GzipFile(fileobj=raw) if path.name.lower().endswith(".gz") else raw
         lines, size, first, lineno, done = [], 0, 1, 0, 0
@@ -162,16 +173,17 @@ def _jsonl_chunks(index: int, path: Path, name: str) -> Iterator[Chunk]:
                 lines.append(line)
                 size += len(line)
                 if size >= CHUNK_BYTES:
-                    yield Chunk(index, str(path), name, "jsonl", first, lines, raw.tell() - done)
+                    yield Chunk(index, str(path), name, "jsonl", first, lines, raw.tell() - done, key=key)
                     lines, size, first, done = [], 0, lineno + 1, raw.tell()
         except (OSError, EOFError) as e:  # gzip.BadGzipFile is an OSError
             raise UserError(f"{path}: cannot be read after line {lineno} ({e}); replace the file or remove "
-                            f"it from data.sources") from None
+                            f"it from {key}") from None
         if lines:
-            yield Chunk(index, str(path), name, "jsonl", first, lines, raw.tell() - done)
+            yield Chunk(index, str(path), name, "jsonl", first, lines, raw.tell() - done, key=key)
 
 
-def _table_chunks(index: int, path: Path, name: str, kind: str, columns: tuple[str, ...]) -> Iterator[Chunk]:
+def _table_chunks(index: int, path: Path, name: str, kind: str, columns: tuple[str, ...],
+                  key: str = "data.sources") -> Iterator[Chunk]:
     """Rows of a parquet file (pyarrow, by row group), a `datasets` directory (memory-mapped) or a
     .csv / .arrow file (`datasets`, streamed), CHUNK_ROWS at a time."""
     try:
@@ -194,14 +206,14 @@ def _table_chunks(index: int, path: Path, name: str, kind: str, columns: tuple[s
         first = 0
         for batch in batches:
             step = size * len(batch) // rows if rows else 0
-            yield Chunk(index, str(path), name, "rows", first, batch, step)
+            yield Chunk(index, str(path), name, "rows", first, batch, step, key=key)
             first += len(batch)
     except UserError:
         raise
     except Exception as e:  # pyarrow's and datasets' own errors: a damaged or foreign file
         said = " ".join(f"{type(e).__name__}: {e}".split())[:300]
         raise UserError(f"{path}: cannot be read as {kind} ({said}); replace it or remove it from "
-                        f"data.sources") from None
+                        f"{key}") from None
 
 
 def _present(names: list[str], columns: tuple[str, ...]) -> list[str]:
@@ -266,7 +278,7 @@ def records(chunk: Chunk, fields: tuple[str, ...]) -> Iterator[tuple[str, object
     if chunk.kind == "text":
         text = _decode_text(chunk)
         if fields in RECORD_FIELDS:
-            raise UserError(f"data.sources: {chunk.file!r} is a text file, and data.format {RECORD_FIELDS[fields]} "
+            raise UserError(f"{chunk.key}: {chunk.file!r} is a text file, and data.format {RECORD_FIELDS[fields]} "
                             f"reads records (JSONL, parquet, datasets); remove it or set data.format=text")
         if text.strip():
             yield chunk.name, text
@@ -318,10 +330,10 @@ def _decode_text(chunk: Chunk) -> str:
         except UnicodeDecodeError as e:
             why = f"byte 0x{data[e.start]:02x} at offset {e.start} is not UTF-8"
     if chunk.directory:
-        fix = f"remove it from {chunk.directory!r}, or list only its text files in data.sources"
+        fix = f"remove it from {chunk.directory!r}, or list only its text files in {chunk.key}"
     else:
-        fix = "convert it to UTF-8 or remove it from data.sources"
-    raise UserError(f"data.sources: {chunk.file!r} is not UTF-8 text ({why}: a binary file?); {fix}")
+        fix = f"convert it to UTF-8 or remove it from {chunk.key}"
+    raise UserError(f"{chunk.key}: {chunk.file!r} is not UTF-8 text ({why}: a binary file?); {fix}")
 
 
 # --- the fingerprint of prepare's inputs ---------------------------------------------------------

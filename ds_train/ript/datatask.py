@@ -40,7 +40,7 @@ from ds_train.data.sources import chunks
 from ds_train.errors import UserError
 from ds_train.ript.rollout import max_rollout_tokens
 from ds_train.ript.tasks import Step, load_task
-from ds_train.ript.verifiers import build_verifier
+from ds_train.ript.verifiers import NAMES, build_verifier
 
 OPTIONS = {"name": "", "data": [], "prompt_key": "prompt", "answer_key": "answer", "system": "",
            "verifier": "exact", "tolerance": 1e-6, "pattern": "", "heldout_fraction": 0.1, "stop": [],
@@ -120,6 +120,11 @@ class Prompt:
     record: dict
 
 
+def _plain(answer: Any) -> bool:
+    """An answer a built-in verifier can compare with text: a string or a number (not a bool)."""
+    return isinstance(answer, str) or isinstance(answer, (int, float)) and not isinstance(answer, bool)
+
+
 class DatasetTask:
     """A single-turn task read from records: prompt -> completion -> verifier."""
 
@@ -151,7 +156,7 @@ class DatasetTask:
     def _read(self, max_positions: int | None):
         o = self.options
         prompt_key, answer_key = o["prompt_key"], o["answer_key"]
-        for chunk in chunks(o["data"], (prompt_key, answer_key)):
+        for chunk in chunks(o["data"], (prompt_key, answer_key), f"{self.where}.data"):
             if chunk.kind == "text":
                 raise UserError(f"{chunk.file}: a text file; a data-driven task reads records (JSONL, parquet, "
                                 f".csv, .arrow, a `datasets` directory) with {prompt_key!r} and {answer_key!r} "
@@ -178,6 +183,11 @@ class DatasetTask:
             if record.get(key) is None:
                 raise UserError(f"{where}: no {key!r} field ({self.where}: {'prompt' if key == o['prompt_key'] else 'answer'}"
                                 f"_key); add it or set the key to the field that holds it")
+        answer = record[o["answer_key"]]
+        if o["verifier"] in NAMES and not all(_plain(a) for a in (answer if isinstance(answer, list) else [answer])):
+            raise UserError(f"{where}: {o['answer_key']!r} must be a string, a number or a list of them (the "
+                            f"{o['verifier']} verifier compares it with the completion's text); got "
+                            f"{repr(answer)[:60]}")
         value = record[o["prompt_key"]]
         if isinstance(value, str):
             messages = [{"role": "user", "content": value}]

@@ -10,13 +10,12 @@ shape a simulator-backed robot task plugs into. User tasks load by `module:Class
 from __future__ import annotations
 
 import abc
-import pkgutil
 import random
 import zlib
 from dataclasses import dataclass
 from typing import Any, Iterator, Protocol
 
-from ds_train.errors import UserError
+from ds_train.errors import UserError, load_user_object, raised_at
 
 
 @dataclass(frozen=True)
@@ -189,11 +188,13 @@ def demonstration_records(per_task: int) -> Iterator[dict]:
 
 
 def load_object(spec: str, what: str):
-    """`module:Class` -> an instance (pkgutil.resolve_name), or a UserError naming `what`."""
+    """`module:Class` -> an instance, or one UserError naming `what` whatever loading it or calling it
+    raised, and where (errors.load_user_object)."""
+    cls = load_user_object(spec, what)
     try:
-        return pkgutil.resolve_name(spec)()
-    except (ImportError, AttributeError, ValueError, TypeError) as e:
-        raise UserError(f"{what}: cannot load {spec!r}: {e}") from None
+        return cls()
+    except Exception as e:
+        raise UserError(f"{what}: {spec}() raised {raised_at(e)}") from e
 
 
 def load_task(spec: str) -> Task:

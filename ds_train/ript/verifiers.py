@@ -15,11 +15,10 @@ An answer may be a list: any of its items is right.
 from __future__ import annotations
 
 import math
-import pkgutil
 import re
 from typing import Any, Callable
 
-from ds_train.errors import UserError
+from ds_train.errors import UserError, load_user_object
 
 Verifier = Callable[[str, Any, dict], float]
 NAMES = ("exact", "numeric", "regex", "boxed")
@@ -123,10 +122,7 @@ def build_verifier(name: str, tolerance: float = 1e-6, pattern: str = "", where:
             raise UserError(f"{where}: pattern {pattern!r} is not a regular expression ({e})") from None
     if ":" not in name:
         raise UserError(f"{where}: {name!r} is not a verifier; use one of {', '.join(NAMES)} or module:function")
-    try:
-        fn = pkgutil.resolve_name(name)
-    except (ImportError, AttributeError, ValueError) as e:
-        raise UserError(f"{where}: cannot load {name!r}: {e}") from None
+    fn = load_user_object(name, where)
     if not callable(fn):
         raise UserError(f"{where}: {name!r} is not callable (want function(completion, answer, record))")
 
