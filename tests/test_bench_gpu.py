@@ -45,7 +45,8 @@ def test_mfu_measures_every_side_and_the_ratios(tiny_data, tmp_path):
     for side, s in d["sides"].items():
         assert s["tokens_per_s"] > 0 and s["steps"] == d["timed_steps"], (side, s)
     assert set(d["ratios"]) == {f"ds_train/{s}" for s in sides[1:]} and all(x > 0 for x in d["ratios"].values())
-    configs = {s: yaml.safe_load((tmp_path / "configs" / f"{s}.yaml").read_text()) for s in sides if s not in ("bare", "hf")}
+    configs = {s: yaml.safe_load((tmp_path / "configs" / f"{s}.yaml").read_text())
+               for s in sides if s not in ("bare", "hf")}
     assert configs["fused_loss"]["train"]["fused_loss"] is True and configs["liger"]["model"]["liger_kernels"]
     assert "compile" not in configs["ds_train"]["model"] and configs["compile"]["model"]["compile"] is True
     assert "Liger's kernels are Triton kernels for a CUDA GPU" in (tmp_path / "logs" / "liger.log").read_text()

@@ -147,7 +147,8 @@ def test_the_planned_peak_is_within_10_percent_of_what_an_h100_measured_eager_wi
     from ds_train.dryrun import run_estimate
     from ds_train.plan import Target
 
-    cfg = build_config({"output_dir": "/nonexistent/run", "model": {"config": H100["model"], "dtype": "bf16", **case["model"]},
+    cfg = build_config({"output_dir": "/nonexistent/run",
+                        "model": {"config": H100["model"], "dtype": "bf16", **case["model"]},
                         "train": {"seq_len": H100["seq_len"], "micro_batch_size": H100["micro_batch_size"],
                                   "global_batch_size": H100["global_batch_size"], **case["train"]}}, source="h100")
     out = run_estimate(cfg, str(ROOT / "ds_configs" / "zero2.json"),

@@ -569,7 +569,8 @@ def test_the_fused_loss_takes_a_heads_bias_and_a_frozen_head():
     assert fuses(head) and not head.weight.requires_grad
     _tiled_against_full(lora, 300)
     assert head.weight.grad is None
-    adapted = peft.get_peft_model(AutoModelForCausalLM.from_config(cfg), peft.LoraConfig(r=4, target_modules=["lm_head"]))
+    adapted = peft.get_peft_model(AutoModelForCausalLM.from_config(cfg),
+                                  peft.LoraConfig(r=4, target_modules=["lm_head"]))
     assert not fuses(adapted.get_output_embeddings())
 
 
