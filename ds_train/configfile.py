@@ -279,7 +279,8 @@ def build_config(raw: dict, source: str = "config",
     errs: list[str] = []
     cfg = _build(RunConfig, raw, "", errs)
     errs += cfg.check()  # fields with a type error kept their default, so these checks still run
-    errs += cfg.unused(raw)
+    said = {e.split(":")[0].split("=")[0] for e in errs}  # a key already refused for its value: not again
+    errs += [e for e in cfg.unused(raw) if e.split(":")[0] not in said]
     if not errs:
         return cfg
     blamed = [_blame(err, overrides or {}) for err in errs]

@@ -535,10 +535,11 @@ def test_a_key_set_in_a_section_the_run_does_not_use_is_refused_by_one_rule():
         build_config({**base, "dpo": {"beta": 0.5, "label_smoothing": 0.0},
                       "model": {**base["model"], "lora": {"alpha": 8, "load_in": "4bit"}}})
     said = str(e.value)
-    assert said.startswith("config: 4 problems: ")  # load_in also needs model.path
+    assert said.startswith("config: 4 problems: ")  # load_in: needs model.path, and needs LoRA (said once)
     assert "dpo.beta: set, but only preference training (data.format: preference) uses dpo.*" in said
     assert "model.lora.alpha: set, but only LoRA (model.lora.rank > 0) uses model.lora.*" in said
-    assert "model.lora.load_in: set" in said and "label_smoothing" not in said
+    assert "model.lora.load_in=4bit needs LoRA" in said and "model.lora.load_in: set" not in said
+    assert "label_smoothing" not in said
     full = RunConfig(output_dir="/nonexistent/run", model=build_config(base).model).to_dict()  # every key
     assert build_config(full).dpo.beta == 0.1
     used = build_config({**base, "data": {"format": "preference"}, "dpo": {"beta": 0.5},

@@ -685,7 +685,7 @@ def test_a_small_corpus_notes_the_smaller_vocabulary_on_stdout(corpus, tmp_path,
 
 
 @pytest.mark.parametrize("make, expected", [
-    (lambda src: None, "data.sources: '{src}' does not exist; correct the path or remove it from data.sources"),
+    (lambda src: None, "data.sources[0]: '{src}' does not exist; correct the path or remove it from data.sources"),
     (lambda src: src.mkdir(), "data.sources[0]: '{src}' holds no documents (a directory source reads files named "
                               "*.arrow, *.c, *.csv, *.h, *.json, *.jsonl, *.jsonl.gz, *.md, *.parquet, *.py, *.rst, "
                               "*.toml, *.txt, *.yaml, *.yml or without a suffix; hidden files and directories are "

@@ -44,7 +44,7 @@ def test_the_lora_section_is_checked_whole_and_listed_by_help_config():
     assert "model.lora: rank 4 with empty target_modules and modules_to_save trains nothing" in str(e.value)
     with pytest.raises(UserError) as e:
         build_config({"model": {"config": dict(TINY_MODEL), "lora": {"load_in": "4bit"}}})
-    assert "model.lora.load_in=4bit needs LoRA" in str(e.value)
+    assert "model.lora.load_in=4bit needs LoRA" in str(e.value)  # said once: not again as set but unused
     with pytest.raises(UserError, match="config: 2 problems: model.lora.rank: -1 must be >= 0; model.lora.dropout"):
         build_config({"model": {"config": dict(TINY_MODEL), "lora": {"rank": -1, "dropout": 1.5}}})
 

@@ -40,6 +40,9 @@ class LoraConfig(Section):
                         f"model.lora.rank=0 to train every weight")
         if self.dropout >= 1:
             errs.append(f"model.lora.dropout: {self.dropout:g} must be below 1")
+        if not self.rank and self.load_in != "none":
+            errs.append(f"model.lora.load_in={self.load_in} needs LoRA (a quantised base cannot train); set "
+                        f"model.lora.rank")
         return errs
 
 
