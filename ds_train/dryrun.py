@@ -35,8 +35,8 @@ from ds_train.metrics import PEAK_TFLOPS, memory_gib, peak_flops
 from ds_train.model.build import count_params, flops_per_token, lookup_params, resolve_dtype
 from ds_train.model.lora import check_lora
 from ds_train.parallel import check_model, check_parallel, plan_dims
-from ds_train.plan import (Target, format_rows, format_suggestions, pick_preset, plan_rows, rank_seq_len, resolved_zero,
-                           suggestions)
+from ds_train.plan import (Target, format_rows, format_suggestions, fused_kernels, pick_preset, plan_rows,
+                           rank_seq_len, resolved_zero, suggestions)
 from ds_train.rundir import RunPaths
 from ds_train.run import build_run
 from ds_train.meters import ComputeClock
@@ -112,8 +112,7 @@ def run_estimate(cfg: RunConfig, ds_config_path: str, target: Target, preset: st
 
 def kernels_said(cfg: RunConfig) -> str:
     """What the plan takes the layers to run (memory.py: fused kernels keep less of each layer)."""
-    fused = [name for name, on in (("compiled (model.compile)", cfg.model.compile is not False),
-                                   ("Liger's kernels (model.liger_kernels)", cfg.model.liger_kernels)) if on]
+    fused = fused_kernels(cfg)
     return "; layers " + " with ".join(fused) if fused else "; layers eager"
 
 

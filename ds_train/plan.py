@@ -38,7 +38,14 @@ def tiles(cfg: RunConfig) -> tuple[int, int, int, bool, bool]:
     layers, whether the loss is fused and whether the layers run fused kernels (model.compile,
     `auto` included: the plan is for GPUs; model.liger_kernels): estimate's last arguments."""
     return (cfg.train.loss_tile_tokens, cfg.train.mlp_tile_positions, cfg.parallel.tensor, cfg.train.fused_loss,
-            cfg.model.compile is not False or cfg.model.liger_kernels)
+            bool(fused_kernels(cfg)))
+
+
+def fused_kernels(cfg: RunConfig) -> list[str]:
+    """What makes the layers keep less (memory.py): compiled layers (model.compile, `auto` included: the
+    plan is for GPUs) and Liger's kernels, named as the estimate prints them; [] for eager layers."""
+    return [name for name, on in (("compiled (model.compile)", cfg.model.compile is not False),
+                                  ("Liger's kernels (model.liger_kernels)", cfg.model.liger_kernels)) if on]
 
 
 def stages(cfg: RunConfig, dtype: str) -> range:
