@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import difflib
+import math
 import os
 import re
 import shutil
@@ -113,8 +114,81 @@ def _check_unknown_keys(ds: dict, source: str) -> None:
         raise UserError(f"{source}: unknown DeepSpeed key {key!r}{hint}; DeepSpeed would ignore it")
 
 
+# The numbers of DeepSpeed's schedules (deepspeed/runtime/lr_schedules.py), each declared once: the type it
+# must be and its inclusive bounds (None: open). DeepSpeed passes scheduler.params to the class as they are.
+SCHEDULE_PARAMS = {
+    "total_num_steps": (int, 1, None), "warmup_num_steps": (int, 1, None), "last_batch_iteration": (int, -1, None),
+    "warmup_min_ratio": (float, 0, 1), "cos_min_ratio": (float, 0, 1), "warmup_min_lr": (float, 0, None),
+    "warmup_max_lr": (float, 0, None), "lr_range_test_min_lr": (float, 0, None),
+    "lr_range_test_step_size": (int, 1, None), "lr_range_test_step_rate": (float, 0, None),
+    "lr_range_test_staircase": (bool, None, None), "cycle_min_lr": (float, 0, None), "cycle_max_lr": (float, 0, None),
+    "decay_lr_rate": (float, 0, None), "cycle_first_step_size": (int, 1, None), "cycle_second_step_size": (int, 1, None),
+    "cycle_first_stair_count": (int, 0, None), "cycle_second_stair_count": (int, 0, None),
+    "decay_step_size": (int, 0, None), "cycle_momentum": (bool, None, None), "cycle_min_mom": (float, 0, 1),
+    "cycle_max_mom": (float, 0, 1), "decay_mom_rate": (float, 0, None),
+}
+WARMUP_TYPES = ("linear", "log")
+
+
+def _bad_number(value, kind: type, low, high) -> str | None:
+    """What is wrong with `value` as a `kind` within [low, high], or None."""
+    if kind is bool:
+        return None if isinstance(value, bool) else "true or false"
+    numeric = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if not numeric or kind is int and not isinstance(value, int) or not math.isfinite(value):
+        return "an integer" if kind is int else "a finite number"
+    if low is not None and value < low or high is not None and value > high:
+        return f"within [{low}, {high}]" if high is not None else f">= {low}"
+    return None
+
+
+def schedule_class(section, source: str) -> type:
+    """The class DeepSpeed builds a scheduler section with (its own schedules, then torch's), or one line."""
+    import torch
+    from deepspeed.runtime import lr_schedules
+
+    kind = section.get("type") if isinstance(section, dict) else None
+    cls = getattr(lr_schedules, kind, None) if isinstance(kind, str) else None
+    cls = cls or (getattr(torch.optim.lr_scheduler, kind, None) if isinstance(kind, str) else None)
+    if not isinstance(cls, type):
+        raise UserError(f"{source}: scheduler.type={kind!r} is not a schedule DeepSpeed knows; use one of "
+                        f"{', '.join(lr_schedules.VALID_LR_SCHEDULES)} (or a torch.optim.lr_scheduler class)")
+    if not isinstance(section.get("params", {}), dict):
+        raise UserError(f"{source}: scheduler.params must be an object of {kind}'s arguments")
+    return cls
+
+
+def _check_scheduler(ds: dict, source: str) -> None:
+    """The scheduler section as DeepSpeed builds it (`type(optimizer, **params)`): a type it knows, names
+    its class takes, and DeepSpeed's schedule numbers of the right type, finite and in range."""
+    import inspect
+
+    from deepspeed.runtime import lr_schedules
+
+    if "scheduler" not in ds:
+        return
+    cls = schedule_class(ds["scheduler"], source)
+    kind, params = ds["scheduler"]["type"], ds["scheduler"].get("params", {})
+    takes = [n for n in inspect.signature(cls.__init__).parameters if n not in ("self", "optimizer")]
+    for key, value in params.items():
+        if key not in takes:
+            close = difflib.get_close_matches(key, takes, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else f"; it takes {', '.join(takes)}"
+            raise UserError(f"{source}: scheduler.params.{key}: {kind} takes no such argument{hint}")
+        if key == "warmup_type" and value not in WARMUP_TYPES:
+            raise UserError(f"{source}: scheduler.params.warmup_type={value!r} must be one of {WARMUP_TYPES} "
+                            f"(DeepSpeed would fall back to 'log' with a warning)")
+        if key in SCHEDULE_PARAMS and cls.__module__ == lr_schedules.__name__ and not (
+                value is None and key == "warmup_max_lr"):
+            wrong = _bad_number(value, *SCHEDULE_PARAMS[key])
+            if wrong:
+                raise UserError(f"{source}: scheduler.params.{key}={value!r} must be {wrong}")
+
+
 def _check_sections(ds: dict, source: str) -> None:
-    """Nested keys through DeepSpeed's own pydantic models, which forbid extra fields."""
+    """Nested keys through DeepSpeed's own pydantic models, which forbid extra fields; the scheduler
+    through its class's arguments and the schedule numbers' declared bounds."""
+    _check_scheduler(ds, source)
     import pydantic
     from deepspeed.runtime.precision_config import DeepSpeedBF16Config, DeepSpeedFP16Config
     from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
@@ -166,12 +240,15 @@ def render_ds_config(template: dict, cfg: RunConfig, plan: BatchPlan, *, dtype: 
             if on_gpu and not offload:
                 params.setdefault("fused", True)  # one CUDA kernel per group, like FusedAdam, built into torch
     if "scheduler" in ds:
+        schedule_class(ds["scheduler"], source)
         params = ds["scheduler"].setdefault("params", {})
         sched = ds["scheduler"].get("type")
-        warmup = max(1, cfg.optim.warmup_steps)
-        values = {"total_num_steps": total_steps, "warmup_num_steps": warmup,
-                  "warmup_min_ratio": 0.0, "cos_min_ratio": cfg.optim.min_lr_ratio,
-                  "warmup_max_lr": lr, "warmup_min_lr": 0.0}
+        # The warm-up's step 0 (the first update, start_schedule) trains at 1/(warmup_steps + 1) of the
+        # peak, update k of the warm-up at k/(warmup_steps + 1), as torchtitan's linear warm-up: never at 0.
+        warmup = cfg.optim.warmup_steps
+        values = {"total_num_steps": total_steps, "warmup_num_steps": max(1, warmup),
+                  "warmup_min_ratio": 1 / (warmup + 1), "cos_min_ratio": cfg.optim.min_lr_ratio,
+                  "warmup_max_lr": lr, "warmup_min_lr": lr / (warmup + 1)}
         for key, value in values.items():
             if params.get(key) == AUTO:
                 params[key] = value
@@ -337,7 +414,21 @@ def initialize(model, ds_config: dict, mpu=None):
     params = [p for p in model.parameters() if p.requires_grad]
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=params, config=ds_config, mpu=mpu)
     undo_init_step(engine.optimizer)
+    start_schedule(engine.lr_scheduler)
     return engine
+
+
+def start_schedule(scheduler) -> bool:
+    """DeepSpeed's schedules (WarmupLR, WarmupDecayLR, WarmupCosineLR, OneCycle, LRRangeTest) begin
+    at iteration -1, whose learning rate is 0, and step after each update: the first update trained
+    at lr 0, and under WarmupCosineLR's linear warm-up (0 at its step 0) the second as well. Stepped
+    once here, before any update, so the first update trains at the schedule's step 0 (with the
+    warm-up floor render_ds_config derives: 1/(warmup_steps + 1) of the peak). A resumed run then
+    loads the schedule's saved iteration over this one. True when it stepped."""
+    if getattr(scheduler, "last_batch_iteration", None) != -1:
+        return False
+    scheduler.step()
+    return True
 
 
 def undo_init_step(optimizer) -> bool:

@@ -510,8 +510,8 @@ def test_every_number_of_the_config_is_checked_where_it_is_declared(key, tp, bou
 
 
 def test_a_nan_from_the_yaml_file_or_the_ds_config_is_refused_before_anything_is_written(tmp_path):
-    """optim.lr: .nan in the run config, and NaN in the DeepSpeed JSON's optimizer.params: one line each,
-    exit 2, and the output directory never made."""
+    """optim.lr: .nan in the run config, NaN in the DeepSpeed JSON's optimizer.params and a negative
+    warm-up in its scheduler.params: one line each, exit 2, and the output directory never made."""
     from conftest import ROOT
 
     cfg = tmp_path / "c.yaml"
@@ -523,6 +523,10 @@ def test_a_nan_from_the_yaml_file_or_the_ds_config_is_refused_before_anything_is
     cfg.write_text(f"output_dir: {tmp_path / 'run'}\nmodel: {{config: {{model_type: llama}}}}\n")
     expect_error(["train", "--config", str(cfg), "--ds-config", str(ds)],
                  f"{ds}: optimizer.params.betas[1]: nan is not a finite number")
+    ds.write_text('{"scheduler": {"type": "WarmupCosineLR", "params": {"total_num_steps": "auto", '
+                  '"warmup_num_steps": -3}}}')  # was DeepSpeed's ValueError traceback, after the run directory
+    expect_error(["train", "--config", str(cfg), "--ds-config", str(ds)],
+                 f"{ds}: scheduler.params.warmup_num_steps=-3 must be >= 1")
     assert not (tmp_path / "run").exists()
 
 

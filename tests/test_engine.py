@@ -365,3 +365,74 @@ def test_zero0_low_precision_optimizer_starts_as_before_a_first_step(tmp_path):
     assert res.returncode == 0, res.stderr[-3000:]
     got = json.loads(res.stdout.strip().splitlines()[-1])
     assert got == {"kind": "FP16_UnfusedOptimizer", "state": 0, "equal": True}, got
+
+
+def lr_per_update(ds: dict, updates: int) -> list[float]:
+    """The learning rate each update trains at, under DeepSpeed's own scheduler class built from the
+    rendered section as its engine builds it, started as ds_train.engine.initialize starts it."""
+    import torch
+    from deepspeed.runtime import lr_schedules
+
+    from ds_train.engine import start_schedule
+
+    opt = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))], lr=ds["optimizer"]["params"]["lr"])
+    sched = getattr(lr_schedules, ds["scheduler"]["type"])(opt, **ds["scheduler"]["params"])
+    assert start_schedule(sched) and not start_schedule(sched)  # once: a resumed schedule is not stepped again
+    lrs = []
+    for _ in range(updates):
+        lrs.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()  # after each update, as DeepSpeed's engine.step does
+    return lrs
+
+
+@pytest.mark.parametrize("kind", ["WarmupCosineLR", "WarmupDecayLR", "WarmupLR"])
+def test_the_first_update_trains_at_a_non_zero_learning_rate(kind):
+    """DeepSpeed's schedules start at a learning rate of 0 (WarmupCosineLR's linear warm-up: the first two
+    updates). Started once before the first update, update k of a 4-step warm-up trains at k/5 of the
+    peak and the peak follows. The last update: WarmupCosineLR's at min_lr_ratio, WarmupDecayLR's 1/16 of
+    the way above its warmup_min_lr (the warm-up's floor, where DeepSpeed's linear decay ends one update
+    later), WarmupLR's at the peak."""
+    params = {"WarmupCosineLR": {"total_num_steps": "auto", "warmup_num_steps": "auto", "warmup_min_ratio": "auto",
+                                 "cos_min_ratio": "auto", "warmup_type": "linear"},
+              "WarmupDecayLR": {"total_num_steps": "auto", "warmup_num_steps": "auto", "warmup_min_lr": "auto",
+                                "warmup_max_lr": "auto", "warmup_type": "linear"},
+              "WarmupLR": {"warmup_num_steps": "auto", "warmup_min_lr": "auto", "warmup_max_lr": "auto",
+                           "warmup_type": "linear"}}[kind]
+    template = {"optimizer": {"type": "AdamW", "params": {"lr": "auto"}}, "scheduler": {"type": kind, "params": params}}
+    lrs = lr_per_update(render(template, cfg=make_cfg(optim={"warmup_steps": 4}), total_steps=20), 20)
+    assert lrs[:4] == pytest.approx([LR * k / 5 for k in range(1, 5)], rel=1e-9)
+    assert lrs[4] == pytest.approx(LR, rel=2e-2) and max(lrs) <= LR
+    assert lrs[-1] == pytest.approx({"WarmupCosineLR": 0.2 * LR, "WarmupDecayLR": LR / 5 + (LR - LR / 5) / 16,
+                                     "WarmupLR": LR}[kind],
+                                    abs=1e-12)
+    no_warmup = lr_per_update(render(template, cfg=make_cfg(optim={"warmup_steps": 0}), total_steps=20), 3)
+    assert no_warmup[0] == pytest.approx(LR, rel=1e-9) and no_warmup[1] == pytest.approx(LR, rel=1e-9)
+
+
+@pytest.mark.parametrize("params, message", [
+    ({"warmup_num_steps": -3}, "scheduler.params.warmup_num_steps=-3 must be >= 1"),
+    ({"warmup_num_steps": 2.5}, "scheduler.params.warmup_num_steps=2.5 must be an integer"),
+    ({"total_num_steps": 0}, "scheduler.params.total_num_steps=0 must be >= 1"),
+    ({"cos_min_ratio": 1.5}, r"scheduler.params.cos_min_ratio=1.5 must be within \[0, 1\]"),
+    ({"warmup_min_ratio": -0.1}, r"scheduler.params.warmup_min_ratio=-0.1 must be within \[0, 1\]"),
+    ({"cos_min_ratio": "0.1"}, "scheduler.params.cos_min_ratio='0.1' must be a finite number"),
+    ({"cos_min_ratio": True}, "scheduler.params.cos_min_ratio=True must be a finite number"),
+    ({"warmup_type": "cosine"}, r"scheduler.params.warmup_type='cosine' must be one of \('linear', 'log'\)"),
+    ({"warmup_steps": 3}, "scheduler.params.warmup_steps: WarmupCosineLR takes no such argument "
+                          r"\(did you mean 'warmup_num_steps'\?\)"),
+])
+def test_a_schedule_number_deepspeed_would_take_or_crash_on_is_one_line(params, message):
+    """Explicit values of the template's scheduler.params: DeepSpeed hands them to the class as they are
+    (a negative warm-up was a ValueError traceback from deepspeed.initialize, after the run directory)."""
+    template = read_ds_template(ROOT / "ds_configs" / "zero2.json")
+    template["scheduler"]["params"].update(params)
+    with pytest.raises(UserError, match=f"^t.json: {message}"):
+        render(template)
+    with pytest.raises(UserError, match=r"scheduler.type='Cosine' is not a schedule DeepSpeed knows; use one of "
+                                        "LRRangeTest, OneCycle"):
+        render({"scheduler": {"type": "Cosine", "params": {}}})
+    with pytest.raises(UserError, match="scheduler.params must be an object of WarmupLR's arguments"):
+        render({"scheduler": {"type": "WarmupLR", "params": [1]}})
+    assert render({"scheduler": {"type": "StepLR", "params": {"step_size": 3}}})["scheduler"]["params"] == {
+        "step_size": 3}  # torch's schedules too, by their own arguments

@@ -299,7 +299,7 @@ def test_ript_trains_the_adapters_of_the_policy(tiny_policy, tmp_path):
     from conftest import ript_config
     from test_ript_trainer import launch_ript
 
-    # 4 iterations: the first two steps at lr 0 (the warmup starts there), the KL of iteration 4 after an update
+    # 4 iterations: the KL of iteration 1 before any update, that of iteration 4 after updates
     res = launch_ript(ript_config(tmp_path, tiny_policy, iterations=4, kl_coef=0.1), "model.lora.rank=4",
                       "model.lora.target_modules=[q_proj,v_proj]")
     assert res.returncode == 0, res.out[-4000:]

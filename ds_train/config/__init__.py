@@ -200,7 +200,8 @@ class OptimConfig(Section):
 
     lr: float = _f(3e-4, "Peak learning rate (AdamW), before optional batch-size scaling.", POSITIVE)
     min_lr_ratio: float = _f(0.1, "Final learning rate of the cosine decay, as a fraction of lr.")
-    warmup_steps: int = _f(10, "Linear warm-up steps.", NON_NEGATIVE)
+    warmup_steps: int = _f(10, "Linear warm-up steps: update k of them trains at k/(warmup_steps+1) of lr; 0: lr "
+                              "from the first update.", NON_NEGATIVE)
     weight_decay: float = _f(0.1, "AdamW weight decay.", NON_NEGATIVE)
     betas: list[float] = _f([0.9, 0.95], "AdamW betas.")
     eps: float = _f(1e-8, "AdamW epsilon.", POSITIVE)
