@@ -186,10 +186,46 @@ def _check_scheduler(ds: dict, source: str) -> None:
                 raise UserError(f"{source}: scheduler.params.{key}={value!r} must be {wrong}")
 
 
+# The keys of optimizer.params DeepSpeed takes out before it builds an Adam (deepspeed/runtime/engine.py
+# _configure_basic_optimizer, get_optimizer_configuration); the rest go to the optimizer's class.
+DEEPSPEED_ADAM_KEYS = ("torch_adam", "adam_w_mode", "fp32_optimizer_states", "foreach")
+
+
+def _check_optimizer(ds: dict, source: str) -> None:
+    """An Adam/AdamW section's params as DeepSpeed hands them to the class it builds (torch's AdamW with
+    torch_adam, DeepSpeedCPUAdam under offload, else FusedAdam): a name that class does not take was a
+    TypeError traceback from deepspeed.initialize, after the run directory was written."""
+    import inspect
+
+    opt = ds.get("optimizer")
+    if not isinstance(opt, dict) or str(opt.get("type", "")).lower() not in ("adam", "adamw"):
+        return
+    params = opt.get("params", {})
+    if "max_grad_norm" in params:
+        raise UserError(f"{source}: optimizer.params.max_grad_norm: DeepSpeed clips by gradient_clipping; "
+                        f"remove it and set train.grad_clip")
+    if params.get("torch_adam"):
+        import torch
+        cls = torch.optim.AdamW
+    elif _get(ds, ("zero_optimization", "offload_optimizer", "device")) in ("cpu", "nvme"):
+        from deepspeed.ops.adam import DeepSpeedCPUAdam as cls
+    else:
+        from deepspeed.ops.adam import FusedAdam as cls
+    takes = [n for n in inspect.signature(cls.__init__).parameters if n not in ("self", "params", "model_params")]
+    takes += [k for k in DEEPSPEED_ADAM_KEYS if k not in takes]
+    for key in params:
+        if key not in takes:
+            close = difflib.get_close_matches(key, takes, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else f"; it takes {', '.join(takes)}"
+            raise UserError(f"{source}: optimizer.params.{key}: {cls.__name__} takes no such argument{hint}")
+
+
 def _check_sections(ds: dict, source: str) -> None:
     """Nested keys through DeepSpeed's own pydantic models, which forbid extra fields; the scheduler
-    through its class's arguments and the schedule numbers' declared bounds."""
+    through its class's arguments and the schedule numbers' declared bounds; an Adam's params through
+    the arguments of the class DeepSpeed builds."""
     _check_scheduler(ds, source)
+    _check_optimizer(ds, source)
     import pydantic
     from deepspeed.runtime.precision_config import DeepSpeedBF16Config, DeepSpeedFP16Config
     from deepspeed.runtime.zero.config import DeepSpeedZeroConfig

@@ -436,3 +436,21 @@ def test_a_schedule_number_deepspeed_would_take_or_crash_on_is_one_line(params, 
         render({"scheduler": {"type": "WarmupLR", "params": [1]}})
     assert render({"scheduler": {"type": "StepLR", "params": {"step_size": 3}}})["scheduler"]["params"] == {
         "step_size": 3}  # torch's schedules too, by their own arguments
+
+
+@pytest.mark.parametrize("path", TEMPLATES, ids=lambda p: p.stem)
+def test_an_optimizer_argument_the_class_deepspeed_builds_does_not_take_is_one_line(path):
+    """torch's AdamW where torch_adam, DeepSpeedCPUAdam under offload: each template's optimizer renders,
+    and a misspelt or foreign argument (a TypeError traceback from deepspeed.initialize) is one line."""
+    template = read_ds_template(path)
+    cls = "DeepSpeedCPUAdam" if path.stem.endswith("_offload") else "AdamW"
+    render(template)
+    template["optimizer"]["params"]["amsgrads"] = True
+    with pytest.raises(UserError, match=rf"^t.json: optimizer.params.amsgrads: {cls} takes no such argument "
+                                        r"\(did you mean 'amsgrad'\?\)"):
+        render(template)
+    del template["optimizer"]["params"]["amsgrads"]
+    template["optimizer"]["params"]["max_grad_norm"] = 1.0
+    with pytest.raises(UserError, match="max_grad_norm: DeepSpeed clips by gradient_clipping; remove it and set "
+                                        "train.grad_clip"):
+        render(template)
