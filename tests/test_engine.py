@@ -339,21 +339,29 @@ dist.init(dist.detect_env())
 torch.manual_seed(0)
 model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
 ds = {"train_batch_size": 1, "bf16": {"enabled": True}, "gradient_clipping": 1.0, "zero_optimization": {"stage": 0},
-      "optimizer": {"type": "AdamW", "params": {"lr": 0.01, "weight_decay": 0.1, "torch_adam": True}}}
+      "optimizer": {"type": "AdamW", "params": {"lr": 0.01, "weight_decay": 0.1, "torch_adam": True}},
+      "scheduler": {"type": "WarmupCosineLR", "params": {"total_num_steps": 10, "warmup_num_steps": 4,
+                                                         "warmup_min_ratio": 0.2, "warmup_type": "linear"}}}
 engine = initialize(model, ds)
 opt = engine.optimizer
 masters = [m for group in opt.fp32_groups for m in group]
 params = [p for group in opt.fp16_groups for p in group]
-print(json.dumps({"kind": type(opt).__name__, "state": len(opt.optimizer.state),
-                  "equal": all(torch.equal(m, p.float()) for m, p in zip(masters, params))}))
+state, equal = len(opt.optimizer.state), all(torch.equal(m, p.float()) for m, p in zip(masters, params))
+lrs = [engine.get_lr()[0]]
+for _ in range(2):  # real updates: the lr each one trains at is the optimizer's when it steps
+    engine.backward(engine(torch.randn(1, 8, dtype=torch.bfloat16)).float().sum())
+    engine.step()
+    lrs.append(engine.get_lr()[0])
+print(json.dumps({"kind": type(opt).__name__, "state": state, "equal": equal, "lrs": lrs}))
 """
 
 
 @pytest.mark.slow
 def test_zero0_low_precision_optimizer_starts_as_before_a_first_step(tmp_path):
     """DeepSpeed 0.19.8's ZeRO-0 bf16 optimizer steps AdamW once with zero gradients when it is built
-    (weight decay on every master weight, Adam's step count at 1): ds_train's initialize undoes it.
-    One process, the real engine."""
+    (weight decay on every master weight, Adam's step count at 1): ds_train's initialize undoes it. And
+    it starts the schedule: the first update trains at the warm-up's floor, not 0. One process, the real
+    engine."""
     import subprocess
     import sys
 
@@ -364,7 +372,9 @@ def test_zero0_low_precision_optimizer_starts_as_before_a_first_step(tmp_path):
     res = subprocess.run([sys.executable, "-c", UNDO_PROBE], capture_output=True, text=True, env=env, timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
     got = json.loads(res.stdout.strip().splitlines()[-1])
+    lrs = got.pop("lrs")
     assert got == {"kind": "FP16_UnfusedOptimizer", "state": 0, "equal": True}, got
+    assert lrs == pytest.approx([0.002, 0.004, 0.006], rel=1e-9)  # the engine's schedule, started: 1/5, 2/5, 3/5
 
 
 def lr_per_update(ds: dict, updates: int) -> list[float]:
