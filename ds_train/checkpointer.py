@@ -147,6 +147,12 @@ class Checkpointer:
             raise AgreedError(f"checkpoint {tag_for(step)} not written: {'; '.join(reports)}; free space "
                               f"or lower checkpoint.keep; {self._latest()}")
 
+    def newest(self) -> str:
+        """The run's newest complete checkpoint, as its closing line names it."""
+        tag = latest_complete(self.ckpt_dir) if self.ckpt_dir.is_dir() else None
+        return (f"checkpoint {tag}" if tag else f"no checkpoint (checkpoint.every={self.cfg.every}, "
+                                                 f"checkpoint.save_final={str(self.cfg.save_final).lower()})")
+
     def _latest(self) -> str:
         """Which checkpoint a resume would take now (the newest complete one; `latest` may lag it)."""
         tag = latest_complete(self.ckpt_dir) if self.ckpt_dir.is_dir() else None

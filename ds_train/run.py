@@ -198,6 +198,11 @@ class Run:
         self.say(self.resume_said)
         return state
 
+    def say_outcome(self, outcome: str) -> None:
+        """Rank 0's last line: `<command>: <outcome>; <the newest checkpoint>; run directory <path>`."""
+        self.say(f"{self.spec.kind.name}: {outcome}; {self.checkpointer.newest()}; run directory "
+                 f"{self.run_dir.resolve()}")
+
     def write_plots(self) -> None:
         """Rank 0 plots the run's metrics into run_dir/plots (log.plots) and says where."""
         if not (self.env.is_main and self.cfg.log.plots):

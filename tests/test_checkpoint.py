@@ -553,13 +553,16 @@ def test_fresh_finished_and_damaged_runs(tiny_data, tmp_path):
     results = (run / "results.json").read_bytes()
     before = tree_listing(run / "checkpoints")
     res = single(cfg, "train.max_steps=6")  # already finished
-    assert res.returncode == 0 and "already trained to step 6 >= train.max_steps=6" in res.out
+    said = (f"train: nothing to do, already trained to step 6 >= train.max_steps=6 (raise train.max_steps to continue, "
+            f"or set another output_dir); checkpoint step_00000006; run directory {run.resolve()}")
+    assert res.returncode == 0 and res.out.strip().splitlines()[-1] == said, res.out[-2000:]
     assert (run / "results.json").read_bytes() == results and sorted(metrics_by_step(run)) == [1, 2, 3, 5, 6]
     assert tree_listing(run / "checkpoints") == before
 
     (run / "results.json").unlink()  # a finished run whose results went: said, the weights are whole
     res = single(cfg, "train.max_steps=6")
     assert res.returncode == 0 and f"note: {run / 'results.json'} is missing or damaged" in res.out
+    assert res.out.strip().splitlines()[-1] == said  # the note before it
     (run / "results.json").write_bytes(results)
 
     args = ["train", "--config", str(cfg), "--ds-config", str(ROOT / "ds_configs" / "zero2.json")]
