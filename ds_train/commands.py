@@ -84,7 +84,7 @@ def cmd_prepare(args) -> int:
                 fmt=args.format, chat_template=template, split_digits=args.split_digits, workers=args.workers or 0,
                 overwrite=args.overwrite)
     meta = load_meta(out)
-    print(f"wrote {out}/train.bin ({meta['train_tokens']:,} tokens), val.bin "
+    print(f"prepare: wrote {out}/train.bin ({meta['train_tokens']:,} tokens), val.bin "
           f"({meta['val_tokens']:,} tokens), meta.json; vocab {meta['vocab_size']} ({meta['dtype']}); "
           f"tokenizer {meta['tokenizer']}")
     return 0
@@ -110,7 +110,7 @@ def cmd_convert(args) -> int:
     if skipped:
         print(f"note: converting {point.tag}, the newest complete checkpoint; skipped: {', '.join(skipped)}")
     out = convert_to_universal(point.load_dir / point.tag)
-    print(f"wrote {out} (DeepSpeed universal checkpoint); resume from it at any world size with "
+    print(f"convert: wrote {out} (DeepSpeed universal checkpoint); resume from it at any world size with "
           f"checkpoint.resume={out}")
     return 0
 
@@ -134,10 +134,10 @@ def cmd_export(args) -> int:
     if src.passed_over:
         print(f"export: took {src.tag}, the newest complete tag; {src.passed_over}")
     if lora is not None and not args.merge:
-        print(f"wrote {out} from {src.tag}: a peft LoRA adapter (PeftModel.from_pretrained(base, {str(out)!r}); "
-              f"--merge writes one merged model)")
+        print(f"export: wrote {out} from {src.tag}: a peft LoRA adapter (PeftModel.from_pretrained(base, "
+              f"{str(out)!r}); --merge writes one merged model)")
     else:
-        print(f"wrote {out} from {src.tag}: a Hugging Face model directory "
+        print(f"export: wrote {out} from {src.tag}: a Hugging Face model directory "
               f"(AutoModelForCausalLM.from_pretrained({str(out)!r}))")
     return 0
 
@@ -190,7 +190,7 @@ def cmd_plot(args) -> int:
         labels = [str(v.path) for v in views]
     out = Path(args.out) if args.out else (views[0].path / "plots" if len(views) == 1 else Path("plots"))
     paths = write_plots([(label, v.metrics) for label, v in zip(labels, views)], out, kinds.pop())
-    print(f"wrote {', '.join(str(p) for p in paths)}")
+    print(f"plot: wrote {', '.join(str(p) for p in paths)}")
     return 0
 
 

@@ -245,6 +245,8 @@ def test_tensor_parallelism_resumes_exactly_converts_to_one_rank_a_layer_and_exp
     exported = tmp_path / "exported"
     res = ds_train("export", str(straight), "--out", str(exported), timeout=300)
     assert res.returncode == 0, res.out[-3000:]
+    assert res.out.strip().splitlines()[-1] == (f"export: wrote {exported} from step_00000008: a Hugging Face model "
+                                                f"directory (AutoModelForCausalLM.from_pretrained({str(exported)!r}))")
     assert_export_matches(exported, engine_logits(config(straight), "zero2.json", straight / "checkpoints",
                                                   "step_00000008", tmp_path / "engine_logits.pt"))
 
@@ -453,7 +455,8 @@ def test_changed_config_on_resume_convert_command_and_refused_stage_change(tiny_
     assert res.returncode == 0, res.out[-3000:]
     out = run_dir / "checkpoints" / "step_00000008_universal"
     assert checkpoint.is_complete(out) and (out / "zero").is_dir()
-    assert f"wrote {out}" in res.out
+    assert res.out.strip().splitlines()[-1] == (f"convert: wrote {out} (DeepSpeed universal checkpoint); resume from "
+                                                f"it at any world size with checkpoint.resume={out}"), res.out[-2000:]
 
     res = deepspeed_train(cfg, "zero2.json", "train.max_steps=10", "optim.lr=0.005")
     assert res.returncode == 0, res.out[-3000:]

@@ -211,7 +211,10 @@ def test_prepare_command(tmp_path, capsys):
                  "--val-fraction", "0.3"]) == 0
     meta = json.loads((tmp_path / "out" / "meta.json").read_text())
     assert 257 <= meta["vocab_size"] <= 300 and meta["train_tokens"] > 0 and meta["val_tokens"] > 0
-    assert "wrote" in capsys.readouterr().out
+    assert capsys.readouterr().out.strip().splitlines()[-1] == (
+        f"prepare: wrote {tmp_path / 'out'}/train.bin ({meta['train_tokens']:,} tokens), val.bin "
+        f"({meta['val_tokens']:,} tokens), meta.json; vocab {meta['vocab_size']} ({meta['dtype']}); tokenizer "
+        f"{tmp_path / 'out' / 'tokenizer'}")
 
 
 def test_prepare_sft_from_the_command_line_and_its_bad_input(tmp_path, capsys):
