@@ -207,11 +207,12 @@ def cmd_estimate(args) -> int:
 
     Memory plan without an accelerator (the model is built on the meta device): model states by ZeRO
     stage and offload, activations with and without checkpointing, DeepSpeed's buffers; what fits."""
-    from ds_train.dryrun import format_estimate, run_estimate
+    from ds_train.dryrun import estimate_outcome, format_estimate, run_estimate
 
     cfg, target = _plan_inputs(args)
     out = run_estimate(cfg, args.ds_config, target, args.preset)
     print(format_estimate(out, target))
+    print(estimate_outcome(out, target))
     return 0
 
 
@@ -220,7 +221,7 @@ def cmd_dry_run(args) -> int:
 
     Run a few real steps of one rank's share of the target batch on this device; predict per-GPU peak
     memory, throughput, MFU and time to finish on the target cluster; check a checkpoint round trip."""
-    from ds_train.dryrun import dry_run, format_dry_run, write_json
+    from ds_train.dryrun import dry_run, dry_run_outcome, format_dry_run, write_json
     from ds_train.rundir import RunPaths
 
     cfg, target = _plan_inputs(args)
@@ -228,7 +229,7 @@ def cmd_dry_run(args) -> int:
     path = Path(args.out) if args.out else RunPaths(cfg.output_dir).dry_run
     write_json(out, path)
     print(format_dry_run(out, target))
-    print(f"wrote {path}")
+    print(dry_run_outcome(out, target, path))
     return 0 if out["checkpoint_round_trip"]["ok"] else 1
 
 
