@@ -186,7 +186,8 @@ def cmd_launch(args) -> int:
         print(f"preflight: {note}")
     print(f"preflight: master {result.master_addr}:{result.master_port}", flush=True)
     if opts.check:
-        print("preflight: ok", flush=True)
+        print(f"launch: preflight ok on {len(pool)} host(s), world size {world_size}; nothing launched (--check)",
+              flush=True)
         return 0
 
     # The host of each node, in rank order: a rank that never reaches the rendezvous is named by it.
@@ -258,11 +259,14 @@ def supervise(cmd: list[str], env: dict[str, str], master_addr: str, master_port
 
 
 def final_line(run_dir: Path, code: int, since: float) -> str | None:
-    """How the job ended, in one line: the report a rank wrote into run_dir/logs, else the code
-    (None when the ranks' own last lines say it: bad input, non-finite steps, out of memory)."""
+    """How the job ended, in one line: done, the report a rank wrote into run_dir/logs, else the code
+    (None when the ranks' own last lines say it: bad input, non-finite steps, out of memory). Done is
+    said here too: the launchers' own lines ("Process ... exits successfully") follow rank 0's last."""
     import json
 
-    if code in (0, 2, 3, 4):  # done, or the ranks said why (bad input, non-finite steps, out of memory)
+    if code == 0:
+        return f"launch: done, every rank exited 0; run directory {run_dir.resolve()}"
+    if code in (2, 3, 4):  # the ranks said why (bad input, non-finite steps, out of memory)
         return None
     paths = RunPaths(run_dir)
     for path in (paths.hang_report, paths.failure):
@@ -315,9 +319,12 @@ def cmd_slurm(args) -> int:
                    opts.requeue, opts.signal_lead, not opts.no_gpu_request)
     _check_run(args, command_argv, opts.nodes * opts.gpus_per_node)  # batch math fails here, not in the queue
     script = render_sbatch(job, sys.executable, os.path.abspath("."), srun_args, command_argv)
-    if not opts.out:
+    size = f"{opts.nodes} node(s) x {opts.gpus_per_node} rank(s)"
+    if not opts.out:  # the script alone on stdout (`> job.sbatch`); what was done on stderr
         sys.stdout.write(script)
+        sys.stdout.flush()
+        print(f"slurm: wrote the sbatch script ({size}) to stdout; submit it with sbatch", file=sys.stderr)
         return 0
     write_atomic(Path(opts.out), script)
-    print(f"wrote {opts.out}; submit it with: sbatch {opts.out}", file=sys.stderr)
+    print(f"slurm: wrote {opts.out} ({size}); submit it with: sbatch {opts.out}", file=sys.stderr)
     return 0
