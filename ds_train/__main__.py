@@ -18,6 +18,10 @@
     ds-train doctor RUN_DIR [LOGFILE ...]                # what went wrong, and what to do
     ds-train plot RUN_DIR [RUN_DIR ...]                  # PNG plots, several runs overlaid
 
+The last line a command prints says how it ended and where its output went (`train: done, 200 steps,
+final loss ..., eval loss ...; checkpoint step_00000200; run directory ...`); after a failure it is
+the `ds-train: error:` line, after a stop by a signal `ds-train: stopped ...`.
+
 Exit codes: 0 done; 1 a rank failed (the job's last line names the first one, its host and the
 end of its log), or parity found a layout past its tolerances; 2 bad input (one line naming the
 file, key or value); 3 too many non-finite steps (train.nonfinite=stop); 4 CUDA out of memory (with
