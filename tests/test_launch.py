@@ -646,14 +646,17 @@ def test_malicious_host_name_is_never_executed(run_config, tmp_path):
 
 def test_the_launchers_last_line_says_how_the_job_ended(tmp_path):
     """`ds-train launch` ends with one line after the launchers' own: done, the report a rank wrote,
-    a signal's stop, or the exit code; none where the ranks' last lines said it (2, 3, 4)."""
+    a signal's stop, or the exit code (with what it means where the ranks said why)."""
     from ds_train.launch.cli import final_line
 
     run = tmp_path / "run"
+    logs = f"each rank's output is in {run / 'logs'}/rank_<r>.log on its node"
     assert final_line(run, 0, 0.0) == f"launch: done, every rank exited 0; run directory {run.resolve()}"
-    assert [final_line(run, code, 0.0) for code in (2, 3, 4)] == [None, None, None]
-    assert final_line(run, 1, 0.0) == (f"ds-train: error: the job ended with exit code 1; each rank's output is in "
-                                       f"{run / 'logs'}/rank_<r>.log on its node")
+    assert final_line(run, 1, 0.0) == f"ds-train: error: the job ended with exit code 1; {logs}"
+    assert final_line(run, 2, 0.0) == ("ds-train: error: the job ended with exit code 2: bad input, named in the "
+                                       "error line above")
+    assert final_line(run, 3, 0.0) == ("ds-train: error: the job ended with exit code 3: too many non-finite steps "
+                                       f"(train.nonfinite=stop), said in the ranks' error line above; {logs}")
     assert final_line(run, 143, 0.0) == "ds-train: stopped by signal 15; no checkpoint was saved by this job"
     (run / "logs").mkdir(parents=True)
     (run / "logs" / "failure.json").write_text(json.dumps({"line": "rank 1 on node 1 (b) failed first"}))

@@ -462,7 +462,9 @@ def test_node_local_output_dirs_resume_exactly_and_a_node_missing_files_is_named
     assert res.returncode != 0
     _assert_nothing_left(str(cfg))
     errors = [line for line in res.out.splitlines() if "ds-train" in line and "error:" in line]
-    assert len(errors) == 1, res.out[-4000:]  # every rank found it; rank 0 alone says it
+    assert len(errors) == 2, res.out[-4000:]  # every rank found it; rank 0 alone says it, then the launch its end
+    assert res.out.strip().splitlines()[-1] == errors[1] == (
+        f"ds-train: error: the job ended with exit code {res.returncode}: bad input, named in the error line above")
     assert errors[0].endswith(
         f"ds-train: error: checkpoint {c['run'] / 'checkpoints' / 'step_00000012'} (step 12, the newest complete "
         f"save) is incomplete on node 1 ({socket.gethostname()}) rank 1: missing "

@@ -252,22 +252,24 @@ def supervise(cmd: list[str], env: dict[str, str], master_addr: str, master_port
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     code = code if code >= 0 else 128 - code  # killed by a signal: as a shell reports it
-    line = final_line(run_dir, code, started)
-    if line:
-        print(line, file=sys.stderr if code else sys.stdout, flush=True)
+    print(final_line(run_dir, code, started), file=sys.stderr if code else sys.stdout, flush=True)
     return code
 
 
-def final_line(run_dir: Path, code: int, since: float) -> str | None:
+# Exit codes whose reason the ranks printed themselves (ds_train/__main__.py): what the job's last line calls them.
+SAID_BY_THE_RANKS = {2: "bad input, named in the error line above",
+                     3: "too many non-finite steps (train.nonfinite=stop), said in the ranks' error line above",
+                     4: "CUDA out of memory, with the memory plan's fixes above"}
+
+
+def final_line(run_dir: Path, code: int, since: float) -> str:
     """How the job ended, in one line: done, the report a rank wrote into run_dir/logs, else the code
-    (None when the ranks' own last lines say it: bad input, non-finite steps, out of memory). Done is
-    said here too: the launchers' own lines ("Process ... exits successfully") follow rank 0's last."""
+    and, where the ranks said why, what it means. It follows the launchers' own last lines ("Process
+    ... exits successfully", "exits with return code = 2"), which would otherwise end the output."""
     import json
 
     if code == 0:
         return f"launch: done, every rank exited 0; run directory {run_dir.resolve()}"
-    if code in (2, 3, 4):  # the ranks said why (bad input, non-finite steps, out of memory)
-        return None
     paths = RunPaths(run_dir)
     for path in (paths.hang_report, paths.failure):
         try:
@@ -281,8 +283,12 @@ def final_line(run_dir: Path, code: int, since: float) -> str | None:
         return (f"ds-train: stopped by signal {code - 128}; " +
                 (f"checkpoint {saved} saved; the same command resumes from it" if saved else
                  "no checkpoint was saved by this job"))
-    return (f"ds-train: error: the job ended with exit code {code}; each rank's output is in "
-            f"{paths.logs}/rank_<r>.log on its node")
+    logs = f"each rank's output is in {paths.logs}/rank_<r>.log on its node"
+    if code == 2:  # mostly refused at start-up, before a rank opened its log
+        return f"ds-train: error: the job ended with exit code 2: {SAID_BY_THE_RANKS[2]}"
+    if code in SAID_BY_THE_RANKS:
+        return f"ds-train: error: the job ended with exit code {code}: {SAID_BY_THE_RANKS[code]}; {logs}"
+    return f"ds-train: error: the job ended with exit code {code}; {logs}"
 
 
 def _slurm_parser() -> argparse.ArgumentParser:
