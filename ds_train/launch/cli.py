@@ -155,7 +155,8 @@ def cmd_launch(args) -> int:
     Check the command after `--` (its own parser, its batch math at this world size) and every host of
     the hostfile (ssh without a password, same Python and versions, working directory, free master
     port), write output_dir/.deepspeed_env, then run the deepspeed launcher (pdsh) and exit with its
-    exit code; its last line says how the job ended (the hang or failure report). SIGTERM, SIGINT or
+    exit code; its last line says how the job ended (done, the hang or failure report, a stop by a
+    signal, or the exit code); --check ends with the preflight's verdict. SIGTERM, SIGINT or
     SIGUSR1 sent to it reach every rank on every node: each saves a checkpoint and stops; if it is
     killed, the ranks see its beat stop (six beats of 5 s, DS_TRAIN_LAUNCHER_BEAT_S), save and stop too. Other flags
     before `--` go to the deepspeed launcher unchanged."""
@@ -206,7 +207,7 @@ def supervise(cmd: list[str], env: dict[str, str], master_addr: str, master_port
     before the time limit) sent to this process reach every rank on every node through the
     rendezvous store: each saves and stops, as if it had the signal itself (the launcher alone
     cannot pass SIGUSR1 on, nor anything through pdsh). When the job is over, the last line says
-    how: the hang or failure report of the rank that wrote one, or the exit code."""
+    how (final_line): done, the hang or failure report of the rank that wrote one, or the exit code."""
     import signal
     import socket
     import subprocess
