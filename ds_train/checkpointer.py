@@ -59,6 +59,7 @@ class Checkpointer:
         self.grace, self.say = grace, say  # (who, seconds) between a stop's SIGTERM and its SIGKILL
         self.channel = channel  # the rendezvous store, where background saves meet (None: one process)
         self.inflight: BackgroundSave | None = None
+        self.saved: str | None = None  # the newest tag this run saved whole (its closing line names it)
 
     def due(self, step: int) -> bool:
         every = self.cfg.every > 0 and step % self.cfg.every == 0
@@ -119,6 +120,7 @@ class Checkpointer:
         self._saved(job.tag, job.stall_s + job.write_s, f" ({job.stall_s:.2f} s of it stopped training)")
 
     def _saved(self, tag: str, took: float, note: str = "") -> None:
+        self.saved = tag
         self.log.info(f"saved checkpoint {tag} in {took:.2f} s{note}")
         warning = grace_warning(took, self.grace)
         if warning:  # said once, at the first save that would not fit
@@ -146,12 +148,6 @@ class Checkpointer:
         if reports:
             raise AgreedError(f"checkpoint {tag_for(step)} not written: {'; '.join(reports)}; free space "
                               f"or lower checkpoint.keep; {self._latest()}")
-
-    def newest(self) -> str:
-        """The run's newest complete checkpoint, as its closing line names it."""
-        tag = latest_complete(self.ckpt_dir) if self.ckpt_dir.is_dir() else None
-        return (f"checkpoint {tag}" if tag else f"no checkpoint (checkpoint.every={self.cfg.every}, "
-                                                 f"checkpoint.save_final={str(self.cfg.save_final).lower()})")
 
     def _latest(self) -> str:
         """Which checkpoint a resume would take now (the newest complete one; `latest` may lag it)."""
