@@ -10,8 +10,8 @@ then recipes/rl_demo.yaml).
 1. SFT, the README's command: `deepspeed --num_gpus 2 --module ds_train train --config <sft recipe>
    --ds-config ds_configs/zero2.json`.
 2. RL, the README's command: `deepspeed --num_gpus 2 --module ds_train ript --config <rl recipe>
-   --ds-config ds_configs/zero2.json`; the line it prints last ("held-out success A (iteration 0) ->
-   B (iteration N)") is the README's figure.
+   --ds-config ds_configs/zero2.json`; the line it prints last ("ript: done, N iterations, held-out
+   success A (iteration 0) -> B (iteration N); ...") is the README's figure.
 3. Continued SFT: the SFT run resumed into runs/bench_<demo>/sft_continued for at least as long as
    RL took (launcher start-ups included on both sides; topped up from its own checkpoint if short).
 4. Held-out success per task of all three with the RL run's own evaluation (greedy, the same contexts).

@@ -18,6 +18,10 @@
     ds-train doctor RUN_DIR [LOGFILE ...]                # what went wrong, and what to do
     ds-train plot RUN_DIR [RUN_DIR ...]                  # PNG plots, several runs overlaid
 
+The last line a command prints says how it ended and where its output went (`train: done, 200 steps,
+final loss ..., eval loss ...; checkpoint step_00000200; run directory ...`); after a failure it is
+the `ds-train: error:` line, after a stop by a signal `ds-train: stopped ...`.
+
 Exit codes: 0 done; 1 a rank failed (the job's last line names the first one, its host and the
 end of its log), or parity found a layout past its tolerances; 2 bad input (one line naming the
 file, key or value); 3 too many non-finite steps (train.nonfinite=stop); 4 CUDA out of memory (with
@@ -280,20 +284,27 @@ def main(argv: list[str] | None = None) -> int:
 
 def _report(e: Exception) -> int:
     """One line on stderr and the exception's exit code. A stop every rank agreed on is printed by
-    rank 0 alone; an input error or an out-of-memory by each rank that hit it."""
+    rank 0 alone; an input error or an out-of-memory by each rank that hit it. The line that says
+    how the command ended comes last: a failed run's pointer to the doctor (a note) goes before it,
+    and the job's verdict (a note `ds-train: error: ...`, on the rank that reports it) after it."""
     from ds_train.dist import rank_for_messages
 
     rank = rank_for_messages()
+    notes = getattr(e, "__notes__", ())
+    hints = [note for note in notes if not note.startswith("ds-train")]
+    verdicts = [note for note in notes if note.startswith("ds-train")]
     if isinstance(e, PeerFailed):  # the job's verdict, from the rank that wrote it
         if e.say:
-            print(f"ds-train: error: {e}", *getattr(e, "__notes__", ()), sep="\n", file=sys.stderr, flush=True)
+            print(*hints, f"ds-train: error: {e}", *verdicts, sep="\n", file=sys.stderr, flush=True)
         return e.exit_code
     agreed = isinstance(e, (RunStopped, AgreedError)) or getattr(e, "agreed", False)
+    for note in hints:
+        print(note, file=sys.stderr, flush=True)
     if rank == 0 or not agreed:
         who = "ds-train" if rank == 0 else f"ds-train[rank {rank}]"
         kind = "error: " if getattr(e, "is_error", True) else ""
         print(f"{who}: {kind}{e}", file=sys.stderr if kind else sys.stdout, flush=True)
-    for note in getattr(e, "__notes__", ()):  # the job's verdict, on the rank that reports it
+    for note in verdicts:
         print(note, file=sys.stderr, flush=True)
     return e.exit_code
 

@@ -59,6 +59,7 @@ class Checkpointer:
         self.grace, self.say = grace, say  # (who, seconds) between a stop's SIGTERM and its SIGKILL
         self.channel = channel  # the rendezvous store, where background saves meet (None: one process)
         self.inflight: BackgroundSave | None = None
+        self.saved: str | None = None  # the newest tag this run saved whole (its closing line names it)
 
     def due(self, step: int) -> bool:
         every = self.cfg.every > 0 and step % self.cfg.every == 0
@@ -119,6 +120,7 @@ class Checkpointer:
         self._saved(job.tag, job.stall_s + job.write_s, f" ({job.stall_s:.2f} s of it stopped training)")
 
     def _saved(self, tag: str, took: float, note: str = "") -> None:
+        self.saved = tag
         self.log.info(f"saved checkpoint {tag} in {took:.2f} s{note}")
         warning = grace_warning(took, self.grace)
         if warning:  # said once, at the first save that would not fit

@@ -84,7 +84,7 @@ def cmd_prepare(args) -> int:
                 fmt=args.format, chat_template=template, split_digits=args.split_digits, workers=args.workers or 0,
                 overwrite=args.overwrite)
     meta = load_meta(out)
-    print(f"wrote {out}/train.bin ({meta['train_tokens']:,} tokens), val.bin "
+    print(f"prepare: wrote {out}/train.bin ({meta['train_tokens']:,} tokens), val.bin "
           f"({meta['val_tokens']:,} tokens), meta.json; vocab {meta['vocab_size']} ({meta['dtype']}); "
           f"tokenizer {meta['tokenizer']}")
     return 0
@@ -110,7 +110,7 @@ def cmd_convert(args) -> int:
     if skipped:
         print(f"note: converting {point.tag}, the newest complete checkpoint; skipped: {', '.join(skipped)}")
     out = convert_to_universal(point.load_dir / point.tag)
-    print(f"wrote {out} (DeepSpeed universal checkpoint); resume from it at any world size with "
+    print(f"convert: wrote {out} (DeepSpeed universal checkpoint); resume from it at any world size with "
           f"checkpoint.resume={out}")
     return 0
 
@@ -134,10 +134,10 @@ def cmd_export(args) -> int:
     if src.passed_over:
         print(f"export: took {src.tag}, the newest complete tag; {src.passed_over}")
     if lora is not None and not args.merge:
-        print(f"wrote {out} from {src.tag}: a peft LoRA adapter (PeftModel.from_pretrained(base, {str(out)!r}); "
-              f"--merge writes one merged model)")
+        print(f"export: wrote {out} from {src.tag}: a peft LoRA adapter (PeftModel.from_pretrained(base, "
+              f"{str(out)!r}); --merge writes one merged model)")
     else:
-        print(f"wrote {out} from {src.tag}: a Hugging Face model directory "
+        print(f"export: wrote {out} from {src.tag}: a Hugging Face model directory "
               f"(AutoModelForCausalLM.from_pretrained({str(out)!r}))")
     return 0
 
@@ -190,7 +190,7 @@ def cmd_plot(args) -> int:
         labels = [str(v.path) for v in views]
     out = Path(args.out) if args.out else (views[0].path / "plots" if len(views) == 1 else Path("plots"))
     paths = write_plots([(label, v.metrics) for label, v in zip(labels, views)], out, kinds.pop())
-    print(f"wrote {', '.join(str(p) for p in paths)}")
+    print(f"plot: wrote {', '.join(str(p) for p in paths)}")
     return 0
 
 
@@ -207,11 +207,12 @@ def cmd_estimate(args) -> int:
 
     Memory plan without an accelerator (the model is built on the meta device): model states by ZeRO
     stage and offload, activations with and without checkpointing, DeepSpeed's buffers; what fits."""
-    from ds_train.dryrun import format_estimate, run_estimate
+    from ds_train.dryrun import estimate_outcome, format_estimate, run_estimate
 
     cfg, target = _plan_inputs(args)
     out = run_estimate(cfg, args.ds_config, target, args.preset)
     print(format_estimate(out, target))
+    print(estimate_outcome(out, target))
     return 0
 
 
@@ -220,7 +221,7 @@ def cmd_dry_run(args) -> int:
 
     Run a few real steps of one rank's share of the target batch on this device; predict per-GPU peak
     memory, throughput, MFU and time to finish on the target cluster; check a checkpoint round trip."""
-    from ds_train.dryrun import dry_run, format_dry_run, write_json
+    from ds_train.dryrun import dry_run, dry_run_outcome, format_dry_run, write_json
     from ds_train.rundir import RunPaths
 
     cfg, target = _plan_inputs(args)
@@ -228,7 +229,7 @@ def cmd_dry_run(args) -> int:
     path = Path(args.out) if args.out else RunPaths(cfg.output_dir).dry_run
     write_json(out, path)
     print(format_dry_run(out, target))
-    print(f"wrote {path}")
+    print(dry_run_outcome(out, target, path))
     return 0 if out["checkpoint_round_trip"]["ok"] else 1
 
 

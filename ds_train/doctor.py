@@ -326,13 +326,16 @@ def _silent_ranks(sources: list[Source], found: dict[str, Finding]) -> None:
 
 
 def format_findings(target: str, findings: list[Finding]) -> str:
+    """The findings, causes first; the last line says what was found (or that nothing was)."""
     if not findings:
         return f"ds-train doctor: {target}: nothing wrong found"
     lines = [f"ds-train doctor: {target}: {len(findings)} finding(s), the most likely cause first"]
-    for i, f in enumerate(findings, 1):
-        lines.append(f"{i}. {f.title}{f' ({f.where})' if f.where else ''} [{f.cls}]")
+    named = [f"{f.title}{f' ({f.where})' if f.where else ''} [{f.cls}]" for f in findings]
+    for i, (f, name) in enumerate(zip(findings, named), 1):
+        lines.append(f"{i}. {name}")
         lines += [f"   seen: {e}" for e in f.evidence[:2]]
         lines += [f"   fix: {x}" for x in f.fixes]
+    lines.append(f"ds-train doctor: {target}: {len(findings)} finding(s); the most likely cause: {named[0]}")
     return "\n".join(lines)
 
 

@@ -141,6 +141,15 @@ def format_estimate(out: dict, target: Target) -> str:
     return "\n".join(lines)
 
 
+def estimate_outcome(out: dict, target: Target) -> str:
+    """The estimate's last line: the given layout's per-GPU peak on the target, and whether it fits."""
+    given = next(r for r in out["rows"] if r["given"])
+    return (f"estimate: {given['config']} micro {given['micro_batch_size']}, checkpointing "
+            f"{'on' if given['activation_checkpointing'] else 'off'} (as given): peak {given['gpu_peak_gib']:.2f} of "
+            f"{target.gpu_memory_gib:g} GiB per GPU on world {target.world} -> "
+            + ("fits" if given["fits"] else "DOES NOT FIT (the changes above, cheapest first)"))
+
+
 def dry_run(cfg: RunConfig, ds_config_path: str, target: Target, steps: int = 3, warmup: int = 1) -> dict:
     """Real steps of one rank's share of the target global batch on this device, projected."""
     import torch
@@ -282,6 +291,14 @@ def format_dry_run(out: dict, target: Target) -> str:
              f"{p['checkpoint_gib']:.3f} GiB on disk; save/load round trip "
              f"{'ok' if rt['ok'] else 'FAILED'} ({rt['seconds']:.1f} s)"]
     return "\n".join(lines + [f"note: {n}" for n in out["notes"]])
+
+
+def dry_run_outcome(out: dict, target: Target, path: Path) -> str:
+    """The dry run's last line: whether the job fits, its throughput, the round trip, and where it wrote."""
+    p, rt = out["predicted"], out["checkpoint_round_trip"]
+    return (f"dry-run: predicted peak {p['per_gpu_peak_gib']:.2f} of {p['gpu_memory_gib']:g} GiB per GPU -> "
+            f"{'fits' if p['fits'] else 'DOES NOT FIT'}, {p['tokens_per_s_cluster']:,.0f} tokens/s on world "
+            f"{target.world}; checkpoint round trip {'ok' if rt['ok'] else 'FAILED'}; wrote {path}")
 
 
 def _duration(seconds: float) -> str:

@@ -208,10 +208,13 @@ def monitor(run_dir: str, interval: float = 2.0, once: bool = False) -> int:
     if interval <= 0:
         raise UserError(f"monitor: --interval {interval:g} must be positive")
     console = Console()
+    view = read_run(path)
     if once:
-        console.print(render(read_run(path)))
+        console.print(render(view))
+        console.print(outcome(view), markup=False, highlight=False, soft_wrap=True)
         return 0
-    with Live(render(read_run(path)), console=console, refresh_per_second=4, screen=False) as live:
+    watching = True
+    with Live(render(view), console=console, refresh_per_second=4, screen=False) as live:
         try:
             while True:
                 view = read_run(path)
@@ -220,5 +223,15 @@ def monitor(run_dir: str, interval: float = 2.0, once: bool = False) -> int:
                     break
                 time.sleep(interval)
         except KeyboardInterrupt:  # Ctrl-C: the user has seen enough; the run goes on
-            return 0
+            watching = False
+    if not console.is_terminal:  # rich ends the last frame with a newline on a terminal only
+        console.line()
+    console.print(outcome(view) + ("" if watching else "; stopped watching (Ctrl-C), the run goes on"), markup=False,
+                  highlight=False, soft_wrap=True)
     return 0
+
+
+def outcome(view: RunView) -> str:
+    """The monitor's last line: the run's state and why (`monitor: runs/x: finished, reached step 200`)."""
+    state, why = view.state()
+    return f"monitor: {view.path}: {state}, {why}"

@@ -365,11 +365,12 @@ def parity(cfg: RunConfig, label: str, ds_configs: list[str], nprocs: list[int],
         check_layout(lay.parallel(cfg), templates[lay.ds_config], lay.nproc, hf_config)
     out_dir = Path(out) if out else Path(tempfile.mkdtemp(prefix="ds_train_parity_"))
     _check_out(out_dir)
-    code = _parity(cfg, label, lays, templates, steps, notes, out_dir, shlex.split(launcher_args),
-                   loss_tol, grad_tol, tf32)
+    passed, verdict = _parity(cfg, label, lays, templates, steps, notes, out_dir, shlex.split(launcher_args),
+                              loss_tol, grad_tol, tf32)
     if not out:  # a failed launch keeps them: its log is named in the error
         shutil.rmtree(out_dir, ignore_errors=True)
-    return code
+    print(f"\n{verdict}" + (f"; the runs are in {out_dir}" if out else ""))
+    return 0 if passed else 1
 
 
 def _exported_once(cfg: RunConfig, out: Path) -> RunConfig:
@@ -398,7 +399,9 @@ def _check_out(out: Path) -> None:
 
 
 def _parity(cfg: RunConfig, label: str, lays: list[Layout], templates: dict, steps: int, notes: list[str],
-            out: Path, launcher_args: list[str], loss_tol: float | None, grad_tol: float | None, tf32: bool) -> int:
+            out: Path, launcher_args: list[str], loss_tol: float | None, grad_tol: float | None,
+            tf32: bool) -> tuple[bool, str]:
+    """Every layout against the reference, printed as it goes: (all within tolerance, the verdict line)."""
     cfg = _exported_once(cfg, out)
     g, seq = cfg.train.global_batch_size, cfg.train.seq_len
     micro_ref = min(lay.micro for lay in lays)
@@ -446,9 +449,8 @@ def _parity(cfg: RunConfig, label: str, lays: list[Layout], templates: dict, ste
         print("\n".join(lines))
         passed += ok
     verdict = "PASS" if passed == len(lays) else "FAIL"
-    print(f"\nverdict: {verdict}: {passed} of {len(lays)} layout(s) within tolerance of the reference over {steps} "
-          f"steps")
-    return 0 if passed == len(lays) else 1
+    return passed == len(lays), (f"verdict: {verdict}: {passed} of {len(lays)} layout(s) within tolerance of the "
+                                 f"reference over {steps} steps")
 
 
 def _measured_floor(out: Path, reference: dict) -> tuple[float, float] | None:

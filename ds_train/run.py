@@ -198,6 +198,19 @@ class Run:
         self.say(self.resume_said)
         return state
 
+    def say_outcome(self, outcome: str) -> None:
+        """Rank 0's last line: `<command>: <outcome>; <its newest checkpoint>; run directory <path>`, the
+        newest checkpoint being the last this run saved, else the one it resumed from."""
+        c, point = self.cfg.checkpoint, self.resume
+        if self.checkpointer.saved:
+            newest = f"checkpoint {self.checkpointer.saved}"
+        elif point is not None:  # another run's checkpoint by its path
+            here = point.load_dir == self.paths.checkpoints
+            newest = f"checkpoint {point.tag if here else point.load_dir / point.tag}"
+        else:
+            newest = f"no checkpoint (checkpoint.every={c.every}, checkpoint.save_final={str(c.save_final).lower()})"
+        self.say(f"{self.spec.kind.name}: {outcome}; {newest}; run directory {self.run_dir.resolve()}")
+
     def write_plots(self) -> None:
         """Rank 0 plots the run's metrics into run_dir/plots (log.plots) and says where."""
         if not (self.env.is_main and self.cfg.log.plots):

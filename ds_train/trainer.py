@@ -50,14 +50,14 @@ def run_training(run: Run, data: Datasets) -> dict:
         run.say(f"data: {data.summary}")
     start = int((run.maybe_resume() or {}).get("step", 0))
     if start >= cfg.train.max_steps:  # its results stay as they were
-        run.say(f"already trained to step {start} >= train.max_steps={cfg.train.max_steps}; nothing "
-                f"to do; raise train.max_steps to continue, or set another output_dir")
         results = run.paths.results(TRAIN)
         try:
             json.loads(results.read_text())
         except (OSError, ValueError):
             run.say(f"note: {results} is missing or damaged; the trained weights are whole in the checkpoint "
                     f"of step {start}: `ds-train export {run.run_dir} --out DIR` writes a model directory")
+        run.say_outcome(f"nothing to do, already trained to step {start} >= train.max_steps={cfg.train.max_steps} "
+                        f"(raise train.max_steps to continue, or set another output_dir)")
         return {"steps": start, "run_dir": str(run.run_dir.resolve())}
     reference = preference_reference(run, data, start) if isinstance(data.train, PreferenceData) else None
     metrics = train_loop(run, data, start, cfg.train.max_steps, reference)
@@ -214,6 +214,7 @@ def finish(run: Run, metrics: dict) -> dict:
         if sample is not None:
             print(f"\n--- sample ---\n{sample}\n--------------")
     run.write_plots()
-    if run.env.is_main:
-        print(f"run directory: {results['run_dir']}")
+    losses = [f"{name} {value:.4g}" for name, value in (("final loss", results["final_train_loss"]),
+                                                        ("eval loss", results["final_eval_loss"])) if value is not None]
+    run.say_outcome(", ".join([f"done, {results['steps']} steps", *losses]))
     return results

@@ -245,6 +245,8 @@ def test_tensor_parallelism_resumes_exactly_converts_to_one_rank_a_layer_and_exp
     exported = tmp_path / "exported"
     res = ds_train("export", str(straight), "--out", str(exported), timeout=300)
     assert res.returncode == 0, res.out[-3000:]
+    assert res.out.strip().splitlines()[-1] == (f"export: wrote {exported} from step_00000008: a Hugging Face model "
+                                                f"directory (AutoModelForCausalLM.from_pretrained({str(exported)!r}))")
     assert_export_matches(exported, engine_logits(config(straight), "zero2.json", straight / "checkpoints",
                                                   "step_00000008", tmp_path / "engine_logits.pt"))
 
@@ -453,7 +455,8 @@ def test_changed_config_on_resume_convert_command_and_refused_stage_change(tiny_
     assert res.returncode == 0, res.out[-3000:]
     out = run_dir / "checkpoints" / "step_00000008_universal"
     assert checkpoint.is_complete(out) and (out / "zero").is_dir()
-    assert f"wrote {out}" in res.out
+    assert res.out.strip().splitlines()[-1] == (f"convert: wrote {out} (DeepSpeed universal checkpoint); resume from "
+                                                f"it at any world size with checkpoint.resume={out}"), res.out[-2000:]
 
     res = deepspeed_train(cfg, "zero2.json", "train.max_steps=10", "optim.lr=0.005")
     assert res.returncode == 0, res.out[-3000:]
@@ -553,13 +556,16 @@ def test_fresh_finished_and_damaged_runs(tiny_data, tmp_path):
     results = (run / "results.json").read_bytes()
     before = tree_listing(run / "checkpoints")
     res = single(cfg, "train.max_steps=6")  # already finished
-    assert res.returncode == 0 and "already trained to step 6 >= train.max_steps=6" in res.out
+    said = (f"train: nothing to do, already trained to step 6 >= train.max_steps=6 (raise train.max_steps to continue, "
+            f"or set another output_dir); checkpoint step_00000006; run directory {run.resolve()}")
+    assert res.returncode == 0 and res.out.strip().splitlines()[-1] == said, res.out[-2000:]
     assert (run / "results.json").read_bytes() == results and sorted(metrics_by_step(run)) == [1, 2, 3, 5, 6]
     assert tree_listing(run / "checkpoints") == before
 
     (run / "results.json").unlink()  # a finished run whose results went: said, the weights are whole
     res = single(cfg, "train.max_steps=6")
     assert res.returncode == 0 and f"note: {run / 'results.json'} is missing or damaged" in res.out
+    assert res.out.strip().splitlines()[-1] == said  # the note before it
     (run / "results.json").write_bytes(results)
 
     args = ["train", "--config", str(cfg), "--ds-config", str(ROOT / "ds_configs" / "zero2.json")]

@@ -167,6 +167,28 @@ def test_command_line_mistakes_are_one_line_too(capsys, run_dir, argv, needle):
     expect_error(capsys, run_dir, argv, needle)
 
 
+def test_a_failed_run_ends_with_the_line_that_says_how_the_doctors_pointer_before_it(capsys):
+    """What Run.__exit__ attaches (the doctor's pointer, then on the reporting rank the job's verdict)
+    goes around the error line so that the output closes with how the command ended."""
+    from ds_train.__main__ import _report
+    from ds_train.errors import NonFiniteStop, OutOfMemory, PeerFailed
+    from ds_train.reports import doctor_hint
+
+    hint = doctor_hint("runs/x")
+    stop = NonFiniteStop("step 5", 2)
+    peer = PeerFailed("rank 1 on node 0 (vm) failed first, in phase data of step 3: RuntimeError: boom", say=True)
+    oom = OutOfMemory("out of GPU memory: the plan ...\nthe device said: CUDA out of memory.")
+    for e in (stop, peer, oom):
+        e.add_note(hint)
+    oom.add_note(f"ds-train: error: {peer}")
+    assert [_report(e) for e in (stop, peer, oom)] == [3, 1, 4]
+    assert capsys.readouterr().err.splitlines() == [
+        hint, f"ds-train: error: {stop}",
+        hint, f"ds-train: error: {peer}",
+        hint, "ds-train: error: out of GPU memory: the plan ...", "the device said: CUDA out of memory.",
+        f"ds-train: error: {peer}"]
+
+
 def test_debug_goes_before_or_after_the_command(tmp_path):
     res = ds_train("train", "--debug", "--config", str(tmp_path / "missing.yaml"), "--ds-config", ZERO0, timeout=120)
     assert res.returncode == 2 and "Traceback" in res.out and "UserError" in res.out
@@ -189,7 +211,10 @@ def test_prepare_command(tmp_path, capsys):
                  "--val-fraction", "0.3"]) == 0
     meta = json.loads((tmp_path / "out" / "meta.json").read_text())
     assert 257 <= meta["vocab_size"] <= 300 and meta["train_tokens"] > 0 and meta["val_tokens"] > 0
-    assert "wrote" in capsys.readouterr().out
+    assert capsys.readouterr().out.strip().splitlines()[-1] == (
+        f"prepare: wrote {tmp_path / 'out'}/train.bin ({meta['train_tokens']:,} tokens), val.bin "
+        f"({meta['val_tokens']:,} tokens), meta.json; vocab {meta['vocab_size']} ({meta['dtype']}); tokenizer "
+        f"{tmp_path / 'out' / 'tokenizer'}")
 
 
 def test_prepare_sft_from_the_command_line_and_its_bad_input(tmp_path, capsys):

@@ -172,8 +172,13 @@ def test_the_first_fix_for_the_captured_cuda_oom_fits_by_the_peaks_an_h200_measu
 def test_the_command_exits_1_on_a_problem_0_on_a_clean_run_and_2_on_no_such_path(tmp_path):
     bad = ds_train("doctor", str(FIXTURES / "gpu" / "cuda_oom" / "run"), timeout=120)
     assert bad.returncode == 1 and "1. CUDA out of memory (rank 0 on vm) [cuda_oom]" in bad.out, bad.out
+    last = bad.out.strip().splitlines()[-1]
+    assert re.fullmatch(rf"ds-train doctor: {re.escape(str(FIXTURES / 'gpu' / 'cuda_oom' / 'run'))}: \d+ finding\(s\); "
+                        rf"the most likely cause: CUDA out of memory \(rank 0 on vm\) \[cuda_oom\]", last), last
     clean = ds_train("doctor", str(FIXTURES / "real" / "clean" / "run"), timeout=120)
-    assert clean.returncode == 0 and clean.out.strip().endswith("nothing wrong found"), clean.out
+    assert clean.returncode == 0, clean.out
+    said = f"ds-train doctor: {FIXTURES / 'real' / 'clean' / 'run'}: nothing wrong found"
+    assert clean.out.strip().splitlines()[-1] == said
     missing = ds_train("doctor", str(tmp_path / "nope"), timeout=120)
     assert missing.returncode == 2 and "does not exist" in missing.out
 

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
 from conftest import ROOT, ds_train
 from ds_train.configfile import build_config
-from ds_train.dryrun import run_estimate
+from ds_train.dryrun import estimate_outcome, run_estimate
 from ds_train.memory import model_shape
 from ds_train.plan import Target, oom_report, pick_preset
 
@@ -36,6 +37,9 @@ def test_estimate_marks_what_fits_and_ranks_fixes(tmp_path):
     assert fixes[0]["change"].startswith("train.micro_batch_size=2")
     assert any(f["fits"] for f in fixes)
     assert all(f["gpu_peak_gib"] < given["gpu_peak_gib"] for f in fixes)
+    assert estimate_outcome(out, target) == (  # the command's last line
+        f"estimate: ZeRO-2 micro 4, checkpointing off (as given): peak {given['gpu_peak_gib']:.2f} of 80 GiB per GPU "
+        f"on world 16 -> DOES NOT FIT (the changes above, cheapest first)")
 
 
 @pytest.mark.parametrize("preset, fraction", [("conservative", 0.5), ("balanced", 0.7), ("aggressive", 0.9)])
@@ -79,6 +83,9 @@ def test_estimate_cli_for_the_quickstart_on_the_example_hostfile(tmp_path):
                    "--preset", "balanced", timeout=120)
     assert res.returncode == 0, res.out[-3000:]
     assert "world 16" in res.out and "<- given" in res.out and "preset balanced" in res.out
+    last = res.out.strip().splitlines()[-1]
+    assert re.fullmatch(r"estimate: ZeRO-3 micro 2, checkpointing off \(as given\): peak [\d.]+ of [\d.]+ GiB per GPU "
+                        r"on world 16 -> fits", last), last
 
 
 def test_estimate_refuses_batch_math_that_does_not_fit_the_target(tmp_path):
@@ -116,6 +123,10 @@ def test_dry_run_of_the_quickstart_for_the_example_hostfile(tmp_path, sequence):
         assert "note: parallel.sequence=2: ran a rank's 64 positions of each sequence with every head" in res.out
     assert out["checkpoint_round_trip"]["ok"] and p["checkpoint_gib"] > 0
     assert "save/load round trip ok" in res.out and "fits" in res.out
+    assert res.out.strip().splitlines()[-1] == (
+        f"dry-run: predicted peak {p['per_gpu_peak_gib']:.2f} of {p['gpu_memory_gib']:g} GiB per GPU -> fits, "
+        f"{p['tokens_per_s_cluster']:,.0f} tokens/s on world 16; checkpoint round trip ok; wrote "
+        f"{tmp_path / 'run' / 'dry_run.json'}")
     assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["dry_run.json"]  # nothing else left
     assert (tmp_path / "data" / "meta.json").is_file()  # the corpus was prepared on first use
 

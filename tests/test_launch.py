@@ -583,13 +583,21 @@ def run_config(tiny_data, tmp_path):
     return write_config(tmp_path / "run.yaml", tiny_config(tiny_data, tmp_path / "run"))
 
 
-def test_slurm_cli_writes_the_script_and_checks_the_batch_math(run_config, tmp_path):
+def test_slurm_cli_writes_the_script_and_checks_the_batch_math(run_config, tmp_path, capsys):
+    from ds_train.__main__ import main
+
     out = tmp_path / "job.sbatch"
-    res = ds_train("slurm", "--nodes", "2", "--gpus-per-node", "2", "--partition", "debug", "--requeue",
-                   "--out", str(out), "--", "train", "--config", str(run_config), "--ds-config", ZERO2,
-                   "train.max_steps=3", timeout=60)
+    args = ["slurm", "--nodes", "2", "--gpus-per-node", "2", "--partition", "debug", "--requeue", "--out", str(out),
+            "--", "train", "--config", str(run_config), "--ds-config", ZERO2, "train.max_steps=3"]
+    res = ds_train(*args, timeout=60)
     assert res.returncode == 0, res.out
-    assert f"sbatch {out}" in res.out
+    last = res.out.strip().splitlines()[-1]
+    assert last == f"slurm: wrote {out} (2 node(s) x 2 rank(s)); submit it with: sbatch {out}", res.out
+    assert main([a for a in args if a not in ("--out", str(out))]) == 0  # the script alone on stdout
+    said = capsys.readouterr()
+    assert said.out == out.read_text()
+    assert said.err.splitlines()[-1] == ("slurm: wrote the sbatch script (2 node(s) x 2 rank(s)) to stdout; submit it "
+                                         "with sbatch")
     subprocess.run(["bash", "-n", str(out)], check=True)
     assert "#SBATCH --nodes=2" in out.read_text() and "train.max_steps=3" in out.read_text()
     assert "#SBATCH --ntasks-per-node=2" in out.read_text() and "#SBATCH --signal=USR1@300" in out.read_text()
@@ -634,6 +642,25 @@ def test_malicious_host_name_is_never_executed(run_config, tmp_path):
         assert f"{hostfile}:{line}: " in res.out
     assert "Traceback" not in res.out
     assert not marker.exists()
+
+
+def test_the_launchers_last_line_says_how_the_job_ended(tmp_path):
+    """`ds-train launch` ends with one line after the launchers' own: done, the report a rank wrote,
+    a signal's stop, or the exit code (with what it means where the ranks said why)."""
+    from ds_train.launch.cli import final_line
+
+    run = tmp_path / "run"
+    logs = f"each rank's output is in {run / 'logs'}/rank_<r>.log on its node"
+    assert final_line(run, 0, 0.0) == f"launch: done, every rank exited 0; run directory {run.resolve()}"
+    assert final_line(run, 1, 0.0) == f"ds-train: error: the job ended with exit code 1; {logs}"
+    assert final_line(run, 2, 0.0) == ("ds-train: error: the job ended with exit code 2: bad input, named in the "
+                                       "error line above")
+    assert final_line(run, 3, 0.0) == ("ds-train: error: the job ended with exit code 3: too many non-finite steps "
+                                       f"(train.nonfinite=stop), said in the ranks' error line above; {logs}")
+    assert final_line(run, 143, 0.0) == "ds-train: stopped by signal 15; no checkpoint was saved by this job"
+    (run / "logs").mkdir(parents=True)
+    (run / "logs" / "failure.json").write_text(json.dumps({"line": "rank 1 on node 1 (b) failed first"}))
+    assert final_line(run, 1, 0.0) == "ds-train: error: rank 1 on node 1 (b) failed first"
 
 
 def test_launch_errors_before_any_ssh(run_config, tmp_path):

@@ -75,6 +75,10 @@ def test_once_prints_one_frame_and_a_dead_run_says_why(tmp_path):
     res = ds_train("monitor", str(run), "--once", timeout=60)
     assert res.returncode == 0, res.out
     assert "DEAD" in res.out and "no heartbeat from rank(s) 0, 1" in res.out
+    assert res.out.strip().splitlines()[-1].startswith(f"monitor: {run}: dead, no heartbeat from rank(s) 0, 1 for ")
+    done = make_run(tmp_path / "done", steps=(10, 20), target=20, statuses=("ended", "ended"), results={"steps": 20})
+    res = ds_train("monitor", str(done), "--interval", "0.1", timeout=60)  # live: ends when the run has ended
+    assert res.returncode == 0 and res.out.strip().splitlines()[-1] == f"monitor: {done}: finished, reached step 20"
     bad = ds_train("monitor", str(tmp_path / "missing"), "--once", timeout=60)
     assert bad.returncode == 2 and "is not a directory; give a run's output_dir" in bad.out
 

@@ -166,6 +166,8 @@ def test_two_nodes_train_through_pdsh_and_ssh_and_sigusr1_saves_and_resumes_exac
     assert res.returncode == 0, res.out[-6000:]
     _assert_nothing_left(str(config))
     assert f"resumed from {run / 'checkpoints' / saved} at step {step}" in res.out
+    assert res.lines(f"127.0.0.2: train: done, 12 steps, final loss ")  # rank 0's last line, through pdsh
+    assert res.out.strip().splitlines()[-1] == f"launch: done, every rank exited 0; run directory {run.resolve()}"
     host = socket.gethostname()
     assert f"hosts: node0 {host} -> ranks 0; node1 {host} -> ranks 1" in res.out
     assert res.lines("127.0.0.3: ") and res.lines("127.0.0.2: ")  # pdsh's per-node prefixes
@@ -346,6 +348,8 @@ def test_busy_master_port_moves_to_the_next_free_one(cluster, tiny_data, tmp_pat
     assert m, res.out
     assert port < int(m.group(1)) < port + 10
     assert f"master 127.0.0.2:{m.group(1)}" in res.out
+    last = res.out.strip().splitlines()[-1]
+    assert last == "launch: preflight ok on 2 host(s), world size 2; nothing launched (--check)", res.out
     assert not (tmp_path / "run").exists()  # --check writes nothing
 
 
@@ -415,7 +419,7 @@ def test_preflight_names_node1_whose_transformers_is_missing_or_of_another_versi
         "ds-train: error: preflight: 1 problem:",
         f"  127.0.0.3: transformers {other if change == 'another version' else 'missing'} (this machine: {here}); "
         f"install the same versions on every node (pip install transformers=={here} there)"], res.out
-    assert "127.0.0.2:" not in res.out and "preflight: ok" not in res.out
+    assert "127.0.0.2:" not in res.out and "preflight ok" not in res.out
     assert not (tmp_path / "run").exists()
     assert importlib.metadata.version("transformers") == here  # the mount stayed in node 1's namespace
 
@@ -458,7 +462,9 @@ def test_node_local_output_dirs_resume_exactly_and_a_node_missing_files_is_named
     assert res.returncode != 0
     _assert_nothing_left(str(cfg))
     errors = [line for line in res.out.splitlines() if "ds-train" in line and "error:" in line]
-    assert len(errors) == 1, res.out[-4000:]  # every rank found it; rank 0 alone says it
+    assert len(errors) == 2, res.out[-4000:]  # every rank found it; rank 0 alone says it, then the launch its end
+    assert res.out.strip().splitlines()[-1] == errors[1] == (
+        f"ds-train: error: the job ended with exit code {res.returncode}: bad input, named in the error line above")
     assert errors[0].endswith(
         f"ds-train: error: checkpoint {c['run'] / 'checkpoints' / 'step_00000012'} (step 12, the newest complete "
         f"save) is incomplete on node 1 ({socket.gethostname()}) rank 1: missing "

@@ -85,6 +85,8 @@ def test_the_plot_command_overlays_runs_and_refuses_what_is_not_a_run(tmp_path):
     res = ds_train("plot", str(tmp_path / "a"), str(tmp_path / "b"), "--out", str(tmp_path / "cmp"), timeout=120)
     assert res.returncode == 0, res.out
     assert sorted(p.name for p in (tmp_path / "cmp").iterdir()) == ["loss.png", "lr.png", "memory.png", "throughput.png"]
+    assert res.out.strip().splitlines()[-1] == "plot: wrote " + ", ".join(
+        str(tmp_path / "cmp" / f"{name}.png") for name in ("loss", "lr", "throughput", "memory"))
     one = ds_train("plot", str(tmp_path / "a"), timeout=120)
     assert one.returncode == 0 and (tmp_path / "a" / "plots" / "loss.png").is_file()
     bad = ds_train("plot", str(tmp_path / "nothing"), timeout=120)

@@ -117,6 +117,10 @@ def test_scripted_policy_counts_are_exact_and_summed_over_ranks(scripted_run):
     assert sorted(p.name for p in (run_dir / "plots").iterdir()) == ["heldout.png", "rewards.png", "success.png"]
     assert res.lines(f"plots: {run_dir}/plots/{{success,heldout,rewards}}.png"), res.out[-2000:]
     results = json.loads((run_dir / "ript_results.json").read_text())
+    start, final = results["evals"][0], results["evals"][-1]
+    assert (run_dir / "logs" / "train.log").read_text().splitlines()[-1] == (  # rank 0's last line
+        f"ript: done, 2 iterations, held-out success {start['success_rate']:.3f} (iteration 0) -> "
+        f"{final['success_rate']:.3f} (iteration 2); checkpoint step_00000002; run directory {run_dir.resolve()}")
     for task in SCRIPTED_TASKS:  # greedy eval is rollout 0: a success wherever wins >= 1
         heldout = load_task(task).contexts("heldout", 8, 3)
         want = sum(wins(task, c) >= 1 for c in heldout)

@@ -45,9 +45,12 @@ def test_each_zero_stage_trains_through_the_deepspeed_launcher(stage, stage_run)
     beats = [json.loads((run_dir / "heartbeats" / f"rank_{r}.json").read_text()) for r in (0, 1)]
     assert [b["status"] for b in beats] == ["ended", "ended"] and all(b["step"] == 8 for b in beats)
     console = (run_dir / "logs" / "train.log").read_text()
-    assert "step 8: train/loss" in console and console in res.out.replace("\r", "") or "run directory:" in console
+    assert "step 8: train/loss" in console and console in res.out.replace("\r", "")
     results = json.loads((run_dir / "results.json").read_text())
     assert results["steps"] == 8 and results["tokens"] == 8 * 8 * 64
+    assert console.splitlines()[-1] == (  # rank 0's last line: how the run ended and where it went
+        f"train: done, 8 steps, final loss {results['final_train_loss']:.4g}, eval loss "
+        f"{results['final_eval_loss']:.4g}; checkpoint step_00000008; run directory {run_dir.resolve()}")
     assert len(res.lines("batch: global 8 seqs = micro 4 x accum 1 x world 2")) == 1  # printed once
     # a finished run plots its metrics (memory per rank from one gather) and says where
     assert res.lines(f"plots: {run_dir}/plots/{{loss,lr,throughput,memory}}.png"), res.out[-2000:]
@@ -166,7 +169,10 @@ def test_single_process_form_with_eval_sample_and_checkpoint(tiny_data, tmp_path
     assert metrics[-1]["world_size"] == 1
     results = json.loads((tmp_path / "run" / "results.json").read_text())
     assert results["sample"].startswith("def ") and len(results["sample"]) > 4
-    assert "--- sample ---" in res.out and f"run directory: {(tmp_path / 'run').resolve()}" in res.out
+    assert "--- sample ---" in res.out
+    assert res.out.strip().splitlines()[-1] == (
+        f"train: done, 8 steps, final loss {results['final_train_loss']:.4g}, eval loss "
+        f"{results['final_eval_loss']:.4g}; checkpoint step_00000008; run directory {(tmp_path / 'run').resolve()}")
     assert (tmp_path / "run" / "checkpoints" / "step_00000008").is_dir()
     from transformers import AutoModelForCausalLM
 

@@ -108,12 +108,13 @@ def test_the_process_group_timeout_fires_and_names_the_collective_and_the_rank_i
     assert "Traceback" not in res.out, res.out[-4000:]
     lines = res.out.splitlines()
     i = max(j for j, line in enumerate(lines) if line.startswith("ds-train"))
-    last = lines[i:i + 2]
-    assert last[0].startswith(f"ds-train: error: the process-group timeout fired: rank 0 on node 0 ({host}) waited "
+    last = lines[i - 1:i + 1]  # the doctor's pointer, then the line that says how the job ended
+    assert last[1].startswith(f"ds-train: error: the process-group timeout fired: rank 0 on node 0 ({host}) waited "
                               f"10 s (dist.timeout_s) in all_reduce in deepspeed/runtime/zero/"), res.out[-3000:]
     assert (f"at step 3; the rank(s) it waited for: rank 1 on node 0 ({host}) in phase data of step 3, not in a "
-            f"collective") in last[0]
-    assert last[1] == f"diagnose: ds-train doctor {run}   (what went wrong, and what to do)"
+            f"collective") in last[1]
+    assert last[0] == f"diagnose: ds-train doctor {run}   (what went wrong, and what to do)"
+    assert (run / "logs" / "train.log").read_text().splitlines()[-1] == last[1]  # rank 0's console ends with it
     failure = json.loads((run / "logs" / "failure.json").read_text())
     assert (failure["kind"], failure["timeout_s"], failure["rank"], failure["step"]) == ("timeout", 10, 0, 3)
     assert failure["collective"].startswith("all_reduce in deepspeed/runtime/zero/")

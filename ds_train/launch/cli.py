@@ -155,7 +155,8 @@ def cmd_launch(args) -> int:
     Check the command after `--` (its own parser, its batch math at this world size) and every host of
     the hostfile (ssh without a password, same Python and versions, working directory, free master
     port), write output_dir/.deepspeed_env, then run the deepspeed launcher (pdsh) and exit with its
-    exit code; its last line says how the job ended (the hang or failure report). SIGTERM, SIGINT or
+    exit code; its last line says how the job ended (done, the hang or failure report, a stop by a
+    signal, or the exit code); --check ends with the preflight's verdict. SIGTERM, SIGINT or
     SIGUSR1 sent to it reach every rank on every node: each saves a checkpoint and stops; if it is
     killed, the ranks see its beat stop (six beats of 5 s, DS_TRAIN_LAUNCHER_BEAT_S), save and stop too. Other flags
     before `--` go to the deepspeed launcher unchanged."""
@@ -186,7 +187,8 @@ def cmd_launch(args) -> int:
         print(f"preflight: {note}")
     print(f"preflight: master {result.master_addr}:{result.master_port}", flush=True)
     if opts.check:
-        print("preflight: ok", flush=True)
+        print(f"launch: preflight ok on {len(pool)} host(s), world size {world_size}; nothing launched (--check)",
+              flush=True)
         return 0
 
     # The host of each node, in rank order: a rank that never reaches the rendezvous is named by it.
@@ -205,7 +207,7 @@ def supervise(cmd: list[str], env: dict[str, str], master_addr: str, master_port
     before the time limit) sent to this process reach every rank on every node through the
     rendezvous store: each saves and stops, as if it had the signal itself (the launcher alone
     cannot pass SIGUSR1 on, nor anything through pdsh). When the job is over, the last line says
-    how: the hang or failure report of the rank that wrote one, or the exit code."""
+    how (final_line): done, the hang or failure report of the rank that wrote one, or the exit code."""
     import signal
     import socket
     import subprocess
@@ -251,19 +253,24 @@ def supervise(cmd: list[str], env: dict[str, str], master_addr: str, master_port
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     code = code if code >= 0 else 128 - code  # killed by a signal: as a shell reports it
-    line = final_line(run_dir, code, started)
-    if line:
-        print(line, file=sys.stderr if code else sys.stdout, flush=True)
+    print(final_line(run_dir, code, started), file=sys.stderr if code else sys.stdout, flush=True)
     return code
 
 
-def final_line(run_dir: Path, code: int, since: float) -> str | None:
-    """How the job ended, in one line: the report a rank wrote into run_dir/logs, else the code
-    (None when the ranks' own last lines say it: bad input, non-finite steps, out of memory)."""
+# Exit codes whose reason the ranks printed themselves (ds_train/__main__.py): what the job's last line calls them.
+SAID_BY_THE_RANKS = {2: "bad input, named in the error line above",
+                     3: "too many non-finite steps (train.nonfinite=stop), said in the ranks' error line above",
+                     4: "CUDA out of memory, with the memory plan's fixes above"}
+
+
+def final_line(run_dir: Path, code: int, since: float) -> str:
+    """How the job ended, in one line: done, the report a rank wrote into run_dir/logs, else the code
+    and, where the ranks said why, what it means. It follows the launchers' own last lines ("Process
+    ... exits successfully", "exits with return code = 2"), which would otherwise end the output."""
     import json
 
-    if code in (0, 2, 3, 4):  # done, or the ranks said why (bad input, non-finite steps, out of memory)
-        return None
+    if code == 0:
+        return f"launch: done, every rank exited 0; run directory {run_dir.resolve()}"
     paths = RunPaths(run_dir)
     for path in (paths.hang_report, paths.failure):
         try:
@@ -277,8 +284,12 @@ def final_line(run_dir: Path, code: int, since: float) -> str | None:
         return (f"ds-train: stopped by signal {code - 128}; " +
                 (f"checkpoint {saved} saved; the same command resumes from it" if saved else
                  "no checkpoint was saved by this job"))
-    return (f"ds-train: error: the job ended with exit code {code}; each rank's output is in "
-            f"{paths.logs}/rank_<r>.log on its node")
+    logs = f"each rank's output is in {paths.logs}/rank_<r>.log on its node"
+    if code == 2:  # mostly refused at start-up, before a rank opened its log
+        return f"ds-train: error: the job ended with exit code 2: {SAID_BY_THE_RANKS[2]}"
+    if code in SAID_BY_THE_RANKS:
+        return f"ds-train: error: the job ended with exit code {code}: {SAID_BY_THE_RANKS[code]}; {logs}"
+    return f"ds-train: error: the job ended with exit code {code}; {logs}"
 
 
 def _slurm_parser() -> argparse.ArgumentParser:
@@ -315,9 +326,12 @@ def cmd_slurm(args) -> int:
                    opts.requeue, opts.signal_lead, not opts.no_gpu_request)
     _check_run(args, command_argv, opts.nodes * opts.gpus_per_node)  # batch math fails here, not in the queue
     script = render_sbatch(job, sys.executable, os.path.abspath("."), srun_args, command_argv)
-    if not opts.out:
+    size = f"{opts.nodes} node(s) x {opts.gpus_per_node} rank(s)"
+    if not opts.out:  # the script alone on stdout (`> job.sbatch`); what was done on stderr
         sys.stdout.write(script)
+        sys.stdout.flush()
+        print(f"slurm: wrote the sbatch script ({size}) to stdout; submit it with sbatch", file=sys.stderr)
         return 0
     write_atomic(Path(opts.out), script)
-    print(f"wrote {opts.out}; submit it with: sbatch {opts.out}", file=sys.stderr)
+    print(f"slurm: wrote {opts.out} ({size}); submit it with: sbatch {opts.out}", file=sys.stderr)
     return 0

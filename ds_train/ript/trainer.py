@@ -160,9 +160,10 @@ def ript(cfg: RunConfig, ds_config_path: str) -> dict:
                 f"{r.policy or cfg.model.path}; {describe_algorithm(cfg)}")
         report_reference(run, job.reference)
         state = resume(job) or start(job)
+        first = state.iteration
         ript_loop(run, job, state)
-        report(job, state)
         run.write_plots()
+        report(job, state, first)
         return asdict(state)
 
 
@@ -363,9 +364,15 @@ def write_results(job: RiptJob, state: RiptState) -> None:
             "last_sync": state.synced}, indent=2))
 
 
-def report(job: RiptJob, state: RiptState) -> None:
+def report(job: RiptJob, state: RiptState, first: int) -> None:
+    """The closing line: what the run did (`first`: the iteration this process started from) and the
+    held-out success from its first evaluation to its last."""
+    last = job.run.cfg.ript.iterations
+    outcome = [f"done, {state.iteration} iterations" if state.iteration > first else
+               f"nothing to do, already at iteration {first} >= ript.iterations={last} (raise ript.iterations to "
+               f"continue, or set another output_dir)"]
     if state.evals:
-        first, final = state.evals[0], state.evals[-1]
-        job.run.say(f"held-out success {first['success_rate']:.3f} (iteration {first['iteration']}) -> "
-                    f"{final['success_rate']:.3f} (iteration {final['iteration']}); "
-                    f"results in {job.run.paths.results(RIPT)}")
+        start, final = state.evals[0], state.evals[-1]
+        outcome.append(f"held-out success {start['success_rate']:.3f} (iteration {start['iteration']}) -> "
+                       f"{final['success_rate']:.3f} (iteration {final['iteration']})")
+    job.run.say_outcome(", ".join(outcome))
