@@ -62,6 +62,15 @@ def rank_counts(run_dir: Path, rank: int) -> list[dict]:
     return [json.loads(line.split(" counts ", 1)[1]) for line in lines if " counts " in line]
 
 
+def reference_bytes(run_dir: Path, rank: int) -> int:
+    """What a rank's log says the parameters beyond the policy's hold: every live module of its
+    process but the policy's, measured when the reference policy is reported (ds_train/reference.py)."""
+    line = next(x for x in (run_dir / "logs" / f"rank_{rank}.log").read_text().splitlines()
+                if "reference policy:" in x)
+    assert "(every live module's, measured)" in line, line
+    return int(line.split("policy's hold ")[1].split(" bytes")[0].replace(",", ""))
+
+
 def logged(run_dir: Path) -> dict[int, dict]:
     return {m["step"]: m for m in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())}
 
@@ -173,6 +182,8 @@ def test_sigterm_to_the_launcher_saves_and_the_resume_is_exact(sft_policy, tmp_p
     assert res.returncode == 0, res.out[-4000:]
     assert json.loads((straight / "run" / "env.json").read_text())["launcher"] == "torchrun"
     ref = logged(straight / "run")
+    whole = sum(t.numel() * 4 for t in _initial_weights(sft_policy).values())
+    assert [reference_bytes(straight / "run", r) for r in (0, 1)] == [whole, whole]  # ZeRO-2: a whole frozen copy
 
     cfg = ript_config(split, sft_policy, MODEL_TRAIN, {"lr": LR}, **model_ript)
     proc = spawn(ript_args(cfg, *scaling, "watchdog.debug_fault=slow:0:1.0"))  # slower (the ranks see the
@@ -292,7 +303,9 @@ def test_the_same_rollouts_split_into_other_micro_batches_and_ranks_give_the_sam
     the same on 2 ranks with micro-batches of 4 (12 rollouts a rank in 3) as on 1 rank with
     micro-batches of 8 (24 in 3): other ranks and other micro-batches. (DeepSpeed's WarmupCosineLR
     runs the first two steps at lr 0: iteration 4's loss is the first after an update.) kl_coef 0: no
-    reference policy is built."""
+    reference policy is built, and none is held: what the parameters beyond the policy's hold, measured
+    over every live module of each rank's process, is 0 (with a reference: the whole model under ZeRO-2,
+    test_sigterm..., half of it on each of 2 ranks under ZeRO-3, test_a_dataset_task...)."""
     common = dict(tasks=["copy", "sort"], policy="ript_policies:Half", advantage="grpo", rollout_contexts=1,
                   iterations=4)
     layouts = {"np2_micro4": (2, 3, 4), "np1_micro8": (1, 6, 8)}
@@ -309,8 +322,8 @@ def test_the_same_rollouts_split_into_other_micro_batches_and_ranks_give_the_sam
         assert "reference policy: none (ript.kl_coef 0: no reference model is built)" in res.out
         run_dir = tmp_path / name / "run"
         for r in range(nproc):
-            assert "reference policy: none; its parameters hold 0 bytes on this rank" in \
-                (run_dir / "logs" / f"rank_{r}.log").read_text()
+            assert "reference policy: none; parameters beyond" in (run_dir / "logs" / f"rank_{r}.log").read_text()
+            assert reference_bytes(run_dir, r) == 0
         metrics[name], weights[name] = logged(run_dir), final_weights(run_dir)
     ref = metrics["np2_micro4"]
     for name, got in metrics.items():
@@ -456,13 +469,9 @@ def test_a_dataset_task_with_a_reference_policy_trains_under_zero3_and_its_heldo
     assert "grpo (scale group), token-mean, clip 0.2/0.28, KL k3 x 0.05 in the reward" in res.out
     assert "partitioned over 2 ranks (ZeRO-3)" in res.out
     assert "   0  odds#0" in res.out and "   1  odds#1" in res.out  # one dataset, both ranks busy
-    from safetensors.torch import load_file
-
-    whole = sum(t.numel() * 4 for t in load_file(sft_policy / "model.safetensors").values())
+    whole = sum(t.numel() * 4 for t in _initial_weights(sft_policy).values())
     for r in (0, 1):
-        line = next(x for x in (run_dir / "logs" / f"rank_{r}.log").read_text().splitlines()
-                    if "reference policy:" in x)
-        held = int(line.split("hold ")[1].split(" bytes")[0].replace(",", ""))
+        held = reference_bytes(run_dir, r)
         assert 0.4 * whole < held < 0.6 * whole, (held, whole)  # half of it, never whole on a rank
     got = logged(run_dir)
     kls = [m["policy/kl"] for m in got.values() if "policy/kl" in m]
