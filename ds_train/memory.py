@@ -138,6 +138,30 @@ def engine_state_bytes(engine) -> int:
     return sum(storages.values())
 
 
+def parameter_bytes_beside(module) -> int:
+    """Bytes the parameters of every live torch module in this process other than `module` and its
+    submodules hold on this rank, found through the garbage collector (what the process holds beyond
+    the policy: a reference model built and kept anywhere counts, whatever the code says of it).
+    ZeRO-3: a rank's partition of each parameter; each storage counted once."""
+    import gc
+
+    import torch
+
+    gc.collect()  # a model built and dropped (a cycle) is not held
+    own_modules = {id(m) for m in module.modules()}
+    own = {id(p) for p in module.parameters()}
+    storages = {}
+    for obj in gc.get_objects():  # type(), not isinstance: a deprecated torch alias warns when asked its __class__
+        if not issubclass(type(obj), torch.nn.Module) or id(obj) in own_modules:
+            continue
+        for p in obj.parameters(recurse=False):
+            t = p if getattr(p, "ds_tensor", None) is None else p.ds_tensor
+            if id(p) not in own and t.numel():
+                storage = t.untyped_storage()
+                storages[storage.data_ptr()] = storage.nbytes()
+    return sum(storages.values())
+
+
 @dataclass(frozen=True)
 class ModelShape:
     n_params: int

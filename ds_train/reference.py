@@ -35,6 +35,7 @@ from ds_train.data.pairs import PairBatch
 from ds_train.data.meta import read_meta_json
 from ds_train.engine import initialize
 from ds_train.fs import replacing, write_atomic
+from ds_train.memory import parameter_bytes_beside
 from ds_train.model.build import INIT_SCHEME, build_model
 from ds_train.model.lora import enabled as lora_enabled
 from ds_train.model.weights import fingerprint, weight_files
@@ -45,8 +46,8 @@ from ds_train.run import Run
 class Reference:
     """log pi_ref of the tokens of a batch (no gradient)."""
 
-    def __init__(self, module, adapters_off: bool, held_bytes: int, describe: str):
-        self.module, self.adapters_off, self.held_bytes, self.describe = module, adapters_off, held_bytes, describe
+    def __init__(self, module, adapters_off: bool, describe: str):
+        self.module, self.adapters_off, self.describe = module, adapters_off, describe
 
     def _logits(self, inputs):
         import torch
@@ -85,22 +86,12 @@ def reference_ds_config(ds_config: dict) -> dict:
     return out
 
 
-def held_bytes(module) -> int:
-    """What the module's parameters take on this rank (ZeRO-3: this rank's partition)."""
-    total = 0
-    for p in module.parameters():
-        t = getattr(p, "ds_tensor", None)
-        t = p if t is None else t
-        total += t.numel() * t.element_size()
-    return total
-
-
 def build_reference(run: Run, weights) -> Reference:
     """The frozen reference of a run; `weights`: the directory the policy's starting weights were
     loaded from (None: built from model.config with the run's seed, as the policy was)."""
     cfg = run.cfg
     if lora_enabled(cfg.model.lora):
-        return Reference(run.engine.module, True, 0, "the base model (the policy with its LoRA adapters off)")
+        return Reference(run.engine.module, True, "the base model (the policy with its LoRA adapters off)")
     config = reference_ds_config(run.ds_config)
     model_cfg = replace(cfg.model, path=str(weights or ""), activation_checkpointing=False, compile=False)
     built = build_model(model_cfg, run.engine.module.config, config, cfg.seed)
@@ -108,24 +99,25 @@ def build_reference(run: Run, weights) -> Reference:
         p.requires_grad_(False)
     engine = initialize(built.model, config)
     engine.eval()
-    held = held_bytes(engine.module)
     zero3 = config["zero_optimization"]["stage"] == 3
-    return Reference(engine, False, held, f"a frozen copy of {cfg.model.path or 'the starting model'}"
+    return Reference(engine, False, f"a frozen copy of {cfg.model.path or 'the starting model'}"
                      + (f", partitioned over {run.env.world_size} ranks (ZeRO-3)" if zero3 else ""))
 
 
 def report_reference(run: Run, reference: Reference | None) -> None:
-    """Where the reference lives, and (each rank's log) what its parameters hold on the rank."""
-    held = reference.held_bytes if reference else 0
-    run.rank_log.info(f"reference policy: {reference.describe if reference else 'none'}; its parameters hold "
-                      f"{held:,} bytes on this rank")
+    """Where the reference lives, and (each rank's log) what the parameters beyond the policy's hold
+    on the rank: measured over every live module of the process, not taken from the reference (one
+    built but unused, or built twice, shows)."""
+    held = parameter_bytes_beside(run.engine)
+    run.rank_log.info(f"reference policy: {reference.describe if reference else 'none'}; parameters beyond the "
+                      f"policy's hold {held:,} bytes on this rank (every live module's, measured)")
     run.say(f"reference policy: {reference.describe}; {held / 2**20:.1f} MiB of parameters on rank 0"
             if reference else "reference policy: none (ript.kl_coef 0: no reference model is built)")
 
 
 def policy_as_reference(run: Run) -> Reference:
     """The policy before its first update (under LoRA with its adapters off): the reference itself."""
-    return Reference(run.engine.module, lora_enabled(run.cfg.model.lora), 0, "the policy before its first step")
+    return Reference(run.engine.module, lora_enabled(run.cfg.model.lora), "the policy before its first step")
 
 
 def reference_key(run: Run) -> dict:

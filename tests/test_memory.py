@@ -1,5 +1,6 @@
 """The memory planner against reality: engine-held bytes per ZeRO stage (2 ranks, real launcher),
-tensors autograd saves, and DeepSpeed's own ZeRO-3 estimator."""
+tensors autograd saves, and DeepSpeed's own ZeRO-3 estimator; the parameters a process holds
+beyond its policy, measured."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import torch
 
 from conftest import BIN, ROOT, free_port, run_cmd
 from ds_train.model.build import checkpoint_activations
-from ds_train.memory import activation_bytes, estimate, model_shape, model_states
+from ds_train.memory import activation_bytes, estimate, model_shape, model_states, parameter_bytes_beside
 
 
 @pytest.mark.slow
@@ -104,6 +105,20 @@ def test_7b_llama_zero3_model_states_agree_with_deepspeeds_estimator(capfd):
     ours_gb = (ours.states.peak + shape.largest_layer_params * 2) / 2**30
     assert ours_gb == pytest.approx(ds_gpu_gb, rel=0.05), (ours_gb, row)
     assert 6.5e9 < shape.n_params < 7e9
+
+
+def test_the_parameters_beside_the_policy_are_every_live_modules_whoever_holds_them():
+    """What ds_train/reference.py logs for the reference: a module kept anywhere counts (a tied weight
+    once), the policy's own parameters do not, even in another module; dropped, it is gone."""
+    policy = torch.nn.Linear(8, 8)
+    before = parameter_bytes_beside(policy)  # whatever else this process holds
+    other = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4), torch.nn.Linear(8, 8))
+    other[1].weight = other[0].weight  # tied: one storage
+    other[2].weight = policy.weight  # the policy's: not beside it
+    kept = {"somewhere": other}
+    assert parameter_bytes_beside(policy) - before == (16 + 4 + 4 + 8) * 4
+    del other, kept
+    assert parameter_bytes_beside(policy) == before
 
 
 def test_model_states_by_stage_shrink_with_world_size():

@@ -1,5 +1,6 @@
 """The RIPT loop through the real launchers (2 CPU processes): exact counts over ranks, SIGTERM to
-the launcher then an exact resume with a model policy, idle ranks, bad input that writes nothing."""
+the launcher then an exact resume with a model policy, idle ranks, bad input that writes nothing,
+and the policy update's loss and gradients against a computation by hand."""
 
 from __future__ import annotations
 
@@ -59,6 +60,15 @@ def predict(iterations: int, quota: int, cap: int) -> list[dict]:
 def rank_counts(run_dir: Path, rank: int) -> list[dict]:
     lines = (run_dir / "logs" / f"rank_{rank}.log").read_text().splitlines()
     return [json.loads(line.split(" counts ", 1)[1]) for line in lines if " counts " in line]
+
+
+def reference_bytes(run_dir: Path, rank: int) -> int:
+    """What a rank's log says the parameters beyond the policy's hold: every live module of its
+    process but the policy's, measured when the reference policy is reported (ds_train/reference.py)."""
+    line = next(x for x in (run_dir / "logs" / f"rank_{rank}.log").read_text().splitlines()
+                if "reference policy:" in x)
+    assert "(every live module's, measured)" in line, line
+    return int(line.split("policy's hold ")[1].split(" bytes")[0].replace(",", ""))
 
 
 def logged(run_dir: Path) -> dict[int, dict]:
@@ -176,6 +186,8 @@ def test_sigterm_to_the_launcher_saves_and_the_resume_is_exact(sft_policy, tmp_p
     assert res.returncode == 0, res.out[-4000:]
     assert json.loads((straight / "run" / "env.json").read_text())["launcher"] == "torchrun"
     ref = logged(straight / "run")
+    whole = sum(t.numel() * 4 for t in _initial_weights(sft_policy).values())
+    assert [reference_bytes(straight / "run", r) for r in (0, 1)] == [whole, whole]  # ZeRO-2: a whole frozen copy
 
     cfg = ript_config(split, sft_policy, MODEL_TRAIN, {"lr": LR}, **model_ript)
     proc = spawn(ript_args(cfg, *scaling, "watchdog.debug_fault=slow:0:1.0"))  # slower (the ranks see the
@@ -295,7 +307,9 @@ def test_the_same_rollouts_split_into_other_micro_batches_and_ranks_give_the_sam
     the same on 2 ranks with micro-batches of 4 (12 rollouts a rank in 3) as on 1 rank with
     micro-batches of 8 (24 in 3): other ranks and other micro-batches. (DeepSpeed's WarmupCosineLR
     runs the first two steps at lr 0: iteration 4's loss is the first after an update.) kl_coef 0: no
-    reference policy is built."""
+    reference policy is built, and none is held: what the parameters beyond the policy's hold, measured
+    over every live module of each rank's process, is 0 (with a reference: the whole model under ZeRO-2,
+    test_sigterm..., half of it on each of 2 ranks under ZeRO-3, test_a_dataset_task...)."""
     common = dict(tasks=["copy", "sort"], policy="ript_policies:Half", advantage="grpo", rollout_contexts=1,
                   iterations=4)
     layouts = {"np2_micro4": (2, 3, 4), "np1_micro8": (1, 6, 8)}
@@ -312,8 +326,8 @@ def test_the_same_rollouts_split_into_other_micro_batches_and_ranks_give_the_sam
         assert "reference policy: none (ript.kl_coef 0: no reference model is built)" in res.out
         run_dir = tmp_path / name / "run"
         for r in range(nproc):
-            assert "reference policy: none; its parameters hold 0 bytes on this rank" in \
-                (run_dir / "logs" / f"rank_{r}.log").read_text()
+            assert "reference policy: none; parameters beyond" in (run_dir / "logs" / f"rank_{r}.log").read_text()
+            assert reference_bytes(run_dir, r) == 0
         metrics[name], weights[name] = logged(run_dir), final_weights(run_dir)
     ref = metrics["np2_micro4"]
     for name, got in metrics.items():
@@ -327,6 +341,105 @@ def test_the_same_rollouts_split_into_other_micro_batches_and_ranks_give_the_sam
         assert diff <= 1e-6 * sum(float(w0[k].norm() ** 2) for k in w0) ** 0.5, name
     start = _initial_weights(tiny_policy)
     assert any(not weights["np1_micro8"][n].equal(w) for n, w in start.items() if n in weights["np1_micro8"])
+
+
+UPDATE_LR, MAX_TOKENS = 0.5, 16  # SGD's lr: the second epoch's ratios reach the clip
+
+
+def update_rollouts(vocab: int) -> list:
+    """Rank 0: two groups of K = 4 rollouts, rank 1: one (half of its step is padding); prompts of 3 to
+    6 tokens, 1 to 9 generated, and for some rollouts a second turn after a 2-token observation."""
+    import torch
+
+    gen = torch.Generator().manual_seed(0)
+
+    def rand(lo: int, hi: int) -> int:
+        return int(torch.randint(lo, hi + 1, (1,), generator=gen))
+
+    def rollout(reward: float) -> dict:
+        segments = [(rand(3, 6), 0), (rand(1, 9), 1)] + ([(2, 0), (rand(1, 4), 1)] if rand(0, 1) else [])
+        mask = [m for n, m in segments for _ in range(n)]
+        return {"ids": torch.randint(vocab, (len(mask),), generator=gen).tolist(), "action_mask": mask,
+                "reward": reward}
+
+    rewards = [[[1.0, 0.0, 0.5, 0.0], [0.0, 1.0, 1.0, 0.25]], [[1.0, 0.0, 0.0, 0.0]]]
+    return [[[rollout(r) for r in group] for group in rank] for rank in rewards]
+
+
+def hand_update(model, ranks: list, mode: str, epochs: int = 2, clip: tuple = (0.2, 0.28)) -> float:
+    """The RIPT update of `model` in plain torch, one rollout at a time (no padding, micro-batches or
+    ranks): RLOO advantages, PPO's clipped surrogate against the policy before the update, `mode`'s
+    aggregation over every rank's tokens, an SGD step per epoch. Returns the epochs' mean loss."""
+    import torch
+
+    rows = []
+    for group in (g for rank in ranks for g in rank):
+        rewards = [e["reward"] for e in group]
+        rows += [(e, e["reward"] - (sum(rewards) - e["reward"]) / (len(group) - 1)) for e in group]
+    lengths = [sum(e["action_mask"][1:]) for e, _ in rows]  # the first token is never a target
+    tokens, sequences = sum(lengths), sum(n > 0 for n in lengths)
+    weight = {"token-mean": lambda n: 1 / tokens, "seq-mean-token-mean": lambda n: 1 / (n * sequences),
+              "seq-mean-token-sum-norm": lambda n: 1 / (sequences * MAX_TOKENS)}[mode]
+    old, losses = {}, []
+    for _ in range(epochs):
+        loss = 0.0
+        for i, ((e, adv), n) in enumerate(zip(rows, lengths)):
+            ids = torch.tensor(e["ids"])
+            logp = torch.log_softmax(model(input_ids=ids[None]).logits[0, :-1], -1)[torch.arange(len(ids) - 1),
+                                                                                     ids[1:]]
+            logp = logp[torch.tensor(e["action_mask"][1:], dtype=torch.bool)]
+            ratio = torch.exp(logp - old.setdefault(i, logp.detach()))
+            per_token = -torch.minimum(ratio * adv, ratio.clamp(1 - clip[0], 1 + clip[1]) * adv)
+            loss = loss + per_token.sum() * weight(n)
+        model.zero_grad()
+        loss.backward()
+        with torch.no_grad():
+            for p in model.parameters():
+                p -= UPDATE_LR * p.grad
+        losses.append(float(loss.detach()))
+    return sum(losses) / epochs
+
+
+def test_the_policy_update_is_the_hand_computed_loss_and_gradient_over_ranks_and_micro_batches(tiny_policy,
+                                                                                                 tmp_path):
+    """ds_train's RIPT update (2 ranks, 4 micro-batches of 2 a step, rollouts of 1 to 13 tokens, rank 1
+    with half as many) against hand_update, for each loss aggregation mode in turn, two PPO epochs
+    each: the logged policy/loss, and the weights of a ZeRO-2 engine stepping SGD (lr x the gradient
+    it reduced over ranks and micro-batches, so a wrong scale or normaliser shows: Adam's steps
+    would hide it)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from ds_train.ript.algorithms import LOSS_AGG_MODES
+
+    ranks = update_rollouts(len(AutoTokenizer.from_pretrained(tiny_policy)))
+    spec = {"ranks": ranks, "modes": list(LOSS_AGG_MODES), "lr": UPDATE_LR, "max_tokens": MAX_TOKENS,
+            "train": {"micro_batch_size": 2, "global_batch_size": 16},
+            "ript": {"rloo_batch_size": 4, "contexts_per_rank": 2, "ppo_epochs": 2}}
+    (tmp_path / "rollouts.json").write_text(json.dumps(spec))
+    res = run_cmd([str(BIN / "deepspeed"), "--num_gpus", "2", "--master_port", str(free_port()),
+                   str(ROOT / "tests" / "ript_update_probe.py"), str(tiny_policy), str(tmp_path / "rollouts.json"),
+                   str(tmp_path)], timeout=240)
+    assert res.returncode == 0, res.out[-4000:]
+    got = torch.load(tmp_path / "update.pt")
+    model = AutoModelForCausalLM.from_pretrained(tiny_policy)
+    tokens = sum(sum(e["action_mask"][1:]) for rank in ranks for g in rank for e in g)
+    for mode in LOSS_AGG_MODES:
+        before = {n: p.detach().clone() for n, p in model.named_parameters()}
+        loss = hand_update(model, ranks, mode)
+        m = got[mode]["metrics"]
+        assert got[mode]["plan"] == [4, 2]  # accumulation x data-parallel ranks: the scale the engine undoes
+        assert m["policy/tokens"] == 2 * tokens
+        assert 0 < m["policy/clip_frac"] < 0.5, m  # the second epoch's ratios reach the clip, not all of them
+        step = sum(float((p.detach() - before[n]).norm() ** 2) for n, p in model.named_parameters()) ** 0.5
+        assert step > 0
+        for n, p in model.named_parameters():  # lr x the summed gradients of the two epochs, tensor by tensor
+            want = p.detach()
+            diff = float((got[mode]["weights"][n] - want).norm())
+            bound = 1e-4 * max(float((want - before[n]).norm()), 1e-2 * step)
+            assert diff <= bound, (mode, n, diff, bound)
+        # the second epoch's loss is taken after the first step: a wrong scale shows here too
+        assert m["policy/loss"] == pytest.approx(loss, rel=1e-4, abs=1e-6), mode
 
 
 def task_prompts(path: Path, name: str, n: int = 400, answer: str = "") -> Path:
@@ -360,13 +473,9 @@ def test_a_dataset_task_with_a_reference_policy_trains_under_zero3_and_its_heldo
     assert "grpo (scale group), token-mean, clip 0.2/0.28, KL k3 x 0.05 in the reward" in res.out
     assert "partitioned over 2 ranks (ZeRO-3)" in res.out
     assert "   0  odds#0" in res.out and "   1  odds#1" in res.out  # one dataset, both ranks busy
-    from safetensors.torch import load_file
-
-    whole = sum(t.numel() * 4 for t in load_file(sft_policy / "model.safetensors").values())
+    whole = sum(t.numel() * 4 for t in _initial_weights(sft_policy).values())
     for r in (0, 1):
-        line = next(x for x in (run_dir / "logs" / f"rank_{r}.log").read_text().splitlines()
-                    if "reference policy:" in x)
-        held = int(line.split("hold ")[1].split(" bytes")[0].replace(",", ""))
+        held = reference_bytes(run_dir, r)
         assert 0.4 * whole < held < 0.6 * whole, (held, whole)  # half of it, never whole on a rank
     got = logged(run_dir)
     kls = [m["policy/kl"] for m in got.values() if "policy/kl" in m]
