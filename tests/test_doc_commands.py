@@ -81,8 +81,8 @@ WAYS = [
                "--ds-config ..."), CHECKED,
         "placeholder arguments: the older launcher starts 2 ranks, which parse its --local-rank and print "
         "train's --help", "python -m torch.distributed.launch --nproc_per_node 2 --module ds_train train --help"),
-    Way(_exact("ds-train train --config recipes/quickstart.yaml --ds-config ds_configs/zero0.json"), REDUCED,
-        "one process, ZeRO-0: resumes the 2-process ZeRO-2 checkpoint through the universal conversion, to step 5",
+    Way(_exact("ds-train train --config recipes/quickstart.yaml --ds-config ds_configs/zero2.json"), REDUCED,
+        "one process: resumes the 2-process checkpoint through the universal conversion, to step 5",
         f"{{cmd}} train.max_steps=5 {LEAN}"),
     Way(_exact("ds-train parity --config recipes/sft.yaml --ds-config ds_configs/zero3.json --nproc 2 --shrink"),
         REDUCED, "2 steps instead of 5 (both launches, the verdict)", "{cmd} --steps 2"),
@@ -93,7 +93,7 @@ WAYS = [
                "--nodes 2 --gpus-per-node 8"), AS_WRITTEN, "arithmetic on the meta device: no GPU needed"),
     Way(r"(deepspeed --num_gpus 2 --module ds_train|ds-train) train --config C --ds-config ds_configs/zero[23]\.json",
         CHECKED, "placeholder config C: parsed with --help; README.md:29 and :33 above resume the quickstart's "
-        "run, on 2 processes and on 1 at another ZeRO stage", "ds-train train --help"),
+        "run, on 2 processes and on 1", "ds-train train --help"),
     Way(r"\.\.\. checkpoint\.resume=.*", NOT_A_COMMAND,
         "overrides to add to the command above; tests/test_checkpoint.py resumes from a tag, from a path and "
         "with restart", ""),
