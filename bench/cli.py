@@ -19,6 +19,13 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 
+def ArgumentParser(*args, **kwargs):
+    """argparse's parser, whose errors are bad input like any other: one line (exit 2), no usage block."""
+    from ds_train.errors import OneLineParser
+
+    return OneLineParser(*args, **kwargs)
+
+
 def run(main, *args) -> int:
     """main(*args)'s exit code; an exception as one line on stderr (see the module's doc)."""
     debug = "--debug" in sys.argv[1:]
@@ -31,9 +38,9 @@ def run(main, *args) -> int:
     except Exception as e:  # a bench's failure, whatever raised it: one line (the traceback under --debug)
         if debug:
             raise
-        from ds_train.errors import UserError, raised_at
+        from ds_train.errors import RunStopped, UserError, raised_at
 
-        said = str(e) if isinstance(e, UserError) else f"{raised_at(e)} (--debug shows the traceback)"
+        said = str(e) if isinstance(e, (UserError, RunStopped)) else f"{raised_at(e)} (--debug shows the traceback)"
         print(f"{script_name()}: error: {one_line(said)}", file=sys.stderr, flush=True)
         return getattr(e, "exit_code", 1)
 

@@ -134,7 +134,7 @@ def tables(rows: list[dict], command: str) -> tuple[str, str]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = cli.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--losses", default="sigmoid,ipo,sigmoid_norm")
     ap.add_argument("--steps", type=int, default=0, help="train.max_steps (default: the recipe's)")
     ap.add_argument("--work", default=str(ROOT / "runs" / "bench_dpo"))

@@ -28,6 +28,10 @@ from pathlib import Path
 import psutil
 
 ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from bench import cli  # noqa: E402
 
 RAW = r"""
 import json, os, sys, time
@@ -88,12 +92,13 @@ def measured(cmd: list[str], env: dict) -> dict:
     done.set()
     thread.join()
     if proc.returncode:
-        sys.exit(f"{' '.join(cmd)} failed ({proc.returncode}):\n{err[-3000:]}")
+        raise cli.fail(f"{' '.join(cmd[:4])} ... failed (exit {proc.returncode}); its output: "
+                       f"{cli.saved_output(out + err, 'measured')}")
     return {"seconds": time.monotonic() - start, "peak_rss_mib": peak / 2**20, "stdout": out}
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = cli.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sizes-mb", type=int, nargs="+", default=[100, 400])
     ap.add_argument("--workers", type=int, default=0, help="0: one per core")
     ap.add_argument("--work", default="/tmp/bench_prepare")
@@ -106,8 +111,11 @@ def main() -> None:
     py = sys.executable
     tok_data = work / "tokenizer_data"
     if not (tok_data / "meta.json").is_file():  # a BPE trained on the stdlib: the tokenizer both sides use
-        subprocess.run([py, "-m", "ds_train", "prepare", "python-stdlib", "--out", str(tok_data), "--vocab-size",
-                        str(args.vocab_size)], check=True, env=env, capture_output=True)
+        made = subprocess.run([py, "-m", "ds_train", "prepare", "python-stdlib", "--out", str(tok_data), "--vocab-size",
+                               str(args.vocab_size)], env=env, capture_output=True, text=True)
+        if made.returncode:
+            raise cli.fail(f"preparing the tokenizer's corpus failed (exit {made.returncode}): "
+                           f"{(made.stderr.strip().splitlines() or [''])[-1]}")
     tokenizer = str(tok_data / "tokenizer")
     rows = []
     for size in args.sizes_mb:
@@ -141,4 +149,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(cli.run(main))

@@ -215,7 +215,7 @@ def rewrite(path: Path, name: str, text: str) -> None:
 def main() -> None:
     from ds_train.export import export
 
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = cli.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--demo", choices=sorted(DEMOS), default="ript", help="which demo (default ript)")
     ap.add_argument("--replace", action="store_true", help="remove the demo's run directories, its "
                                                            "runs/bench_<demo> and its prepared SFT data first")
