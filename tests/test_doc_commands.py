@@ -19,6 +19,7 @@ through PET_MASTER_PORT, since another job on this machine may hold the default 
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import re
@@ -26,6 +27,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import sysconfig
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,6 +42,7 @@ AS_WRITTEN, REDUCED, CHECKED, BY_ANOTHER, ELSEWHERE, NOT_A_COMMAND = (
 LEAN = "train.eval_batches=1 log.plots=false"  # a reduced run's final evaluation on one batch, no plots
 CLUSTER = '"$DS_TRAIN_CLUSTER_HOSTFILE"'  # the loopback cluster's hostfile, in place of `hostfile`
 QUICKSTART_ZERO3 = "train --config recipes/quickstart.yaml --ds-config ds_configs/zero3.json"
+CLUSTER_CHECKS, LAST = 1, 2  # Way.phase
 
 
 @dataclass(frozen=True)
@@ -50,7 +53,7 @@ class Way:
     how: str
     why: str
     run: str = "{cmd}"  # what runs in the checkout ({cmd}: the documented command); "": nothing
-    cluster: bool = False  # run after the single-node commands, with the loopback cluster up
+    phase: int = 0  # 0: in reading order; CLUSTER_CHECKS: after those, with the loopback cluster up; LAST
 
     def command(self, doc: Documented) -> str:
         return self.run.replace("{cmd}", doc.text)
@@ -100,20 +103,21 @@ WAYS = [
     Way(_exact("ds-train convert --to universal runs/quickstart"), AS_WRITTEN, "the quickstart's latest checkpoint"),
     Way(_exact(f"ds-train launch --hostfile hostfile -- {QUICKSTART_ZERO3}"), CHECKED,
         "2 nodes: the preflight on the loopback cluster (ssh, versions, the command's batch math at its world "
-        "size); launches through pdsh: tests/test_multinode.py", _launch_check(QUICKSTART_ZERO3), cluster=True),
+        "size); launches through pdsh: tests/test_multinode.py", _launch_check(QUICKSTART_ZERO3), phase=CLUSTER_CHECKS),
     Way(r"ds-train launch --hostfile hostfile --check -- train --config (\.\.\.|C) --ds-config (\.\.\.|D)", CHECKED,
-        "placeholder config: the same preflight with the quickstart's", _launch_check(QUICKSTART_ZERO3), cluster=True),
+        "placeholder config: the same preflight with the quickstart's", _launch_check(QUICKSTART_ZERO3),
+        phase=CLUSTER_CHECKS),
     Way(_exact("ds-train launch --hostfile hostfile -- ript --config recipes/ript_demo.yaml --ds-config "
                "ds_configs/zero2.json"), CHECKED,
         "the preflight on the loopback cluster, after the RIPT demo below made runs/ript_sft (its model.path)",
-        _launch_check("ript --config recipes/ript_demo.yaml --ds-config ds_configs/zero2.json"), cluster=True),
+        _launch_check("ript --config recipes/ript_demo.yaml --ds-config ds_configs/zero2.json"), phase=CLUSTER_CHECKS),
     Way(_exact("bash scripts/launch_multi_node.sh hostfile --config recipes/quickstart.yaml --ds-config "
                "ds_configs/zero3.json"), CHECKED, "the script's own preflight-only mode (CHECK=1) on the loopback "
         "cluster", f"CHECK=1 bash scripts/launch_multi_node.sh {CLUSTER} --config recipes/quickstart.yaml "
-        f"--ds-config ds_configs/zero3.json", cluster=True),
+        f"--ds-config ds_configs/zero3.json", phase=CLUSTER_CHECKS),
     Way(_exact(f"deepspeed --hostfile hostfile --module ds_train {QUICKSTART_ZERO3}"), CHECKED,
         "plain DeepSpeed skips the preflight: its arguments through `ds-train launch --check` on the loopback "
-        "cluster", _launch_check(QUICKSTART_ZERO3), cluster=True),
+        "cluster", _launch_check(QUICKSTART_ZERO3), phase=CLUSTER_CHECKS),
     Way(_exact(f"ds-train slurm --nodes 2 --gpus-per-node 8 --partition gpu --time 24:00:00 --job-name llama "
                f"--account myproj --requeue --out job.sbatch -- {QUICKSTART_ZERO3}"), AS_WRITTEN,
         "writes job.sbatch (the command parsed, its batch math checked for 16 GPUs)"),
@@ -127,16 +131,17 @@ WAYS = [
         "--gpus-per-node 8"),
     Way(_exact('eval "$(bash scripts/local_cluster.sh up)"'), AS_WRITTEN,
         "its exports kept for the commands after it, as eval keeps them (its state directory and port from "
-        "DS_TRAIN_CLUSTER_DIR and DS_TRAIN_CLUSTER_PORT, this test's own)", cluster=True),
+        "DS_TRAIN_CLUSTER_DIR and DS_TRAIN_CLUSTER_PORT, this test's own)", phase=CLUSTER_CHECKS),
     Way(r'ds-train launch --hostfile "\$DS_TRAIN_CLUSTER_HOSTFILE" -- train .* output_dir=runs/cluster', CHECKED,
         "the preflight (--check); the launch itself on this cluster: tests/test_multinode.py",
         _launch_check("train --config recipes/quickstart.yaml --ds-config ds_configs/zero2.json train.max_steps=20 "
-                      "output_dir=runs/cluster"), cluster=True),
+                      "output_dir=runs/cluster"), phase=CLUSTER_CHECKS),
     Way(r'deepspeed --hostfile "\$DS_TRAIN_CLUSTER_HOSTFILE" --no_ssh_check .* output_dir=runs/cluster2', CHECKED,
         "its arguments through `ds-train launch --check` on the same cluster (no test launches plain DeepSpeed "
         "through pdsh)", _launch_check("train --config recipes/quickstart.yaml --ds-config ds_configs/zero2.json "
-                                       "train.max_steps=20 output_dir=runs/cluster2"), cluster=True),
-    Way(_exact("bash scripts/local_cluster.sh down"), AS_WRITTEN, "", cluster=True),
+                                       "train.max_steps=20 output_dir=runs/cluster2"), phase=CLUSTER_CHECKS),
+    Way(_exact("bash scripts/local_cluster.sh down"), AS_WRITTEN, "after every check that needs the cluster",
+        phase=LAST),
     Way(r"ds-train prepare .*", CHECKED, "placeholder sources: parsed with --help; tests/test_data.py prepares "
         "each kind of source", "ds-train prepare --help"),
     Way(_exact("deepspeed --num_gpus 2 --module ds_train train --config recipes/sft.yaml --ds-config "
@@ -169,7 +174,7 @@ WAYS = [
         r"hostfile -- train --config C --ds-config D", CHECKED,
         "placeholder config: the preflight with the quickstart's, these variables set",
         f"NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=INIT,NET NCCL_SOCKET_IFNAME=^docker,lo {_launch_check(QUICKSTART_ZERO3)}",
-        cluster=True),
+        phase=CLUSTER_CHECKS),
     Way(_exact("deepspeed --num_gpus 2 --module ds_train train --config recipes/long_context.yaml --ds-config "
                "ds_configs/zero2.json"), REDUCED, "1 step of 8,192 tokens over 2 sequence-parallel ranks",
         "{cmd} train.max_steps=1 log.plots=false"),
@@ -201,11 +206,12 @@ def test_every_documented_command_has_one_way_and_every_way_a_command():
 def test_the_commands_run_by_another_are_that_ones():
     """The rows run "by another": the benches launch the README's SFT and RL commands as written, and
     scripts/quickstart.sh runs the recipe's command (its NPROC and DS_CONFIG defaults in place)."""
-    sys.path.insert(0, str(ROOT))
-    from bench.rl_vs_sft import DEMOS
+    spec = importlib.util.spec_from_file_location("rl_vs_sft", ROOT / "bench" / "rl_vs_sft.py")
+    bench = sys.modules["rl_vs_sft"] = importlib.util.module_from_spec(spec)  # (its dataclasses look it up)
+    spec.loader.exec_module(bench)
 
     documented = {d.text for d in collect(ROOT) if way_of(d)[0].how == BY_ANOTHER}
-    launched = {c for demo in DEMOS.values() for c in (demo.sft_cmd, demo.rl_cmd)}
+    launched = {c for demo in bench.DEMOS.values() for c in (demo.sft_cmd, demo.rl_cmd)}
     script = (ROOT / "scripts" / "quickstart.sh").read_text()
     exec_line = dict(logical_lines(list(enumerate(script.splitlines(), 1))))[
         next(n for n, line in enumerate(script.splitlines(), 1) if line.startswith("exec deepspeed"))]
@@ -251,7 +257,7 @@ class Step:
 
 
 def plan(docs: list[Documented]) -> list[Step]:
-    """One step per distinct command to run, in reading order, the cluster's checks last; a
+    """One step per distinct command to run, in reading order within each phase (Way.phase); a
     documented command whose run is an earlier step's joins that step."""
     steps: list[Step] = []
     by_command: dict[str, Step] = {}
@@ -265,7 +271,7 @@ def plan(docs: list[Documented]) -> list[Step]:
         steps.append(step)
         if command:
             by_command[command] = step
-    return [s for s in steps if not s.way.cluster] + [s for s in steps if s.way.cluster]
+    return sorted(steps, key=lambda s: s.way.phase)  # stable: reading order within a phase
 
 
 def checkout(dest: Path) -> Path:
@@ -287,9 +293,11 @@ def checkout(dest: Path) -> Path:
     (venv / "bin").mkdir(parents=True)
     (venv / ".installed-requirements.txt").write_bytes(wanted)
     shutil.copy2(real / "pyvenv.cfg", venv / "pyvenv.cfg")
-    for name in ("lib", "lib64", "include"):
-        if (real / name).exists():
-            (venv / name).symlink_to(real / name)
+    # Its packages are the real venv's, at their own paths: DeepSpeed JIT-builds an op where its sources'
+    # paths are new, and would rebuild the shared CPU ops for every checkout (and every other user).
+    site = Path(sysconfig.get_paths()["purelib"])
+    (venv / site.relative_to(real)).mkdir(parents=True)
+    (venv / site.relative_to(real) / "_real_venv.pth").write_text(f"import site; site.addsitedir({str(site)!r})\n")
     for entry in (real / "bin").iterdir():
         if entry.name != "deepspeed":
             (venv / "bin" / entry.name).symlink_to(entry)
@@ -336,6 +344,7 @@ def report(steps: list[Step]) -> str:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1800)  # a last resort above each command's own 300 s (a loaded 2-core machine: see the module)
 def test_the_documented_commands_run_in_a_fresh_checkout(tmp_path):
     """Every step of plan(collect(ROOT)) exits 0 in a fresh checkout; nothing rewrites README.md,
     BENCHMARKS.md or the shipped data; the RL bench made its summary from an empty runs/."""
@@ -354,7 +363,7 @@ def test_the_documented_commands_run_in_a_fresh_checkout(tmp_path):
             if not step.command:
                 step.said = "not run"
                 continue
-            if step.way.cluster and not cluster_up:  # the checks before README's `eval "$(... up)"` need it too
+            if step.way.phase >= CLUSTER_CHECKS and not cluster_up:  # the checks before the README's `eval` too
                 env.update(exports_of('eval "$(bash scripts/local_cluster.sh up)"', root, env))
                 cluster_up = True
             if step.command.startswith("eval "):
