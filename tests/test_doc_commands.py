@@ -5,16 +5,17 @@ it needs GPUs or other nodes (`--help`, `ds-train launch --check` on the loopbac
 scripts/local_cluster.sh, `ds-train estimate`). WAYS says which, and why, for each; a documented
 command that matches no row fails the fast test, so a new command in the docs needs a row.
 
-    PYTHONPATH=. python -m pytest -q tests/test_doc_commands.py            # the table covers the docs
-    PYTHONPATH=. python -m pytest -q -s tests/test_doc_commands.py -m slow  # the commands run (prints a table)
+    PYTHONPATH=. python -m pytest -q tests/test_doc_commands.py -m "not slow"  # the table covers the docs
+    PYTHONPATH=. python -m pytest -q -s tests/test_doc_commands.py -m slow      # they run (and a table of times)
 
 The checkout: the files git lists (tracked and untracked, nothing it ignores: no runs/, data/cache/,
-.venv) copied to a scratch directory, whose .venv is this interpreter's virtualenv seen through
-symlinks (scripts/setup.sh then finds it installed and installs nothing; the test stops when this
-venv was installed from other requirements than the checkout's). `ds-train` and `python -m ds_train`
-import the checkout's ds_train (PYTHONPATH, as its own `pip install -e .` would). One difference from
-a user's shell: a `deepspeed` launch that names no --master_port gets a free one, and torchrun one
-through PET_MASTER_PORT, since another job on this machine may hold the default 29500.
+.venv) copied to a scratch directory, whose .venv is this interpreter's virtualenv: its programs
+through symlinks, its packages through a .pth (scripts/setup.sh then finds it installed and installs
+nothing; the test stops when this venv was installed from other requirements than the checkout's).
+`ds-train` and `python -m ds_train` import the checkout's ds_train (PYTHONPATH, as its own `pip
+install -e .` would). One difference from a user's shell: a `deepspeed` launch that names no
+--master_port gets a free one, and torchrun one through PET_MASTER_PORT, since another job on this
+machine may hold the default 29500.
 """
 
 from __future__ import annotations
@@ -253,7 +254,7 @@ class Step:
     way: Way
     command: str  # what runs; "" for nothing
     seconds: float = 0.0
-    said: str = ""  # ran / already ran at ... / not run
+    said: str = ""  # "not run": a row that runs nothing
 
 
 def plan(docs: list[Documented]) -> list[Step]:
@@ -276,7 +277,7 @@ def plan(docs: list[Documented]) -> list[Step]:
 
 def checkout(dest: Path) -> Path:
     """The repository's files as git lists them (tracked and untracked, nothing ignored) in `dest`,
-    with a .venv that is this interpreter's virtualenv through symlinks."""
+    with a .venv that is this interpreter's virtualenv (see the module's doc)."""
     listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
                             capture_output=True, check=True).stdout.decode().split("\0")
     for name in filter(None, listed):
