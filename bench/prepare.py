@@ -69,8 +69,8 @@ def make_corpus(path: Path, size_mb: int) -> int:
     return written
 
 
-def measured(cmd: list[str], env: dict) -> dict:
-    """Run cmd; wall seconds and the peak RSS of its whole process tree."""
+def measured(name: str, cmd: list[str], env: dict) -> dict:
+    """Run cmd (the `name` side); wall seconds and the peak RSS of its whole process tree."""
     start = time.monotonic()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     peak, done = 0, threading.Event()
@@ -92,8 +92,8 @@ def measured(cmd: list[str], env: dict) -> dict:
     done.set()
     thread.join()
     if proc.returncode:
-        raise cli.fail(f"{' '.join(cmd[:4])} ... failed (exit {proc.returncode}); its output: "
-                       f"{cli.saved_output(out + err, 'measured')}")
+        log = cli.saved_output(out + err, name)
+        raise cli.fail(f"the {name} side failed (exit {proc.returncode}); its output: {log}")
     return {"seconds": time.monotonic() - start, "peak_rss_mib": peak / 2**20, "stdout": out}
 
 
@@ -121,11 +121,11 @@ def main() -> None:
     for size in args.sizes_mb:
         corpus = work / f"corpus_{size}mb.jsonl"
         nbytes = make_corpus(corpus, size)
-        raw = measured([py, "-c", RAW, str(corpus), tokenizer], env)
+        raw = measured("raw", [py, "-c", RAW, str(corpus), tokenizer], env)
         raw_tokens = json.loads(raw["stdout"])["tokens"]
         out = work / f"prepared_{size}mb"
-        prep = measured([py, "-m", "ds_train", "prepare", str(corpus), "--tokenizer", tokenizer, "--out", str(out),
-                         "--workers", str(cores), "--overwrite"], env)
+        prep = measured("prepare", [py, "-m", "ds_train", "prepare", str(corpus), "--tokenizer", tokenizer, "--out",
+                                    str(out), "--workers", str(cores), "--overwrite"], env)
         meta = json.loads((out / "meta.json").read_text())
         tokens = meta["train_tokens"] + meta["val_tokens"] - meta["train_documents"] - meta["val_documents"]  # no EOS
         assert tokens == raw_tokens, (tokens, raw_tokens)  # the same tokens, both ways

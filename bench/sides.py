@@ -20,10 +20,10 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
+from bench import cli  # the scripts that import this module put the repository on sys.path
+
 ROOT = Path(__file__).resolve().parents[1]
 GiB = 2**30
-
-from bench import cli  # noqa: E402
 
 
 def parse_args(doc: str, argv: list[str] | None, add=None) -> argparse.Namespace:
