@@ -37,6 +37,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from bench import cli  # noqa: E402
 from bench.overhead import NEVER, quiet, shared_tmp_dir  # noqa: E402
 
 TARGET = 0.5
@@ -48,7 +49,7 @@ SIDES = ("none", "blocking", "background")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = cli.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", default=str(ROOT / "recipes" / "quickstart.yaml"))
     p.add_argument("--ds-config", default=str(ROOT / "ds_configs" / "zero2.json"))
     p.add_argument("--steps", type=int, default=9, help="steps per timed block (default 9)")
@@ -163,4 +164,4 @@ def summarize(args, env, run, rows: list[dict]) -> dict:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    sys.exit(cli.run(main))

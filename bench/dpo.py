@@ -1,7 +1,7 @@
 """Preference training (DPO) on the generated pairs (recipes/dpo.yaml): how soon the reward accuracy on
 held-out pairs reaches 0.95, for each loss.
 
-    python bench/dpo.py [--losses sigmoid,ipo,sigmoid_norm] [--steps N] [--out FILE.json] [--write]
+    python bench/dpo.py [--losses sigmoid,ipo,sigmoid_norm] [--steps N] [--out FILE.json] [--write] [--reduced]
 
 Each loss is a real `deepspeed --num_gpus 2` launch of recipes/dpo.yaml (ZeRO-2, from runs/quickstart,
 which `bash scripts/quickstart.sh` makes; the reference log-probs precomputed once into data.dir and
@@ -10,7 +10,9 @@ The seconds are those a user waits: from the launch to the evaluation, start-up 
 pass included. The final figure is then checked apart from the run: the bench loads the exported
 model, computes every held-out pair's log-probs itself and its rewards against the stored
 reference log-probs, per kind of pair. --write rewrites the dpo-bench blocks of README.md and
-BENCHMARKS.md.
+BENCHMARKS.md. --reduced: the first loss alone, 2 steps, evaluated on one batch at the end, and
+nothing written into README.md or BENCHMARKS.md: the CPU check that the bench runs end to end
+(tests/test_doc_commands.py), measuring nothing.
 """
 
 from __future__ import annotations
@@ -28,26 +30,28 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from bench import cli  # noqa: E402
 from bench.rl_vs_sft import machine, rewrite, versions  # noqa: E402
 
 RECIPE = ROOT / "recipes" / "dpo.yaml"
 KINDS = {"Tell me about my friend": "tone", "How do I": "refusal", "Describe the": "repetition",
          "Write a greeting": "faithful"}
 TARGET = 0.95
+REDUCED_STEPS, REDUCED = 2, ("train.eval_batches=1",)  # --reduced
 
 
-def launch(loss: str, steps: int, out_dir: Path, log: Path) -> tuple[float, str]:
+def launch(loss: str, steps: int, out_dir: Path, log: Path, extra: tuple[str, ...] = ()) -> tuple[float, str]:
     cmd = [str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", "2", "--module", "ds_train", "train",
            "--config", str(RECIPE), "--ds-config", str(ROOT / "ds_configs" / "zero2.json"),
            f"output_dir={out_dir}", f"dpo.loss={loss}", *([f"train.max_steps={steps}"] if steps else []),
            "checkpoint.resume=restart",
-           "checkpoint.export_final=true", "log.progress=false", "log.plots=false"]
+           "checkpoint.export_final=true", "log.progress=false", "log.plots=false", *extra]
     start = time.time()
     with open(log, "w") as f:
         rc = subprocess.run(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT).returncode
     text = log.read_text()
     if rc:
-        sys.exit(f"bench/dpo.py: {' '.join(cmd)} failed (exit {rc}); see {log}")
+        raise cli.fail(f"{' '.join(cmd)} failed (exit {rc}); see {log}")
     return start, text
 
 
@@ -88,21 +92,27 @@ def heldout(model_dir: str, data_dir: Path, stored: Path, loss: str, beta: float
             "by_kind": {k: right[k] / seen[k] for k in sorted(seen)}}
 
 
-def one(loss: str, steps: int, work: Path) -> dict:
+def one(loss: str, steps: int, work: Path, extra: tuple[str, ...] = ()) -> dict:
     import yaml
 
     out = work / loss
-    start, text = launch(loss, steps, out, work / f"{loss}.log")
+    log = work / f"{loss}.log"
+    start, text = launch(loss, steps, out, log, extra)
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     evals = [(r["step"], r["time"] - start, r["eval/rewards/accuracies"]) for r in records
              if "eval/rewards/accuracies" in r]
     reached = next(((s, t) for s, t, a in evals if a >= TARGET), None)
-    stored = Path(re.findall(r"reference log-probs: (?:read from|.* pairs in) (\S+\.npz)", text)[-1])
+    said = re.findall(r"reference log-probs: (?:read from|.* pairs in) (\S+\.npz)", text)
+    if not evals or not said:
+        raise cli.fail(f"the {loss} run logged {'no evaluation' if not evals else 'no reference log-probs line'}; "
+                       f"see {log}")
+    stored = Path(said[-1])
     cfg = yaml.safe_load(RECIPE.read_text())
     results = json.loads((out / "results.json").read_text())
     check = heldout(results["export"], ROOT / cfg["data"]["dir"], stored, loss, cfg["dpo"]["beta"])
     said = re.search(r"data: preference, ([^\n]*)", text)
-    return {"loss": loss, "steps": steps or cfg["train"]["max_steps"], "evals": evals, "reached": reached, "final_eval": evals[-1][2],
+    return {"loss": loss, "steps": steps or cfg["train"]["max_steps"], "evals": evals, "reached": reached,
+            "final_eval": evals[-1][2],
             "job_s": records[-1]["time"] - start, "heldout": check, "data": said.group(1) if said else "",
             "computed_reference": "computing them" in text}
 
@@ -124,32 +134,37 @@ def tables(rows: list[dict], command: str) -> tuple[str, str]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = cli.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--losses", default="sigmoid,ipo,sigmoid_norm")
     ap.add_argument("--steps", type=int, default=0, help="train.max_steps (default: the recipe's)")
     ap.add_argument("--work", default=str(ROOT / "runs" / "bench_dpo"))
     ap.add_argument("--out", default="")
     ap.add_argument("--write", action="store_true", help="rewrite the dpo-bench blocks of README.md and BENCHMARKS.md")
+    ap.add_argument("--reduced", action="store_true", help="the first loss, 2 steps, nothing written into README.md or "
+                                                           "BENCHMARKS.md: the CPU check that the bench runs")
     args = ap.parse_args()
     if not (ROOT / "runs" / "quickstart" / "checkpoints").is_dir():
-        sys.exit("bench/dpo.py: runs/quickstart is missing; run `bash scripts/quickstart.sh` first")
+        raise cli.fail("runs/quickstart is missing; run `bash scripts/quickstart.sh` first")
     os.environ.setdefault("PYTHONWARNINGS", "ignore")
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
-    rows = [one(loss, args.steps, work) for loss in args.losses.split(",")]
+    losses = args.losses.split(",")[:1] if args.reduced else args.losses.split(",")
+    steps = REDUCED_STEPS if args.reduced else args.steps
+    rows = [one(loss, steps, work, REDUCED if args.reduced else ()) for loss in losses]
     for r in rows:
         print(json.dumps(r))
     if args.out:
         Path(args.out).write_text(json.dumps(rows, indent=2))
-    command = "python bench/dpo.py" + (f" --losses {args.losses}" if args.losses != "sigmoid,ipo,sigmoid_norm" else "") \
-        + (f" --steps {args.steps}" if args.steps else "")
+    command = "python bench/dpo.py" \
+        + (f" --losses {args.losses}" if args.losses != "sigmoid,ipo,sigmoid_norm" else "") \
+        + (f" --steps {args.steps}" if args.steps else "") + (" --reduced" if args.reduced else "")
     readme, section = tables(rows, command)
     print(readme)
-    if args.write:
+    if args.write and not args.reduced:
         rewrite(ROOT / "README.md", "dpo-bench", readme)
         rewrite(ROOT / "BENCHMARKS.md", "dpo-bench", section)
         print("rewrote the dpo-bench blocks of README.md and BENCHMARKS.md")
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(cli.run(main))

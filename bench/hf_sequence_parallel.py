@@ -30,10 +30,14 @@ import numpy as np
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from bench import cli  # noqa: E402
 
 
 def main() -> int:
-    p = argparse.ArgumentParser()
+    p = cli.ArgumentParser()
     p.add_argument("--config", default=str(ROOT / "recipes" / "long_context.yaml"))
     p.add_argument("--seq-len", type=int, required=True)
     p.add_argument("--steps", type=int, default=6)
@@ -51,6 +55,9 @@ def main() -> int:
 
     run = yaml.safe_load(Path(args.config).read_text())
     data_dir = ROOT / run["data"]["dir"]
+    if not (data_dir / "meta.json").is_file():
+        raise cli.fail(f"{data_dir} holds no prepared data (meta.json): train {args.config} once, or `ds-train "
+                       f"prepare --config {args.config}`, first")
     meta = json.loads((data_dir / "meta.json").read_text())
     tokens = np.memmap(data_dir / "train.bin", dtype=meta["dtype"], mode="r")
     seq = args.seq_len
@@ -109,4 +116,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(cli.run(main))

@@ -36,6 +36,8 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from bench import cli  # noqa: E402
+
 TARGET = 1.5  # peak above baseline, in the model's bf16 bytes
 SIDES = ("ds_train", "fp32")
 GIB = 2**30
@@ -123,7 +125,8 @@ def launch(ckpt: Path, side: str, nproc: int, out: Path) -> list[dict]:
            str(29500 + os.getpid() % 1000), str(Path(__file__).resolve()), "--worker", str(ckpt), side, str(out)]
     res = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "TRANSFORMERS_VERBOSITY": "error"})
     if res.returncode:
-        raise SystemExit(f"{side} on {ckpt.name}: exit {res.returncode}\n{res.stdout[-3000:]}{res.stderr[-3000:]}")
+        log = cli.saved_output(res.stdout + res.stderr, f"{side}_{ckpt.name}")
+        raise cli.fail(f"{side} on {ckpt.name}: exit {res.returncode}; its output: {log}")
     return [json.loads((out / f"rank_{r}.json").read_text()) for r in range(nproc)]
 
 
@@ -131,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if "--worker" in argv:  # a rank (the launcher puts --local_rank=N first)
         return worker(*argv[argv.index("--worker") + 1:][:3])
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = cli.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--hidden", type=int, default=1024)
     p.add_argument("--layers", type=int, default=24)
     p.add_argument("--nproc", type=int, default=2)
@@ -169,4 +172,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(cli.run(main))

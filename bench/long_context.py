@@ -51,6 +51,11 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from bench import cli  # noqa: E402
+
 CGROUP_MEMORY = Path("/sys/fs/cgroup/memory")
 TARGET = 1.8
 GiB = 2**30
@@ -67,7 +72,7 @@ if _threshold and _rank is not None:  # glibc's M_MMAP_THRESHOLD, in the ranks a
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = cli.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", default=str(ROOT / "recipes" / "long_context.yaml"))
     p.add_argument("--ds-config", default=str(ROOT / "ds_configs" / "zero2.json"))
     p.add_argument("--cap-gib", type=float, default=1.3, help="memory cap per rank in GiB (default 1.3)")
@@ -135,9 +140,9 @@ class Bench:
         print(f"  sp {sp} seq_len {seq_len:>6}: {said}; peak {', '.join(f'{p:.2f}' for p in peaks)} GiB per rank "
               f"({f'cap {self.args.cap_gib:g}' if capped else 'no cap'}); {seconds:.0f} s{rate}", flush=True)
         if not out["trained"] and not any(kills):
-            tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-15:])
-            raise SystemExit(f"bench: sp {sp} seq_len {seq_len} failed without hitting the cap (exit "
-                             f"{proc.returncode}):\n{tail}")
+            log = cli.saved_output(proc.stdout + proc.stderr, name)
+            raise cli.fail(f"sp {sp} seq_len {seq_len} failed without hitting the cap (exit {proc.returncode}); its "
+                           f"output: {log}")
         shutil.rmtree(run_dir, ignore_errors=True)
         return out
 
@@ -152,8 +157,7 @@ class Bench:
                 bad = length
                 break
         if not good:
-            raise SystemExit(f"bench: sp {sp} does not train even at --start {self.args.start}; lower it or raise "
-                             f"--cap-gib")
+            raise cli.fail(f"sp {sp} does not train even at --start {self.args.start}; lower it or raise --cap-gib")
         while bad and bad - good > grain:
             mid = (good + bad) // 2 // grain * grain
             if self.trial(sp, mid, self.args.steps)["trained"]:
@@ -300,4 +304,4 @@ def _machine() -> str:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(cli.run(main))

@@ -40,13 +40,15 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as a script from anywhere, with or without `pip install -e`
     sys.path.insert(0, str(ROOT))
 
+from bench import cli  # noqa: E402
+
 TARGET = 0.97
 # Keeps both sides clear of the final-step eval / save, and of the end of the LR schedule.
 NEVER = 10**6
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = cli.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", default=str(ROOT / "recipes" / "quickstart.yaml"),
                    help="run config YAML (default recipes/quickstart.yaml)")
     p.add_argument("--ds-config", default=str(ROOT / "ds_configs" / "zero2.json"),
@@ -113,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = load_config(args.config, overrides)
     needed = args.warmup * 2 + args.steps * args.repeats * 2
     if needed >= cfg.train.max_steps:
-        raise SystemExit(f"{needed} steps would reach train.max_steps={cfg.train.max_steps}")
+        raise cli.fail(f"{needed} steps would reach train.max_steps={cfg.train.max_steps}")
     inputs = check_inputs(cfg, args.ds_config)
     data = inputs.data
     with build_run(inputs, env, train_spec(cfg)) as run:
@@ -198,10 +200,4 @@ def measure(args, cfg, run, data, say) -> int:
 
 
 if __name__ == "__main__":
-    from ds_train.errors import RunStopped, UserError
-
-    try:
-        sys.exit(main())
-    except (UserError, RunStopped) as e:
-        print(f"bench/overhead.py: {e}", file=sys.stderr, flush=True)
-        sys.exit(e.exit_code)
+    sys.exit(cli.run(main))

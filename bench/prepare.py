@@ -28,6 +28,10 @@ from pathlib import Path
 import psutil
 
 ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from bench import cli  # noqa: E402
 
 RAW = r"""
 import json, os, sys, time
@@ -65,8 +69,8 @@ def make_corpus(path: Path, size_mb: int) -> int:
     return written
 
 
-def measured(cmd: list[str], env: dict) -> dict:
-    """Run cmd; wall seconds and the peak RSS of its whole process tree."""
+def measured(name: str, cmd: list[str], env: dict) -> dict:
+    """Run cmd (the `name` side); wall seconds and the peak RSS of its whole process tree."""
     start = time.monotonic()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     peak, done = 0, threading.Event()
@@ -88,12 +92,13 @@ def measured(cmd: list[str], env: dict) -> dict:
     done.set()
     thread.join()
     if proc.returncode:
-        sys.exit(f"{' '.join(cmd)} failed ({proc.returncode}):\n{err[-3000:]}")
+        log = cli.saved_output(out + err, name)
+        raise cli.fail(f"the {name} side failed (exit {proc.returncode}); its output: {log}")
     return {"seconds": time.monotonic() - start, "peak_rss_mib": peak / 2**20, "stdout": out}
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = cli.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sizes-mb", type=int, nargs="+", default=[100, 400])
     ap.add_argument("--workers", type=int, default=0, help="0: one per core")
     ap.add_argument("--work", default="/tmp/bench_prepare")
@@ -106,18 +111,21 @@ def main() -> None:
     py = sys.executable
     tok_data = work / "tokenizer_data"
     if not (tok_data / "meta.json").is_file():  # a BPE trained on the stdlib: the tokenizer both sides use
-        subprocess.run([py, "-m", "ds_train", "prepare", "python-stdlib", "--out", str(tok_data), "--vocab-size",
-                        str(args.vocab_size)], check=True, env=env, capture_output=True)
+        made = subprocess.run([py, "-m", "ds_train", "prepare", "python-stdlib", "--out", str(tok_data), "--vocab-size",
+                               str(args.vocab_size)], env=env, capture_output=True, text=True)
+        if made.returncode:
+            raise cli.fail(f"preparing the tokenizer's corpus failed (exit {made.returncode}): "
+                           f"{(made.stderr.strip().splitlines() or [''])[-1]}")
     tokenizer = str(tok_data / "tokenizer")
     rows = []
     for size in args.sizes_mb:
         corpus = work / f"corpus_{size}mb.jsonl"
         nbytes = make_corpus(corpus, size)
-        raw = measured([py, "-c", RAW, str(corpus), tokenizer], env)
+        raw = measured("raw", [py, "-c", RAW, str(corpus), tokenizer], env)
         raw_tokens = json.loads(raw["stdout"])["tokens"]
         out = work / f"prepared_{size}mb"
-        prep = measured([py, "-m", "ds_train", "prepare", str(corpus), "--tokenizer", tokenizer, "--out", str(out),
-                         "--workers", str(cores), "--overwrite"], env)
+        prep = measured("prepare", [py, "-m", "ds_train", "prepare", str(corpus), "--tokenizer", tokenizer, "--out",
+                                    str(out), "--workers", str(cores), "--overwrite"], env)
         meta = json.loads((out / "meta.json").read_text())
         tokens = meta["train_tokens"] + meta["val_tokens"] - meta["train_documents"] - meta["val_documents"]  # no EOS
         assert tokens == raw_tokens, (tokens, raw_tokens)  # the same tokens, both ways
@@ -141,4 +149,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(cli.run(main))

@@ -1,7 +1,7 @@
 """A post-training demo of the README, run as written, against continued SFT for the same wall time;
 rewrites the README's and BENCHMARKS.md's figures of that demo from what it measured.
 
-    python bench/rl_vs_sft.py [--demo ript|arith] [--replace] [--no-write]
+    python bench/rl_vs_sft.py [--demo ript|arith] [--replace] [--no-write] [--reduced]
 
 ript: RIPT on the seven built-in tasks (recipes/ript_sft.yaml, then recipes/ript_demo.yaml).
 arith: RL from a dataset of arithmetic word problems with a numeric verifier (recipes/rl_sft.yaml,
@@ -20,6 +20,10 @@ The demo's run directories must not exist (the commands would resume them): --re
 and the SFT data prepared for it, first. Writes runs/bench_<demo>/summary.json and, unless
 --no-write, the marked blocks of README.md and BENCHMARKS.md (date, machine, versions, commands,
 numbers).
+
+--reduced: the same commands with a few steps and tiny sizes (REDUCED_SFT, REDUCED_RL; continued SFT
+for 2 steps), writing neither README.md nor BENCHMARKS.md: a check that the demo runs end to end in
+a minute or two on a CPU (tests/test_doc_commands.py), measuring nothing.
 """
 
 from __future__ import annotations
@@ -42,6 +46,14 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench import cli  # noqa: E402
+
+# --reduced: SFT for 4 steps; RL for 1 iteration of 2 accepted contexts per rank (K 8: 16 rollouts, two
+# optimizer steps of 8 a rank), 16 held-out contexts per task.
+REDUCED_SFT = ("train.max_steps=4", "train.eval_batches=1", "log.every=1", "log.plots=false")
+REDUCED_RL = ("ript.iterations=1", "ript.rloo_batch_size=8", "ript.contexts_per_rank=2", "ript.rollout_contexts=2",
+              "ript.max_contexts_checked=8", "ript.eval_contexts=16", "ript.eval_every=0",
+              "train.micro_batch_size=8", "train.global_batch_size=16", "log.plots=false")
 REPORTED = re.compile(r"held-out success (\d\.\d{3}) \(iteration 0\) -> (\d\.\d{3}) \(iteration (\d+)\)")
 
 
@@ -64,10 +76,10 @@ class Demo:
     def rl_cmd(self) -> str:
         return self.cmd("ript", self.rl_recipe)
 
-    def config(self, recipe: str):
+    def config(self, recipe: str, overrides: tuple[str, ...] = ()):
         from ds_train.configfile import load_config
 
-        return load_config(ROOT / recipe)
+        return load_config(ROOT / recipe, list(overrides))
 
     def written(self, recipe: str) -> dict:
         """The recipe's YAML as written: its directories are known before the SFT run exists, which the
@@ -105,7 +117,7 @@ def run(command: str, *overrides: str, log: Path) -> tuple[float, str]:
     seconds = time.perf_counter() - t0
     log.write_text(proc.stdout)
     if proc.returncode:
-        sys.exit(f"bench: `{' '.join([command, *overrides])}` failed (exit {proc.returncode}); see {log}")
+        raise cli.fail(f"`{' '.join([command, *overrides])}` failed (exit {proc.returncode}); see {log}")
     return seconds, proc.stdout
 
 
@@ -130,17 +142,19 @@ def heldout_success(model_dir: Path, cfg) -> dict:
     return {"success_rate": wins / total, "per_task": per_task}
 
 
-def continued_sft(demo: Demo, out: Path, rl_s: float) -> tuple[float, int]:
-    """SFT resumed from the demo's SFT run for at least rl_s seconds; returns (seconds, extra steps)."""
-    final = demo.config(demo.sft_recipe).train.max_steps
+def continued_sft(demo: Demo, out: Path, rl_s: float, reduced: bool) -> tuple[float, int]:
+    """SFT resumed from the demo's SFT run for at least rl_s seconds (2 steps when reduced); returns
+    (seconds, extra steps)."""
+    sft_extra = REDUCED_SFT if reduced else ()
+    final = demo.config(demo.sft_recipe, sft_extra).train.max_steps
     steps = [m["perf/step_time_s"] for m in map(json.loads, (demo.sft_dir / "metrics.jsonl").read_text().splitlines())
              if m.get("perf/step_time_s")]
-    extra = math.ceil(rl_s / statistics.median(steps))  # launcher start-up counted as training time
+    extra = 2 if reduced else math.ceil(rl_s / statistics.median(steps))  # launcher start-up counted as training
     more = out / "sft_continued"
-    common = (f"output_dir={more}", "log.progress=false")
+    common = (*sft_extra, f"output_dir={more}", "log.progress=false")
     more_s, _ = run(demo.sft_cmd, *common, f"checkpoint.resume={demo.sft_dir / 'checkpoints'}",
                     f"train.max_steps={final + extra}", log=out / "sft_continued.log")
-    while more_s < rl_s:  # at least as long as RL: top up at the rate it just ran (from its checkpoint)
+    while more_s < rl_s and not reduced:  # at least as long as RL: top up at the rate it just ran (from its checkpoint)
         extra += math.ceil((rl_s - more_s) * extra / more_s) + 1
         more_s += run(demo.sft_cmd, *common, f"train.max_steps={final + extra}", log=out / "sft_continued.log")[0]
     return more_s, extra
@@ -168,7 +182,7 @@ def tables(demo: Demo, s: dict) -> tuple[str, str]:
     lines = [head] + [f"| {name} | {row['seconds']:.0f} | {row['success_rate']:.3f} | " +
                       " | ".join(f"{row['per_task'][t]:.2f}" for t in tasks) + " |" for name, row in rows.items()]
     printed = s["printed"]
-    bench = f"python bench/rl_vs_sft.py --demo {s['demo']}"
+    bench = f"python bench/rl_vs_sft.py --demo {s['demo']}" + (" --reduced" if s.get("reduced") else "")
     readme = (f"Measured on this 2-core CPU ({s['date']}, 2 processes, ZeRO-2, fp32; `{bench}` runs the two "
               f"commands above as written and writes these figures): the {demo.name} command prints "
               f"\"held-out success {printed[0]} (iteration 0) -> {printed[1]} (iteration {printed[2]})\", "
@@ -201,28 +215,34 @@ def rewrite(path: Path, name: str, text: str) -> None:
 def main() -> None:
     from ds_train.export import export
 
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = cli.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--demo", choices=sorted(DEMOS), default="ript", help="which demo (default ript)")
     ap.add_argument("--replace", action="store_true", help="remove the demo's run directories, its "
                                                            "runs/bench_<demo> and its prepared SFT data first")
     ap.add_argument("--no-write", action="store_true", help="leave README.md and BENCHMARKS.md as they are")
+    ap.add_argument("--reduced", action="store_true", help="a few steps, tiny sizes, nothing written into README.md "
+                                                           "or BENCHMARKS.md: the CPU check that the demo runs")
     args = ap.parse_args()
     demo = DEMOS[args.demo]
     out = ROOT / "runs" / f"bench_{args.demo}"
     held = [str(p.relative_to(ROOT)) for p in (demo.sft_dir, demo.rl_dir, out) if p.exists()]
     if held and not args.replace:
-        sys.exit(f"bench: {', '.join(held)} exist: the README's commands would resume them; give --replace "
-                 f"to remove them first")
+        raise cli.fail(f"{', '.join(held)} exist: the README's commands would resume them; give --replace to "
+                       f"remove them first")
     for p in (demo.sft_dir, demo.rl_dir, out, demo.data_dir):
         shutil.rmtree(p, ignore_errors=True)
     out.mkdir(parents=True)
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(sys.prefix) / "torch_extensions"))
-    sft_s, _ = run(demo.sft_cmd, log=out / "sft.log")
-    rl_s, said = run(demo.rl_cmd, log=out / "rl.log")
+    sft_extra, rl_extra = (REDUCED_SFT, REDUCED_RL) if args.reduced else ((), ())
+    sft_s, _ = run(demo.sft_cmd, *sft_extra, log=out / "sft.log")
+    rl_s, said = run(demo.rl_cmd, *rl_extra, log=out / "rl.log")
+    if not REPORTED.search(said):
+        raise cli.fail(f"`{demo.rl_cmd}` printed no \"held-out success A (iteration 0) -> B (iteration N)\" line; "
+                       f"see {out / 'rl.log'}")
     printed = REPORTED.findall(said)[-1]
-    more_s, extra = continued_sft(demo, out, rl_s)
+    more_s, extra = continued_sft(demo, out, rl_s, args.reduced)
 
-    cfg = demo.config(demo.rl_recipe)
+    cfg = demo.config(demo.rl_recipe, rl_extra)
     rows = {}
     for name, run_dir, seconds in (("SFT (start)", demo.sft_dir, 0.0), (demo.name, demo.rl_dir, rl_s),
                                    ("SFT continued", out / "sft_continued", more_s)):
@@ -231,18 +251,21 @@ def main() -> None:
         rows[name] = {"seconds": round(seconds, 1), **heldout_success(hf, cfg)}
     rows["SFT continued"]["steps"] = extra
     for name, value in (("SFT (start)", printed[0]), (demo.name, printed[1])):
-        assert f"{rows[name]['success_rate']:.3f}" == value, (name, rows[name]["success_rate"], value)
-    summary = {"demo": args.demo, "date": datetime.date.today().isoformat(), "machine": machine(),
+        if f"{rows[name]['success_rate']:.3f}" != value:
+            raise cli.fail(f"{name}: the held-out success recomputed here, {rows[name]['success_rate']:.3f}, is not "
+                           f"the {value} the RL command printed ({out / 'rl.log'})")
+    summary = {"demo": args.demo, "reduced": args.reduced, "date": datetime.date.today().isoformat(),
+               "machine": machine(),
                "versions": versions(), "sft_s": round(sft_s, 1), "rl_s": round(rl_s, 1), "printed": list(printed),
                "eval_contexts": cfg.ript.eval_contexts, "rows": rows}
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     readme, section = tables(demo, summary)
     print(section)
-    if not args.no_write:
+    if not (args.no_write or args.reduced):
         rewrite(ROOT / "README.md", demo.marker, readme)
         rewrite(ROOT / "BENCHMARKS.md", demo.marker, section)
         print(f"rewrote the {demo.marker} blocks of README.md and BENCHMARKS.md")
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(cli.run(main))

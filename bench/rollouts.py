@@ -18,6 +18,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench import cli  # noqa: E402
+
 
 def build_policy(seed: int = 0):
     import torch
@@ -41,7 +43,7 @@ def main() -> None:
     from ds_train.ript.rollout import model_policy, rollout
     from ds_train.ript.tasks import BUILTIN
 
-    ap = argparse.ArgumentParser()
+    ap = cli.ArgumentParser()
     ap.add_argument("--contexts", type=int, default=8, help="contexts per task")
     ap.add_argument("--k", type=int, default=8, help="rollouts per context")
     ap.add_argument("--repeats", type=int, default=3)
@@ -68,4 +70,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(cli.run(main))

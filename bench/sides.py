@@ -20,13 +20,15 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
+from bench import cli  # the scripts that import this module put the repository on sys.path
+
 ROOT = Path(__file__).resolve().parents[1]
 GiB = 2**30
 
 
 def parse_args(doc: str, argv: list[str] | None, add=None) -> argparse.Namespace:
     """The options of both scripts; `add(parser)` adds a script's own, listed before --data."""
-    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = cli.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=int, default=8, help="timed optimizer steps per launch (default 8)")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps first (default 2: one of them measures the "
                    "model states)")
@@ -133,8 +135,8 @@ def launch(args: argparse.Namespace, script: str, side: str, work: Path, forward
            str(args.global_batch), *forward, "--data", args.data]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
     if proc.returncode != 0 or not result.is_file():
-        tail = (proc.stdout + proc.stderr).strip().splitlines()[-15:]
-        raise SystemExit(f"bench: the {side} launch failed (exit {proc.returncode}):\n" + "\n".join(tail))
+        log = cli.saved_output(proc.stdout + proc.stderr, side)
+        raise cli.fail(f"the {side} launch failed (exit {proc.returncode}); its output: {log}")
     return json.loads(result.read_text())
 
 

@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as a script from anywhere, with or without `pip install -e`
     sys.path.insert(0, str(ROOT))
 
-from bench import sides  # noqa: E402
+from bench import cli, sides  # noqa: E402
 
 SIDES = {"zero3": ("zero3.json", 1), "tp2_zero1": ("zero1.json", 2)}
 
@@ -61,4 +61,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(cli.run(main))

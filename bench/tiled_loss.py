@@ -23,6 +23,8 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from bench import cli  # noqa: E402
+
 
 def side(tokens: int, vocab: int, hidden: int, tile: int) -> dict:
     import torch
@@ -50,7 +52,7 @@ def label(tile: int) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = cli.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tokens", type=int, default=8192)
     p.add_argument("--vocab", type=int, default=32000)
     p.add_argument("--hidden", type=int, default=1024)
@@ -64,7 +66,10 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for tile in [0, *args.tiles]:
         out = subprocess.run([sys.executable, __file__, "--side", str(tile), "--tokens", str(args.tokens), "--vocab",
-                              str(args.vocab), "--hidden", str(args.hidden)], capture_output=True, text=True, check=True)
+                              str(args.vocab), "--hidden", str(args.hidden)], capture_output=True, text=True)
+        if out.returncode:
+            log = cli.saved_output(out.stdout + out.stderr, f"side_{tile}")
+            raise cli.fail(f"the {label(tile)} side failed (exit {out.returncode}); its output: {log}")
         rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
     full = rows[0]
     print(f"loss stage, {args.tokens:,} tokens x vocab {args.vocab:,} (hidden {args.hidden}), fp32, CPU: peak RSS growth")
@@ -83,4 +88,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    sys.exit(cli.run(main))

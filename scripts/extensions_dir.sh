@@ -8,6 +8,10 @@
 # Run after scripts/setup.sh (it reads the versions from .venv).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+if [ ! -x .venv/bin/python ]; then
+  echo "extensions: no .venv/bin/python in $PWD: run scripts/setup.sh first" >&2
+  exit 1
+fi
 key=$(.venv/bin/python -c 'import importlib.metadata as m, sys
 v = sys.version_info
 print("py%d.%d-torch%s-deepspeed%s" % (v[0], v[1], m.version("torch"), m.version("deepspeed")))')

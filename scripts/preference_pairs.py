@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import sys
 from pathlib import Path
 
 NAMES = ["Ada", "Bruno", "Chen", "Dara", "Elif", "Femi", "Goran", "Hana", "Ivo", "Jun", "Kemal", "Lena", "Mira",
@@ -63,8 +64,11 @@ def main() -> None:
     args = ap.parse_args()
     rng = random.Random(args.seed)
     out = Path(args.out) / "preference_pairs.jsonl"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text("".join(json.dumps(pair(rng)) + "\n" for _ in range(args.pairs)))
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text("".join(json.dumps(pair(rng)) + "\n" for _ in range(args.pairs)))
+    except OSError as e:  # a path that cannot be written: one line, not a traceback
+        sys.exit(f"scripts/preference_pairs.py: cannot write {out}: {e.strerror or e}")
     print(f"wrote {args.pairs} pairs to {out}")
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 from ds_train.ript.tasks import demonstration_records
@@ -22,7 +23,11 @@ def main() -> None:
     ap.add_argument("--out", default=str(Path(__file__).resolve().parents[1] / "recipes/data/ript_demos.jsonl"))
     args = ap.parse_args()
     lines = [json.dumps(r) for r in demonstration_records(args.per_task)]
-    Path(args.out).write_text("\n".join(lines) + "\n")
+    try:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text("\n".join(lines) + "\n")
+    except OSError as e:  # a path that cannot be written: one line, not a traceback
+        sys.exit(f"scripts/ript_demos.py: cannot write {args.out}: {e.strerror or e}")
     print(f"wrote {len(lines)} conversations to {args.out}")
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import sys
 from pathlib import Path
 
 NAMES = ["Ana", "Ben", "Cara", "Dev", "Eli", "Fay", "Gus", "Hana", "Ivo", "Jo", "Kim", "Leo"]
@@ -68,7 +69,11 @@ def main() -> None:
     sft, rl = records(args.demos, args.prompts)
     out = Path(args.out)
     for name, rows in (("word_problems_sft.jsonl", sft), ("word_problems.jsonl", rl)):
-        (out / name).write_text("".join(json.dumps(r) + "\n" for r in rows))
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+            (out / name).write_text("".join(json.dumps(r) + "\n" for r in rows))
+        except OSError as e:  # a path that cannot be written: one line, not a traceback
+            sys.exit(f"scripts/word_problems.py: cannot write {out / name}: {e.strerror or e}")
         print(f"wrote {len(rows)} records to {out / name}")
 
 

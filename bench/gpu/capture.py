@@ -32,6 +32,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (LLAMA_124M, ROOT, _free_port, add_common_args, launch, run_config, start, tail,  # noqa: E402
                     write_results)
+from bench import cli  # noqa: E402
 
 DS_CONFIG = ROOT / "ds_configs" / "zero2.json"
 # run-directory entries a fixture does not need
@@ -40,7 +41,7 @@ CAPTURES = ("cuda_oom", "cuda_error")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = cli.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_common_args(p)
     p.add_argument("--only", default=",".join(CAPTURES), help=f"comma-separated, from {', '.join(CAPTURES)}")
     p.add_argument("--oom-micro", type=int, default=512,
@@ -133,4 +134,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(cli.run(main))

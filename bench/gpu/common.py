@@ -137,7 +137,7 @@ def prepare(out: Path, data: str, timeout: float) -> None:
     cfg = run_config(out, "prepare", TINY, data, seq=64, micro=1, global_batch=1, steps=1, dtype="fp32")
     rc, _ = launch(ds_train("prepare", "--config", str(cfg)), out / "logs" / "prepare.log", timeout)
     if rc:
-        raise SystemExit(f"prepare failed (exit {rc}):\n{tail(out / 'logs' / 'prepare.log')}")
+        raise SystemExit(f"prepare failed (exit {rc}); its log: {out / 'logs' / 'prepare.log'}")
 
 
 def metrics(run_dir: Path) -> list[dict]:

@@ -39,6 +39,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import DEFAULT_DATA, versions  # noqa: E402
+from bench import cli  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 # part -> (script and its arguments, seconds on one GPU: measured on 2026-11-26 (H200, then H100))
@@ -57,7 +58,7 @@ MAX_FILE = 4 << 20  # bytes: a bigger file (weights, a core) stays out of the ar
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = cli.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True, help="output directory ($OUT on the device machine)")
     p.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated, in order (default {','.join(PARTS)})")
     p.add_argument("--budget", type=float, default=560,
@@ -164,4 +165,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(cli.run(main))

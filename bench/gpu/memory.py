@@ -22,6 +22,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (LLAMA_124M, ROOT, add_common_args, ds_train, launch, run_config, start, tail,  # noqa: E402
                     write_results)
+from bench import cli  # noqa: E402
 
 STAGE_FILES = {0: "zero0.json", 1: "zero1.json", 2: "zero2.json", 3: "zero3.json"}
 TOLERANCE = 0.10
@@ -32,7 +33,7 @@ def ints(text: str) -> list[int]:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = cli.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_common_args(p)
     p.add_argument("--micro", type=ints, default=[4, 16], help="micro-batch sizes (default 4,16)")
     p.add_argument("--stages", type=ints, default=[2, 3], help="ZeRO stages (default 2,3)")
@@ -89,4 +90,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(cli.run(main))

@@ -34,6 +34,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (LLAMA_1B, ROOT, add_common_args, ds_train, launch, metrics,  # noqa: E402
                     run_config, start, tail, versions, write_results)
+from bench import cli  # noqa: E402
 
 SIDES = ("ds_train", "bare", "hf", "eager", "liger", "fused_loss", "ckpt", "compile")
 # a ds_train side -> what it changes in the run config (run_config's arguments)
@@ -43,7 +44,7 @@ DS_CONFIG = ROOT / "ds_configs" / "zero2.json"
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = cli.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_common_args(p)
     p.add_argument("--sides", default=",".join(SIDES), help=f"comma-separated, from {', '.join(SIDES)}")
     p.add_argument("--steps", type=int, default=20, help="timed optimizer steps per side (default 20)")
@@ -257,4 +258,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(cli.run(main))

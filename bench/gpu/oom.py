@@ -29,6 +29,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (LLAMA_1B, ROOT, add_common_args, ds_train, launch, metrics,  # noqa: E402
                     run_config, start, tail, write_results)
+from bench import cli  # noqa: E402
 
 DS_CONFIG = ROOT / "ds_configs" / "zero2.json"
 FIX = re.compile(r"^\s*([\d.]+) GiB fits\s+(.+)$")
@@ -36,7 +37,7 @@ STEPS = 3
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = cli.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_common_args(p)
     p.add_argument("--gpu-memory", type=float, help="GiB (default: nvidia-smi's total for GPU 0)")
     return p.parse_args(argv)
@@ -68,7 +69,7 @@ def fix_from(report: str) -> tuple[str, list[str]]:
             if change.startswith("--ds-config "):
                 return str(ROOT / change.split()[1]), []
             return str(DS_CONFIG), change.split()
-    raise SystemExit(f"no change marked 'fits' in the report:\n{report}")
+    raise cli.fail(f"no change marked 'fits' in the OOM report ({cli.saved_output(report, 'oom_report')})")
 
 
 def train(out: Path, name: str, cfg: Path, ds_config: str, overrides: list[str], timeout: float) -> dict:
@@ -143,4 +144,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(cli.run(main))

@@ -26,13 +26,14 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (LLAMA_124M, ROOT, add_common_args, ds_train, launch, metrics,  # noqa: E402
                     run_config, start, tail, write_results)
+from bench import cli  # noqa: E402
 
 DS_CONFIG = str(ROOT / "ds_configs" / "zero2.json")
 PARTS = ("overhead", "precision", "checkpoint", "export")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = cli.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_common_args(p)
     p.add_argument("--steps", type=int, default=60, help="steps of the precision runs (default 60)")
     return p.parse_args(argv)
@@ -127,4 +128,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(cli.run(main))

@@ -1,0 +1,393 @@
+"""Every command the README, docs/*.md and the recipes' comments show (tests/doc_commands.py collects
+them), run from a fresh checkout with an empty runs/: as written where a 2-core CPU can run it,
+reduced where it would take minutes (a training run's steps, a bench's `--reduced`), checked where
+it needs GPUs or other nodes (`--help`, `ds-train launch --check` on the loopback cluster of
+scripts/local_cluster.sh, `ds-train estimate`). WAYS says which, and why, for each; a documented
+command that matches no row fails the fast test, so a new command in the docs needs a row.
+
+    PYTHONPATH=. python -m pytest -q tests/test_doc_commands.py -m "not slow"  # the table covers the docs
+    PYTHONPATH=. python -m pytest -q -s tests/test_doc_commands.py -m slow      # they run (and a table of times)
+
+The checkout: the files git lists (tracked and untracked, nothing it ignores: no runs/, data/cache/,
+.venv) copied to a scratch directory, whose .venv is this interpreter's virtualenv: its programs
+through symlinks, its packages through a .pth (scripts/setup.sh then finds it installed and installs
+nothing; the test stops when this venv was installed from other requirements than the checkout's).
+`ds-train` and `python -m ds_train` import the checkout's ds_train (PYTHONPATH, as its own `pip
+install -e .` would). One difference from a user's shell: a `deepspeed` launch that names no
+--master_port gets a free one, and torchrun one through PET_MASTER_PORT, since another job on this
+machine may hold the default 29500.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import sysconfig
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT, free_port, pids_with, reap
+from doc_commands import Documented, collect, logical_lines, markdown_commands, recipe_commands, strip_comment
+
+AS_WRITTEN, REDUCED, CHECKED, BY_ANOTHER, ELSEWHERE, NOT_A_COMMAND = (
+    "as written", "reduced", "checked", "run by another", "elsewhere", "not a command")
+LEAN = "train.eval_batches=1 log.plots=false"  # a reduced run's final evaluation on one batch, no plots
+CLUSTER = '"$DS_TRAIN_CLUSTER_HOSTFILE"'  # the loopback cluster's hostfile, in place of `hostfile`
+QUICKSTART_ZERO3 = "train --config recipes/quickstart.yaml --ds-config ds_configs/zero3.json"
+CLUSTER_CHECKS, LAST = 1, 2  # Way.phase
+
+
+@dataclass(frozen=True)
+class Way:
+    """How the test exercises the documented commands matching `pattern` (whitespace collapsed)."""
+
+    pattern: str
+    how: str
+    why: str
+    run: str = "{cmd}"  # what runs in the checkout ({cmd}: the documented command); "": nothing
+    phase: int = 0  # 0: in reading order; CLUSTER_CHECKS: after those, with the loopback cluster up; LAST
+
+    def command(self, doc: Documented) -> str:
+        return self.run.replace("{cmd}", doc.text)
+
+
+def _exact(text: str) -> str:
+    return re.escape(" ".join(text.split()))
+
+
+def _launch_check(train_args: str) -> str:
+    return f"ds-train launch --hostfile {CLUSTER} --check -- {train_args}"
+
+
+WAYS = [
+    Way(_exact("bash scripts/quickstart.sh"), REDUCED,
+        "2 steps, the README's own way of passing overrides; it makes runs/quickstart, which the commands "
+        "after it read", f"{{cmd}} train.max_steps=2 {LEAN}"),
+    Way(_exact("bash scripts/test.sh"), ELSEWHERE, "the suite itself, this test included: CI runs it", ""),
+    Way(_exact("source .venv/bin/activate"), AS_WRITTEN,
+        "its effect: every command here runs with the checkout's .venv/bin first on PATH", ""),
+    Way(_exact("deepspeed --num_gpus 2 --module ds_train train --config recipes/quickstart.yaml --ds-config "
+               "ds_configs/zero2.json train.max_steps=50 optim.lr=1e-3"), REDUCED,
+        "resumes the quickstart's run and trains to step 3", f"{{cmd}} train.max_steps=3 {LEAN}"),
+    Way(_exact("torchrun --nproc_per_node 2 -m ds_train train --config recipes/quickstart.yaml --ds-config "
+               "ds_configs/zero2.json"), REDUCED, "resumes it under torchrun, to step 4",
+        f"{{cmd}} train.max_steps=4 {LEAN}"),
+    Way(_exact("python -m torch.distributed.launch --nproc_per_node 2 --module ds_train train --config ... "
+               "--ds-config ..."), CHECKED,
+        "placeholder arguments: the older launcher starts 2 ranks, which parse its --local-rank and print "
+        "train's --help", "python -m torch.distributed.launch --nproc_per_node 2 --module ds_train train --help"),
+    Way(_exact("ds-train train --config recipes/quickstart.yaml --ds-config ds_configs/zero2.json"), REDUCED,
+        "one process: resumes the 2-process checkpoint through the universal conversion, to step 5",
+        f"{{cmd}} train.max_steps=5 {LEAN}"),
+    Way(_exact("ds-train parity --config recipes/sft.yaml --ds-config ds_configs/zero3.json --nproc 2 --shrink"),
+        REDUCED, "2 steps instead of 5 (both launches, the verdict)", "{cmd} --steps 2"),
+    Way(r"ds-train parity --config C .*", CHECKED,
+        "placeholder config C (and 4 or 8 processes, other nodes): parsed with --help; tests/test_parity.py runs "
+        "such matrices", "ds-train parity --help"),
+    Way(_exact("ds-train estimate --config recipes/llama3_8b_128k.yaml --ds-config ds_configs/zero3.json "
+               "--nodes 2 --gpus-per-node 8"), AS_WRITTEN, "arithmetic on the meta device: no GPU needed"),
+    Way(r"(deepspeed --num_gpus 2 --module ds_train|ds-train) train --config C --ds-config ds_configs/zero[23]\.json",
+        CHECKED, "placeholder config C: parsed with --help; README.md:29 and :33 above resume the quickstart's "
+        "run, on 2 processes and on 1", "ds-train train --help"),
+    Way(r"\.\.\. checkpoint\.resume=.*", NOT_A_COMMAND,
+        "overrides to add to the command above; tests/test_checkpoint.py resumes from a tag, from a path and "
+        "with restart", ""),
+    Way(_exact("ds-train convert --to universal runs/quickstart"), AS_WRITTEN, "the quickstart's latest checkpoint"),
+    Way(_exact(f"ds-train launch --hostfile hostfile -- {QUICKSTART_ZERO3}"), CHECKED,
+        "2 nodes: the preflight on the loopback cluster (ssh, versions, the command's batch math at its world "
+        "size); launches through pdsh: tests/test_multinode.py", _launch_check(QUICKSTART_ZERO3), phase=CLUSTER_CHECKS),
+    Way(r"ds-train launch --hostfile hostfile --check -- train --config (\.\.\.|C) --ds-config (\.\.\.|D)", CHECKED,
+        "placeholder config: the same preflight with the quickstart's", _launch_check(QUICKSTART_ZERO3),
+        phase=CLUSTER_CHECKS),
+    Way(_exact("ds-train launch --hostfile hostfile -- ript --config recipes/ript_demo.yaml --ds-config "
+               "ds_configs/zero2.json"), CHECKED,
+        "the preflight on the loopback cluster, after the RIPT demo below made runs/ript_sft (its model.path)",
+        _launch_check("ript --config recipes/ript_demo.yaml --ds-config ds_configs/zero2.json"), phase=CLUSTER_CHECKS),
+    Way(_exact("bash scripts/launch_multi_node.sh hostfile --config recipes/quickstart.yaml --ds-config "
+               "ds_configs/zero3.json"), CHECKED, "the script's own preflight-only mode (CHECK=1) on the loopback "
+        "cluster", f"CHECK=1 bash scripts/launch_multi_node.sh {CLUSTER} --config recipes/quickstart.yaml "
+        f"--ds-config ds_configs/zero3.json", phase=CLUSTER_CHECKS),
+    Way(_exact(f"deepspeed --hostfile hostfile --module ds_train {QUICKSTART_ZERO3}"), CHECKED,
+        "plain DeepSpeed skips the preflight: its arguments through `ds-train launch --check` on the loopback "
+        "cluster", _launch_check(QUICKSTART_ZERO3), phase=CLUSTER_CHECKS),
+    Way(_exact(f"ds-train slurm --nodes 2 --gpus-per-node 8 --partition gpu --time 24:00:00 --job-name llama "
+               f"--account myproj --requeue --out job.sbatch -- {QUICKSTART_ZERO3}"), AS_WRITTEN,
+        "writes job.sbatch (the command parsed, its batch math checked for 16 GPUs)"),
+    Way(_exact("sbatch job.sbatch"), CHECKED,
+        "no SLURM cluster with a gpu partition here: the script parses (bash -n); tests/test_slurm.py submits "
+        "such scripts to a real one-node SLURM", "bash -n job.sbatch"),
+    Way(r"torchrun --nnodes 2 --node_rank [01] --nproc_per_node 8 --master_addr node0 --master_port 29500 "
+        r"-m ds_train train --config recipes/quickstart\.yaml --ds-config ds_configs/zero3\.json", CHECKED,
+        "2 nodes x 8 GPUs: the batch math and memory plan at world size 16 (ds-train estimate)",
+        "ds-train estimate --config recipes/quickstart.yaml --ds-config ds_configs/zero3.json --nodes 2 "
+        "--gpus-per-node 8"),
+    Way(_exact('eval "$(bash scripts/local_cluster.sh up)"'), AS_WRITTEN,
+        "its exports kept for the commands after it, as eval keeps them (its state directory and port from "
+        "DS_TRAIN_CLUSTER_DIR and DS_TRAIN_CLUSTER_PORT, this test's own)", phase=CLUSTER_CHECKS),
+    Way(r'ds-train launch --hostfile "\$DS_TRAIN_CLUSTER_HOSTFILE" -- train .* output_dir=runs/cluster', CHECKED,
+        "the preflight (--check); the launch itself on this cluster: tests/test_multinode.py",
+        _launch_check("train --config recipes/quickstart.yaml --ds-config ds_configs/zero2.json train.max_steps=20 "
+                      "output_dir=runs/cluster"), phase=CLUSTER_CHECKS),
+    Way(r'deepspeed --hostfile "\$DS_TRAIN_CLUSTER_HOSTFILE" --no_ssh_check .* output_dir=runs/cluster2', CHECKED,
+        "its arguments through `ds-train launch --check` on the same cluster (no test launches plain DeepSpeed "
+        "through pdsh)", _launch_check("train --config recipes/quickstart.yaml --ds-config ds_configs/zero2.json "
+                                       "train.max_steps=20 output_dir=runs/cluster2"), phase=CLUSTER_CHECKS),
+    Way(_exact("bash scripts/local_cluster.sh down"), AS_WRITTEN, "after every check that needs the cluster",
+        phase=LAST),
+    Way(r"ds-train prepare .*", CHECKED, "placeholder sources: parsed with --help; tests/test_data.py prepares "
+        "each kind of source", "ds-train prepare --help"),
+    Way(_exact("deepspeed --num_gpus 2 --module ds_train train --config recipes/sft.yaml --ds-config "
+               "ds_configs/zero2.json"), REDUCED, "2 steps", f"{{cmd}} train.max_steps=2 {LEAN}"),
+    Way(_exact("deepspeed --num_gpus 2 --module ds_train train --config recipes/sft_lora.yaml --ds-config "
+               "ds_configs/zero2.json"), REDUCED, "2 steps", f"{{cmd}} train.max_steps=2 {LEAN}"),
+    Way(r"ds-train export runs/sft_lora --out runs/sft_lora_(adapter|merged --merge)", AS_WRITTEN,
+        "the reduced LoRA run's checkpoint"),
+    Way(_exact("deepspeed --num_gpus 2 --module ds_train train --config recipes/dpo.yaml --ds-config "
+               "ds_configs/zero2.json"), REDUCED, "2 steps (the reference log-probs of every pair computed first)",
+        f"{{cmd}} train.max_steps=2 {LEAN}"),
+    Way(_exact("python bench/dpo.py"), REDUCED, "--reduced", "{cmd} --reduced"),
+    Way(_exact("ds-train estimate --config C --ds-config ds_configs/zero3.json --nodes 2 --gpus-per-node 8 "
+               "--gpu-memory 80 [--preset balanced]"), CHECKED,
+        "placeholder config C: as written with the quickstart's, the preset given",
+        "ds-train estimate --config recipes/quickstart.yaml --ds-config ds_configs/zero3.json --nodes 2 "
+        "--gpus-per-node 8 --gpu-memory 80 --preset balanced"),
+    Way(_exact("ds-train dry-run --config recipes/quickstart.yaml --ds-config ds_configs/zero2.json --hostfile "
+               "hostfile.example"), AS_WRITTEN, "real steps on this CPU, projected to the hostfile's 16 GPUs"),
+    Way(r"deepspeed --num_gpus 2 --module ds_train (train|ript) --config recipes/(ript|rl)_(sft|demo)\.yaml "
+        r"--ds-config ds_configs/zero2\.json", BY_ANOTHER,
+        "the bench two lines below launches exactly this command (checked by the fast test), reduced", ""),
+    Way(r"python bench/rl_vs_sft\.py (--demo arith )?--replace", REDUCED,
+        "--reduced: the SFT and RL commands above, continued SFT, the held-out evaluations; README.md and "
+        "BENCHMARKS.md left as they are", "{cmd} --reduced"),
+    Way(_exact("python scripts/word_problems.py"), AS_WRITTEN, "rewrites the shipped files byte for byte"),
+    Way(r"python3 -m http\.server .*|nc -zv .*", NOT_A_COMMAND,
+        "a network check between two hosts (a server until Ctrl-C, a client): nothing of ds_train's", ""),
+    Way(r"NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=INIT,NET NCCL_SOCKET_IFNAME=\^docker,lo ds-train launch --hostfile "
+        r"hostfile -- train --config C --ds-config D", CHECKED,
+        "placeholder config: the preflight with the quickstart's, these variables set",
+        f"NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=INIT,NET NCCL_SOCKET_IFNAME=^docker,lo {_launch_check(QUICKSTART_ZERO3)}",
+        phase=CLUSTER_CHECKS),
+    Way(_exact("deepspeed --num_gpus 2 --module ds_train train --config recipes/long_context.yaml --ds-config "
+               "ds_configs/zero2.json"), REDUCED, "1 step of 8,192 tokens over 2 sequence-parallel ranks",
+        "{cmd} train.max_steps=1 log.plots=false"),
+    Way(_exact("deepspeed --num_gpus 2 --module ds_train train --config recipes/quickstart.yaml --ds-config "
+               "ds_configs/zero2.json"), BY_ANOTHER,
+        "what `bash scripts/quickstart.sh` (README.md:4) runs, its defaults in place (checked by the fast test)", ""),
+]
+
+
+def way_of(doc: Documented) -> list[Way]:
+    return [w for w in WAYS if re.fullmatch(w.pattern, doc.text)]
+
+
+# ---- the table against the docs (fast) ----
+
+def test_every_documented_command_has_one_way_and_every_way_a_command():
+    docs = collect(ROOT)
+    unmatched = [f"{d.where}: {d.text}" for d in docs if not way_of(d)]
+    assert not unmatched, "documented commands without a row in WAYS (say how the test runs them):\n" + \
+        "\n".join(unmatched)
+    ambiguous = [f"{d.where}: {d.text}" for d in docs if len(way_of(d)) > 1]
+    assert not ambiguous, "commands matching several rows of WAYS:\n" + "\n".join(ambiguous)
+    stale = [w.pattern for w in WAYS if not any(re.fullmatch(w.pattern, d.text) for d in docs)]
+    assert not stale, "rows of WAYS matching no documented command:\n" + "\n".join(stale)
+    assert {d.program for d in docs} <= {"ds-train", "deepspeed", "torchrun", "python", "python3", "bash", "sbatch",
+                                         "eval", "source", "nc", "..."}
+
+
+def test_the_commands_run_by_another_are_that_ones():
+    """The rows run "by another": the benches launch the README's SFT and RL commands as written, and
+    scripts/quickstart.sh runs the recipe's command (its NPROC and DS_CONFIG defaults in place)."""
+    spec = importlib.util.spec_from_file_location("rl_vs_sft", ROOT / "bench" / "rl_vs_sft.py")
+    bench = sys.modules["rl_vs_sft"] = importlib.util.module_from_spec(spec)  # (its dataclasses look it up)
+    spec.loader.exec_module(bench)
+
+    documented = {d.text for d in collect(ROOT) if way_of(d)[0].how == BY_ANOTHER}
+    launched = {c for demo in bench.DEMOS.values() for c in (demo.sft_cmd, demo.rl_cmd)}
+    script = (ROOT / "scripts" / "quickstart.sh").read_text()
+    exec_line = dict(logical_lines(list(enumerate(script.splitlines(), 1))))[
+        next(n for n, line in enumerate(script.splitlines(), 1) if line.startswith("exec deepspeed"))]
+    quickstart = " ".join(exec_line.replace('"${NPROC:-2}"', "2").replace('"${DS_CONFIG:-ds_configs/zero2.json}"',
+                                                                             "ds_configs/zero2.json")
+                          .replace(' "$@"', "").split()[1:])
+    assert documented == launched | {quickstart}
+
+
+def test_commands_are_collected_from_shell_blocks_prompts_and_recipe_comments():
+    md = "\n".join([
+        "text `ds-train inline` is prose", "```bash", "source .venv/bin/activate",
+        "deepspeed --num_gpus 2 --module ds_train train \\", "    --config a.yaml   # the config",
+        "# a comment line", "python -m http.server 1 --bind 0.0.0.0     # on the first host", "```",
+        "```", "$ ds-train estimate --config C \\", "    --nodes 2", "model: 1M parameters (output)",
+        "ds-train: error: output too", "```", "```yaml", "ript: {tasks: [add]}", "```",
+        "```console", "$ echo 'a # not a comment' # but this is", "```"])
+    got = [(d.where, d.text) for d in markdown_commands(md, "X.md")]
+    assert got == [("X.md:3", "source .venv/bin/activate"),
+                   ("X.md:4", "deepspeed --num_gpus 2 --module ds_train train --config a.yaml"),
+                   ("X.md:7", "python -m http.server 1 --bind 0.0.0.0"),
+                   ("X.md:10", "ds-train estimate --config C --nodes 2"),
+                   ("X.md:19", "echo 'a # not a comment'")]
+    recipe = "\n".join(["# A recipe:", "#   deepspeed --num_gpus 2 --module ds_train train --config r.yaml \\",
+                        "#       --ds-config z.json", "#   not a program here",
+                        "#   bash scripts/quickstart.sh   # first",
+                        "output_dir: runs/x  # not a comment line"])
+    assert [(d.where, d.text) for d in recipe_commands(recipe, "r.yaml")] == [
+        ("r.yaml:2", "deepspeed --num_gpus 2 --module ds_train train --config r.yaml --ds-config z.json"),
+        ("r.yaml:5", "bash scripts/quickstart.sh")]
+    assert strip_comment('a "#b" c#d # e') == 'a "#b" c#d'
+
+
+# ---- the commands run (slow) ----
+
+@dataclass
+class Step:
+    docs: list[Documented]
+    way: Way
+    command: str  # what runs; "" for nothing
+    seconds: float = 0.0
+    said: str = ""  # "not run": a row that runs nothing
+
+
+def plan(docs: list[Documented]) -> list[Step]:
+    """One step per distinct command to run, in reading order within each phase (Way.phase); a
+    documented command whose run is an earlier step's joins that step."""
+    steps: list[Step] = []
+    by_command: dict[str, Step] = {}
+    for doc in docs:
+        way = way_of(doc)[0]
+        command = way.command(doc)
+        if command and command in by_command:
+            by_command[command].docs.append(doc)
+            continue
+        step = Step([doc], way, command)
+        steps.append(step)
+        if command:
+            by_command[command] = step
+    return sorted(steps, key=lambda s: s.way.phase)  # stable: reading order within a phase
+
+
+def checkout(dest: Path) -> Path:
+    """The repository's files as git lists them (tracked and untracked, nothing ignored) in `dest`,
+    with a .venv that is this interpreter's virtualenv (see the module's doc)."""
+    listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
+                            capture_output=True, check=True).stdout.decode().split("\0")
+    for name in filter(None, listed):
+        src = ROOT / name
+        if src.is_file():
+            (dest / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(src, dest / name)
+    venv, real = dest / ".venv", Path(sys.prefix)
+    wanted = (dest / "requirements.txt").read_bytes() + (dest / "pyproject.toml").read_bytes()
+    stamp = real / ".installed-requirements.txt"
+    if not stamp.is_file() or stamp.read_bytes() != wanted:
+        pytest.fail(f"{real} was not installed from this checkout's requirements.txt and pyproject.toml "
+                    f"(scripts/setup.sh would install them): run `bash scripts/setup.sh` first")
+    (venv / "bin").mkdir(parents=True)
+    (venv / ".installed-requirements.txt").write_bytes(wanted)
+    shutil.copy2(real / "pyvenv.cfg", venv / "pyvenv.cfg")
+    # Its packages are the real venv's, at their own paths: DeepSpeed JIT-builds an op where its sources'
+    # paths are new, and would rebuild the shared CPU ops for every checkout (and every other user).
+    site = Path(sysconfig.get_paths()["purelib"])
+    (venv / site.relative_to(real)).mkdir(parents=True)
+    (venv / site.relative_to(real) / "_real_venv.pth").write_text(f"import site; site.addsitedir({str(site)!r})\n")
+    for entry in (real / "bin").iterdir():
+        if entry.name != "deepspeed":
+            (venv / "bin" / entry.name).symlink_to(entry)
+    shim = venv / "bin" / "deepspeed"
+    shim.write_text(
+        "#!/usr/bin/env bash\n"
+        "# tests/test_doc_commands.py: the venv's deepspeed, given a free --master_port when the command names\n"
+        "# none (another job on this machine may hold the default 29500); otherwise the command as written.\n"
+        f'case " $* " in *" --master_port"*) exec {real / "bin" / "deepspeed"} "$@" ;; esac\n'
+        f"port=$({real / 'bin' / 'python'} -c 'import socket; s = socket.socket(); s.bind((\"127.0.0.1\", 0)); "
+        "print(s.getsockname()[1])')\n"
+        f'exec {real / "bin" / "deepspeed"} --master_port "$port" "$@"\n')
+    shim.chmod(0o755)
+    return dest
+
+
+def run_step(step: Step, cwd: Path, env: dict, log: Path, timeout: float) -> tuple[int, str]:
+    """`bash -c COMMAND` in the checkout, in its own session; the output kept in `log`."""
+    start = time.monotonic()
+    proc = subprocess.Popen(["bash", "-c", step.command], cwd=cwd, env={**env, "PET_MASTER_PORT": str(free_port())},
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    res = reap(proc, timeout)
+    step.seconds = time.monotonic() - start
+    log.write_text(f"$ {step.command}\n{res.out}")
+    return res.returncode, res.out
+
+
+def exports_of(command: str, cwd: Path, env: dict) -> dict[str, str]:
+    """What `command` (an eval of a script's exports) leaves in the environment of the commands after it."""
+    out = subprocess.run(["bash", "-c", f"{command} >/dev/null && env -0"], cwd=cwd, env=env, capture_output=True,
+                         check=True, timeout=60).stdout.decode()
+    after = dict(item.split("=", 1) for item in out.split("\0") if "=" in item)
+    return {k: v for k, v in after.items() if env.get(k) != v and k not in ("SHLVL", "_", "PWD", "OLDPWD")}
+
+
+def report(steps: list[Step]) -> str:
+    lines = [f"{'seconds':>7}  {'how':<14} {'where':<28} command"]
+    for s in steps:
+        where = ", ".join(d.where for d in s.docs)
+        lines.append(f"{s.seconds:7.1f}  {s.way.how:<14} {where:<28} {s.command or s.docs[0].text}"
+                     + (f"   [{s.said}]" if s.said else ""))
+    lines.append(f"{sum(s.seconds for s in steps):7.1f}  in all")
+    return "\n".join(lines)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)  # a last resort above each command's own 300 s (a loaded 2-core machine: see the module)
+def test_the_documented_commands_run_in_a_fresh_checkout(tmp_path):
+    """Every step of plan(collect(ROOT)) exits 0 in a fresh checkout; nothing rewrites README.md,
+    BENCHMARKS.md or the shipped data; the RL bench made its summary from an empty runs/."""
+    root = checkout(tmp_path / "checkout")
+    assert not (root / "runs").exists() and not (root / "data" / "cache").exists()
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    env = {**{k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")},
+           "PATH": f"{root / '.venv' / 'bin'}:{os.environ.get('PATH', '')}", "PYTHONPATH": str(root),
+           "VIRTUAL_ENV": str(root / ".venv"), "PYTHONUNBUFFERED": "1", "WANDB_MODE": "offline",
+           "DS_TRAIN_CLUSTER_DIR": str(tmp_path / "cluster"), "DS_TRAIN_CLUSTER_PORT": str(free_port())}
+    steps = plan(collect(ROOT))
+    cluster_up = False
+    try:
+        for i, step in enumerate(steps):
+            if not step.command:
+                step.said = "not run"
+                continue
+            if step.way.phase >= CLUSTER_CHECKS and not cluster_up:  # the checks before the README's `eval` too
+                env.update(exports_of('eval "$(bash scripts/local_cluster.sh up)"', root, env))
+                cluster_up = True
+            if step.command.startswith("eval "):
+                start = time.monotonic()
+                env.update(exports_of(step.command, root, env))
+                step.seconds = time.monotonic() - start
+                continue
+            rc, out = run_step(step, root, env, logs / f"{i:02d}.log", timeout=300)
+            assert rc == 0, (f"{step.docs[0].where}: `{step.command}` exited {rc}:\n{out[-4000:]}\n\n"
+                             f"{report(steps)}")
+            if "--check" in step.command:
+                assert "preflight: ok" in out, out[-3000:]
+    finally:
+        subprocess.run(["bash", "scripts/local_cluster.sh", "down"], cwd=root, env=env, capture_output=True,
+                       timeout=60)
+        for pid in pids_with(str(root)):  # nothing of the checkout's commands outlives the test
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    print("\n" + report(steps))
+    for name in ("README.md", "BENCHMARKS.md", "recipes/data/word_problems.jsonl",
+                 "recipes/data/word_problems_sft.jsonl"):
+        assert (root / name).read_bytes() == (ROOT / name).read_bytes(), f"{name} was rewritten"
+    summary = json.loads((root / "runs" / "bench_arith" / "summary.json").read_text())
+    assert summary["demo"] == "arith" and set(summary["rows"]) == {"SFT (start)", "RL", "SFT continued"}
