@@ -153,9 +153,11 @@ def test_the_parity_matrix_keeps_the_math(kind, tiny_data, sft_data, straight_ze
     loaded partitioned under ZeRO-3); SFT trains from scratch on assistant-only targets."""
     data = {"pretraining": tiny_data, "sft": sft_data}[kind]
     model = {"path": str(straight_zero2), "config": {}} if kind == "pretraining" else {}
+    # continued pretraining at a tenth of the from-scratch lr (at 1e-2 its 5 steps overshoot: the loss rose)
+    optim = {"lr": 1e-3} if kind == "pretraining" else {}
     cfg = write_config(tmp_path / "c.yaml", tiny_config(
         data, tmp_path / "unused", train={"global_batch_size": GLOBAL_BATCH, "micro_batch_size": 2},
-        data={"dir": str(data), "format": "text" if kind == "pretraining" else "sft"},
+        data={"dir": str(data), "format": "text" if kind == "pretraining" else "sft"}, optim=optim,
         **({"model": model} if model else {})))
     out = tmp_path / "parity"
     res = ds_train("parity", "--config", str(cfg), "--ds-config", *STAGES, "--nproc", "1", "2",
