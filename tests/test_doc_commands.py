@@ -376,7 +376,7 @@ def test_the_documented_commands_run_in_a_fresh_checkout(tmp_path):
             assert rc == 0, (f"{step.docs[0].where}: `{step.command}` exited {rc}:\n{out[-4000:]}\n\n"
                              f"{report(steps)}")
             if "--check" in step.command:
-                assert "preflight: ok" in out, out[-3000:]
+                assert "launch: preflight ok on " in out, out[-3000:]
     finally:
         subprocess.run(["bash", "scripts/local_cluster.sh", "down"], cwd=root, env=env, capture_output=True,
                        timeout=60)

@@ -45,7 +45,8 @@ def test_each_zero_stage_trains_through_the_deepspeed_launcher(stage, stage_run)
     beats = [json.loads((run_dir / "heartbeats" / f"rank_{r}.json").read_text()) for r in (0, 1)]
     assert [b["status"] for b in beats] == ["ended", "ended"] and all(b["step"] == 8 for b in beats)
     console = (run_dir / "logs" / "train.log").read_text()
-    assert "step 8: train/loss" in console and console in res.out.replace("\r", "")
+    out = res.out.replace("\r", "")  # the ranks' lines interleave there: each of rank 0's lines is in it
+    assert "step 8: train/loss" in console and all(line in out for line in console.splitlines())
     results = json.loads((run_dir / "results.json").read_text())
     assert results["steps"] == 8 and results["tokens"] == 8 * 8 * 64
     assert console.splitlines()[-1] == (  # rank 0's last line: how the run ended and where it went
@@ -62,13 +63,14 @@ def test_each_zero_stage_trains_through_the_deepspeed_launcher(stage, stage_run)
 
 def test_zero_stages_agree_on_the_loss(stage_run):
     """Same weights, same data, same AdamW, one micro-step per step: ZeRO 0-2 reduce each gradient as
-    the same sum over the two ranks and agree bitwise on every step (ZeRO-1 recomputing activations
-    too). ZeRO-3 starts from the same weights (step 1 bitwise); its partitioned parameters and
+    the same sum over the two ranks and agree on every step to 1e-6, bitwise on the first two (ZeRO-1
+    recomputing activations too). ZeRO-3 starts from the same weights (step 1 bitwise); its partitioned parameters and
     reduce-scatter buckets may then move the last bits."""
     losses = {stage: [m["loss"] for m in read_metrics(stage_run(stage)[1])] for stage in STAGES}
     assert len(losses["zero0"]) == 8
-    for stage in ("zero1", "zero2"):
-        assert losses[stage] == losses["zero0"], stage
+    for stage in ("zero1", "zero2"):  # bitwise until the warm-up trained from the first update (2026-11-26):
+        assert losses[stage][:2] == losses["zero0"][:2], stage  # since, ZeRO-1 moves the last bits from step 3
+        assert losses[stage] == pytest.approx(losses["zero0"], rel=1e-6, abs=0), stage
     assert losses["zero3"][0] == losses["zero0"][0]
     assert losses["zero3"] == pytest.approx(losses["zero0"], rel=1e-5)
 
