@@ -57,7 +57,8 @@ def schedule_class(section, source: str) -> type:
 
 def check_scheduler(ds: dict, source: str) -> None:
     """The scheduler section as DeepSpeed builds it (`type(optimizer, **params)`): a type it knows, names
-    its class takes, and DeepSpeed's schedule numbers of the right type, finite and in range."""
+    its class takes, and DeepSpeed's schedule numbers of the right type, finite and in range. A template's
+"auto" values are skipped: checked once the trainer has filled them."""
     import inspect
 
     from deepspeed.runtime import lr_schedules
@@ -68,6 +69,8 @@ def check_scheduler(ds: dict, source: str) -> None:
     kind, params = ds["scheduler"]["type"], ds["scheduler"].get("params", {})
     takes = [n for n in inspect.signature(cls.__init__).parameters if n not in ("self", "optimizer")]
     for key, value in params.items():
+        if value == "auto":  # the trainer fills it (render_ds_config), then the rendered section is checked
+            continue
         if key not in takes:
             close = difflib.get_close_matches(key, takes, n=1)
             hint = f" (did you mean {close[0]!r}?)" if close else f"; it takes {', '.join(takes)}"

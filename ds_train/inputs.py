@@ -20,6 +20,7 @@ from ds_train.data.datasets import Datasets, build_datasets
 from ds_train.data.meta import check_vocab, load_meta
 from ds_train.data.prepare import ensure_prepared
 from ds_train.data.tokenizer import load_tokenizer, vocabulary_id
+from ds_train.dsconfig_checks import check_optimizer, check_scheduler
 from ds_train.engine import read_ds_template
 from ds_train.errors import UserError
 from ds_train.export import locate_model, resolve_source
@@ -96,6 +97,8 @@ def check_inputs(cfg: RunConfig, ds_config_path: str, data: bool = True) -> RunI
     check, nothing written in the run directory."""
     template = read_ds_template(ds_config_path)
     check_ds_names(template, str(ds_config_path))
+    check_scheduler(template, str(ds_config_path))  # the template's own numbers, before the data is prepared
+    check_optimizer(template, str(ds_config_path))
     check_parallel(cfg, template)
     model_dir, export_from = locate(cfg)
     hf_config = _hf_config(cfg, model_dir, weights=export_from is None)  # a run's weights: in its checkpoint
