@@ -89,10 +89,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     quiet()
     from ds_train import dist
-    from ds_train.configfile import load_config
+    from ds_train.config.file import load_config
     from ds_train.inputs import check_inputs
     from ds_train.run import build_run
-    from ds_train.trainer import train_loop, train_spec
+    from ds_train.train.loop import train_loop, train_spec
 
     env = dist.detect_env()
     run_dir = shared_tmp_dir()

@@ -64,7 +64,7 @@ def heldout(model_dir: str, data_dir: Path, stored: Path, loss: str, beta: float
     from ds_train.data.examples import IGNORE
     from ds_train.data.pairs import PreferenceData
     from ds_train.data.meta import load_meta
-    from ds_train.preference import NORMALISED, sequence_logps
+    from ds_train.train.preference import NORMALISED, sequence_logps
 
     meta = load_meta(data_dir)
     val = PreferenceData(data_dir, "val", meta["dtype"], 128, 0, "drop", meta["eos_token_id"])

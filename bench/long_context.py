@@ -29,7 +29,7 @@ later activations of that size come from the heap and stay resident after they a
 machine that retention was 0.41 of a rank's 1.17 GiB peak above baseline at SP=1 and 8,192 tokens
 (anonymous memory), and it grew with the whole sequence rather than a rank's part of it: at SP=2 and
 16,384 tokens (the same 8,192 a rank) the peak was 1.45 GiB, though autograd saved exactly half as
-much per rank as at SP=1 (ds_train/memory.py's terms all divide by the SP size). A GPU has its own
+much per rank as at SP=1 (ds_train/plan/memory.py's terms all divide by the SP size). A GPU has its own
 caching allocator, so every rank fixes glibc's M_MMAP_THRESHOLD (mallopt, from the bench's
 sitecustomize; --malloc-mmap-threshold, default 64 KiB; 0 keeps glibc's dynamic threshold) in the
 capped trials: large blocks are then mapped and returned on free, and the cap measures what the run

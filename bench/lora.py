@@ -1,6 +1,6 @@
 """LoRA (model.lora: rank 16 on every linear layer) beside full fine-tuning, ZeRO-2 on 2 processes:
 the same model, data and global batch; per rank, the model-state bytes the engine holds
-(parameters, gradients, optimizer states: ds_train.memory.engine_state_bytes at a step boundary)
+(parameters, gradients, optimizer states: ds_train.plan.memory.engine_state_bytes at a step boundary)
 beside the memory plan's prediction, the peak resident memory of the rank, and tokens/s (the median
 step after warm-up).
 
@@ -47,7 +47,7 @@ def figures(cfg, inputs, run, held: list[int]) -> dict:
     import resource
 
     from ds_train import dist
-    from ds_train.memory import model_shape, model_states
+    from ds_train.plan.memory import model_shape, model_states
 
     shape = model_shape(inputs.source.hf_config, cfg.model.lora)
     predicted = model_states(shape.n_params, run.zero_stage, run.dtype, run.dims.data,

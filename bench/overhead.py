@@ -103,10 +103,10 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from ds_train import dist
-    from ds_train.configfile import load_config
+    from ds_train.config.file import load_config
     from ds_train.inputs import check_inputs
     from ds_train.run import build_run
-    from ds_train.trainer import train_spec
+    from ds_train.train.loop import train_spec
 
     env = dist.detect_env()
     run_dir = shared_tmp_dir()
@@ -132,7 +132,7 @@ def measure(args, cfg, run, data, say) -> int:
     import torch
 
     from ds_train import dist
-    from ds_train.trainer import train_loop
+    from ds_train.train.loop import train_loop
 
     engine, plan, env = run.engine, run.plan, run.env
     rank, world = run.data_rank, run.dims.data  # the slice of each global batch this rank reads

@@ -77,7 +77,7 @@ class Demo:
         return self.cmd("ript", self.rl_recipe)
 
     def config(self, recipe: str, overrides: tuple[str, ...] = ()):
-        from ds_train.configfile import load_config
+        from ds_train.config.file import load_config
 
         return load_config(ROOT / recipe, list(overrides))
 
@@ -213,7 +213,7 @@ def rewrite(path: Path, name: str, text: str) -> None:
 
 
 def main() -> None:
-    from ds_train.export import export
+    from ds_train.checkpoint.export import export
 
     ap = cli.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--demo", choices=sorted(DEMOS), default="ript", help="which demo (default ript)")

@@ -70,13 +70,13 @@ def worker(args: argparse.Namespace, side: str, result: str, config, ds_config: 
     side's record (its prediction beside `held`, each rank's model-state bytes).
     """
     from ds_train import dist
-    from ds_train.configfile import build_config
+    from ds_train.config.file import build_config
     from ds_train.data.datasets import rank_micro_batches
     from ds_train.inputs import check_inputs
-    from ds_train.losses import forward_loss
-    from ds_train.memory import engine_state_bytes
+    from ds_train.train.losses import forward_loss
+    from ds_train.plan.memory import engine_state_bytes
     from ds_train.run import build_run
-    from ds_train.trainer import train_spec, train_step
+    from ds_train.train.loop import train_spec, train_step
 
     cfg = build_config(config(args, side, Path(result).parent / f"run_{side}"), source=side)
     inputs = check_inputs(cfg, str(ROOT / "ds_configs" / ds_config))

@@ -1,6 +1,6 @@
 """AutoTP tensor parallelism (parallel.tensor=2, ZeRO-1) beside ZeRO-3 on 2 processes: the same
 model, data and global batch; per rank, the model-state bytes the engine holds (parameters,
-gradients, optimizer states: ds_train.memory.engine_state_bytes at a step boundary) beside the
+gradients, optimizer states: ds_train.plan.memory.engine_state_bytes at a step boundary) beside the
 memory plan's prediction, and tokens/s (the median step after warm-up).
 
     python bench/tensor_parallel.py [--steps 8] [--warmup 2] [--repeats 2] [--hidden 512] \
@@ -36,7 +36,7 @@ def run_config(args, side: str, out_dir: Path) -> dict:
 def figures(cfg, inputs, run, held: list[int]) -> dict:
     """A rank holds 1/tensor of each parameter TP splits, whose states ZeRO then divides over the
     data-parallel ranks: the plan's prediction from that, beside the measured."""
-    from ds_train.memory import model_shape, model_states
+    from ds_train.plan.memory import model_shape, model_states
 
     dims = run.dims
     shape = model_shape(inputs.source.hf_config)

@@ -1,5 +1,5 @@
 """Peak memory of the loss stage: the output head and cross-entropy over a micro-batch, forward and
-backward, with the full logits against train.loss_tile_tokens' tiles (ds_train.losses.tiled_loss_sum).
+backward, with the full logits against train.loss_tile_tokens' tiles (ds_train.train.losses.tiled_loss_sum).
 
     python bench/tiled_loss.py [--tokens 8192] [--vocab 32000] [--hidden 1024] [--tiles 4096 1024 256]
 
@@ -30,7 +30,7 @@ def side(tokens: int, vocab: int, hidden: int, tile: int) -> dict:
     import torch
     import torch.nn.functional as F
 
-    from ds_train.losses import tiled_loss_sum
+    from ds_train.train.losses import tiled_loss_sum
 
     torch.manual_seed(0)
     h = torch.randn(tokens, hidden, requires_grad=True)

@@ -51,11 +51,11 @@ RUN_COMMANDS = ("train", "ript")  # run on every rank, from a run config: what `
 def check_command(argv: list[str], world_size: int):
     """The command `ds-train launch` / `slurm` runs on every rank: parsed by that subcommand's own
     parser, its config loaded and its batch math checked at the target world size."""
-    from ds_train.configfile import load_config
-    from ds_train.engine import read_ds_template
+    from ds_train.config.file import load_config
+    from ds_train.dsconfig import read_ds_template
     from ds_train.inputs import model_config
     from ds_train.model.lora import check_lora
-    from ds_train.parallel import check_model, check_parallel
+    from ds_train.plan.parallel import check_model, check_parallel
 
     args = build_parser().parse_args(argv)
     if getattr(args, "spec", None) is None:
@@ -77,9 +77,9 @@ def check_command(argv: list[str], world_size: int):
 def plan_memory(argv: list[str], world_size: int) -> float:
     """The memory plan's per-GPU peak (GiB) of the command after `--` at this world size (for the
     GPU preflight of `ds-train launch`)."""
-    from ds_train.configfile import load_config
+    from ds_train.config.file import load_config
     from ds_train.dryrun import run_estimate
-    from ds_train.plan import Target
+    from ds_train.plan.planner import Target
 
     args = build_parser().parse_args(argv)
     cfg = load_config(args.config, args.overrides)
@@ -263,7 +263,7 @@ def main(argv: list[str] | None = None) -> int:
     if getattr(args, "spec", None) is not None:  # a run command: a run config and a DeepSpeed JSON
         keep_usr1()  # SLURM's SIGUSR1 before the run's handlers, or after its end, is never fatal
         if args.help_config:
-            from ds_train.configfile import describe
+            from ds_train.config.file import describe
 
             print(describe())
             return 0

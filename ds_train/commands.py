@@ -14,8 +14,8 @@ def cmd_train(args) -> int:
     """train a causal LM (under deepspeed, torchrun or alone)
 
     Train. Overrides are dotted keys: train.max_steps=20 optim.lr=3e-4. --help-config lists every key."""
-    from ds_train.configfile import load_config
-    from ds_train.trainer import train
+    from ds_train.config.file import load_config
+    from ds_train.train.loop import train
 
     cfg = load_config(args.config, args.overrides)
     train(cfg, args.ds_config)
@@ -27,7 +27,7 @@ def cmd_ript(args) -> int:
 
     Post-train a policy (model.path: a Hugging Face directory or a ds_train run directory) on the tasks
     of the ript section. Overrides as for train; --help-config lists every key."""
-    from ds_train.configfile import load_config
+    from ds_train.config.file import load_config
     from ds_train.ript.trainer import ript
 
     cfg = load_config(args.config, args.overrides)
@@ -37,7 +37,7 @@ def cmd_ript(args) -> int:
 
 def train_spec_of(cfg):
     """The RunSpec of `train` (the launch preflight checks the batch math with it)."""
-    from ds_train.trainer import train_spec
+    from ds_train.train.loop import train_spec
 
     return train_spec(cfg)
 
@@ -53,7 +53,7 @@ def cmd_prepare(args) -> int:
 
     Tokenise SOURCE... into --out (or the data section of --config into its data.dir): train.bin,
     val.bin and meta.json (sft: the target masks and example offsets too), streaming, on every core."""
-    from ds_train.configfile import load_config
+    from ds_train.config.file import load_config
     from ds_train.data.meta import load_meta
     from ds_train.data.prepare import prepare
     from ds_train.inputs import locate, tokenizer_dir
@@ -95,8 +95,8 @@ def cmd_convert(args) -> int:
 
     Convert a checkpoint (run dir, checkpoints dir or tag dir) into DeepSpeed's universal format,
     loadable at any world size and ZeRO stage. Resume does this by itself when they change."""
-    from ds_train.resume import convert_to_universal, find_resume, newer_incomplete
-    from ds_train.rundir import RunPaths
+    from ds_train.checkpoint.resume import convert_to_universal, find_resume, newer_incomplete
+    from ds_train.checkpoint.rundir import RunPaths
 
     source = Path(args.source)
     if not source.is_dir():
@@ -122,8 +122,8 @@ def cmd_export(args) -> int:
     generation_config.json and the tokenizer. A LoRA run (model.lora) exports its adapters as a peft
     directory (adapter_config.json, adapter_model.safetensors) on its base, or with --merge one model
     with the adapters merged in."""
-    from ds_train.export import export, resolve_source
-    from ds_train.lora_export import export_lora, run_lora
+    from ds_train.checkpoint.export import export, resolve_source
+    from ds_train.checkpoint.lora_export import export_lora, run_lora
 
     src = resolve_source(args.source, args.tag)
     lora = run_lora(src)[0]
@@ -149,7 +149,7 @@ def cmd_monitor(args) -> int:
     loss / eval loss / lr curves, tokens/s and MFU, one row per rank (host, step, phase, heartbeat age,
     memory, GPU use) with stalled ranks and stragglers marked; RIPT runs show success per task. Ends
     when the run ends, saying how and why."""
-    from ds_train.monitor import monitor
+    from ds_train.observe.monitor import monitor
 
     return monitor(args.run_dir, args.interval, args.once)
 
@@ -162,7 +162,7 @@ def cmd_doctor(args) -> int:
     timeouts, a port in use, ssh / pdsh, a module missing on a node, wandb login, rendezvous, disk
     full, non-finite loss, a hang, bad input; causes first, each with fixes. Exit 0: nothing wrong
     found; 1: a problem found."""
-    from ds_train.doctor import doctor
+    from ds_train.observe.doctor import doctor
 
     return doctor(args.paths)
 
@@ -172,8 +172,8 @@ def cmd_plot(args) -> int:
 
     Plot metrics.jsonl: loss and eval loss against steps and tokens, lr, tokens/s and memory per rank
     (RIPT: success per task and held-out success). Several run directories are overlaid."""
-    from ds_train.plots import write_plots
-    from ds_train.rundir import read_run
+    from ds_train.observe.plots import write_plots
+    from ds_train.checkpoint.rundir import read_run
 
     views = []
     for run_dir in args.run_dirs:
@@ -195,7 +195,7 @@ def cmd_plot(args) -> int:
 
 
 def _plan_inputs(args):
-    from ds_train.configfile import load_config
+    from ds_train.config.file import load_config
     from ds_train.dryrun import target_from_args
 
     cfg = load_config(args.config, args.overrides)
@@ -222,7 +222,7 @@ def cmd_dry_run(args) -> int:
     Run a few real steps of one rank's share of the target batch on this device; predict per-GPU peak
     memory, throughput, MFU and time to finish on the target cluster; check a checkpoint round trip."""
     from ds_train.dryrun import dry_run, dry_run_outcome, format_dry_run, write_json
-    from ds_train.rundir import RunPaths
+    from ds_train.checkpoint.rundir import RunPaths
 
     cfg, target = _plan_inputs(args)
     out = dry_run(cfg, args.ds_config, target)
@@ -251,7 +251,7 @@ def cmd_parity(args) -> int:
     verdict. Exit 0 within the tolerances, 1 past them. In bf16/fp16 the tolerances come from a
     measured noise floor: the reference run again in that precision. TF32 is off in the fp32 runs
     unless --tf32. The layouts of one world size share one launch. key=value overrides as for train."""
-    from ds_train.configfile import load_config
+    from ds_train.config.file import load_config
     from ds_train.parity import parity
 
     overrides = list(args.overrides)

@@ -5,7 +5,7 @@
     ds-train dry-run --config recipes/quickstart.yaml --ds-config ds_configs/zero2.json \
         --hostfile hostfile.example
 
-The estimate is the arithmetic of ds_train/memory.py for the target world size; the dry run runs
+The estimate is the arithmetic of ds_train/plan/memory.py for the target world size; the dry run runs
 real steps of one rank's share of the target global batch on this device, measures step time and
 peak memory, projects them to the cluster, and checks a checkpoint save / load round trip.
 """
@@ -20,28 +20,29 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from ds_train import checkpoint, dist
-from ds_train.batch import plan_batch, sample_rows
+from ds_train import dist
+from ds_train.checkpoint import commit as checkpoint
+from ds_train.checkpoint.rundir import RunPaths
 from ds_train.config import RunConfig
 from ds_train.data.datasets import eval_micro_batches, rank_micro_batches
 from ds_train.data.pairs import PreferenceData
-from ds_train.engine import read_ds_template
+from ds_train.dsconfig import read_ds_template
 from ds_train.errors import UserError
 from ds_train.fs import write_atomic
 from ds_train.inputs import check_inputs, plan_config
-from ds_train.losses import forward_loss
-from ds_train.memory import GiB, ModelShape, model_shape
-from ds_train.metrics import PEAK_TFLOPS, memory_gib, peak_flops
 from ds_train.model.build import count_params, flops_per_token, lookup_params, resolve_dtype
 from ds_train.model.lora import check_lora
-from ds_train.parallel import check_model, check_parallel, plan_dims
-from ds_train.plan import (Target, format_rows, format_suggestions, fused_kernels, pick_preset, plan_rows,
-                           rank_seq_len, resolved_zero, suggestions)
-from ds_train.rundir import RunPaths
+from ds_train.observe.metrics import PEAK_TFLOPS, memory_gib, peak_flops
+from ds_train.plan.batch import plan_batch, sample_rows
+from ds_train.plan.memory import GiB, ModelShape, model_shape
+from ds_train.plan.parallel import check_model, check_parallel, plan_dims
+from ds_train.plan.planner import (Target, format_rows, format_suggestions, fused_kernels, pick_preset, plan_rows,
+                                   rank_seq_len, resolved_zero, suggestions)
 from ds_train.run import build_run
-from ds_train.meters import ComputeClock
-from ds_train.reference import PairReference
-from ds_train.trainer import run_step, train_spec
+from ds_train.train.loop import run_step, train_spec
+from ds_train.train.losses import forward_loss
+from ds_train.train.meters import ComputeClock
+from ds_train.train.reference import PairReference
 
 def target_from_args(hostfile: str | None, nodes: int | None, gpus_per_node: int | None,
                      gpu_memory_gib: float | None) -> Target:

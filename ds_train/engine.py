@@ -17,13 +17,10 @@ from pathlib import Path
 from typing import Any
 
 from ds_train import dist
-from ds_train.batch import BatchPlan
 from ds_train.config import RunConfig
-from ds_train.dsconfig_checks import check_optimizer, check_scheduler, schedule_class
+from ds_train.dsconfig import AUTO, check_optimizer, check_scheduler, resolve_zero, schedule_class
 from ds_train.errors import UserError
-from ds_train.fs import read_json
-
-AUTO = "auto"
+from ds_train.plan.batch import BatchPlan
 
 # Top-level keys DeepSpeed 0.19 reads (deepspeed/runtime/config.py and the feature configs).
 KNOWN_TOP_LEVEL = {
@@ -59,11 +56,6 @@ def _owned(cfg: RunConfig, plan: BatchPlan, dtype: str) -> dict[tuple, tuple[str
     }
 
 
-def read_ds_template(path: str | Path) -> dict:
-    """The DeepSpeed JSON given as --ds-config; one line naming it when it cannot be read."""
-    return read_json(Path(path), "DeepSpeed JSON file", "--ds-config", hint="see ds_configs/ for the ZeRO stages")
-
-
 def _get(d: dict, path: tuple):
     for key in path:
         if not isinstance(d, dict) or key not in d:
@@ -85,24 +77,6 @@ def _resolve(d: dict, path: tuple, value: Any, owner: str, source: str) -> None:
                                    and abs(current - value) <= 1e-12 * max(1.0, abs(value))):
         raise UserError(f"{source}: {dotted}={current!r} contradicts {owner}={value!r}; "
                         f"set it to \"auto\" or make them agree")
-
-
-def resolve_zero(zero: dict, hidden: int) -> dict:
-    """A zero_optimization section with its "auto" bucket sizes derived from the hidden size (the
-    Hugging Face Trainer's rule, for every stage): the one place they are computed, for the run's
-    ds_config and for the memory plan alike. Explicit values and missing keys (DeepSpeed's
-    defaults) are left as they are."""
-    derived = {"reduce_bucket_size": hidden * hidden,
-               "stage3_prefetch_bucket_size": int(0.9 * hidden * hidden),
-               "stage3_param_persistence_threshold": 10 * hidden}
-    return {**zero, **{key: value for key, value in derived.items() if zero.get(key) == AUTO}}
-
-
-def shipped_zero(name: str) -> dict:
-    """The zero_optimization section of ds_configs/<name>.json (zero0 ... zero3, zero3_offload): what
-    a user switching to that file gets (the memory plan's other rows and fixes)."""
-    path = Path(__file__).resolve().parents[1] / "ds_configs" / f"{name}.json"
-    return dict(read_ds_template(path)["zero_optimization"])
 
 
 def _check_unknown_keys(ds: dict, source: str) -> None:

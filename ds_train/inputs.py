@@ -15,21 +15,21 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from ds_train.checkpoint.export import locate_model, resolve_source
 from ds_train.config import RunConfig
 from ds_train.data.datasets import Datasets, build_datasets
 from ds_train.data.meta import check_vocab, load_meta
 from ds_train.data.prepare import ensure_prepared
 from ds_train.data.tokenizer import load_tokenizer, vocabulary_id
-from ds_train.dsconfig_checks import check_optimizer, check_scheduler
-from ds_train.engine import read_ds_template
+from ds_train.dsconfig import check_optimizer, check_scheduler
+from ds_train.dsconfig import read_ds_template
 from ds_train.errors import UserError
-from ds_train.export import locate_model, resolve_source
 from ds_train.model.build import supports_packing
 from ds_train.model.hfconfig import build_hf_config, with_vocab
 from ds_train.model.lora import check_lora
 from ds_train.model.lora import enabled as lora_enabled
 from ds_train.model.weights import fingerprint, weight_files
-from ds_train.parallel import check_parallel, packs_under_sequence
+from ds_train.plan.parallel import check_parallel, packs_under_sequence
 
 
 @dataclass(frozen=True)

@@ -28,16 +28,17 @@ import tempfile
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from ds_train.checkpoint.rundir import RunPaths, read_json, read_metrics
 from ds_train.config import RunConfig
-from ds_train.configfile import build_config
+from ds_train.config.file import build_config
 from ds_train.dist import free_port
-from ds_train.engine import read_ds_template, zero_stage
+from ds_train.dsconfig import read_ds_template
+from ds_train.engine import zero_stage
 from ds_train.errors import UserError
 from ds_train.fs import write_atomic
 from ds_train.inputs import check_inputs, locate, model_config
-from ds_train.parallel import check_layout, choices
-from ds_train.rundir import RunPaths, read_json, read_metrics
-from ds_train.trainer import train_spec
+from ds_train.plan.parallel import check_layout, choices
+from ds_train.train.loop import train_spec
 
 # Relative differences (loss, gradient norm) an fp32 layout may show against the fp32 reference: the
 # two only sum in other orders (ZeRO-3's buckets, accumulation: ~1e-7).
@@ -272,7 +273,7 @@ def run_jobs(plan_path: str) -> int:
 
     from ds_train import dist
     from ds_train.run import build_run
-    from ds_train.trainer import run_training
+    from ds_train.train.loop import run_training
 
     env = dist.detect_env()
     for job in json.loads(Path(plan_path).read_text())["jobs"]:
@@ -376,7 +377,7 @@ def parity(cfg: RunConfig, label: str, ds_configs: list[str], nprocs: list[int],
 def _exported_once(cfg: RunConfig, out: Path) -> RunConfig:
     """A ds_train run given as model.path is exported once into `out`, which every run then loads
     (each run would otherwise export its own copy)."""
-    from ds_train.export import export
+    from ds_train.checkpoint.export import export
 
     model_dir, export_from = locate(cfg)
     if export_from is None:

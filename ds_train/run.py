@@ -33,37 +33,38 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ds_train import dist, signals
-from ds_train.batch import BatchPlan, plan_batch, sample_rows, scaled_lr
-from ds_train.checkpoint import run_record
-from ds_train.checkpointer import Checkpointer
+from ds_train.checkpoint.checkpointer import Checkpointer
+from ds_train.checkpoint.commit import run_record
+from ds_train.checkpoint.export import export, save_hf_metadata
+from ds_train.checkpoint.resume import (ResumePoint, agree, check_resume, load_resume, locate, plan_resume,
+                                        prepare_resume)
+from ds_train.checkpoint.rundir import RunKind, RunPaths
+from ds_train.checkpoint.storage import (NODE_LOCAL, check_run_dir, check_storage, env_record, hold_run_dir, host_table,
+                                         start_over, storage_layout)
 from ds_train.config import RunConfig
-from ds_train.configfile import save_config
+from ds_train.config.file import save_config
 from ds_train.engine import check_op_build, fix_arch_list, initialize, render_ds_config, zero_stage
 from ds_train.errors import (AgreedError, OutOfMemory, PeerFailed, Preempted, RunStopped, UserError, device_oom_said,
                              is_device_oom)
-from ds_train.export import export, save_hf_metadata
 from ds_train.faults import step_fault
 from ds_train.fs import check_writable, file_lock, write_atomic
 from ds_train.guard import NonFiniteGuard
 from ds_train.inputs import ModelSource, RunInputs
-from ds_train.launchers import LauncherWatch, kill_grace
-from ds_train.logs import build_rank_log, capture_console, release_console
-from ds_train.memory import checkpoint_bytes
-from ds_train.metrics import Logger, build_logger, build_progress, peak_flops, rewind_jsonl
 from ds_train.model.build import (build_model, count_params, flops_per_token, has_frozen_params, lookup_params,
-                                   resolve_dtype)
+                                  resolve_dtype)
 from ds_train.model.kernels import apply_liger, compile_layers, compiles
 from ds_train.model.tiled_mlp import tiled_mlps
 from ds_train.model.ulysses import register_ulysses, unregister_ulysses
-from ds_train.parallel import ParallelDims, check_model, deepspeed_range_note, plan_dims
-from ds_train.plan import oom_report
-from ds_train.reports import doctor_hint, is_secondary
-from ds_train.reports import where as rank_where
-from ds_train.resume import ResumePoint, agree, check_resume, load_resume, locate, plan_resume, prepare_resume
-from ds_train.rundir import RunKind, RunPaths
-from ds_train.storage import (NODE_LOCAL, check_run_dir, check_storage, env_record, hold_run_dir, host_table,
-                              start_over, storage_layout)
-from ds_train.watchdog import Heartbeat, Watchdog
+from ds_train.observe.launchers import LauncherWatch, kill_grace
+from ds_train.observe.logs import build_rank_log, capture_console, release_console
+from ds_train.observe.metrics import Logger, build_logger, build_progress, peak_flops, rewind_jsonl
+from ds_train.observe.reports import doctor_hint, is_secondary
+from ds_train.observe.reports import where as rank_where
+from ds_train.observe.watchdog import Heartbeat, Watchdog
+from ds_train.plan.batch import BatchPlan, plan_batch, sample_rows, scaled_lr
+from ds_train.plan.memory import checkpoint_bytes
+from ds_train.plan.parallel import ParallelDims, check_model, deepspeed_range_note, plan_dims
+from ds_train.plan.planner import oom_report
 
 
 @dataclass(frozen=True)
@@ -215,8 +216,8 @@ class Run:
         """Rank 0 plots the run's metrics into run_dir/plots (log.plots) and says where."""
         if not (self.env.is_main and self.cfg.log.plots):
             return
-        from ds_train.plots import write_plots
-        from ds_train.rundir import read_metrics
+        from ds_train.observe.plots import write_plots
+        from ds_train.checkpoint.rundir import read_metrics
 
         self.beat(self.spec.last, "plots")
         written = write_plots([(self.run_dir.name, read_metrics(self.paths.metrics))], self.paths.plots,

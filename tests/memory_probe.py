@@ -1,7 +1,7 @@
 """Run under the deepspeed launcher by tests/test_memory.py: for each ZeRO stage, and for ZeRO-1/2
 under AutoTP (parallel.tensor=2), build the engine with ds_train, take one step, then measure what
 the engine holds at the next step boundary (after the last backward, before engine.step) against
-ds_train.memory.model_states; for AutoTP and LoRA, against what `ds-train estimate` and `dry-run` report a rank
+ds_train.plan.memory.model_states; for AutoTP and LoRA, against what `ds-train estimate` and `dry-run` report a rank
 holds (run_estimate's row for the run: the model's config, not the engine, says what AutoTP splits),
 and the activations autograd saves in one forward on a tensor rank against memory.activation_bytes."""
 
@@ -12,16 +12,16 @@ from pathlib import Path
 import torch
 
 from ds_train import dist
-from ds_train.configfile import build_config
+from ds_train.config.file import build_config
 from ds_train.data.datasets import rank_micro_batches
-from ds_train.inputs import check_inputs
-from ds_train.losses import forward_loss
 from ds_train.dryrun import run_estimate
-from ds_train.memory import GiB, activation_bytes, engine_state_bytes, model_shape, model_states
-from ds_train.plan import Target
+from ds_train.inputs import check_inputs
 from ds_train.model.build import count_params
+from ds_train.plan.memory import GiB, activation_bytes, engine_state_bytes, model_shape, model_states
+from ds_train.plan.planner import Target
 from ds_train.run import build_run
-from ds_train.trainer import train_spec, train_step
+from ds_train.train.loop import train_spec, train_step
+from ds_train.train.losses import forward_loss
 
 data_dir, out_dir, root = (Path(a) for a in [a for a in sys.argv[1:] if not a.startswith("--")])
 env = dist.detect_env()

@@ -19,7 +19,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from ds_train import dist
-from ds_train.configfile import build_config
+from ds_train.config.file import build_config
 from ds_train.engine import initialize
 from ds_train.guard import NonFiniteGuard
 from ds_train.ript.algorithms import PolicyStats

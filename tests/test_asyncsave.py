@@ -9,7 +9,7 @@ import threading
 import torch
 
 from ds_train import dist
-from ds_train.asyncsave import Abandoned, StoreMeeting, snapshot
+from ds_train.checkpoint.asyncsave import Abandoned, StoreMeeting, snapshot
 
 Pair = collections.namedtuple("Pair", "a b")
 

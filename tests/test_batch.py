@@ -1,4 +1,4 @@
-"""ds_train.batch: accumulation arithmetic, its error messages, and LR scaling (pure functions)."""
+"""ds_train.plan.batch: accumulation arithmetic, its error messages, and LR scaling (pure functions)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import re
 
 import pytest
 
-from ds_train.batch import BatchPlan, plan_batch, scaled_lr, valid_global_batch_sizes
 from ds_train.errors import UserError
+from ds_train.plan.batch import BatchPlan, plan_batch, scaled_lr, valid_global_batch_sizes
 
 
 @pytest.mark.parametrize("global_, micro, world, accum", [
@@ -30,7 +30,7 @@ def test_describe_names_the_numbers():
 
 
 def test_a_preference_pair_is_one_sample_of_two_sequences():
-    from ds_train.batch import sample_rows
+    from ds_train.plan.batch import sample_rows
 
     assert sample_rows("preference") == 2 and sample_rows("sft") == sample_rows("text") == 1
     plan = plan_batch(32, 8, 2, 128, rows=sample_rows("preference"))

@@ -18,7 +18,7 @@ import pytest
 import yaml
 
 from conftest import ROOT, run_cmd
-from ds_train.plan import USABLE
+from ds_train.plan.planner import USABLE
 
 _spec = importlib.util.spec_from_file_location("lease", ROOT / "bench" / "gpu" / "lease.py")
 lease = importlib.util.module_from_spec(_spec)

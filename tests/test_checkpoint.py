@@ -15,8 +15,9 @@ import pytest
 
 from conftest import (BIN, ROOT, STRAIGHT_STEPS, Result, deepspeed_args, deepspeed_train, ds_train, expect_error,
                       TINY_MODEL, free_port, pids_with, reap, run_cmd, spawn, tiny_config, tree_listing, write_config)
-from ds_train import checkpoint, resume
-from ds_train.doctor import diagnose
+from ds_train.checkpoint import commit as checkpoint
+from ds_train.checkpoint import resume
+from ds_train.observe.doctor import diagnose
 
 
 def fake_tag(ckpt_dir, step, world=2, complete=True, seq=None):

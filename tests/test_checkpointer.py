@@ -8,8 +8,8 @@ import signal
 import pytest
 
 from conftest import ROOT
-from ds_train import checkpointer
-from ds_train.checkpoint import tag_for
+from ds_train.checkpoint import checkpointer
+from ds_train.checkpoint.commit import tag_for
 
 
 def test_failed_writes_name_their_cause():
@@ -75,7 +75,7 @@ def test_an_agreed_signal_saves_then_stops_with_128_plus_the_signal():
 
 
 def test_a_save_longer_than_half_the_launchers_grace_period_is_said_once_with_the_fix():
-    from ds_train.checkpointer import grace_warning
+    from ds_train.checkpoint.checkpointer import grace_warning
 
     assert grace_warning(14.9, ("the deepspeed launcher", 30.0)) is None  # fits, with the step in progress
     assert grace_warning(100.0, None) is None  # no launcher known to kill (a single process, srun's own)

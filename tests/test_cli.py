@@ -172,7 +172,7 @@ def test_a_failed_run_ends_with_the_line_that_says_how_the_doctors_pointer_befor
     goes around the error line so that the output closes with how the command ended."""
     from ds_train.__main__ import _report
     from ds_train.errors import NonFiniteStop, OutOfMemory, PeerFailed
-    from ds_train.reports import doctor_hint
+    from ds_train.observe.reports import doctor_hint
 
     hint = doctor_hint("runs/x")
     stop = NonFiniteStop("step 5", 2)
@@ -195,7 +195,7 @@ def test_debug_goes_before_or_after_the_command(tmp_path):
 
 
 def test_help_config_lists_every_key(capsys):
-    from ds_train.configfile import all_keys
+    from ds_train.config.file import all_keys
 
     assert main(["train", "--help-config"]) == 0
     out = capsys.readouterr().out

@@ -9,8 +9,8 @@ import pytest
 
 from conftest import expect_error, tree_listing
 from ds_train.config import RunConfig
-from ds_train.configfile import (all_keys, build_config, describe, load_config, parse_overrides,
-                                 read_yaml)
+from ds_train.config.file import (all_keys, build_config, describe, load_config, parse_overrides,
+                                  read_yaml)
 from ds_train.errors import UserError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -325,9 +325,9 @@ def test_ript_recipes_load_and_agree_with_two_ranks(tmp_path):
 def test_the_long_context_recipe_passes_every_check_for_its_two_ranks():
     """recipes/long_context.yaml as bench/long_context.py launches it: 2 ranks, one sequence a step
     split over both, each rank 4,096 positions (what Ulysses and the batch plan check)."""
-    from ds_train.batch import plan_batch
-    from ds_train.engine import read_ds_template
-    from ds_train.parallel import check_heads, check_sequence, check_window, plan_dims
+    from ds_train.plan.batch import plan_batch
+    from ds_train.dsconfig import read_ds_template
+    from ds_train.plan.parallel import check_heads, check_sequence, check_window, plan_dims
 
     cfg = load_config(QUICKSTART.parent / "long_context.yaml")
     dims = plan_dims(cfg.parallel, 2)

@@ -1,4 +1,4 @@
-"""ds_train.configfile: every value type-checked at every depth (list elements, mapping keys and
+"""ds_train.config.file: every value type-checked at every depth (list elements, mapping keys and
 values, Literal choices), naming the full dotted key with its index and the expected type; YAML
 loaded with a bound on alias expansion."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from conftest import ROOT, TINY_MODEL, expect_error, tree_listing
-from ds_train.configfile import build_config, load_config, read_yaml
+from ds_train.config.file import build_config, load_config, read_yaml
 from ds_train.errors import UserError
 
 ARCH = {"model": {"config": {"model_type": "llama", "hidden_size": 64}}}

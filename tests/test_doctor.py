@@ -17,8 +17,8 @@ import pytest
 import yaml
 
 from conftest import ROOT, ds_train
-from ds_train.doctor import PRIORITY, classify_line, diagnose
-from ds_train.doctor_fixes import FIXES
+from ds_train.observe.doctor import PRIORITY, classify_line, diagnose
+from ds_train.observe.doctor_fixes import FIXES
 
 FIXTURES = Path(__file__).parent / "fixtures" / "doctor"
 MANIFEST = yaml.safe_load((FIXTURES / "MANIFEST.yaml").read_text())
@@ -223,7 +223,7 @@ def test_an_earlier_attempt_in_a_rank_log_is_history(tmp_path):
 def test_post_training_findings_cite_the_runs_own_statistics(capsys):
     """The post-training findings quote metrics.jsonl's last syncs (their range, as percentages),
     and `ds-train doctor` prints the run's statistics at its last sync first."""
-    from ds_train.doctor import doctor
+    from ds_train.observe.doctor import doctor
 
     for name, key, what in (("rl_no_signal", "ript/frac_reward_zero_std", "of the groups had K equal rewards"),
                             ("rl_truncated", "ript/truncated_frac", "of the rollouts were truncated")):
@@ -252,6 +252,6 @@ def test_a_file_that_is_not_text_is_refused_as_not_a_log(tmp_path):
     expect_error(["doctor", str(weights)], f"doctor: {weights} is not a log (binary data: a NUL byte at offset")
     log = tmp_path / "console.log"
     log.write_bytes(b"step 1: loss 2.0 \xff\xfe\nTraceback (most recent call last):\nValueError: x\n")
-    from ds_train.doctor import read_sources
+    from ds_train.observe.doctor import read_sources
 
     assert [len(s.lines) for s in read_sources(log)] == [3]

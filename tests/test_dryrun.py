@@ -8,10 +8,10 @@ import re
 import pytest
 
 from conftest import ROOT, ds_train
-from ds_train.configfile import build_config
+from ds_train.config.file import build_config
 from ds_train.dryrun import estimate_outcome, run_estimate
-from ds_train.memory import model_shape
-from ds_train.plan import Target, oom_report, pick_preset
+from ds_train.plan.memory import model_shape
+from ds_train.plan.planner import Target, oom_report, pick_preset
 
 SEVEN_B = {"model_type": "llama", "hidden_size": 4096, "intermediate_size": 11008,
            "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 32,
@@ -156,7 +156,7 @@ def test_the_plan_of_a_long_context_job_knows_sequence_parallelism():
             "(activations); ZeRO partitions over data x sequence = 16 ranks") in text
     assert any(s["change"].startswith("parallel.sequence=2 (Ulysses") for s in without["suggestions"])
     # recipes/llama3_8b_128k.yaml, as the README shows it: the default tiles of the loss and the MLP
-    from ds_train.configfile import load_config
+    from ds_train.config.file import load_config
 
     recipe = run_estimate(load_config(str(ROOT / "recipes" / "llama3_8b_128k.yaml"), []), zero3, target, None)
     row = next(r for r in recipe["rows"] if r["given"])

@@ -8,10 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from ds_train.batch import plan_batch
-from ds_train.configfile import build_config
-from ds_train.engine import read_ds_template, render_ds_config, zero_stage
+from ds_train.config.file import build_config
+from ds_train.dsconfig import read_ds_template
+from ds_train.engine import render_ds_config, zero_stage
 from ds_train.errors import UserError
+from ds_train.plan.batch import plan_batch
 
 ROOT = Path(__file__).resolve().parents[1]
 TEMPLATES = sorted((ROOT / "ds_configs").glob("*.json"))

@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from conftest import ROOT, expect_error, run_cmd, tree_listing
-from ds_train import checkpoint
-from ds_train.configfile import build_config
+from ds_train.checkpoint import commit as checkpoint
+from ds_train.checkpoint.export import export, resolve_source
+from ds_train.config.file import build_config
 from ds_train.errors import UserError
-from ds_train.export import export, resolve_source
 
 METADATA = ("generation_config.json", "tokenizer.json", "tokenizer_config.json")
 

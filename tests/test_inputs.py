@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from conftest import ROOT, TINY_MODEL
-from ds_train.configfile import build_config
+from ds_train.config.file import build_config
 from ds_train.errors import UserError
 from ds_train.inputs import check_inputs, tokenizer_dir
 

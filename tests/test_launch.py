@@ -22,13 +22,13 @@ from types import SimpleNamespace
 import pytest
 
 from conftest import ROOT, ds_train, tiny_config, write_config
-from ds_train.configfile import describe, load_config
+from ds_train.config.file import describe, load_config
 from ds_train.errors import UserError
 from ds_train.launch import envfile
 from ds_train.launch.hostfile import Host, is_valid_host, parse_hostfile, read_hostfile, select_hosts
-from ds_train.launch.probe import PROBE
 from ds_train.launch.preflight import (OPTIONAL, HostProbe, SshOptions, check_gpus, check_probes, check_shell_safe,
-                                      compare_versions, local_versions, pick_master, run_packages, run_preflight)
+                                       compare_versions, local_versions, pick_master, run_packages, run_preflight)
+from ds_train.launch.probe import PROBE
 from ds_train.launch.slurm import SlurmJob, render_sbatch
 
 ZERO2 = str(ROOT / "ds_configs" / "zero2.json")

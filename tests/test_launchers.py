@@ -1,4 +1,4 @@
-"""The launchers above a rank (ds_train/launchers.py): which command lines are launchers, and a
+"""The launchers above a rank (ds_train/observe/launchers.py): which command lines are launchers, and a
 launcher that ends (killed, or a zombie nobody reaped) is seen gone. The launch tests (SIGTERM and
 SIGKILL of the `deepspeed` runner) are in tests/test_checkpoint.py and tests/test_ript_trainer.py."""
 
@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from ds_train.launchers import LauncherWatch, launcher_kind
+from ds_train.observe.launchers import LauncherWatch, launcher_kind
 
 
 @pytest.mark.parametrize("cmdline, kind", [
@@ -65,7 +65,7 @@ def test_a_launcher_above_is_watched_and_seen_gone_when_killed_even_as_an_unreap
 
 
 def test_the_grace_period_comes_from_the_launcher_above_or_slurm():
-    from ds_train.launchers import Launcher, kill_grace
+    from ds_train.observe.launchers import Launcher, kill_grace
 
     watch = LauncherWatch()
     assert kill_grace(watch, {}) is None  # pytest is no launcher
@@ -76,7 +76,7 @@ def test_the_grace_period_comes_from_the_launcher_above_or_slurm():
 
 def test_the_launch_beat_comes_from_the_environment_or_is_one_line():
     from ds_train.errors import UserError
-    from ds_train.launchers import BEAT_S, launch_beat_s
+    from ds_train.observe.launchers import BEAT_S, launch_beat_s
 
     assert launch_beat_s({}) == BEAT_S and launch_beat_s({"DS_TRAIN_LAUNCHER_BEAT_S": " 1.5 "}) == 1.5
     for bad in ("fast", "0", "-2", "nan", "1e9"):

@@ -18,15 +18,29 @@ def contracts() -> list[dict]:
     return tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]["contracts"]
 
 
-def layered_modules() -> set[str]:
-    layers = next(c for c in contracts() if c["type"] == "layers")["layers"]
+def names(layers: list[str]) -> set[str]:
     return {m.strip() for layer in layers for m in layer.replace("|", ":").split(":")}
+
+
+def layered_modules() -> set[str]:
+    return names(next(c for c in contracts() if c["id"] == "layers")["layers"])
+
+
+def test_each_package_with_its_own_order_names_every_module_it_holds():
+    """A package's own contract (its entry points above its parts) places each of its modules: a new
+    module of ds_train/checkpoint/ must say where it sits in the room."""
+    rooms = [c for c in contracts() if c.get("containers")]
+    assert {c["id"] for c in rooms} == {"checkpoint", "observe", "plan", "train", "ript", "launch"}
+    for c in rooms:
+        package = ROOT / Path(*c["containers"][0].split("."))
+        held = {p.stem for p in package.glob("*.py") if p.name != "__init__.py"}
+        assert names(c["layers"]) == held, c["id"]
 
 
 def test_the_contract_holds():
     res = run_cmd([LINT, "--no-cache"], timeout=120)
     assert res.returncode == 0, res.out
-    assert "3 kept, 0 broken" in res.out
+    assert f"{len(contracts())} kept, 0 broken" in res.out
 
 
 def test_every_module_has_a_layer():
@@ -77,11 +91,15 @@ def test_an_upward_import_breaks_the_layers_and_makes_a_cycle(scratch):
     assert "Only ds_train.dist imports torch.distributed / deepspeed.comm KEPT" in out
 
 
-def test_siblings_of_one_layer_may_not_import_each_other(scratch):
-    plant(scratch / "ds_train" / "ript" / "trainer.py", "from ds_train.metrics import Interval",
-          "from ds_train.trainer import train_step")
+def test_siblings_of_one_layer_may_not_import_each_other_and_a_part_not_its_room_s_entry_point(scratch):
+    plant(scratch / "ds_train" / "dryrun.py", "from ds_train.run import build_run",
+          "from ds_train.parity import layouts")
+    plant(scratch / "ds_train" / "checkpoint" / "commit.py", "from ds_train.errors import UserError",
+          "from ds_train.checkpoint.checkpointer import Checkpointer")
     out = lint(scratch)
-    assert "ds_train.ript.trainer is not allowed to import ds_train.trainer" in out
+    assert "ds_train.dryrun is not allowed to import ds_train.parity" in out
+    assert "ds_train.checkpoint: its entry points above its parts BROKEN" in out
+    assert "ds_train.checkpoint.commit is not allowed to import ds_train.checkpoint.checkpointer" in out
 
 
 @pytest.mark.parametrize("line", ["from torch import distributed", "import deepspeed.comm as comm",

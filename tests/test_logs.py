@@ -13,7 +13,7 @@ from conftest import ROOT
 CHILD = r"""
 import os, subprocess, sys, time, warnings
 from pathlib import Path
-from ds_train.logs import build_rank_log, capture_console
+from ds_train.observe.logs import build_rank_log, capture_console
 run = Path(sys.argv[1])
 capture_console(run / "logs" / "rank_3.log", run / "logs" / "train.log", "hostA", 3)
 print("plain print")

@@ -1,4 +1,4 @@
-"""LoRA (model.lora, ds_train/model/lora.py and ds_train/lora_export.py): the config and its checks
+"""LoRA (model.lora, ds_train/model/lora.py and ds_train/checkpoint/lora_export.py): the config and its checks
 (unit), the memory plan's count of what trains against peft's own model, and through the real
 launcher: ZeRO-3 on 2 processes against ZeRO-0 on 1, the exports, kill -9 and resume, the size of a
 checkpoint, a changed base."""
@@ -14,11 +14,11 @@ import pytest
 
 from conftest import (BIN, ROOT, TINY_MODEL, deepspeed_args, deepspeed_train, ds_train, free_port, run_cmd, spawn,
                       tiny_config, write_config)
-from ds_train import checkpoint
-from ds_train.configfile import build_config, describe
+from ds_train.checkpoint import commit as checkpoint
+from ds_train.config.file import build_config, describe
 from ds_train.errors import UserError
-from ds_train.memory import model_shape, model_states
 from ds_train.model.lora import apply_lora, check_lora
+from ds_train.plan.memory import model_shape, model_states
 from test_checkpoint import STALL_S, kill_rank, metrics_by_step
 
 
@@ -93,8 +93,7 @@ def test_the_plan_counts_what_peft_trains_and_a_frozen_base_has_no_gradients_or_
 
 
 def test_a_changed_base_is_refused_in_one_line(tmp_path):
-    from ds_train import resume
-
+    from ds_train.checkpoint import resume
     cfg = build_config({"model": {"config": dict(TINY_MODEL), "lora": {"rank": 4}}})
     state = {"step": 4, "world_size": 2, "config": cfg.to_dict(), "data": {"tokenizer": "t", "base": "aaaa"}}
     point = resume.ResumePoint(tmp_path, "step_00000004", state)
@@ -105,7 +104,7 @@ def test_a_changed_base_is_refused_in_one_line(tmp_path):
 
 
 def test_lora_with_tensor_parallelism_is_refused():
-    from ds_train.parallel import check_parallel
+    from ds_train.plan.parallel import check_parallel
 
     cfg = build_config({"model": {"config": dict(TINY_MODEL), "lora": {"rank": 4}, "dtype": "fp32"},
                         "parallel": {"tensor": 2}})
@@ -155,7 +154,7 @@ def test_zero3_on_two_processes_trains_the_adapters_of_zero0_on_one_and_both_exp
     from peft import PeftModel, get_peft_model_state_dict
     from transformers import AutoModelForCausalLM
 
-    from ds_train.configfile import load_config
+    from ds_train.config.file import load_config
 
     runs = {}
     for name, ds_config, nproc, tile in (("zero3", "zero3.json", 2, 32), ("zero0", "zero0.json", 1, 0)):
@@ -247,7 +246,7 @@ def test_a_killed_lora_run_resumes_exactly_its_checkpoints_hold_the_adapters_and
     import torch
     from transformers import AutoModelForCausalLM
 
-    from ds_train.configfile import load_config
+    from ds_train.config.file import load_config
 
     lora = load_config(str(config(straight)), []).model.lora
     model = apply_lora(AutoModelForCausalLM.from_pretrained(own_base), lora, 0)

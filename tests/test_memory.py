@@ -12,7 +12,7 @@ import torch
 
 from conftest import BIN, ROOT, free_port, run_cmd
 from ds_train.model.build import checkpoint_activations
-from ds_train.memory import activation_bytes, estimate, model_shape, model_states, parameter_bytes_beside
+from ds_train.plan.memory import activation_bytes, estimate, model_shape, model_states, parameter_bytes_beside
 
 
 @pytest.mark.slow
@@ -72,7 +72,7 @@ def test_predicted_activations_match_the_tensors_autograd_saves(dtype, checkpoin
 
     weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        logits = model(input_ids=ids[:, :-1], use_cache=False).logits  # as ds_train.trainer does
+        logits = model(input_ids=ids[:, :-1], use_cache=False).logits  # as ds_train.train.loop does
         F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), ids[:, 1:].reshape(-1))
     measured = sum(n for ptr, n in saved.items() if ptr not in weights)
     predicted = activation_bytes(model_shape(cfg), b, s, dtype, checkpointing, mlp_tile_positions=mlp_tile).saved
@@ -108,7 +108,7 @@ def test_7b_llama_zero3_model_states_agree_with_deepspeeds_estimator(capfd):
 
 
 def test_the_parameters_beside_the_policy_are_every_live_modules_whoever_holds_them():
-    """What ds_train/reference.py logs for the reference: a module kept anywhere counts (a tied weight
+    """What ds_train/train/reference.py logs for the reference: a module kept anywhere counts (a tied weight
     once), the policy's own parameters do not, even in another module; dropped, it is gone."""
     policy = torch.nn.Linear(8, 8)
     before = parameter_bytes_beside(policy)  # whatever else this process holds
@@ -136,9 +136,9 @@ H200 = json.loads((ROOT / "tests" / "fixtures" / "gpu" / "h200_memory.json").rea
 
 def h200_case_peak(micro: int, stage: int, ckpt: bool, *, target_gib: float | None = None) -> dict:
     """The plan's given row for one case of the H200 measurement (bench/gpu/memory.py's run config)."""
-    from ds_train.configfile import build_config
+    from ds_train.config.file import build_config
     from ds_train.dryrun import run_estimate
-    from ds_train.plan import Target
+    from ds_train.plan.planner import Target
 
     cfg = build_config({"output_dir": "/nonexistent/run", "model": {"config": H200["model"], "dtype": "bf16",
                                                                      "activation_checkpointing": ckpt,
@@ -158,9 +158,9 @@ def test_the_planned_peak_is_within_10_percent_of_what_an_h100_measured_eager_wi
     """mem/max_rank_gib of bench/gpu/mfu.py's sides on one H100 (tests/fixtures/gpu/h100_mfu_memory.json):
     the 1.1B Llama, seq 2048, micro 8, ZeRO-2, eager, with Liger's kernels, compiled; the fused kernels
     keep less of each layer (memory.py), 9 GiB here."""
-    from ds_train.configfile import build_config
+    from ds_train.config.file import build_config
     from ds_train.dryrun import run_estimate
-    from ds_train.plan import Target
+    from ds_train.plan.planner import Target
 
     cfg = build_config({"output_dir": "/nonexistent/run",
                         "model": {"config": H100["model"], "dtype": "bf16", **case["model"]},

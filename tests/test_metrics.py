@@ -1,4 +1,4 @@
-"""ds_train.metrics (peak FLOP/s, MFU, loggers) and the pure helpers of ds_train.model.build."""
+"""ds_train.observe.metrics (peak FLOP/s, MFU, loggers) and the pure helpers of ds_train.model.build."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ import time
 
 import pytest
 
-from ds_train.metrics import JsonlLogger, NullLogger, build_logger, mfu, peak_flops
-from ds_train.rundir import TRAIN, RunPaths
+from ds_train.checkpoint.rundir import TRAIN, RunPaths
 from ds_train.model.build import flops_per_token, lookup_params, resolve_dtype
+from ds_train.observe.metrics import JsonlLogger, NullLogger, build_logger, mfu, peak_flops
 
 
 # --- peak FLOP/s and MFU -------------------------------------------------------------------------
@@ -169,7 +169,7 @@ def test_resolve_dtype(choice, device, bf16_ok, expected):
 
 
 def test_interval_is_every_n_and_the_last_step():
-    from ds_train.metrics import Interval
+    from ds_train.observe.metrics import Interval
 
     assert [s for s in range(1, 11) if s in Interval(4, 10)] == [4, 8, 10]
     assert [s for s in range(1, 11) if s in Interval(0, 10)] == [10]
@@ -184,7 +184,7 @@ def test_an_empty_log_writes_nothing(tmp_path):
 
 
 def test_rewind_keeps_records_up_to_the_step_and_drops_a_line_cut_short(tmp_path):
-    from ds_train.metrics import rewind_jsonl
+    from ds_train.observe.metrics import rewind_jsonl
 
     path = tmp_path / "metrics.jsonl"
     path.write_text('{"step": 1, "loss": 5.0}\n{"step": 2, "loss": 4.0}\n{"step": 3, "loss": 3.0}\n{"step": 4, "lo')
@@ -198,7 +198,7 @@ def test_a_metrics_write_that_fails_is_one_line_naming_the_file():
     from pathlib import Path
 
     from ds_train.errors import UserError
-    from ds_train.metrics import JsonlLogger
+    from ds_train.observe.metrics import JsonlLogger
 
     logger = JsonlLogger(Path("/dev/full"))  # every write: ENOSPC
     with pytest.raises(UserError, match=r"/dev/full: writing step 3's metrics failed \(No space left on device\); "
@@ -217,7 +217,7 @@ def read_events(log_dir) -> dict[str, list[tuple[int, float]]]:
 
 
 def test_tensorboard_sink_writes_events_that_tensorboard_reads_and_a_resume_redoes_its_steps(tmp_path):
-    from ds_train.metrics import TensorBoardLogger
+    from ds_train.observe.metrics import TensorBoardLogger
 
     first = TensorBoardLogger(tmp_path / "tb")
     for step in (1, 2, 3):

@@ -330,7 +330,7 @@ def test_the_tiled_loss_is_the_full_logits_loss_in_tiles():
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from ds_train.data.examples import Batch
-    from ds_train.losses import forward_loss, tiles
+    from ds_train.train.losses import forward_loss, tiles
 
     cfg = AutoConfig.for_model("llama", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                num_attention_heads=4, vocab_size=300, tie_word_embeddings=True)
@@ -402,7 +402,7 @@ def test_the_tiled_mlp_is_the_mlp_in_tiles():
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from ds_train.losses import forward_loss
+    from ds_train.train.losses import forward_loss
     from ds_train.model.build import checkpoint_activations
     from ds_train.model.tiled_mlp import tiled_mlps
 
@@ -498,7 +498,7 @@ def _tiled_against_full(model, vocab: int) -> None:
     import numpy as np
 
     from ds_train.data.examples import Batch
-    from ds_train.losses import forward_loss
+    from ds_train.train.losses import forward_loss
 
     rng = np.random.default_rng(0)
     batch = Batch(rng.integers(0, vocab, (2, 40)), rng.integers(0, vocab, (2, 40)), None)
@@ -526,7 +526,7 @@ def test_the_tiled_loss_applies_the_models_scaling_after_the_head(model_type, sc
 
     cfg = AutoConfig.for_model(model_type, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                num_attention_heads=4, num_key_value_heads=4, vocab_size=300, **scale)
-    from ds_train.losses import _post_head, tiles
+    from ds_train.train.losses import _post_head, tiles
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(cfg)
@@ -555,7 +555,7 @@ def test_the_fused_loss_takes_a_heads_bias_and_a_frozen_head():
     import peft
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from ds_train.losses import fuses
+    from ds_train.train.losses import fuses
 
     cfg = AutoConfig.for_model("llama", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                num_attention_heads=4, vocab_size=300, tie_word_embeddings=False)
@@ -604,7 +604,7 @@ def test_model_compile_compiles_each_decoder_layer_once_and_leaves_the_loss_eage
     import torch._dynamo
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from ds_train.losses import forward_loss
+    from ds_train.train.losses import forward_loss
     from ds_train.model.kernels import compile_layers
 
     cfg = AutoConfig.for_model("llama", hidden_size=32, intermediate_size=64, num_hidden_layers=3,

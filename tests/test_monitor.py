@@ -6,8 +6,8 @@ from __future__ import annotations
 import json
 
 from conftest import ds_train
-from ds_train.monitor import duration, eta_s, rank_marks, render, sparkline
-from ds_train.rundir import read_run
+from ds_train.checkpoint.rundir import read_run
+from ds_train.observe.monitor import duration, eta_s, rank_marks, render, sparkline
 from test_rundir import make_run
 
 

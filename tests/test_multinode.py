@@ -26,8 +26,8 @@ import pytest
 
 from conftest import (TESTS_ON_PATH, ROOT, free_port, losses_by_step, pids_with, reap, ript_config, run_cmd, spawn, tiny_config,
                       write_config)
-from ds_train import checkpoint
-from ds_train.doctor import diagnose
+from ds_train.checkpoint import commit as checkpoint
+from ds_train.observe.doctor import diagnose
 
 pytestmark = pytest.mark.slow
 

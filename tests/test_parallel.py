@@ -1,4 +1,4 @@
-"""ds_train.parallel: the parallel dimensions as one object (pure), and the batch plan that counts
+"""ds_train.plan.parallel: the parallel dimensions as one object (pure), and the batch plan that counts
 data-parallel ranks. Layouts the CLI refuses are in test_cli.py; runs in every layout, in
 test_parity.py."""
 
@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import pytest
 
-from ds_train.batch import plan_batch
 from ds_train.config import ParallelConfig
 from ds_train.errors import UserError
-from ds_train.memory import tp_plan
-from ds_train.parallel import ParallelDims, check_heads, check_parallel, check_tensor_model, plan_dims
+from ds_train.plan.batch import plan_batch
+from ds_train.plan.memory import tp_plan
+from ds_train.plan.parallel import ParallelDims, check_heads, check_parallel, check_tensor_model, plan_dims
 
 
 class Heads:
@@ -121,7 +121,7 @@ def test_tensor_parallelism_with_zero3_bf16_zero0_or_sequence_parallelism_is_one
 
 
 def sp_config(**sections):
-    from ds_train.configfile import build_config
+    from ds_train.config.file import build_config
 
     raw = {"output_dir": "/tmp/unused", "parallel": {"sequence": 2}, "train": {"seq_len": 64},
            "model": {"config": {"model_type": "llama"}}}
@@ -131,7 +131,7 @@ def sp_config(**sections):
 
 
 def test_what_ulysses_cannot_take_is_one_line_before_anything_is_written():
-    from ds_train.parallel import check_sequence
+    from ds_train.plan.parallel import check_sequence
 
     check_sequence(sp_config(), {"zero_optimization": {"stage": 2}})
     check_sequence(sp_config(), {})  # ZeRO-0 is shown to keep the math (test_parity.py)
@@ -158,7 +158,7 @@ def test_what_ulysses_cannot_take_is_one_line_before_anything_is_written():
 def test_a_sliding_window_that_ulysses_would_drop_is_refused():
     from transformers import AutoConfig
 
-    from ds_train.parallel import check_window
+    from ds_train.plan.parallel import check_window
 
     dims = ParallelDims(1, 2, 1)
     mistral = AutoConfig.for_model("mistral", sliding_window=32)
@@ -195,7 +195,7 @@ def test_a_deepspeed_outside_the_proven_range_is_named_with_the_workarounds_the_
     import tomllib
 
     from conftest import ROOT
-    from ds_train.parallel import DEEPSPEED_PROVEN, deepspeed_range_note
+    from ds_train.plan.parallel import DEEPSPEED_PROVEN, deepspeed_range_note
 
     declared = [d for d in tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
                 if d.startswith("deepspeed")]

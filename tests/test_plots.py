@@ -6,8 +6,8 @@ from __future__ import annotations
 import json
 
 from conftest import ds_train
-from ds_train.plots import figures, write_plots
-from ds_train.rundir import RIPT
+from ds_train.checkpoint.rundir import RIPT
+from ds_train.observe.plots import figures, write_plots
 
 
 def train_records(scale=1.0, steps=(2, 4, 6, 8)):

@@ -1,4 +1,4 @@
-"""Preference training (data.format preference; ds_train/preference.py, ds_train/reference.py): the
+"""Preference training (data.format preference; ds_train/train/preference.py, ds_train/train/reference.py): the
 losses and their metrics against their closed forms, preference records and their prepared pairs,
 bad pairs named or counted, and through the real launcher: live and precomputed references, ZeRO-3
 on 2 processes against ZeRO-0 on 1, an exact resume, LoRA and the export."""
@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from conftest import ROOT, TINY_MODEL, deepspeed_train, ds_train, expect_error, tiny_config, write_config
-from ds_train.configfile import build_config
+from ds_train.config.file import build_config
 from ds_train.data.chat import Renderer, preference
 from ds_train.data.datasets import rank_micro_batches
 from ds_train.data.examples import IGNORE
@@ -22,7 +22,7 @@ from ds_train.data.pairs import PreferenceData
 from ds_train.data.prepare import prepare
 from ds_train.errors import UserError
 from ds_train.model.build import INIT_SCHEME
-from ds_train.preference import mean_metrics, pair_sums, preference_loss, sequence_logps
+from ds_train.train.preference import mean_metrics, pair_sums, preference_loss, sequence_logps
 from test_chat import CHATML
 from test_checkpoint import metrics_by_step
 
@@ -83,7 +83,7 @@ def test_pair_losses_normalise_ipo_and_sigmoid_norm_per_target_token(loss):
 
     from ds_train.config import DpoConfig
     from ds_train.data.pairs import PairBatch
-    from ds_train.preference import pair_losses
+    from ds_train.train.preference import pair_losses
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**{**TINY_MODEL, "vocab_size": 50}))
@@ -380,8 +380,8 @@ def test_lora_prefers_against_its_base_live_and_precomputed(pref_data, pref_base
 def test_the_memory_plan_counts_a_pair_as_two_sequences():
     from transformers import AutoConfig
 
-    from ds_train.memory import model_shape
-    from ds_train.plan import Target, plan_rows
+    from ds_train.plan.memory import model_shape
+    from ds_train.plan.planner import Target, plan_rows
 
     hf = AutoConfig.for_model(**{**TINY_MODEL, "vocab_size": 512})
 

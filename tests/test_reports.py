@@ -7,9 +7,7 @@ from __future__ import annotations
 import re
 import threading
 
-from ds_train import reports as rp
-
-
+from ds_train.observe import reports as rp
 def rec(rank: int, step: int, beats: int, phase: str = "forward", collective: str | None = None, **kw) -> dict:
     return {"rank": rank, "node": rank // 2, "host": f"h{rank // 2}", "step": step, "phase": phase,
             "position": [step, beats], "idle_s": 60.0, "collective": collective, **kw}

@@ -7,9 +7,11 @@ import shutil
 
 import pytest
 
-from ds_train import checkpoint, resume
-from ds_train.parallel import ParallelDims
+from ds_train.checkpoint import commit as checkpoint
+
+from ds_train.checkpoint import resume
 from ds_train.errors import UserError
+from ds_train.plan.parallel import ParallelDims
 from test_checkpoint import fake_tag
 
 
@@ -174,7 +176,7 @@ def test_config_changes_split_into_errors_and_notes():
 
 
 def test_check_resume_refuses_another_kind_and_for_ript_another_world_size(tmp_path):
-    from ds_train.configfile import build_config
+    from ds_train.config.file import build_config
 
     cfg = build_config({"model": {"config": {"model_type": "llama"}}})
     state = {"step": 4, "world_size": 2, "config": cfg.to_dict()}

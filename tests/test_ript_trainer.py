@@ -16,7 +16,7 @@ import pytest
 
 from conftest import (BIN, ROOT, SCRIPTED_TASKS, TESTS_ON_PATH, ds_train, free_port, pids_with, reap, ript_config, run_cmd,
                       spawn, tree_listing)
-from ds_train import checkpoint
+from ds_train.checkpoint import commit as checkpoint
 from ds_train.ript.sampler import ContextSampler, Tally
 from ds_train.ript.sharding import shard_tasks
 from ds_train.ript.tasks import load_task
@@ -64,7 +64,7 @@ def rank_counts(run_dir: Path, rank: int) -> list[dict]:
 
 def reference_bytes(run_dir: Path, rank: int) -> int:
     """What a rank's log says the parameters beyond the policy's hold: every live module of its
-    process but the policy's, measured when the reference policy is reported (ds_train/reference.py)."""
+    process but the policy's, measured when the reference policy is reported (ds_train/train/reference.py)."""
     line = next(x for x in (run_dir / "logs" / f"rank_{rank}.log").read_text().splitlines()
                 if "reference policy:" in x)
     assert "(every live module's, measured)" in line, line

@@ -12,14 +12,14 @@ import sys
 import pytest
 
 from conftest import ROOT
-from ds_train.configfile import build_config
+from ds_train.checkpoint.rundir import RunPaths
+from ds_train.checkpoint.storage import check_run_dir, host_table, nodes
+from ds_train.config.file import build_config
 from ds_train.errors import UserError
 from ds_train.inputs import check_inputs
 from ds_train.ript.trainer import ript_spec
 from ds_train.run import StopRequest, _ending
-from ds_train.rundir import RunPaths
-from ds_train.storage import check_run_dir, host_table, nodes
-from ds_train.trainer import train_spec
+from ds_train.train.loop import train_spec
 
 ZERO0 = str(ROOT / "ds_configs" / "zero0.json")
 
@@ -74,7 +74,6 @@ def test_sigusr1_before_the_run_is_kept_for_it_and_after_its_end_is_harmless():
     """SLURM's pre-timeout SIGUSR1 can come during start-up or after the last step (the CI run of
     2026-11-25 saw a finished rank die of it, exit 138, and the job requeued for nothing)."""
     from ds_train import signals
-
     before = signal.getsignal(signal.SIGUSR1)
     try:
         signals.keep_usr1()

@@ -10,7 +10,7 @@ import time
 
 import yaml
 
-from ds_train.rundir import RIPT, TRAIN, lock_holder, read_metrics, read_run, series
+from ds_train.checkpoint.rundir import RIPT, TRAIN, lock_holder, read_metrics, read_run, series
 
 
 def make_run(path, steps=(10, 20), target=40, statuses=("running", "running"), beat_age=0.0, kind="train",
@@ -93,7 +93,7 @@ def test_a_run_holding_its_directory_lock_is_not_called_dead(tmp_path):
 
 
 def test_one_layout_names_every_file_for_the_writers_and_the_readers(tmp_path):
-    from ds_train.rundir import KINDS, RunPaths
+    from ds_train.checkpoint.rundir import KINDS, RunPaths
 
     paths = RunPaths(tmp_path)
     assert paths.metrics == tmp_path / "metrics.jsonl" and paths.rank_log(3) == tmp_path / "logs" / "rank_3.log"

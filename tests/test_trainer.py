@@ -105,7 +105,7 @@ def test_logged_loss_is_the_token_weighted_mean_over_all_ranks(stage_run, tiny_d
     with the model's own (Hugging Face) loss path."""
     import torch
 
-    from ds_train.configfile import build_config
+    from ds_train.config.file import build_config
     from ds_train.data.datasets import TokenData, rank_micro_batches
     from ds_train.data.meta import load_meta
     from transformers import set_seed
@@ -220,7 +220,7 @@ def test_fine_tuning_a_local_pretrained_model_on_conversations_lowers_the_held_o
     from ds_train.data.datasets import SftData, eval_micro_batches
     from ds_train.data.meta import load_meta
     from ds_train.data.tokenizer import train_tokenizer
-    from ds_train.losses import forward_loss
+    from ds_train.train.losses import forward_loss
     from test_data import CHAT_TEMPLATE
 
     records = _chat_records(240)

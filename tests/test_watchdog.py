@@ -11,8 +11,8 @@ import time
 import pytest
 
 from conftest import ROOT, deepspeed_args, deepspeed_train, reap, spawn, tiny_config, write_config
-from ds_train.doctor import diagnose
-from ds_train.rundir import read_metrics
+from ds_train.checkpoint.rundir import read_metrics
+from ds_train.observe.doctor import diagnose
 from test_monitor import frame
 
 
@@ -25,8 +25,8 @@ def test_a_heartbeat_file_is_written_and_a_stall_in_one_process_is_reported(tmp_
     code = f"""
 import time
 from pathlib import Path
-from ds_train.rundir import RunPaths
-from ds_train.watchdog import Heartbeat, Watchdog
+from ds_train.checkpoint.rundir import RunPaths
+from ds_train.observe.watchdog import Heartbeat, Watchdog
 hb = Heartbeat(0, 0, "h0")
 w = Watchdog(hb, RunPaths({str(tmp_path)!r}), 1, stall_s=1.5, heartbeat_s=0.2).start()
 hb.beat(1, "data")

@@ -7,11 +7,12 @@ from pathlib import Path
 
 import torch
 
-from ds_train import checkpoint, dist
-from ds_train.configfile import load_config
+from ds_train import dist
+from ds_train.checkpoint import commit as checkpoint
+from ds_train.config.file import load_config
 from ds_train.inputs import check_inputs
 from ds_train.run import build_run
-from ds_train.trainer import train_spec
+from ds_train.train.loop import train_spec
 
 config, ds_config, ckpt_dir, tag, out = [a for a in sys.argv[1:] if not a.startswith("--")]
 cfg = load_config(config, [f"output_dir={Path(out).parent / 'probe_run'}", "checkpoint.resume=none"])

@@ -10,7 +10,7 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from ds_train import dist
-from ds_train.losses import forward_loss, token_mean
+from ds_train.train.losses import forward_loss, token_mean
 
 env = dist.detect_env()
 dist.init(env)

@@ -76,7 +76,7 @@ def keep(run: Path, dest: Path) -> None:
 def verdict(case: Path, name: str) -> list[list[dict]]:
     """What the doctor says of everything kept together, then of the run directory alone (as
     tests/test_doctor.py asks it), cites named as they will be under tests/fixtures/doctor/gpu/NAME."""
-    from ds_train.doctor import diagnose
+    from ds_train.observe.doctor import diagnose
 
     said = []
     for paths in ([str(case / "console.log"), str(case / "run")], [str(case / "run")]):

@@ -5,7 +5,7 @@
 
 A ~124M-parameter Llama, seq 2048, bf16, on one GPU: for each micro-batch size x ZeRO stage x
 activation checkpointing off / on, one `ds-train dry-run --nodes 1 --gpus-per-node 1` in its own
-process. The dry run predicts the per-GPU peak (ds_train/memory.py) and measures
+process. The dry run predicts the per-GPU peak (ds_train/plan/memory.py) and measures
 torch.cuda.max_memory_allocated over real steps; error = predicted / measured - 1 (the issue asks
 for |error| <= 10% in every case). results: OUT/memory.json. On the CPU (--reduced) the
 "measured" figure is the process's RSS growth, so the errors there mean nothing.

@@ -201,7 +201,7 @@ def worker_side(args, out: Path, side: str) -> dict:
 def summarise(args, sides: dict, model: dict, seq: int) -> dict:
     from transformers import AutoConfig
 
-    from ds_train.metrics import peak_flops
+    from ds_train.observe.metrics import peak_flops
     from ds_train.model.build import flops_per_token, lookup_params
 
     v = versions()

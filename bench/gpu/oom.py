@@ -12,7 +12,7 @@ that is recorded and the next one up is tried.
 
 --reduced: a CPU has no device-memory limit, so no real OOM happens. The planner is given a
 memory it calls too small for the micro-batch, the run is recorded as finishing, and the fix is
-taken from the report that `ds_train.plan.oom_report` (the function the OOM path prints) writes for
+taken from the report that `ds_train.plan.planner.oom_report` (the function the OOM path prints) writes for
 that run; the fix's run then checks the rest of the script.
 """
 
@@ -52,9 +52,9 @@ def gpu_memory_gib() -> float:
 
 def planner(cfg_path: Path, memory: float) -> dict:
     """The given row of the estimate (ZeRO-2, this micro-batch) for one GPU of `memory` GiB."""
-    from ds_train.configfile import load_config
+    from ds_train.config.file import load_config
     from ds_train.dryrun import run_estimate
-    from ds_train.plan import Target
+    from ds_train.plan.planner import Target
 
     out = run_estimate(load_config(cfg_path), str(DS_CONFIG), Target(1, 1, memory), None)
     return next(r for r in out["rows"] if r["given"])
@@ -90,7 +90,7 @@ def main(argv=None) -> int:
                           global_batch=4 * micro, steps=STEPS, dtype=dtype)
 
     if args.reduced:  # a memory the planner calls too small for micro-batch 2, not for 1
-        from ds_train.plan import USABLE
+        from ds_train.plan.planner import USABLE
 
         rows = {m: planner(config(m), 1e6)["gpu_peak_gib"] for m in (1, 2)}
         memory = (rows[1] + rows[2]) / 2 / USABLE
@@ -120,8 +120,8 @@ def main(argv=None) -> int:
     elif args.reduced and attempt["exit"] == 0:
         from transformers import AutoConfig
 
-        from ds_train.configfile import load_config
-        from ds_train.plan import oom_report
+        from ds_train.config.file import load_config
+        from ds_train.plan.planner import oom_report
 
         run = out / "runs" / f"oom_m{micro}"
         report = oom_report(load_config(config(micro)), json.loads((run / "ds_config.json").read_text()),

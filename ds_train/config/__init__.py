@@ -1,6 +1,6 @@
 """The run configuration: frozen dataclasses, one per section, each with its own checks.
 
-Field metadata carries the help text `ds-train train --help-config` prints; ds_train/configfile.py
+Field metadata carries the help text `ds-train train --help-config` prints; ds_train/config/file.py
 reads YAML and `key=value` overrides into these classes and reports every problem at once.
 """
 
@@ -224,7 +224,7 @@ class OptimConfig(Section):
 
 @dataclass(frozen=True)
 class ParallelConfig(Section):
-    """How each data-parallel group of ranks divides a model (ds_train/parallel.py)."""
+    """How each data-parallel group of ranks divides a model (ds_train/plan/parallel.py)."""
 
     sequence: int = _f(1, "Sequence-parallel ranks per data-parallel group (DeepSpeed Ulysses): each holds "
                           "1/sequence of every sequence. 1: off. The data-parallel size is world / "
@@ -321,7 +321,7 @@ WATCHDOG_FAULTS = ("stall", "slow", "raise", "kill", "device_assert")
 
 @dataclass(frozen=True)
 class WatchdogConfig(Section):
-    """Heartbeats, hangs and stragglers (ds_train/watchdog.py)."""
+    """Heartbeats, hangs and stragglers (ds_train/observe/watchdog.py)."""
 
     stall_s: float = _f(300.0, "A rank that makes no progress this long (no new phase of a step, no checkpoint "
                                "I/O while saving) ends the job with a hang report naming it (exit 5); 0 "

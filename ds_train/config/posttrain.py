@@ -106,7 +106,7 @@ class RiptConfig(Section):
 @dataclass(frozen=True)
 class DpoConfig(Section):
     """Preference training (data.format preference): a loss on chosen / rejected pairs against a
-    frozen reference model (ds_train/preference.py)."""
+    frozen reference model (ds_train/train/preference.py)."""
 
     loss: Literal["sigmoid", "ipo", "sigmoid_norm"] = _f(
         "sigmoid", "sigmoid: DPO (Rafailov et al. 2023), -log sigmoid(beta x margin) of the summed log-prob "

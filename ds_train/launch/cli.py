@@ -18,10 +18,10 @@ import sys
 from pathlib import Path
 from typing import Callable
 
+from ds_train.checkpoint.rundir import RunPaths
 from ds_train.errors import OneLineParser, UserError
 from ds_train.fs import write_atomic
-from ds_train.launchers import BEAT_ENV, BEAT_S, launch_beat_s
-from ds_train.rundir import RunPaths
+from ds_train.observe.launchers import BEAT_ENV, BEAT_S, launch_beat_s
 
 # DeepSpeed's runner default (deepspeed.constants.TORCH_DISTRIBUTED_DEFAULT_PORT).
 DEFAULT_MASTER_PORT = 29500
@@ -192,7 +192,7 @@ def cmd_launch(args) -> int:
         return 0
 
     # The host of each node, in rank order: a rank that never reaches the rendezvous is named by it.
-    variables = {**variables, "DS_TRAIN_HOSTS": ",".join(pool), BEAT_ENV: f"{beat_s:g}"}  # see ds_train/launchers.py
+    variables = {**variables, "DS_TRAIN_HOSTS": ",".join(pool), BEAT_ENV: f"{beat_s:g}"}  # see observe/launchers.py
     env_file = envfile.write_env_file(Path(cfg.output_dir) / envfile.ENV_FILE, variables)
     print(f"launch: wrote {env_file} ({', '.join(variables)})")
     cmd = _deepspeed_cmd(opts, passthrough, python, result.master_addr, result.master_port, command_argv)
@@ -215,7 +215,6 @@ def supervise(cmd: list[str], env: dict[str, str], master_addr: str, master_port
     import time
 
     from ds_train import dist
-
     started = time.time()
     proc = subprocess.Popen(cmd, env=env)
     signals = []

@@ -4,7 +4,7 @@ torch.compile of each decoder layer (model.compile).
 Liger's kernels replace the model's RMSNorm, RoPE and SwiGLU MLP.
 liger-kernel (`pip install liger-kernel`) patches a Hugging Face model in place: each RMSNorm and
 MLP instance gets Liger's forward, and the model type's module-level rotary function Liger's. Its
-loss kernels are not used: ds_train's loss (ds_train/losses.py) is already fused in tiles. Where the
+loss kernels are not used: ds_train's loss (ds_train/train/losses.py) is already fused in tiles. Where the
 kernels cannot run (no CUDA device, the package missing, a model type Liger does not cover) the run
 goes on without them, and one line says why.
 """

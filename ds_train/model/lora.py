@@ -4,7 +4,7 @@ DeepSpeed wraps it, which partitions the new adapter weights with the rest); the
 (QLoRA) where bitsandbytes and a CUDA GPU are present.
 
 Only the adapters (and modules_to_save) require grad, so only they reach the optimizer: a frozen
-base holds no gradients and no optimizer states (ds_train.memory counts it that way).
+base holds no gradients and no optimizer states (ds_train.plan.memory counts it that way).
 """
 
 from __future__ import annotations

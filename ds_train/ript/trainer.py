@@ -17,23 +17,23 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from ds_train import dist
-from ds_train.batch import rollout_update_steps
+from ds_train.checkpoint.rundir import RIPT
 from ds_train.config import RunConfig
 from ds_train.errors import UserError
 from ds_train.fs import write_atomic
 from ds_train.inputs import RunInputs, check_inputs
-from ds_train.metrics import Interval
-from ds_train.parallel import plan_dims
+from ds_train.observe.metrics import Interval
+from ds_train.plan.batch import rollout_update_steps
+from ds_train.plan.parallel import plan_dims
 from ds_train.ript.algorithms import PolicyStats, keep_mask
 from ds_train.ript.datatask import check_task_entries, load_tasks, split_for_ranks
-from ds_train.reference import build_reference, report_reference
 from ds_train.ript.rollout import Episode, max_rollout_tokens, model_policy, rollout, scripted_policy
 from ds_train.ript.sampler import ContextSampler, Tally, by_family, family, merge_states
 from ds_train.ript.sharding import format_shards, shard_tasks
 from ds_train.ript.tasks import load_object
 from ds_train.ript.update import update
 from ds_train.run import Run, RunSpec, build_run
-from ds_train.rundir import RIPT
+from ds_train.train.reference import build_reference, report_reference
 
 
 def ript_spec(cfg: RunConfig) -> RunSpec:
@@ -114,7 +114,7 @@ class RiptJob:
     sampler: ContextSampler
     scripted: Any
     pending: dict = field(default_factory=dict)  # this rank's counts not yet synced, from a checkpoint
-    reference: Any = None  # the KL term's reference policy (ds_train/reference.py), or None
+    reference: Any = None  # the KL term's reference policy (ds_train/train/reference.py), or None
 
     @property
     def mine(self) -> list[str]:

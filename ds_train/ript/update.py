@@ -17,10 +17,10 @@ from ds_train import dist
 from ds_train.guard import backward_step
 from ds_train.ript.algorithms import (KL_ESTIMATORS, Norms, PolicyStats, advantages, aggregate,
                                       clipped_policy_loss, overlong_penalty)
-from ds_train.reference import Reference
 from ds_train.ript.rollout import Episode, max_rollout_tokens
 from ds_train.ript.sampler import std_from_sums
 from ds_train.run import Run
+from ds_train.train.reference import Reference
 
 
 def _token_logp(engine, ids):

@@ -1,17 +1,17 @@
 """The memory plan of a run for a target cluster: ZeRO 0-3 side by side, ranked fixes, presets,
-and the report printed after a real out-of-memory. Pure arithmetic over ds_train/memory.py: no
+and the report printed after a real out-of-memory. Pure arithmetic over ds_train/plan/memory.py: no
 accelerator, no process group."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ds_train.batch import sample_rows, valid_micro_batch_sizes
 from ds_train.config import RunConfig
+from ds_train.dsconfig import resolve_zero, shipped_zero
 from ds_train.errors import UserError
-from ds_train.engine import resolve_zero, shipped_zero
-from ds_train.memory import GiB, Estimate, ModelShape, estimate, model_shape
-from ds_train.parallel import plan_dims
+from ds_train.plan.batch import sample_rows, valid_micro_batch_sizes
+from ds_train.plan.memory import GiB, Estimate, ModelShape, estimate, model_shape
+from ds_train.plan.parallel import plan_dims
 
 PRESETS = {"conservative": 0.5, "balanced": 0.7, "aggressive": 0.9}  # target fraction of GPU memory
 # What a plan may fill of a GPU's memory and still say "fits": the CUDA context, the cuBLAS and NCCL
@@ -101,7 +101,7 @@ def stage_zero(name: str, shape: ModelShape) -> dict:
 
 
 def resolved_zero(template: dict, shape: ModelShape) -> dict:
-    """The template's zero_optimization section as the run renders it (engine.resolve_zero)."""
+    """The template's zero_optimization section as the run renders it (dsconfig.resolve_zero)."""
     return resolve_zero(dict(template.get("zero_optimization", {"stage": 0})), shape.hidden)
 
 

@@ -15,6 +15,7 @@ from typing import Any, Callable
 import numpy as np
 
 from ds_train import dist
+from ds_train.checkpoint.rundir import TRAIN
 from ds_train.config import RunConfig
 from ds_train.data.datasets import Datasets, rank_micro_batches, sequence_shard
 from ds_train.data.examples import Batch
@@ -23,13 +24,12 @@ from ds_train.faults import loss_fault
 from ds_train.fs import write_atomic
 from ds_train.guard import backward_step
 from ds_train.inputs import check_inputs
-from ds_train.losses import forward_loss
-from ds_train.meters import ComputeClock, Evaluator, StepMeter
-from ds_train.metrics import Interval
-from ds_train.preference import preference_step
-from ds_train.reference import PairReference, preference_reference
-from ds_train.rundir import TRAIN
+from ds_train.observe.metrics import Interval
 from ds_train.run import Run, RunSpec, build_run
+from ds_train.train.losses import forward_loss
+from ds_train.train.meters import ComputeClock, Evaluator, StepMeter
+from ds_train.train.preference import preference_step
+from ds_train.train.reference import PairReference, preference_reference
 
 
 def train_spec(cfg: RunConfig, keep_group: bool = False) -> RunSpec:
@@ -182,8 +182,8 @@ def generate_sample(run: Run) -> str:
 
 def maybe_export_final(run: Run) -> str:
     """Rank 0 writes the HF directory from the final checkpoint (all ranks wait for the save)."""
-    from ds_train.checkpoint import tag_for
-    from ds_train.export import export
+    from ds_train.checkpoint.commit import tag_for
+    from ds_train.checkpoint.export import export
 
     run.beat(run.cfg.train.max_steps, "export")  # untimed: the other ranks wait for rank 0
     dist.barrier()

@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from ds_train.rundir import TRAIN, RunKind, series
+from ds_train.checkpoint.rundir import TRAIN, RunKind, series
 
 TASK_SUCCESS = re.compile(r"^task/(.+)/success_rate$")
 HELDOUT_TASK = re.compile(r"^eval/(.+)/success$")

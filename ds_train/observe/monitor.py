@@ -11,8 +11,8 @@ from __future__ import annotations
 import re
 import time
 
+from ds_train.checkpoint.rundir import RunView, read_run, series
 from ds_train.errors import UserError
-from ds_train.rundir import RunView, read_run, series
 
 SPARKS = "▁▂▃▄▅▆▇█"
 ENDED = ("finished", "stopped", "failed", "hung", "dead")

@@ -1,7 +1,7 @@
 """The checkpointer: at each step boundary it decides whether the step is its (every
 checkpoint.every steps, the last step, or a stop every rank agreed on), checks the free space, saves
-(ds_train/checkpoint.py; periodic saves in the background with checkpoint.async_save,
-ds_train/asyncsave.py) and turns a failed write into one line; checkpoint.debug_fault injects a
+(ds_train/checkpoint/commit.py; periodic saves in the background with checkpoint.async_save,
+ds_train/checkpoint/asyncsave.py) and turns a failed write into one line; checkpoint.debug_fault injects a
 crash or a full disk at a phase of a save (ds_train/faults.py)."""
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from pathlib import Path
 from typing import Callable
 
 from ds_train import dist
-from ds_train.asyncsave import Abandoned, BackgroundSave
-from ds_train.checkpoint import latest_complete, save, tag_for, weights_finite
+from ds_train.checkpoint.asyncsave import Abandoned, BackgroundSave
+from ds_train.checkpoint.commit import latest_complete, save, tag_for, weights_finite
 from ds_train.config import CheckpointConfig
 from ds_train.errors import AgreedError, Preempted, UserError
 from ds_train.faults import save_fault

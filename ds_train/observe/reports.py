@@ -2,7 +2,7 @@
 of a hang never arrived and which wait in a collective, which rank failed first, which rank
 straggles; plus reading a thread's stack (the collective it waits in, every thread's frames).
 
-ds_train/watchdog.py gathers the ranks' records (heartbeats, failures) and calls these; `ds-train
+ds_train/observe/watchdog.py gathers the ranks' records (heartbeats, failures) and calls these; `ds-train
 launch` prints the line they make as the job's last.
 """
 
@@ -62,7 +62,7 @@ def collective_in(exc: BaseException) -> str | None:
 
 
 def short_path(path: str) -> str:
-    """A path from its package on: ds_train/trainer.py, deepspeed/runtime/engine.py."""
+    """A path from its package on: ds_train/train/loop.py, deepspeed/runtime/engine.py."""
     m = re.search(r"(ds_train|deepspeed|torch|transformers)/.*$", path)
     return m.group(0) if m else Path(path).name
 

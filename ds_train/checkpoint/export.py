@@ -24,10 +24,10 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from ds_train import checkpoint
+from ds_train.checkpoint import commit as checkpoint
+from ds_train.checkpoint.rundir import RunPaths
 from ds_train.errors import UserError
 from ds_train.fs import check_writable, write_atomic
-from ds_train.rundir import RunPaths
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".index.json")
 

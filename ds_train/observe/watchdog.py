@@ -10,7 +10,7 @@ run directories work) and to the rendezvous store, which every rank reads withou
 A rank that makes no progress for watchdog.stall_s raises the alarm in the store. Every rank then
 writes the stacks of its threads to logs/stacks_rank_<r>.txt (py-spy's native frames too, where
 installed) and publishes its state; the lowest rank still answering prints the hang report
-(ds_train/reports.py): the ranks that wait inside a collective and the ones that never arrived,
+(ds_train/observe/reports.py): the ranks that wait inside a collective and the ones that never arrived,
 with host, phase and step. Every rank then exits with EXIT_STALL, long before the process-group
 timeout.
 
@@ -30,10 +30,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from ds_train.checkpoint.rundir import RunPaths
 from ds_train.fs import replacing
-from ds_train.rundir import RunPaths
-from ds_train.reports import (collective_in, collective_of, doctor_hint, failure_report, format_stacks, hang_report,
-                              is_secondary, main_frame, native_stacks, short_path, where)
+from ds_train.observe.reports import (collective_in, collective_of, doctor_hint, failure_report, format_stacks,
+                                      hang_report, is_secondary, main_frame, native_stacks, short_path, where)
 
 EXIT_STALL = 5
 # Phases in which checkpoint I/O counts as progress (a large save writes for minutes).
@@ -104,7 +104,7 @@ class Watchdog:
                  channel=None, device_index: int | None = None,
                  on_signal: Callable[[int], None] = lambda signum: None, launchers=None):
         self.hb, self.paths, self.world = hb, paths, world
-        self.launchers = launchers  # a LauncherWatch (ds_train/launchers.py): one gone stops the run
+        self.launchers = launchers  # a LauncherWatch (ds_train/observe/launchers.py): one gone stops the run
         self.stall_s, self.heartbeat_s = stall_s, heartbeat_s
         self.channel, self.device_index, self.on_signal = channel, device_index, on_signal
         self.path = paths.heartbeat(hb.rank)

@@ -12,11 +12,11 @@ import time
 
 from ds_train import dist
 from ds_train.data.datasets import eval_micro_batches, sequence_shard
-from ds_train.losses import forward_loss, token_mean
-from ds_train.metrics import Interval, memory_gib, mfu
-from ds_train.preference import mean_metrics, pair_losses
-from ds_train.reports import stragglers
+from ds_train.observe.metrics import Interval, memory_gib, mfu
+from ds_train.observe.reports import stragglers
 from ds_train.run import Run
+from ds_train.train.losses import forward_loss, token_mean
+from ds_train.train.preference import mean_metrics, pair_losses
 
 
 class ComputeClock:
@@ -67,7 +67,7 @@ class StepMeter:
         self.warm = False  # the first window holds one-time costs (allocations, kernel choice)
 
     def maybe_measure(self, step: int, result, skipped_steps: int) -> dict:
-        """`result`: the step's StepResult (ds_train.trainer); `skipped_steps`: so far, in all."""
+        """`result`: the step's StepResult (ds_train.train.loop); `skipped_steps`: so far, in all."""
         self.window_steps += 1
         if step not in self.interval:
             return {}

@@ -3,7 +3,7 @@
 DeepSpeed's invariant: train_batch_size = train_micro_batch_size_per_gpu
                                           x gradient_accumulation_steps x data-parallel size,
 where the data-parallel size is the world size divided by the sequence- and tensor-parallel sizes
-(ds_train/parallel.py): the ranks of one data-parallel group read the same batch.
+(ds_train/plan/parallel.py): the ranks of one data-parallel group read the same batch.
 """
 
 from __future__ import annotations

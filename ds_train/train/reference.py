@@ -31,16 +31,16 @@ import numpy as np
 
 from ds_train import dist
 from ds_train.data.datasets import Datasets
-from ds_train.data.pairs import PairBatch
 from ds_train.data.meta import read_meta_json
+from ds_train.data.pairs import PairBatch
 from ds_train.engine import initialize
 from ds_train.fs import replacing, write_atomic
-from ds_train.memory import parameter_bytes_beside
 from ds_train.model.build import INIT_SCHEME, build_model
 from ds_train.model.lora import enabled as lora_enabled
 from ds_train.model.weights import fingerprint, weight_files
-from ds_train.preference import sequence_logps
+from ds_train.plan.memory import parameter_bytes_beside
 from ds_train.run import Run
+from ds_train.train.preference import sequence_logps
 
 
 class Reference:

@@ -82,7 +82,7 @@ class RunKind:
     results: str  # the results file's name
     console_keys: tuple[str, ...]  # what the console prints per logged step
     curves: tuple[tuple[str, str], ...]  # the monitor's metric rows: (label, metric key)
-    figures: tuple[str, ...]  # the plots a finished run writes (ds_train.plots.FIGURES)
+    figures: tuple[str, ...]  # the plots a finished run writes (ds_train.observe.plots.FIGURES)
     progress: tuple[str, str]  # the metric the progress bar shows, and its label
     per_task: bool = False  # the monitor shows success per task
 

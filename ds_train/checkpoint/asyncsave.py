@@ -3,11 +3,11 @@
 Training stops only while DeepSpeed's `save_checkpoint` runs against a checkpoint engine that
 copies what it is handed into host memory instead of writing it (`Capture`): every rank's model
 and optimizer states and its rank file, snapshots the next step cannot change. A thread then
-writes them and runs the same commit protocol as a save that blocks (ds_train/checkpoint.py's
+writes them and runs the same commit protocol as a save that blocks (ds_train/checkpoint/commit.py's
 `commit`), its barriers and rank 0's prune list passed through the rendezvous store instead of
 collectives: the completeness marker only after every rank's files are durable, `latest` only
 after the marker, so a crash at any moment leaves whole tags. One save is in flight at a time: the
-next save, a stop and the run's last step wait for it (ds_train/checkpointer.py).
+next save, a stop and the run's last step wait for it (ds_train/checkpoint/checkpointer.py).
 
 Costs: host memory for one copy of this rank's checkpoint state while it is written, and the CPU
 the writer takes from the loop's host work.
@@ -24,9 +24,7 @@ import traceback
 from pathlib import Path
 from typing import Any, Callable
 
-from ds_train import checkpoint
-
-
+from ds_train.checkpoint import commit as checkpoint
 def snapshot(obj: Any, memo: dict | None = None) -> Any:
     """A copy of a state dict in host memory: tensors copied storage by storage (views of one
     storage stay views of one copy, as torch.save would write them), containers rebuilt, other

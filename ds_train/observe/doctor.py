@@ -15,9 +15,9 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ds_train.doctor_fixes import fixes
+from ds_train.checkpoint.rundir import RunPaths, read_run
 from ds_train.errors import UserError
-from ds_train.rundir import RunPaths, read_run
+from ds_train.observe.doctor_fixes import fixes
 
 # (class, title, pattern). Order: most specific first; a line takes the first class that matches.
 PATTERNS: list[tuple[str, str, str]] = [
@@ -280,7 +280,7 @@ def _post_training(view, found: dict[str, Finding]) -> None:
 def _stuck_without_report(view, found: dict[str, Finding]) -> None:
     """A job that ended (no live heartbeat) while its ranks had stopped moving, and no watchdog said
     so (watchdog.stall_s=0, or killed from outside first): the heartbeats tell who waited for whom."""
-    from ds_train.reports import classify, where
+    from ds_train.observe.reports import classify, where
 
     quiet = max(60.0, 30 * view.heartbeat_s)
     records = view.heartbeats

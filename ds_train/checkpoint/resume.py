@@ -19,14 +19,14 @@ from pathlib import Path
 from typing import Any
 
 from ds_train import dist
-from ds_train.checkpoint import (STATE_FILE, TAG_RE, UNIVERSAL_SUFFIX, ds_to_universal, has_frozen, is_complete,
-                                 latest_complete, manifest_file, rank_file, rank_missing, read_latest, read_marker,
-                                 save_order, saved_parallel, set_rng_state, universal_dir)
+from ds_train.checkpoint.commit import (STATE_FILE, TAG_RE, UNIVERSAL_SUFFIX, ds_to_universal, has_frozen, is_complete,
+                                        latest_complete, manifest_file, rank_file, rank_missing, read_latest,
+                                        read_marker, save_order, saved_parallel, set_rng_state, universal_dir)
+from ds_train.checkpoint.rundir import RunPaths
 from ds_train.config import RunConfig
 from ds_train.errors import UserError
 from ds_train.fs import file_lock, write_atomic
-from ds_train.parallel import ParallelDims
-from ds_train.rundir import RunPaths
+from ds_train.plan.parallel import ParallelDims
 
 # Keys that may not change on resume: the model's shape, and what defines the data stream
 # (sample g of step s is a function of seed, seq_len and global batch). Training knobs may change.

@@ -1,4 +1,5 @@
-"""What DeepSpeed would do with a template's scheduler and optimizer sections, checked before it builds
+"""A DeepSpeed JSON template (--ds-config, ds_configs/*.json): read, its ZeRO section's "auto" sizes
+derived, and what DeepSpeed would do with its scheduler and optimizer sections, checked before it builds
 them: a known schedule, the arguments its class takes and its numbers in range; an Adam's arguments
 against the class DeepSpeed picks. Each wrong value is one line (DeepSpeed raised a traceback from
 deepspeed.initialize, after the run directory was written)."""
@@ -7,8 +8,35 @@ from __future__ import annotations
 
 import difflib
 import math
+from pathlib import Path
 
 from ds_train.errors import UserError
+from ds_train.fs import read_json
+
+AUTO = "auto"
+
+
+def read_ds_template(path: str | Path) -> dict:
+    """The DeepSpeed JSON given as --ds-config; one line naming it when it cannot be read."""
+    return read_json(Path(path), "DeepSpeed JSON file", "--ds-config", hint="see ds_configs/ for the ZeRO stages")
+
+
+def resolve_zero(zero: dict, hidden: int) -> dict:
+    """A zero_optimization section with its "auto" bucket sizes derived from the hidden size (the
+    Hugging Face Trainer's rule, for every stage): the one place they are computed, for the run's
+    ds_config and for the memory plan alike. Explicit values and missing keys (DeepSpeed's
+    defaults) are left as they are."""
+    derived = {"reduce_bucket_size": hidden * hidden,
+               "stage3_prefetch_bucket_size": int(0.9 * hidden * hidden),
+               "stage3_param_persistence_threshold": 10 * hidden}
+    return {**zero, **{key: value for key, value in derived.items() if zero.get(key) == AUTO}}
+
+
+def shipped_zero(name: str) -> dict:
+    """The zero_optimization section of ds_configs/<name>.json (zero0 ... zero3, zero3_offload): what
+    a user switching to that file gets (the memory plan's other rows and fixes)."""
+    path = Path(__file__).resolve().parents[1] / "ds_configs" / f"{name}.json"
+    return dict(read_ds_template(path)["zero_optimization"])
 
 # The numbers of DeepSpeed's schedules (deepspeed/runtime/lr_schedules.py), each declared once: the type it
 # must be and its inclusive bounds (None: open). DeepSpeed passes scheduler.params to the class as they are.

@@ -1,7 +1,7 @@
 """Where a run writes: its directory checked and held (one run at a time), one file system for all
 ranks or one per node (node-local disks), a fresh start's clean slate, and env.json's record.
 
-File names are ds_train/rundir.py's (RunPaths); this module decides who writes them.
+File names are ds_train/checkpoint/rundir.py's (RunPaths); this module decides who writes them.
 """
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ import shutil
 import uuid
 
 from ds_train import dist
+from ds_train.checkpoint.rundir import KINDS, RunPaths
 from ds_train.errors import AgreedError, UserError
 from ds_train.fs import hold_lock
-from ds_train.rundir import KINDS, RunPaths
 
 SHARED, NODE_LOCAL = "shared", "node-local"
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from ds_train.config import ParallelConfig, RunConfig
 from ds_train.errors import UserError
-from ds_train.memory import tp_plan
+from ds_train.plan.memory import tp_plan
 
 @dataclass(frozen=True)
 class ParallelDims:

@@ -16,9 +16,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+from ds_train.checkpoint.rundir import RunKind, RunPaths
 from ds_train.errors import UserError
 from ds_train.fs import replacing, write_atomic
-from ds_train.rundir import RunKind, RunPaths
 
 # Peak dense bf16 tensor TFLOP/s per device, from the vendors' data sheets (SXM parts).
 # The longest matching name wins ("H100 PCIE" before "H100", "L40S" before "L40" before "L4").

@@ -86,7 +86,7 @@ def pair_losses(model, batch: PairBatch, reference_logps: Callable, dpo: DpoConf
 
 @dataclass
 class PairStepResult:
-    """One optimizer step on pairs (ds_train.trainer.StepResult's fields, `tokens` counting pairs)."""
+    """One optimizer step on pairs (ds_train.train.loop.StepResult's fields, `tokens` counting pairs)."""
     loss_sum: Any
     tokens: int
     grad_norm: float | None

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import yaml
 
+from ds_train.checkpoint.rundir import read_json
 from ds_train.errors import UserError
-from ds_train.rundir import read_json
 
 
 def _match(f, pattern: str) -> str:
@@ -24,13 +24,13 @@ def _match(f, pattern: str) -> str:
 
 def _planned_fix(view, gpu_gib: float) -> list[str]:
     """The cheapest change the memory planner says fits this run on GPUs of `gpu_gib`."""
-    from ds_train.configfile import load_config
-    from ds_train.plan import Target, ds_config_dtype, pick_preset, plan_rows, suggestions
+    from ds_train.config.file import load_config
+    from ds_train.plan.planner import Target, ds_config_dtype, pick_preset, plan_rows, suggestions
 
     try:
         cfg = load_config(str(view.paths.config), [])
         ds_config = read_json(view.paths.ds_config) or {}
-        from ds_train.memory import model_shape
+        from ds_train.plan.memory import model_shape
         from ds_train.model.hfconfig import build_hf_config
 
         # The run's own model config (hf_model/, written at start-up), else the config's, vocabulary as planned.
