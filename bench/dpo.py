@@ -9,10 +9,10 @@ read by the later launches), evaluating every 25 steps on held-out pairs (eval/r
 The seconds are those a user waits: from the launch to the evaluation, start-up and the reference
 pass included. The final figure is then checked apart from the run: the bench loads the exported
 model, computes every held-out pair's log-probs itself and its rewards against the stored
-reference log-probs, per kind of pair. --write rewrites the dpo-bench blocks of README.md and
-BENCHMARKS.md. --reduced: the first loss alone, 2 steps, evaluated on one batch at the end, and
-nothing written into README.md or BENCHMARKS.md: the CPU check that the bench runs end to end
-(tests/test_doc_commands.py), measuring nothing.
+reference log-probs, per kind of pair. --write rewrites the dpo-bench blocks of docs/fine_tuning.md
+and BENCHMARKS.md. --reduced: the first loss alone, 2 steps, evaluated on one batch at the end, and
+nothing written into docs/fine_tuning.md or BENCHMARKS.md: the CPU check that the bench runs end to
+end (tests/test_doc_commands.py), measuring nothing.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ from bench import cli  # noqa: E402
 from bench.rl_vs_sft import machine, rewrite, versions  # noqa: E402
 
 RECIPE = ROOT / "recipes" / "dpo.yaml"
+FIGURES = ROOT / "docs" / "fine_tuning.md"  # the page with the dpo-bench block
 KINDS = {"Tell me about my friend": "tone", "How do I": "refusal", "Describe the": "repetition",
          "Write a greeting": "faithful"}
 TARGET = 0.95
@@ -127,10 +128,10 @@ def tables(rows: list[dict], command: str) -> tuple[str, str]:
         body += (f"| {r['loss']} | {at} | {r['final_eval']:.3f} (step {r['steps']}, {r['job_s']:.0f} s) | "
                  f"{r['heldout']['accuracy']:.3f} of {r['heldout']['pairs']} | {kinds} |\n")
     when = time.strftime("%Y-%m-%d")
-    readme = f"Measured {when} on {machine()}, `{command}`:\n\n{head}{body}"
+    doc = f"Measured {when} on {machine()}, `{command}`:\n\n{head}{body}"
     section = (f"{when}, {machine()}, {versions()}; `{command}`. Data: {rows[0]['data']}. Seconds from the "
                f"launch (start-up and the reference pass included).\n\n{head}{body}")
-    return readme, section
+    return doc, section
 
 
 def main() -> None:
@@ -139,9 +140,11 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=0, help="train.max_steps (default: the recipe's)")
     ap.add_argument("--work", default=str(ROOT / "runs" / "bench_dpo"))
     ap.add_argument("--out", default="")
-    ap.add_argument("--write", action="store_true", help="rewrite the dpo-bench blocks of README.md and BENCHMARKS.md")
-    ap.add_argument("--reduced", action="store_true", help="the first loss, 2 steps, nothing written into README.md or "
-                                                           "BENCHMARKS.md: the CPU check that the bench runs")
+    ap.add_argument("--write", action="store_true", help="rewrite the dpo-bench blocks of docs/fine_tuning.md and "
+                                                          "BENCHMARKS.md")
+    ap.add_argument("--reduced", action="store_true", help="the first loss, 2 steps, nothing written into "
+                                                           "docs/fine_tuning.md or BENCHMARKS.md: the CPU check "
+                                                           "that the bench runs")
     args = ap.parse_args()
     if not (ROOT / "runs" / "quickstart" / "checkpoints").is_dir():
         raise cli.fail("runs/quickstart is missing; run `bash scripts/quickstart.sh` first")
@@ -158,12 +161,12 @@ def main() -> None:
     command = "python bench/dpo.py" \
         + (f" --losses {args.losses}" if args.losses != "sigmoid,ipo,sigmoid_norm" else "") \
         + (f" --steps {args.steps}" if args.steps else "") + (" --reduced" if args.reduced else "")
-    readme, section = tables(rows, command)
-    print(readme)
+    doc, section = tables(rows, command)
+    print(doc)
     if args.write and not args.reduced:
-        rewrite(ROOT / "README.md", "dpo-bench", readme)
+        rewrite(FIGURES, "dpo-bench", doc)
         rewrite(ROOT / "BENCHMARKS.md", "dpo-bench", section)
-        print("rewrote the dpo-bench blocks of README.md and BENCHMARKS.md")
+        print(f"rewrote the dpo-bench blocks of {FIGURES.relative_to(ROOT)} and BENCHMARKS.md")
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
-"""A post-training demo of the README, run as written, against continued SFT for the same wall time;
-rewrites the README's and BENCHMARKS.md's figures of that demo from what it measured.
+"""A post-training demo of docs/post_training.md, run as written, against continued SFT for the same wall
+time; rewrites docs/post_training.md's and BENCHMARKS.md's figures of that demo from what it measured.
 
     python bench/rl_vs_sft.py [--demo ript|arith] [--replace] [--no-write] [--reduced]
 
@@ -7,23 +7,23 @@ ript: RIPT on the seven built-in tasks (recipes/ript_sft.yaml, then recipes/ript
 arith: RL from a dataset of arithmetic word problems with a numeric verifier (recipes/rl_sft.yaml,
 then recipes/rl_demo.yaml).
 
-1. SFT, the README's command: `deepspeed --num_gpus 2 --module ds_train train --config <sft recipe>
+1. SFT, the documented command: `deepspeed --num_gpus 2 --module ds_train train --config <sft recipe>
    --ds-config ds_configs/zero2.json`.
-2. RL, the README's command: `deepspeed --num_gpus 2 --module ds_train ript --config <rl recipe>
+2. RL, the documented command: `deepspeed --num_gpus 2 --module ds_train ript --config <rl recipe>
    --ds-config ds_configs/zero2.json`; the line it prints last ("ript: done, N iterations, held-out
-   success A (iteration 0) -> B (iteration N); ...") is the README's figure.
+   success A (iteration 0) -> B (iteration N); ...") is the page's figure.
 3. Continued SFT: the SFT run resumed into runs/bench_<demo>/sft_continued for at least as long as
    RL took (launcher start-ups included on both sides; topped up from its own checkpoint if short).
 4. Held-out success per task of all three with the RL run's own evaluation (greedy, the same contexts).
 
 The demo's run directories must not exist (the commands would resume them): --replace removes them,
 and the SFT data prepared for it, first. Writes runs/bench_<demo>/summary.json and, unless
---no-write, the marked blocks of README.md and BENCHMARKS.md (date, machine, versions, commands,
-numbers).
+--no-write, the marked blocks of docs/post_training.md and BENCHMARKS.md (date, machine, versions,
+commands, numbers).
 
 --reduced: the same commands with a few steps and tiny sizes (REDUCED_SFT, REDUCED_RL; continued SFT
-for 2 steps), writing neither README.md nor BENCHMARKS.md: a check that the demo runs end to end in
-a minute or two on a CPU (tests/test_doc_commands.py), measuring nothing.
+for 2 steps), writing neither docs/post_training.md nor BENCHMARKS.md: a check that the demo runs end
+to end in a minute or two on a CPU (tests/test_doc_commands.py), measuring nothing.
 """
 
 from __future__ import annotations
@@ -48,6 +48,8 @@ sys.path.insert(0, str(ROOT))
 
 from bench import cli  # noqa: E402
 
+FIGURES = ROOT / "docs" / "post_training.md"  # the demos' commands, and the blocks Demo.marker names
+
 # --reduced: SFT for 4 steps; RL for 1 iteration of 2 accepted contexts per rank (K 8: 16 rollouts, two
 # optimizer steps of 8 a rank), 16 held-out contexts per task.
 REDUCED_SFT = ("train.max_steps=4", "train.eval_batches=1", "log.every=1", "log.plots=false")
@@ -62,7 +64,7 @@ class Demo:
     sft_recipe: str
     rl_recipe: str
     name: str  # what the RL row is called
-    marker: str  # the README / BENCHMARKS.md blocks it rewrites
+    marker: str  # the FIGURES / BENCHMARKS.md blocks it rewrites
     what: str  # the held-out set, in words
 
     def cmd(self, command: str, recipe: str) -> str:
@@ -108,7 +110,7 @@ DEMOS = {"ript": Demo("recipes/ript_sft.yaml", "recipes/ript_demo.yaml", "RIPT",
 
 
 def run(command: str, *overrides: str, log: Path) -> tuple[float, str]:
-    """Run a README command (plus overrides) from the repository root, its output teed to `log`;
+    """Run a documented command (plus overrides) from the repository root, its output teed to `log`;
     returns the wall time and the output."""
     args = command.split() + list(overrides)
     args[0] = str(Path(sys.executable).parent / args[0])  # the venv's launcher
@@ -175,7 +177,7 @@ def versions() -> str:
 
 
 def tables(demo: Demo, s: dict) -> tuple[str, str]:
-    """(the README's paragraph, BENCHMARKS.md's section body) from the summary."""
+    """(the FIGURES paragraph, BENCHMARKS.md's section body) from the summary."""
     rows, tasks = s["rows"], list(s["rows"][demo.name]["per_task"])
     start, end, more = (rows[k]["success_rate"] for k in ("SFT (start)", demo.name, "SFT continued"))
     head = "| policy | wall s | held-out success | " + " | ".join(tasks) + " |\n|---|---|---|" + "---|" * len(tasks)
@@ -183,7 +185,7 @@ def tables(demo: Demo, s: dict) -> tuple[str, str]:
                       " | ".join(f"{row['per_task'][t]:.2f}" for t in tasks) + " |" for name, row in rows.items()]
     printed = s["printed"]
     bench = f"python bench/rl_vs_sft.py --demo {s['demo']}" + (" --reduced" if s.get("reduced") else "")
-    readme = (f"Measured on this 2-core CPU ({s['date']}, 2 processes, ZeRO-2, fp32; `{bench}` runs the two "
+    doc = (f"Measured on this 2-core CPU ({s['date']}, 2 processes, ZeRO-2, fp32; `{bench}` runs the two "
               f"commands above as written and writes these figures): the {demo.name} command prints "
               f"\"held-out success {printed[0]} (iteration 0) -> {printed[1]} (iteration {printed[2]})\", "
               f"**{100 * (end - start):+.1f} points** over the SFT start (greedy, {s['eval_contexts']} held-out "
@@ -192,7 +194,7 @@ def tables(demo: Demo, s: dict) -> tuple[str, str]:
               f"{rows['SFT continued']['seconds']:.0f} s instead reaches {more:.3f} ({100 * (end - more):+.1f} points "
               f"for {demo.name}). Per task:\n\n" + "\n".join(lines) + "\n")
     section = (f"- Date: {s['date']}. Machine: {s['machine']}; {s['versions']}.\n"
-               f"- Commands (the README's, as written): `{demo.sft_cmd}` ({s['sft_s']:.0f} s), then `{demo.rl_cmd}` "
+               f"- Commands (the docs', as written): `{demo.sft_cmd}` ({s['sft_s']:.0f} s), then `{demo.rl_cmd}` "
                f"({s['rl_s']:.0f} s; it printed \"held-out success {printed[0]} (iteration 0) -> {printed[1]} "
                f"(iteration {printed[2]})\"); continued SFT: the first command resumed from {demo.sft_dir.name} for "
                f"{s['rows']['SFT continued']['steps']} more steps. All by `{bench}`, which wrote this section.\n"
@@ -201,7 +203,7 @@ def tables(demo: Demo, s: dict) -> tuple[str, str]:
                f"{demo.name} column's start and end equal what the command printed).\n\n" + "\n".join(lines) + "\n\n"
                f"{demo.name} - SFT start: **{100 * (end - start):+.1f} points**; {demo.name} - SFT continued for "
                f"the same wall time: **{100 * (end - more):+.1f} points**.\n")
-    return readme, section
+    return doc, section
 
 
 def rewrite(path: Path, name: str, text: str) -> None:
@@ -219,15 +221,17 @@ def main() -> None:
     ap.add_argument("--demo", choices=sorted(DEMOS), default="ript", help="which demo (default ript)")
     ap.add_argument("--replace", action="store_true", help="remove the demo's run directories, its "
                                                            "runs/bench_<demo> and its prepared SFT data first")
-    ap.add_argument("--no-write", action="store_true", help="leave README.md and BENCHMARKS.md as they are")
-    ap.add_argument("--reduced", action="store_true", help="a few steps, tiny sizes, nothing written into README.md "
-                                                           "or BENCHMARKS.md: the CPU check that the demo runs")
+    ap.add_argument("--no-write", action="store_true", help="leave docs/post_training.md and BENCHMARKS.md as "
+                                                            "they are")
+    ap.add_argument("--reduced", action="store_true", help="a few steps, tiny sizes, nothing written into "
+                                                           "docs/post_training.md or BENCHMARKS.md: the CPU check "
+                                                           "that the demo runs")
     args = ap.parse_args()
     demo = DEMOS[args.demo]
     out = ROOT / "runs" / f"bench_{args.demo}"
     held = [str(p.relative_to(ROOT)) for p in (demo.sft_dir, demo.rl_dir, out) if p.exists()]
     if held and not args.replace:
-        raise cli.fail(f"{', '.join(held)} exist: the README's commands would resume them; give --replace to "
+        raise cli.fail(f"{', '.join(held)} exist: the documented commands would resume them; give --replace to "
                        f"remove them first")
     for p in (demo.sft_dir, demo.rl_dir, out, demo.data_dir):
         shutil.rmtree(p, ignore_errors=True)
@@ -259,12 +263,12 @@ def main() -> None:
                "versions": versions(), "sft_s": round(sft_s, 1), "rl_s": round(rl_s, 1), "printed": list(printed),
                "eval_contexts": cfg.ript.eval_contexts, "rows": rows}
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
-    readme, section = tables(demo, summary)
+    doc, section = tables(demo, summary)
     print(section)
     if not (args.no_write or args.reduced):
-        rewrite(ROOT / "README.md", demo.marker, readme)
+        rewrite(FIGURES, demo.marker, doc)
         rewrite(ROOT / "BENCHMARKS.md", demo.marker, section)
-        print(f"rewrote the {demo.marker} blocks of README.md and BENCHMARKS.md")
+        print(f"rewrote the {demo.marker} blocks of {FIGURES.relative_to(ROOT)} and BENCHMARKS.md")
 
 
 if __name__ == "__main__":

@@ -96,7 +96,7 @@ WAYS = [
     Way(_exact("ds-train estimate --config recipes/llama3_8b_128k.yaml --ds-config ds_configs/zero3.json "
                "--nodes 2 --gpus-per-node 8"), AS_WRITTEN, "arithmetic on the meta device: no GPU needed"),
     Way(r"(deepspeed --num_gpus 2 --module ds_train|ds-train) train --config C --ds-config ds_configs/zero[23]\.json",
-        CHECKED, "placeholder config C: parsed with --help; README.md:29 and :33 above resume the quickstart's "
+        CHECKED, "placeholder config C: parsed with --help; README.md:52 and :56 above resume the quickstart's "
         "run, on 2 processes and on 1", "ds-train train --help"),
     Way(r"\.\.\. checkpoint\.resume=.*", NOT_A_COMMAND,
         "overrides to add to the command above; tests/test_checkpoint.py resumes from a tag, from a path and "
@@ -164,10 +164,11 @@ WAYS = [
                "hostfile.example"), AS_WRITTEN, "real steps on this CPU, projected to the hostfile's 16 GPUs"),
     Way(r"deepspeed --num_gpus 2 --module ds_train (train|ript) --config recipes/(ript|rl)_(sft|demo)\.yaml "
         r"--ds-config ds_configs/zero2\.json", BY_ANOTHER,
-        "the bench two lines below launches exactly this command (checked by the fast test), reduced", ""),
+        "the bench two lines below it in docs/post_training.md launches exactly this command (checked by the "
+        "fast test), reduced", ""),
     Way(r"python bench/rl_vs_sft\.py (--demo arith )?--replace", REDUCED,
-        "--reduced: the SFT and RL commands above, continued SFT, the held-out evaluations; README.md and "
-        "BENCHMARKS.md left as they are", "{cmd} --reduced"),
+        "--reduced: the SFT and RL commands above, continued SFT, the held-out evaluations; "
+        "docs/post_training.md and BENCHMARKS.md left as they are", "{cmd} --reduced"),
     Way(_exact("python scripts/word_problems.py"), AS_WRITTEN, "rewrites the shipped files byte for byte"),
     Way(r"python3 -m http\.server .*|nc -zv .*", NOT_A_COMMAND,
         "a network check between two hosts (a server until Ctrl-C, a client): nothing of ds_train's", ""),
@@ -348,7 +349,7 @@ def report(steps: list[Step]) -> str:
 @pytest.mark.timeout(1800)  # a last resort above each command's own 300 s (a loaded 2-core machine: see the module)
 def test_the_documented_commands_run_in_a_fresh_checkout(tmp_path):
     """Every step of plan(collect(ROOT)) exits 0 in a fresh checkout; nothing rewrites README.md,
-    BENCHMARKS.md or the shipped data; the RL bench made its summary from an empty runs/."""
+    docs/, BENCHMARKS.md or the shipped data; the RL bench made its summary from an empty runs/."""
     root = checkout(tmp_path / "checkout")
     assert not (root / "runs").exists() and not (root / "data" / "cache").exists()
     logs = tmp_path / "logs"
@@ -364,7 +365,7 @@ def test_the_documented_commands_run_in_a_fresh_checkout(tmp_path):
             if not step.command:
                 step.said = "not run"
                 continue
-            if step.way.phase >= CLUSTER_CHECKS and not cluster_up:  # the checks before the README's `eval` too
+            if step.way.phase >= CLUSTER_CHECKS and not cluster_up:  # the checks before docs/launch.md's `eval` too
                 env.update(exports_of('eval "$(bash scripts/local_cluster.sh up)"', root, env))
                 cluster_up = True
             if step.command.startswith("eval "):
@@ -386,8 +387,8 @@ def test_the_documented_commands_run_in_a_fresh_checkout(tmp_path):
             except ProcessLookupError:
                 pass
     print("\n" + report(steps))
-    for name in ("README.md", "BENCHMARKS.md", "recipes/data/word_problems.jsonl",
-                 "recipes/data/word_problems_sft.jsonl"):
+    for name in ("README.md", *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "docs").glob("*.md")),
+                 "BENCHMARKS.md", "recipes/data/word_problems.jsonl", "recipes/data/word_problems_sft.jsonl"):
         assert (root / name).read_bytes() == (ROOT / name).read_bytes(), f"{name} was rewritten"
     summary = json.loads((root / "runs" / "bench_arith" / "summary.json").read_text())
     assert summary["demo"] == "arith" and set(summary["rows"]) == {"SFT (start)", "RL", "SFT continued"}

@@ -155,7 +155,7 @@ def test_the_plan_of_a_long_context_job_knows_sequence_parallelism():
     assert ("parallel: data 2 x sequence 8 x tensor 1; each rank holds 16,384 of the 131,072 positions of a sequence "
             "(activations); ZeRO partitions over data x sequence = 16 ranks") in text
     assert any(s["change"].startswith("parallel.sequence=2 (Ulysses") for s in without["suggestions"])
-    # recipes/llama3_8b_128k.yaml, as the README shows it: the default tiles of the loss and the MLP
+    # recipes/llama3_8b_128k.yaml, as docs/parallel.md shows it: the default tiles of the loss and the MLP
     from ds_train.config.file import load_config
 
     recipe = run_estimate(load_config(str(ROOT / "recipes" / "llama3_8b_128k.yaml"), []), zero3, target, None)
