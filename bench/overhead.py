@@ -105,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     from ds_train import dist
     from ds_train.config.file import load_config
     from ds_train.inputs import check_inputs
-    from ds_train.run import build_run
+    from ds_train.start import build_run
     from ds_train.train.loop import train_spec
 
     env = dist.detect_env()

@@ -75,7 +75,7 @@ def worker(args: argparse.Namespace, side: str, result: str, config, ds_config: 
     from ds_train.inputs import check_inputs
     from ds_train.train.losses import forward_loss
     from ds_train.plan.memory import engine_state_bytes
-    from ds_train.run import build_run
+    from ds_train.start import build_run
     from ds_train.train.loop import train_spec, train_step
 
     cfg = build_config(config(args, side, Path(result).parent / f"run_{side}"), source=side)

@@ -53,9 +53,7 @@ def check_command(argv: list[str], world_size: int):
     parser, its config loaded and its batch math checked at the target world size."""
     from ds_train.config.file import load_config
     from ds_train.dsconfig import read_ds_template
-    from ds_train.inputs import model_config
-    from ds_train.model.lora import check_lora
-    from ds_train.plan.parallel import check_model, check_parallel
+    from ds_train.start import check_launch
 
     args = build_parser().parse_args(argv)
     if getattr(args, "spec", None) is None:
@@ -64,14 +62,7 @@ def check_command(argv: list[str], world_size: int):
     if not args.config or not args.ds_config:
         raise UserError(f"{args.command} needs --config and --ds-config")
     cfg = load_config(args.config, args.overrides)
-    template = read_ds_template(args.ds_config)
-    dims, plan, _ = args.spec(cfg).check(cfg, world_size)
-    if dims.sequence * dims.tensor > 1:  # a layout that splits the heads (the model's config, no data)
-        check_model(dims, model_config(cfg), cfg.model.attn_implementation, cfg.train.seq_len)
-    if cfg.model.lora.rank:  # target modules the model has
-        check_lora(cfg.model.lora, model_config(cfg))
-    check_parallel(cfg, template)
-    return cfg, plan
+    return cfg, check_launch(cfg, read_ds_template(args.ds_config), args.spec(cfg), world_size)
 
 
 def plan_memory(argv: list[str], world_size: int) -> float:

@@ -38,7 +38,7 @@ from ds_train.plan.memory import GiB, ModelShape, model_shape
 from ds_train.plan.parallel import check_model, check_parallel, plan_dims
 from ds_train.plan.planner import (Target, format_rows, format_suggestions, fused_kernels, pick_preset, plan_rows,
                                    rank_seq_len, resolved_zero, suggestions)
-from ds_train.run import build_run
+from ds_train.start import build_run
 from ds_train.train.loop import run_step, train_spec
 from ds_train.train.losses import forward_loss
 from ds_train.train.meters import ComputeClock

@@ -114,13 +114,12 @@ def _check_sections(ds: dict, source: str) -> None:
 
 
 def render_ds_config(template: dict, cfg: RunConfig, plan: BatchPlan, *, dtype: str, hidden_size: int,
-                     lr: float, total_steps: int, on_gpu: bool, load_universal: bool = False,
-                     node_local: bool = False, source: str = "ds_config") -> dict:
+                     lr: float, total_steps: int, on_gpu: bool, source: str = "ds_config") -> dict:
     """Template + run config + batch plan -> the complete ds_config handed to deepspeed.initialize.
 
-    `lr` is the scaled peak learning rate, `total_steps` the optimizer steps the schedule spans,
-    `load_universal` whether the resume loads a universal checkpoint, `node_local` whether each
-    node's first rank writes the model states on its own disk. Nothing patches the result.
+    `lr` is the scaled peak learning rate, `total_steps` the optimizer steps the schedule spans.
+    Rendered once per start, before the ranks meet; what they agree on adds its checkpoint options
+    (with_checkpoint_options). Nothing else patches the result.
     """
     ds = copy.deepcopy(template)
     _check_unknown_keys(ds, source)
@@ -165,12 +164,17 @@ def render_ds_config(template: dict, cfg: RunConfig, plan: BatchPlan, *, dtype: 
     if leftover:
         raise UserError(f"{source}: zero_optimization.{leftover[0]} is \"auto\" but ds_train cannot "
                         f"derive it; give a value")
-    if load_universal:
-        ds["checkpoint"] = {**ds.get("checkpoint", {}), "load_universal": True}
-    if node_local:
-        ds["checkpoint"] = {**ds.get("checkpoint", {}), "use_node_local_storage": True}
     _check_sections(ds, source)
     return ds
+
+
+def with_checkpoint_options(ds: dict, *, load_universal: bool, node_local: bool) -> dict:
+    """The rendered ds_config with what the ranks agreed on at start-up: `load_universal` when the
+    resume loads a universal checkpoint, `node_local` when each node's first rank writes the model
+    states on its own disk (DeepSpeed's checkpoint section)."""
+    options = {"load_universal": True} if load_universal else {}
+    options |= {"use_node_local_storage": True} if node_local else {}
+    return {**ds, "checkpoint": {**ds.get("checkpoint", {}), **options}} if options else ds
 
 
 ARCH_ENTRY = re.compile(r"^(\d+)\.(\d+)[a-z]?(\+PTX)?$")

@@ -29,7 +29,7 @@ from ds_train.model.hfconfig import build_hf_config, with_vocab
 from ds_train.model.lora import check_lora
 from ds_train.model.lora import enabled as lora_enabled
 from ds_train.model.weights import fingerprint, weight_files
-from ds_train.plan.parallel import check_parallel, packs_under_sequence
+from ds_train.plan.parallel import check_layout, packs_under_sequence
 
 
 @dataclass(frozen=True)
@@ -99,7 +99,7 @@ def check_inputs(cfg: RunConfig, ds_config_path: str, data: bool = True) -> RunI
     check_ds_names(template, str(ds_config_path))
     check_scheduler(template, str(ds_config_path))  # the template's own numbers, before the data is prepared
     check_optimizer(template, str(ds_config_path))
-    check_parallel(cfg, template)
+    check_layout(cfg, template, None)  # what needs no world size; the run checks the rest (build_run)
     model_dir, export_from = locate(cfg)
     hf_config = _hf_config(cfg, model_dir, weights=export_from is None)  # a run's weights: in its checkpoint
     check_lora(cfg.model.lora, hf_config)

@@ -37,7 +37,7 @@ from ds_train.engine import zero_stage
 from ds_train.errors import UserError
 from ds_train.fs import write_atomic
 from ds_train.inputs import check_inputs, locate, model_config
-from ds_train.plan.parallel import check_layout, choices
+from ds_train.plan.parallel import choices, plan_dims
 from ds_train.train.loop import train_spec
 
 # Relative differences (loss, gradient norm) an fp32 layout may show against the fp32 reference: the
@@ -85,11 +85,12 @@ class Job:
     ds_config: str
 
 
-def layouts(cfg: RunConfig, ds_configs: list[str], nprocs: list[int], accums: list[int],
-            sequences: list[int] | None = None, tensors: list[int] | None = None) -> list[Layout]:
-    """Every ds_config x world size x sequence- and tensor-parallel sizes that divide it x
-    accumulation, with the micro-batch that keeps the global batch (no --grad-accum: the config's
-    micro-batch)."""
+def layouts(cfg: RunConfig, templates: dict[str, dict], nprocs: list[int], accums: list[int],
+            sequences: list[int] | None = None, tensors: list[int] | None = None, hf_config=None) -> list[Layout]:
+    """Every ds_config (path -> its template) x world size x sequence- and tensor-parallel sizes that
+    divide it x accumulation, with the micro-batch that keeps the global batch (no --grad-accum: the
+    config's micro-batch); each checked by the run's own layout check (RunSpec.check), or one line."""
+    ds_configs = list(templates)
     g = cfg.train.global_batch_size
     out = []
     sequences = sequences or [cfg.parallel.sequence]
@@ -99,7 +100,7 @@ def layouts(cfg: RunConfig, ds_configs: list[str], nprocs: list[int], accums: li
         if n % (sp * tp) and several:
             continue  # sizes of the lists that do not divide this world size: another world size takes them
         cfg_sp = replace(cfg, parallel=replace(cfg.parallel, sequence=sp, tensor=tp))
-        dp = train_spec(cfg_sp).check(cfg_sp, n)[0].data  # the layout's data-parallel size (refused: one line)
+        dp = plan_dims(cfg_sp.parallel, n).data  # the layout's data-parallel size (refused: one line)
         for accum in accums or [0]:
             micro = cfg.train.micro_batch_size if not accum else g // (accum * dp)
             if accum and (g % (accum * dp) or micro == 0):
@@ -108,8 +109,9 @@ def layouts(cfg: RunConfig, ds_configs: list[str], nprocs: list[int], accums: li
                                 f"{g} divisible by {accum} x data-parallel size {dp}; choose "
                                 f"{choices(fits) if fits else 'another global batch size'}")
             run = replace(cfg_sp, train=replace(cfg.train, micro_batch_size=micro))
-            plan = train_spec(run).check(run, n)[1]  # the batch math at this world size, or one line
-            out += [Layout(str(d), n, micro, plan.grad_accum_steps, sp, tp) for d in ds_configs]
+            for d in ds_configs:  # the run's own check of this layout at this world size, or one line
+                plan = train_spec(run).check(run, templates[d], n, hf_config)[0].batch
+                out.append(Layout(str(d), n, micro, plan.grad_accum_steps, sp, tp))
     return out
 
 
@@ -272,7 +274,7 @@ def run_jobs(plan_path: str) -> int:
     import gc
 
     from ds_train import dist
-    from ds_train.run import build_run
+    from ds_train.start import build_run
     from ds_train.train.loop import run_training
 
     env = dist.detect_env()
@@ -359,11 +361,9 @@ def parity(cfg: RunConfig, label: str, ds_configs: list[str], nprocs: list[int],
     if shrink_it:
         sizes = [s * t for s in sequences or [cfg.parallel.sequence] for t in tensors or [cfg.parallel.tensor]]
         cfg, notes = shrink(cfg, math.lcm(*sizes))
-    lays = layouts(cfg, ds_configs, sorted(set(nprocs)), sorted(set(accums)), sorted(set(sequences or [])),
-                   sorted(set(tensors or [])))
-    hf_config = model_config(cfg) if any(lay.sequence * lay.tensor > 1 for lay in lays) else None
-    for lay in lays:  # every layout, before any launch
-        check_layout(lay.parallel(cfg), templates[lay.ds_config], lay.nproc, hf_config)
+    split = any(s * t > 1 for s in sequences or [cfg.parallel.sequence] for t in tensors or [cfg.parallel.tensor])
+    lays = layouts(cfg, templates, sorted(set(nprocs)), sorted(set(accums)), sorted(set(sequences or [])),
+                   sorted(set(tensors or [])), model_config(cfg) if split else None)  # all checked before any launch
     out_dir = Path(out) if out else Path(tempfile.mkdtemp(prefix="ds_train_parity_"))
     _check_out(out_dir)
     passed, verdict = _parity(cfg, label, lays, templates, steps, notes, out_dir, shlex.split(launcher_args),

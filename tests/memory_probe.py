@@ -19,7 +19,7 @@ from ds_train.inputs import check_inputs
 from ds_train.model.build import count_params
 from ds_train.plan.memory import GiB, activation_bytes, engine_state_bytes, model_shape, model_states
 from ds_train.plan.planner import Target
-from ds_train.run import build_run
+from ds_train.start import build_run
 from ds_train.train.loop import train_spec, train_step
 from ds_train.train.losses import forward_loss
 

@@ -60,7 +60,7 @@ def config(mode: str):
 
 
 cfg = config(spec["modes"][0])
-_, plan, _ = ript_spec(cfg).check(cfg, env.world_size)
+plan = ript_spec(cfg).check(cfg, {}, env.world_size)[0].batch  # a data-parallel layout: no template needed
 ds = {"train_batch_size": plan.global_batch_size, "train_micro_batch_size_per_gpu": plan.micro_batch_size,
       "gradient_accumulation_steps": plan.grad_accum_steps, "gradient_clipping": 0.0,  # DeepSpeed's default: 1.0
       "optimizer": {"type": "SGD", "params": {"lr": spec["lr"]}}, "zero_allow_untested_optimizer": True,

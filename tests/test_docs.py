@@ -127,3 +127,39 @@ def test_the_figure_blocks_the_benches_rewrite_are_in_their_files():
         assert text.count(begin) == 1 and text.count(end) == 1, (path, name)
         assert text.index(begin) < text.index(end), (path, name)
     assert {p.relative_to(ROOT).as_posix() for p, _ in blocks} == {"docs/post_training.md", "docs/fine_tuning.md"}
+
+
+ARCHITECTURE_ENTRIES = ("A new RL advantage estimator", "A new parallel dimension", "How a checkpoint is committed",
+                        "A new subcommand", "A new doctor finding", "A new data format")
+
+
+def paths_named(text: str) -> list[str]:
+    """The repository paths a page names in code spans (`ds_train/...`, `tests/...`): a file or a folder."""
+    spans = re.findall(r"`([^`\s]+)`", text)
+    return [s.rstrip("/") for s in spans if re.match(r"(ds_train|tests|bench|scripts|recipes|ds_configs)/", s)]
+
+
+def missing_paths(text: str, root: Path) -> list[str]:
+    return [p for p in paths_named(text) if not (root / p).exists()]
+
+
+def test_the_architecture_names_where_each_change_goes_and_every_path_it_names_exists():
+    """docs/ARCHITECTURE.md maps each kind of change to its files, one line each; a path that a move
+    or a rename left behind fails here."""
+    text = (ROOT / "docs" / "ARCHITECTURE.md").read_text()
+    lines = {line.split("**")[1]: line for line in text.splitlines() if line.startswith("- **")}
+    assert set(ARCHITECTURE_ENTRIES) <= set(lines), set(ARCHITECTURE_ENTRIES) - set(lines)
+    for entry in ARCHITECTURE_ENTRIES:
+        assert any(p.startswith("ds_train/") for p in paths_named(lines[entry])), entry
+        assert any(p.startswith("tests/") for p in paths_named(lines[entry])), entry
+    assert len(paths_named(text)) >= 20
+    assert missing_paths(text, ROOT) == []
+    packages = {p.name for p in (ROOT / "ds_train").iterdir() if (p / "__init__.py").is_file()}
+    assert all(f"`{name}/`" in text for name in packages), packages  # every room on the floor plan
+
+
+def test_a_path_the_architecture_names_that_is_gone_is_found():
+    assert paths_named("`ds_train/run.py` and `ds_train/start.py`, `tests/x.py`, `docs/y.md`, `ript/`") == [
+        "ds_train/run.py", "ds_train/start.py", "tests/x.py"]
+    page = "`ds_train/start.py` builds it; `ds_train/trainer.py` (a module that moved) and `tests/test_run.py`"
+    assert missing_paths(page, ROOT) == ["ds_train/trainer.py"]

@@ -10,7 +10,7 @@ import pytest
 
 from ds_train.config.file import build_config
 from ds_train.dsconfig import read_ds_template
-from ds_train.engine import render_ds_config, zero_stage
+from ds_train.engine import render_ds_config, with_checkpoint_options, zero_stage
 from ds_train.errors import UserError
 from ds_train.plan.batch import plan_batch
 
@@ -34,10 +34,9 @@ CFG = make_cfg()
 PLAN = plan_batch(32, 4, 2, 128)  # accum 4
 
 
-def render(template, dtype="bf16", on_gpu=False, cfg=CFG, plan=PLAN, hidden=HIDDEN, lr=LR, total_steps=50,
-           load_universal=False):
+def render(template, dtype="bf16", on_gpu=False, cfg=CFG, plan=PLAN, hidden=HIDDEN, lr=LR, total_steps=50):
     return render_ds_config(template, cfg, plan, dtype=dtype, hidden_size=hidden, lr=lr, total_steps=total_steps,
-                            on_gpu=on_gpu, load_universal=load_universal, source="t.json")
+                            on_gpu=on_gpu, source="t.json")
 
 
 def strings(node):
@@ -247,14 +246,21 @@ def test_a_template_that_is_not_utf8_is_one_line(tmp_path):
     assert str(e.value) == f"{path}: not UTF-8 text (byte 0xe9 on line 2); save the DeepSpeed JSON file as UTF-8"
 
 
-def test_schedule_length_and_universal_loading_are_arguments_not_patches():
+def test_schedule_length_is_an_argument_and_the_agreed_checkpoint_options_keep_the_template_s_keys():
     """RIPT's schedule spans its optimizer steps, not train.max_steps; a resume through a universal
-    checkpoint is rendered in, keeping the template's own checkpoint keys."""
+    checkpoint and node-local storage add DeepSpeed's options to the rendered config, keeping the
+    template's own checkpoint keys and leaving the rendered dict as it was."""
     template = read_ds_template(ROOT / "ds_configs" / "zero2.json")
-    ds = render({**template, "checkpoint": {"tag_validation": "Warn"}}, total_steps=120, load_universal=True)
+    ds = render({**template, "checkpoint": {"tag_validation": "Warn"}}, total_steps=120)
     assert ds["scheduler"]["params"]["total_num_steps"] == 120
-    assert ds["checkpoint"] == {"tag_validation": "Warn", "load_universal": True}
-    assert "checkpoint" not in render(template)
+    both = with_checkpoint_options(ds, load_universal=True, node_local=True)
+    assert both["checkpoint"] == {"tag_validation": "Warn", "load_universal": True, "use_node_local_storage": True}
+    assert ds["checkpoint"] == {"tag_validation": "Warn"}
+    assert with_checkpoint_options(ds, load_universal=False, node_local=False) is ds
+    plain = render(template)
+    assert "checkpoint" not in plain
+    assert with_checkpoint_options(plain, load_universal=True, node_local=False)["checkpoint"] == {
+        "load_universal": True}
 
 
 @pytest.mark.parametrize("given, fixed", [("9.0a", "9.0"), ("8.0;9.0a", "8.0;9.0"), ("9.0 10.0f+PTX", "9.0;10.0+PTX"),

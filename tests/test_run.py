@@ -15,6 +15,7 @@ from conftest import ROOT
 from ds_train.checkpoint.rundir import RunPaths
 from ds_train.checkpoint.storage import check_run_dir, host_table, nodes
 from ds_train.config.file import build_config
+from ds_train.dsconfig import read_ds_template
 from ds_train.errors import UserError
 from ds_train.inputs import check_inputs
 from ds_train.ript.trainer import ript_spec
@@ -32,15 +33,16 @@ def test_each_command_checks_its_own_batch_math_and_schedule_length():
     cfg = build_config({"model": {"config": {"model_type": "llama"}},
                         "train": {"max_steps": 30, "micro_batch_size": 4, "global_batch_size": 24},
                         "ript": {"iterations": 5, "ppo_epochs": 2, "contexts_per_rank": 3, "rloo_batch_size": 4}})
-    dims, plan, steps = train_spec(cfg).check(cfg, 2)
-    assert (dims.data, plan.grad_accum_steps, steps) == (2, 3, 30)
-    dims, plan, steps = ript_spec(cfg).check(cfg, 2)  # 12 rollouts per rank = 1 step of 12, x 2 epochs x 5
+    template = read_ds_template(ZERO0)
+    layout, steps = train_spec(cfg).check(cfg, template, 2)
+    assert (layout.dims.data, layout.batch.grad_accum_steps, steps) == (2, 3, 30)
+    layout, steps = ript_spec(cfg).check(cfg, template, 2)  # 12 rollouts per rank = 1 step of 12, x 2 epochs x 5
     assert steps == 5 * 2 * 1
     with pytest.raises(UserError, match="12 rollouts per rank must be a multiple of .* = 8; set "
                                         "train.global_batch_size to 36"):
-        ript_spec(cfg).check(cfg, 3)  # 24 / (4 x 3): 8 sequences per rank and step
+        ript_spec(cfg).check(cfg, template, 3)  # 24 / (4 x 3): 8 sequences per rank and step
     with pytest.raises(UserError, match="not a multiple of train.micro_batch_size=4 x world size 5"):
-        train_spec(cfg).check(cfg, 5)
+        train_spec(cfg).check(cfg, template, 5)
     assert ript_spec(cfg).same_world and not train_spec(cfg).same_world
     assert (train_spec(cfg).unit, ript_spec(cfg).unit) == ("step", "iteration")
 

@@ -11,7 +11,7 @@ from ds_train import dist
 from ds_train.checkpoint import commit as checkpoint
 from ds_train.config.file import load_config
 from ds_train.inputs import check_inputs
-from ds_train.run import build_run
+from ds_train.start import build_run
 from ds_train.train.loop import train_spec
 
 config, ds_config, ckpt_dir, tag, out = [a for a in sys.argv[1:] if not a.startswith("--")]

@@ -15,7 +15,9 @@ from dataclasses import dataclass
 
 from ds_train.config import ParallelConfig, RunConfig
 from ds_train.errors import UserError
+from ds_train.plan.batch import BatchPlan, plan_batch, sample_rows
 from ds_train.plan.memory import tp_plan
+
 
 @dataclass(frozen=True)
 class ParallelDims:
@@ -197,16 +199,32 @@ def deepspeed_range_note(cfg: RunConfig, version: str) -> str | None:
             f"<{high}): check {'; and '.join(used)} with `ds-train parity` before trusting the losses")
 
 
-def check_layout(cfg: RunConfig, template: dict, world_size: int, hf_config=None) -> ParallelDims:
-    """The one check of a parallel layout, before anything is written or launched: the sizes divide
-    `world_size` (plan_dims), the model's heads, window and what AutoTP shards take them (check_model;
-    `hf_config` None: not checked), and what they cannot take with this DeepSpeed JSON (check_parallel).
-    Returns the layout."""
-    dims = plan_dims(cfg.parallel, world_size)
-    if hf_config is not None and dims.sequence * dims.tensor > 1:
-        check_model(dims, hf_config, cfg.model.attn_implementation, cfg.train.seq_len)
+@dataclass(frozen=True)
+class Layout:
+    """A run's layout at its world size: who holds what (dims) and the batch math over the data ranks."""
+
+    dims: ParallelDims
+    batch: BatchPlan
+
+
+def check_layout(cfg: RunConfig, template: dict, world_size: int | None, hf_config=None) -> Layout | None:
+    """The one check of a run's layout, before anything is written or launched, for the run, the dry
+    run and the estimate, `launch --check` / `slurm`, and parity: at `world_size`, that the sizes
+    divide it (plan_dims), the batch math over the data ranks (plan_batch), and the model's heads,
+    window and what AutoTP shards (check_model; `hf_config` None: not checked); then what the sizes
+    cannot take with this DeepSpeed JSON (check_parallel). `world_size` None (the check step, before
+    the world is known): the last part alone, and None."""
+    layout = None
+    if world_size is not None:
+        dims = plan_dims(cfg.parallel, world_size)
+        t = cfg.train
+        batch = plan_batch(t.global_batch_size, t.micro_batch_size, dims.data, t.seq_len, dims.derivation(),
+                           sample_rows(cfg.data.format))
+        if hf_config is not None and dims.sequence * dims.tensor > 1:
+            check_model(dims, hf_config, cfg.model.attn_implementation, t.seq_len)
+        layout = Layout(dims, batch)
     check_parallel(cfg, template)
-    return dims
+    return layout
 
 
 def check_parallel(cfg: RunConfig, template: dict) -> None:

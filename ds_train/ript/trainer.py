@@ -32,7 +32,8 @@ from ds_train.ript.sampler import ContextSampler, Tally, by_family, family, merg
 from ds_train.ript.sharding import format_shards, shard_tasks
 from ds_train.ript.tasks import load_object
 from ds_train.ript.update import update
-from ds_train.run import Run, RunSpec, build_run
+from ds_train.run import Run, RunSpec
+from ds_train.start import build_run
 from ds_train.train.reference import build_reference, report_reference
 
 
