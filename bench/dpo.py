@@ -65,7 +65,8 @@ def heldout(model_dir: str, data_dir: Path, stored: Path, loss: str, beta: float
     from ds_train.data.examples import IGNORE
     from ds_train.data.pairs import PreferenceData
     from ds_train.data.meta import load_meta
-    from ds_train.train.preference import NORMALISED, sequence_logps
+    from ds_train.config.registry import PREFERENCE_LOSSES
+    from ds_train.train.preference import sequence_logps
 
     meta = load_meta(data_dir)
     val = PreferenceData(data_dir, "val", meta["dtype"], 128, 0, "drop", meta["eos_token_id"])
@@ -80,7 +81,7 @@ def heldout(model_dir: str, data_dir: Path, stored: Path, loss: str, beta: float
         logps, counts = sequence_logps(logits, torch.from_numpy(batch.targets))
         rows = np.concatenate([2 * batch.pairs, 2 * batch.pairs + 1])
         base = torch.from_numpy(ref[rows])
-        if NORMALISED[loss]:
+        if PREFERENCE_LOSSES.entry(loss).normalised:
             logps, base = logps / counts, base / counts
         rewards = beta * (logps.double() - base)
         m = len(batch.pairs)

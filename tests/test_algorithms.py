@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from ds_train.ript.algorithms import (ADVANTAGES, KL_ESTIMATORS, LOSS_AGG_MODES, Norms, aggregate, advantages,
-                                      keep_mask, overlong_penalty, token_weights)
+                                      keep_mask, overlong_penalty)
 from ds_train.ript.sampler import Tally, std_from_sums
 
 REWARDS = torch.tensor([[1.0, 0.0, 0.0, 1.0], [1.0, 1.0, 1.0, 0.0]])
@@ -66,9 +66,11 @@ def test_each_aggregation_mode_by_hand():
     # Dr. GRPO: the token sums over rollouts x the longest a rollout may be: 10 / (2 x 8)
     assert float(aggregate(per_token, mask, "seq-mean-token-sum-norm", norms)) == pytest.approx(10 / 16, abs=1e-7)
     assert float(aggregate(per_token, mask, "token-mean", norms, scale=4.0)) == pytest.approx(10.0, abs=1e-6)
-    assert token_weights(mask, "seq-mean-token-mean", norms)[2].abs().sum() == 0  # padding weighs nothing
-    with pytest.raises(ValueError):
-        token_weights(mask, "sum", norms)
+    padded = per_token.clone()
+    padded[2] = 7.0  # padding weighs nothing
+    assert float(aggregate(padded, mask, "seq-mean-token-mean", norms)) == pytest.approx(3.0, abs=1e-7)
+    with pytest.raises(ValueError, match="unknown loss aggregation 'sum'; one of token-mean, "):
+        aggregate(per_token, mask, "sum", norms)
 
 
 @pytest.mark.parametrize("mode", LOSS_AGG_MODES)

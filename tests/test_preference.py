@@ -234,7 +234,8 @@ def test_bad_preference_input_is_one_line_naming_file_row_and_field(tmp_path):
 def test_the_dpo_section_is_checked():
     base = {"model": {"config": dict(TINY_MODEL)}, "data": {"format": "preference"}}
     assert build_config(base).dpo.loss == "sigmoid" and build_config(base).dpo.reference == "precomputed"
-    with pytest.raises(UserError, match="dpo.label_smoothing: applies to the sigmoid losses; IPO has none"):
+    with pytest.raises(UserError, match="dpo.label_smoothing: applies to the losses sigmoid, sigmoid_norm; ipo has "
+                                        "none"):
         build_config({**base, "dpo": {"loss": "ipo", "label_smoothing": 0.1}})
     with pytest.raises(UserError, match="dpo.label_smoothing: 0.5 must be below 0.5"):
         build_config({**base, "dpo": {"label_smoothing": 0.5}})

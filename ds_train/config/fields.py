@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 from dataclasses import field
 
 STDLIB_SOURCE = "python-stdlib"  # data.sources: the bundled corpus (ds_train.data.sources.STDLIB)
@@ -12,8 +13,9 @@ NOT_PATHS = ("", STDLIB_SOURCE, "auto", "none", "restart")  # values of path fie
 POSITIVE, NON_NEGATIVE = "positive", ">= 0"  # a field's bound (checked for every section in one place)
 
 
-def _f(default, help: str, bound: str | tuple = "", path: bool = False, **kw):
-    """A config field: its default, the help `--help-config` prints, its bound (POSITIVE, NON_NEGATIVE,
+def _f(default, help: str | Callable[[], str], bound: str | tuple = "", path: bool = False, **kw):
+    """A config field: its default, the help `--help-config` prints (a function: read when printed, as
+    a registry's list of names, ds_train/config/registry.py), its bound (POSITIVE, NON_NEGATIVE,
     or (low, high), both included) and whether it names a path (or a list of them) the operating
     system must take. A number (a float field, each number of a list of them) must be finite whatever
     its bound: YAML's .nan and .inf read as floats."""

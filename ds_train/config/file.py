@@ -47,7 +47,8 @@ def describe() -> str:
                 walk(tp, f"{prefix}{f.name}.", indent + "  ")
             else:
                 default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-                lines.append(f"{indent}{prefix}{f.name} = {default!r}\n{indent}    {f.metadata['help']}")
+                text = f.metadata["help"]() if callable(f.metadata["help"]) else f.metadata["help"]  # a registry's
+                lines.append(f"{indent}{prefix}{f.name} = {default!r}\n{indent}    {text}")
 
     walk(RunConfig, "", "")
     return "\n".join(lines)

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from ds_train.config.fields import NON_NEGATIVE, POSITIVE, Section, _f
+from ds_train.config.registry import ADVANTAGES, KL_ESTIMATORS, LOSS_AGGREGATIONS, PREFERENCE_LOSSES
 
 
 @dataclass(frozen=True)
@@ -37,24 +38,17 @@ class RiptConfig(Section):
     task_weighting: Literal["uniform", "accepted"] = _f(
         "uniform", "How a rank shares its rollouts among its tasks: in turn (uniform), or in proportion "
                    "to each task's recent rate of accepted contexts (accepted; at least 0.1 each).")
-    advantage: Literal["rloo", "grpo"] = _f(
-        "rloo", "Advantage estimator (verl adv_estimator): rloo, leave-one-out (RIPT; Ahmadian et al. 2024); grpo, "
-                "group mean and std (Shao et al. 2024; DAPO), scaled as scale_rewards says.")
+    advantage: ADVANTAGES.choices = _f("rloo", ADVANTAGES.help("Advantage estimator (verl adv_estimator)"))
     scale_rewards: Literal["group", "batch", "none"] = _f(
         "group", "grpo's std (TRL scale_rewards): group, each group's own (GRPO, DAPO); batch, the std of every "
                  "accepted rollout of all ranks; none, centred only (Dr. GRPO). rloo is never scaled.")
-    loss_agg_mode: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = _f(
-        "token-mean", "How token losses make the step's loss, over all ranks and micro-batches (verl loss_agg_mode, "
-                      "TRL loss_type): token-mean, over every valid token (DAPO, TRL dapo); seq-mean-token-mean, "
-                      "each rollout's token mean, then the mean over rollouts (GRPO, TRL grpo); "
-                      "seq-mean-token-sum-norm, token sums over rollouts x the most tokens a rollout can have "
-                      "(Dr. GRPO, TRL dr_grpo).")
+    loss_agg_mode: LOSS_AGGREGATIONS.choices = _f(
+        "token-mean", LOSS_AGGREGATIONS.help("How token losses make the step's loss, over all ranks and micro-batches "
+                                             "(verl loss_agg_mode, TRL loss_type)"))
     kl_coef: float = _f(0.0, "KL to the reference policy (the starting model, frozen; with LoRA the base with the "
                              "adapters off). 0: no reference model is built (DAPO, Dr. GRPO); GRPO used 0.04.",
                         NON_NEGATIVE)
-    kl_estimator: Literal["k1", "k3"] = _f(
-        "k3", "KL estimator (Schulman 2020): k1, log pi - log pi_ref (verl kl); k3, the low-variance "
-              "exp(d) - d - 1 (verl low_var_kl, GRPO's).")
+    kl_estimator: KL_ESTIMATORS.choices = _f("k3", KL_ESTIMATORS.help("KL estimator (Schulman 2020)"))
     kl_in: Literal["loss", "reward"] = _f(
         "loss", "Where the KL goes: loss, a per-token term aggregated as the policy loss (verl use_kl_loss, "
                 "GRPO); reward, kl_coef x the rollout's summed KL subtracted from its reward before the "
@@ -95,10 +89,12 @@ class RiptConfig(Section):
                         f"0 <= clip_low < 1 and clip_high >= 0")
         if not self.tasks or len(set(map(str, self.tasks))) != len(self.tasks):
             errs.append(f"ript.tasks: {self.tasks} must be a non-empty list without repeats")
-        if self.advantage == "rloo" and self.scale_rewards != "group":
-            errs.append(f"ript.scale_rewards: {self.scale_rewards} scales grpo's advantages, and ript.advantage is "
-                        f"rloo (never scaled); set ript.advantage=grpo, or leave scale_rewards out")
-        if self.kl_coef == 0 and (self.kl_in != "loss" or self.kl_estimator != "k3"):
+        if self.advantage in ADVANTAGES.where(scaled=False) and self.scale_rewards != "group":
+            scaled = " / ".join(ADVANTAGES.where(scaled=True))
+            errs.append(f"ript.scale_rewards: {self.scale_rewards} scales {scaled}'s advantages, and ript.advantage "
+                        f"is {self.advantage} (never scaled); set ript.advantage={ADVANTAGES.where(scaled=True)[0]}, "
+                        f"or leave scale_rewards out")
+        if self.kl_coef == 0 and (self.kl_in, self.kl_estimator) != (RiptConfig.kl_in, RiptConfig.kl_estimator):
             errs.append("ript.kl_in / kl_estimator: set, but ript.kl_coef is 0 (no KL term); set kl_coef")
         return errs
 
@@ -108,11 +104,7 @@ class DpoConfig(Section):
     """Preference training (data.format preference): a loss on chosen / rejected pairs against a
     frozen reference model (ds_train/train/preference.py)."""
 
-    loss: Literal["sigmoid", "ipo", "sigmoid_norm"] = _f(
-        "sigmoid", "sigmoid: DPO (Rafailov et al. 2023), -log sigmoid(beta x margin) of the summed log-prob "
-                   "ratios; ipo: IPO (Azar et al. 2023), (margin - 1 / (2 beta))^2 on per-token mean log-probs "
-                   "(as TRL); sigmoid_norm: DPO on per-token mean log-probs (length-normalised: a longer "
-                   "completion is not favoured for its length).")
+    loss: PREFERENCE_LOSSES.choices = _f("sigmoid", PREFERENCE_LOSSES.help("The loss of a pair"))
     beta: float = _f(0.1, "The strength of the pull to the reference (DPO's beta; IPO's tau).", POSITIVE)
     label_smoothing: float = _f(0.0, "Conservative DPO (cDPO): the assumed chance that a pair's label is wrong, "
                                      "in [0, 0.5). sigmoid losses only.", NON_NEGATIVE)
@@ -128,7 +120,8 @@ class DpoConfig(Section):
         if self.label_smoothing >= 0.5:
             errs.append(f"dpo.label_smoothing: {self.label_smoothing:g} must be below 0.5 (0.5 would make "
                         f"chosen and rejected alike)")
-        if self.label_smoothing and self.loss == "ipo":
-            errs.append("dpo.label_smoothing: applies to the sigmoid losses; IPO has none: set dpo.loss=sigmoid "
-                        "or drop label_smoothing")
+        if self.label_smoothing and self.loss in PREFERENCE_LOSSES.where(smoothed=False):
+            smoothed = PREFERENCE_LOSSES.where(smoothed=True)
+            errs.append(f"dpo.label_smoothing: applies to the losses {', '.join(smoothed)}; {self.loss} has none: "
+                        f"set dpo.loss={smoothed[0]} or drop label_smoothing")
         return errs

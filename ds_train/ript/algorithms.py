@@ -4,6 +4,9 @@ estimators and DAPO's soft overlong penalty. Each is a small function of tensors
 hand-computed values; the loop (ds_train/ript/update.py) supplies the global counts that make
 them exact across ranks and micro-batches.
 
+The registries (names, help, properties) are ds_train/config/registry.py's, which the config reads
+without importing torch; the functions here attach to their names (`@register_advantage(name)`).
+
 Names follow the anchors: verl `adv_estimator` / `loss_agg_mode` / `kl_loss_type`, TRL
 `scale_rewards` / `loss_type` / `mask_truncated_completions`, DAPO's overlong buffer.
 """
@@ -11,26 +14,17 @@ Names follow the anchors: verl `adv_estimator` / `loss_agg_mode` / `kl_loss_type
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import Callable
 
 import torch
+
+from ds_train.config.registry import ADVANTAGES, KL_ESTIMATORS, LOSS_AGGREGATIONS
 
 GRPO_EPS = 1e-6  # verl's compute_grpo_outcome_advantage epsilon (TRL adds 1e-4)
 
 # --- advantage estimators: rewards [groups, K] -> advantages [groups, K] ------------------------
+# The names, their help and properties: ds_train/config/registry.py (the config reads them there).
 
-def _registrar(table: dict):
-    """A decorator factory that enters a function in `table` under a name."""
-    def register(name: str):
-        def add(fn):
-            table[name] = fn
-            return fn
-        return add
-    return register
-
-
-ADVANTAGES: dict[str, Callable[..., torch.Tensor]] = {}
-register_advantage = _registrar(ADVANTAGES)
+register_advantage = ADVANTAGES.register
 
 
 @register_advantage("rloo")
@@ -66,8 +60,10 @@ def grpo_advantages(rewards: torch.Tensor, batch_std: float | None = None, scale
 
 
 def advantages(name: str, rewards: torch.Tensor, scale: str, batch_std: float | None) -> torch.Tensor:
-    if name == "grpo":
-        return grpo_advantages(rewards, batch_std, scale)
+    """The advantages of the estimator registered as `name`; `scale` (ript.scale_rewards) goes to one
+    whose entry says it takes it (Estimator.scaled)."""
+    if ADVANTAGES.entry(name).scaled:
+        return ADVANTAGES[name](rewards, batch_std, scale)
     return ADVANTAGES[name](rewards, batch_std)
 
 
@@ -98,10 +94,7 @@ def clipped_policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: 
     return per_token, stats
 
 
-# --- loss aggregation: per-token weights from global counts --------------------------------------
-
-LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
-
+# --- loss aggregation: the step's loss from per-token losses and global counts -------------------
 
 @dataclass(frozen=True)
 class Norms:
@@ -114,37 +107,45 @@ class Norms:
     max_tokens: float
 
 
-def token_weights(mask: torch.Tensor, mode: str, norms: Norms) -> torch.Tensor:
-    """Each valid token's weight in the step's loss, so that sum(weight * per-token loss) over all
-    ranks and micro-batches is the aggregated loss whatever the split:
-
-    token-mean (DAPO; verl's default; TRL 'dapo'): 1 / tokens of the step;
-    seq-mean-token-mean (GRPO; TRL 'grpo'): 1 / (the sequence's tokens x sequences of the step);
-    seq-mean-token-sum-norm (Dr. GRPO; TRL 'dr_grpo'): 1 / (sequences x max_tokens), a constant.
-    """
-    if mode == "token-mean":
-        return mask / max(norms.tokens, 1.0)
-    if mode == "seq-mean-token-mean":
-        lengths = mask.sum(-1, keepdim=True)
-        return mask / (lengths.clamp(min=1.0) * max(norms.sequences, 1.0))
-    if mode == "seq-mean-token-sum-norm":
-        return mask / (max(norms.sequences, 1.0) * norms.max_tokens)
-    raise ValueError(f"unknown loss aggregation {mode!r}")
+register_loss_agg = LOSS_AGGREGATIONS.register
 
 
 def aggregate(per_token: torch.Tensor, mask: torch.Tensor, mode: str, norms: Norms,
               scale: float = 1.0) -> torch.Tensor:
-    """This micro-batch's share of the step's loss (see token_weights), times `scale`. per_token
-    must be zero off the mask (clipped_policy_loss's is)."""
-    if mode == "token-mean":  # one division for the whole sum
-        return per_token.sum() * (scale / max(norms.tokens, 1.0))
-    return (per_token * token_weights(mask, mode, norms)).sum() * scale
+    """This micro-batch's share of the step's loss, times `scale`, as the loss aggregation registered
+    as `mode` computes it. Each is sum(weight x per-token loss) with every valid token's weight from
+    the step's global counts (`norms`), so that the shares of all ranks and micro-batches add up to
+    the aggregated loss whatever the split. per_token must be zero off the mask
+    (clipped_policy_loss's is)."""
+    return LOSS_AGGREGATIONS[mode](per_token, mask, norms, scale)
+
+
+@register_loss_agg("token-mean")
+def token_mean(per_token: torch.Tensor, mask: torch.Tensor, norms: Norms, scale: float = 1.0) -> torch.Tensor:
+    """DAPO; verl's default; TRL 'dapo': weight 1 / tokens of the step (one division for the whole sum)."""
+    return per_token.sum() * (scale / max(norms.tokens, 1.0))
+
+
+@register_loss_agg("seq-mean-token-mean")
+def seq_mean_token_mean(per_token: torch.Tensor, mask: torch.Tensor, norms: Norms, scale: float = 1.0) -> torch.Tensor:
+    """GRPO; TRL 'grpo': weight 1 / (the sequence's tokens x sequences of the step)."""
+    lengths = mask.sum(-1, keepdim=True)
+    return (per_token * (mask / (lengths.clamp(min=1.0) * max(norms.sequences, 1.0)))).sum() * scale
+
+
+@register_loss_agg("seq-mean-token-sum-norm")
+def seq_mean_token_sum_norm(per_token: torch.Tensor, mask: torch.Tensor, norms: Norms,
+                            scale: float = 1.0) -> torch.Tensor:
+    """Dr. GRPO; TRL 'dr_grpo': weight 1 / (sequences x max_tokens), a constant."""
+    return (per_token * (mask / (max(norms.sequences, 1.0) * norms.max_tokens))).sum() * scale
+
+
+LOSS_AGG_MODES = tuple(LOSS_AGGREGATIONS)  # the built-in modes
 
 
 # --- KL to a reference policy ----------------------------------------------------------------------
 
-KL_ESTIMATORS: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {}
-register_kl = _registrar(KL_ESTIMATORS)
+register_kl = KL_ESTIMATORS.register
 
 
 @register_kl("k1")

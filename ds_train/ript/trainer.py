@@ -25,7 +25,7 @@ from ds_train.inputs import RunInputs, check_inputs
 from ds_train.observe.metrics import Interval
 from ds_train.plan.batch import rollout_update_steps
 from ds_train.plan.parallel import plan_dims
-from ds_train.ript.algorithms import PolicyStats, keep_mask
+from ds_train.ript.algorithms import ADVANTAGES, PolicyStats, keep_mask
 from ds_train.ript.datatask import check_task_entries, load_tasks, split_for_ranks
 from ds_train.ript.rollout import Episode, max_rollout_tokens, model_policy, rollout, scripted_policy
 from ds_train.ript.sampler import ContextSampler, Tally, by_family, family, merge_states
@@ -87,7 +87,8 @@ class RiptInputs:
 def describe_algorithm(cfg: RunConfig) -> str:
     """The update's recipe in one phrase: `rloo, token-mean, clip 0.2/0.28, no KL`."""
     r = cfg.ript
-    parts = [r.advantage + (f" (scale {r.scale_rewards})" if r.advantage == "grpo" else ""), r.loss_agg_mode,
+    parts = [r.advantage + (f" (scale {r.scale_rewards})" if ADVANTAGES.entry(r.advantage).scaled else ""),
+             r.loss_agg_mode,
              f"clip {r.clip_low:g}/{r.clip_high:g}",
              f"KL {r.kl_estimator} x {r.kl_coef:g} in the {r.kl_in}" if r.kl_coef else "no KL"]
     if r.mask_truncated:

@@ -5,7 +5,7 @@ optional KL term to a reference policy, through the DeepSpeed engine and the run
 Per iteration: the rollouts' rewards (the task's, DAPO's overlong penalty, and with kl_in=reward the
 KL to the reference) make the advantages (ript.advantage); every optimizer step's loss is
 sum(weight x per-token loss) over its tokens on all ranks, the weights from counts all-reduced
-once per epoch (ds_train/ript/algorithms.py: token_weights).
+once per epoch (ds_train/ript/algorithms.py: aggregate).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import random
 
 from ds_train import dist
 from ds_train.guard import backward_step
-from ds_train.ript.algorithms import (KL_ESTIMATORS, Norms, PolicyStats, advantages, aggregate,
+from ds_train.ript.algorithms import (ADVANTAGES, KL_ESTIMATORS, Norms, PolicyStats, advantages, aggregate,
                                       clipped_policy_loss, overlong_penalty)
 from ds_train.ript.rollout import Episode, max_rollout_tokens
 from ds_train.ript.sampler import std_from_sums
@@ -94,7 +94,7 @@ def update(run: Run, groups: list[list[Episode]], iteration: int, reference: Ref
             seq_kl = (kl(old, ref) * mask.to(old.device)).sum(-1)[:len(rows)].cpu()
             rewards = rewards - r.kl_coef * seq_kl.view(rewards.shape)
     batch_std = None
-    if r.advantage == "grpo" and r.scale_rewards == "batch":  # over every accepted rollout of all ranks
+    if ADVANTAGES.entry(r.advantage).scaled and r.scale_rewards == "batch":  # over every accepted rollout of all ranks
         flat = rewards.flatten().double() if groups else torch.zeros(0, dtype=torch.float64)
         count, total, squares = dist.all_reduce_sum([float(flat.numel()), float(flat.sum()), float((flat ** 2).sum())])
         batch_std = std_from_sums(count, total, squares)

@@ -1,7 +1,8 @@
 """Preference training (data.format preference): DPO and its variants on chosen / rejected pairs.
 
 The losses are pure functions of per-sequence log-probs (the policy's and the reference's), as in
-TRL's DPOTrainer: with h = (log pi(c) - log ref(c)) - (log pi(r) - log ref(r)),
+TRL's DPOTrainer, each registered by name (its help and properties: ds_train/config/registry.py):
+with h = (log pi(c) - log ref(c)) - (log pi(r) - log ref(r)),
 
     sigmoid       -(1 - eps) log sigmoid(beta h) - eps log sigmoid(-beta h)   (DPO; eps: cDPO)
     ipo           (h - 1 / (2 beta))^2, on per-token mean log-probs            (IPO, as TRL)
@@ -22,11 +23,11 @@ from typing import Any, Callable
 
 from ds_train import dist
 from ds_train.config import DpoConfig
+from ds_train.config.registry import PREFERENCE_LOSSES
 from ds_train.data.examples import IGNORE
 from ds_train.data.pairs import PairBatch
 from ds_train.guard import backward_step
 
-NORMALISED = {"sigmoid": False, "ipo": True, "sigmoid_norm": True}  # per-token mean log-probs
 METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
            "logps/rejected")
 
@@ -40,20 +41,28 @@ def sequence_logps(logits, targets):
     return (logp * mask).sum(-1), mask.sum(-1)
 
 
-def preference_loss(policy_chosen, policy_rejected, ref_chosen, ref_rejected, beta: float, loss: str,
-                    label_smoothing: float = 0.0):
-    """Per-pair losses and the (detached) chosen and rejected rewards, from the log-probs each loss
-    compares (summed; per-token means for NORMALISED losses: the caller divides)."""
+@PREFERENCE_LOSSES.register("sigmoid")
+@PREFERENCE_LOSSES.register("sigmoid_norm")
+def sigmoid_loss(h, beta: float, label_smoothing: float = 0.0):
+    """DPO, and cDPO with label_smoothing eps: -(1 - eps) log sigmoid(beta h) - eps log sigmoid(-beta h)."""
     import torch.nn.functional as F
 
+    return -(1 - label_smoothing) * F.logsigmoid(beta * h) - label_smoothing * F.logsigmoid(-beta * h)
+
+
+@PREFERENCE_LOSSES.register("ipo")
+def ipo_loss(h, beta: float, label_smoothing: float = 0.0):
+    """IPO: (h - 1 / (2 beta))^2 (no label smoothing)."""
+    return (h - 1 / (2 * beta)) ** 2
+
+
+def preference_loss(policy_chosen, policy_rejected, ref_chosen, ref_rejected, beta: float, loss: str,
+                    label_smoothing: float = 0.0):
+    """Per-pair losses of the preference loss registered as `loss` and the (detached) chosen and
+    rejected rewards, from the log-probs each loss compares (summed; per-token means for a loss
+    whose entry is `normalised`: the caller divides)."""
     chosen, rejected = policy_chosen - ref_chosen, policy_rejected - ref_rejected
-    h = chosen - rejected
-    if loss == "ipo":
-        losses = (h - 1 / (2 * beta)) ** 2
-    elif loss in ("sigmoid", "sigmoid_norm"):
-        losses = -(1 - label_smoothing) * F.logsigmoid(beta * h) - label_smoothing * F.logsigmoid(-beta * h)
-    else:
-        raise ValueError(f"unknown preference loss {loss!r}")
+    losses = PREFERENCE_LOSSES[loss](chosen - rejected, beta, label_smoothing)
     return losses, beta * chosen.detach(), beta * rejected.detach()
 
 
@@ -76,7 +85,7 @@ def pair_losses(model, batch: PairBatch, reference_logps: Callable, dpo: DpoConf
     logits = model(input_ids=inputs, use_cache=False).logits
     logps, counts = sequence_logps(logits, targets)
     ref = reference_logps(batch).to(logps.device, logps.dtype)
-    if NORMALISED[dpo.loss]:
+    if PREFERENCE_LOSSES.entry(dpo.loss).normalised:
         logps, ref = logps / counts, ref / counts
     m = len(batch.pairs)
     losses, chosen, rejected = preference_loss(logps[:m], logps[m:], ref[:m], ref[m:], dpo.beta, dpo.loss,
