@@ -102,13 +102,13 @@ def main(argv: list[str] | None = None) -> int:
     quiet()
     import torch
 
-    from ds_train import dist
+    from ds_train import dist, topology
     from ds_train.config.file import load_config
     from ds_train.inputs import check_inputs
     from ds_train.start import build_run
     from ds_train.train.loop import train_spec
 
-    env = dist.detect_env()
+    env = topology.detect_env()
     run_dir = shared_tmp_dir()
     overrides = [*args.overrides, f"output_dir={run_dir}", "log.progress=false", "checkpoint.every=0",
                  "checkpoint.save_final=false", "train.eval_every=0", f"train.max_steps={NEVER}"]

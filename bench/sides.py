@@ -69,7 +69,7 @@ def worker(args: argparse.Namespace, side: str, result: str, config, ds_config: 
     `figures(cfg, inputs, run, held)`, on every rank (it may gather): the script's entries of the
     side's record (its prediction beside `held`, each rank's model-state bytes).
     """
-    from ds_train import dist
+    from ds_train import dist, topology
     from ds_train.config.file import build_config
     from ds_train.data.datasets import rank_micro_batches
     from ds_train.inputs import check_inputs
@@ -80,7 +80,7 @@ def worker(args: argparse.Namespace, side: str, result: str, config, ds_config: 
 
     cfg = build_config(config(args, side, Path(result).parent / f"run_{side}"), source=side)
     inputs = check_inputs(cfg, str(ROOT / "ds_configs" / ds_config))
-    env = dist.detect_env()
+    env = topology.detect_env()
     with build_run(inputs, env, train_spec(cfg), quiet=True) as run:
         engine, dims, plan = run.engine, run.dims, run.plan
         rank = dims.data_rank(env.rank)

@@ -1,93 +1,20 @@
-"""The only module that touches torch.distributed / deepspeed.comm or reads rank variables.
+"""The only module that touches torch.distributed / deepspeed.comm.
 
-Everything else receives `rank` and `world_size` as plain ints. Supported launchers: the
-`deepspeed` launcher, torchrun, SLURM srun, a manual RANK/WORLD_SIZE/MASTER_ADDR environment, and
-a plain single process.
+Everything else receives `rank` and `world_size` as plain ints. Which rank this process is, from
+whichever launcher started it, is ds_train/topology.py's (`detect_env`, a `DistEnv`); `init` joins
+the process group from it.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-import re
 import socket
-from dataclasses import dataclass, replace
-from typing import Any, Mapping
+from dataclasses import replace
+from typing import Any
 
 from ds_train.errors import Stalled, UserError
-
-
-@dataclass(frozen=True)
-class DistEnv:
-    rank: int
-    local_rank: int
-    world_size: int
-    local_world_size: int
-    node_rank: int
-    master_addr: str
-    master_port: int
-    launcher: str  # deepspeed | torchrun | slurm | manual | single
-
-    @property
-    def is_main(self) -> bool:
-        return self.rank == 0
-
-
-def _int(environ: Mapping[str, str], key: str, default: int | None = None) -> int:
-    if default is not None and not environ.get(key):
-        return default
-    value = environ.get(key, "")
-    if not re.fullmatch(r"\d+", value.strip()):
-        raise UserError(f"environment: {key}={value!r} must be a non-negative integer")
-    return int(value)
-
-
-def first_slurm_host(nodelist: str) -> str:
-    """First host of a SLURM node list: 'gpu[003-005,009],cpu1' -> 'gpu003'."""
-    m = re.match(r"([^,\[]+)(?:\[([^\]]+)\])?", nodelist.strip())
-    if not m:
-        raise UserError(f"environment: cannot read SLURM_JOB_NODELIST={nodelist!r}")
-    prefix, ranges = m.group(1), m.group(2)
-    if not ranges:
-        return prefix
-    return prefix + ranges.split(",")[0].split("-")[0]
-
-
-def detect_env(environ: Mapping[str, str] | None = None) -> DistEnv:
-    """Work out rank / world / master from whichever launcher started us (a pure function)."""
-    env = os.environ if environ is None else environ
-    if "RANK" in env and "WORLD_SIZE" in env:
-        world = _int(env, "WORLD_SIZE")
-        # torchrun exports LOCAL_WORLD_SIZE; the deepspeed launcher exports LOCAL_SIZE.
-        local_world = _int(env, "LOCAL_WORLD_SIZE", _int(env, "LOCAL_SIZE", world))
-        launcher = ("torchrun" if "TORCHELASTIC_RUN_ID" in env
-                    else "deepspeed" if "CROSS_RANK" in env or "LOCAL_SIZE" in env or
-                    env.get("DS_TRAIN_LAUNCHER") == "deepspeed" else "manual")
-        if "CROSS_RANK" in env:  # the deepspeed launcher's node index
-            node_rank = _int(env, "CROSS_RANK")
-        elif "GROUP_RANK" in env:  # torchrun's
-            node_rank = _int(env, "GROUP_RANK")
-        else:
-            node_rank = _int(env, "NODE_RANK", 0)
-        if "MASTER_ADDR" not in env or "MASTER_PORT" not in env:
-            raise UserError("environment: RANK and WORLD_SIZE are set but MASTER_ADDR or MASTER_PORT "
-                            "is not; set both (or launch with deepspeed / torchrun)")
-        rank = _int(env, "RANK")
-        if rank >= world:
-            raise UserError(f"environment: RANK={rank} must be below WORLD_SIZE={world}")
-        return DistEnv(rank, _int(env, "LOCAL_RANK", 0), world, local_world, node_rank,
-                       env["MASTER_ADDR"], _int(env, "MASTER_PORT"), launcher)
-    if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
-        nodelist = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST") or "localhost"
-        job_id = _int(env, "SLURM_JOB_ID", 0)
-        ntasks = _int(env, "SLURM_NTASKS")
-        nnodes = _int(env, "SLURM_NNODES", 1)
-        # A port derived from the job id, so two jobs sharing a node do not collide.
-        port = _int(env, "MASTER_PORT", 29500 + job_id % 1000)
-        return DistEnv(_int(env, "SLURM_PROCID"), _int(env, "SLURM_LOCALID"), ntasks,
-                       max(1, ntasks // max(1, nnodes)), _int(env, "SLURM_NODEID", 0),
-                       env.get("MASTER_ADDR") or first_slurm_host(nodelist), port, "slurm")
-    return DistEnv(0, 0, 1, 1, 0, "127.0.0.1", 0, "single")
+from ds_train.topology import DistEnv, detect_env, node_hosts
 
 
 def rank_for_messages() -> int:
@@ -180,30 +107,6 @@ def _open_store(env: DistEnv, port: int, timeout_s: float, server: bool):
 
     return TCPStore(env.master_addr, port, env.world_size, is_master=server,
                     timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False)
-
-
-def node_hosts(environ: Mapping[str, str] | None = None) -> list[str]:
-    """The host of each node, in node order, where the launcher told us: DS_TRAIN_HOSTS (written by
-    `ds-train launch`) or SLURM's node list; empty when unknown."""
-    env = os.environ if environ is None else environ
-    if env.get("DS_TRAIN_HOSTS"):
-        return env["DS_TRAIN_HOSTS"].split(",")
-    if env.get("SLURM_JOB_NODELIST"):
-        return expand_slurm_nodelist(env["SLURM_JOB_NODELIST"])
-    return []
-
-
-def expand_slurm_nodelist(nodelist: str) -> list[str]:
-    """'gpu[003-005,009],cpu1' -> ['gpu003', 'gpu004', 'gpu005', 'gpu009', 'cpu1']."""
-    hosts = []
-    for prefix, ranges, plain in re.findall(r"([^,\[]+)\[([^\]]+)\]|([^,\[\]]+)", nodelist):
-        if plain:
-            hosts.append(plain)
-            continue
-        for part in ranges.split(","):
-            lo, _, hi = part.partition("-")
-            hosts += [f"{prefix}{i:0{len(lo)}d}" for i in range(int(lo), int(hi or lo) + 1)]
-    return hosts
 
 
 def missing_ranks_line(missing: list[int], joined: dict[int, dict], env: DistEnv, hosts: list[str],

@@ -3,7 +3,7 @@ handed to the run builder (ds_train/run.py) as one object.
 
     inputs = check_inputs(cfg, ds_config_path)              # train, dry-run, parity: model and data
     inputs = check_inputs(cfg, ds_config_path, data=False)  # ript: the model and its own tokenizer
-    with build_run(inputs, dist.detect_env(), spec) as run: ...
+    with build_run(inputs, topology.detect_env(), spec) as run: ...
 
 What fails fast goes first: the DeepSpeed JSON and the model (its config, the architecture built
 on the meta device, model.path's weights) before the data is prepared, which can take minutes.

@@ -273,11 +273,11 @@ def run_jobs(plan_path: str) -> int:
     """The worker: every job of the plan in turn, in this launch's one process group."""
     import gc
 
-    from ds_train import dist
+    from ds_train import dist, topology
     from ds_train.start import build_run
     from ds_train.train.loop import run_training
 
-    env = dist.detect_env()
+    env = topology.detect_env()
     for job in json.loads(Path(plan_path).read_text())["jobs"]:
         cfg = build_config(job["config"], source=f"{plan_path}: {job['name']}")
         inputs = check_inputs(cfg, job["ds_config"])

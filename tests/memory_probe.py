@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from ds_train import dist
+from ds_train import dist, topology
 from ds_train.config.file import build_config
 from ds_train.data.datasets import rank_micro_batches
 from ds_train.dryrun import run_estimate
@@ -24,7 +24,7 @@ from ds_train.train.loop import train_spec, train_step
 from ds_train.train.losses import forward_loss
 
 data_dir, out_dir, root = (Path(a) for a in [a for a in sys.argv[1:] if not a.startswith("--")])
-env = dist.detect_env()
+env = topology.detect_env()
 CASES = [(stage, dtype, 1, 0) for stage in (0, 1, 2, 3) for dtype in ("fp32", "bf16")]
 CASES += [(stage, "bf16", 1, 8) for stage in (0, 2, 3)]  # LoRA rank 8: a frozen base
 # AutoTP last: DeepSpeed keeps its tensor-parallel state in the process after the engine is gone

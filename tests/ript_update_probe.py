@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from ds_train import dist
+from ds_train import dist, topology
 from ds_train.config.file import build_config
 from ds_train.engine import initialize
 from ds_train.guard import NonFiniteGuard
@@ -47,7 +47,7 @@ class UpdateRun:
 
 policy, rollouts, out = sys.argv[-3:]
 spec = json.loads(Path(rollouts).read_text())
-env = dist.detect_env()
+env = topology.detect_env()
 dist.init(env)
 task = load_task("copy")
 groups = [[Episode(task, None, i, e["ids"], e["action_mask"], reward=e["reward"]) for i, e in enumerate(g)]

@@ -1,4 +1,4 @@
-"""ds_train.dist.detect_env: rank / world / master from recorded launcher environments (no process group)."""
+"""ds_train.topology.detect_env: rank / world / master from recorded launcher environments (no process group)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 
-from ds_train.dist import DistEnv, detect_env, first_slurm_host
+from ds_train.topology import DistEnv, detect_env, first_slurm_host
 from ds_train.errors import UserError
 
 UNRELATED = {"PATH": "/usr/bin", "HOME": "/home/me", "OMP_NUM_THREADS": "4"}

@@ -340,9 +340,9 @@ def test_the_op_an_optimizer_needs_and_what_keeps_it_from_being_built_are_one_li
 
 UNDO_PROBE = """
 import json, os, sys, torch, deepspeed
-from ds_train import dist
+from ds_train import dist, topology
 from ds_train.engine import initialize
-dist.init(dist.detect_env())
+dist.init(topology.detect_env())
 torch.manual_seed(0)
 model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
 ds = {"train_batch_size": 1, "bf16": {"enabled": True}, "gradient_clipping": 1.0, "zero_optimization": {"stage": 0},

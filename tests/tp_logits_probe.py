@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from ds_train import dist
+from ds_train import dist, topology
 from ds_train.checkpoint import commit as checkpoint
 from ds_train.config.file import load_config
 from ds_train.inputs import check_inputs
@@ -16,7 +16,7 @@ from ds_train.train.loop import train_spec
 
 config, ds_config, ckpt_dir, tag, out = [a for a in sys.argv[1:] if not a.startswith("--")]
 cfg = load_config(config, [f"output_dir={Path(out).parent / 'probe_run'}", "checkpoint.resume=none"])
-env = dist.detect_env()
+env = topology.detect_env()
 inputs = check_inputs(cfg, ds_config)
 with build_run(inputs, env, train_spec(cfg)) as run:
     run.engine.load_checkpoint(ckpt_dir, tag=tag, load_optimizer_states=False, load_lr_scheduler_states=False,

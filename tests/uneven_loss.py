@@ -9,10 +9,10 @@ import numpy as np
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
-from ds_train import dist
+from ds_train import dist, topology
 from ds_train.train.losses import forward_loss, token_mean
 
-env = dist.detect_env()
+env = topology.detect_env()
 dist.init(env)
 torch.manual_seed(0)
 model = AutoModelForCausalLM.from_config(LlamaConfig(

@@ -10,7 +10,7 @@ import platform
 import shutil
 import uuid
 
-from ds_train import dist
+from ds_train import dist, topology
 from ds_train.checkpoint.rundir import KINDS, RunPaths
 from ds_train.errors import AgreedError, UserError
 from ds_train.fs import hold_lock
@@ -41,7 +41,7 @@ def hold_run_dir(paths: RunPaths, writer: bool) -> int | None:
     return fd
 
 
-def storage_layout(paths: RunPaths, env: dist.DistEnv) -> str:
+def storage_layout(paths: RunPaths, env: topology.DistEnv) -> str:
     """Whether output_dir is one file system for every rank (SHARED) or each node's own
     (NODE_LOCAL): the first rank of each node leaves a mark, every rank says whose it sees."""
     if env.world_size == env.local_world_size:
@@ -95,7 +95,7 @@ def start_over(paths: RunPaths, writer: bool) -> None:
     dist.barrier()
 
 
-def env_record(env: dist.DistEnv, hosts: list[tuple[int, str]], dtype: str, kind: str, parallel: dict,
+def env_record(env: topology.DistEnv, hosts: list[tuple[int, str]], dtype: str, kind: str, parallel: dict,
                storage: str = SHARED) -> dict:
     import deepspeed
     import psutil

@@ -16,7 +16,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from ds_train import dist
+from ds_train import dist, topology
 from ds_train.checkpoint.rundir import RIPT
 from ds_train.config import RunConfig
 from ds_train.errors import UserError
@@ -148,7 +148,7 @@ class RiptState:
 def ript(cfg: RunConfig, ds_config_path: str) -> dict:
     import torch
 
-    env = dist.detect_env()
+    env = topology.detect_env()
     inputs = RiptInputs.check(cfg, ds_config_path, env.world_size)
     with build_run(inputs.run, env, ript_spec(cfg)) as run:
         torch.manual_seed(cfg.seed * 1000 + env.rank)  # each rank samples its own rollouts

@@ -14,7 +14,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from ds_train import dist
+from ds_train import dist, topology
 from ds_train.checkpoint.rundir import TRAIN
 from ds_train.config import RunConfig
 from ds_train.data.datasets import Datasets, rank_micro_batches, sequence_shard
@@ -39,7 +39,7 @@ def train_spec(cfg: RunConfig, keep_group: bool = False) -> RunSpec:
 
 def train(cfg: RunConfig, ds_config_path: str) -> dict:
     inputs = check_inputs(cfg, ds_config_path)
-    with build_run(inputs, dist.detect_env(), train_spec(cfg)) as run:
+    with build_run(inputs, topology.detect_env(), train_spec(cfg)) as run:
         return run_training(run, inputs.data)
 
 
