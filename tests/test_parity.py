@@ -13,7 +13,8 @@ import pytest
 
 from conftest import ROOT, TINY_MODEL, ds_train, tiny_config, write_config
 from ds_train.__main__ import main
-from ds_train.parity import FLOOR_FACTOR, FP32_TOLERANCES, compare, noise_floor, rel, shrink_model, tolerances
+from ds_train.parity.shrunk import shrink_model
+from ds_train.parity.tolerance import FLOOR_FACTOR, FP32_TOLERANCES, compare, noise_floor, rel, tolerances
 
 STAGES = [str(ROOT / "ds_configs" / f"zero{s}.json") for s in range(4)]
 GLOBAL_BATCH = 8  # accumulation 1 and 4 at 1 and 2 processes: micro-batches 8, 2, 4 and 1

@@ -13,6 +13,9 @@ against stated tolerances: exit 0 within them, 1 past them. `--shrink` builds th
 with small dimensions (2 layers, hidden 16 per head), so the layout of a 70B job is proved on a
 laptop. Every layout of one world size runs in one launch (one process group, in turn: the
 hidden `parity-worker` command), and the reference is computed once.
+
+Its parts: ds_train/parity/shrunk.py (`--shrink`) and ds_train/parity/tolerance.py (the comparison
+and its tolerances).
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ import tempfile
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from ds_train.checkpoint.rundir import RunPaths, read_json, read_metrics
+from ds_train.checkpoint.rundir import RunPaths, read_json
 from ds_train.config import RunConfig
 from ds_train.config.file import build_config
 from ds_train.dist import free_port
@@ -37,19 +40,12 @@ from ds_train.engine import zero_stage
 from ds_train.errors import UserError
 from ds_train.fs import write_atomic
 from ds_train.inputs import check_inputs, locate, model_config
+from ds_train.parity.shrunk import shrink
+from ds_train.parity.tolerance import FLOOR_FACTOR, compare, noise_floor, series, tolerances
 from ds_train.plan.parallel import choices, plan_dims
 from ds_train.train.loop import train_spec
 
-# Relative differences (loss, gradient norm) an fp32 layout may show against the fp32 reference: the
-# two only sum in other orders (ZeRO-3's buckets, accumulation: ~1e-7).
-FP32_TOLERANCES = (1e-5, 1e-4)
-# bf16 / fp16 round every matmul input, so a layout in them differs from the fp32 reference by rounding
-# alone. How much is measured each time: the reference's own layout run in that dtype (the noise floor);
-# a layout may differ by FLOOR_FACTOR times it. (Measured on CPU, 8 steps, ZeRO 0-3 x 1-2 ranks x
-# accumulation 1 and 4, Ulysses 2, AutoTP 2: every layout within 2.5x of the floor.)
-FLOOR_FACTOR = 4
 REFERENCE, FLOOR = "reference", "floor"
-SHRUNK_TOKENS_PER_STEP = 8192  # --shrink keeps a step about this small
 
 
 @dataclass(frozen=True)
@@ -145,106 +141,10 @@ def reference_template(template: dict, out: Path) -> str:
     return str(path)
 
 
-def noise_floor(floor: dict, reference: dict) -> tuple[dict, dict]:
-    """Per step, the largest relative differences so far (loss; gradient norm) between the reference's
-    layout in a low precision and in fp32: what rounding alone has moved them by up to that step (it
-    grows as the runs drift apart); "eval": the held-out loss, against the largest of all."""
-    loss, grad, worst_loss, worst_grad = {}, {}, 0.0, 0.0
-    for step, (ref_loss, ref_grad) in reference["steps"].items():
-        got_loss, got_grad = floor["steps"].get(step, (None, None))
-        worst_loss, worst_grad = max(worst_loss, rel(got_loss, ref_loss)), max(worst_grad, rel(got_grad, ref_grad))
-        loss[step], grad[step] = worst_loss, worst_grad
-    loss["eval"] = max(worst_loss, rel(floor["eval"], reference["eval"]))
-    return loss, grad
-
-
-def tolerances(dtype: str, floor: tuple[dict, dict] | None, loss_tol: float | None,
-               grad_tol: float | None) -> tuple[float | dict, float | dict]:
-    """(loss, gradient norm) tolerances of a layout in `dtype`: fp32's fixed ones, else per step
-    FLOOR_FACTOR x the measured noise floor (never below fp32's); --loss-tol / --grad-tol replace either."""
-    tol: tuple[float | dict, float | dict] = FP32_TOLERANCES
-    if dtype != "fp32" and floor is not None:
-        tol = tuple({k: max(FLOOR_FACTOR * v, fixed) for k, v in series.items()}
-                    for series, fixed in zip(floor, FP32_TOLERANCES))
-    return tol[0] if loss_tol is None else loss_tol, tol[1] if grad_tol is None else grad_tol
-
-
 def dropout(hf_config) -> dict:
     """The config's non-zero dropout probabilities: a layout's runs would differ by their masks."""
     return {k: v for k, v in hf_config.to_dict().items()
             if ("dropout" in k or "pdrop" in k) and isinstance(v, float) and v > 0}
-
-
-# --- --shrink --------------------------------------------------------------------------------------
-
-HEAD_DIM = 16
-DROPPED = ("_name_or_path", "transformers_version", "architectures", "auto_map", "torch_dtype", "dtype")
-
-
-def shrink_model(hf, heads_multiple: int = 1) -> tuple[dict, str]:
-    """The same model type with small dimensions: 2 layers, the grouped-query ratio kept (heads a
-    multiple of `heads_multiple`, so a layout that splits them still can), 16 per head, the MLP
-    2.75x the hidden size, 4 experts of which 2 active; dropout off. Returns model.config and what
-    changed, in words."""
-    d = {k: v for k, v in hf.to_diff_dict().items() if k not in DROPPED}
-    d["model_type"] = hf.model_type
-    heads = getattr(hf, "num_attention_heads", None) or getattr(hf, "n_head", None) or 4
-    kv = getattr(hf, "num_key_value_heads", None) or heads
-    ratio = heads // kv if heads % kv == 0 else 1
-    small_heads = math.lcm(4, ratio, heads_multiple)
-    hidden = HEAD_DIM * small_heads
-    ffn = max(8, round(hidden * 2.75 / 8) * 8)
-    layers = 2
-    small = {"hidden_size": hidden, "n_embd": hidden, "d_model": hidden,
-             "num_attention_heads": small_heads, "n_head": small_heads,
-             "num_key_value_heads": small_heads // ratio, "head_dim": HEAD_DIM,
-             "intermediate_size": ffn, "n_inner": ffn, "ffn_dim": ffn,
-             "moe_intermediate_size": ffn // 2, "shared_expert_intermediate_size": ffn // 2,
-             "num_hidden_layers": layers, "n_layer": layers, "num_layers": layers}
-    for key, value in small.items():
-        if d.get(key) is not None:  # the keys this model type has (GPT-2's n_inner None: 4 x hidden)
-            d[key] = value
-    for key, cap in (("num_local_experts", 4), ("num_experts", 4), ("n_routed_experts", 4),
-                     ("num_experts_per_tok", 2), ("max_window_layers", layers), ("first_k_dense_replace", 1)):
-        if isinstance(d.get(key), int):
-            d[key] = min(d[key], cap)
-    if isinstance(d.get("layer_types"), list):
-        d["layer_types"] = d["layer_types"][:layers]
-    for key, value in list(d.items()):
-        if ("dropout" in key or "pdrop" in key) and isinstance(value, float):
-            d[key] = 0.0
-    said = (f"{hf.model_type}: hidden {getattr(hf, 'hidden_size', '?')} -> {hidden}, layers "
-            f"{getattr(hf, 'num_hidden_layers', '?')} -> {layers}, attention heads {heads}/{kv} -> "
-            f"{small_heads}/{small_heads // ratio} (query/key-value), vocabulary "
-            f"{getattr(hf, 'vocab_size', '?')} kept")
-    return d, said
-
-
-def shrink(cfg: RunConfig, heads_multiple: int = 1) -> tuple[RunConfig, list[str]]:
-    """cfg with its model shrunk (model.config; the tokenizer stays the model's) and each step held
-    to about SHRUNK_TOKENS_PER_STEP tokens (seq_len at most 256; the global batch divided by a
-    factor of every micro-batch, so every accumulation and data-parallel size stays as it is);
-    `heads_multiple`: what the layouts split the heads by."""
-    model_dir, _ = locate(cfg)
-    hf = model_config(cfg)
-    model, said = shrink_model(hf, heads_multiple)
-    notes = [f"--shrink: {said}"]
-    raw = cfg.to_dict()
-    raw["model"] |= {"path": "", "config": model}
-    if model_dir and not cfg.data.tokenizer:  # the data keeps the model's tokenizer
-        raw["data"]["tokenizer"] = str(model_dir)
-    seq = min(cfg.train.seq_len, 256)
-    g, micro = cfg.train.global_batch_size, cfg.train.micro_batch_size
-    factors = [d for d in range(1, micro + 1) if micro % d == 0 and g % d == 0]  # every accumulation stays
-    k = min((d for d in factors if g // d * seq <= SHRUNK_TOKENS_PER_STEP), default=factors[-1])
-    changed = [f"seq_len {cfg.train.seq_len} -> {seq}"] if seq != cfg.train.seq_len else []
-    if k > 1:
-        changed.append(f"global batch {g} -> {g // k}, micro-batch {micro} -> {micro // k} (accumulation and "
-                       f"data-parallel sizes kept)")
-    if changed:
-        raw["train"] |= {"seq_len": seq, "global_batch_size": g // k, "micro_batch_size": micro // k}
-        notes.append(f"--shrink: {', '.join(changed)}")
-    return build_config(raw, source="parity --shrink"), notes
 
 
 # --- launches --------------------------------------------------------------------------------------
@@ -288,55 +188,6 @@ def run_jobs(plan_path: str) -> int:
     dist.release_shared_memory(env)
     dist.shutdown()
     return 0
-
-
-# --- the comparison --------------------------------------------------------------------------------
-
-def rel(a: float | None, b: float | None) -> float:
-    """|a - b| relative to |b|; infinite when either is missing or not finite."""
-    if a is None or b is None or not (math.isfinite(a) and math.isfinite(b)):
-        return math.inf
-    return abs(a - b) / max(abs(b), 1e-12)
-
-
-def series(run_dir: Path) -> dict:
-    """Per step (loss, grad norm) and the held-out loss after the last step, from a run's metrics."""
-    records = {r["step"]: r for r in read_metrics(RunPaths(run_dir).metrics)}
-    steps = {s: (r.get("train/loss"), r.get("optim/grad_norm")) for s, r in sorted(records.items())}
-    last = records[max(records)] if records else {}
-    return {"steps": steps, "eval": last.get("eval/loss")}
-
-
-def compare(layout: dict, reference: dict, loss_tol: float | dict, grad_tol: float | dict) -> tuple[list[str], bool]:
-    """The table of one layout against the reference, and whether every difference is within its
-    tolerance (one for all steps, or one per step and "eval" for the held-out loss)."""
-    def at(tol: float | dict, key) -> float:
-        return tol[key] if isinstance(tol, dict) else tol
-
-    lines = [f"  {'step':>5} {'loss':>13} {'reference':>13} {'rel diff':>9} {'grad norm':>11} "
-             f"{'reference':>11} {'rel diff':>9}"]
-    worst = {"loss": (-1.0, 0.0, 0.0, 1), "gradient-norm": (-1.0, 0.0, 0.0, 1)}  # (ratio, diff, tol, step)
-    ok = len(layout["steps"]) == len(reference["steps"]) > 0
-    for step, (ref_loss, ref_grad) in reference["steps"].items():
-        loss, grad = layout["steps"].get(step, (None, None))
-        dl, dg = rel(loss, ref_loss), rel(grad, ref_grad)
-        for what, d, tol in (("loss", dl, at(loss_tol, step)), ("gradient-norm", dg, at(grad_tol, step))):
-            worst[what] = max(worst[what], (d / tol, d, tol, step), key=lambda w: w[0])
-        lines.append(f"  {step:>5} {_num(loss, 13)} {_num(ref_loss, 13)} {dl:>9.1e} {_num(grad, 11)} "
-                     f"{_num(ref_grad, 11)} {dg:>9.1e}")
-    de = rel(layout["eval"], reference["eval"])
-    eval_tol = at(loss_tol, "eval")
-    worst["loss"] = max(worst["loss"], (de / eval_tol, de, eval_tol, "eval"), key=lambda w: w[0])
-    lines.append(f"  {'eval':>5} {_num(layout['eval'], 13)} {_num(reference['eval'], 13)} {de:>9.1e}")
-    ok = ok and all(ratio <= 1 for ratio, *_ in worst.values())
-    said = [f"{what} difference {d:.1e} {'at step ' if step != 'eval' else 'on '}{step} "
-            f"({'<=' if d <= tol else '>'} {tol:.2g})" for what, (_, d, tol, step) in worst.items()]
-    lines.append(f"  {'PASS' if ok else 'FAIL'}: largest {', largest '.join(said)}")
-    return lines, ok
-
-
-def _num(value: float | None, width: int) -> str:
-    return f"{value:>{width}.8g}" if isinstance(value, (int, float)) else f"{'-':>{width}}"
 
 
 def _launch_failed(code: int, log: Path) -> None:

@@ -1,0 +1,91 @@
+"""How `ds-train parity` judges a layout against the reference: relative differences (`rel`), a run's
+per-step loss and gradient norm from its metrics (`series`), the tolerances (fp32's fixed ones, or
+FLOOR_FACTOR x the noise floor measured in a low precision) and the table with its verdict (`compare`).
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+from ds_train.checkpoint.rundir import RunPaths, read_metrics
+
+# Relative differences (loss, gradient norm) an fp32 layout may show against the fp32 reference: the
+# two only sum in other orders (ZeRO-3's buckets, accumulation: ~1e-7).
+FP32_TOLERANCES = (1e-5, 1e-4)
+# bf16 / fp16 round every matmul input, so a layout in them differs from the fp32 reference by rounding
+# alone. How much is measured each time: the reference's own layout run in that dtype (the noise floor);
+# a layout may differ by FLOOR_FACTOR times it. (Measured on CPU, 8 steps, ZeRO 0-3 x 1-2 ranks x
+# accumulation 1 and 4, Ulysses 2, AutoTP 2: every layout within 2.5x of the floor.)
+FLOOR_FACTOR = 4
+
+
+def noise_floor(floor: dict, reference: dict) -> tuple[dict, dict]:
+    """Per step, the largest relative differences so far (loss; gradient norm) between the reference's
+    layout in a low precision and in fp32: what rounding alone has moved them by up to that step (it
+    grows as the runs drift apart); "eval": the held-out loss, against the largest of all."""
+    loss, grad, worst_loss, worst_grad = {}, {}, 0.0, 0.0
+    for step, (ref_loss, ref_grad) in reference["steps"].items():
+        got_loss, got_grad = floor["steps"].get(step, (None, None))
+        worst_loss, worst_grad = max(worst_loss, rel(got_loss, ref_loss)), max(worst_grad, rel(got_grad, ref_grad))
+        loss[step], grad[step] = worst_loss, worst_grad
+    loss["eval"] = max(worst_loss, rel(floor["eval"], reference["eval"]))
+    return loss, grad
+
+
+def tolerances(dtype: str, floor: tuple[dict, dict] | None, loss_tol: float | None,
+               grad_tol: float | None) -> tuple[float | dict, float | dict]:
+    """(loss, gradient norm) tolerances of a layout in `dtype`: fp32's fixed ones, else per step
+    FLOOR_FACTOR x the measured noise floor (never below fp32's); --loss-tol / --grad-tol replace either."""
+    tol: tuple[float | dict, float | dict] = FP32_TOLERANCES
+    if dtype != "fp32" and floor is not None:
+        tol = tuple({k: max(FLOOR_FACTOR * v, fixed) for k, v in series.items()}
+                    for series, fixed in zip(floor, FP32_TOLERANCES))
+    return tol[0] if loss_tol is None else loss_tol, tol[1] if grad_tol is None else grad_tol
+
+
+def rel(a: float | None, b: float | None) -> float:
+    """|a - b| relative to |b|; infinite when either is missing or not finite."""
+    if a is None or b is None or not (math.isfinite(a) and math.isfinite(b)):
+        return math.inf
+    return abs(a - b) / max(abs(b), 1e-12)
+
+
+def series(run_dir: Path) -> dict:
+    """Per step (loss, grad norm) and the held-out loss after the last step, from a run's metrics."""
+    records = {r["step"]: r for r in read_metrics(RunPaths(run_dir).metrics)}
+    steps = {s: (r.get("train/loss"), r.get("optim/grad_norm")) for s, r in sorted(records.items())}
+    last = records[max(records)] if records else {}
+    return {"steps": steps, "eval": last.get("eval/loss")}
+
+
+def compare(layout: dict, reference: dict, loss_tol: float | dict, grad_tol: float | dict) -> tuple[list[str], bool]:
+    """The table of one layout against the reference, and whether every difference is within its
+    tolerance (one for all steps, or one per step and "eval" for the held-out loss)."""
+    def at(tol: float | dict, key) -> float:
+        return tol[key] if isinstance(tol, dict) else tol
+
+    lines = [f"  {'step':>5} {'loss':>13} {'reference':>13} {'rel diff':>9} {'grad norm':>11} "
+             f"{'reference':>11} {'rel diff':>9}"]
+    worst = {"loss": (-1.0, 0.0, 0.0, 1), "gradient-norm": (-1.0, 0.0, 0.0, 1)}  # (ratio, diff, tol, step)
+    ok = len(layout["steps"]) == len(reference["steps"]) > 0
+    for step, (ref_loss, ref_grad) in reference["steps"].items():
+        loss, grad = layout["steps"].get(step, (None, None))
+        dl, dg = rel(loss, ref_loss), rel(grad, ref_grad)
+        for what, d, tol in (("loss", dl, at(loss_tol, step)), ("gradient-norm", dg, at(grad_tol, step))):
+            worst[what] = max(worst[what], (d / tol, d, tol, step), key=lambda w: w[0])
+        lines.append(f"  {step:>5} {_num(loss, 13)} {_num(ref_loss, 13)} {dl:>9.1e} {_num(grad, 11)} "
+                     f"{_num(ref_grad, 11)} {dg:>9.1e}")
+    de = rel(layout["eval"], reference["eval"])
+    eval_tol = at(loss_tol, "eval")
+    worst["loss"] = max(worst["loss"], (de / eval_tol, de, eval_tol, "eval"), key=lambda w: w[0])
+    lines.append(f"  {'eval':>5} {_num(layout['eval'], 13)} {_num(reference['eval'], 13)} {de:>9.1e}")
+    ok = ok and all(ratio <= 1 for ratio, *_ in worst.values())
+    said = [f"{what} difference {d:.1e} {'at step ' if step != 'eval' else 'on '}{step} "
+            f"({'<=' if d <= tol else '>'} {tol:.2g})" for what, (_, d, tol, step) in worst.items()]
+    lines.append(f"  {'PASS' if ok else 'FAIL'}: largest {', largest '.join(said)}")
+    return lines, ok
+
+
+def _num(value: float | None, width: int) -> str:
+    return f"{value:>{width}.8g}" if isinstance(value, (int, float)) else f"{'-':>{width}}"
