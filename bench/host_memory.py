@@ -74,7 +74,7 @@ def worker(ckpt: str, side: str, out: str) -> int:
     import torch
     from transformers import AutoConfig
 
-    from ds_train.config import ModelConfig
+    from ds_train.config.model import ModelConfig
     from ds_train.model.build import build_model
 
     rank = int(os.environ.get("RANK", "0"))

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from conftest import ROOT, expect_error, tiny_config, tree_listing, write_config
-from ds_train.config import ModelConfig
+from ds_train.config.model import ModelConfig
 from ds_train.errors import UserError
 from ds_train.model.build import build_model, resolve_dtype
 from ds_train.model.hfconfig import build_hf_config

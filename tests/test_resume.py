@@ -134,7 +134,8 @@ def test_a_path_asked_for_must_hold_a_checkpoint_and_may_not_mix_with_this_runs_
 
 
 def test_a_checkpoint_of_other_data_is_refused(tmp_path):
-    from ds_train.config import ModelConfig, RunConfig
+    from ds_train.config import RunConfig
+    from ds_train.config.model import ModelConfig
 
     cfg = RunConfig(model=ModelConfig(config={"model_type": "llama"}))
     state = {"step": 4, "world_size": 1, "seq": 1, "zero_stage": 2, "config": cfg.to_dict(), "kind": "train",

@@ -19,7 +19,7 @@ from ds_train.checkpoint import commit as checkpoint
 from ds_train.checkpoint.export import (ExportSource, hf_metadata_dir, copy_metadata, load_fp32_state_dict,
                                         locate_model, resolve_source, write_dir, write_model)
 from ds_train.checkpoint.rundir import RunPaths
-from ds_train.config import LoraConfig
+from ds_train.config.model import LoraConfig
 from ds_train.errors import UserError
 from ds_train.fs import write_atomic
 from ds_train.model.build import seeded_init

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ds_train.config import ModelConfig
+from ds_train.config.model import ModelConfig
 from ds_train.errors import UserError
 from ds_train.model.hfconfig import said
 from ds_train.model.lora import apply_lora, quantisation_config

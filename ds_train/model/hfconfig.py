@@ -9,7 +9,7 @@ import difflib
 import re
 from pathlib import Path
 
-from ds_train.config import ModelConfig
+from ds_train.config.model import ModelConfig
 from ds_train.errors import UserError
 from ds_train.model.weights import REFETCH, check_weights, json_object
 

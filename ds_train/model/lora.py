@@ -9,7 +9,7 @@ base holds no gradients and no optimizer states (ds_train.plan.memory counts it 
 
 from __future__ import annotations
 
-from ds_train.config import LoraConfig
+from ds_train.config.model import LoraConfig
 from ds_train.errors import UserError
 
 ALL_LINEAR = "all-linear"
