@@ -34,6 +34,7 @@ from ds_train.checkpoint.rundir import RunPaths
 from ds_train.fs import replacing
 from ds_train.observe.reports import (collective_in, collective_of, doctor_hint, failure_report, format_stacks,
                                       hang_report, is_secondary, main_frame, native_stacks, short_path, where)
+from ds_train.observe.resources import io_bytes, memory_now, oom_kills
 
 EXIT_STALL = 5
 # Phases in which checkpoint I/O counts as progress (a large save writes for minutes).
@@ -71,24 +72,6 @@ class Heartbeat:
         return time.monotonic() - self.last_progress
 
 
-def memory_now(device_index: int | None) -> dict[str, float | None]:
-    """RSS; GPU allocated / reserved and utilisation (NVML, through torch) where there is a GPU."""
-    import psutil
-
-    out: dict[str, float | None] = {"rss_gib": psutil.Process().memory_info().rss / 2**30}
-    if device_index is None:
-        return out
-    import torch
-
-    out["gpu_allocated_gib"] = torch.cuda.memory_allocated(device_index) / 2**30
-    out["gpu_reserved_gib"] = torch.cuda.memory_reserved(device_index) / 2**30
-    try:
-        out["gpu_util_pct"] = float(torch.cuda.utilization(device_index))
-    except Exception:  # no NVML (pynvml) on this machine: utilisation unknown, not an error
-        out["gpu_util_pct"] = None
-    return out
-
-
 # ---- the thread ------------------------------------------------------------------------------
 
 class Watchdog:
@@ -116,7 +99,7 @@ class Watchdog:
         self._lost_primary = False
         self._oom_kills = oom_kills()
         self._unwritable = False
-        self._io = _io_bytes()
+        self._io = io_bytes()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="ds_train-watchdog", daemon=True)
 
@@ -185,7 +168,7 @@ class Watchdog:
             _say(f"ds-train[rank {self.hb.rank}]: the {gone.describe()} that started this job is gone; "
                  f"saving and stopping as for SIGTERM")
             self.on_signal(15)
-        io = _io_bytes()
+        io = io_bytes()
         if io != self._io and self.hb.phase in IO_PHASES:
             self.hb.last_progress = time.monotonic()  # a save or load that writes or reads moves
         self._io = io
@@ -365,35 +348,6 @@ class Watchdog:
             tmp.write_text(json.dumps(report, indent=1, default=str))
         if say:
             _say(f"{doctor_hint(self.paths.root)}\nds-train: error: {report['line']}")
-
-
-def oom_kills() -> int:
-    """How many processes the kernel's OOM killer ended in this process's memory cgroup (cgroup v2
-    memory.events or v1 memory.oom_control); -1 where neither can be read."""
-    try:
-        lines = Path("/proc/self/cgroup").read_text().splitlines()
-    except OSError:
-        return -1
-    for line in lines:
-        _, controllers, path = line.split(":", 2)
-        for base, name in (("/sys/fs/cgroup", "memory.events"), ("/sys/fs/cgroup/memory", "memory.oom_control")):
-            if (controllers == "" and name == "memory.events") or "memory" in controllers.split(","):
-                for where_ in (Path(base + path) / name, Path(base) / name):
-                    try:
-                        fields = dict(l.split() for l in where_.read_text().splitlines() if l.strip())
-                        return int(fields["oom_kill"])
-                    except (OSError, ValueError, KeyError):
-                        continue
-    return -1
-
-
-def _io_bytes() -> tuple[int, int]:
-    """Bytes this process read and wrote (page cache included): a save or load in progress moves."""
-    try:
-        fields = dict(line.split(": ") for line in Path("/proc/self/io").read_text().splitlines())
-        return int(fields["rchar"]), int(fields["wchar"])
-    except (OSError, ValueError, KeyError):
-        return 0, 0
 
 
 def _loads(text: str | None) -> dict | None:
