@@ -27,8 +27,9 @@ from typing import Any
 from ds_train import dist
 from ds_train.checkpoint.checkpointer import Checkpointer
 from ds_train.checkpoint.commit import run_record
+from ds_train.checkpoint.consensus import agree
 from ds_train.checkpoint.export import export, save_hf_metadata
-from ds_train.checkpoint.resume import agree, check_resume, locate, plan_resume, prepare_resume
+from ds_train.checkpoint.resume import check_resume, locate, plan_resume, prepare_resume
 from ds_train.checkpoint.rundir import RunPaths
 from ds_train.checkpoint.storage import (NODE_LOCAL, check_run_dir, check_storage, env_record, hold_run_dir, host_table,
                                          start_over, storage_layout)

@@ -16,7 +16,7 @@ import pytest
 from conftest import (BIN, ROOT, STRAIGHT_STEPS, Result, deepspeed_args, deepspeed_train, ds_train, expect_error,
                       TINY_MODEL, free_port, pids_with, reap, run_cmd, spawn, tiny_config, tree_listing, write_config)
 from ds_train.checkpoint import commit as checkpoint
-from ds_train.checkpoint import resume
+from ds_train.checkpoint import consensus
 from ds_train.observe.doctor import diagnose
 
 
@@ -477,8 +477,8 @@ def single(cfg, *overrides, timeout=180):
 
 def agreed_tag(ckpts):
     """What a one-rank resume of this directory would choose."""
-    view = resume.RankView(0, 0, "h", resume.scan(ckpts, None, 0, 1))
-    point = resume.decide("auto", ckpts, None, [view], 1).point
+    view = consensus.RankView(0, 0, "h", consensus.scan(ckpts, None, 0, 1))
+    point = consensus.decide("auto", ckpts, None, [view], 1).point
     return point.tag if point else None
 
 

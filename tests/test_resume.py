@@ -9,7 +9,7 @@ import pytest
 
 from ds_train.checkpoint import commit as checkpoint
 
-from ds_train.checkpoint import resume
+from ds_train.checkpoint import consensus, resume
 from ds_train.errors import UserError
 from ds_train.plan.parallel import ParallelDims
 from test_checkpoint import fake_tag
@@ -33,7 +33,7 @@ def test_find_resume(tmp_path):
 
 def views(ckpt_dirs: list, world: int = 2, wanted=None) -> list:
     """Each rank's report, rank r reading ckpt_dirs[r] (one directory: shared; several: node-local)."""
-    return [resume.RankView(r, r, f"host{r}", resume.scan(d, wanted, r, world), latest=checkpoint.read_latest(d))
+    return [consensus.RankView(r, r, f"host{r}", consensus.scan(d, wanted, r, world), latest=checkpoint.read_latest(d))
             for r, d in enumerate(ckpt_dirs)]
 
 
@@ -41,7 +41,7 @@ def test_every_rank_resumes_from_the_newest_save_and_unfinished_tags_are_named(t
     fake_tag(tmp_path, 2, seq=1)
     fake_tag(tmp_path, 4, seq=2)
     fake_tag(tmp_path, 6, complete=False)
-    d = resume.decide("auto", tmp_path, None, views([tmp_path, tmp_path]), 2)
+    d = consensus.decide("auto", tmp_path, None, views([tmp_path, tmp_path]), 2)
     assert d.point.tag == "step_00000004" and d.point.state["step"] == 4 and d.next_seq == 3
     assert d.said == (f"resumed from {tmp_path / 'step_00000004'} at step 4; not complete, skipped: "
                       f"step_00000006 (no ds_train_state.json: a save that did not finish)")
@@ -61,16 +61,16 @@ def test_a_latest_that_names_another_tag_or_is_damaged_is_said_and_not_followed(
     fake_tag(tmp_path, 2, seq=1)
     fake_tag(tmp_path, 4, seq=2)
     (tmp_path / "latest").write_bytes(latest)
-    d = resume.decide("auto", tmp_path, None, views([tmp_path, tmp_path]), 2)
+    d = consensus.decide("auto", tmp_path, None, views([tmp_path, tmp_path]), 2)
     assert d.point.tag == "step_00000004"
     assert d.said == f"resumed from {tmp_path / 'step_00000004'} at step 4" + said
 
 
 def test_nothing_to_resume_says_why(tmp_path):
-    d = resume.decide("auto", tmp_path, None, views([tmp_path, tmp_path]), 2)
+    d = consensus.decide("auto", tmp_path, None, views([tmp_path, tmp_path]), 2)
     assert d.point is None and d.said == f"nothing to resume in {tmp_path}; starting at step 0"
     fake_tag(tmp_path, 2, complete=False)
-    d = resume.decide("auto", tmp_path, None, views([tmp_path, tmp_path]), 2, unit="iteration")
+    d = consensus.decide("auto", tmp_path, None, views([tmp_path, tmp_path]), 2, unit="iteration")
     assert d.point is None and d.said == (
         f"nothing to resume in {tmp_path}; tags present but none complete: step_00000002 (no "
         f"ds_train_state.json: a save that did not finish); starting at iteration 0")
@@ -84,18 +84,18 @@ def test_node_local_directories_agree_and_a_node_missing_files_is_named(tmp_path
             other = node / checkpoint.tag_for(step)
             for f in (checkpoint.manifest_file(other, 1 - rank), checkpoint.rank_file(other, 1 - rank)):
                 f.unlink()
-    d = resume.decide("auto", node0, None, views([node0, node1]), 2)
+    d = consensus.decide("auto", node0, None, views([node0, node1]), 2)
     assert d.point.tag == "step_00000004"
     (node1 / "step_00000004" / "zero_pp_rank_1_mp_rank_00_optim_states.pt").unlink()
     with pytest.raises(UserError) as e:
-        resume.decide("auto", node0, None, views([node0, node1]), 2)
+        consensus.decide("auto", node0, None, views([node0, node1]), 2)
     assert str(e.value) == (
         f"checkpoint {node0 / 'step_00000004'} (step 4, the newest complete save) is incomplete on node 1 "
         f"(host1) rank 1: missing zero_pp_rank_1_mp_rank_00_optim_states.pt; restore those files, resume "
         f"from step_00000002 with checkpoint.resume=step_00000002, or start over with checkpoint.resume=restart")
     shutil.rmtree(node1 / "step_00000004")  # the whole tag gone from node 1: named the same way
     with pytest.raises(UserError, match="incomplete on node 1 \\(host1\\) rank 1: missing step_00000004/"):
-        resume.decide("auto", node0, None, views([node0, node1]), 2)
+        consensus.decide("auto", node0, None, views([node0, node1]), 2)
 
 
 def test_a_rank_file_from_another_save_into_the_same_tag_is_not_whole(tmp_path):
@@ -103,15 +103,15 @@ def test_a_rank_file_from_another_save_into_the_same_tag_is_not_whole(tmp_path):
     man = checkpoint.manifest_file(tmp_path / "step_00000004", 1)
     man.write_text(man.read_text().replace('"seq": 7', '"seq": 5'))
     with pytest.raises(UserError, match="rank 1: missing ds_train_rank_1.json \\(from another save\\)"):
-        resume.decide("auto", tmp_path, None, views([tmp_path, tmp_path]), 2)
+        consensus.decide("auto", tmp_path, None, views([tmp_path, tmp_path]), 2)
 
 
 def test_a_fresh_run_into_a_used_directory_is_refused_and_restart_is_named(tmp_path):
     fake_tag(tmp_path, 2)
     with pytest.raises(UserError, match="checkpoint.resume=none: .* holds checkpoints of an earlier run "
                                         "\\(step_00000002\\); .*checkpoint.resume=restart"):
-        resume.decide("none", tmp_path, None, views([tmp_path, tmp_path]), 2)
-    d = resume.decide("restart", tmp_path, None, views([tmp_path, tmp_path]), 2)
+        consensus.decide("none", tmp_path, None, views([tmp_path, tmp_path]), 2)
+    d = consensus.decide("restart", tmp_path, None, views([tmp_path, tmp_path]), 2)
     assert d.point is None and d.next_seq == 3
 
 
@@ -123,14 +123,14 @@ def test_a_path_asked_for_must_hold_a_checkpoint_and_may_not_mix_with_this_runs_
     fake_tag(own, 4)
     with pytest.raises(UserError, match=f"checkpoint.resume: {other} holds no complete checkpoint; give a checkpoint "
                                         f"directory or tag, or checkpoint.resume=auto"):
-        resume.decide(str(other), other, None, views([other, other]), 2, own_dir=own)
+        consensus.decide(str(other), other, None, views([other, other]), 2, own_dir=own)
     fake_tag(other, 2)
-    mine = [resume.RankView(r, 0, "h", resume.scan(other, None, r, 2), own=("step_00000004",)) for r in (0, 1)]
+    mine = [consensus.RankView(r, 0, "h", consensus.scan(other, None, r, 2), own=("step_00000004",)) for r in (0, 1)]
     with pytest.raises(UserError, match=r"output_dir's .*run/checkpoints holds checkpoints of its own "
                                         r"\(step_00000004\); continue them with checkpoint.resume=auto"):
-        resume.decide(str(other), other, None, mine, 2, own_dir=own)
-    fresh = [resume.RankView(r, 0, "h", resume.scan(other, None, r, 2)) for r in (0, 1)]
-    assert resume.decide(str(other), other, None, fresh, 2, own_dir=own).point.tag == "step_00000002"
+        consensus.decide(str(other), other, None, mine, 2, own_dir=own)
+    fresh = [consensus.RankView(r, 0, "h", consensus.scan(other, None, r, 2)) for r in (0, 1)]
+    assert consensus.decide(str(other), other, None, fresh, 2, own_dir=own).point.tag == "step_00000002"
 
 
 def test_a_checkpoint_of_other_data_is_refused(tmp_path):
@@ -152,13 +152,13 @@ def test_a_named_tag_must_be_complete_and_a_new_world_size_needs_every_rank_in_o
     fake_tag(tmp_path, 2)
     fake_tag(tmp_path, 4, complete=False)
     with pytest.raises(UserError, match="step_00000004 is not a complete checkpoint \\(no ds_train_state"):
-        resume.decide("step_00000004", tmp_path, "step_00000004",
+        consensus.decide("step_00000004", tmp_path, "step_00000004",
                           views([tmp_path, tmp_path], wanted="step_00000004"), 2)
-    d = resume.decide("auto", tmp_path, None, views([tmp_path], world=1), 1)  # 2 ranks' tag, 1 rank now
+    d = consensus.decide("auto", tmp_path, None, views([tmp_path], world=1), 1)  # 2 ranks' tag, 1 rank now
     assert d.point.tag == "step_00000002"
     checkpoint.manifest_file(tmp_path / "step_00000002", 1).unlink()
     with pytest.raises(UserError, match="saved rank 1's ds_train_rank_1.json missing"):
-        resume.decide("auto", tmp_path, None, views([tmp_path], world=1), 1)
+        consensus.decide("auto", tmp_path, None, views([tmp_path], world=1), 1)
 
 
 def test_config_changes_split_into_errors_and_notes():

@@ -11,8 +11,8 @@ leaves either a whole tag or one without a marker, which is never loaded.
 The writer is global rank 0 when output_dir is one shared file system, and the first rank of each
 node when every node has its own (node-local disks): each node then holds its own ranks' files,
 marker and `latest` (DeepSpeed's use_node_local_storage). Which tag a run resumes from, agreed by
-every rank, is ds_train/checkpoint/resume.py's; when to save, ds_train/checkpoint/checkpointer.py's. DeepSpeed's tools
-(zero_to_fp32.py, ds_to_universal) work on the same directories.
+every rank, is ds_train/checkpoint/consensus.py's; when to save, ds_train/checkpoint/checkpointer.py's.
+DeepSpeed's tools (zero_to_fp32.py, ds_to_universal) work on the same directories.
 """
 
 from __future__ import annotations
