@@ -26,6 +26,8 @@ from pathlib import Path
 
 from ds_train.checkpoint import commit as checkpoint
 from ds_train.checkpoint.rundir import RunPaths
+from ds_train.checkpoint.universal import (ds_to_universal, tensor_module_state_dict, universal_dir,
+                                           universal_state_dict)
 from ds_train.errors import UserError
 from ds_train.fs import check_writable, write_atomic
 
@@ -183,14 +185,14 @@ def load_fp32_state_dict(src: ExportSource, scratch: Path) -> dict:
     import torch
 
     if src.tensor > 1 and src.zero_stage == 0:
-        return checkpoint.tensor_module_state_dict(src.tag_dir, src.tensor)
+        return tensor_module_state_dict(src.tag_dir, src.tensor)
     if src.tensor > 1:
-        universal = checkpoint.universal_dir(src.tag_dir)
+        universal = universal_dir(src.tag_dir)
         if not checkpoint.is_complete(universal):
             universal = scratch / src.tag  # ds_to_universal writes latest_universal beside it
-            checkpoint.ds_to_universal(src.tag_dir, universal)
+            ds_to_universal(src.tag_dir, universal)
         try:
-            return checkpoint.universal_state_dict(universal)
+            return universal_state_dict(universal)
         finally:
             shutil.rmtree(scratch, ignore_errors=True)
     if src.zero_stage == 0:

@@ -15,10 +15,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ds_train.checkpoint.commit import (STATE_FILE, TAG_RE, UNIVERSAL_SUFFIX, ds_to_universal, has_frozen, is_complete,
-                                        latest_complete, rank_file, read_marker, saved_parallel, set_rng_state,
-                                        universal_dir)
+from ds_train.checkpoint.commit import (STATE_FILE, TAG_RE, has_frozen, is_complete, latest_complete, rank_file,
+                                        read_marker, saved_parallel, set_rng_state)
 from ds_train.checkpoint.rundir import RunPaths
+from ds_train.checkpoint.universal import UNIVERSAL_SUFFIX, ds_to_universal, universal_dir
 from ds_train.config import RunConfig
 from ds_train.errors import UserError
 from ds_train.fs import file_lock, write_atomic
