@@ -53,7 +53,8 @@ def _manifest_seq(tag_dir: Path, rank: int) -> int | None:
 
 def scan(load_dir: Path, wanted: str | None, rank: int, world: int) -> dict[str, TagSeen]:
     """What this rank holds: every tag of `load_dir` (and the one wanted), marker and own files."""
-    names = sorted(p.name for p in load_dir.iterdir() if TAG_RE.match(p.name) and p.is_dir()) if load_dir.is_dir() else []
+    names = (sorted(p.name for p in load_dir.iterdir() if TAG_RE.match(p.name) and p.is_dir())
+             if load_dir.is_dir() else [])
     if wanted is not None and wanted not in names:
         names.append(wanted)
     seen = {}
