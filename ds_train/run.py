@@ -4,7 +4,7 @@ its layout), the stop requests the checkpointer agrees on (StopRequest), and the
 command's own loop asks. ds_train/start.py builds it (build_run) from inputs the check step
 (ds_train/inputs.py) read and checked:
 
-    with build_run(check_inputs(cfg, ds_config_path), dist.detect_env(), spec) as run:
+    with build_run(check_inputs(cfg, ds_config_path), detect_env(), spec) as run:
         start = run.maybe_resume()
         for step in ...:            # the command's loop; run.checkpointer, run.logger decide
             ...
@@ -42,6 +42,7 @@ from ds_train.observe.watchdog import Heartbeat, Watchdog
 from ds_train.plan.batch import BatchPlan
 from ds_train.plan.parallel import Layout, ParallelDims, check_layout
 from ds_train.plan.planner import oom_report
+from ds_train.topology import DistEnv, node_hosts
 
 
 @dataclass(frozen=True)
@@ -98,7 +99,7 @@ class Run:
     """A built run: what the loops ask (its parts by name; build_run composes them)."""
 
     cfg: RunConfig
-    env: dist.DistEnv
+    env: DistEnv
     spec: RunSpec
     dims: ParallelDims  # data x sequence x tensor: who reads which batch, who reduces what
     token_group: Any  # the ranks a token count or summed loss is reduced over (None: all)
@@ -148,7 +149,7 @@ class Run:
     def where(self, rank: int) -> str:
         """`rank 1 on node 1 (gpu017)`: as the watchdog's reports name a rank."""
         node, host = self.hosts[rank]
-        names = dist.node_hosts()
+        names = node_hosts()
         return rank_where({"rank": rank, "node": node, "host": host, "addr": names[node] if node < len(names) else ""})
 
     @property

@@ -56,6 +56,7 @@ from ds_train.plan.batch import BatchPlan, scaled_lr
 from ds_train.plan.memory import checkpoint_bytes
 from ds_train.plan.parallel import Layout, ParallelDims, deepspeed_range_note
 from ds_train.run import Run, RunSpec, StopRequest
+from ds_train.topology import DistEnv, node_hosts
 
 
 def check_launch(cfg: RunConfig, template: dict, spec: RunSpec, world_size: int) -> BatchPlan:
@@ -70,7 +71,7 @@ def check_launch(cfg: RunConfig, template: dict, spec: RunSpec, world_size: int)
     return layout.batch
 
 
-def build_run(inputs: RunInputs, env: dist.DistEnv, spec: RunSpec, quiet: bool = False) -> Run:
+def build_run(inputs: RunInputs, env: DistEnv, spec: RunSpec, quiet: bool = False) -> Run:
     """Everything before the first step. Bad input fails here, before anything is written.
 
     The signal handlers go in first: a stop asked for during start-up (SLURM's SIGUSR1 can come
@@ -95,7 +96,7 @@ class _Checked:
     on_gpu: bool
 
 
-def _check_alone(inputs: RunInputs, env: dist.DistEnv, spec: RunSpec) -> _Checked:
+def _check_alone(inputs: RunInputs, env: DistEnv, spec: RunSpec) -> _Checked:
     """Checks that need the world size but no peers: each rank fails fast on its own."""
     from deepspeed.accelerator import get_accelerator
 
@@ -129,7 +130,7 @@ class _Agreed:
     writer: bool  # this rank writes the run directory's files (rank 0, or each node's first under node-local)
 
 
-def _agree_together(inputs: RunInputs, env: dist.DistEnv, spec: RunSpec, checked: _Checked, host: str) -> _Agreed:
+def _agree_together(inputs: RunInputs, env: DistEnv, spec: RunSpec, checked: _Checked, host: str) -> _Agreed:
     """Checks every rank makes together: the file-system layout and the resume point (the process
     group joined first). What every rank found alike, rank 0 says."""
     cfg, paths = inputs.cfg, checked.paths
@@ -162,7 +163,7 @@ class _Model:
     whole: list[str]
 
 
-def _build_model(inputs: RunInputs, env: dist.DistEnv, checked: _Checked, ds_config: dict, paths: RunPaths,
+def _build_model(inputs: RunInputs, env: DistEnv, checked: _Checked, ds_config: dict, paths: RunPaths,
                  rank_log, quiet: bool) -> _Model:
     """The starting weights (a ds_train run given as model.path exported once), the seed, Ulysses'
     attention, the model, its kernels and tiles, and the DeepSpeed engine."""
@@ -202,7 +203,7 @@ def _log_and_say(rank_log, said: str, loud: bool) -> None:
         print(said)
 
 
-def _build_run(inputs: RunInputs, env: dist.DistEnv, spec: RunSpec, stop: StopRequest, quiet: bool) -> Run:
+def _build_run(inputs: RunInputs, env: DistEnv, spec: RunSpec, stop: StopRequest, quiet: bool) -> Run:
     cfg, source = inputs.cfg, inputs.source
     checked = _check_alone(inputs, env, spec)
     paths, dims, plan = checked.paths, checked.layout.dims, checked.layout.batch
@@ -262,14 +263,14 @@ def _device_name(on_gpu: bool) -> str:
     return torch.cuda.get_device_name() if on_gpu else platform.processor() or "cpu"
 
 
-def _build_heartbeat(cfg: RunConfig, env: dist.DistEnv, host: str) -> Heartbeat:
+def _build_heartbeat(cfg: RunConfig, env: DistEnv, host: str) -> Heartbeat:
     """Where this rank is (the loop beats it), with the watchdog's debug fault when one is set."""
-    names = dist.node_hosts()
+    names = node_hosts()
     return Heartbeat(env.rank, env.node_rank, host, names[env.node_rank] if env.node_rank < len(names) else "",
                      fault=step_fault(cfg.watchdog.debug_fault, env.rank))
 
 
-def _build_checkpointer(inputs: RunInputs, env: dist.DistEnv, spec: RunSpec, checked: _Checked, agreed: _Agreed,
+def _build_checkpointer(inputs: RunInputs, env: DistEnv, spec: RunSpec, checked: _Checked, agreed: _Agreed,
                         model: _Model, stop: StopRequest, rank_log, heartbeat: Heartbeat, launchers: LauncherWatch,
                         say, host: str) -> Checkpointer:
     """The checkpointer: when a step saves, the record each save carries, and the space a save needs."""
@@ -286,7 +287,7 @@ def _build_checkpointer(inputs: RunInputs, env: dist.DistEnv, spec: RunSpec, che
                         channel=dist.side_channel(env) if cfg.checkpoint.async_save else None)
 
 
-def _say_setup(say, rank_log, cfg: RunConfig, env: dist.DistEnv, checked: _Checked, agreed: _Agreed, model: _Model,
+def _say_setup(say, rank_log, cfg: RunConfig, env: DistEnv, checked: _Checked, agreed: _Agreed, model: _Model,
                hosts: list) -> None:
     """Rank 0's account of the run before its first step: the resume, the layout, the batch, the model."""
     dims, plan, engine, n_params = checked.layout.dims, checked.layout.batch, model.engine, model.n_params
@@ -321,7 +322,7 @@ def _say_setup(say, rank_log, cfg: RunConfig, env: dist.DistEnv, checked: _Check
                              if agreed.storage == NODE_LOCAL else ""))
 
 
-def _describe_run(cfg: RunConfig, env: dist.DistEnv, paths: RunPaths, ds_config: dict, source: ModelSource,
+def _describe_run(cfg: RunConfig, env: DistEnv, paths: RunPaths, ds_config: dict, source: ModelSource,
                   hosts: list, dtype: str, spec: RunSpec, dims: ParallelDims, storage: str, say, start: int) -> None:
     """config.yaml, ds_config.json, env.json, hf_model/; metrics.jsonl cut back to `start` (rank 0)."""
     if not env.is_main:
