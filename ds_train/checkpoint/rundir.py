@@ -23,6 +23,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+LATEST = "latest"  # the file of a checkpoints directory that names its newest tag (DeepSpeed's)
+
+
 @dataclass(frozen=True)
 class RunPaths:
     """Every path of a run directory: what the run writes and what every reader reads."""
@@ -47,7 +50,7 @@ class RunPaths:
     failure = property(lambda self: self.root / "logs" / "failure.json")
     heartbeats = property(lambda self: self.root / "heartbeats")
     checkpoints = property(lambda self: self.root / "checkpoints")
-    latest = property(lambda self: self.root / "checkpoints" / "latest")
+    latest = property(lambda self: self.root / "checkpoints" / LATEST)
     plots = property(lambda self: self.root / "plots")
     tensorboard = property(lambda self: self.root / "tensorboard")
     hf_model = property(lambda self: self.root / "hf_model")  # config, generation config, tokenizer
