@@ -54,7 +54,7 @@ def cmd_prepare(args) -> int:
     Tokenise SOURCE... into --out (or the data section of --config into its data.dir): train.bin,
     val.bin and meta.json (sft: the target masks and example offsets too), streaming, on every core."""
     from ds_train.config.file import load_config
-    from ds_train.data.meta import load_meta
+    from ds_train.data.meta import META, load_meta
     from ds_train.data.prepare import prepare
     from ds_train.inputs import locate, tokenizer_dir
 
@@ -85,7 +85,7 @@ def cmd_prepare(args) -> int:
                 overwrite=args.overwrite)
     meta = load_meta(out)
     print(f"prepare: wrote {out}/train.bin ({meta['train_tokens']:,} tokens), val.bin "
-          f"({meta['val_tokens']:,} tokens), meta.json; vocab {meta['vocab_size']} ({meta['dtype']}); "
+          f"({meta['val_tokens']:,} tokens), {META}; vocab {meta['vocab_size']} ({meta['dtype']}); "
           f"tokenizer {meta['tokenizer']}")
     return 0
 

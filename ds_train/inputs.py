@@ -18,7 +18,7 @@ from typing import Any
 from ds_train.checkpoint.export import locate_model, resolve_source
 from ds_train.config import RunConfig
 from ds_train.data.datasets import Datasets, build_datasets
-from ds_train.data.meta import check_vocab, load_meta
+from ds_train.data.meta import META, check_vocab, load_meta
 from ds_train.data.prepare import ensure_prepared
 from ds_train.data.tokenizer import load_tokenizer, vocabulary_id
 from ds_train.dsconfig import check_optimizer, check_scheduler
@@ -184,7 +184,7 @@ def plan_config(cfg: RunConfig):
     if cfg.model.path or "vocab_size" in cfg.model.config:
         return hf_config
     d = cfg.data
-    if not (Path(d.dir) / "meta.json").is_file() and not d.sources:
+    if not (Path(d.dir) / META).is_file() and not d.sources:
         raise UserError(f"model.config.vocab_size is not set and {d.dir!r} is not prepared; set "
                         f"model.config.vocab_size or run `ds-train prepare --config ...`")
     meta = ensure_prepared(d, tokenizer_dir(cfg, None)) if d.sources else load_meta(d.dir)

@@ -22,7 +22,7 @@ from ds_train.config import DataConfig
 from ds_train.data.chat import Renderer
 from ds_train.data.encode import SplitWriter, bpe_sample, encoded_chunks
 from ds_train.data.fingerprint import NO_RECORD, fingerprint_differences, input_fingerprint
-from ds_train.data.meta import PREPARED, check_is_dir, read_meta, read_meta_json, load_meta, token_dtype
+from ds_train.data.meta import META, PREPARED, check_is_dir, read_meta, read_meta_json, load_meta, token_dtype
 from ds_train.data.sources import check_source_files, format_fields, input_bytes, no_documents_error
 from ds_train.data.tokenizer import content_id, load_tokenizer, tokenizer_content_id, train_tokenizer
 from ds_train.errors import UserError
@@ -89,7 +89,7 @@ def prepare(sources: list[str], out_dir: str | Path, tokenizer: str = "", vocab_
         _put_in_place(out, writers, tokenizer, partial_tok)
         _describe_outputs(meta, out, writers, tok_dir, fmt)
         meta["fingerprint"] = fingerprint
-        write_atomic(out / "meta.json", json.dumps(meta, indent=2))
+        write_atomic(out / META, json.dumps(meta, indent=2))
     except BaseException:
         _remove_partial(writers, partial_tok, made)
         raise
@@ -164,7 +164,7 @@ def _check_some_documents(writers: list[SplitWriter], sources: list[str]) -> Non
 
 def _put_in_place(out: Path, writers: list[SplitWriter], tokenizer: str, partial_tok: Path) -> None:
     """The partial files renamed into place (the trained BPE too), the old meta.json gone first."""
-    (out / "meta.json").unlink(missing_ok=True)  # from here on, out_dir does not look prepared
+    (out / META).unlink(missing_ok=True)  # from here on, out_dir does not look prepared
     for w in writers:
         w.finish()
     if not tokenizer:
@@ -256,7 +256,7 @@ def ensure_prepared(d: DataConfig, tokenizer: str = "") -> dict:
     data_dir, sources = Path(d.dir), list(d.sources)
     check_is_dir(data_dir)
 
-    meta_path = data_dir / "meta.json"
+    meta_path = data_dir / META
 
     def problem() -> str:
         """Why the prepared data.dir cannot be used as it is ("" when it can): damaged (meta.json,
@@ -289,7 +289,7 @@ def ensure_prepared(d: DataConfig, tokenizer: str = "") -> dict:
         if not (sources and d.reprepare):
             raise UserError(why)
     elif not sources:
-        raise UserError(f"data.dir: {str(data_dir)!r} has no meta.json and data.sources is empty; "
+        raise UserError(f"data.dir: {str(data_dir)!r} has no {META} and data.sources is empty; "
                         f"run `ds-train prepare` or set data.sources")
     # Checked before the lock file is made: a missing source, a bad tokenizer or data.dir.
     _check_can_prepare(data_dir)
