@@ -36,7 +36,7 @@ from ds_train import dist, signals
 from ds_train.checkpoint.checkpointer import Checkpointer
 from ds_train.checkpoint.commit import run_record
 from ds_train.checkpoint.export import export, save_hf_metadata
-from ds_train.checkpoint.resume import (ResumePoint, agree, check_resume, load_resume, locate, plan_resume,
+from ds_train.checkpoint.resume import (ResumePoint, agree, check_resume, load_resume, locate_checkpoint, plan_resume,
                                         prepare_resume)
 from ds_train.checkpoint.rundir import RunKind, RunPaths
 from ds_train.checkpoint.storage import (NODE_LOCAL, check_run_dir, check_storage, env_record, hold_run_dir, host_table,
@@ -298,7 +298,7 @@ def _build_run(inputs: RunInputs, env: dist.DistEnv, spec: RunSpec, stop: StopRe
     rendered = render()
     if on_gpu:  # an op DeepSpeed would JIT-build: what its build needs is here, or one line says what is not
         check_op_build(rendered)
-    locate(cfg.checkpoint.resume, paths.checkpoints)
+    locate_checkpoint(cfg.checkpoint.resume, paths.checkpoints)
 
     # 2. Checks every rank makes together: the file-system layout and the resume point.
     host = socket.gethostname()

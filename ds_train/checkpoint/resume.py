@@ -43,7 +43,7 @@ def find_resume(resume: str, ckpt_dir: Path, key: str = "checkpoint.resume") -> 
     auto (the newest complete tag, if any), none, a tag, or a path. `key`: what the user gave it as."""
     if resume in ("none", "restart"):
         return None
-    load_dir, wanted = locate(resume, ckpt_dir, key)
+    load_dir, wanted = locate_checkpoint(resume, ckpt_dir, key)
     if wanted is None:
         tag = latest_complete(load_dir)
         if tag is None and resume != "auto":
@@ -63,7 +63,7 @@ def newer_incomplete(point: ResumePoint) -> list[str]:
             if TAG_RE.match(p.name) and p.is_dir() and int(TAG_RE.match(p.name).group(1)) > step and not is_complete(p)]
 
 
-def locate(resume: str, ckpt_dir: Path, key: str = "checkpoint.resume") -> tuple[Path, str | None]:
+def locate_checkpoint(resume: str, ckpt_dir: Path, key: str = "checkpoint.resume") -> tuple[Path, str | None]:
     """checkpoint.resume -> (the directory of tags, the tag asked for; None: the newest)."""
     if resume in ("auto", "none", "restart"):
         return ckpt_dir, None
@@ -229,7 +229,7 @@ def _lacking(tag: str, state: dict, views: list[RankView], world: int) -> list[s
 
 def agree(resume: str, ckpt_dir: Path, env, host: str, unit: str = "step") -> Decision:
     """Every rank reports what it holds (one all-gather), then every rank decides the same."""
-    load_dir, wanted = locate(resume, ckpt_dir)
+    load_dir, wanted = locate_checkpoint(resume, ckpt_dir)
     own = {p.name: read_marker(p)[0] for p in ckpt_dir.iterdir() if TAG_RE.match(p.name) and p.is_dir()} \
         if ckpt_dir.is_dir() else {}
     mine = RankView(env.rank, env.node_rank, host, scan(load_dir, wanted, env.rank, env.world_size),
