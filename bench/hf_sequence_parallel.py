@@ -53,12 +53,14 @@ def main() -> int:
     from torch.utils.data import Dataset
     from transformers import AutoConfig, AutoModelForCausalLM, Trainer, TrainerCallback, TrainingArguments
 
+    from ds_train.data.meta import META
+
     run = yaml.safe_load(Path(args.config).read_text())
     data_dir = ROOT / run["data"]["dir"]
-    if not (data_dir / "meta.json").is_file():
-        raise cli.fail(f"{data_dir} holds no prepared data (meta.json): train {args.config} once, or `ds-train "
+    if not (data_dir / META).is_file():
+        raise cli.fail(f"{data_dir} holds no prepared data ({META}): train {args.config} once, or `ds-train "
                        f"prepare --config {args.config}`, first")
-    meta = json.loads((data_dir / "meta.json").read_text())
+    meta = json.loads((data_dir / META).read_text())
     tokens = np.memmap(data_dir / "train.bin", dtype=meta["dtype"], mode="r")
     seq = args.seq_len
 

@@ -98,6 +98,8 @@ def measured(name: str, cmd: list[str], env: dict) -> dict:
 
 
 def main() -> None:
+    from ds_train.data.meta import META
+
     ap = cli.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sizes-mb", type=int, nargs="+", default=[100, 400])
     ap.add_argument("--workers", type=int, default=0, help="0: one per core")
@@ -110,7 +112,7 @@ def main() -> None:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "TOKENIZERS_PARALLELISM": "true", "RAYON_NUM_THREADS": str(cores)}
     py = sys.executable
     tok_data = work / "tokenizer_data"
-    if not (tok_data / "meta.json").is_file():  # a BPE trained on the stdlib: the tokenizer both sides use
+    if not (tok_data / META).is_file():  # a BPE trained on the stdlib: the tokenizer both sides use
         made = subprocess.run([py, "-m", "ds_train", "prepare", "python-stdlib", "--out", str(tok_data), "--vocab-size",
                                str(args.vocab_size)], env=env, capture_output=True, text=True)
         if made.returncode:
@@ -126,7 +128,7 @@ def main() -> None:
         out = work / f"prepared_{size}mb"
         prep = measured("prepare", [py, "-m", "ds_train", "prepare", str(corpus), "--tokenizer", tokenizer, "--out",
                                     str(out), "--workers", str(cores), "--overwrite"], env)
-        meta = json.loads((out / "meta.json").read_text())
+        meta = json.loads((out / META).read_text())
         tokens = meta["train_tokens"] + meta["val_tokens"] - meta["train_documents"] - meta["val_documents"]  # no EOS
         assert tokens == raw_tokens, (tokens, raw_tokens)  # the same tokens, both ways
         row = {"size_mb": nbytes / 1e6, "tokens": tokens, "cores": cores,

@@ -122,10 +122,22 @@ def build_parser() -> argparse.ArgumentParser:
     # the rank itself is read from the environment both set (ds_train/dist.py).
     p.add_argument("--local_rank", "--local-rank", type=int, help=argparse.SUPPRESS)
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
+    _add_run_commands(sub)  # train, ript
+    _add_prepare(sub)
+    _add_checkpoint_commands(sub)  # convert, export
+    _add_plan_commands(sub)  # estimate, dry-run
+    launch_cli.add_subcommands(sub, check_command, plan_memory)  # launch, slurm
+    _add_parity(sub)  # parity, parity-worker
+    _add_run_dir_commands(sub)  # monitor, doctor, plot
+    return p
 
+
+def _add_run_commands(sub) -> None:
     _add_run_args(_command(sub, "train", cmd.cmd_train, spec=cmd.train_spec_of), "recipes/*.yaml")
     _add_run_args(_command(sub, "ript", cmd.cmd_ript, spec=cmd.ript_spec_of), "recipes/ript_demo.yaml")
 
+
+def _add_prepare(sub) -> None:
     pr = _command(sub, "prepare", cmd.cmd_prepare)
     pr.add_argument("sources", nargs="*", metavar="SOURCE",
                     help="files or directories (.txt/.md/.py/... one document each; .jsonl, .jsonl.gz, "
@@ -150,6 +162,8 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--overwrite", action="store_true", help="replace the prepared data already in --out")
     pr.add_argument("overrides", nargs="*", metavar="key=value", default=[])
 
+
+def _add_checkpoint_commands(sub) -> None:
     c = _command(sub, "convert", cmd.cmd_convert)
     _add_checkpoint_source(c, "convert")
     c.add_argument("--to", choices=["universal"], default="universal", help="target format")
@@ -161,6 +175,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="LoRA runs: merge the adapters into the base and write one model (default: the peft "
                         "adapter directory)")
 
+
+def _add_plan_commands(sub) -> None:
     es = _command(sub, "estimate", cmd.cmd_estimate)
     _add_plan_args(es)
     es.add_argument("--preset", choices=["conservative", "balanced", "aggressive"],
@@ -168,8 +184,10 @@ def build_parser() -> argparse.ArgumentParser:
     dr = _command(sub, "dry-run", cmd.cmd_dry_run)
     _add_plan_args(dr)
     dr.add_argument("--out", help="where to write dry_run.json (default: output_dir/dry_run.json)")
-    launch_cli.add_subcommands(sub, check_command, plan_memory)  # launch, slurm
 
+
+def _add_parity(sub) -> None:
+    """parity, and parity-worker: what the launches parity starts run."""
     pa = _command(sub, "parity", cmd.cmd_parity)
     pa.add_argument("--config", required=True, help="run config YAML (the job whose layout to prove)")
     pa.add_argument("--ds-config", required=True, nargs="+", metavar="DS_CONFIG",
@@ -201,6 +219,9 @@ def build_parser() -> argparse.ArgumentParser:
     pw.add_argument("plan")
     pw.set_defaults(func=cmd.cmd_parity_worker, debug=False)
 
+
+def _add_run_dir_commands(sub) -> None:
+    """monitor, doctor and plot: they read a run directory."""
     mo = _command(sub, "monitor", cmd.cmd_monitor)
     mo.add_argument("run_dir", help="the run's output_dir (mounted from another node is fine)")
     mo.add_argument("--interval", type=float, default=2.0, help="seconds between refreshes (default 2)")
@@ -212,7 +233,6 @@ def build_parser() -> argparse.ArgumentParser:
     pl = _command(sub, "plot", cmd.cmd_plot)
     pl.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run directories (output_dir)")
     pl.add_argument("--out", help="output directory (default: RUN_DIR/plots for one run, ./plots for several)")
-    return p
 
 
 def _split_overrides(args) -> None:

@@ -54,16 +54,16 @@ def cmd_prepare(args) -> int:
     Tokenise SOURCE... into --out (or the data section of --config into its data.dir): train.bin,
     val.bin and meta.json (sft: the target masks and example offsets too), streaming, on every core."""
     from ds_train.config.file import load_config
-    from ds_train.data.meta import load_meta
+    from ds_train.data.meta import META, load_meta
     from ds_train.data.prepare import prepare
-    from ds_train.inputs import locate, tokenizer_dir
+    from ds_train.inputs import model_dirs, tokenizer_dir
 
     if args.workers is not None and args.workers < 0:
         raise UserError(f"prepare: --workers {args.workers}: give 0 (one per core) or more")
     if args.config:
         cfg = load_config(args.config, args.overrides)
         d, out = cfg.data, cfg.data.dir
-        tokenizer = tokenizer_dir(cfg, locate(cfg)[0])  # the tokenizer `train` checks the data against
+        tokenizer = tokenizer_dir(cfg, model_dirs(cfg)[0])  # the tokenizer `train` checks the data against
         prepare(d.sources, d.dir, tokenizer, d.vocab_size, d.val_fraction, d.text_key, fmt=d.format,
                 chat_template=d.chat_template, split_digits=d.split_digits,
                 workers=args.workers if args.workers is not None else d.workers, overwrite=args.overwrite)
@@ -85,7 +85,7 @@ def cmd_prepare(args) -> int:
                 overwrite=args.overwrite)
     meta = load_meta(out)
     print(f"prepare: wrote {out}/train.bin ({meta['train_tokens']:,} tokens), val.bin "
-          f"({meta['val_tokens']:,} tokens), meta.json; vocab {meta['vocab_size']} ({meta['dtype']}); "
+          f"({meta['val_tokens']:,} tokens), {META}; vocab {meta['vocab_size']} ({meta['dtype']}); "
           f"tokenizer {meta['tokenizer']}")
     return 0
 

@@ -17,7 +17,7 @@ import math
 import shutil
 import tempfile
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from ds_train import dist
@@ -33,9 +33,8 @@ from ds_train.inputs import check_inputs, plan_config
 from ds_train.model.build import count_params, flops_per_token, lookup_params, resolve_dtype
 from ds_train.model.lora import check_lora
 from ds_train.observe.metrics import PEAK_TFLOPS, memory_gib, peak_flops
-from ds_train.plan.batch import plan_batch, sample_rows
 from ds_train.plan.memory import GiB, ModelShape, model_shape
-from ds_train.plan.parallel import check_model, check_parallel, plan_dims
+from ds_train.plan.parallel import Layout, check_layout
 from ds_train.plan.planner import (Target, format_rows, format_suggestions, fused_kernels, pick_preset, plan_rows,
                                    rank_seq_len, resolved_zero, suggestions)
 from ds_train.start import build_run
@@ -86,21 +85,24 @@ def _dtype(cfg: RunConfig, on_gpu: bool) -> str:
 
 
 def run_estimate(cfg: RunConfig, ds_config_path: str, target: Target, preset: str | None) -> dict:
+    return _estimate(cfg, ds_config_path, target, preset)[0]
+
+
+def _estimate(cfg: RunConfig, ds_config_path: str, target: Target, preset: str | None) -> tuple[dict, Layout]:
+    """The estimate and the layout it checked (check_layout: the run's own check, at the target's world)."""
     template = read_ds_template(ds_config_path)
-    dims = plan_dims(cfg.parallel, target.world)
-    plan_batch(cfg.train.global_batch_size, cfg.train.micro_batch_size, dims.data, cfg.train.seq_len,
-               dims.derivation())
     shape, hf_config = resolve_shape(cfg)
-    check_model(dims, hf_config, cfg.model.attn_implementation, cfg.train.seq_len)
+    layout = check_layout(cfg, template, target.world, hf_config)
+    dims = layout.dims
     check_lora(cfg.model.lora, hf_config, library=False)  # the plan is for GPUs, not this machine
-    check_parallel(cfg, template)
     dtype = _dtype(cfg, on_gpu=True)
     zero = resolved_zero(template, shape)
     rows = plan_rows(shape, cfg, zero, target, dtype)
     out = {"target": {"nodes": target.nodes, "gpus_per_node": target.gpus_per_node, "world": target.world,
                       "gpu_memory_gib": target.gpu_memory_gib, "parallel": dims.record()},
            "model": {"params": shape.n_params, "layers": shape.n_layers, "hidden": shape.hidden,
-                     "rank_params": round(shape.rank_params(dims.tensor)), "trainable": shape.trainable or shape.n_params},
+                     "rank_params": round(shape.rank_params(dims.tensor)),
+                     "trainable": shape.trainable or shape.n_params},
            "dtype": dtype, "rows": rows, "seq_len": cfg.train.seq_len, "rank_seq_len": rank_seq_len(cfg),
            "kernels": kernels_said(cfg)}
     given = next(r for r in rows if r["given"])
@@ -108,7 +110,7 @@ def run_estimate(cfg: RunConfig, ds_config_path: str, target: Target, preset: st
         out["suggestions"] = suggestions(shape, cfg, zero, target, dtype)
     if preset:
         out["preset"] = pick_preset(shape, cfg, target, dtype, preset)
-    return out
+    return out, layout
 
 
 def kernels_said(cfg: RunConfig) -> str:
@@ -153,95 +155,144 @@ def estimate_outcome(out: dict, target: Target) -> str:
 
 def dry_run(cfg: RunConfig, ds_config_path: str, target: Target, steps: int = 3, warmup: int = 1) -> dict:
     """Real steps of one rank's share of the target global batch on this device, projected."""
-    import torch
-
-    estimate_out = run_estimate(cfg, ds_config_path, target, None)
-    dims = plan_dims(cfg.parallel, target.world)
-    plan = plan_batch(cfg.train.global_batch_size, cfg.train.micro_batch_size, dims.data, cfg.train.seq_len,
-                      dims.derivation(), sample_rows(cfg.data.format))
-    sp, tp = dims.sequence, dims.tensor
+    estimate_out, layout = _estimate(cfg, ds_config_path, target, None)
+    dims, plan = layout.dims, layout.batch
     work = tempfile.mkdtemp(prefix="ds_train_dry_run_")
     try:
-        # One rank's work (micro x accumulation sequences per step) on this one device, in a
-        # scratch run directory; the LR schedule is the target's. Under sequence parallelism a rank
-        # holds seq_len / sp positions of each sequence: run that many, with every head (the same
-        # activations as the rank's heads / sp over the whole sequence; the attention's extra
-        # compute is projected below). Under AutoTP a rank multiplies its share of the split layers:
-        # the whole model runs here, and the step time is scaled by that share.
-        local = replace(cfg, output_dir=work, parallel=replace(cfg.parallel, sequence=1, tensor=1),
-                        train=replace(cfg.train, global_batch_size=plan.sequences_per_rank, eval_every=0,
-                                      seq_len=cfg.train.seq_len // sp),
-                        checkpoint=replace(cfg.checkpoint, resume="none", save_final=False, every=0,
-                                           export_final=False),
-                        log=replace(cfg.log, wandb="off", progress=False, sample_prompt=""))
-        inputs = check_inputs(local, ds_config_path)
-        data = inputs.data
-        with build_run(inputs, dist.detect_env(), train_spec(local), quiet=True) as run:
-            engine = run.engine
-            # preference pairs: the step of a precomputed reference (log-probs looked up: no model)
-            zeros = lambda batch: torch.zeros(len(batch.inputs), dtype=torch.float64)  # noqa: E731
-            reference = PairReference(zeros, zeros) if isinstance(data.train, PreferenceData) else None
-            on_gpu = engine.device.type == "cuda"
-            if on_gpu:
-                torch.cuda.reset_peak_memory_stats()
-            rss_before = memory_gib("cpu")[1]
-            times = []
-            for step in range(warmup + steps):
-                t0 = time.perf_counter()
-                run_step(run, rank_micro_batches(data.train, step, plan.sequences_per_rank, plan.micro_batch_size,
-                                                 0, 1), step + 1, ComputeClock(False), reference)
-                if on_gpu:
-                    torch.cuda.synchronize()
-                times.append(time.perf_counter() - t0)
-            measured_s = sorted(times[warmup:])[len(times[warmup:]) // 2]
-            gpu_gib, rss_gib = memory_gib(engine.device.type)
-            measured_peak = gpu_gib if on_gpu else max(rss_gib - rss_before, 0.0)
-            round_trip = _checkpoint_round_trip(run, data.val, Path(work))
-            n_params, lookups = count_params(engine.module), lookup_params(engine.module.config)
+        measured = _measure(_local_config(cfg, work, plan, dims.sequence), ds_config_path, plan, Path(work),
+                            steps, warmup)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    given = next(r for r in estimate_out["rows"] if r["given"])
+    projected = _project(cfg, estimate_out, plan, dims, measured)
+    return _report(cfg, target, estimate_out, plan, dims, measured, projected)
+
+
+@dataclass(frozen=True)
+class _Measured:
+    """What the steps on this device measured."""
+
+    times: list[float]  # every step's seconds, warm-up included
+    step_s: float  # the median step after the warm-up
+    peak_gib: float  # torch.cuda.max_memory_allocated, or the process RSS growth on a CPU
+    on_gpu: bool
+    round_trip: dict  # _checkpoint_round_trip
+    n_params: int
+    lookups: int  # lookup_params: parameters that are looked up, not multiplied
+
+
+@dataclass(frozen=True)
+class _Projection:
+    """The measured step projected to a rank of the target layout."""
+
+    step_s: float
+    flops_per_token: float
+    share: float  # the part of the model's parameters a rank holds (AutoTP splits some layers)
+    tokens_per_s_gpu: float
+
+
+def _local_config(cfg: RunConfig, work: str, plan, sp: int) -> RunConfig:
+    """One rank's work (micro x accumulation sequences per step) on this one device, in a scratch
+    run directory; the LR schedule is the target's. Under sequence parallelism a rank holds
+    seq_len / sp positions of each sequence: run that many, with every head (the same activations as
+    the rank's heads / sp over the whole sequence; the attention's extra compute is projected). Under
+    AutoTP a rank multiplies its share of the split layers: the whole model runs here, and the step
+    time is scaled by that share."""
+    return replace(cfg, output_dir=work, parallel=replace(cfg.parallel, sequence=1, tensor=1),
+                   train=replace(cfg.train, global_batch_size=plan.sequences_per_rank, eval_every=0,
+                                 seq_len=cfg.train.seq_len // sp),
+                   checkpoint=replace(cfg.checkpoint, resume="none", save_final=False, every=0, export_final=False),
+                   log=replace(cfg.log, wandb="off", progress=False, sample_prompt=""))
+
+
+def _measure(local: RunConfig, ds_config_path: str, plan, work: Path, steps: int, warmup: int) -> _Measured:
+    """`warmup` + `steps` real steps of the local run, its peak memory, and a checkpoint round trip."""
+    import torch
+
+    inputs = check_inputs(local, ds_config_path)
+    data = inputs.data
+    with build_run(inputs, dist.detect_env(), train_spec(local), quiet=True) as run:
+        engine = run.engine
+        # preference pairs: the step of a precomputed reference (log-probs looked up: no model)
+        zeros = lambda batch: torch.zeros(len(batch.inputs), dtype=torch.float64)  # noqa: E731
+        reference = PairReference(zeros, zeros) if isinstance(data.train, PreferenceData) else None
+        on_gpu = engine.device.type == "cuda"
+        if on_gpu:
+            torch.cuda.reset_peak_memory_stats()
+        rss_before = memory_gib("cpu")[1]
+        times = []
+        for step in range(warmup + steps):
+            t0 = time.perf_counter()
+            run_step(run, rank_micro_batches(data.train, step, plan.sequences_per_rank, plan.micro_batch_size,
+                                             0, 1), step + 1, ComputeClock(False), reference)
+            if on_gpu:
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - t0)
+        measured_s = sorted(times[warmup:])[len(times[warmup:]) // 2]
+        gpu_gib, rss_gib = memory_gib(engine.device.type)
+        measured_peak = gpu_gib if on_gpu else max(rss_gib - rss_before, 0.0)
+        round_trip = _checkpoint_round_trip(run, data.val, work)
+        return _Measured(times, measured_s, measured_peak, on_gpu, round_trip, count_params(engine.module),
+                         lookup_params(engine.module.config))
+
+
+def _project(cfg: RunConfig, estimate_out: dict, plan, dims, m: _Measured) -> _Projection:
+    """The step time of a rank of the target: attention over the whole sequence (parallel.sequence),
+    its share of the parameters (parallel.tensor); its tokens per second."""
+    sp, tp = dims.sequence, dims.tensor
     tokens_per_rank_step = plan.sequences_per_rank * plan.rows * plan.seq_len // sp
     layers, hidden = estimate_out["model"]["layers"], estimate_out["model"]["hidden"]
-    fpt = flops_per_token(n_params, layers, hidden, cfg.train.seq_len, lookups)
+    fpt = flops_per_token(m.n_params, layers, hidden, cfg.train.seq_len, m.lookups)
     # The rank's tokens attend over the whole sequence, not over the seq_len / sp measured here.
-    step_s = measured_s * fpt / flops_per_token(n_params, layers, hidden, cfg.train.seq_len // sp, lookups)
+    step_s = m.step_s * fpt / flops_per_token(m.n_params, layers, hidden, cfg.train.seq_len // sp, m.lookups)
     share = estimate_out["model"]["rank_params"] / estimate_out["model"]["params"]
     step_s *= share if tp > 1 else 1
-    tokens_per_s_gpu = tokens_per_rank_step / step_s
-    device_name = torch.cuda.get_device_name() if on_gpu else "cpu"
-    peak = peak_flops(device_name, cfg.log.peak_tflops) if on_gpu else None
+    return _Projection(step_s, fpt, share, tokens_per_rank_step / step_s)
+
+
+def _notes(cfg: RunConfig, dims, m: _Measured, p: _Projection) -> list[str]:
+    """What the projection leaves out, and how it scaled the measured step."""
+    sp, tp = dims.sequence, dims.tensor
     notes = ["step time is one rank's compute; communication across the cluster is not included",
              "MFU needs a GPU peak (table: " + ", ".join(PEAK_TFLOPS) + "; or log.peak_tflops)"]
     if sp > 1:
         notes.append(f"parallel.sequence={sp}: ran a rank's {cfg.train.seq_len // sp:,} positions of each sequence "
-                     f"with every head ({measured_s:.3f} s a step); the step time is that scaled by the FLOPs of "
-                     f"attending over all {cfg.train.seq_len:,} positions (x{step_s / measured_s:.3f}); Ulysses' "
+                     f"with every head ({m.step_s:.3f} s a step); the step time is that scaled by the FLOPs of "
+                     f"attending over all {cfg.train.seq_len:,} positions (x{p.step_s / m.step_s:.3f}); Ulysses' "
                      f"all-to-all is communication, not included")
     if tp > 1:
-        notes.append(f"parallel.tensor={tp}: ran the whole model here ({measured_s:.3f} s a step, peak memory "
-                     f"included); a rank holds and multiplies {share:.0%} of its parameters (the layers AutoTP "
+        notes.append(f"parallel.tensor={tp}: ran the whole model here ({m.step_s:.3f} s a step, peak memory "
+                     f"included); a rank holds and multiplies {p.share:.0%} of its parameters (the layers AutoTP "
                      f"splits, 1/{tp} of each), so the step time is scaled by that; AutoTP's all-reduces (two a "
                      f"layer, each way) are communication, not included; the memory columns are a rank's share")
+    return notes
+
+
+def _report(cfg: RunConfig, target: Target, estimate_out: dict, plan, dims, m: _Measured, p: _Projection) -> dict:
+    """dry_run.json: the estimate, the batch, what was measured, what is predicted, the notes."""
+    import torch
+
+    given = next(r for r in estimate_out["rows"] if r["given"])
+    device_name = torch.cuda.get_device_name() if m.on_gpu else "cpu"
+    peak = peak_flops(device_name, cfg.log.peak_tflops) if m.on_gpu else None
     return {
         **estimate_out,
         "batch": {"global_batch_size": plan.global_batch_size, "micro_batch_size": plan.micro_batch_size,
                   "grad_accum_steps": plan.grad_accum_steps, "data_parallel_size": plan.data_parallel_size,
                   "world_size": target.world,
                   "tokens_per_step": plan.tokens_per_step},
-        "measured": {"device": device_name, "step_time_s": measured_s, "step_times_s": times,
-                     "rank_seq_len": cfg.train.seq_len // sp,
-                     "peak_memory_gib": measured_peak,
-                     "peak_memory_kind": "torch.cuda.max_memory_allocated" if on_gpu else "process RSS growth"},
+        "measured": {"device": device_name, "step_time_s": m.step_s, "step_times_s": m.times,
+                     "rank_seq_len": cfg.train.seq_len // dims.sequence,
+                     "peak_memory_gib": m.peak_gib,
+                     "peak_memory_kind": "torch.cuda.max_memory_allocated" if m.on_gpu else "process RSS growth"},
         "predicted": {"per_gpu_peak_gib": given["gpu_peak_gib"], "gpu_memory_gib": target.gpu_memory_gib,
                       "fits": given["fits"], "headroom_gib": target.gpu_memory_gib - given["gpu_peak_gib"],
-                      "step_time_s": step_s, "tokens_per_s_per_gpu": tokens_per_s_gpu,
-                      "tokens_per_s_cluster": tokens_per_s_gpu * target.world,
-                      "mfu": tokens_per_s_gpu * fpt / peak if peak else None,
-                      "time_to_finish_s": step_s * cfg.train.max_steps,
-                      "checkpoint_gib": round_trip["bytes"] / GiB},
-        "checkpoint_round_trip": round_trip,
-        "notes": notes,
+                      "step_time_s": p.step_s, "tokens_per_s_per_gpu": p.tokens_per_s_gpu,
+                      "tokens_per_s_cluster": p.tokens_per_s_gpu * target.world,
+                      "mfu": p.tokens_per_s_gpu * p.flops_per_token / peak if peak else None,
+                      "time_to_finish_s": p.step_s * cfg.train.max_steps,
+                      "checkpoint_gib": m.round_trip["bytes"] / GiB},
+        "checkpoint_round_trip": m.round_trip,
+        "notes": _notes(cfg, dims, m, p),
     }
 
 

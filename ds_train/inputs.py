@@ -18,7 +18,7 @@ from typing import Any
 from ds_train.checkpoint.export import locate_model, resolve_source
 from ds_train.config import RunConfig
 from ds_train.data.datasets import Datasets, build_datasets
-from ds_train.data.meta import check_vocab, load_meta
+from ds_train.data.meta import META, check_vocab, load_meta
 from ds_train.data.prepare import ensure_prepared
 from ds_train.data.tokenizer import load_tokenizer, vocabulary_id
 from ds_train.dsconfig import check_optimizer, check_scheduler
@@ -78,7 +78,7 @@ def tokenizer_dir(cfg: RunConfig, model_dir: Path | None) -> str:
     return cfg.data.tokenizer or str(model_dir or "")
 
 
-def locate(cfg: RunConfig) -> tuple[Path | None, Path | None]:
+def model_dirs(cfg: RunConfig) -> tuple[Path | None, Path | None]:
     """model.path -> (the directory with config.json and the tokenizer, a ds_train run to export
     first); (None, None) for a model trained from scratch."""
     return locate_model(cfg.model.path) if cfg.model.path else (None, None)
@@ -100,7 +100,7 @@ def check_inputs(cfg: RunConfig, ds_config_path: str, data: bool = True) -> RunI
     check_scheduler(template, str(ds_config_path))  # the template's own numbers, before the data is prepared
     check_optimizer(template, str(ds_config_path))
     check_layout(cfg, template, None)  # what needs no world size; the run checks the rest (build_run)
-    model_dir, export_from = locate(cfg)
+    model_dir, export_from = model_dirs(cfg)
     hf_config = _hf_config(cfg, model_dir, weights=export_from is None)  # a run's weights: in its checkpoint
     check_lora(cfg.model.lora, hf_config)
     if not data:  # the model's own tokenizer
@@ -173,7 +173,7 @@ def model_config(cfg: RunConfig):
     model trained from scratch at a stand-in vocabulary size), for planning (estimate, dry run, the
     launch preflight, parity --shrink), which would otherwise scan a large model's weights for
     nothing. A run checks them (check_inputs)."""
-    return _hf_config(cfg, locate(cfg)[0], weights=False)
+    return _hf_config(cfg, model_dirs(cfg)[0], weights=False)
 
 
 def plan_config(cfg: RunConfig):
@@ -184,7 +184,7 @@ def plan_config(cfg: RunConfig):
     if cfg.model.path or "vocab_size" in cfg.model.config:
         return hf_config
     d = cfg.data
-    if not (Path(d.dir) / "meta.json").is_file() and not d.sources:
+    if not (Path(d.dir) / META).is_file() and not d.sources:
         raise UserError(f"model.config.vocab_size is not set and {d.dir!r} is not prepared; set "
                         f"model.config.vocab_size or run `ds-train prepare --config ...`")
     meta = ensure_prepared(d, tokenizer_dir(cfg, None)) if d.sources else load_meta(d.dir)

@@ -29,7 +29,7 @@ from ds_train.checkpoint.checkpointer import Checkpointer
 from ds_train.checkpoint.commit import run_record
 from ds_train.checkpoint.consensus import agree
 from ds_train.checkpoint.export import export, save_hf_metadata
-from ds_train.checkpoint.resume import check_resume, locate, plan_resume, prepare_resume
+from ds_train.checkpoint.resume import check_resume, locate_checkpoint, plan_resume, prepare_resume
 from ds_train.checkpoint.rundir import RunPaths
 from ds_train.checkpoint.storage import (NODE_LOCAL, check_run_dir, check_storage, env_record, hold_run_dir, host_table,
                                          start_over, storage_layout)
@@ -115,7 +115,7 @@ def _check_alone(inputs: RunInputs, env: DistEnv, spec: RunSpec) -> _Checked:
                                  source=inputs.ds_config_path)
     if on_gpu:  # an op DeepSpeed would JIT-build: what its build needs is here, or one line says what is not
         check_op_build(ds_config)
-    locate(cfg.checkpoint.resume, paths.checkpoints)
+    locate_checkpoint(cfg.checkpoint.resume, paths.checkpoints)
     return _Checked(paths, layout, ds_config, dtype, lr, on_gpu)
 
 

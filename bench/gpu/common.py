@@ -76,12 +76,14 @@ def run_config(out: Path, name: str, model: dict, data: str, *, seq: int, micro:
     other sections."""
     import yaml
 
+    from ds_train.data.meta import META
+
     shutil.rmtree(out / "runs" / name, ignore_errors=True)  # this bench's own directory: never a resume
 
     cfg = {"output_dir": str(out / "runs" / name), "seed": 1234,
            "model": {"config": dict(model), "dtype": dtype, "activation_checkpointing": ckpt,
                      **({} if compile is None else {"compile": compile}), **(model_keys or {})},
-           "data": {"dir": data} if Path(data) != DEFAULT_DATA or (Path(data) / "meta.json").is_file() else
+           "data": {"dir": data} if Path(data) != DEFAULT_DATA or (Path(data) / META).is_file() else
                    {"dir": data, "sources": ["python-stdlib"], "vocab_size": 4096},
            "train": {"max_steps": steps, "micro_batch_size": micro, "global_batch_size": global_batch,
                      "seq_len": seq, "eval_every": 0, "eval_batches": 1},
@@ -132,7 +134,9 @@ def tail(log: Path, n: int = 15) -> str:
 
 def prepare(out: Path, data: str, timeout: float) -> None:
     """Prepare the corpus once, before anything is timed (nothing to do when it is prepared)."""
-    if (Path(data) / "meta.json").is_file():
+    from ds_train.data.meta import META
+
+    if (Path(data) / META).is_file():
         return
     cfg = run_config(out, "prepare", TINY, data, seq=64, micro=1, global_batch=1, steps=1, dtype="fp32")
     rc, _ = launch(ds_train("prepare", "--config", str(cfg)), out / "logs" / "prepare.log", timeout)

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from ds_train import dist
 from ds_train.checkpoint.commit import TAG_RE, manifest_file, rank_missing, read_latest, read_marker, save_order
-from ds_train.checkpoint.resume import ResumePoint, locate
+from ds_train.checkpoint.resume import ResumePoint, locate_checkpoint
 from ds_train.errors import UserError
 
 
@@ -162,7 +162,7 @@ def _lacking(tag: str, state: dict, views: list[RankView], world: int) -> list[s
 
 def agree(resume: str, ckpt_dir: Path, env, host: str, unit: str = "step") -> Decision:
     """Every rank reports what it holds (one all-gather), then every rank decides the same."""
-    load_dir, wanted = locate(resume, ckpt_dir)
+    load_dir, wanted = locate_checkpoint(resume, ckpt_dir)
     own = {p.name: read_marker(p)[0] for p in ckpt_dir.iterdir() if TAG_RE.match(p.name) and p.is_dir()} \
         if ckpt_dir.is_dir() else {}
     mine = RankView(env.rank, env.node_rank, host, scan(load_dir, wanted, env.rank, env.world_size),

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ds_train.checkpoint import commit as checkpoint
-from ds_train.checkpoint.rundir import RunPaths
+from ds_train.checkpoint.rundir import LATEST, RunPaths
 from ds_train.checkpoint.universal import (ds_to_universal, tensor_module_state_dict, universal_dir,
                                            universal_state_dict)
 from ds_train.errors import UserError
@@ -72,10 +72,10 @@ def resolve_source(source: str | Path, tag: str | None = None) -> ExportSource:
             raise UserError(f"export: {str(src)!r} is the tag {src.name}, but tag={tag!r} was asked "
                             f"for; give the run or checkpoints directory with a tag, or the tag directory "
                             f"alone")
-    elif (src / "latest").is_file() or any(checkpoint.TAG_RE.match(p.name) for p in src.iterdir()):
+    elif (src / LATEST).is_file() or any(checkpoint.TAG_RE.match(p.name) for p in src.iterdir()):
         ckpt_dir, wanted = src, tag
     else:
-        raise UserError(f"export: {str(src)!r} holds no checkpoints (no checkpoints/, latest or step_* "
+        raise UserError(f"export: {str(src)!r} holds no checkpoints (no checkpoints/, {LATEST} or step_* "
                         f"tags); give a run directory trained with checkpoint.every or checkpoint.save_final")
 
     if wanted is None:
@@ -167,7 +167,7 @@ def locate_model(path: str | Path) -> tuple[Path, Path | None]:
     src = Path(path)
     if (src / "config.json").is_file():
         return src, None
-    if not any(path.exists() for path in (RunPaths(src).checkpoints, src / "latest", src / checkpoint.STATE_FILE)):
+    if not any(path.exists() for path in (RunPaths(src).checkpoints, src / LATEST, src / checkpoint.STATE_FILE)):
         raise UserError(f"model.path: {str(src)!r} is neither a Hugging Face directory (config.json) nor a "
                         f"ds_train run or checkpoint directory")
     try:

@@ -39,7 +39,7 @@ def find_resume(resume: str, ckpt_dir: Path, key: str = "checkpoint.resume") -> 
     auto (the newest complete tag, if any), none, a tag, or a path. `key`: what the user gave it as."""
     if resume in ("none", "restart"):
         return None
-    load_dir, wanted = locate(resume, ckpt_dir, key)
+    load_dir, wanted = locate_checkpoint(resume, ckpt_dir, key)
     if wanted is None:
         tag = latest_complete(load_dir)
         if tag is None and resume != "auto":
@@ -59,7 +59,7 @@ def newer_incomplete(point: ResumePoint) -> list[str]:
             if TAG_RE.match(p.name) and p.is_dir() and int(TAG_RE.match(p.name).group(1)) > step and not is_complete(p)]
 
 
-def locate(resume: str, ckpt_dir: Path, key: str = "checkpoint.resume") -> tuple[Path, str | None]:
+def locate_checkpoint(resume: str, ckpt_dir: Path, key: str = "checkpoint.resume") -> tuple[Path, str | None]:
     """checkpoint.resume -> (the directory of tags, the tag asked for; None: the newest)."""
     if resume in ("auto", "none", "restart"):
         return ckpt_dir, None

@@ -23,6 +23,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+LATEST = "latest"  # the file of a checkpoints directory that names its newest tag (DeepSpeed's)
+
+
 @dataclass(frozen=True)
 class RunPaths:
     """Every path of a run directory: what the run writes and what every reader reads."""
@@ -47,7 +50,7 @@ class RunPaths:
     failure = property(lambda self: self.root / "logs" / "failure.json")
     heartbeats = property(lambda self: self.root / "heartbeats")
     checkpoints = property(lambda self: self.root / "checkpoints")
-    latest = property(lambda self: self.root / "checkpoints" / "latest")
+    latest = property(lambda self: self.root / "checkpoints" / LATEST)
     plots = property(lambda self: self.root / "plots")
     tensorboard = property(lambda self: self.root / "tensorboard")
     hf_model = property(lambda self: self.root / "hf_model")  # config, generation config, tokenizer
@@ -121,7 +124,7 @@ STALE_HEARTBEATS = 5
 STALE_FLOOR_S = 30.0
 
 
-def read_json(path: Path) -> Any:
+def read_json_or_none(path: Path) -> Any:
     """The parsed file, None when it is missing, being replaced or damaged."""
     try:
         return json.loads(path.read_text())
@@ -147,7 +150,7 @@ def read_metrics(path: Path) -> list[dict]:
     return out
 
 
-def read_yaml(path: Path) -> dict:
+def read_yaml_or_empty(path: Path) -> dict:
     import yaml
 
     from ds_train.fs import yaml_load  # bounded: a user-edited config.yaml may hold an alias bomb
@@ -272,22 +275,22 @@ def read_run(path: str | Path) -> RunView:
     """Everything the monitor, doctor and plots read, in one pass."""
     paths = RunPaths(path)
     view = RunView(paths.root, read_at=time.time())
-    view.config = read_yaml(paths.config)
-    view.env = read_json(paths.env) or {}
+    view.config = read_yaml_or_empty(paths.config)
+    view.env = read_json_or_none(paths.env) or {}
     view.metrics = read_metrics(paths.metrics)
     for hb_path in sorted(paths.heartbeats.glob("rank_*.json")):
-        rec = read_json(hb_path)
+        rec = read_json_or_none(hb_path)
         if isinstance(rec, dict) and isinstance(rec.get("rank"), int):
             view.heartbeats[rec["rank"]] = rec
     started = float(view.env.get("started") or _mtime(paths.env))
     newest_beat = max((float(hb.get("time") or 0) for hb in view.heartbeats.values()
                        if hb.get("status") == "running"), default=0.0)
     for name, path in (("hang", paths.hang_report), ("failure", paths.failure)):  # this attempt's only
-        report = read_json(path)
+        report = read_json_or_none(path)
         at = _report_time(report) or _mtime(path)
         if isinstance(report, dict) and at >= started - 1.0 and newest_beat <= at + 1.0:
             setattr(view, name, report)
-    view.results = read_json(paths.results(view.kind))
+    view.results = read_json_or_none(paths.results(view.kind))
     with contextlib.suppress(OSError):  # no checkpoint yet: latest stays ""
         view.latest = paths.latest.read_text().strip()
     view.holder = lock_holder(paths.root)

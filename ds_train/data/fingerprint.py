@@ -12,6 +12,7 @@ import platform
 from pathlib import Path
 from typing import Callable
 
+from ds_train.data.meta import META
 from ds_train.data.sources import STDLIB, source_files
 
 FINGERPRINT_VERSION = 1
@@ -108,7 +109,7 @@ def fingerprint_differences(recorded: dict | None, current: dict,
     try:
         return _differences(recorded, current, sha256, content)
     except (KeyError, TypeError, AttributeError, IndexError):  # a record edited or cut short
-        return ["meta.json's record of its inputs is damaged"]
+        return [f"{META}'s record of its inputs is damaged"]
 
 
 def _differences(recorded: dict, current: dict, sha256: Callable[[Path], str],

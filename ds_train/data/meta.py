@@ -13,7 +13,8 @@ import numpy as np
 from ds_train.errors import UserError
 from ds_train.fs import file_lock, read_json, write_atomic
 
-PREPARED = ("meta.json", "train.bin", "val.bin", "tokenizer")  # what prepare writes into out_dir
+META = "meta.json"  # a prepared data.dir's record of its files, written last: the done marker
+PREPARED = (META, "train.bin", "val.bin", "tokenizer")  # what prepare writes into out_dir
 SFT_FILES = ("mask", "idx")  # data.format sft: {split}.mask (1: a target token), {split}.idx (offsets)
 FORMATS = ("text", "sft", "preference")
 SPLITS = ("train", "val")
@@ -38,7 +39,7 @@ OPTIONAL_META_FIELDS = {
 def check_is_dir(data_dir: Path) -> None:
     if data_dir.exists() and not data_dir.is_dir():
         raise UserError(f"data.dir: {str(data_dir)!r} is a file, not a directory; point data.dir at the "
-                        f"directory that holds (or will hold) train.bin, val.bin and meta.json")
+                        f"directory that holds (or will hold) train.bin, val.bin and {META}")
 
 
 def _whole(value) -> bool:
@@ -47,10 +48,10 @@ def _whole(value) -> bool:
 
 def read_meta_json(data_dir: Path) -> dict:
     check_is_dir(data_dir)
-    path = data_dir / "meta.json"
+    path = data_dir / META
     if not path.is_file():
-        raise UserError(f"data.dir: {str(data_dir)!r} has no meta.json; run `ds-train prepare` first")
-    return read_json(path, "meta.json", "data.dir", fix=PREPARE_AGAIN)
+        raise UserError(f"data.dir: {str(data_dir)!r} has no {META}; run `ds-train prepare` first")
+    return read_json(path, META, "data.dir", fix=PREPARE_AGAIN)
 
 
 def read_meta(data_dir: Path) -> dict:
@@ -58,14 +59,14 @@ def read_meta(data_dir: Path) -> dict:
     meta = read_meta_json(data_dir)
     missing = [k for k in META_FIELDS if k not in meta]
     if missing:
-        raise UserError(f"{data_dir / 'meta.json'}: missing {', '.join(map(repr, missing))}; {PREPARE_AGAIN}")
+        raise UserError(f"{data_dir / META}: missing {', '.join(map(repr, missing))}; {PREPARE_AGAIN}")
     for key, (valid, ok) in {**META_FIELDS, **OPTIONAL_META_FIELDS}.items():
         if key in meta and not ok(meta[key]):
-            raise UserError(f"{data_dir / 'meta.json'}: {key!r} is {meta[key]!r}, not {valid}; "
+            raise UserError(f"{data_dir / META}: {key!r} is {meta[key]!r}, not {valid}; "
                             f"{PREPARE_AGAIN}")
     dtype, vocab = meta["dtype"], meta["vocab_size"]
     if vocab > DTYPES[dtype]:
-        raise UserError(f"data.dir {str(data_dir)!r}: meta.json dtype {dtype} cannot hold vocab_size {vocab} "
+        raise UserError(f"data.dir {str(data_dir)!r}: {META} dtype {dtype} cannot hold vocab_size {vocab} "
                         f"(ids below {DTYPES[dtype]}); {PREPARE_AGAIN}")
     for split in SPLITS:
         if not (data_dir / f"{split}.bin").is_file():
@@ -75,7 +76,7 @@ def read_meta(data_dir: Path) -> dict:
         size, tokens = (data_dir / f"{split}.bin").stat().st_size, meta[f"{split}_tokens"]
         if size != tokens * itemsize:
             raise UserError(f"data.dir {str(data_dir)!r}: {split}.bin is {size} bytes, not {tokens} {dtype} "
-                            f"tokens ({tokens * itemsize} bytes) as meta.json records (truncated or "
+                            f"tokens ({tokens * itemsize} bytes) as {META} records (truncated or "
                             f"overwritten); {PREPARE_AGAIN}")
     if meta.get("format", "text") != "text":  # the targets and the example offsets agree with it too
         for split in SPLITS:
@@ -86,7 +87,7 @@ def read_meta(data_dir: Path) -> dict:
                 size = path.stat().st_size if path.is_file() else None
                 if size is None or (want is not None and size != want):
                     said = "is missing" if size is None else f"is {size} bytes, not {want}"
-                    raise UserError(f"data.dir {str(data_dir)!r}: {name} {said} as meta.json records; "
+                    raise UserError(f"data.dir {str(data_dir)!r}: {name} {said} as {META} records; "
                                     f"{PREPARE_AGAIN}")
     return meta
 
@@ -128,7 +129,7 @@ def load_meta(data_dir: str | Path) -> dict:
             scans = _scans(data_dir, meta, rescan=False)
             if scans is None:
                 meta["scan"] = scans = _scans(data_dir, meta, rescan=True)
-                write_atomic(data_dir / "meta.json", json.dumps(meta, indent=2))
+                write_atomic(data_dir / META, json.dumps(meta, indent=2))
     elif scans is None:  # a read-only copy: scan on every load rather than refuse it
         scans = _scans(data_dir, meta, rescan=True)
     meta["scan"] = scans

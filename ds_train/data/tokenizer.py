@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 from ds_train.data.fingerprint import TOKENIZER_FILES
+from ds_train.data.meta import META
 from ds_train.errors import UserError
 
 EOS = "<|endoftext|>"
@@ -40,7 +41,7 @@ def train_tokenizer(texts: list[str], vocab_size: int, out_dir: Path, chat_templ
 
 def _is_prepared_tokenizer(path: Path) -> bool:
     """`path` is the BPE `prepare` trained into a data directory (data.dir/tokenizer)."""
-    return path.name == "tokenizer" and (path.parent / "meta.json").is_file()
+    return path.name == "tokenizer" and (path.parent / META).is_file()
 
 
 def _tokenizer_fix(path: Path) -> str:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import yaml
 
-from ds_train.checkpoint.rundir import read_json
+from ds_train.checkpoint.rundir import read_json_or_none
 from ds_train.errors import UserError
 
 
@@ -29,7 +29,7 @@ def _planned_fix(view, gpu_gib: float) -> list[str]:
 
     try:
         cfg = load_config(str(view.paths.config), [])
-        ds_config = read_json(view.paths.ds_config) or {}
+        ds_config = read_json_or_none(view.paths.ds_config) or {}
         from ds_train.plan.memory import model_shape
         from ds_train.model.hfconfig import build_hf_config
 

@@ -31,7 +31,7 @@ import tempfile
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from ds_train.checkpoint.rundir import RunPaths, read_json
+from ds_train.checkpoint.rundir import RunPaths, read_json_or_none
 from ds_train.config import RunConfig
 from ds_train.config.file import build_config
 from ds_train.dist import free_port
@@ -39,7 +39,7 @@ from ds_train.dsconfig import read_ds_template
 from ds_train.engine import zero_stage
 from ds_train.errors import UserError
 from ds_train.fs import write_atomic
-from ds_train.inputs import check_inputs, locate, model_config
+from ds_train.inputs import check_inputs, model_config, model_dirs
 from ds_train.parity.shrunk import shrink
 from ds_train.parity.tolerance import FLOOR_FACTOR, compare, noise_floor, series, tolerances
 from ds_train.plan.parallel import choices, plan_dims
@@ -230,7 +230,7 @@ def _exported_once(cfg: RunConfig, out: Path) -> RunConfig:
     (each run would otherwise export its own copy)."""
     from ds_train.checkpoint.export import export
 
-    model_dir, export_from = locate(cfg)
+    model_dir, export_from = model_dirs(cfg)
     if export_from is None:
         return cfg
     hf_dir = out / "init_model"
@@ -293,8 +293,8 @@ def _parity(cfg: RunConfig, label: str, lays: list[Layout], templates: dict, ste
     passed = 0
     for lay in lays:
         paths = RunPaths(out / lay.name)
-        dtype = (read_json(paths.env) or {}).get("dtype", "fp32")
-        stage = zero_stage(read_json(paths.ds_config) or {})
+        dtype = (read_json_or_none(paths.env) or {}).get("dtype", "fp32")
+        stage = zero_stage(read_json_or_none(paths.ds_config) or {})
         print(f"\n{lay.name}: ZeRO-{stage}, {dtype}, {lay.nproc} process(es){lay.describe()}, micro {lay.micro} "
               f"x accum {lay.accum} ({lay.ds_config})")
         lines, ok = compare(series(out / lay.name), reference, *tolerances(dtype, floor, loss_tol, grad_tol))
@@ -308,7 +308,7 @@ def _parity(cfg: RunConfig, label: str, lays: list[Layout], templates: dict, ste
 def _measured_floor(out: Path, reference: dict) -> tuple[float, float] | None:
     """The noise floor of the layouts' precision (None when it resolved to fp32: auto on a CPU), said
     with the tolerances it gives; a floor run without finite numbers is one line."""
-    dtype = (read_json(RunPaths(out / FLOOR).env) or {}).get("dtype", "fp32")
+    dtype = (read_json_or_none(RunPaths(out / FLOOR).env) or {}).get("dtype", "fp32")
     if dtype == "fp32":
         return None
     floor = noise_floor(series(out / FLOOR), reference)

@@ -9,7 +9,7 @@ import math
 
 from ds_train.config import RunConfig
 from ds_train.config.file import build_config
-from ds_train.inputs import locate, model_config
+from ds_train.inputs import model_config, model_dirs
 
 SHRUNK_TOKENS_PER_STEP = 8192  # --shrink keeps a step about this small
 HEAD_DIM = 16
@@ -60,7 +60,7 @@ def shrink(cfg: RunConfig, heads_multiple: int = 1) -> tuple[RunConfig, list[str
     to about SHRUNK_TOKENS_PER_STEP tokens (seq_len at most 256; the global batch divided by a
     factor of every micro-batch, so every accumulation and data-parallel size stays as it is);
     `heads_multiple`: what the layouts split the heads by."""
-    model_dir, _ = locate(cfg)
+    model_dir, _ = model_dirs(cfg)
     hf = model_config(cfg)
     model, said = shrink_model(hf, heads_multiple)
     notes = [f"--shrink: {said}"]

@@ -12,6 +12,9 @@ from __future__ import annotations
 
 import math
 import random
+from dataclasses import dataclass
+
+import torch
 
 from ds_train import dist
 from ds_train.guard import backward_step
@@ -24,16 +27,12 @@ from ds_train.train.reference import Reference
 
 
 def _token_logp(engine, ids):
-    import torch
-
     logits = engine(input_ids=ids[:, :-1], use_cache=False).logits.float()
     return torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
 
 
 def shaped_rewards(groups: list[list[Episode]], buffer: int, factor: float, max_new_tokens: int):
     """[groups, K]: each rollout's reward plus DAPO's soft overlong penalty on its generated tokens."""
-    import torch
-
     return torch.tensor([[e.reward + overlong_penalty(sum(e.action_mask), max_rollout_tokens(e.task, max_new_tokens),
                                                       buffer, factor) for e in g] for g in groups],
                         dtype=torch.float32)
@@ -49,33 +48,68 @@ def update(run: Run, groups: list[list[Episode]], iteration: int, reference: Ref
     optimizer step whose gradients are not finite is skipped (the run's non-finite guard counts
     it, and train.nonfinite=stop ends the run). Returns the summed statistics for the log.
     """
-    import torch
-
-    r, plan, engine = run.cfg.ript, run.plan, run.engine
+    r, per_step, micro = run.cfg.ript, run.plan.sequences_per_rank, run.plan.micro_batch_size
     rows = [e for g in groups for e in g]
-    per_step = plan.sequences_per_rank
     n_steps = int(dist.all_reduce_max([float(math.ceil(len(rows) / per_step))])[0])
     if n_steps == 0:
         return PolicyStats()
-    width = int(dist.all_reduce_max([float(max((len(e.ids) for e in rows), default=2))])[0])
-    n = n_steps * per_step
-    ids = torch.full((n, width), run.tokenizer.eos_token_id, dtype=torch.long)
-    mask = torch.zeros((n, width - 1))
-    for i, e in enumerate(rows):  # right padding: causal attention never looks at it
-        ids[i, :len(e.ids)] = torch.tensor(e.ids)
-        if not (r.mask_truncated and e.truncated):
-            mask[i, :len(e.ids) - 1] = torch.tensor(e.action_mask[1:], dtype=torch.float)
-    ids = ids.to(engine.device)
-    micro = plan.micro_batch_size
-    kl = KL_ESTIMATORS[r.kl_estimator]
-    orders = [_order(len(rows), n, f"{run.cfg.seed}:{iteration}:{epoch}:{run.env.rank}")
+    ids, mask = _padded(run, rows, n_steps * per_step)
+    orders = [_order(len(rows), len(ids), f"{run.cfg.seed}:{iteration}:{epoch}:{run.env.rank}")
               for epoch in range(r.ppo_epochs)]
-
     # The policy before the update: the rows of the first optimizer step take it from that step's own
     # forward (no update has happened yet), unless the rewards need it first (kl_in=reward); the
     # others from one no-grad pass now. The reference's, once, for every row.
     first = set() if reference is not None and r.kl_in == "reward" else set(orders[0][:per_step])
-    later = [i for i in orders[0] if i not in first]
+    old, ref = _logp_before(run, ids, [i for i in orders[0] if i not in first], reference, iteration)
+    adv = _advantages(run, groups, len(rows), old, ref, mask)
+    batch = _Batch(ids, mask, old, ref, adv, first)
+    stats = PolicyStats()
+    poison = iteration in run.cfg.train.debug_nonfinite_steps  # fault injection: every update step skipped
+    for epoch, order in enumerate(orders):
+        steps = [mask[order[s * per_step:(s + 1) * per_step]] for s in range(n_steps)]
+        counts = dist.all_reduce_sum([v for m in steps for v in (float(m.sum()), float((m.sum(-1) > 0).sum()))],
+                                     run.token_group)
+        for s in range(n_steps):
+            norms = Norms(counts[2 * s], counts[2 * s + 1], float(max_tokens))
+            skipped_before = run.engine.skipped_steps
+            for m in range(run.plan.grad_accum_steps):
+                run.beat(iteration, "update")
+                idx = order[s * per_step + m * micro: s * per_step + (m + 1) * micro]
+                stats += _micro_step(run, batch, idx, epoch == 0, norms, m == 0, poison)
+            run.guard.observe(f"iteration {iteration}", run.engine.skipped_steps > skipped_before)
+    return stats
+
+
+@dataclass(frozen=True)
+class _Batch:
+    """This rank's rows of one update, padded to the same number of optimizer steps on every rank."""
+
+    ids: torch.Tensor  # [n, width] token ids, right-padded with EOS, on the engine's device
+    mask: torch.Tensor  # [n, width - 1] 1 on the policy's own tokens that train (the padding: 0)
+    old: torch.Tensor  # [n, width - 1] the policy's log-probs before the update
+    ref: torch.Tensor | None  # [n, width - 1] the reference's log-probs, with a reference
+    adv: torch.Tensor  # [n] each row's advantage (the padding: 0)
+    first: set[int]  # rows whose `old` the first optimizer step's own forward fills in
+
+
+def _padded(run: Run, rows: list[Episode], n: int):
+    """The rows' token ids and their action mask, right-padded to the longest row of every rank and
+    to `n` rows (causal attention never looks at the padding)."""
+    width = int(dist.all_reduce_max([float(max((len(e.ids) for e in rows), default=2))])[0])
+    ids = torch.full((n, width), run.tokenizer.eos_token_id, dtype=torch.long)
+    mask = torch.zeros((n, width - 1))
+    for i, e in enumerate(rows):
+        ids[i, :len(e.ids)] = torch.tensor(e.ids)
+        if not (run.cfg.ript.mask_truncated and e.truncated):
+            mask[i, :len(e.ids) - 1] = torch.tensor(e.action_mask[1:], dtype=torch.float)
+    return ids.to(run.engine.device), mask
+
+
+def _logp_before(run: Run, ids, later: list[int], reference: Reference | None, iteration: int):
+    """One no-grad pass: the policy's log-probs of the `later` rows (the others' stay 0 until the
+    first step fills them in), and the reference's of every row (None without a reference)."""
+    engine, micro = run.engine, run.plan.micro_batch_size
+    n, width = ids.shape
     old = torch.zeros((n, width - 1), device=engine.device)
     ref = torch.zeros((n, width - 1), device=engine.device) if reference is not None else None
     engine.eval()
@@ -86,12 +120,18 @@ def update(run: Run, groups: list[list[Episode]], iteration: int, reference: Ref
         for i in range(0, n if ref is not None else 0, micro):
             ref[i:i + micro] = reference.token_logp(ids[i:i + micro])
     engine.train()
+    return old, ref
 
-    adv = torch.zeros(n)
+
+def _advantages(run: Run, groups: list[list[Episode]], n_rows: int, old, ref, mask):
+    """[n]: the advantage of each row (ript.advantage) from its shaped reward, less kl_coef x its
+    summed KL with kl_in=reward; 0 on the padding."""
+    r = run.cfg.ript
+    adv = torch.zeros(len(mask))
     if groups:
         rewards = shaped_rewards(groups, r.overlong_buffer, r.overlong_penalty, r.max_new_tokens)
-        if reference is not None and r.kl_in == "reward":  # each rollout's summed KL, at the sampling policy
-            seq_kl = (kl(old, ref) * mask.to(old.device)).sum(-1)[:len(rows)].cpu()
+        if ref is not None and r.kl_in == "reward":  # each rollout's summed KL, at the sampling policy
+            seq_kl = (KL_ESTIMATORS[r.kl_estimator](old, ref) * mask.to(old.device)).sum(-1)[:n_rows].cpu()
             rewards = rewards - r.kl_coef * seq_kl.view(rewards.shape)
     batch_std = None
     if ADVANTAGES.entry(r.advantage).scaled and r.scale_rewards == "batch":  # over every accepted rollout of all ranks
@@ -99,40 +139,33 @@ def update(run: Run, groups: list[list[Episode]], iteration: int, reference: Ref
         count, total, squares = dist.all_reduce_sum([float(flat.numel()), float(flat.sum()), float((flat ** 2).sum())])
         batch_std = std_from_sums(count, total, squares)
     if groups:
-        adv[:len(rows)] = advantages(r.advantage, rewards, r.scale_rewards, batch_std).flatten()
+        adv[:n_rows] = advantages(r.advantage, rewards, r.scale_rewards, batch_std).flatten()
+    return adv
 
-    stats = PolicyStats()
-    poison = iteration in run.cfg.train.debug_nonfinite_steps  # fault injection: every update step skipped
-    for epoch, order in enumerate(orders):
-        steps = [mask[order[s * per_step:(s + 1) * per_step]] for s in range(n_steps)]
-        counts = dist.all_reduce_sum([v for m in steps for v in (float(m.sum()), float((m.sum(-1) > 0).sum()))],
-                                     run.token_group)
-        for s in range(n_steps):
-            norms = Norms(counts[2 * s], counts[2 * s + 1], float(max_tokens))
-            scale = plan.data_parallel_size * plan.grad_accum_steps
-            skipped_before = engine.skipped_steps
-            for m in range(plan.grad_accum_steps):
-                run.beat(iteration, "update")
-                idx = order[s * per_step + m * micro: s * per_step + (m + 1) * micro]
-                logp = _token_logp(engine, ids[idx])
-                if epoch == 0 and idx and idx[0] in first:
-                    old[idx] = logp.detach()
-                mask_m = mask[idx].to(logp.device)
-                per_token, st = clipped_policy_loss(logp, old[idx], adv[idx].to(logp.device), mask_m,
-                                                    r.clip_low, r.clip_high)
-                kl_sum = 0.0
-                if ref is not None:
-                    kl_tokens = kl(logp, ref[idx])
-                    kl_sum = float((kl_tokens.detach() * mask_m).sum())
-                    if r.kl_in == "loss":
-                        per_token = per_token + r.kl_coef * kl_tokens * mask_m
-                scaled = aggregate(per_token, mask_m, r.loss_agg_mode, norms, scale)
-                backward_step(engine, scaled * float("inf") if poison else scaled)
-                weighted_adv = float((adv[idx][:, None] * mask[idx]).sum())
-                stats += PolicyStats(float(scaled.detach()) / scale, st["tokens"], st["clipped_tokens"], st["ratio_sum"],
-                                     weighted_adv, kl_sum, 1.0 / plan.data_parallel_size if m == 0 else 0.0)
-            run.guard.observe(f"iteration {iteration}", engine.skipped_steps > skipped_before)
-    return stats
+
+def _micro_step(run: Run, batch: _Batch, idx: list[int], first_epoch: bool, norms: Norms, first_micro: bool,
+                poison: bool) -> PolicyStats:
+    """One micro-batch's clipped policy loss (and KL term), backward, and the engine's step; its
+    statistics."""
+    r, plan, engine = run.cfg.ript, run.plan, run.engine
+    scale = plan.data_parallel_size * plan.grad_accum_steps
+    logp = _token_logp(engine, batch.ids[idx])
+    if first_epoch and idx and idx[0] in batch.first:
+        batch.old[idx] = logp.detach()
+    mask_m = batch.mask[idx].to(logp.device)
+    per_token, st = clipped_policy_loss(logp, batch.old[idx], batch.adv[idx].to(logp.device), mask_m,
+                                        r.clip_low, r.clip_high)
+    kl_sum = 0.0
+    if batch.ref is not None:
+        kl_tokens = KL_ESTIMATORS[r.kl_estimator](logp, batch.ref[idx])
+        kl_sum = float((kl_tokens.detach() * mask_m).sum())
+        if r.kl_in == "loss":
+            per_token = per_token + r.kl_coef * kl_tokens * mask_m
+    scaled = aggregate(per_token, mask_m, r.loss_agg_mode, norms, scale)
+    backward_step(engine, scaled * float("inf") if poison else scaled)
+    weighted_adv = float((batch.adv[idx][:, None] * batch.mask[idx]).sum())
+    return PolicyStats(float(scaled.detach()) / scale, st["tokens"], st["clipped_tokens"], st["ratio_sum"],
+                       weighted_adv, kl_sum, 1.0 / plan.data_parallel_size if first_micro else 0.0)
 
 
 def _order(rows: int, n: int, seed: str) -> list[int]:
