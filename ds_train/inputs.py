@@ -1,5 +1,5 @@
 """The check step: every input of a run read and checked once, before anything is written, and
-handed to the run builder (ds_train/run.py) as one object.
+handed to the run builder (ds_train/start.py) as one object.
 
     inputs = check_inputs(cfg, ds_config_path)              # train, dry-run, parity: model and data
     inputs = check_inputs(cfg, ds_config_path, data=False)  # ript: the model and its own tokenizer

@@ -4,7 +4,7 @@ Per iteration, every rank samples its own tasks' contexts until it has its quota
 (0 < successes < K), the accepted contexts of all ranks reach early_stop_fraction of the total quota,
 or it has checked its cap; then all ranks update the policy through the DeepSpeed engine on the
 same number of (padded) micro-batches. Every count that is logged is summed over ranks. The run
-itself (engine, sinks, checkpoints, signals, teardown) is ds_train/run.py's, as for training.
+itself (engine, sinks, checkpoints, signals, teardown) is built by ds_train/start.py, as for training.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Training: `deepspeed --num_gpus 2 --module ds_train train --config C --ds-config D`.
 
 `train` checks its inputs (ds_train/inputs.py: the model, the data prepared on first use), builds
-the run (ds_train/run.py), and runs `train_loop`: next batch, step, and whatever each component
+the run (ds_train/start.py), and runs `train_loop`: next batch, step, and whatever each component
 says is due (the non-finite guard, the metrics meter, the evaluator, the logger, the checkpointer).
 """
 
