@@ -28,6 +28,7 @@ from typing import Callable
 import numpy as np
 
 from ds_train import dist
+from ds_train.checkpoint.rundir import LATEST
 from ds_train.checkpoint.universal import UNIVERSAL_SUFFIX, universal_dir
 from ds_train.config import SAVE_PHASES
 from ds_train.fs import fsync_dir, write_atomic
@@ -146,7 +147,7 @@ def read_latest(ckpt_dir: Path) -> str:
     """What `latest` names, as said to a user: '' when there is none. Resuming never depends on it
     (the newest complete save wins); a `latest` that names something else is worth a word."""
     try:
-        text = (ckpt_dir / "latest").read_bytes()
+        text = (ckpt_dir / LATEST).read_bytes()
     except OSError:
         return ""
     try:
@@ -224,7 +225,7 @@ def _no_fault(phase: str, step: int) -> None:
 def unmark(ckpt_dir: Path, tag: str) -> None:
     """Before a tag is (re)written: `latest` stops naming it, its marker goes, then its files."""
     tag_dir = ckpt_dir / tag
-    latest = ckpt_dir / "latest"
+    latest = ckpt_dir / LATEST
     if latest.is_file() and latest.read_text(errors="replace").strip() == tag:
         older = [t for t in complete_tags(ckpt_dir) if t != tag]
         if older:
@@ -292,7 +293,7 @@ def commit(ckpt_dir: Path, tag: str, step: int, state: dict, rank: int, world: i
         write_atomic(tag_dir / STATE_FILE, json.dumps({**state, "world_size": world, "seq": seq}, indent=2))
         fsync_dir(tag_dir)
         fault("marked", step)
-        write_atomic(ckpt_dir / "latest", tag)
+        write_atomic(ckpt_dir / LATEST, tag)
         fsync_dir(ckpt_dir)
         fault("latest", step)
     doomed = share(prunable(ckpt_dir, keep, tag) if rank == 0 else None)
