@@ -38,6 +38,7 @@ def shipped_zero(name: str) -> dict:
     path = Path(__file__).resolve().parents[1] / "ds_configs" / f"{name}.json"
     return dict(read_ds_template(path)["zero_optimization"])
 
+
 # The numbers of DeepSpeed's schedules (deepspeed/runtime/lr_schedules.py), each declared once: the type it
 # must be and its inclusive bounds (None: open). DeepSpeed passes scheduler.params to the class as they are.
 SCHEDULE_PARAMS = {
