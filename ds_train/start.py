@@ -43,7 +43,7 @@ from ds_train.fs import check_writable, file_lock, write_atomic
 from ds_train.guard import NonFiniteGuard
 from ds_train.inputs import ModelSource, RunInputs, model_config
 from ds_train.model.build import (build_model, count_params, flops_per_token, has_frozen_params, lookup_params,
-                                  resolve_dtype)
+                                  resolve_dtype, seed_all)
 from ds_train.model.kernels import apply_liger, compile_layers, compiles
 from ds_train.model.lora import check_lora
 from ds_train.model.tiled_mlp import tiled_mlps
@@ -56,7 +56,7 @@ from ds_train.plan.batch import BatchPlan, scaled_lr
 from ds_train.plan.memory import checkpoint_bytes
 from ds_train.plan.parallel import Layout, ParallelDims, deepspeed_range_note
 from ds_train.run import Run, RunSpec, StopRequest
-from ds_train.topology import DistEnv, node_hosts
+from ds_train.topology import DistEnv, node_hosts, threads_per_rank
 
 
 def check_launch(cfg: RunConfig, template: dict, spec: RunSpec, world_size: int) -> BatchPlan:
@@ -169,7 +169,6 @@ def _build_model(inputs: RunInputs, env: DistEnv, checked: _Checked, ds_config: 
     attention, the model, its kernels and tiles, and the DeepSpeed engine."""
     import torch
     from deepspeed.accelerator import get_accelerator
-    from transformers import set_seed
 
     cfg, source, dims = inputs.cfg, inputs.source, checked.layout.dims
     device = get_accelerator().device_name()
@@ -179,7 +178,7 @@ def _build_model(inputs: RunInputs, env: DistEnv, checked: _Checked, ds_config: 
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = cfg.model.tf32
         if said := fix_arch_list(ds_config):
             _log_and_say(rank_log, said, loud)
-    set_seed(cfg.seed)
+    seed_all(cfg.seed)
     mpu = register_ulysses(source.hf_config, cfg.model.attn_implementation, dims.sequence,
                            checked.layout.batch.micro_batch_size,
                            packed=inputs.data is not None and inputs.data.packed)
@@ -221,6 +220,7 @@ def _build_run(inputs: RunInputs, env: DistEnv, spec: RunSpec, stop: StopRequest
     rank_log = build_rank_log(paths.rank_log(env.rank), env.rank, host)
     rank_log.info(f"pid {os.getpid()} host {host} local_rank {env.local_rank} node {env.node_rank} "
                   f"world {env.world_size} launcher {env.launcher}")
+    threads = _split_cores(env, rank_log)
     if cfg.checkpoint.resume == "restart":
         start_over(paths, agreed.writer)
     resume = prepare_resume(agreed.resume_plan)
@@ -229,6 +229,8 @@ def _build_run(inputs: RunInputs, env: DistEnv, spec: RunSpec, stop: StopRequest
     hosts = dist.all_gather_object((env.node_rank, host))  # node rank: loopback nodes share a name
     say = print if env.is_main and not quiet else _silent
     _say_setup(say, rank_log, cfg, env, checked, agreed, model, hosts)
+    if threads and env.local_world_size > 1:
+        say(threads)
 
     device_name = _device_name(checked.on_gpu)
     logger = build_logger(env.is_main, paths, cfg.log.wandb, cfg.log.wandb_project, cfg.to_dict(),
@@ -255,6 +257,23 @@ def _build_run(inputs: RunInputs, env: DistEnv, spec: RunSpec, stop: StopRequest
         describe_run=partial(_describe_run, cfg, env, paths, ds_config, source, hosts, checked.dtype, spec,
                              dims, agreed.storage, say),
         lock=lock, weights=model.weights)
+
+
+def _split_cores(env: DistEnv, rank_log) -> str:
+    """torch's threads on this rank: this node's cores split between its ranks, unless OMP_NUM_THREADS
+    is set (topology.threads_per_rank). Returns what rank 0 says ("" when OMP_NUM_THREADS decides)."""
+    import torch
+
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    threads = threads_per_rank(os.environ, cores, env.local_world_size)
+    if threads is None:
+        rank_log.info(f"threads: {torch.get_num_threads()} (OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']})")
+        return ""
+    torch.set_num_threads(threads)
+    said = (f"threads: {threads} per rank ({cores} cores shared by {env.local_world_size} ranks on this node; "
+            f"OMP_NUM_THREADS overrides)")
+    rank_log.info(said)
+    return said
 
 
 def _device_name(on_gpu: bool) -> str:

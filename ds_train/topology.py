@@ -112,3 +112,14 @@ def expand_slurm_nodelist(nodelist: str) -> list[str]:
             lo, _, hi = part.partition("-")
             hosts += [f"{prefix}{i:0{len(lo)}d}" for i in range(int(lo), int(hi or lo) + 1)]
     return hosts
+
+
+def threads_per_rank(environ: Mapping[str, str], cores: int, local_world_size: int) -> int | None:
+    """torch's threads for each of the `local_world_size` ranks sharing this node's `cores`, or None
+    where OMP_NUM_THREADS is set (the user's choice; torch reads it itself). The `deepspeed` launcher
+    leaves every rank torch's default, one thread per core, so N ranks on N cores run N x N threads
+    that wait on each other (a CPU run, CPU Adam under offload): 6x slower on 2 cores. torchrun
+    sets 1; the cores are split here."""
+    if environ.get("OMP_NUM_THREADS", "").strip():
+        return None
+    return max(1, cores // max(1, local_world_size))

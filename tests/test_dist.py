@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 
-from ds_train.topology import DistEnv, detect_env, first_slurm_host
+from ds_train.topology import DistEnv, detect_env, first_slurm_host, threads_per_rank
 from ds_train.errors import UserError
 
 UNRELATED = {"PATH": "/usr/bin", "HOME": "/home/me", "OMP_NUM_THREADS": "4"}
@@ -152,3 +152,11 @@ def test_slurm_without_a_node_list_uses_localhost():
     environ = {k: v for k, v in SLURM.items() if k != "SLURM_JOB_NODELIST"}
     assert detect_env(environ).master_addr == "localhost"
     assert detect_env({**environ, "SLURM_NODELIST": "n[5-6]"}).master_addr == "n5"
+
+
+def test_the_ranks_of_a_node_split_its_cores_unless_omp_num_threads_is_set():
+    assert threads_per_rank({}, 2, 2) == 1  # not 2 ranks x 2 threads on 2 cores
+    assert threads_per_rank({}, 96, 8) == 12 and threads_per_rank({}, 7, 2) == 3
+    assert threads_per_rank({}, 2, 4) == 1 and threads_per_rank({}, 16, 1) == 16
+    assert threads_per_rank({"OMP_NUM_THREADS": "4"}, 2, 2) is None  # torch reads the user's own
+    assert threads_per_rank({"OMP_NUM_THREADS": " "}, 8, 2) == 4

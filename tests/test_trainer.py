@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import socket
 
 import pytest
@@ -53,6 +54,10 @@ def test_each_zero_stage_trains_through_the_deepspeed_launcher(stage, stage_run)
         f"train: done, 8 steps, final loss {results['final_train_loss']:.4g}, eval loss "
         f"{results['final_eval_loss']:.4g}; checkpoint step_00000008; run directory {run_dir.resolve()}")
     assert len(res.lines("batch: global 8 seqs = micro 4 x accum 1 x world 2")) == 1  # printed once
+    cores = len(os.sched_getaffinity(0))  # the 2 ranks split them: not 2 x `cores` threads fighting over them
+    threads = f"threads: {max(1, cores // 2)} per rank ({cores} cores shared by 2 ranks on this node"
+    assert len(res.lines(threads)) == 1 and all(threads in (run_dir / "logs" / f"rank_{r}.log").read_text()
+                                                for r in (0, 1)), res.out[-2000:]
     # a finished run plots its metrics (memory per rank from one gather) and says where
     assert res.lines(f"plots: {run_dir}/plots/{{loss,lr,throughput,memory}}.png"), res.out[-2000:]
     assert sorted(p.name for p in (run_dir / "plots").iterdir()) == ["loss.png", "lr.png", "memory.png",
@@ -108,16 +113,14 @@ def test_logged_loss_is_the_token_weighted_mean_over_all_ranks(stage_run, tiny_d
     from ds_train.config.file import build_config
     from ds_train.data.datasets import TokenData, rank_micro_batches
     from ds_train.data.meta import load_meta
-    from transformers import set_seed
-
-    from ds_train.model.build import build_model
+    from ds_train.model.build import build_model, seed_all
     from ds_train.model.hfconfig import build_hf_config
 
     res, run_dir = stage_run("zero0")
     assert res.returncode == 0
     cfg = build_config(tiny_config(tiny_data, run_dir))
     meta = load_meta(tiny_data)
-    set_seed(cfg.seed)
+    seed_all(cfg.seed)
     model = build_model(cfg.model, build_hf_config(cfg.model, meta["vocab_size"], 64),
                         {"zero_optimization": {"stage": 0}}, cfg.seed).model
     data = TokenData(tiny_data / "train.bin", meta["dtype"], 64, cfg.seed)

@@ -43,6 +43,19 @@ class BuiltModel:
 INIT_SCHEME = "per-module crc32 seed, CPU generator"
 
 
+def seed_all(seed: int) -> None:
+    """What transformers.set_seed does for torch (every device), numpy and random, without importing
+    transformers.trainer_utils (which imports peft and bitsandbytes: 1.5 s of every rank's start)."""
+    import random
+
+    import numpy as np
+    import torch
+
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)  # the CPU generator and every CUDA device's
+
+
 def seeded_init(model, seed: int, zero3: bool) -> None:
     """Re-initialise each module with the model's own `_init_weights`, seeded by the module's name.
 
