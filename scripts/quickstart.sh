@@ -6,7 +6,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 export PATH="$PWD/.venv/bin:$PATH"
-# DeepSpeed JIT-builds its CPU ops once per user and version (scripts/extensions_dir.sh says where).
+# DeepSpeed JIT-builds its CPU ops once per user, version and install (scripts/extensions_dir.sh says where).
 export TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-$(bash scripts/extensions_dir.sh)}"
 exec deepspeed --num_gpus "${NPROC:-2}" --module ds_train train \
   --config recipes/quickstart.yaml --ds-config "${DS_CONFIG:-ds_configs/zero2.json}" "$@"

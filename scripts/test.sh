@@ -22,7 +22,7 @@ if ! command -v pdsh >/dev/null || [ ! -x /usr/sbin/sshd ] || ! command -v ssh-k
   fi
 fi
 export PATH="$PWD/.venv/bin:$PATH"
-# DeepSpeed JIT-builds its CPU ops once per user and version (scripts/extensions_dir.sh says where).
+# DeepSpeed JIT-builds its CPU ops once per user, version and install (scripts/extensions_dir.sh says where).
 export TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-$(bash scripts/extensions_dir.sh)}"
 # The import contract first (pyproject.toml [tool.importlinter]): a wrong import fails in a second.
 lint-imports --no-cache > .venv/lint-imports.log 2>&1 || { cat .venv/lint-imports.log; exit 1; }

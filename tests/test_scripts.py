@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
+import hashlib
 import importlib.metadata
 import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 from conftest import ROOT
 
 
-def test_the_extensions_dir_is_per_version_shared_and_a_stale_build_lock_goes(tmp_path):
+def test_the_extensions_dir_is_per_version_and_install_and_a_stale_build_lock_goes(tmp_path):
     def run():
         env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path)}
         return subprocess.run(["bash", str(ROOT / "scripts" / "extensions_dir.sh")], capture_output=True, text=True,
@@ -19,8 +21,11 @@ def test_the_extensions_dir_is_per_version_shared_and_a_stale_build_lock_goes(tm
 
     res = run()
     assert res.returncode == 0, res.stderr
+    import deepspeed  # the install whose op sources torch's build files name
+
+    where = hashlib.sha256(os.path.realpath(Path(deepspeed.__file__).parent).encode()).hexdigest()[:8]
     key = (f"py{sys.version_info[0]}.{sys.version_info[1]}-torch{importlib.metadata.version('torch')}"
-           f"-deepspeed{importlib.metadata.version('deepspeed')}")
+           f"-deepspeed{importlib.metadata.version('deepspeed')}-{where}")
     out = tmp_path / "ds_train" / "torch_extensions" / key
     assert res.stdout == f"{out}\n" and out.is_dir() and res.stderr == ""
     stale, building = out / "cpu_adam" / "lock", out / "deepspeed_shm_comm" / "lock"
