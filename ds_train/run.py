@@ -17,6 +17,7 @@ this run's memory plan.
 
 from __future__ import annotations
 
+import gc
 import os
 import signal
 import time
@@ -237,6 +238,7 @@ class Run:
                 dist.shutdown()
         if self.lock is not None:
             os.close(self.lock)  # the run directory is free for the next run
+        gc.unfreeze()  # what build_run froze can be collected again (parity builds several runs in a process)
         if exc is None:  # all said; after an error, what the CLI prints next belongs in the log too
             release_console()
         if isinstance(exc, OutOfMemory) or replacement is not None:

@@ -14,6 +14,7 @@ Nothing is written until every check of phases 1 and 2 has passed.
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import platform
@@ -78,10 +79,13 @@ def build_run(inputs: RunInputs, env: DistEnv, spec: RunSpec, quiet: bool = Fals
     early) is kept, and the run saves and stops at its first step."""
     stop = StopRequest()
     try:
-        return _build_run(inputs, env, spec, stop, quiet)
+        run = _build_run(inputs, env, spec, stop, quiet)
     except BaseException:
         stop.restore()
         raise
+    gc.freeze()  # the start-up's objects (modules, the model) out of the run's collections (Run.__exit__ thaws them)
+    gc.enable()  # off since the process started (ds_train.__main__.cli): the start-up is over
+    return run
 
 
 @dataclass(frozen=True)

@@ -238,3 +238,29 @@ def test_prepare_sft_from_the_command_line_and_its_bad_input(tmp_path, capsys):
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and err[0].startswith(f"ds-train: error: {said}"), err
         assert not (tmp_path / "bad").exists()
+
+
+def test_the_collector_is_off_through_the_start_up_and_back_on_for_a_command_that_builds_no_run(
+        monkeypatch, tmp_path, capsys):
+    """cli() turns the garbage collector off before anything is imported (a quarter of a rank's
+    start-up CPU is the collector scanning torch's, DeepSpeed's and transformers' objects); main()
+    turns it back on before a command that builds no run, start.build_run once the run is built."""
+    import gc
+
+    import ds_train.__main__ as entry
+
+    seen = []
+    monkeypatch.setattr(entry, "main", lambda: seen.append(gc.isenabled()) or 0)
+    try:
+        with pytest.raises(SystemExit) as exit_:
+            entry.cli()
+        assert exit_.value.code == 0 and seen == [False]
+        gc.disable()
+        assert main(["doctor", str(tmp_path)]) == 2 and gc.isenabled()  # not a run directory: one line
+        gc.disable()
+        assert main(["train", "--config", str(tmp_path / "missing.yaml"), "--ds-config", "x.json"]) == 2
+        assert not gc.isenabled()  # a run command: build_run turns it on (this one failed before it)
+    finally:
+        gc.unfreeze()
+        gc.enable()
+    assert entry.BUILDS_A_RUN == ("train", "ript", "dry-run", "parity-worker")
