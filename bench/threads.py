@@ -66,6 +66,8 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--forwards", type=int, default=10)
     args = ap.parse_args()
+    if min(args.ranks, args.repeats, args.forwards) < 1:
+        ap.error("--ranks, --repeats and --forwards must be at least 1")
     split = threads_per_rank({}, cores, args.ranks)
     print(f"{args.ranks} ranks on {cores} cores: torch's default {cores} threads a rank against {split}")
     for repeat in range(1, args.repeats + 1):
