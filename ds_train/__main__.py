@@ -329,7 +329,8 @@ def cli() -> None:
     DeepSpeed and transformers makes millions of objects that the collector would scan again and
     again: a quarter of a rank's start-up CPU (1.5 s on this machine, paid by every rank of every
     launch). A command that builds a run turns it back on once the run is built, its start-up's
-    objects frozen out of later collections (start.build_run); any other command before it runs.
+    objects frozen out of later collections (start.build_run), or before it streams a corpus to
+    prepare (data.prepare.ensure_prepared); any other command before it runs.
     Everything a command writes is closed before `main` returns; the last freeze only skips
     collecting what the exit frees anyway."""
     gc.disable()

@@ -260,6 +260,12 @@ def test_the_collector_is_off_through_the_start_up_and_back_on_for_a_command_tha
         gc.disable()
         assert main(["train", "--config", str(tmp_path / "missing.yaml"), "--ds-config", "x.json"]) == 2
         assert not gc.isenabled()  # a run command: build_run turns it on (this one failed before it)
+        from ds_train.config import DataConfig
+        from ds_train.data.prepare import ensure_prepared
+
+        (tmp_path / "corpus.txt").write_text("def f(x):\n    return x + 1\n" * 200)
+        ensure_prepared(DataConfig(dir=str(tmp_path / "data"), sources=[str(tmp_path / "corpus.txt")], vocab_size=300))
+        assert gc.isenabled()  # a rank that prepares its data streams the corpus with the collector on
     finally:
         gc.unfreeze()
         gc.enable()

@@ -8,6 +8,7 @@ Sample order, sharding and reading the prepared files are ds_train.data.datasets
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import os
 import shutil
@@ -297,6 +298,7 @@ def ensure_prepared(d: DataConfig, tokenizer: str = "") -> dict:
     if tokenizer:
         load_tokenizer(tokenizer)
     made = [p for p in (data_dir.absolute(), *data_dir.absolute().parents) if not p.exists()]
+    gc.enable()  # a corpus streamed during a rank's start-up: the collector back on (ds_train.__main__.cli)
     try:
         with file_lock(data_dir / ".prepare.lock"):
             if not meta_path.is_file() or problem():  # another rank may have prepared it meanwhile
