@@ -118,8 +118,8 @@ def threads_per_rank(environ: Mapping[str, str], cores: int, local_world_size: i
     """torch's threads for each of the `local_world_size` ranks sharing this node's `cores`, or None
     where OMP_NUM_THREADS is set (the user's choice; torch reads it itself). The `deepspeed` launcher
     leaves every rank torch's default, one thread per core, so N ranks on N cores run N x N threads
-    that wait on each other (a CPU run, CPU Adam under offload): 6x slower on 2 cores. torchrun
-    sets 1; the cores are split here."""
+    that wait on each other: a CPU run's forwards 6-11x slower on 2 cores (bench/threads.py; CPU
+    Adam under offload takes the same threads). torchrun sets 1; the cores are split here."""
     if environ.get("OMP_NUM_THREADS", "").strip():
         return None
     return max(1, cores // max(1, local_world_size))
