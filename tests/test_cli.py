@@ -241,13 +241,16 @@ def test_prepare_sft_from_the_command_line_and_its_bad_input(tmp_path, capsys):
 
 
 def test_the_collector_is_off_through_the_start_up_and_back_on_for_a_command_that_builds_no_run(
-        monkeypatch, tmp_path, capsys):
+        monkeypatch, tmp_path):
     """cli() turns the garbage collector off before anything is imported (a quarter of a rank's
     start-up CPU is the collector scanning torch's, DeepSpeed's and transformers' objects); main()
-    turns it back on before a command that builds no run, start.build_run once the run is built."""
+    turns it back on before a command that builds no run, ensure_prepared before it streams a corpus
+    (start.build_run once the run is built: every launch test runs through it)."""
     import gc
 
     import ds_train.__main__ as entry
+    from ds_train.config import DataConfig
+    from ds_train.data.prepare import ensure_prepared
 
     seen = []
     monkeypatch.setattr(entry, "main", lambda: seen.append(gc.isenabled()) or 0)
@@ -260,9 +263,6 @@ def test_the_collector_is_off_through_the_start_up_and_back_on_for_a_command_tha
         gc.disable()
         assert main(["train", "--config", str(tmp_path / "missing.yaml"), "--ds-config", "x.json"]) == 2
         assert not gc.isenabled()  # a run command: build_run turns it on (this one failed before it)
-        from ds_train.config import DataConfig
-        from ds_train.data.prepare import ensure_prepared
-
         (tmp_path / "corpus.txt").write_text("def f(x):\n    return x + 1\n" * 200)
         ensure_prepared(DataConfig(dir=str(tmp_path / "data"), sources=[str(tmp_path / "corpus.txt")], vocab_size=300))
         assert gc.isenabled()  # a rank that prepares its data streams the corpus with the collector on
