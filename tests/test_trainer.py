@@ -156,7 +156,7 @@ def test_single_process_form_with_eval_sample_and_checkpoint(tiny_data, tmp_path
     cfg = write_config(tmp_path / "run.yaml", tiny_config(
         tiny_data, tmp_path / "run", train={"eval_every": 4},
         checkpoint={"save_final": True, "export_final": True},
-        log={"every": 2, "sample_prompt": "def ", "sample_tokens": 8}))
+        log={"every": 2, "sample_prompt": "def", "sample_tokens": 8, "sample_repetition_penalty": 1.3}))
     res = ds_train("train", "--config", str(cfg), "--ds-config", str(ROOT / "ds_configs" / "zero0.json"),
                    "optim.lr_scaling=linear", "optim.reference_batch_size=16",  # global 8: half the lr
                    "model.liger_kernels=true")  # no GPU here: one line, and the run goes on without them
@@ -173,18 +173,22 @@ def test_single_process_form_with_eval_sample_and_checkpoint(tiny_data, tmp_path
     assert all(math.isclose(m["eval/ppl"], math.exp(m["eval/loss"]), rel_tol=1e-6) for m in evals)
     assert metrics[-1]["world_size"] == 1
     results = json.loads((tmp_path / "run" / "results.json").read_text())
-    assert results["sample"].startswith("def ") and len(results["sample"]) > 4
+    assert results["sample"].startswith("def") and len(results["sample"]) > 3
     assert "--- sample ---" in res.out
     assert res.out.strip().splitlines()[-1] == (
         f"train: done, 8 steps, final loss {results['final_train_loss']:.4g}, eval loss "
         f"{results['final_eval_loss']:.4g}; checkpoint step_00000008; run directory {(tmp_path / 'run').resolve()}")
     assert (tmp_path / "run" / "checkpoints" / "step_00000008").is_dir()
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     exported = tmp_path / "run" / "hf_export_step_00000008"
     assert results["export"] == str(exported)
     model = AutoModelForCausalLM.from_pretrained(exported)
     assert model.config.use_cache is True  # training switched the cache off per call, not in the config
+    tokenizer = AutoTokenizer.from_pretrained(exported)  # the sample is greedy: the same weights say the same
+    greedy = model.generate(tokenizer("def", return_tensors="pt").input_ids, do_sample=False, max_new_tokens=8,
+                            min_new_tokens=8, repetition_penalty=1.3, pad_token_id=tokenizer.eos_token_id)
+    assert results["sample"] == tokenizer.decode(greedy[0], skip_special_tokens=True)
 
 
 def test_the_loss_is_a_mean_over_all_tokens_when_ranks_hold_different_counts(tmp_path):

@@ -213,6 +213,10 @@ class LogConfig(Section):
     peak_tflops: float = _f(0.0, "Peak dense TFLOP/s per device for MFU (0: look up the GPU).", NON_NEGATIVE)
     sample_prompt: str = _f("", "Text to continue with the trained model at the end ('' skips it).")
     sample_tokens: int = _f(64, "Tokens generated for the final sample.", NON_NEGATIVE)
+    sample_repetition_penalty: float = _f(
+        1.0, "The final sample is greedy (the likeliest token each time); above 1, tokens already there are "
+        "made less likely first (Hugging Face's repetition_penalty), which keeps a small model out of loops.",
+        POSITIVE)
 
 
 @dataclass(frozen=True)

@@ -164,18 +164,17 @@ def train_step(engine, micro_batches: list[np.ndarray] | list[Batch], poison: bo
 
 
 def generate_sample(run: Run) -> str:
-    """Continue log.sample_prompt with the trained model (all ranks take part under ZeRO-3)."""
+    """Continue log.sample_prompt greedily with the trained model (all ranks take part under ZeRO-3)."""
     import torch
 
     prompt = run.cfg.log.sample_prompt
     run.beat(run.cfg.train.max_steps, "sample")
     ids = run.tokenizer(prompt, return_tensors="pt").input_ids.to(run.engine.device)
     run.engine.eval()
-    torch.manual_seed(run.cfg.seed)
     with torch.no_grad(), torch.compiler.set_stance("force_eager"):  # compiled layers: not for each cache length
         out = run.engine.module.generate(
             ids, max_new_tokens=run.cfg.log.sample_tokens, min_new_tokens=run.cfg.log.sample_tokens,
-            do_sample=True, top_k=40, temperature=0.8, use_cache=True,
+            do_sample=False, repetition_penalty=run.cfg.log.sample_repetition_penalty, use_cache=True,
             pad_token_id=run.tokenizer.eos_token_id, synced_gpus=run.zero_stage == 3)
     run.engine.train()
     return run.tokenizer.decode(out[0], skip_special_tokens=True)
