@@ -33,13 +33,13 @@ def test_quickstart_recipe_loads_with_its_values():
     assert cfg.model.config["hidden_size"] == 128
     assert cfg.model.path == ""
     assert cfg.data.sources == ["python-stdlib"]
-    assert cfg.train.max_steps == 200
+    assert cfg.train.max_steps == 300
     assert cfg.train.global_batch_size == 32
     assert cfg.train.micro_batch_size == 2
-    assert cfg.optim.lr == pytest.approx(3e-3)
+    assert cfg.optim.lr == pytest.approx(8e-3)
     assert isinstance(cfg.optim.lr, float)
     assert cfg.log.wandb == "off"  # a bare YAML `off` is false in YAML 1.1; it must stay "off"
-    assert cfg.log.sample_prompt == "def "
+    assert cfg.log.sample_prompt == "def"
 
 
 def test_fields_not_in_the_recipe_keep_their_defaults():
@@ -129,7 +129,7 @@ def test_nested_model_config_override_merges_into_the_architecture():
     cfg = load_config(QUICKSTART, ["model.config.hidden_size=64", "model.config.rms_norm_eps=1.0e-5"])
     assert cfg.model.config["hidden_size"] == 64
     assert cfg.model.config["rms_norm_eps"] == pytest.approx(1e-5)
-    assert cfg.model.config["num_hidden_layers"] == 4  # the rest of the recipe's architecture stays
+    assert cfg.model.config["num_hidden_layers"] == 3  # the rest of the recipe's architecture stays
     assert cfg.model.config["model_type"] == "llama"
 
 

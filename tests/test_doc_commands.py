@@ -181,7 +181,7 @@ WAYS = [
                "ds_configs/zero2.json"), REDUCED, "1 step of 8,192 tokens over 2 sequence-parallel ranks",
         "{cmd} train.max_steps=1 log.plots=false"),
     Way(_exact("deepspeed --num_gpus 2 --module ds_train train --config recipes/quickstart.yaml --ds-config "
-               "ds_configs/zero2.json"), BY_ANOTHER,
+               "ds_configs/zero2.json train.micro_batch_size=16"), BY_ANOTHER,
         "what `bash scripts/quickstart.sh` (README.md:4) runs, its defaults in place (checked by the fast test)", ""),
 ]
 
@@ -207,7 +207,8 @@ def test_every_documented_command_has_one_way_and_every_way_a_command():
 
 def test_the_commands_run_by_another_are_that_ones():
     """The rows run "by another": the benches launch the README's SFT and RL commands as written, and
-    scripts/quickstart.sh runs the recipe's command (its NPROC and DS_CONFIG defaults in place)."""
+    scripts/quickstart.sh runs the recipe's command (its NPROC and DS_CONFIG defaults in place, and
+    the micro-batch it takes for 2 ranks)."""
     spec = importlib.util.spec_from_file_location("rl_vs_sft", ROOT / "bench" / "rl_vs_sft.py")
     bench = sys.modules["rl_vs_sft"] = importlib.util.module_from_spec(spec)  # (its dataclasses look it up)
     spec.loader.exec_module(bench)
@@ -217,8 +218,10 @@ def test_the_commands_run_by_another_are_that_ones():
     script = (ROOT / "scripts" / "quickstart.sh").read_text()
     exec_line = dict(logical_lines(list(enumerate(script.splitlines(), 1))))[
         next(n for n, line in enumerate(script.splitlines(), 1) if line.startswith("exec deepspeed"))]
-    quickstart = " ".join(exec_line.replace('"${NPROC:-2}"', "2").replace('"${DS_CONFIG:-ds_configs/zero2.json}"',
-                                                                             "ds_configs/zero2.json")
+    assert 'nproc="${NPROC:-2}"' in script and "micro=$(( 32 % nproc ? 2 : 32 / nproc ))" in script
+    quickstart = " ".join(exec_line.replace('"$nproc"', "2").replace('"${DS_CONFIG:-ds_configs/zero2.json}"',
+                                                                      "ds_configs/zero2.json")
+                          .replace('"train.micro_batch_size=$micro"', "train.micro_batch_size=16")
                           .replace(' "$@"', "").split()[1:])
     assert documented == launched | {quickstart}
 

@@ -332,8 +332,8 @@ def test_bf16_parity_measures_its_noise_floor_and_fails_each_injected_fault(tiny
 
 @pytest.fixture(scope="module")
 def quickstart_like(tiny_data, tmp_path_factory):
-    """A Hugging Face directory shaped like the quickstart's model (hidden 128, 4 layers, 256
-    positions), with the tiny corpus's tokenizer: recipes/sft.yaml's model.path."""
+    """A Hugging Face directory of the quickstart's width (hidden 128; 4 layers, 256 positions), with
+    the tiny corpus's tokenizer: recipes/sft.yaml's model.path."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
