@@ -225,9 +225,9 @@ def _zero0_plan(point: ResumePoint, change: str, saved_dims: ParallelDims, dims:
                         f"ds_to_universal cannot read it); resume with ZeRO-{saved[0]} and model.dtype={saved[1]}")
     if saved_dims.tensor != dims.tensor:
         raise UserError(f"{where}: {change}: a ZeRO-0 checkpoint saved with parallel.tensor={saved_dims.tensor} holds "
-                        f"each tensor rank's shard of the weights and optimizer in its own file, which DeepSpeed cannot "
-                        f"re-split; resume with parallel.tensor={saved_dims.tensor} (any data-parallel size), or train "
-                        f"with ZeRO-1/2 to change the tensor split later")
+                        f"each tensor rank's shard of the weights and optimizer in its own file, which DeepSpeed "
+                        f"cannot re-split; resume with parallel.tensor={saved_dims.tensor} (any data-parallel size), "
+                        f"or train with ZeRO-1/2 to change the tensor split later")
     return ResumePlan(point, (f"{change}: the ZeRO-0 checkpoint loads as it is",))
 
 

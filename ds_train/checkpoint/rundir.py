@@ -102,7 +102,8 @@ TRAIN = RunKind(
                   "eval/rewards/accuracies", "optim/lr", "optim/grad_norm", "perf/tokens_per_s",
                   "perf/step_time_s", "perf/mfu", "mem/max_rank_gib", "mem/max_rank_rss_gib"),
     curves=(("loss", "train/loss"), ("eval loss", "eval/loss"), ("reward accuracy", "rewards/accuracies"),
-            ("held-out reward accuracy", "eval/rewards/accuracies"), ("lr", "optim/lr"), ("grad norm", "optim/grad_norm"),
+            ("held-out reward accuracy", "eval/rewards/accuracies"), ("lr", "optim/lr"),
+            ("grad norm", "optim/grad_norm"),
             ("tokens/s", "perf/tokens_per_s"), ("MFU", "perf/mfu")),
     figures=("loss", "lr", "throughput", "memory"), progress=("train/loss", "loss"))
 RIPT = RunKind(

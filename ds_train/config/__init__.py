@@ -35,9 +35,10 @@ class DataConfig(Section):
                 "'chosen' and 'rejected' (strings or messages; without 'prompt', two conversations that share their "
                 "start), trained with the dpo section's loss; a sample is a pair (two sequences).")
     chat_template: str = _f("", "sft: a Jinja chat template to render with. Empty: the tokenizer's.")
-    pack: Literal["auto", True, False] = _f("auto", "sft: pack several examples per sequence (no attention across them; "
-                           "positions restart per example): auto (where the model's attention "
-                           "supports it, else one padded example per sequence), true, false.")
+    pack: Literal["auto", True, False] = _f(
+        "auto", "sft: pack several examples per sequence (no attention across them; positions restart per "
+        "example): auto (where the model's attention supports it, else one padded example per sequence), true, "
+        "false.")
     overlong: Literal["drop", "truncate"] = _f("drop", "sft, preference: an example (a pair with a side) longer than "
                                                        "train.seq_len is dropped or truncated (counted and reported at "
                                                        "the start of a run).")
@@ -351,7 +352,8 @@ class RunConfig:
         if self.data.format == "preference" and self.dpo.reference == "live" and self.parallel.tensor > 1:
             errs.append(f"dpo.reference: live with parallel.tensor={self.parallel.tensor}: ds_train builds the "
                         f"reference without AutoTP's split (a whole copy on every rank); use "
-                        f"dpo.reference=precomputed (no copy while training), or ZeRO-3 (parallel.tensor=1) to partition both models")
+                        f"dpo.reference=precomputed (no copy while training), or ZeRO-3 (parallel.tensor=1) to "
+                        f"partition both models")
         if self.data.split_digits and (self.data.tokenizer or self.model.path):
             errs.append(f"data.split_digits: applies to the BPE prepare trains when no tokenizer is given, but "
                         f"{'data.tokenizer' if self.data.tokenizer else 'model.path'} gives one; drop "

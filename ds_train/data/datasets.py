@@ -203,8 +203,8 @@ def sequence_shard(batch: np.ndarray | Batch, rank: int, size: int) -> np.ndarra
     return Batch(*(np.ascontiguousarray(a[:, part]) for a in (batch.inputs, batch.targets, positions)))
 
 
-def rank_micro_batches(data: TokenData | SftData | PreferenceData, step: int, global_batch: int, micro: int, data_rank: int,
-                       data_parallel: int) -> list:
+def rank_micro_batches(data: TokenData | SftData | PreferenceData, step: int, global_batch: int, micro: int,
+                       data_rank: int, data_parallel: int) -> list:
     """The micro-batches data-parallel rank `data_rank` trains on at `step` (0-based): a disjoint
     slice of the global batch (the sequence / tensor ranks of one data-parallel group read the same)."""
     per_rank = global_batch // data_parallel

@@ -63,9 +63,9 @@ PATTERNS: list[tuple[str, str, str]] = [
     ("nonfinite", "non-finite loss or gradients",
      r"consecutive steps with non-finite gradients|NonFiniteStop|loss (is )?(nan|inf)\b|non-finite weights"),
     ("hang", "a hang: ranks stopped making progress", r"hang: no progress for|watchdog\.stall_s\)"),
-    ("killed_rank", "a rank was killed", r"died without an error|killed by SIGKILL|exits with return code = -9|\bKilled\b|"
-                                        r"signal 9\b|SIGKILL|return code = -(9|15)\b|ssh exited with exit code 247|"
-                                        r"log ends without a word"),
+    ("killed_rank", "a rank was killed", r"died without an error|killed by SIGKILL|exits with return code = -9|"
+                                        r"\bKilled\b|signal 9\b|SIGKILL|return code = -(9|15)\b|"
+                                        r"ssh exited with exit code 247|log ends without a word"),
     ("config_error", "bad input (config, batch math, command line)",
      r"ds-train(\[rank \d+\])?: error: (?!hang:|rank \d+ on node|the job ended|start-up:|preflight:|the process-group)|"
      r"global_batch_size.*(divisible|must be)|unknown key"),
@@ -266,7 +266,8 @@ def _post_training(view, found: dict[str, Finding]) -> None:
         return
     for cls, key, limit, what in (("rl_no_signal", "ript/frac_reward_zero_std", RL_NO_SIGNAL,
                                    "of the groups had K equal rewards"),
-                                  ("rl_truncated", "ript/truncated_frac", RL_TRUNCATED, "of the rollouts were truncated")):
+                                  ("rl_truncated", "ript/truncated_frac", RL_TRUNCATED,
+                                   "of the rollouts were truncated")):
         values = [r.get(key) for r in recent]
         if all(isinstance(v, (int, float)) and v >= limit for v in values):
             f = found.setdefault(cls, Finding(cls, TITLES[cls]))

@@ -74,7 +74,8 @@ def rank_marks(view: RunView) -> dict[int, tuple[str, str, str]]:
         for r in view.hang.get("waiting", []):
             marks[r] = ("waiting", "waits in a collective for the stalled rank", WARN)
     if view.failure and isinstance(view.failure.get("first"), dict):
-        marks[view.failure["first"].get("rank")] = ("FAILED", "failed first: " + str(view.failure["first"].get("error", "")), BAD)
+        first = view.failure["first"]
+        marks[first.get("rank")] = ("FAILED", "failed first: " + str(first.get("error", "")), BAD)
     last = next((r for r in reversed(view.metrics) if "perf/slowest_rank" in r), None)
     ratio = float((view.config.get("watchdog") or {}).get("straggler_ratio") or 1.3)
     if last and isinstance(last.get("perf/straggler_ratio"), (int, float)) and last["perf/straggler_ratio"] > ratio:
@@ -192,7 +193,8 @@ def _task_table(view: RunView):
         table.add_column(col, justify="left" if col in ("task", "held-out curve") else "right")
     for name in sorted(set(last) | set(held)):
         h = held.get(name, [])
-        table.add_row(name, f"{last[name]:.3f}" if name in last else "-", f"{h[-1]:.3f}" if h else "-", sparkline(h, 20))
+        table.add_row(name, f"{last[name]:.3f}" if name in last else "-", f"{h[-1]:.3f}" if h else "-",
+                      sparkline(h, 20))
     return table
 
 

@@ -181,8 +181,9 @@ class DatasetTask:
             raise UserError(f"{where}: expected a JSON object with {o['prompt_key']!r} and {o['answer_key']!r}")
         for key in (o["prompt_key"], o["answer_key"]):
             if record.get(key) is None:
-                raise UserError(f"{where}: no {key!r} field ({self.where}: {'prompt' if key == o['prompt_key'] else 'answer'}"
-                                f"_key); add it or set the key to the field that holds it")
+                kind = "prompt" if key == o["prompt_key"] else "answer"
+                raise UserError(f"{where}: no {key!r} field ({self.where}: {kind}_key); add it or set the key to "
+                                f"the field that holds it")
         answer = record[o["answer_key"]]
         if o["verifier"] in NAMES and not all(_plain(a) for a in (answer if isinstance(answer, list) else [answer])):
             raise UserError(f"{where}: {o['answer_key']!r} must be a string, a number or a list of them (the "

@@ -3,8 +3,9 @@
 Each turn asks the policy for the next action of every live episode at once (for a model: one
 `generate` call with a KV cache over left-padded token ids per kind of action, sampling, stopping at
 the task's stop strings: a newline for the built-in tasks), then asks each task for the next
-observation. An action that reaches its max_new_tokens without a stop is marked truncated. Token ids are kept as generated, never re-tokenised from
-text, so the log-probs the update recomputes are those of exactly the tokens the policy sampled.
+observation. An action that reaches its max_new_tokens without a stop is marked truncated. Token ids
+are kept as generated, never re-tokenised from text, so the log-probs the update recomputes are those
+of exactly the tokens the policy sampled.
 """
 
 from __future__ import annotations

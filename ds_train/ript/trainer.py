@@ -336,7 +336,8 @@ def sample(job: RiptJob, act, tally: Tally, it: int) -> list[list[Episode]]:
 def evaluate(job: RiptJob) -> dict:
     """Greedy success on each task's held-out contexts; counts summed over ranks (exact)."""
     run, r = job.run, job.run.cfg.ript
-    jobs = [(job.tasks[n], c, 0) for n in job.mine for c in job.tasks[n].contexts("heldout", r.eval_contexts, run.cfg.seed)]
+    jobs = [(job.tasks[n], c, 0) for n in job.mine
+            for c in job.tasks[n].contexts("heldout", r.eval_contexts, run.cfg.seed)]
     run.engine.eval()
     episodes = run_episodes(job, job.policy(temperature=0.0), jobs)
     run.engine.train()

@@ -72,7 +72,8 @@ def pair_sums(losses, chosen_rewards, rejected_rewards, policy_chosen, policy_re
             "rewards/rejected": float(rejected_rewards.sum()),
             "rewards/accuracies": float((chosen_rewards > rejected_rewards).float().sum()),
             "rewards/margins": float((chosen_rewards - rejected_rewards).sum()),
-            "logps/chosen": float(policy_chosen.detach().sum()), "logps/rejected": float(policy_rejected.detach().sum())}
+            "logps/chosen": float(policy_chosen.detach().sum()),
+            "logps/rejected": float(policy_rejected.detach().sum())}
 
 
 def pair_losses(model, batch: PairBatch, reference_logps: Callable, dpo: DpoConfig):
