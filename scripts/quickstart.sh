@@ -9,7 +9,7 @@ export PATH="$PWD/.venv/bin:$PATH"
 # DeepSpeed JIT-builds its CPU ops once per user, version and install (scripts/extensions_dir.sh says where).
 export TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-$(bash scripts/extensions_dir.sh)}"
 # The recipe's micro-batch of 2 (x accumulation) is a cluster's shape; here each rank takes its whole
-# share of the 32-sequence batch in one pass: the same math, 1.35x faster on a 2-core CPU.
+# share of the 32-sequence batch in one pass: the same math, 1.2-1.4x faster a step on a 2-core CPU (BENCHMARKS.md).
 nproc="${NPROC:-2}"
 micro=$(( 32 % nproc ? 2 : 32 / nproc ))
 exec deepspeed --num_gpus "$nproc" --module ds_train train \
