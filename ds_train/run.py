@@ -96,8 +96,22 @@ class StopRequest:
 
 
 @dataclass(kw_only=True)
+class RunLifecycle:
+    """The run's own machinery between its start and its end, which no loop reads (Run's methods do)."""
+
+    stop: StopRequest
+    resume: ResumePoint | None
+    resume_said: str  # how the ranks decided; said once the checkpoint is loaded
+    hosts: list[tuple[int, str]]  # (node rank, host name) of every rank: how a report names a rank
+    heartbeat: Heartbeat  # where this rank is: the loop calls run.beat(step, phase)
+    watchdog: Watchdog
+    describe_run: Callable[[int], None]  # writes config.yaml ... and rewinds metrics (see maybe_resume)
+    lock: int | None  # the run directory's lock (writers), held until the process ends
+
+
+@dataclass(kw_only=True)
 class Run:
-    """A built run: what the loops ask (its parts by name; build_run composes them)."""
+    """A built run: what the loops ask, by name (build_run composes it); `life` is its own machinery."""
 
     cfg: RunConfig
     env: DistEnv
@@ -108,7 +122,6 @@ class Run:
     paths: RunPaths
     ds_config: dict
     dtype: str
-    lr: float
     engine: Any
     tokenizer: Any
     n_params: int
@@ -119,14 +132,7 @@ class Run:
     say: Callable[..., None]  # print on rank 0, nothing elsewhere
     checkpointer: Checkpointer
     guard: NonFiniteGuard  # optimizer steps whose gradients were not finite: counted, never applied
-    stop: StopRequest
-    resume: ResumePoint | None
-    resume_said: str  # how the ranks decided; said once the checkpoint is loaded
-    hosts: list[tuple[int, str]]  # (node rank, host name) of every rank
-    heartbeat: Heartbeat  # where this rank is: the loop calls run.beat(step, phase)
-    watchdog: Watchdog
-    describe_run: Callable[[int], None]  # writes config.yaml ... and rewinds metrics (see maybe_resume)
-    lock: int | None  # the run directory's lock (writers), held until the process ends
+    life: RunLifecycle
     weights: Path | None = None  # the directory the starting weights were loaded from (None: from scratch)
 
     @property
@@ -145,11 +151,11 @@ class Run:
 
     def beat(self, step: int, phase: str) -> None:
         """This rank entered `phase` of `step` (progress, for the heartbeat and the watchdog)."""
-        self.heartbeat.beat(step, phase)
+        self.life.heartbeat.beat(step, phase)
 
     def where(self, rank: int) -> str:
         """`rank 1 on node 1 (gpu017)`: as the watchdog's reports name a rank."""
-        node, host = self.hosts[rank]
+        node, host = self.life.hosts[rank]
         names = node_hosts()
         return rank_where({"rank": rank, "node": node, "host": host, "addr": names[node] if node < len(names) else ""})
 
@@ -160,28 +166,28 @@ class Run:
     def progress(self, initial: int):
         """The loop starts: the watchdog is armed, and rank 0 gets a progress bar (log.progress)
         that closes when its block ends."""
-        self.watchdog.arm()
+        self.life.watchdog.arm()
         return build_progress(self.env.is_main, self.cfg.log.progress, self.spec.last, self.spec.kind, initial)
 
     def maybe_resume(self) -> dict | None:
         """Load the resume point all ranks agreed on, if any: weights, optimizer, scheduler, this
         rank's RNG. Returns the saved record (step, the command's state, this rank's own loop state
         under "rank"), or None for a fresh start."""
-        if self.resume is None:
-            self.describe_run(-1)
+        if self.life.resume is None:
+            self.life.describe_run(-1)
             return None
-        self.beat(int(self.resume.state["step"]), "load")
+        self.beat(int(self.life.resume.state["step"]), "load")
         t0 = time.perf_counter()
-        state = load_resume(self.engine, self.resume, self.env.rank, self.env.world_size)
-        self.rank_log.info(f"loaded checkpoint {self.resume.tag} in {time.perf_counter() - t0:.2f} s")
-        self.describe_run(int(self.resume.state["step"]))
-        self.say(self.resume_said)
+        state = load_resume(self.engine, self.life.resume, self.env.rank, self.env.world_size)
+        self.rank_log.info(f"loaded checkpoint {self.life.resume.tag} in {time.perf_counter() - t0:.2f} s")
+        self.life.describe_run(int(self.life.resume.state["step"]))
+        self.say(self.life.resume_said)
         return state
 
     def say_outcome(self, outcome: str) -> None:
         """Rank 0's last line: `<command>: <outcome>; <its newest checkpoint>; run directory <path>`, the
         newest checkpoint being the last this run saved, else the one it resumed from."""
-        c, point = self.cfg.checkpoint, self.resume
+        c, point = self.cfg.checkpoint, self.life.resume
         if self.checkpointer.saved:
             newest = f"checkpoint {self.checkpointer.saved}"
         elif point is not None:  # another run's checkpoint by its path
@@ -217,8 +223,8 @@ class Run:
                               + f"\nthe device said: {device_oom_said(exc)} (allocated peak before it: {peak:.2f} GiB)")
         verdict, replacement = None, None
         if exc is not None and not isinstance(exc, (RunStopped, AgreedError)):  # this rank failed alone
-            verdict = self.watchdog.fail(exc)
-        mine = self.watchdog.verdict is not None  # this rank wrote the job's verdict
+            verdict = self.life.watchdog.fail(exc)
+        mine = self.life.watchdog.verdict is not None  # this rank wrote the job's verdict
         if verdict and is_secondary(exc):  # a consequence of another rank's end: the verdict says it
             self.rank_log.error("".join(traceback.format_exception(exc)).rstrip())
             replacement = exc = PeerFailed(verdict, say=mine)
@@ -226,18 +232,18 @@ class Run:
             exc.add_note(doctor_hint(self.run_dir))
         if verdict and mine and replacement is None:  # the reporting rank ends its output with the verdict
             exc.add_note(f"ds-train: error: {verdict}")
-        self.stop.restore()
+        self.life.stop.restore()
         unregister_ulysses()
         self.logger.close()
-        self.watchdog.stop("ended" if exc is None else "stopped" if isinstance(exc, RunStopped) else "failed")
+        self.life.watchdog.stop("ended" if exc is None else "stopped" if isinstance(exc, RunStopped) else "failed")
         self.rank_log.info(_ending(exc))
         if exc is None or isinstance(exc, RunStopped):  # every rank is here: collectives cannot hang
             dist.barrier()
             if not self.spec.keep_group:
                 dist.release_shared_memory(self.env)
                 dist.shutdown()
-        if self.lock is not None:
-            os.close(self.lock)  # the run directory is free for the next run
+        if self.life.lock is not None:
+            os.close(self.life.lock)  # the run directory is free for the next run
         gc.unfreeze()  # what build_run froze can be collected again (parity builds several runs in a process)
         if exc is None:  # all said; after an error, what the CLI prints next belongs in the log too
             release_console()

@@ -56,7 +56,7 @@ from ds_train.observe.watchdog import Heartbeat, Watchdog
 from ds_train.plan.batch import BatchPlan, scaled_lr
 from ds_train.plan.memory import checkpoint_bytes
 from ds_train.plan.parallel import Layout, ParallelDims, deepspeed_range_note
-from ds_train.run import Run, RunSpec, StopRequest
+from ds_train.run import Run, RunLifecycle, RunSpec, StopRequest
 from ds_train.topology import DistEnv, node_hosts, threads_per_rank
 
 
@@ -248,19 +248,20 @@ def _build_run(inputs: RunInputs, env: DistEnv, spec: RunSpec, stop: StopRequest
                         dist.side_channel(env), env.local_rank if checked.on_gpu else None, stop.request,
                         launchers).start()
     hf = source.hf_config
+    life = RunLifecycle(stop=stop, resume=resume, resume_said=agreed.decision.said, hosts=hosts, heartbeat=heartbeat,
+                        watchdog=watchdog, lock=lock,
+                        describe_run=partial(_describe_run, cfg, env, paths, ds_config, source, hosts, checked.dtype,
+                                             spec, dims, agreed.storage, say))
     return Run(
         cfg=cfg, env=env, spec=spec, dims=dims, token_group=dist.subgroup(dims.token_groups(), env.rank),
-        plan=plan, paths=paths, ds_config=ds_config, dtype=checked.dtype, lr=checked.lr, engine=engine,
+        plan=plan, paths=paths, ds_config=ds_config, dtype=checked.dtype, engine=engine,
         tokenizer=source.tokenizer, n_params=model.n_params,
         flops_per_token=flops_per_token(model.n_params, hf.num_hidden_layers, hf.hidden_size, cfg.train.seq_len,
                                         lookup_params(hf), model.trainable),
         peak_flops=peak_flops(device_name, cfg.log.peak_tflops) if checked.on_gpu else None,
         logger=logger, rank_log=rank_log, say=say, checkpointer=checkpointer,
-        guard=NonFiniteGuard(cfg.train.nonfinite, cfg.train.nonfinite_patience, rank_log), stop=stop,
-        resume=resume, resume_said=agreed.decision.said, hosts=hosts, heartbeat=heartbeat, watchdog=watchdog,
-        describe_run=partial(_describe_run, cfg, env, paths, ds_config, source, hosts, checked.dtype, spec,
-                             dims, agreed.storage, say),
-        lock=lock, weights=model.weights)
+        guard=NonFiniteGuard(cfg.train.nonfinite, cfg.train.nonfinite_patience, rank_log), life=life,
+        weights=model.weights)
 
 
 def _split_cores(env: DistEnv, rank_log) -> str:

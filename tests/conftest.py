@@ -2,10 +2,17 @@
 
 Multi-process tests go through the real `deepspeed` launcher (or torchrun) in a new process
 session, so a timeout kills the whole tree and no rank outlives its test.
+
+scripts/test.sh runs the suite in two pytest-xdist workers, a file to a worker (`--dist loadfile`):
+one worker's launch starts (one process importing) while the other's ranks compute. Every test
+holds the machine shared; a test marked `alone` holds it alone (one that asserts a bound on time:
+a stall, a join timeout, a straggler's ratio). The session's shared runs (tiny_data, the policies,
+stage_run, straight_zero2) are built once across the workers (`once`).
 """
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import shutil
@@ -13,8 +20,10 @@ import signal
 import socket
 import subprocess
 import sys
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Callable
 
 import pytest
 import yaml
@@ -82,18 +91,76 @@ def ds_train(*args: str, timeout: float = 300, env: dict | None = None) -> Resul
     return run_cmd([sys.executable, "-m", "ds_train", *args], timeout=timeout, env=env)
 
 
+# ---- two pytest-xdist workers on one machine ----
+
+def _session_root(tmp_path_factory) -> Path:
+    """The directory every worker of this session shares (its own base directory without xdist)."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+
+
+@contextmanager
+def _flocked(path: Path, mode: int):
+    with open(path, "a+") as f:
+        fcntl.flock(f, mode)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def pytest_collection_modifyitems(items) -> None:
+    """The files with the most launches first (a worker takes a whole file, in this order), so the
+    two workers end together rather than one finishing a long file alone."""
+    launches: dict[str, int] = {}
+    for item in items:
+        launches[item.fspath] = launches.get(item.fspath, 0) + (item.get_closest_marker("slow") is not None)
+    items.sort(key=lambda item: -launches[item.fspath])  # stable: within a file, as written
+
+
+@pytest.fixture(autouse=True)
+def machine(request, tmp_path_factory):
+    """The machine, held shared by every test and alone by one marked `alone`. A test waiting to be
+    alone holds the gate, so the other worker starts nothing new meanwhile (it never starves)."""
+    root = _session_root(tmp_path_factory)
+    alone = request.node.get_closest_marker("alone") is not None
+    with _flocked(root / "machine.gate", fcntl.LOCK_EX):
+        held = open(root / "machine.lock", "a+")
+        fcntl.flock(held, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
+    try:
+        yield
+    finally:
+        held.close()  # releases the lock
+
+
+def once(tmp_path_factory, name: str, build: Callable[[Path], Any]) -> Any:
+    """`build(directory)` run once in this session, whichever worker asks first; the others wait
+    for it and get what it returned (JSON: paths come back as strings)."""
+    root = _session_root(tmp_path_factory)
+    out, done = root / f"once-{name}", root / f"once-{name}.json"
+    with _flocked(root / f"once-{name}.lock", fcntl.LOCK_EX):
+        if not done.exists():  # first, or the one before failed
+            shutil.rmtree(out, ignore_errors=True)
+            out.mkdir()
+            done.write_text(json.dumps(build(out), default=str))
+    return json.loads(done.read_text())
+
+
 @pytest.fixture(scope="session")
 def tiny_data(tmp_path_factory) -> Path:
     """A small corpus (a slice of the stdlib) prepared with a 512-token BPE, shared by all tests."""
     from ds_train.data.prepare import prepare
     from ds_train.data.sources import python_stdlib_files
 
-    src = tmp_path_factory.mktemp("corpus")
-    for i, path in enumerate(python_stdlib_files(max_bytes=300_000)):
-        shutil.copy(path, src / f"{i:04d}_{path.name}")
-    out = tmp_path_factory.mktemp("data")
-    prepare([str(src)], out, vocab_size=512, val_fraction=0.1)
-    return out
+    def build(out: Path) -> Path:
+        src = out / "corpus"
+        src.mkdir()
+        for i, path in enumerate(python_stdlib_files(max_bytes=300_000)):
+            shutil.copy(path, src / f"{i:04d}_{path.name}")
+        prepare([str(src)], out / "data", vocab_size=512, val_fraction=0.1)
+        return out / "data"
+
+    return Path(once(tmp_path_factory, "tiny_data", build))
 
 
 def spawn(args: list[str], env: dict | None = None, cwd: Path = ROOT) -> subprocess.Popen:
@@ -206,46 +273,50 @@ def demonstration_texts(per_task: int = 30) -> list[str]:
 @pytest.fixture(scope="session")
 def tiny_policy(tmp_path_factory) -> Path:
     """A Hugging Face directory: a tiny random Llama and a BPE trained on the task demonstrations."""
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
+    def build(out: Path) -> Path:
+        import torch
+        from transformers import AutoConfig, AutoModelForCausalLM
 
-    from ds_train.data.tokenizer import train_tokenizer
+        from ds_train.data.tokenizer import train_tokenizer
 
-    out = tmp_path_factory.mktemp("policy")
-    tok = train_tokenizer(demonstration_texts(), 300, out)
-    torch.manual_seed(0)
-    cfg = AutoConfig.for_model(**{**TINY_MODEL, "vocab_size": len(tok)})
-    AutoModelForCausalLM.from_config(cfg).save_pretrained(out)
-    return out
+        tok = train_tokenizer(demonstration_texts(), 300, out)
+        torch.manual_seed(0)
+        cfg = AutoConfig.for_model(**{**TINY_MODEL, "vocab_size": len(tok)})
+        AutoModelForCausalLM.from_config(cfg).save_pretrained(out)
+        return out
+
+    return Path(once(tmp_path_factory, "tiny_policy", build))
 
 
 @pytest.fixture(scope="session")
 def sft_policy(tiny_policy, tmp_path_factory) -> Path:
     """tiny_policy after 150 AdamW steps on the demonstrations (in this process, plain torch): it
     solves parity, max and guess some of the time, so RLOO groups of K disagree and RIPT updates."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    def build(out: Path) -> Path:
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    out = tmp_path_factory.mktemp("sft_policy")
-    tok = AutoTokenizer.from_pretrained(tiny_policy)
-    model = AutoModelForCausalLM.from_pretrained(tiny_policy)
-    eos = tok.eos_token_id
-    seqs = [[eos, *tok(t, add_special_tokens=False)["input_ids"], eos] for t in demonstration_texts()]
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    gen = torch.Generator().manual_seed(0)
-    for _ in range(150):
-        rows = [seqs[i] for i in torch.randint(len(seqs), (16,), generator=gen).tolist()]
-        width = max(map(len, rows))
-        ids = torch.full((16, width), eos)
-        labels = torch.full((16, width), -100)
-        for r, seq in enumerate(rows):
-            ids[r, :len(seq)] = labels[r, :len(seq)] = torch.tensor(seq)
-        model(input_ids=ids, labels=labels).loss.backward()
-        opt.step()
-        opt.zero_grad()
-    model.save_pretrained(out)
-    tok.save_pretrained(out)
-    return out
+        tok = AutoTokenizer.from_pretrained(tiny_policy)
+        model = AutoModelForCausalLM.from_pretrained(tiny_policy)
+        eos = tok.eos_token_id
+        seqs = [[eos, *tok(t, add_special_tokens=False)["input_ids"], eos] for t in demonstration_texts()]
+        opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+        gen = torch.Generator().manual_seed(0)
+        for _ in range(150):
+            rows = [seqs[i] for i in torch.randint(len(seqs), (16,), generator=gen).tolist()]
+            width = max(map(len, rows))
+            ids = torch.full((16, width), eos)
+            labels = torch.full((16, width), -100)
+            for r, seq in enumerate(rows):
+                ids[r, :len(seq)] = labels[r, :len(seq)] = torch.tensor(seq)
+            model(input_ids=ids, labels=labels).loss.backward()
+            opt.step()
+            opt.zero_grad()
+        model.save_pretrained(out)
+        tok.save_pretrained(out)
+        return out
+
+    return Path(once(tmp_path_factory, "sft_policy", build))
 
 
 SCRIPTED_TASKS = ["add", "copy", "rev", "sort"]
@@ -280,11 +351,8 @@ def stage_run(tiny_data, tmp_path_factory):
     micro-step per step, so that ZeRO 0-2 reduce gradients in the same order and agree bitwise (with
     accumulation ZeRO-2 reduces every micro-step: (a1+b1)+(a2+b2) against ZeRO-0's (a1+a2)+(b1+b2)).
     zero1 recomputes activations; zero2 also logs to wandb, TensorBoard and DeepSpeed's own monitors."""
-    cache = {}
-
     def get(stage):
-        if stage not in cache:
-            out = tmp_path_factory.mktemp(stage)
+        def build(out: Path) -> tuple[dict, str]:
             ds_config = f"{stage}.json"
             extra = {"log": {"plots": True}}
             if stage == "zero1":  # recomputation changes no number: the stages must still agree
@@ -299,8 +367,11 @@ def stage_run(tiny_data, tmp_path_factory):
             cfg = write_config(out / "run.yaml", tiny_config(
                 tiny_data, out / "run", train=STAGE_TRAIN, checkpoint={"every": 4, "keep": 0, "save_final": True},
                 **extra))
-            cache[stage] = (deepspeed_train(cfg, ds_config), out / "run")
-        return cache[stage]
+            res = deepspeed_train(cfg, ds_config)
+            return {"returncode": res.returncode, "out": res.out}, str(out / "run")
+
+        res, run = once(tmp_path_factory, f"stage_{stage}", build)
+        return Result(**res), Path(run)
 
     return get
 
@@ -313,14 +384,16 @@ def straight_zero2(tiny_data, tmp_path_factory) -> Path:
     """An uninterrupted 12-step zero2 run (2 processes, 2 micro-steps a step, saved every 4 steps),
     launched as `python -m deepspeed.launcher.runner`: what runs stopped and resumed must give,
     bitwise (test_checkpoint, test_multinode; checkpoints and logging change no number)."""
-    out = tmp_path_factory.mktemp("straight_zero2")
-    cfg = write_config(out / "run.yaml", tiny_config(tiny_data, out / "run", train={"max_steps": STRAIGHT_STEPS},
-                                                     checkpoint={"every": 4, "keep": 0}))
-    res = run_cmd([sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_port",
-                   str(free_port()), "--module", "ds_train", "train", "--config", str(cfg), "--ds-config",
-                   str(ROOT / "ds_configs" / "zero2.json")], timeout=240)
-    assert res.returncode == 0, res.out[-3000:]
-    return out / "run"
+    def build(out: Path) -> Path:
+        cfg = write_config(out / "run.yaml", tiny_config(tiny_data, out / "run", train={"max_steps": STRAIGHT_STEPS},
+                                                         checkpoint={"every": 4, "keep": 0}))
+        res = run_cmd([sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_port",
+                       str(free_port()), "--module", "ds_train", "train", "--config", str(cfg), "--ds-config",
+                       str(ROOT / "ds_configs" / "zero2.json")], timeout=240)
+        assert res.returncode == 0, res.out[-3000:]
+        return out / "run"
+
+    return Path(once(tmp_path_factory, "straight_zero2", build))
 
 
 def losses_by_step(run_dir: Path) -> dict[int, float]:

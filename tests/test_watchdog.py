@@ -122,6 +122,7 @@ def test_the_process_group_timeout_fires_and_names_the_collective_and_the_rank_i
     assert findings[0].cls == "nccl_timeout" and "the process-group timeout fired" in findings[0].evidence[0]
 
 
+@pytest.mark.alone
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_a_slow_rank_is_reported_as_a_straggler_and_an_even_run_reports_none(tiny_data, tmp_path):
@@ -160,6 +161,7 @@ def test_a_slow_rank_is_reported_as_a_straggler_and_an_even_run_reports_none(tin
     assert "log: step 12: straggler: rank 1" in log1
 
 
+@pytest.mark.alone
 @pytest.mark.slow
 @pytest.mark.timeout(200)
 def test_ranks_that_never_join_are_named_with_their_node_and_host(tiny_data, tmp_path):
