@@ -26,6 +26,7 @@ export PATH="$PWD/.venv/bin:$PATH"
 export TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-$(bash scripts/extensions_dir.sh)}"
 # The import contract first (pyproject.toml [tool.importlinter]): a wrong import fails in a second.
 lint-imports --no-cache > .venv/lint-imports.log 2>&1 || { cat .venv/lint-imports.log; exit 1; }
-# Two workers, a test file to each (tests/conftest.py says how they share the machine): a launch's
-# start-up is one process importing while the other worker's ranks compute. `-n 0` runs in one process.
-exec python -m pytest -q -n 2 --dist loadfile "$@"
+# Two workers, a test file to each, the longest files first (tests/conftest.py says how they share the
+# machine): a launch's start-up is one process importing while the other worker's ranks compute.
+# `-n 0` runs in one process.
+exec python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder "$@"

@@ -110,11 +110,13 @@ def _flocked(path: Path, mode: int):
 
 
 def pytest_collection_modifyitems(items) -> None:
-    """The files with the most launches first (a worker takes a whole file, in this order), so the
-    two workers end together rather than one finishing a long file alone."""
+    """The files with the most launches first (a worker takes a whole file, in this order: scripts/test.sh
+    passes --no-loadscope-reorder), so the two workers end together rather than one running a long file
+    alone at the end. A slow test counts one launch, or as many as its `launches(n)` marker says."""
     launches: dict[str, int] = {}
     for item in items:
-        launches[item.fspath] = launches.get(item.fspath, 0) + (item.get_closest_marker("slow") is not None)
+        mark = item.get_closest_marker("launches") or item.get_closest_marker("slow")
+        launches[item.fspath] = launches.get(item.fspath, 0) + (mark.args[0] if mark and mark.args else bool(mark))
     items.sort(key=lambda item: -launches[item.fspath])  # stable: within a file, as written
 
 

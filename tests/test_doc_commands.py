@@ -349,6 +349,7 @@ def report(steps: list[Step]) -> str:
 
 
 @pytest.mark.slow
+@pytest.mark.launches(30)  # about as many as it runs: tests/conftest.py starts its file early
 @pytest.mark.timeout(1800)  # a last resort above each command's own 300 s (a loaded 2-core machine: see the module)
 def test_the_documented_commands_run_in_a_fresh_checkout(tmp_path):
     """Every step of plan(collect(ROOT)) exits 0 in a fresh checkout; nothing rewrites README.md,

@@ -304,9 +304,12 @@ def test_live_and_precomputed_references_zero3_and_zero0_and_a_resume_train_the_
     assert res.returncode == 0, res.out[-3000:]
     assert "reference policy: a frozen copy of the starting model, partitioned over 2 ranks (ZeRO-3)" in res.out
     b = metrics_by_step(live)
+    # The rewards are beta x differences of log-probs summed over a response (a hundred nats or more, whose
+    # float32 ulp is ~1e-5): 1e-5 is a few ulps of them (an AMD EPYC's AVX2 kernels differ by 1.1e-6 at step 6).
     for s in range(1, 8):
-        for key in ("train/loss", "rewards/chosen", "rewards/rejected", "rewards/margins"):
-            assert abs(b[s][key] - a[s][key]) <= 1e-6, (s, key, b[s][key], a[s][key])
+        for key, tol in (("train/loss", 1e-6), ("rewards/chosen", 1e-5), ("rewards/rejected", 1e-5),
+                         ("rewards/margins", 1e-5)):
+            assert abs(b[s][key] - a[s][key]) <= tol, (s, key, b[s][key], a[s][key])
     assert abs(b[7]["eval/loss"] - a[7]["eval/loss"]) <= 1e-6
 
     one = tmp_path / "one"
