@@ -126,13 +126,10 @@ def machine(request, tmp_path_factory):
     alone holds the gate, so the other worker starts nothing new meanwhile (it never starves)."""
     root = _session_root(tmp_path_factory)
     alone = request.node.get_closest_marker("alone") is not None
-    with _flocked(root / "machine.gate", fcntl.LOCK_EX):
-        held = open(root / "machine.lock", "a+")
-        fcntl.flock(held, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
-    try:
+    with open(root / "machine.lock", "a+") as held:  # closing it releases the lock
+        with _flocked(root / "machine.gate", fcntl.LOCK_EX):
+            fcntl.flock(held, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
         yield
-    finally:
-        held.close()  # releases the lock
 
 
 def once(tmp_path_factory, name: str, build: Callable[[Path], Any]) -> Any:
