@@ -17,5 +17,6 @@ if ! cat requirements.txt pyproject.toml | cmp -s - "$stamp"; then
     echo "setup: pip install failed (full log: .venv/pip.log)" >&2
     exit 1
   fi
+  bash scripts/deepspeed_ops.sh
   cat requirements.txt pyproject.toml > "$stamp"
 fi
