@@ -24,6 +24,9 @@ fi
 export PATH="$PWD/.venv/bin:$PATH"
 # DeepSpeed JIT-builds its CPU ops once per user, version and install (scripts/extensions_dir.sh says where).
 export TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-$(bash scripts/extensions_dir.sh)}"
+# The suite starts some 500 Python processes that import ds_train: let them cache its bytecode (a host
+# may set PYTHONDONTWRITEBYTECODE; __pycache__/ is ignored by git).
+unset PYTHONDONTWRITEBYTECODE
 # The import contract first (pyproject.toml [tool.importlinter]): a wrong import fails in a second.
 lint-imports --no-cache > .venv/lint-imports.log 2>&1 || { cat .venv/lint-imports.log; exit 1; }
 # Two workers, a test file to each, the longest files first (tests/conftest.py says how they share the
