@@ -55,6 +55,7 @@ class Way:
     why: str
     run: str = "{cmd}"  # what runs in the checkout ({cmd}: the documented command); "": nothing
     phase: int = 0  # 0: in reading order; CLUSTER_CHECKS: after those, with the loopback cluster up; LAST
+    expect: tuple[str, ...] = ()  # lines its output must hold, beyond exit 0 (the launch's own test, shared)
 
     def command(self, doc: Documented) -> str:
         return self.run.replace("{cmd}", doc.text)
@@ -89,7 +90,13 @@ WAYS = [
         "one process: resumes the 2-process checkpoint through the universal conversion, to step 5",
         f"{{cmd}} train.max_steps=5 {LEAN}"),
     Way(_exact("ds-train parity --config recipes/sft.yaml --ds-config ds_configs/zero3.json --nproc 2 --shrink"),
-        REDUCED, "2 steps instead of 5 (both launches, the verdict)", "{cmd} --steps 2"),
+        REDUCED, "2 steps instead of 5: the quickstart's model shrunk, a 1-process ZeRO-0 reference and ZeRO-3 on 2 "
+        "processes, each step within tolerance", "{cmd} --steps 2",
+        expect=("--shrink: llama: hidden 128 -> 64, layers 3 -> 2, attention heads 4/4 -> 4/4 (query/key-value), "
+                "vocabulary 4096 kept",
+                "reference: 1 process, ZeRO-0, fp32, micro 4 x accum 4",
+                "zero3_np2_accum2: ZeRO-3, fp32, 2 process(es), micro 4 x accum 2 (ds_configs/zero3.json)",
+                "verdict: PASS: 1 of 1 layout(s) within tolerance of the reference over 2 steps")),
     Way(r"ds-train parity --config C .*", CHECKED,
         "placeholder config C (and 4 or 8 processes, other nodes): parsed with --help; tests/test_parity.py runs "
         "such matrices", "ds-train parity --help"),
@@ -382,6 +389,8 @@ def test_the_documented_commands_run_in_a_fresh_checkout(tmp_path):
                              f"{report(steps)}")
             if "--check" in step.command:
                 assert "launch: preflight ok on " in out, out[-3000:]
+            missing = [line for line in step.way.expect if line not in out]
+            assert not missing, f"{step.docs[0].where}: `{step.command}` did not print {missing}:\n{out[-4000:]}"
     finally:
         subprocess.run(["bash", "scripts/local_cluster.sh", "down"], cwd=root, env=env, capture_output=True,
                        timeout=60)

@@ -1,7 +1,8 @@
 """ds-train parity: the comparison and --shrink (pure), its bad input (one line), and through the real
 launcher the parity matrix (ZeRO 0-3 x accumulation 1 and 4 x data-parallel 1 and 2, pretraining and
-SFT) and --shrink on the SFT recipe. The matrix's numbers are checked again here from the runs' own
-metrics, not only from the verdict the command prints."""
+SFT). The matrix's numbers are checked again here from the runs' own metrics, not only from the verdict
+the command prints. --shrink on the SFT recipe, as the README writes it, runs in
+tests/test_doc_commands.py (its reference, its ZeRO-3 layout and its verdict checked there)."""
 
 from __future__ import annotations
 
@@ -328,41 +329,6 @@ def test_bf16_parity_measures_its_noise_floor_and_fails_each_injected_fault(tiny
     assert "zero2_np2_tp2_accum4: ZeRO-2, bf16, 2 process(es), tensor parallel 2" in res.out
     assert "TF32 allowed (--tf32) in the fp32 runs" in res.out
     assert loaded(tmp_path / "tp" / "reference")["model"]["tf32"]
-
-
-@pytest.fixture(scope="module")
-def quickstart_like(tiny_data, tmp_path_factory):
-    """A Hugging Face directory of the quickstart's width (hidden 128; 4 layers, 256 positions), with
-    the tiny corpus's tokenizer: recipes/sft.yaml's model.path."""
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-
-    out = tmp_path_factory.mktemp("quickstart_like")
-    tok = AutoTokenizer.from_pretrained(tiny_data / "tokenizer")
-    torch.manual_seed(0)
-    cfg = AutoConfig.for_model(**{**TINY_MODEL, "hidden_size": 128, "intermediate_size": 352,
-                                  "num_hidden_layers": 4, "max_position_embeddings": 256, "vocab_size": len(tok)})
-    AutoModelForCausalLM.from_config(cfg).save_pretrained(out)
-    tok.save_pretrained(out)
-    return out
-
-
-@pytest.mark.slow
-def test_shrink_proves_the_sft_recipe_under_zero3_on_two_processes(quickstart_like, tmp_path):
-    """The README's command: recipes/sft.yaml, ds_configs/zero3.json, 2 processes, --shrink (the
-    recipe's model.path and data.dir pointed at this test's own)."""
-    res = ds_train("parity", "--config", str(ROOT / "recipes" / "sft.yaml"), "--ds-config",
-                   str(ROOT / "ds_configs" / "zero3.json"), "--nproc", "2", "--shrink",
-                   f"model.path={quickstart_like}", f"data.dir={tmp_path / 'data'}", timeout=600)
-    assert res.returncode == 0, res.out[-6000:]
-    assert "--shrink: llama: hidden 128 -> 64, layers 4 -> 2, attention heads 4/4 -> 4/4" in res.out
-    assert "reference: 1 process, ZeRO-0, fp32, micro 4 x accum 4" in res.out
-    assert "zero3_np2_accum2: ZeRO-3, fp32, 2 process(es), micro 4 x accum 2" in res.out
-    rows = [line.split() for line in res.out.splitlines() if re.match(r"^\s+\d+\s", line) and len(line.split()) == 7]
-    assert [int(r[0]) for r in rows] == [1, 2, 3, 4, 5]
-    assert all(float(r[3]) <= 1e-5 and float(r[6]) <= 1e-4 for r in rows), rows
-    last = res.out.strip().splitlines()[-1]  # the runs went with their temporary directory
-    assert last == "verdict: PASS: 1 of 1 layout(s) within tolerance of the reference over 5 steps", last
 
 
 def test_a_layout_the_model_cannot_take_is_refused_before_any_launch(tiny_data, tmp_path):
