@@ -245,38 +245,43 @@ def test_a_traceback_on_node1_is_in_its_log_and_the_last_line_names_it(cluster, 
     assert any("injected failure on rank 1 at step 3" in e for e in found[0].evidence), found[0].evidence
 
 
-@pytest.mark.parametrize("rank", [0, 1])
-def test_a_rank_killed_on_either_node_is_named_and_the_newest_save_resumes_exactly(cluster, straight_run, tiny_data,
-                                                                                   tmp_path, rank):
-    """SIGKILL (as the OOM killer sends) of rank 0 on node 0 (which serves the rendezvous store: the
-    second store, on node 1, carries the verdict) or of rank 1 on node 1, at step 3: the other rank
-    loses the connection and says one line, no traceback, naming the killed rank, its node and
-    host, SIGKILL and step 3; failure.json says the same; the save of step 2 is whole, and the same
-    command resumes from it through pdsh to the straight run's losses, bitwise."""
+def test_rank_0_killed_on_node0_then_rank_1_on_node1_each_named_and_each_resume_is_exact(cluster, straight_run,
+                                                                                         tiny_data, tmp_path):
+    """SIGKILL (as the OOM killer sends) of rank 0 on node 0 at step 3 (it serves the rendezvous store:
+    the second store, on node 1, carries the verdict), then, in the resumed job, of rank 1 on node 1 at
+    step 5: each time the other rank loses the connection and says one line, no traceback, naming the
+    killed rank, its node and host, SIGKILL and the step; failure.json says the same; the newest save
+    is whole, and the same command resumes from it through pdsh, to the straight run's losses, bitwise."""
     run = tmp_path / "run"
     config = write_config(tmp_path / "run.yaml", tiny_config(tiny_data, run, train={"max_steps": 12},
                                                              checkpoint={"every": 2},
                                                              watchdog={"stall_s": 30, "heartbeat_s": 0.5}))
-    res = run_cmd(launch_args(cluster["hostfile"], config, "--master_port", str(free_port()),
-                              overrides=(f"watchdog.debug_fault=kill:{rank}:3",)), timeout=180, env=cluster["env"])
-    assert res.returncode != 0, res.out[-4000:]
-    _assert_nothing_left(str(config))
-    assert "Traceback" not in res.out, res.out[-4000:]
     host = socket.gethostname()
-    last = res.out.strip().splitlines()[-1]
-    assert last.startswith(f"ds-train: error: rank {rank} on node {rank} ({NODES[rank]}, host {host}) was killed by "
-                           f"SIGKILL in step 3"), res.out[-3000:]
-    assert f"then rank {1 - rank} lost the connection" in last, last
-    failure = json.loads((run / "logs" / "failure.json").read_text())
-    assert (failure["rank"], failure["signal"], failure["step"], failure["first"]["addr"]) == (rank, "SIGKILL", 3,
-                                                                                               NODES[rank])
-    assert checkpoint.latest_complete(run / "checkpoints") == "step_00000002"
+    resumed_at = None
+    for rank, step in ((0, 3), (1, 5)):
+        res = run_cmd(launch_args(cluster["hostfile"], config, "--master_port", str(free_port()),
+                                  overrides=(f"watchdog.debug_fault=kill:{rank}:{step}",)), timeout=180,
+                      env=cluster["env"])
+        assert res.returncode != 0, res.out[-4000:]
+        _assert_nothing_left(str(config))
+        assert "Traceback" not in res.out, res.out[-4000:]
+        if resumed_at:
+            assert f"resumed from {run / 'checkpoints' / resumed_at} at step {int(resumed_at[5:])}" in res.out
+        last = res.out.strip().splitlines()[-1]
+        assert last.startswith(f"ds-train: error: rank {rank} on node {rank} ({NODES[rank]}, host {host}) was killed "
+                               f"by SIGKILL in step {step}"), res.out[-3000:]
+        assert f"then rank {1 - rank} lost the connection" in last, last
+        failure = json.loads((run / "logs" / "failure.json").read_text())
+        assert (failure["rank"], failure["signal"], failure["step"], failure["first"]["addr"]) == (
+            rank, "SIGKILL", step, NODES[rank])
+        resumed_at = checkpoint.latest_complete(run / "checkpoints")
+        assert resumed_at == checkpoint.tag_for(step - 1)
 
     res = run_cmd(launch_args(cluster["hostfile"], config, "--master_port", str(free_port())), timeout=240,
                   env=cluster["env"])
     assert res.returncode == 0, res.out[-4000:]
     _assert_nothing_left(str(config))
-    assert f"resumed from {run / 'checkpoints' / 'step_00000002'} at step 2" in res.out
+    assert f"resumed from {run / 'checkpoints' / 'step_00000004'} at step 4" in res.out
     losses = losses_by_step(run)
     assert sorted(losses) == list(range(1, 13)) and [losses[s] for s in range(3, 13)] == [
         straight_run[s] for s in range(3, 13)]
