@@ -37,7 +37,8 @@ def bench(script: str, out, tiny_data, *extra: str, timeout: float = 600):
 def test_mfu_measures_every_side_and_the_ratios(tiny_data, tmp_path):
     """Every side but `ckpt` (ds_train's own side again, with activation checkpointing on: the
     checkpointing itself is tested in tests/test_model.py) and `eager` (here ds_train's default is
-    eager); `liger` says in one line that its kernels need a GPU and trains without them."""
+    eager); `liger` says in one line that its kernels need a GPU and trains without them. Reduced, the
+    ds_train sides are the jobs of one process and bare and hf share another (two launches, not six)."""
     sides = ["ds_train", "bare", "hf", "fused_loss", "liger", "compile"]
     r = bench("mfu.py", tmp_path, tiny_data, "--sides", ",".join(sides))
     d = json.loads((tmp_path / "mfu.json").read_text())
@@ -49,7 +50,9 @@ def test_mfu_measures_every_side_and_the_ratios(tiny_data, tmp_path):
                for s in sides if s not in ("bare", "hf")}
     assert configs["fused_loss"]["train"]["fused_loss"] is True and configs["liger"]["model"]["liger_kernels"]
     assert "compile" not in configs["ds_train"]["model"] and configs["compile"]["model"]["compile"] is True
-    assert "Liger's kernels are Triton kernels for a CUDA GPU" in (tmp_path / "logs" / "liger.log").read_text()
+    assert "Liger's kernels are Triton kernels for a CUDA GPU" in (tmp_path / "runs" / "liger" / "logs" /
+                                                                  "rank_0.log").read_text()
+    assert sorted(p.name for p in (tmp_path / "logs").iterdir()) == ["bare_hf.log", "ds_train_sides.log"]
     assert d["versions"]["deepspeed"] and d["versions"]["device"] == "cpu" and d["peak_flops"] is None
     assert "ds_train/hf:" in r.out and "results:" in r.out
     compiled = (tmp_path / "runs" / "compile" / "logs" / "rank_0.log").read_text()

@@ -128,6 +128,26 @@ def ds_train(*args: str) -> list[str]:
     return [sys.executable, "-m", "ds_train", *args]
 
 
+def launch_jobs(out: Path, name: str, jobs: list[tuple[str, Path, dict]], ds_config: str,
+                timeout: float) -> tuple[int, float, Path]:
+    """Several ds_train runs in turn as the jobs of one process (ds_train's parity worker: a plan's
+    runs, each whole in its own run directory, in one process group), so that a reduced CPU check
+    imports torch and DeepSpeed once. `jobs`: (job name, run config YAML, changes to its train
+    section: a run again with more steps resumes). Returns (exit code, seconds, log)."""
+    import yaml
+
+    plan = {"jobs": []}
+    for job, cfg, train in jobs:
+        config = yaml.safe_load(cfg.read_text())
+        config["train"].update(train)
+        plan["jobs"].append({"name": job, "config": config, "ds_config": ds_config})
+    path = out / "configs" / f"{name}.plan.json"
+    path.write_text(json.dumps(plan, indent=1))
+    log = out / "logs" / f"{name}.log"
+    rc, wall = launch(ds_train("parity-worker", str(path)), log, timeout)
+    return rc, wall, log
+
+
 def tail(log: Path, n: int = 15) -> str:
     return "\n".join(log.read_text(errors="replace").splitlines()[-n:]) if log.is_file() else ""
 

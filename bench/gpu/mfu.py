@@ -4,7 +4,9 @@
     python bench/gpu/mfu.py --out OUT --reduced --data DIR      # the CPU check the suite runs
 
 One GPU, ZeRO-2 (ds_configs/zero2.json), bf16, seq 2048, micro-batch 8 x accumulation 4. Sides,
-each in its own process, one after another:
+each in its own process, one after another (--reduced: the ds_train sides as jobs of one process,
+ds_train's parity worker, and bare and hf in one more: the CPU check imports torch and DeepSpeed twice,
+not once a side):
 
   ds_train  `ds-train train` with its defaults (on a GPU: each decoder layer compiled) on the bundled
             corpus; tokens/s between its log records after warm-up
@@ -32,7 +34,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import (LLAMA_1B, ROOT, add_common_args, ds_train, launch, metrics,  # noqa: E402
+from common import (LLAMA_1B, ROOT, add_common_args, ds_train, launch, launch_jobs, metrics,  # noqa: E402
                     run_config, start, tail, versions, write_results)
 from bench import cli  # noqa: E402
 
@@ -51,13 +53,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=10, help="untimed steps first (default 10)")
     p.add_argument("--micro", type=int, default=8, help="micro-batch size (default 8)")
     p.add_argument("--accum", type=int, default=4, help="gradient accumulation steps (default 4)")
-    p.add_argument("--side", choices=("bare", "hf"), help=argparse.SUPPRESS)  # a worker process
+    p.add_argument("--side", help=argparse.SUPPRESS)  # a worker process: bare, hf, or both (bare,hf)
     p.add_argument("--config", help=argparse.SUPPRESS)
     p.add_argument("--ds-config", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     args.sides = [s.strip() for s in args.sides.split(",") if s.strip()]
     if unknown := [s for s in args.sides if s not in SIDES]:
         p.error(f"--sides: unknown {unknown}; choose from {', '.join(SIDES)}")
+    if args.side and not set(args.side.split(",")) <= {"bare", "hf"}:
+        p.error(f"--side {args.side}: bare, hf or both (bare,hf)")
     if args.reduced:
         args.steps, args.warmup, args.micro, args.accum = min(args.steps, 4), min(args.warmup, 2), 2, 2
     if args.steps <= 0 or args.warmup <= 0:
@@ -164,17 +168,19 @@ def side_hf(args) -> dict:
 
 
 # ---------------------------------------------------------------- the driver
-def ds_train_side(args, out: Path, name: str, model: dict, seq: int, dtype: str, **flags) -> dict:
+def ds_train_config(args, out: Path, name: str, model: dict, seq: int, dtype: str, **flags) -> Path:
     log_every = args.warmup if args.warmup <= args.steps else 1
-    cfg = run_config(out, name, model, args.data, seq=seq, micro=args.micro, global_batch=args.micro * args.accum,
-                     steps=args.warmup + args.steps, dtype=dtype, log_every=log_every, **flags)
-    log = out / "logs" / f"{name}.log"
-    rc, wall = launch(ds_train("train", "--config", str(cfg), "--ds-config", str(DS_CONFIG)), log, args.timeout)
-    if rc:
-        return {"error": f"exit {rc}", "log_tail": tail(log)}
+    return run_config(out, name, model, args.data, seq=seq, micro=args.micro, global_batch=args.micro * args.accum,
+                      steps=args.warmup + args.steps, dtype=dtype, log_every=log_every, **flags)
+
+
+def ds_train_result(args, out: Path, name: str, cfg: Path, wall: float) -> dict:
+    """A ds_train side's timed steps, from its run directory's log records."""
     # The logged windows after warm-up: each is the wall time of the steps since the last log record
     # (the final evaluation, written into the last record, comes after its window closes).
     recs = [r for r in metrics(out / "runs" / name) if "perf/step_time_s" in r]
+    if not recs:
+        return {"error": "no timed steps logged", "log_tail": tail(out / "runs" / name / "logs" / "rank_0.log")}
     steps = [r["step"] for r in recs]
     timed = [(r, r["step"] - prev) for prev, r in zip(steps, recs[1:]) if prev >= args.warmup]
     seconds = sum(r["perf/step_time_s"] * n for r, n in timed)
@@ -184,18 +190,43 @@ def ds_train_side(args, out: Path, name: str, model: dict, seq: int, dtype: str,
             "dtype": env.get("dtype"), "logged_mfu_last": end.get("perf/mfu")}
 
 
-def worker_side(args, out: Path, side: str) -> dict:
+def ds_train_side(args, out: Path, name: str, model: dict, seq: int, dtype: str, **flags) -> dict:
+    cfg = ds_train_config(args, out, name, model, seq, dtype, **flags)
+    log = out / "logs" / f"{name}.log"
+    rc, wall = launch(ds_train("train", "--config", str(cfg), "--ds-config", str(DS_CONFIG)), log, args.timeout)
+    if rc:
+        return {"error": f"exit {rc}", "log_tail": tail(log)}
+    return ds_train_result(args, out, name, cfg, wall)
+
+
+def ds_train_sides_in_one_process(args, out: Path, names: list[str], model: dict, seq: int, dtype: str) -> dict:
+    """--reduced: the ds_train sides as the jobs of one process; wall_s is that process's."""
+    cfgs = {name: ds_train_config(args, out, name, model, seq, dtype, **DS_TRAIN_SIDES[name]) for name in names}
+    rc, wall, log = launch_jobs(out, "ds_train_sides", [(name, cfg, {}) for name, cfg in cfgs.items()],
+                                str(DS_CONFIG), args.timeout)
+    if rc:
+        return {name: {"error": f"exit {rc}", "log_tail": tail(log)} for name in names}
+    return {name: ds_train_result(args, out, name, cfg, wall) for name, cfg in cfgs.items()}
+
+
+def worker_sides(args, out: Path, sides: list[str]) -> dict:
+    """bare and hf, each in its own process (--reduced: both in one)."""
     run = out / "runs" / "ds_train"
     if not (run / "ds_config.json").is_file():
-        return {"error": "needs the ds_train side first (its rendered ds_config.json)"}
-    log = out / "logs" / f"{side}.log"
-    result = out / f"{side}.side.json"
-    rc, wall = launch([sys.executable, __file__, "--side", side, "--out", str(out), "--data", args.data,
-                       "--config", str(out / "configs" / "ds_train.yaml"), "--ds-config", str(run / "ds_config.json"),
-                       "--steps", str(args.steps), "--warmup", str(args.warmup)], log, args.timeout)
-    if rc or not result.is_file():
-        return {"error": f"exit {rc}", "log_tail": tail(log)}
-    return {**json.loads(result.read_text()), "wall_s": wall}
+        return {side: {"error": "needs the ds_train side first (its rendered ds_config.json)"} for side in sides}
+    results = {}
+    for group in ([sides] if args.reduced else [[side] for side in sides]):
+        name = ",".join(group)
+        log = out / "logs" / f"{name.replace(',', '_')}.log"
+        rc, wall = launch([sys.executable, __file__, "--side", name, "--out", str(out), "--data", args.data,
+                           "--config", str(out / "configs" / "ds_train.yaml"), "--ds-config",
+                           str(run / "ds_config.json"), "--steps", str(args.steps), "--warmup", str(args.warmup)],
+                          log, args.timeout)
+        for side in group:
+            result = out / f"{side}.side.json"
+            results[side] = ({**json.loads(result.read_text()), "wall_s": wall} if not rc and result.is_file()
+                             else {"error": f"exit {rc}", "log_tail": tail(log)})
+    return results
 
 
 def summarise(args, sides: dict, model: dict, seq: int) -> dict:
@@ -228,23 +259,37 @@ def summarise(args, sides: dict, model: dict, seq: int) -> dict:
             "reduced": args.reduced, "versions": v}
 
 
+def measure(args, out: Path, model: dict, seq: int, dtype: str):
+    """Each side's result as it is measured (name, result): in the order asked, or under --reduced
+    the ds_train sides first, together, then bare and hf together."""
+    ours = [side for side in args.sides if side in DS_TRAIN_SIDES]
+    theirs = [side for side in args.sides if side not in DS_TRAIN_SIDES]
+    if args.reduced:
+        yield from ds_train_sides_in_one_process(args, out, ours, model, seq, dtype).items()
+        yield from (worker_sides(args, out, theirs) if theirs else {}).items()
+        return
+    for side in args.sides:
+        if side in DS_TRAIN_SIDES:
+            yield side, ds_train_side(args, out, side, model, seq, dtype, **DS_TRAIN_SIDES[side])
+        else:
+            yield side, worker_sides(args, out, [side])[side]
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     out = Path(args.out).resolve()
-    if args.side:  # a worker: measure one side, write it, exit
-        result = side_bare(args) if args.side == "bare" else side_hf(args)
-        (out / f"{args.side}.side.json").write_text(json.dumps(result))
+    if args.side:  # a worker: measure its side(s), write each, exit
+        for side in args.side.split(","):
+            result = side_bare(args) if side == "bare" else side_hf(args)
+            (out / f"{side}.side.json").write_text(json.dumps(result))
         return 0
     out, model, seq, dtype = start(args, LLAMA_1B)
-    sides = {}
-    for side in args.sides:
-        if side in DS_TRAIN_SIDES:
-            sides[side] = ds_train_side(args, out, side, model, seq, dtype, **DS_TRAIN_SIDES[side])
-        else:
-            sides[side] = worker_side(args, out, side)
-        s = sides[side]
+    measured = {}
+    for side, s in measure(args, out, model, seq, dtype):
+        measured[side] = s
         print(f"{side}: " + (f"{args.micro * args.accum * seq * s['steps'] / s['seconds']:,.0f} tokens/s"
                              if "seconds" in s else f"FAILED {s['error']}\n{s.get('log_tail', '')}"), flush=True)
+        sides = {k: measured[k] for k in args.sides if k in measured}  # in the order asked
         results = summarise(args, sides, model, seq)
         path = write_results(out, "mfu", results)  # after every side: a later one cut off keeps these
     for side, s in sides.items():

@@ -11,7 +11,7 @@ A ~124M-parameter Llama on one GPU, ZeRO-2:
   checkpoint the bf16 run saves at its last step ("saved checkpoint ... in N s" in its rank log),
              then a second `ds-train train` resumes it for 10 more steps ("loaded ... in N s")
   export     `ds-train export` of that checkpoint to a Hugging Face directory, timed
-results: OUT/steps.json.
+results: OUT/steps.json. --reduced runs the bf16, fp32 and resumed runs as the jobs of one process.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import (LLAMA_124M, ROOT, add_common_args, ds_train, launch, metrics,  # noqa: E402
+from common import (LLAMA_124M, ROOT, add_common_args, ds_train, launch, launch_jobs, metrics,  # noqa: E402
                     run_config, start, tail, write_results)
 from bench import cli  # noqa: E402
 
@@ -63,19 +63,39 @@ def overhead(args, out: Path, model: dict, reduced: bool) -> dict:
             "wall_s": wall}
 
 
-def train(args, out: Path, name: str, model: dict, dtype: str, steps: int, reduced: bool, fresh: bool = True) -> dict:
+def train_config(args, out: Path, name: str, model: dict, dtype: str, steps: int, reduced: bool) -> Path:
     seq, micro = (64, 2) if reduced else (1024, 8)
-    cfg = out / "configs" / f"{name}.yaml"
-    if fresh:
-        cfg = run_config(out, name, model, args.data, seq=seq, micro=micro, global_batch=2 * micro, steps=steps,
-                         dtype=dtype, log_every=max(1, steps // 6), checkpoint={"save_final": True})
+    return run_config(out, name, model, args.data, seq=seq, micro=micro, global_batch=2 * micro, steps=steps,
+                      dtype=dtype, log_every=max(1, steps // 6), checkpoint={"save_final": True})
+
+
+def trained(out: Path, name: str, wall: float, upto: int | None = None) -> dict:
+    return {"wall_s": wall, "losses": {r["step"]: r["train/loss"] for r in metrics(out / "runs" / name)
+                                       if "train/loss" in r and (upto is None or r["step"] <= upto)}}
+
+
+def train(args, out: Path, name: str, steps: int, fresh: bool = True) -> dict:
+    """`ds-train train` of configs/NAME.yaml to `steps` (not fresh: resuming its run)."""
     log = out / "logs" / f"{name}{'' if fresh else '_resume'}.log"
-    rc, wall = launch(ds_train("train", "--config", str(cfg), "--ds-config", DS_CONFIG, f"train.max_steps={steps}"),
-                      log, args.timeout)
+    rc, wall = launch(ds_train("train", "--config", str(out / "configs" / f"{name}.yaml"), "--ds-config", DS_CONFIG,
+                               f"train.max_steps={steps}"), log, args.timeout)
+    return {"error": f"exit {rc}", "log_tail": tail(log)} if rc else trained(out, name, wall)
+
+
+def precision_runs(args, out: Path, model: dict, steps: int, more: int) -> tuple[dict, dict]:
+    """The bf16 and fp32 runs, then bf16's resumed for `more` steps: ({dtype: run}, the resume). Each
+    its own process; --reduced: the three as the jobs of one."""
+    cfgs = {dtype: train_config(args, out, dtype, model, dtype, steps, args.reduced) for dtype in ("bf16", "fp32")}
+    if not args.reduced:
+        runs = {dtype: train(args, out, dtype, steps) for dtype in cfgs}
+        return runs, (train(args, out, "bf16", steps + more, fresh=False) if "losses" in runs["bf16"] else {})
+    rc, wall, log = launch_jobs(out, "precision", [("bf16", cfgs["bf16"], {}), ("fp32", cfgs["fp32"], {}),
+                                                   ("bf16_resume", cfgs["bf16"], {"max_steps": steps + more})],
+                                DS_CONFIG, args.timeout)
     if rc:
-        return {"error": f"exit {rc}", "log_tail": tail(log)}
-    losses = {r["step"]: r["train/loss"] for r in metrics(out / "runs" / name) if "train/loss" in r}
-    return {"wall_s": wall, "losses": losses}
+        failed = {"error": f"exit {rc}", "log_tail": tail(log)}
+        return {dtype: failed for dtype in cfgs}, failed
+    return {dtype: trained(out, dtype, wall, upto=steps) for dtype in cfgs}, trained(out, "bf16", wall)
 
 
 def main(argv=None) -> int:
@@ -87,7 +107,7 @@ def main(argv=None) -> int:
     res["overhead"] = overhead(args, out, model, args.reduced)
     print(f"overhead: {res['overhead'].get('median_ratio', res['overhead'].get('error'))}", flush=True)
 
-    runs = {dtype: train(args, out, dtype, model, dtype, steps, args.reduced) for dtype in ("bf16", "fp32")}
+    runs, resumed = precision_runs(args, out, model, steps, 2 if args.reduced else 10)
     if all("losses" in r for r in runs.values()):
         b, f = runs["bf16"]["losses"], runs["fp32"]["losses"]
         rel = {s: abs(b[s] - f[s]) / abs(f[s]) for s in sorted(set(b) & set(f))}
@@ -101,8 +121,6 @@ def main(argv=None) -> int:
 
     run = out / "runs" / "bf16"
     if "losses" in runs["bf16"]:
-        resumed = train(args, out, "bf16", model, "bf16", steps + (2 if args.reduced else 10), args.reduced,
-                        fresh=False)
         tags = sorted((run / "checkpoints").glob("step_*"))
         size = sum(p.stat().st_size for p in tags[0].rglob("*") if p.is_file()) if tags else 0
         res["checkpoint"] = {"save_s": seconds_in_log(run, "saved"), "load_s": seconds_in_log(run, "loaded"),
