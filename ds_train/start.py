@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from ds_train import dist
-from ds_train.checkpoint.checkpointer import Checkpointer
+from ds_train.checkpoint.checkpointer import Checkpointer, SaveHooks, SaveSite
 from ds_train.checkpoint.commit import run_record
 from ds_train.checkpoint.consensus import agree
 from ds_train.checkpoint.export import export, save_hf_metadata
@@ -304,11 +304,12 @@ def _build_checkpointer(inputs: RunInputs, env: DistEnv, spec: RunSpec, checked:
                         inputs.data_id())
     ranks_here = env.local_world_size if storage == NODE_LOCAL else env.world_size
     needed = checkpoint_bytes(model.n_params, stage, checked.dtype, env.world_size, ranks_here, model.trainable)
-    return Checkpointer(engine, checked.paths.checkpoints, cfg.checkpoint, spec.last, env.rank, env.world_size,
-                        record, stop, rank_log, spec.unit, writer=agreed.writer, seq=agreed.decision.next_seq,
-                        needed_bytes=needed, where=f" (node {env.node_rank}, {host})", beat=heartbeat.beat,
-                        grace=kill_grace(launchers, os.environ), say=say,
-                        channel=dist.side_channel(env) if cfg.checkpoint.async_save else None)
+    site = SaveSite(checked.paths.checkpoints, env.rank, env.world_size, writer=agreed.writer,
+                    where=f" (node {env.node_rank}, {host})",
+                    channel=dist.side_channel(env) if cfg.checkpoint.async_save else None)
+    hooks = SaveHooks(stop, rank_log, beat=heartbeat.beat, say=say, grace=kill_grace(launchers, os.environ))
+    return Checkpointer(cfg.checkpoint, engine, site, hooks, last=spec.last, record=record, unit=spec.unit,
+                        seq=agreed.decision.next_seq, needed_bytes=needed)
 
 
 def _say_setup(say, rank_log, cfg: RunConfig, env: DistEnv, checked: _Checked, agreed: _Agreed, model: _Model,

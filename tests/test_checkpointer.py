@@ -41,7 +41,8 @@ def recorder(every=0, save_final=True, signum=0, async_save=False):
     from ds_train.config import CheckpointConfig
 
     cfg = CheckpointConfig(every=every, save_final=save_final, async_save=async_save)
-    c = _Recorder(None, ROOT / "checkpoints", cfg, 10, 0, 1, {}, _Stop(signum), None, unit="iteration")
+    c = _Recorder(cfg, None, checkpointer.SaveSite(ROOT / "checkpoints"), checkpointer.SaveHooks(_Stop(signum), None),
+                  last=10, record={}, unit="iteration")
     c.saved = []
     return c
 

@@ -10,8 +10,9 @@ import os
 import re
 import shutil
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 from ds_train import dist
 from ds_train.checkpoint.asyncsave import Abandoned, BackgroundSave
@@ -37,6 +38,33 @@ def grace_warning(save_s: float, grace: tuple[str, float] | None) -> str | None:
             f"slurm --signal-lead; ds-train launch passes it to every rank), or save a smaller state")
 
 
+@dataclass(frozen=True)
+class SaveSite:
+    """Where and as whom this rank saves: the run's checkpoint directory, its rank of `world`, whether
+    it writes what a tag shares (the marker, `latest`; None: rank 0), how a failed save's line names
+    it (" (node 0, host)"), and the rendezvous store where background saves meet (None: one process)."""
+
+    ckpt_dir: Path
+    rank: int = 0
+    world: int = 1
+    writer: bool | None = None
+    where: str = ""
+    channel: Any = None
+
+
+@dataclass(frozen=True)
+class SaveHooks:
+    """What the checkpointer uses of the run: the stop every rank agreed on (`stop.agreed()`), the
+    rank's log, the heartbeat (the stop agreement is a collective, a save is long I/O), rank 0's
+    `say`, and the launcher's grace between a stop's SIGTERM and its SIGKILL (who, seconds)."""
+
+    stop: Any
+    log: Any
+    beat: Callable[[int, str], None] = lambda step, phase: None
+    say: Callable[[str], None] = lambda line: None
+    grace: tuple[str, float] | None = None
+
+
 class Checkpointer:
     """Decides at each step boundary whether the step is its: every `checkpoint.every` steps, the
     last step (`checkpoint.save_final`), or a SIGTERM / SIGINT that every rank agreed on, after
@@ -45,19 +73,17 @@ class Checkpointer:
     writers compare their free space with the predicted size of a tag; a save that fails for
     space or I/O ends the run with one line, `latest` still naming a whole tag."""
 
-    def __init__(self, engine, ckpt_dir: Path, cfg: CheckpointConfig, last: int, rank: int, world: int,
-                 record: dict, stop, log, unit: str = "step", writer: bool | None = None, seq: int = 1,
-                 needed_bytes: int = 0, where: str = "", beat: Callable[[int, str], None] = lambda step, phase: None,
-                 grace: tuple[str, float] | None = None, say: Callable[[str], None] = lambda line: None,
-                 channel=None):
-        self.engine, self.ckpt_dir, self.cfg, self.last = engine, ckpt_dir, cfg, last
-        self.rank, self.world, self.record, self.stop, self.log, self.unit = rank, world, record, stop, log, unit
-        self.writer = rank == 0 if writer is None else writer
-        self.seq, self.needed_bytes, self.where = seq, needed_bytes, where
-        self.fault = save_fault(cfg.debug_fault, rank)
-        self.beat = beat  # the heartbeat: the stop agreement is a collective, a save is long I/O
-        self.grace, self.say = grace, say  # (who, seconds) between a stop's SIGTERM and its SIGKILL
-        self.channel = channel  # the rendezvous store, where background saves meet (None: one process)
+    def __init__(self, cfg: CheckpointConfig, engine, site: SaveSite, hooks: SaveHooks, *, last: int, record: dict,
+                 unit: str = "step", seq: int = 1, needed_bytes: int = 0):
+        """`last`: the last step (or iteration: `unit`); `record`: what every save's marker holds;
+        `seq`: this run's first save number; `needed_bytes`: a tag's predicted size."""
+        self.engine, self.cfg, self.last, self.unit, self.record = engine, cfg, last, unit, record
+        self.ckpt_dir, self.rank, self.world, self.where = site.ckpt_dir, site.rank, site.world, site.where
+        self.writer = site.rank == 0 if site.writer is None else site.writer
+        self.channel = site.channel
+        self.stop, self.log, self.beat, self.say, self.grace = hooks.stop, hooks.log, hooks.beat, hooks.say, hooks.grace
+        self.seq, self.needed_bytes = seq, needed_bytes
+        self.fault = save_fault(cfg.debug_fault, site.rank)
         self.inflight: BackgroundSave | None = None
         self.saved: str | None = None  # the newest tag this run saved whole (its closing line names it)
 
