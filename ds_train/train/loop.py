@@ -71,8 +71,9 @@ def train_loop(run: Run, data: Datasets, start: int, stop: int,
     `reference`: a preference run's (its steps are preference_step's)."""
     c, last = run.cfg, run.cfg.train.max_steps
     clock = ComputeClock(run.engine.device.type == "cuda")
-    meter = StepMeter(run, Interval(c.log.every, last), clock)
-    evaluator = Evaluator(run, data.val, Interval(c.train.eval_every, last), reference and reference.val)
+    meter = StepMeter(run, Interval(c.log.every, last), clock, c.watchdog.straggler_ratio)
+    evaluator = Evaluator(run, data.val, Interval(c.train.eval_every, last), c.train, c.dpo,
+                          reference and reference.val)
     summary: dict[str, Any] = {}
     with run.progress(start) as progress:
         for step in range(start + 1, stop + 1):

@@ -12,6 +12,7 @@ import time
 
 from ds_train import dist
 from ds_train.data.datasets import eval_micro_batches, sequence_shard
+from ds_train.config import DpoConfig, TrainConfig
 from ds_train.observe.metrics import Interval, memory_gib, mfu
 from ds_train.observe.reports import stragglers
 from ds_train.run import Run
@@ -61,8 +62,8 @@ class StepMeter:
     of every rank's compute time per step; a rank above watchdog.straggler_ratio x the median is
     reported). Empty on other steps."""
 
-    def __init__(self, run: Run, interval: Interval, clock: ComputeClock):
-        self.run, self.interval, self.clock = run, interval, clock
+    def __init__(self, run: Run, interval: Interval, clock: ComputeClock, straggler_ratio: float):
+        self.run, self.interval, self.clock, self.straggler_ratio = run, interval, clock, straggler_ratio
         self.window_start, self.window_steps = time.perf_counter(), 0
         self.warm = False  # the first window holds one-time costs (allocations, kernel choice)
 
@@ -101,7 +102,7 @@ class StepMeter:
         gpu_gib, rss_gib = memory_gib(run.engine.device.type)
         ranks = dist.all_gather_floats([self.clock.read() / self.window_steps, gpu_gib, rss_gib])
         times, gpu, rss = ([r[i] for r in ranks] for i in range(3))
-        slowest, ratio, median, slow = stragglers(times, run.cfg.watchdog.straggler_ratio)
+        slowest, ratio, median, slow = stragglers(times, self.straggler_ratio)
         if slow and self.warm:
             line = f"step {step}: straggler: " + "; ".join(
                 f"{run.where(r)} takes {times[r] / median:.2f}x the median compute time per step of the other "
@@ -116,10 +117,13 @@ class StepMeter:
 class Evaluator:
     """Token-weighted validation loss over a fixed set of the val split, exact across ranks; for
     preference data (`reference_logps`: the reference's, for val batches) the mean pair loss and
-    the rewards of held-out pairs."""
+    the rewards of held-out pairs. `train`: the train section (eval_batches, loss_tile_tokens); `dpo`:
+    the dpo section (preference data)."""
 
-    def __init__(self, run: Run, val, interval: Interval, reference_logps=None):
+    def __init__(self, run: Run, val, interval: Interval, train: TrainConfig, dpo: DpoConfig,
+                 reference_logps=None):
         self.run, self.val, self.interval, self.reference_logps = run, val, interval, reference_logps
+        self.batches, self.tile_tokens, self.dpo = train.eval_batches, train.loss_tile_tokens, dpo
 
     def maybe_evaluate(self, step: int) -> dict[str, float]:
         return self.evaluate(step) if step in self.interval else {}
@@ -133,11 +137,11 @@ class Evaluator:
             return self.evaluate_pairs(step)
         loss, count = 0.0, 0
         with torch.no_grad():
-            for batch in eval_micro_batches(self.val, run.cfg.train.eval_batches, run.plan.micro_batch_size,
+            for batch in eval_micro_batches(self.val, self.batches, run.plan.micro_batch_size,
                                             run.data_rank, run.dims.data):
                 run.beat(step, "eval")
                 loss_sum, n = forward_loss(engine, sequence_shard(batch, run.sequence_rank, run.dims.sequence),
-                                           run.cfg.train.loss_tile_tokens)
+                                           self.tile_tokens)
                 loss, count = loss + float(loss_sum), count + n
         engine.train()
         mean = token_mean(loss, count, run.token_group)
@@ -149,10 +153,10 @@ class Evaluator:
         run, engine = self.run, self.run.engine
         sums, pairs = {}, 0
         with torch.no_grad():
-            for batch in eval_micro_batches(self.val, run.cfg.train.eval_batches, run.plan.micro_batch_size,
+            for batch in eval_micro_batches(self.val, self.batches, run.plan.micro_batch_size,
                                             run.data_rank, run.dims.data):
                 run.beat(step, "eval")
-                _, part = pair_losses(engine, batch, self.reference_logps, run.cfg.dpo)
+                _, part = pair_losses(engine, batch, self.reference_logps, self.dpo)
                 sums = {k: sums.get(k, 0.0) + v for k, v in part.items()}
                 pairs += len(batch.pairs)
         engine.train()
