@@ -56,6 +56,7 @@ class Way:
     run: str = "{cmd}"  # what runs in the checkout ({cmd}: the documented command); "": nothing
     phase: int = 0  # 0: in reading order; CLUSTER_CHECKS: after those, with the loopback cluster up; LAST
     expect: tuple[str, ...] = ()  # lines its output must hold, beyond exit 0 (the launch's own test, shared)
+    expect_files: tuple[tuple[str, str], ...] = ()  # (a file of the checkout, text it holds after the step)
 
     def command(self, doc: Documented) -> str:
         return self.run.replace("{cmd}", doc.text)
@@ -80,15 +81,23 @@ WAYS = [
                "ds_configs/zero2.json train.max_steps=50 optim.lr=1e-3"), REDUCED,
         "resumes the quickstart's run and trains to step 3", f"{{cmd}} train.max_steps=3 {LEAN}"),
     Way(_exact("torchrun --nproc_per_node 2 -m ds_train train --config recipes/quickstart.yaml --ds-config "
-               "ds_configs/zero2.json"), REDUCED, "resumes it under torchrun, to step 4",
-        f"{{cmd}} train.max_steps=4 {LEAN}"),
+               "ds_configs/zero2.json"), REDUCED, "resumes it under torchrun, to step 4 (the run knows its launcher)",
+        f"{{cmd}} train.max_steps=4 {LEAN}",
+        expect=("resumed from runs/quickstart/checkpoints/step_00000003 at step 3",),
+        expect_files=(("runs/quickstart/env.json", '"launcher": "torchrun"'),
+                      ("runs/quickstart/env.json", '"world_size": 2'))),
     Way(_exact("python -m torch.distributed.launch --nproc_per_node 2 --module ds_train train --config ... "
                "--ds-config ..."), CHECKED,
         "placeholder arguments: the older launcher starts 2 ranks, which parse its --local-rank and print "
         "train's --help", "python -m torch.distributed.launch --nproc_per_node 2 --module ds_train train --help"),
     Way(_exact("ds-train train --config recipes/quickstart.yaml --ds-config ds_configs/zero2.json"), REDUCED,
-        "one process: resumes the 2-process checkpoint through the universal conversion, to step 5",
-        f"{{cmd}} train.max_steps=5 {LEAN}"),
+        "one process: resumes the 2-process checkpoint through the universal conversion, to step 5 (the "
+        "numbers after such a conversion: tests/test_checkpoint.py's tensor-parallel resumes)",
+        f"{{cmd}} train.max_steps=5 {LEAN}",
+        expect=("world size 2 -> 1, ZeRO stage 2 -> 2: loading through DeepSpeed's universal checkpoint "
+                "step_00000004_universal", "resumed from runs/quickstart/checkpoints/step_00000004 at step 4"),
+        expect_files=(("runs/quickstart/env.json", '"launcher": "single"'),
+                      ("runs/quickstart/checkpoints/step_00000004_universal/zero", ""))),
     Way(_exact("ds-train parity --config recipes/sft.yaml --ds-config ds_configs/zero3.json --nproc 2 --shrink"),
         REDUCED, "2 steps instead of 5: the quickstart's model shrunk, a 1-process ZeRO-0 reference and ZeRO-3 on 2 "
         "processes, each step within tolerance", "{cmd} --steps 2",
@@ -391,6 +400,11 @@ def test_the_documented_commands_run_in_a_fresh_checkout(tmp_path):
                 assert "launch: preflight ok on " in out, out[-3000:]
             missing = [line for line in step.way.expect if line not in out]
             assert not missing, f"{step.docs[0].where}: `{step.command}` did not print {missing}:\n{out[-4000:]}"
+            for name, text in step.way.expect_files:
+                path = root / name
+                assert path.is_dir() if not text else text in path.read_text(), (
+                    f"{step.docs[0].where}: after `{step.command}`, {name} " + (f"lacks {text!r}" if text else
+                                                                                "is not a directory"))
     finally:
         subprocess.run(["bash", "scripts/local_cluster.sh", "down"], cwd=root, env=env, capture_output=True,
                        timeout=60)

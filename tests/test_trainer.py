@@ -1,4 +1,5 @@
-"""The trainer through the real launchers: deepspeed (ZeRO 0-3, offload), torchrun, one process."""
+"""The trainer through the real launchers: deepspeed (ZeRO 0-3, offload) and one process (torchrun: the
+README's own torchrun command, run by tests/test_doc_commands.py, which checks the run knows its launcher)."""
 
 from __future__ import annotations
 
@@ -141,15 +142,6 @@ def test_offload_configs_run_on_the_cpu(ds_config, tiny_data, tmp_path):
     assert_trained(res, tmp_path / "run")
     ds = json.loads((tmp_path / "run" / "ds_config.json").read_text())
     assert ds["zero_optimization"]["offload_optimizer"]["device"] == "cpu"
-
-
-def test_torchrun_form(tiny_data, tmp_path):
-    cfg = write_config(tmp_path / "run.yaml", tiny_config(tiny_data, tmp_path / "run"))
-    res = run_cmd([str(BIN / "torchrun"), "--nproc_per_node", "2", "--master_port", str(free_port()),
-                   "-m", "ds_train", "train", "--config", str(cfg),
-                   "--ds-config", str(ROOT / "ds_configs" / "zero2.json")])
-    assert_trained(res, tmp_path / "run")
-    assert json.loads((tmp_path / "run" / "env.json").read_text())["launcher"] == "torchrun"
 
 
 def test_single_process_form_with_eval_sample_and_checkpoint(tiny_data, tmp_path):
