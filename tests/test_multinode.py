@@ -218,62 +218,68 @@ def test_unreachable_host_is_named_within_30s(cluster, tiny_data, tmp_path):
     assert not (tmp_path / "run").exists()
 
 
-def test_a_traceback_on_node1_is_in_its_log_and_the_last_line_names_it(cluster, tiny_data, tmp_path):
-    """Rank 1 on node 1 raises at step 3: its traceback is in node 1's logs/rank_1.log (timestamped,
-    host and rank), and the job's last line names rank 1, node 1, the phase, the step and the
-    error, not the connection errors the other rank gets after it."""
-    config = write_config(tmp_path / "run.yaml", tiny_config(tiny_data, tmp_path / "run", train={"max_steps": 50}))
-    res = run_cmd(launch_args(cluster["hostfile"], config, "--master_port", str(free_port()),
-                              overrides=("watchdog.debug_fault=raise:1:3",)), timeout=180, env=cluster["env"])
+def assert_traceback_on_node1_named(res, run: Path, step: int) -> None:
+    """Rank 1 on node 1 raised at `step`: its traceback is in node 1's logs/rank_1.log (timestamped,
+    host and rank), and the job's last line names rank 1, node 1, the phase, the step and the error,
+    not the connection errors the other rank gets after it; the doctor names the raise, not its echo."""
     assert res.returncode == 1, res.out[-4000:]
-    _assert_nothing_left(str(config))
     host = socket.gethostname()
     last = res.out.strip().splitlines()[-1]
     assert last.startswith(f"ds-train: error: rank 1 on node 1 (127.0.0.3, host {host}) failed first, in phase data of "
-                           f"step 3: RuntimeError: injected failure on rank 1 at step 3 (watchdog.debug_fault); its log "
-                           f"({host}:{tmp_path / 'run' / 'logs' / 'rank_1.log'}) ends: "), last
-    log1 = (tmp_path / "run" / "logs" / "rank_1.log").read_text()
+                           f"step {step}: RuntimeError: injected failure on rank 1 at step {step} "
+                           f"(watchdog.debug_fault); its log ({host}:{run / 'logs' / 'rank_1.log'}) ends: "), last
+    log1 = (run / "logs" / "rank_1.log").read_text()
     # (torch prefixes the lines of an uncaught exception with the rank, "[rank1]: ")
     assert re.search(rf"^\S+ \S+ {host} rank1 err: (\[rank1\]: )?Traceback \(most recent call last\):$", log1, re.M), \
         log1[-2000:]
-    assert re.search(rf"^\S+ \S+ {host} rank1 err: (\[rank1\]: )?RuntimeError: injected failure on rank 1 at step 3",
-                     log1, re.M)
-    failure = json.loads((tmp_path / "run" / "logs" / "failure.json").read_text())
+    assert re.search(rf"^\S+ \S+ {host} rank1 err: (\[rank1\]: )?RuntimeError: injected failure on rank 1 at step "
+                     rf"{step}", log1, re.M)
+    failure = json.loads((run / "logs" / "failure.json").read_text())
     assert failure["first"]["rank"] == 1 and failure["first"]["primary"] and failure["first"]["addr"] == "127.0.0.3"
-    found = diagnose(str(tmp_path / "run"))  # the doctor on this live failure names the raise, not its echo
+    found = diagnose(str(run))  # the doctor on this live failure
     assert found[0].cls == "rank_error" and found[0].where == "rank 1 on 127.0.0.3", found
-    assert any("injected failure on rank 1 at step 3" in e for e in found[0].evidence), found[0].evidence
+    assert any(f"injected failure on rank 1 at step {step}" in e for e in found[0].evidence), found[0].evidence
 
 
-def test_rank_0_killed_on_node0_then_rank_1_on_node1_each_named_and_each_resume_is_exact(cluster, straight_run,
-                                                                                         tiny_data, tmp_path):
-    """SIGKILL (as the OOM killer sends) of rank 0 on node 0 at step 3 (it serves the rendezvous store:
-    the second store, on node 1, carries the verdict), then, in the resumed job, of rank 1 on node 1 at
-    step 5: each time the other rank loses the connection and says one line, no traceback, naming the
-    killed rank, its node and host, SIGKILL and the step; failure.json says the same; the newest save
-    is whole, and the same command resumes from it through pdsh, to the straight run's losses, bitwise."""
+def assert_killed_rank_named(res, run: Path, rank: int, step: int) -> None:
+    """SIGKILL of `rank` at `step`: the other rank loses the connection and says one line, no
+    traceback, naming the killed rank, its node and host, SIGKILL and the step; failure.json too."""
+    assert res.returncode != 0, res.out[-4000:]
+    assert "Traceback" not in res.out, res.out[-4000:]
+    host = socket.gethostname()
+    last = res.out.strip().splitlines()[-1]
+    assert last.startswith(f"ds-train: error: rank {rank} on node {rank} ({NODES[rank]}, host {host}) was killed "
+                           f"by SIGKILL in step {step}"), res.out[-3000:]
+    assert f"then rank {1 - rank} lost the connection" in last, last
+    failure = json.loads((run / "logs" / "failure.json").read_text())
+    assert (failure["rank"], failure["signal"], failure["step"], failure["first"]["addr"]) == (
+        rank, "SIGKILL", step, NODES[rank])
+
+
+def test_ranks_killed_or_raising_on_either_node_are_named_and_each_resume_is_exact(cluster, straight_run, tiny_data,
+                                                                                   tmp_path):
+    """One job through pdsh, stopped three times and resumed each time by the same command: SIGKILL
+    (as the OOM killer sends) of rank 0 on node 0 at step 3 (it serves the rendezvous store: the
+    second store, on node 1, carries the verdict); an exception on rank 1 on node 1 at step 5; SIGKILL
+    of rank 1 on node 1 at step 7. Each end is named (assert_killed_rank_named,
+    assert_traceback_on_node1_named), the newest save is whole, each start resumes from it, and the
+    last finishes with the straight run's losses, bitwise."""
     run = tmp_path / "run"
     config = write_config(tmp_path / "run.yaml", tiny_config(tiny_data, run, train={"max_steps": 12},
                                                              checkpoint={"every": 2},
                                                              watchdog={"stall_s": 30, "heartbeat_s": 0.5}))
-    host = socket.gethostname()
     resumed_at = None
-    for rank, step in ((0, 3), (1, 5)):
+    for fault, rank, step in (("kill", 0, 3), ("raise", 1, 5), ("kill", 1, 7)):
         res = run_cmd(launch_args(cluster["hostfile"], config, "--master_port", str(free_port()),
-                                  overrides=(f"watchdog.debug_fault=kill:{rank}:{step}",)), timeout=180,
+                                  overrides=(f"watchdog.debug_fault={fault}:{rank}:{step}",)), timeout=180,
                       env=cluster["env"])
-        assert res.returncode != 0, res.out[-4000:]
         _assert_nothing_left(str(config))
-        assert "Traceback" not in res.out, res.out[-4000:]
         if resumed_at:
             assert f"resumed from {run / 'checkpoints' / resumed_at} at step {int(resumed_at[5:])}" in res.out
-        last = res.out.strip().splitlines()[-1]
-        assert last.startswith(f"ds-train: error: rank {rank} on node {rank} ({NODES[rank]}, host {host}) was killed "
-                               f"by SIGKILL in step {step}"), res.out[-3000:]
-        assert f"then rank {1 - rank} lost the connection" in last, last
-        failure = json.loads((run / "logs" / "failure.json").read_text())
-        assert (failure["rank"], failure["signal"], failure["step"], failure["first"]["addr"]) == (
-            rank, "SIGKILL", step, NODES[rank])
+        if fault == "kill":
+            assert_killed_rank_named(res, run, rank, step)
+        else:
+            assert_traceback_on_node1_named(res, run, step)
         resumed_at = checkpoint.latest_complete(run / "checkpoints")
         assert resumed_at == checkpoint.tag_for(step - 1)
 
@@ -281,7 +287,7 @@ def test_rank_0_killed_on_node0_then_rank_1_on_node1_each_named_and_each_resume_
                   env=cluster["env"])
     assert res.returncode == 0, res.out[-4000:]
     _assert_nothing_left(str(config))
-    assert f"resumed from {run / 'checkpoints' / 'step_00000004'} at step 4" in res.out
+    assert f"resumed from {run / 'checkpoints' / 'step_00000006'} at step 6" in res.out
     losses = losses_by_step(run)
     assert sorted(losses) == list(range(1, 13)) and [losses[s] for s in range(3, 13)] == [
         straight_run[s] for s in range(3, 13)]
