@@ -10,10 +10,11 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 py=.venv/bin/python
-"$py" -c 'import sys, torch; sys.exit(torch.version.cuda is not None or torch.version.hip is not None)' 2>/dev/null || exit 0
+"$py" -c 'import sys, torch
+sys.exit(torch.version.cuda is not None or torch.version.hip is not None)' >/dev/null 2>&1 || exit 0
 version=$("$py" -c 'import importlib.metadata as m; print(m.version("deepspeed"))')
 if "$py" -c 'import sys; from deepspeed.git_version_info import installed_ops as o
-sys.exit(not (o.get("deepspeed_shm_comm") and o.get("cpu_adam")))' 2>/dev/null; then
+sys.exit(not (o.get("deepspeed_shm_comm") and o.get("cpu_adam")))' >/dev/null 2>&1; then
   exit 0  # installed with them already
 fi
 key=$("$py" -c 'import hashlib, importlib.metadata as m, sys
@@ -34,8 +35,8 @@ if [ -z "$wheel" ]; then
   fi
   mkdir -p "$wheels"
   built=$(ls "$tmp"/deepspeed-*.whl)
-  mv "$built" "$wheels/$(basename "$built").part" && mv "$wheels/$(basename "$built").part" "$wheels/$(basename "$built")"
-  rm -rf "$tmp"
   wheel="$wheels/$(basename "$built")"
+  mv "$built" "$wheel.part" && mv "$wheel.part" "$wheel"  # whole or absent, for a setup beside this one
+  rm -rf "$tmp"
 fi
 "$py" -m pip install --no-deps --force-reinstall "$wheel" >> .venv/pip.log 2>&1
