@@ -31,9 +31,8 @@ from ds_train.ript.update import update
 
 @dataclass
 class UpdateRun:
-    """What update() reads of a run: the real config, plan, engine, tokenizer and guard."""
+    """What update() reads of a run: the real plan, engine, tokenizer and guard (its config is given)."""
 
-    cfg: Any
     plan: Any
     engine: Any
     tokenizer: Any
@@ -66,12 +65,12 @@ ds = {"train_batch_size": plan.global_batch_size, "train_micro_batch_size_per_gp
       "optimizer": {"type": "SGD", "params": {"lr": spec["lr"]}}, "zero_allow_untested_optimizer": True,
       "zero_optimization": {"stage": 2}, "steps_per_print": 10 ** 9}
 engine = initialize(AutoModelForCausalLM.from_pretrained(policy), ds)
-run = UpdateRun(cfg, plan, engine, AutoTokenizer.from_pretrained(policy), env,
+run = UpdateRun(plan, engine, AutoTokenizer.from_pretrained(policy), env,
                 NonFiniteGuard("skip", 1, logging.getLogger("probe")))
 results = {}
 for it, mode in enumerate(spec["modes"], 1):  # one engine: each mode's update starts where the last one ended
-    run.cfg = config(mode)
-    stats = update(run, groups, iteration=it, max_tokens=spec["max_tokens"])
+    cfg = config(mode)
+    stats = update(run, cfg.ript, groups, iteration=it, max_tokens=spec["max_tokens"], seed=cfg.seed)
     summed = PolicyStats.from_vector(dist.all_reduce_sum(stats.vector()))
     results[mode] = {"metrics": summed.metrics(), "plan": [plan.grad_accum_steps, plan.data_parallel_size],
                      "weights": {k: v.detach().clone() for k, v in engine.module.state_dict().items()}}

@@ -197,7 +197,8 @@ def ript_loop(run: Run, job: RiptJob, state: RiptState) -> None:
         for it in range(state.iteration + 1, r.iterations + 1):
             with counts.rollouts():
                 groups = sample(job, act, counts.window, it)
-            counts.policy += update(run, groups, it, job.reference, job.max_tokens)
+            counts.policy += update(run, r, groups, it, job.reference, job.max_tokens, seed=run.cfg.seed,
+                                    poison=it in run.cfg.train.debug_nonfinite_steps)
             state.iteration = it
             metrics = counts.maybe_sync(it, state) | held_out.maybe_evaluate(it, state)
             run.logger.log(metrics, it)

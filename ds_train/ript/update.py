@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from ds_train import dist
+from ds_train.config import RiptConfig
 from ds_train.guard import backward_step
 from ds_train.ript.algorithms import (ADVANTAGES, KL_ESTIMATORS, Norms, PolicyStats, advantages, aggregate,
                                       clipped_policy_loss, overlong_penalty)
@@ -38,9 +39,12 @@ def shaped_rewards(groups: list[list[Episode]], buffer: int, factor: float, max_
                         dtype=torch.float32)
 
 
-def update(run: Run, groups: list[list[Episode]], iteration: int, reference: Reference | None = None,
-           max_tokens: int = 1) -> PolicyStats:
-    """PPO epochs over the accepted rollouts; every rank runs the same number of engine steps.
+def update(run: Run, r: RiptConfig, groups: list[list[Episode]], iteration: int, reference: Reference | None = None,
+           max_tokens: int = 1, seed: int = 0, poison: bool = False) -> PolicyStats:
+    """PPO epochs over the accepted rollouts (`r`: the ript section); every rank runs the same number
+    of engine steps. The run gives the engine, the plan, the tokenizer, the non-finite guard and the
+    heartbeat; `seed` orders the rows (with the iteration, epoch and rank); `poison` (the
+    train.debug_nonfinite_steps fault) makes every optimizer step's gradients non-finite.
 
     The engine averages gradients over data-parallel ranks and accumulation steps, so each
     micro-batch's share of the step's loss is scaled by data-parallel size x accumulation.
@@ -48,23 +52,22 @@ def update(run: Run, groups: list[list[Episode]], iteration: int, reference: Ref
     optimizer step whose gradients are not finite is skipped (the run's non-finite guard counts
     it, and train.nonfinite=stop ends the run). Returns the summed statistics for the log.
     """
-    r, per_step, micro = run.cfg.ript, run.plan.sequences_per_rank, run.plan.micro_batch_size
+    per_step, micro = run.plan.sequences_per_rank, run.plan.micro_batch_size
     rows = [e for g in groups for e in g]
     n_steps = int(dist.all_reduce_max([float(math.ceil(len(rows) / per_step))])[0])
     if n_steps == 0:
         return PolicyStats()
-    ids, mask = _padded(run, rows, n_steps * per_step)
-    orders = [_order(len(rows), len(ids), f"{run.cfg.seed}:{iteration}:{epoch}:{run.env.rank}")
+    ids, mask = _padded(run, rows, n_steps * per_step, r.mask_truncated)
+    orders = [_order(len(rows), len(ids), f"{seed}:{iteration}:{epoch}:{run.env.rank}")
               for epoch in range(r.ppo_epochs)]
     # The policy before the update: the rows of the first optimizer step take it from that step's own
     # forward (no update has happened yet), unless the rewards need it first (kl_in=reward); the
     # others from one no-grad pass now. The reference's, once, for every row.
     first = set() if reference is not None and r.kl_in == "reward" else set(orders[0][:per_step])
     old, ref = _logp_before(run, ids, [i for i in orders[0] if i not in first], reference, iteration)
-    adv = _advantages(run, groups, len(rows), old, ref, mask)
+    adv = _advantages(r, groups, len(rows), old, ref, mask)
     batch = _Batch(ids, mask, old, ref, adv, first)
     stats = PolicyStats()
-    poison = iteration in run.cfg.train.debug_nonfinite_steps  # fault injection: every update step skipped
     for epoch, order in enumerate(orders):
         steps = [mask[order[s * per_step:(s + 1) * per_step]] for s in range(n_steps)]
         counts = dist.all_reduce_sum([v for m in steps for v in (float(m.sum()), float((m.sum(-1) > 0).sum()))],
@@ -75,7 +78,7 @@ def update(run: Run, groups: list[list[Episode]], iteration: int, reference: Ref
             for m in range(run.plan.grad_accum_steps):
                 run.beat(iteration, "update")
                 idx = order[s * per_step + m * micro: s * per_step + (m + 1) * micro]
-                stats += _micro_step(run, batch, idx, epoch == 0, norms, m == 0, poison)
+                stats += _micro_step(run, r, batch, idx, epoch == 0, norms, m == 0, poison)
             run.guard.observe(f"iteration {iteration}", run.engine.skipped_steps > skipped_before)
     return stats
 
@@ -92,15 +95,16 @@ class _Batch:
     first: set[int]  # rows whose `old` the first optimizer step's own forward fills in
 
 
-def _padded(run: Run, rows: list[Episode], n: int):
+def _padded(run: Run, rows: list[Episode], n: int, mask_truncated: bool):
     """The rows' token ids and their action mask, right-padded to the longest row of every rank and
-    to `n` rows (causal attention never looks at the padding)."""
+    to `n` rows (causal attention never looks at the padding); a truncated row trains nothing when
+    `mask_truncated`."""
     width = int(dist.all_reduce_max([float(max((len(e.ids) for e in rows), default=2))])[0])
     ids = torch.full((n, width), run.tokenizer.eos_token_id, dtype=torch.long)
     mask = torch.zeros((n, width - 1))
     for i, e in enumerate(rows):
         ids[i, :len(e.ids)] = torch.tensor(e.ids)
-        if not (run.cfg.ript.mask_truncated and e.truncated):
+        if not (mask_truncated and e.truncated):
             mask[i, :len(e.ids) - 1] = torch.tensor(e.action_mask[1:], dtype=torch.float)
     return ids.to(run.engine.device), mask
 
@@ -123,10 +127,9 @@ def _logp_before(run: Run, ids, later: list[int], reference: Reference | None, i
     return old, ref
 
 
-def _advantages(run: Run, groups: list[list[Episode]], n_rows: int, old, ref, mask):
+def _advantages(r: RiptConfig, groups: list[list[Episode]], n_rows: int, old, ref, mask):
     """[n]: the advantage of each row (ript.advantage) from its shaped reward, less kl_coef x its
     summed KL with kl_in=reward; 0 on the padding."""
-    r = run.cfg.ript
     adv = torch.zeros(len(mask))
     if groups:
         rewards = shaped_rewards(groups, r.overlong_buffer, r.overlong_penalty, r.max_new_tokens)
@@ -143,11 +146,11 @@ def _advantages(run: Run, groups: list[list[Episode]], n_rows: int, old, ref, ma
     return adv
 
 
-def _micro_step(run: Run, batch: _Batch, idx: list[int], first_epoch: bool, norms: Norms, first_micro: bool,
-                poison: bool) -> PolicyStats:
+def _micro_step(run: Run, r: RiptConfig, batch: _Batch, idx: list[int], first_epoch: bool, norms: Norms,
+                first_micro: bool, poison: bool) -> PolicyStats:
     """One micro-batch's clipped policy loss (and KL term), backward, and the engine's step; its
     statistics."""
-    r, plan, engine = run.cfg.ript, run.plan, run.engine
+    plan, engine = run.plan, run.engine
     scale = plan.data_parallel_size * plan.grad_accum_steps
     logp = _token_logp(engine, batch.ids[idx])
     if first_epoch and idx and idx[0] in batch.first:
