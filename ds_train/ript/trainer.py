@@ -34,7 +34,7 @@ from ds_train.ript.tasks import load_object
 from ds_train.ript.update import update
 from ds_train.run import Run, RunSpec
 from ds_train.start import build_run
-from ds_train.train.reference import build_reference, report_reference
+from ds_train.train.reference import ReferenceSpec, build_reference, report_reference
 
 
 def ript_spec(cfg: RunConfig) -> RunSpec:
@@ -156,7 +156,7 @@ def ript(cfg: RunConfig, ds_config_path: str) -> dict:
         sampler = ContextSampler([inputs.tasks[n] for n in inputs.shards[run.data_rank]], r.train_contexts,
                                  cfg.seed, r.skip_solved, r.retest_after, r.task_weighting)
         job = RiptJob(run, inputs.tasks, inputs.shards, sampler, inputs.scripted,
-                      reference=build_reference(run, run.weights) if r.kl_coef else None)
+                      reference=build_reference(run, ReferenceSpec.of(cfg), run.weights) if r.kl_coef else None)
         run.say(format_shards(inputs.shards, RiptInputs.costs(cfg, inputs.tasks)))
         run.say(f"K={r.rloo_batch_size}; quota {r.contexts_per_rank} contexts per rank; policy "
                 f"{r.policy or cfg.model.path}; {describe_algorithm(cfg)}")

@@ -30,7 +30,7 @@ from ds_train.start import build_run
 from ds_train.train.losses import forward_loss
 from ds_train.train.meters import ComputeClock, Evaluator, StepMeter
 from ds_train.train.preference import preference_step
-from ds_train.train.reference import PairReference, preference_reference
+from ds_train.train.reference import PairReference, ReferenceSpec, preference_reference
 
 
 def train_spec(cfg: RunConfig, keep_group: bool = False) -> RunSpec:
@@ -60,7 +60,8 @@ def run_training(run: Run, data: Datasets) -> dict:
         run.say_outcome(f"nothing to do, already trained to step {start} >= train.max_steps={cfg.train.max_steps} "
                         f"(raise train.max_steps to continue, or set another output_dir)")
         return {"steps": start, "run_dir": str(run.run_dir.resolve())}
-    reference = preference_reference(run, data, start) if isinstance(data.train, PreferenceData) else None
+    preference = isinstance(data.train, PreferenceData)
+    reference = preference_reference(run, ReferenceSpec.of(cfg), data, start) if preference else None
     metrics = train_loop(run, data, start, cfg.train.max_steps, reference)
     return finish(run, metrics)
 

@@ -30,6 +30,7 @@ from typing import Any, Callable
 import numpy as np
 
 from ds_train import dist
+from ds_train.config.model import ModelConfig
 from ds_train.data.datasets import Datasets
 from ds_train.data.meta import read_meta_json
 from ds_train.data.pairs import PairBatch
@@ -86,21 +87,36 @@ def reference_ds_config(ds_config: dict) -> dict:
     return out
 
 
-def build_reference(run: Run, weights) -> Reference:
+@dataclass(frozen=True)
+class ReferenceSpec:
+    """What the reference depends on in a run's config: the model section, the seed a from-scratch
+    model was built with, the prepared data and how its sequences are cut, and dpo.reference."""
+    model: ModelConfig
+    seed: int
+    data_dir: str
+    seq_len: int
+    overlong: str
+    mode: str  # dpo.reference: live | precomputed
+
+    @classmethod
+    def of(cls, cfg) -> ReferenceSpec:
+        return cls(cfg.model, cfg.seed, cfg.data.dir, cfg.train.seq_len, cfg.data.overlong, cfg.dpo.reference)
+
+
+def build_reference(run: Run, spec: ReferenceSpec, weights) -> Reference:
     """The frozen reference of a run; `weights`: the directory the policy's starting weights were
     loaded from (None: built from model.config with the run's seed, as the policy was)."""
-    cfg = run.cfg
-    if lora_enabled(cfg.model.lora):
+    if lora_enabled(spec.model.lora):
         return Reference(run.engine.module, True, "the base model (the policy with its LoRA adapters off)")
     config = reference_ds_config(run.ds_config)
-    model_cfg = replace(cfg.model, path=str(weights or ""), activation_checkpointing=False, compile=False)
-    built = build_model(model_cfg, run.engine.module.config, config, cfg.seed)
+    model_cfg = replace(spec.model, path=str(weights or ""), activation_checkpointing=False, compile=False)
+    built = build_model(model_cfg, run.engine.module.config, config, spec.seed)
     for p in built.model.parameters():
         p.requires_grad_(False)
     engine = initialize(built.model, config)
     engine.eval()
     zero3 = config["zero_optimization"]["stage"] == 3
-    return Reference(engine, False, f"a frozen copy of {cfg.model.path or 'the starting model'}"
+    return Reference(engine, False, f"a frozen copy of {spec.model.path or 'the starting model'}"
                      + (f", partitioned over {run.env.world_size} ranks (ZeRO-3)" if zero3 else ""))
 
 
@@ -115,22 +131,21 @@ def report_reference(run: Run, reference: Reference | None) -> None:
             if reference else "reference policy: none (ript.kl_coef 0: no reference model is built)")
 
 
-def policy_as_reference(run: Run) -> Reference:
+def policy_as_reference(run: Run, spec: ReferenceSpec) -> Reference:
     """The policy before its first update (under LoRA with its adapters off): the reference itself."""
-    return Reference(run.engine.module, lora_enabled(run.cfg.model.lora), "the policy before its first step")
+    return Reference(run.engine.module, lora_enabled(spec.model.lora), "the policy before its first step")
 
 
-def reference_key(run: Run) -> dict:
+def reference_key(run: Run, spec: ReferenceSpec) -> dict:
     """What the precomputed log-probs depend on: the starting weights, the prepared data (its
     tokenizer included), how sequences are cut, the precision and the attention."""
-    cfg = run.cfg
     weights = fingerprint(weight_files(run.weights)) if run.weights else {
-        "config": cfg.model.config, "seed": cfg.seed, "init": INIT_SCHEME,  # from scratch: the model's own init
+        "config": spec.model.config, "seed": spec.seed, "init": INIT_SCHEME,  # from scratch: the model's own init
         "transformers": version("transformers")}
-    meta = read_meta_json(Path(cfg.data.dir))
+    meta = read_meta_json(Path(spec.data_dir))
     return {"weights": weights, "data": {"fingerprint": meta.get("fingerprint"), "scan": meta.get("scan")},
-            "seq_len": cfg.train.seq_len, "overlong": cfg.data.overlong, "dtype": run.dtype,
-            "attn_implementation": cfg.model.attn_implementation}
+            "seq_len": spec.seq_len, "overlong": spec.overlong, "dtype": run.dtype,
+            "attn_implementation": spec.model.attn_implementation}
 
 
 def _digest(key: dict) -> str:
@@ -153,18 +168,18 @@ class Precomputed:
         return logps
 
 
-def precompute(run: Run, data: Datasets, start: int) -> Precomputed:
+def precompute(run: Run, spec: ReferenceSpec, data: Datasets, start: int) -> Precomputed:
     """The reference log-probs of data.dir's pairs: read from data.dir/reference/ when this model,
     data and settings made them, else computed in one pass (split over the data-parallel ranks, the
     same number of forwards on each) and written there (local rank 0 of each node)."""
-    key = reference_key(run)
-    path = Path(run.cfg.data.dir) / "reference" / f"{_digest(key)}.npz"
+    key = reference_key(run, spec)
+    path = Path(spec.data_dir) / "reference" / f"{_digest(key)}.npz"
     logps = _read(path, data)
     if dist.all_reduce_sum([logps is not None])[0] == run.env.world_size:  # every rank can read it
         run.say(f"reference log-probs: read from {path}")
         return Precomputed(logps, path)
     # Before the first update the policy is the reference; a resumed run builds a frozen copy.
-    reference = policy_as_reference(run) if start == 0 else build_reference(run, run.weights)
+    reference = policy_as_reference(run, spec) if start == 0 else build_reference(run, spec, run.weights)
     run.say(f"reference log-probs: computing them for every pair with {reference.describe} (one pass; "
             f"dpo.reference=precomputed)")
     logps = {split: _one_pass(run, getattr(data, split), reference, start) for split in ("train", "val")}
@@ -223,11 +238,11 @@ class PairReference:
     val: Callable
 
 
-def preference_reference(run: Run, data: Datasets, start: int) -> PairReference:
+def preference_reference(run: Run, spec: ReferenceSpec, data: Datasets, start: int) -> PairReference:
     """dpo.reference: a live frozen copy (LoRA: the base), or the log-probs precomputed once."""
-    if run.cfg.dpo.reference == "live":
-        reference = build_reference(run, run.weights)
+    if spec.mode == "live":
+        reference = build_reference(run, spec, run.weights)
         report_reference(run, reference)
         return PairReference(reference.sequence_logps, reference.sequence_logps)
-    stored = precompute(run, data, start)
+    stored = precompute(run, spec, data, start)
     return PairReference(stored.lookup("train"), stored.lookup("val"))
