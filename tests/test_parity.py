@@ -148,12 +148,15 @@ def assert_matches(run, ref) -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["pretraining", "sft"])
 def test_the_parity_matrix_keeps_the_math(kind, tiny_data, sft_data, straight_zero2, tmp_path):
-    """ZeRO 0/1/2/3 x accumulation 1 and 4 x data-parallel 1 and 2 against the one-process fp32
+    """ZeRO stages x accumulation 1 and 4 x data-parallel 1 and 2 against the one-process fp32
     ZeRO-0 reference, 5 steps each: loss within 1e-5 and gradient norm within 1e-4 (relative), the
-    held-out loss too. Two launches (one per world size, its 8 layouts in turn) and one reference.
-    Pretraining continues a ds_train run (model.path: its weights, exported once for every run, and
-    loaded partitioned under ZeRO-3); SFT trains from scratch on assistant-only targets."""
+    held-out loss too. Two launches (one per world size, its layouts in turn) and one reference.
+    SFT trains from scratch on assistant-only targets (unequal target counts a rank), under ZeRO
+    0/1/2/3: each stage's partitioning of the optimizer, gradients and weights. Pretraining continues
+    a ds_train run (model.path: its weights, exported once for every run) under ZeRO-0, where they
+    load whole (as under ZeRO-1 and 2), and ZeRO-3, where they load partitioned."""
     data = {"pretraining": tiny_data, "sft": sft_data}[kind]
+    stages = (0, 1, 2, 3) if kind == "sft" else (0, 3)
     model = {"path": str(straight_zero2), "config": {}} if kind == "pretraining" else {}
     # continued pretraining at a tenth of the from-scratch lr (at 1e-2 its 5 steps overshoot: the loss rose)
     optim = {"lr": 1e-3} if kind == "pretraining" else {}
@@ -162,17 +165,18 @@ def test_the_parity_matrix_keeps_the_math(kind, tiny_data, sft_data, straight_ze
         data={"dir": str(data), "format": "text" if kind == "pretraining" else "sft"}, optim=optim,
         **({"model": model} if model else {})))
     out = tmp_path / "parity"
-    res = ds_train("parity", "--config", str(cfg), "--ds-config", *STAGES, "--nproc", "1", "2",
-                   "--grad-accum", "1", "4", "--steps", str(STEPS), "--out", str(out), timeout=900)
+    res = ds_train("parity", "--config", str(cfg), "--ds-config", *(STAGES[s] for s in stages), "--nproc", "1",
+                   "2", "--grad-accum", "1", "4", "--steps", str(STEPS), "--out", str(out), timeout=900)
     assert res.returncode == 0, res.out[-6000:]
-    assert "verdict: PASS: 16 of 16 layout(s) within tolerance of the reference over 5 steps" in res.out
+    n = 4 * len(stages)
+    assert f"verdict: PASS: {n} of {n} layout(s) within tolerance of the reference over 5 steps" in res.out
     assert sorted(p.name for p in out.glob("launch_*.log")) == ["launch_np1.log", "launch_np2.log"]
     ref = metrics(out / "reference")
     ref_ds = json.loads((out / "reference" / "ds_config.json").read_text())
     assert (ref_ds["zero_optimization"]["stage"], ref_ds["gradient_accumulation_steps"]) == (0, GLOBAL_BATCH)
     assert json.loads((out / "reference" / "env.json").read_text())["world_size"] == 1
     layouts = 0
-    for stage in range(4):
+    for stage in stages:
         for world in (1, 2):
             for accum in (1, 4):
                 run = out / f"zero{stage}_np{world}_accum{accum}"
@@ -182,7 +186,7 @@ def test_the_parity_matrix_keeps_the_math(kind, tiny_data, sft_data, straight_ze
                 assert json.loads((run / "env.json").read_text())["world_size"] == world
                 assert_matches(run, ref)
                 layouts += 1
-    assert layouts == 16
+    assert layouts == n
     assert ref[STEPS]["train/loss"] < ref[1]["train/loss"]  # it trained: the steps are not all alike
     exported = [str(p.relative_to(out)) for p in out.rglob("init_model/config.json")]
     assert exported == (["init_model/config.json"] if kind == "pretraining" else []), exported  # once, for all
@@ -229,7 +233,9 @@ def test_ulysses_sequence_parallelism_keeps_the_math(kind, tiny_data, sft_data, 
         assert json.loads((run / "env.json").read_text())["parallel"] == {"data": 1, "sequence": 2, "tensor": 1}
         assert_matches(run, ref)
         compiled = "model.compile: torch.compile(backend='inductor') on 2 LlamaDecoderLayer module(s)"
-        assert (compiled in (run / "logs" / "rank_1.log").read_text()) == (kind == "pretraining")
+        log = (run / "logs" / "rank_1.log").read_text()
+        assert (compiled in log) == (kind == "pretraining")
+        assert "function: 'wrapped_fn'" not in log  # DeepSpeed's NVTX wrapper of ZeRO-3's hooks: not recompiled
     assert ref[STEPS]["train/loss"] < ref[1]["train/loss"]
     if kind == "sft":  # several examples to a sequence: what the attention has to keep apart
         from ds_train.data.datasets import SftData
@@ -242,11 +248,13 @@ def test_ulysses_sequence_parallelism_keeps_the_math(kind, tiny_data, sft_data, 
 @pytest.mark.slow
 @pytest.mark.parametrize("model_type", ["llama", "qwen2"])
 def test_autotp_tensor_parallelism_keeps_the_math(model_type, tiny_data, tmp_path):
-    """parallel.tensor 2 on 2 processes and data-parallel 2 x tensor 2 on 4, ZeRO 0-2 (fp32), for
-    Llama (tied embeddings) and Qwen2 (biases on q/k/v, an untied head split over the vocabulary
-    and gathered; its loss in tiles of 32 tokens through that head, every layout and the reference),
-    against the one-process reference: loss within 1e-5, gradient norm within 1e-4, the held-out loss
-    too. Each rank really holds its shard of the split layers."""
+    """parallel.tensor 2 on 2 processes, ZeRO 0-2 (fp32), for Llama (tied embeddings), also as
+    data-parallel 2 x tensor 2 on 4 processes, and Qwen2 (biases on q/k/v, an untied head split over
+    the vocabulary and gathered; its loss in tiles of 32 tokens through that head, every layout and
+    the reference; the data-parallel groups beside tensor parallelism are Llama's to prove), against
+    the one-process reference: loss within 1e-5, gradient norm within 1e-4, the held-out loss too.
+    Each rank really holds its shard of the split layers."""
+    worlds = (2, 4) if model_type == "llama" else (2,)
     model = {**TINY_MODEL, "model_type": model_type, "num_key_value_heads": 2}
     tile = {}
     if model_type == "qwen2":
@@ -256,16 +264,19 @@ def test_autotp_tensor_parallelism_keeps_the_math(model_type, tiny_data, tmp_pat
         tiny_data, tmp_path / "unused", model={"config": model},
         train={"global_batch_size": GLOBAL_BATCH, "micro_batch_size": 2, **tile}))
     out = tmp_path / "parity"
-    res = ds_train("parity", "--config", str(cfg), "--ds-config", *STAGES[:3], "--nproc", "2", "4",
+    res = ds_train("parity", "--config", str(cfg), "--ds-config", *STAGES[:3], "--nproc", *map(str, worlds),
                    "--tensor", "2", "--steps", str(STEPS), "--out", str(out), timeout=900)
     assert res.returncode == 0, res.out[-6000:]
-    assert "verdict: PASS: 6 of 6 layout(s) within tolerance of the reference over 5 steps" in res.out
-    assert "zero2_np4_tp2_accum2: ZeRO-2, fp32, 4 process(es), tensor parallel 2, micro 2 x accum 2" in res.out
-    assert sorted(p.name for p in out.glob("launch_*.log")) == ["launch_np1.log", "launch_np2_tp2.log",
-                                                                "launch_np4_tp2.log"]
+    n = 3 * len(worlds)
+    assert f"verdict: PASS: {n} of {n} layout(s) within tolerance of the reference over 5 steps" in res.out
+    assert "zero2_np2_tp2_accum4: ZeRO-2, fp32, 2 process(es), tensor parallel 2, micro 2 x accum 4" in res.out
+    assert sorted(p.name for p in out.glob("launch_*.log")) == ["launch_np1.log", *(f"launch_np{w}_tp2.log"
+                                                                                  for w in worlds)]
+    if model_type == "llama":
+        assert "zero2_np4_tp2_accum2: ZeRO-2, fp32, 4 process(es), tensor parallel 2, micro 2 x accum 2" in res.out
     ref = metrics(out / "reference")
     for stage in (0, 1, 2):
-        for world in (2, 4):
+        for world in worlds:
             run = out / f"zero{stage}_np{world}_tp2_accum{GLOBAL_BATCH // (2 * (world // 2))}"
             assert json.loads((run / "env.json").read_text())["parallel"] == {"data": world // 2, "sequence": 1,
                                                                                "tensor": 2}

@@ -41,6 +41,11 @@ def compile_layers(model, backend: str) -> tuple[int, str]:
     the loss (whose head returns the tiled loss for one forward at a time) stays eager, where a
     whole-model graph would be compiled again for every micro-batch. A model naming no layer class
     is compiled whole. Returns how many modules were compiled and their class."""
+    import deepspeed.utils.nvtx
+
+    # As DeepSpeed's own engine.compile does: its NVTX ranges wrap ZeRO-3's module hooks, which dynamo
+    # would trace and compile again for each module class inside a layer (up to its recompile limit).
+    deepspeed.utils.nvtx.enable_nvtx = False
     base = _base(model)
     names = set(getattr(base, "_no_split_modules", None) or [])
     layers = [m for m in base.modules() if type(m).__name__ in names]
