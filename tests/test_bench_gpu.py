@@ -36,10 +36,13 @@ def bench(script: str, out, tiny_data, *extra: str, timeout: float = 600):
 
 def test_mfu_measures_every_side_and_the_ratios(tiny_data, tmp_path):
     """Every side but `ckpt` (ds_train's own side again, with activation checkpointing on: the
-    checkpointing itself is tested in tests/test_model.py) and `eager` (here ds_train's default is
-    eager); `liger` says in one line that its kernels need a GPU and trains without them. Reduced, the
-    ds_train sides are the jobs of one process and bare and hf share another (two launches, not six)."""
-    sides = ["ds_train", "bare", "hf", "fused_loss", "liger", "compile"]
+    checkpointing itself is tested in tests/test_model.py), `eager` (here ds_train's default is
+    eager) and `compile` (ds_train's side again with model.compile=true: inductor's C++ build of its
+    graphs was half of this test's time; every layer compiled through ds-train and keeping
+    the math is tests/test_parity.py's Ulysses run); `liger` says in one line that its kernels need a
+    GPU and trains without them. Reduced, the ds_train sides are the jobs of one process and bare and
+    hf share another (two launches, not five)."""
+    sides = ["ds_train", "bare", "hf", "fused_loss", "liger"]
     r = bench("mfu.py", tmp_path, tiny_data, "--sides", ",".join(sides))
     d = json.loads((tmp_path / "mfu.json").read_text())
     assert list(d["sides"]) == sides
@@ -49,14 +52,12 @@ def test_mfu_measures_every_side_and_the_ratios(tiny_data, tmp_path):
     configs = {s: yaml.safe_load((tmp_path / "configs" / f"{s}.yaml").read_text())
                for s in sides if s not in ("bare", "hf")}
     assert configs["fused_loss"]["train"]["fused_loss"] is True and configs["liger"]["model"]["liger_kernels"]
-    assert "compile" not in configs["ds_train"]["model"] and configs["compile"]["model"]["compile"] is True
+    assert "compile" not in configs["ds_train"]["model"]
     assert "Liger's kernels are Triton kernels for a CUDA GPU" in (tmp_path / "runs" / "liger" / "logs" /
                                                                   "rank_0.log").read_text()
     assert sorted(p.name for p in (tmp_path / "logs").iterdir()) == ["bare_hf.log", "ds_train_sides.log"]
     assert d["versions"]["deepspeed"] and d["versions"]["device"] == "cpu" and d["peak_flops"] is None
     assert "ds_train/hf:" in r.out and "results:" in r.out
-    compiled = (tmp_path / "runs" / "compile" / "logs" / "rank_0.log").read_text()
-    assert "model.compile: torch.compile(backend='inductor') on 2 LlamaDecoderLayer module(s)" in compiled
 
 
 def test_memory_predicts_and_measures_each_case(tiny_data, tmp_path):
