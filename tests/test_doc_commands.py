@@ -177,7 +177,11 @@ WAYS = [
         "ds-train estimate --config recipes/quickstart.yaml --ds-config ds_configs/zero3.json --nodes 2 "
         "--gpus-per-node 8 --gpu-memory 80 --preset balanced"),
     Way(_exact("ds-train dry-run --config recipes/quickstart.yaml --ds-config ds_configs/zero2.json --hostfile "
-               "hostfile.example"), AS_WRITTEN, "real steps on this CPU, projected to the hostfile's 16 GPUs"),
+               "hostfile.example"), AS_WRITTEN, "real steps on this CPU, projected to the hostfile's 16 GPUs (with "
+        "parallel.sequence=2: tests/test_dryrun.py)",
+        expect=("batch: global 32 = micro 2 x accum 1 x data-parallel 16 (world 16); 4,096 tokens/step",
+                " GiB per GPU -> fits, ", " on world 16; checkpoint round trip ok; wrote runs/quickstart/dry_run.json"),
+        expect_files=(("runs/quickstart/dry_run.json", '"world": 16'),)),
     Way(r"deepspeed --num_gpus 2 --module ds_train (train|ript) --config recipes/(ript|rl)_(sft|demo)\.yaml "
         r"--ds-config ds_configs/zero2\.json", BY_ANOTHER,
         "the bench two lines below it in docs/post_training.md launches exactly this command (checked by the "
