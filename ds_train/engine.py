@@ -320,11 +320,47 @@ def initialize(model, ds_config: dict, mpu=None):
     if tp > 1 and mpu is None:
         mpu = dist.tensor_parallel_groups(tp)
 
+    defer_muon_compile()
     params = [p for p in model.parameters() if p.requires_grad]
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=params, config=ds_config, mpu=mpu)
     undo_init_step(engine.optimizer)
     start_schedule(engine.lr_scheduler)
     return engine
+
+
+MUON = "deepspeed.runtime.zero.muon.original_muon"
+
+
+def defer_muon_compile() -> bool:
+    """DeepSpeed 0.19.8's ZeRO-1/2/3 and bf16 optimizers import its Muon module for an isinstance
+    check, and the module's `@torch.compile` decorators import TorchInductor on the way: 1.5 CPU-s a
+    rank here, for an optimizer ds_train never builds (dsconfig.check_optimizer). Imported here first,
+    each decorator compiling on the function's first call instead: the same functions, compiled as
+    DeepSpeed asks, only later. True when it imported the module. tests/test_engine.py fails once
+    DeepSpeed's own import no longer compiles: then this goes."""
+    import functools
+    import sys
+
+    import torch
+    from deepspeed.runtime import compiler
+
+    def on_first_call(fn):
+        @functools.wraps(fn)
+        def call(*args, **kwargs):
+            call.compiled = call.compiled or torch.compile(fn)
+            return call.compiled(*args, **kwargs)
+
+        call.compiled = None
+        return call
+
+    if MUON in sys.modules:
+        return False
+    eager, compiler.compile = compiler.compile, lambda: on_first_call
+    try:
+        __import__(MUON)
+    finally:
+        compiler.compile = eager
+    return True
 
 
 def start_schedule(scheduler) -> bool:

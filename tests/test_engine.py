@@ -471,3 +471,45 @@ def test_an_optimizer_argument_the_class_deepspeed_builds_does_not_take_is_one_l
     with pytest.raises(UserError, match="max_grad_norm: DeepSpeed clips by gradient_clipping; remove it and set "
                                         "train.grad_clip"):
         render(template)
+
+
+MUON_PROBE = """
+import json, sys, torch
+calls = []
+if sys.argv[1] == "deferred":
+    from ds_train.engine import defer_muon_compile
+    real = torch.compile
+    torch.compile = lambda fn: calls.append(fn.__name__) or fn  # recorded, then the eager function
+    first, again = defer_muon_compile(), defer_muon_compile()
+else:
+    first = again = None
+    import deepspeed.runtime.zero.muon.original_muon
+from deepspeed.runtime.zero.muon.muon_optimizer import MuonWithAuxAdam
+from deepspeed.runtime.zero.muon import original_muon as m
+inductor = "torch._inductor.compile_fx" in sys.modules
+g = torch.randn(8, 4, generator=torch.Generator().manual_seed(0))
+got = m.zeropower_via_newtonschulz5(g, 5) if sys.argv[1] == "deferred" else None
+want = m.zeropower_via_newtonschulz5.__wrapped__(g, 5) if sys.argv[1] == "deferred" else None
+print(json.dumps({"first": first, "again": again, "inductor": inductor, "calls": calls,
+                  "same": None if got is None else bool(torch.equal(got, want))}))
+"""
+
+
+@pytest.mark.parametrize("how", ["deepspeed", "deferred"])
+def test_deepspeeds_muon_module_compiles_at_import_unless_deferred(how):
+    """Why defer_muon_compile exists: DeepSpeed's own import of its Muon module (which its ZeRO and bf16
+    optimizers make) imports TorchInductor; this fails when it no longer does, and the workaround goes.
+    Deferred: nothing compiled at import, each function compiled (torch.compile, recorded here) on its
+    first call and giving the eager function's result."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", MUON_PROBE, how], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    if how == "deepspeed":
+        assert got["inductor"], "DeepSpeed's Muon import no longer compiles: remove engine.defer_muon_compile"
+    else:
+        assert (got["first"], got["again"], got["inductor"]) == (True, False, False)
+        assert got["calls"] == ["zeropower_via_newtonschulz5"] and got["same"], got
