@@ -6,7 +6,7 @@ session, so a timeout kills the whole tree and no rank outlives its test.
 scripts/test.sh runs the suite in two pytest-xdist workers, a file to a worker (`--dist loadfile`):
 one worker's launch starts (one process importing) while the other's ranks compute. Every test
 holds the machine shared; a test marked `alone` holds it alone (one that asserts a bound on time:
-a stall, a join timeout, a straggler's ratio). The session's shared runs (tiny_data, the policies,
+a straggler's ratio). The session's shared runs (tiny_data, the policies,
 stage_run, straight_zero2) are built once across the workers (`once`).
 """
 
