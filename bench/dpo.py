@@ -39,11 +39,13 @@ KINDS = {"Tell me about my friend": "tone", "How do I": "refusal", "Describe the
          "Write a greeting": "faithful"}
 TARGET = 0.95
 REDUCED_STEPS, REDUCED = 2, ("train.eval_batches=1",)  # --reduced
+# The recipe's command as README.md and docs/fine_tuning.md show it: each loss launches it, with overrides.
+COMMAND = "deepspeed --num_gpus 2 --module ds_train train --config recipes/dpo.yaml --ds-config ds_configs/zero2.json"
 
 
 def launch(loss: str, steps: int, out_dir: Path, log: Path, extra: tuple[str, ...] = ()) -> tuple[float, str]:
-    cmd = [str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", "2", "--module", "ds_train", "train",
-           "--config", str(RECIPE), "--ds-config", str(ROOT / "ds_configs" / "zero2.json"),
+    """COMMAND (the venv's launcher) with this loss's overrides, from the repository root."""
+    cmd = [str(Path(sys.executable).parent / "deepspeed"), *COMMAND.split()[1:],
            f"output_dir={out_dir}", f"dpo.loss={loss}", *([f"train.max_steps={steps}"] if steps else []),
            "checkpoint.resume=restart",
            "checkpoint.export_final=true", "log.progress=false", "log.plots=false", *extra]
