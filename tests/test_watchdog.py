@@ -81,7 +81,8 @@ def test_a_stalled_rank_is_named_with_its_stack_and_the_job_ends_in_time(tiny_da
     rank0 = (run / "logs" / "rank_0.log").read_text()
     assert re.search(rf"^\d{{4}}-\d\d-\d\d \d\d:\d\d:\d\d\.\d{{3}} {host} rank0 out: step 3: train/loss", rank0, re.M)
     assert re.search(rf"^\S+ \S+ {host} rank0 err: ds-train: error: hang", rank0, re.M)
-    assert re.search(rf"^\S+ \S+ {host} rank1 log: pid \d+ host {host}", (run / "logs" / "rank_1.log").read_text(), re.M)
+    assert re.search(rf"^\S+ \S+ {host} rank1 log: pid \d+ host {host}", (run / "logs" / "rank_1.log").read_text(),
+                     re.M)
     console = (run / "logs" / "train.log").read_text().splitlines()
     assert "step 3: train/loss" in "\n".join(console) and console[-1] == report[0]
     assert console[-2] == f"diagnose: ds-train doctor {run}   (what went wrong, and what to do)"
