@@ -332,12 +332,11 @@ MUON = "deepspeed.runtime.zero.muon.original_muon"
 
 
 def defer_muon_compile() -> bool:
-    """DeepSpeed 0.19.8's ZeRO-1/2/3 and bf16 optimizers import its Muon module for an isinstance
-    check, and the module's `@torch.compile` decorators import TorchInductor on the way: 1.5 CPU-s a
-    rank here, for an optimizer ds_train never builds (dsconfig.check_optimizer). Imported here first,
-    each decorator compiling on the function's first call instead: the same functions, compiled as
-    DeepSpeed asks, only later. True when it imported the module. tests/test_engine.py fails once
-    DeepSpeed's own import no longer compiles: then this goes."""
+    """DeepSpeed 0.19.8's ZeRO-1/2/3 and bf16 optimizers import its Muon module for an isinstance check;
+    its `@torch.compile` decorators import TorchInductor on the way: 1.5 CPU-s a rank here, for an
+    optimizer ds_train never builds (dsconfig.check_optimizer). Imported here first, each decorator
+    compiling on the function's first call: the same functions, compiled as DeepSpeed asks, later. True
+    when it imported the module. tests/test_engine.py fails once DeepSpeed's import no longer compiles."""
     import functools
     import sys
 
@@ -347,7 +346,8 @@ def defer_muon_compile() -> bool:
     def on_first_call(fn):
         @functools.wraps(fn)
         def call(*args, **kwargs):
-            call.compiled = call.compiled or torch.compile(fn)
+            if call.compiled is None:
+                call.compiled = torch.compile(fn)
             return call.compiled(*args, **kwargs)
 
         call.compiled = None

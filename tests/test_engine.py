@@ -478,7 +478,6 @@ import json, sys, torch
 calls = []
 if sys.argv[1] == "deferred":
     from ds_train.engine import defer_muon_compile
-    real = torch.compile
     torch.compile = lambda fn: calls.append(fn.__name__) or fn  # recorded, then the eager function
     first, again = defer_muon_compile(), defer_muon_compile()
 else:
