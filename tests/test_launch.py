@@ -663,6 +663,30 @@ def test_the_launchers_last_line_says_how_the_job_ended(tmp_path):
     assert final_line(run, 1, 0.0) == "ds-train: error: rank 1 on node 1 (b) failed first"
 
 
+def test_the_verdict_stays_last_when_the_store_stops_answering_mid_beat(capfd, tmp_path):
+    """The job ends while `ds-train launch`'s beat is connecting to a store that accepted the connection
+    but no longer answers (rank 0 killed just then): torch's client logs its timeout on stderr. That
+    line comes before the verdict, never after it: the last line still says how the job ended."""
+    import socket
+    import threading
+    import time
+
+    from ds_train.launch.cli import supervise
+
+    store = socket.socket()  # accepts (the kernel's backlog), never answers, and goes as the job ends
+    store.bind(("127.0.0.1", 0))
+    store.listen(8)
+    threading.Timer(0.5, store.close).start()
+    started = time.monotonic()
+    code = supervise([sys.executable, "-c", "import time; time.sleep(0.5); exit(1)"], dict(os.environ),
+                     "127.0.0.1", store.getsockname()[1], tmp_path / "run", beat_s=1)
+    time.sleep(max(0.0, started + 5 - time.monotonic()))  # past the beat's connect and its retries (~4.5 s)
+    lines = capfd.readouterr().err.strip().splitlines()  # the verdict of a failed job and torch's log: stderr
+    assert code == 1
+    assert lines[-1] == ("ds-train: error: the job ended with exit code 1; each rank's output is in "
+                         f"{tmp_path / 'run' / 'logs'}/rank_<r>.log on its node"), lines[-3:]
+
+
 def test_launch_errors_before_any_ssh(run_config, tmp_path):
     hostfile = tmp_path / "hostfile"
     hostfile.write_text("127.0.0.1 slots=3\n")

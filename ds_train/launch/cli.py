@@ -217,7 +217,7 @@ def supervise(cmd: list[str], env: dict[str, str], master_addr: str, master_port
     from ds_train import dist
     started = time.time()
     proc = subprocess.Popen(cmd, env=env)
-    signals = []
+    signals, helpers, done = [], [], threading.Event()
 
     def forward(signum, frame) -> None:
         signals.append(signum)
@@ -228,11 +228,12 @@ def supervise(cmd: list[str], env: dict[str, str], master_addr: str, master_port
         def send() -> None:
             if not dist.send_stop(master_addr, master_port, signum) and signum != signal.SIGUSR1:
                 proc.send_signal(signum)  # the ranks are not up yet: the launcher stops them
-        threading.Thread(target=send, daemon=True).start()
+        helpers.append(threading.Thread(target=send, daemon=True))
+        helpers[-1].start()
 
     def beat() -> None:  # while this process lives, the ranks on every node know it does
         channel = None
-        while proc.poll() is None:
+        while not done.is_set():
             try:
                 if channel is None:  # a plain connect first: torch's client logs each refusal
                     socket.create_connection((master_addr, master_port), timeout=beat_s).close()
@@ -242,8 +243,9 @@ def supervise(cmd: list[str], env: dict[str, str], master_addr: str, master_port
                 pass
             except Exception:  # the store went with rank 0: the job is ending, its ranks say why
                 return
-            time.sleep(beat_s)
-    threading.Thread(target=beat, daemon=True).start()
+            done.wait(beat_s)
+    helpers.append(threading.Thread(target=beat, daemon=True))
+    helpers[-1].start()
 
     previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)}
     try:
@@ -251,6 +253,11 @@ def supervise(cmd: list[str], env: dict[str, str], master_addr: str, master_port
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+    # A store connection under way as the job ended (the store went with rank 0) retries for up to ~4 of its
+    # timeouts, and torch logs each try on stderr: wait for it, so that the verdict below stays the last line.
+    done.set()
+    for helper in helpers:
+        helper.join(timeout=4 * max(beat_s, 5.0) + 5)
     code = code if code >= 0 else 128 - code  # killed by a signal: as a shell reports it
     print(final_line(run_dir, code, started), file=sys.stderr if code else sys.stdout, flush=True)
     return code
