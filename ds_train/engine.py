@@ -20,25 +20,27 @@ from ds_train import dist
 from ds_train.config import RunConfig
 from ds_train.dsconfig import AUTO, check_optimizer, check_scheduler, resolve_zero, schedule_class
 from ds_train.errors import UserError
+from ds_train.model.workarounds import defer_muon_compile, output_capture_registry_takes_keys
 from ds_train.plan.batch import BatchPlan
 
 # Top-level keys DeepSpeed 0.19 reads (deepspeed/runtime/config.py and the feature configs).
 KNOWN_TOP_LEVEL = {
-    "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
-    "steps_per_print", "dump_state", "optimizer", "scheduler", "fp16", "bf16", "bfloat16", "amp",
-    "torch_autocast", "gradient_clipping", "prescale_gradients", "gradient_predivide_factor",
-    "sparse_gradients", "zero_optimization", "zero_allow_untested_optimizer",
-    "zero_force_ds_cpu_optimizer", "activation_checkpointing", "aio", "flops_profiler",
-    "wall_clock_breakdown", "memory_breakdown", "tensorboard", "wandb", "csv_monitor", "comet",
-    "comms_logger", "communication_data_type", "seq_parallel_communication_data_type", "elasticity",
-    "pipeline", "data_types", "data_efficiency", "curriculum_learning", "compression_training",
-    "checkpoint", "autotuning", "nebula", "sparse_attention", "disable_allgather", "fp32_allreduce",
-    "eigenvalue", "progressive_layer_drop", "quantize_training", "dataloader_drop_last",
-    "mics_shard_size", "mics_hierarchical_params_gather", "weight_quantization", "hybrid_engine",
-    "tensor_parallel", "compile", "timers", "graph_harvesting", "use_data_before_expert_parallelism",
-    "gradient_allreduce_op", "expert_parallel", "log_level", "managed_gradient_accumulation",
-    "disable_python_gc", "vocabulary_size", "zenflow", "sequence_parallel_size",
+    "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "steps_per_print",
+    "dump_state", "optimizer", "scheduler", "fp16", "bf16", "bfloat16", "amp", "torch_autocast", "gradient_clipping",
+    "prescale_gradients", "gradient_predivide_factor", "sparse_gradients", "zero_optimization",
+    "zero_allow_untested_optimizer", "zero_force_ds_cpu_optimizer", "activation_checkpointing", "aio",
+    "flops_profiler", "wall_clock_breakdown", "memory_breakdown", "tensorboard", "wandb", "csv_monitor", "comet",
+    "comms_logger", "communication_data_type", "seq_parallel_communication_data_type", "elasticity", "pipeline",
+    "data_types", "data_efficiency", "curriculum_learning", "compression_training", "checkpoint", "autotuning",
+    "nebula", "sparse_attention", "disable_allgather", "fp32_allreduce", "eigenvalue", "progressive_layer_drop",
+    "quantize_training", "dataloader_drop_last", "mics_shard_size", "mics_hierarchical_params_gather",
+    "weight_quantization", "hybrid_engine", "tensor_parallel", "compile", "timers", "graph_harvesting",
+    "use_data_before_expert_parallelism", "gradient_allreduce_op", "expert_parallel", "log_level",
+    "managed_gradient_accumulation", "disable_python_gc", "vocabulary_size", "zenflow", "sequence_parallel_size",
 }
+
+EXPERT_OWNERS = {"enabled": "parallel.expert > 1", "autoep_size": "parallel.expert",
+                 "preset_model": "the model type's AutoEP preset"}
 
 # Keys the trainer owns: template key path -> (run-config key, resolved value getter).
 def _owned(cfg: RunConfig, plan: BatchPlan, dtype: str) -> dict[tuple, tuple[str, Any]]:
@@ -113,11 +115,12 @@ def _check_sections(ds: dict, source: str) -> None:
             raise UserError(f"{source}: {where}: {what}; DeepSpeed would ignore or reject it") from None
 
 
-def render_ds_config(template: dict, cfg: RunConfig, plan: BatchPlan, *, dtype: str, hidden_size: int,
-                     lr: float, total_steps: int, on_gpu: bool, source: str = "ds_config") -> dict:
+def render_ds_config(template: dict, cfg: RunConfig, plan: BatchPlan, *, dtype: str, hidden_size: int, lr: float,
+                     total_steps: int, on_gpu: bool, experts: dict | None = None, source: str = "ds_config") -> dict:
     """Template + run config + batch plan -> the complete ds_config handed to deepspeed.initialize.
 
-    `lr` is the scaled peak learning rate, `total_steps` the optimizer steps the schedule spans.
+    `lr` is the scaled peak learning rate, `total_steps` the optimizer steps the schedule spans, `experts`
+    the expert_parallel section of parallel.expert (plan/experts.py).
     Rendered once per start, before the ranks meet; what they agree on adds its checkpoint options
     (with_checkpoint_options). Nothing else patches the result.
     """
@@ -128,6 +131,11 @@ def render_ds_config(template: dict, cfg: RunConfig, plan: BatchPlan, *, dtype: 
                                   and cfg.parallel.tensor == 1):
             continue  # a section the run does not use stays out
         _resolve(ds, path, value, owner, source)
+    for key, value in (experts or {}).items():
+        _resolve(ds, ("expert_parallel", key), value, EXPERT_OWNERS[key], source)
+    if not experts and _get(ds, ("expert_parallel", "enabled")):
+        raise UserError(f"{source}: expert_parallel.enabled=true, but parallel.expert=1; set parallel.expert "
+                        f"instead (ds_train renders the section)")
     if ds.get("bf16", {}).get("enabled") and ds.get("fp16", {}).get("enabled"):
         raise UserError(f"{source}: bf16 and fp16 are both enabled; set model.dtype instead")
     zero = ds["zero_optimization"] = resolve_zero(ds.get("zero_optimization", {"stage": 0}), hidden_size)
@@ -322,45 +330,11 @@ def initialize(model, ds_config: dict, mpu=None):
 
     defer_muon_compile()
     params = [p for p in model.parameters() if p.requires_grad]
-    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=params, config=ds_config, mpu=mpu)
+    with output_capture_registry_takes_keys(bool(ds_config.get("expert_parallel", {}).get("enabled"))):
+        engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=params, config=ds_config, mpu=mpu)
     undo_init_step(engine.optimizer)
     start_schedule(engine.lr_scheduler)
     return engine
-
-
-MUON = "deepspeed.runtime.zero.muon.original_muon"
-
-
-def defer_muon_compile() -> bool:
-    """DeepSpeed 0.19.8's ZeRO-1/2/3 and bf16 optimizers import its Muon module for an isinstance check;
-    its `@torch.compile` decorators import TorchInductor on the way: 1.5 CPU-s a rank here, for an
-    optimizer ds_train never builds (dsconfig.check_optimizer). Imported here first, each decorator
-    compiling on the function's first call: the same functions, compiled as DeepSpeed asks, later. True
-    when it imported the module. tests/test_engine.py fails once DeepSpeed's import no longer compiles."""
-    import functools
-    import sys
-
-    import torch
-    from deepspeed.runtime import compiler
-
-    def on_first_call(fn):
-        @functools.wraps(fn)
-        def call(*args, **kwargs):
-            if call.compiled is None:
-                call.compiled = torch.compile(fn)
-            return call.compiled(*args, **kwargs)
-
-        call.compiled = None
-        return call
-
-    if MUON in sys.modules:
-        return False
-    eager, compiler.compile = compiler.compile, lambda: on_first_call
-    try:
-        __import__(MUON)
-    finally:
-        compiler.compile = eager
-    return True
 
 
 def start_schedule(scheduler) -> bool:
