@@ -203,6 +203,9 @@ def _add_parity(sub) -> None:
     pa.add_argument("--tensor", nargs="+", default=[], metavar="T",
                     help="AutoTP tensor-parallel size(s) of the layouts, each at the world sizes it divides "
                          "(default: the config's parallel.tensor)")
+    pa.add_argument("--expert", nargs="+", default=[], metavar="E",
+                    help="AutoEP expert-parallel size(s) of the layouts (a mixture-of-experts model), each at the "
+                         "world sizes whose data ranks it divides (default: the config's parallel.expert)")
     pa.add_argument("--steps", type=int, default=5, help="optimizer steps per run (default 5)")
     pa.add_argument("--shrink", action="store_true",
                     help="the same model type with small dimensions (2 layers, 16 per head) and small steps")

@@ -258,7 +258,7 @@ def cmd_parity(args) -> int:
     ds_configs = _items(args.ds_config, "--ds-config", overrides)
     numbers = {}
     for flag, values in (("--nproc", args.nproc), ("--grad-accum", args.grad_accum), ("--sequence", args.sequence),
-                         ("--tensor", args.tensor)):
+                         ("--tensor", args.tensor), ("--expert", args.expert)):
         items = _items(values, flag, overrides)
         bad = [v for v in items if not v.isdigit() or int(v) <= 0]
         if bad:
@@ -270,7 +270,7 @@ def cmd_parity(args) -> int:
     label = args.config + (f" {' '.join(overrides)}" if overrides else "")
     return parity(cfg, label, ds_configs, numbers["--nproc"] or [2], numbers["--grad-accum"], args.steps, args.shrink,
                   args.out or "", args.launcher_args, args.loss_tol, args.grad_tol, numbers["--sequence"],
-                  numbers["--tensor"], args.tf32)
+                  numbers["--tensor"], args.tf32, numbers["--expert"])
 
 
 def cmd_parity_worker(args) -> int:

@@ -197,7 +197,7 @@ def _local_config(cfg: RunConfig, work: str, plan, sp: int) -> RunConfig:
     the rank's heads / sp over the whole sequence; the attention's extra compute is projected). Under
     AutoTP a rank multiplies its share of the split layers: the whole model runs here, and the step
     time is scaled by that share."""
-    return replace(cfg, output_dir=work, parallel=replace(cfg.parallel, sequence=1, tensor=1),
+    return replace(cfg, output_dir=work, parallel=replace(cfg.parallel, sequence=1, tensor=1, expert=1),
                    train=replace(cfg.train, global_batch_size=plan.sequences_per_rank, eval_every=0,
                                  seq_len=cfg.train.seq_len // sp),
                    checkpoint=replace(cfg.checkpoint, resume="none", save_final=False, every=0, export_final=False),
@@ -264,6 +264,10 @@ def _notes(cfg: RunConfig, dims, m: _Measured, p: _Projection) -> list[str]:
                      f"included); a rank holds and multiplies {p.share:.0%} of its parameters (the layers AutoTP "
                      f"splits, 1/{tp} of each), so the step time is scaled by that; AutoTP's all-reduces (two a "
                      f"layer, each way) are communication, not included; the memory columns are a rank's share")
+    if dims.expert > 1:
+        notes.append(f"parallel.expert={dims.expert}: ran every expert here; a rank of the target holds "
+                     f"1/{dims.expert} of each MoE layer's experts, which the memory plan does not divide yet (it "
+                     f"counts them all); AutoEP's all-to-all is communication, not included")
     return notes
 
 

@@ -54,6 +54,7 @@ from ds_train.observe.logs import build_rank_log, capture_console
 from ds_train.observe.metrics import build_logger, peak_flops, rewind_jsonl
 from ds_train.observe.watchdog import Heartbeat, Watchdog
 from ds_train.plan.batch import BatchPlan, scaled_lr
+from ds_train.plan.experts import expert_section
 from ds_train.plan.memory import checkpoint_bytes
 from ds_train.plan.parallel import Layout, ParallelDims, deepspeed_range_note
 from ds_train.run import Run, RunLifecycle, RunSpec, StopRequest
@@ -116,7 +117,7 @@ def _check_alone(inputs: RunInputs, env: DistEnv, spec: RunSpec) -> _Checked:
                    cfg.optim.lr_scaling)
     ds_config = render_ds_config(inputs.template, cfg, layout.batch, dtype=dtype, lr=lr, total_steps=total_steps,
                                  hidden_size=source.hf_config.hidden_size, on_gpu=on_gpu,
-                                 source=inputs.ds_config_path)
+                                 experts=expert_section(cfg, source.hf_config), source=inputs.ds_config_path)
     if on_gpu:  # an op DeepSpeed would JIT-build: what its build needs is here, or one line says what is not
         check_op_build(ds_config)
     locate_checkpoint(cfg.checkpoint.resume, paths.checkpoints)
@@ -333,6 +334,12 @@ def _say_setup(say, rank_log, cfg: RunConfig, env: DistEnv, checked: _Checked, a
         held = sum(p.numel() for p in engine.module.parameters())
         rank_log.info(f"AutoTP: this rank holds {held:,} of the model's {n_params:,} parameters")
         say(f"{dims.describe()}; AutoTP splits the layers: rank 0 holds {held:,} of {n_params:,} parameters")
+    if dims.expert > 1:  # what AutoEP made of the MoE blocks: this rank's share of each one's experts
+        moe = [m for m in engine.module.modules() if type(m).__name__ == "AutoEPMoELayer"]
+        said = (f"AutoEP: {len(moe)} MoE layer(s) split; expert rank {moe[0].ep_rank} holds {moe[0].num_local_experts} "
+                f"of each one's {moe[0].num_experts} experts") if moe else "AutoEP: no MoE layer split"
+        rank_log.info(said)
+        say(f"{dims.describe()}; {said}")
     if model.tiled or model.whole:
         say(f"MLP in tiles of {cfg.train.mlp_tile_positions} positions (train.mlp_tile_positions): "
             f"{', '.join(model.tiled) or 'none'}"

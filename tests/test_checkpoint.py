@@ -544,6 +544,41 @@ def test_a_save_into_an_existing_tag_killed_at_each_phase_leaves_whole_tags(tiny
 
 
 @pytest.mark.slow
+def test_an_expert_parallel_run_killed_resumes_exactly_and_another_layout_or_an_export_is_one_line(tiny_data,
+                                                                                                  tmp_path):
+    """parallel.expert 2 (AutoEP) on a tiny Qwen3-MoE under ZeRO-2, saved every 2 steps: rank 1
+    SIGKILLed at step 4, the same command resumes from step 2 and ends with the straight run's losses,
+    bitwise (DeepSpeed writes AutoEP's checkpoint its own way: ds_train's client state must not collide
+    with it). A resume at parallel.expert 1 and an export of the run are refused in one line each, and
+    write nothing."""
+    from test_parity import MOE_MODEL
+
+    runs = {}
+    for name in ("straight", "killed"):
+        runs[name] = tmp_path / name
+        cfg = write_config(tmp_path / f"{name}.yaml", tiny_config(
+            tiny_data, runs[name], model={"config": dict(MOE_MODEL)}, train={"max_steps": 6},
+            parallel={"expert": 2}, checkpoint={"every": 2, "keep": 0}))
+        fault = ("watchdog.debug_fault=kill:1:4",) if name == "killed" else ()
+        res = deepspeed_train(cfg, "zero2.json", *fault)
+        assert (res.returncode == 0) == (name == "straight"), res.out[-3000:]
+    assert checkpoint.latest_complete(runs["killed"] / "checkpoints") == "step_00000002"
+    before = tree_listing(runs["killed"])
+    expect_error(["train", "--config", str(tmp_path / "killed.yaml"), "--ds-config", str(ROOT / "ds_configs" /
+                  "zero2.json"), "parallel.expert=1"], "parallel.expert=2; resume with those (moving an "
+                 "expert-parallel checkpoint to another layout is not built yet)")
+    expect_error(["export", str(runs["killed"]), "--out", str(tmp_path / "hf")],
+                 "was trained with parallel.expert=2; exporting an expert-parallel checkpoint")
+    assert tree_listing(runs["killed"]) == before and not (tmp_path / "hf").exists()
+    res = deepspeed_train(tmp_path / "killed.yaml", "zero2.json")
+    assert res.returncode == 0, res.out[-3000:]
+    assert f"resumed from {runs['killed'] / 'checkpoints' / 'step_00000002'} at step 2" in res.out
+    straight, resumed = metrics_by_step(runs["straight"]), metrics_by_step(runs["killed"])
+    assert sorted(resumed) == list(range(1, 7)) and [resumed[s]["loss"] for s in range(3, 7)] == [
+        straight[s]["loss"] for s in range(3, 7)]
+
+
+@pytest.mark.slow
 def test_fresh_finished_and_damaged_runs(tiny_data, tmp_path):
     """A truncated metrics line is dropped and said; a finished run changes nothing; a fresh run
     into a used directory is refused (exit 2, one line, nothing touched); restart starts over."""

@@ -255,12 +255,12 @@ def begin(engine, ckpt_dir: Path, step: int, writer: bool, fault: Callable[[str,
 def client_state(state: dict, engine) -> dict:
     """What DeepSpeed stores beside the engine's own state: ours, and where the engine's module has
     none (AutoTP attaches its own, with the tensor-parallel patterns ds_to_universal merges shards
-    by), universal_checkpoint_info for plain data parallelism, which lets DeepSpeed's
-    ds_to_universal convert the checkpoint as it is."""
+    by; an engine with MoE layers, AutoEP's, writes its own and refuses another), universal_checkpoint_info
+    for plain data parallelism, which lets DeepSpeed's ds_to_universal convert the checkpoint as it is."""
     from deepspeed.checkpoint.constants import (UNIVERSAL_CHECKPOINT_INFO, UNIVERSAL_CHECKPOINT_VERSION_KEY,
                                                 UNIVERSAL_CHECKPOINT_VERSION_VALUE)
 
-    if getattr(engine.module, UNIVERSAL_CHECKPOINT_INFO, None) is not None:
+    if getattr(engine.module, UNIVERSAL_CHECKPOINT_INFO, None) is not None or getattr(engine, "has_moe_layers", False):
         return {"ds_train": state}
     return {"ds_train": state,
             UNIVERSAL_CHECKPOINT_INFO: {UNIVERSAL_CHECKPOINT_VERSION_KEY: UNIVERSAL_CHECKPOINT_VERSION_VALUE}}

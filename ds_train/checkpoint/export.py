@@ -100,6 +100,10 @@ def resolve_source(source: str | Path, tag: str | None = None) -> ExportSource:
         raise UserError(f"export: {str(ckpt_dir / chosen)!r} is a universal checkpoint (converted from "
                         f"{source_tag} for a resume); export {str(ckpt_dir / source_tag)!r} instead")
     tensor = int((checkpoint.saved_parallel(state) or {}).get("tensor", 1))
+    expert = int((checkpoint.saved_parallel(state) or {}).get("expert", 1))
+    if expert > 1:  # AutoEP's layers hold the experts in their own layout, a share in each rank's files
+        raise UserError(f"export: {str(ckpt_dir / chosen)!r} was trained with parallel.expert={expert}; exporting "
+                        f"an expert-parallel checkpoint into the model's own layout is not built yet")
     passed_over = _passed_over(ckpt_dir, chosen) if wanted is None else ""
     return ExportSource(ckpt_dir.parent, ckpt_dir, chosen, _zero_stage(state, ckpt_dir / chosen), tensor, passed_over)
 

@@ -193,6 +193,10 @@ def plan_resume(point: ResumePoint | None, dims: ParallelDims, stage: int, dtype
     saved_dtype = point.state.get("dtype", "fp32")
     if saved_world == dims.world and saved_dims == dims and saved_stage == stage and not force_universal:
         return ResumePlan(point)
+    if max(saved_dims.expert, dims.expert) > 1:  # AutoEP's experts, each in its own rank's files
+        raise UserError(f"{point.load_dir / point.tag}: saved at world size {saved_world}, ZeRO stage {saved_stage}, "
+                        f"parallel.expert={saved_dims.expert}; resume with those (moving an expert-parallel "
+                        f"checkpoint to another layout is not built yet)")
     if (saved_world == dims.world and saved_dims.tensor == dims.tensor and saved_stage == stage
             and not force_universal):  # only the sequence / data split of the same ranks moved
         return ResumePlan(point, (f"parallel.sequence {saved_dims.sequence} -> {dims.sequence}: the checkpoint loads "

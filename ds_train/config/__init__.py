@@ -159,6 +159,10 @@ class ParallelConfig(Section):
                           "(sequence x tensor).", POSITIVE)
     tensor: int = _f(1, "Tensor-parallel ranks per data-parallel group (DeepSpeed AutoTP): each holds "
                         "1/tensor of every layer. 1: off.", POSITIVE)
+    expert: int = _f(1, "Expert-parallel ranks (DeepSpeed AutoEP), a mixture-of-experts model only: each of "
+                        "`expert` data-parallel ranks holds 1/expert of every MoE layer's experts and the tokens "
+                        "routed to them travel there and back. Cut from the data-parallel ranks: the world size and "
+                        "the batch math stay as they are. 1: off.", POSITIVE)
 
 
 SAVE_PHASES = ("unmarked", "written", "rank_files", "marked", "latest")  # checkpoint.PHASES

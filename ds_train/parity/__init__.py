@@ -56,20 +56,22 @@ class Layout:
     accum: int
     sequence: int = 1  # parallel.sequence (Ulysses)
     tensor: int = 1  # parallel.tensor (AutoTP)
+    expert: int = 1  # parallel.expert (AutoEP)
 
     @property
     def name(self) -> str:
-        sp = f"_sp{self.sequence}" if self.sequence > 1 else ""
-        tp = f"_tp{self.tensor}" if self.tensor > 1 else ""
-        return f"{Path(self.ds_config).stem}_np{self.nproc}{sp}{tp}_accum{self.accum}"
+        sizes = "".join(f"_{key}{size}" for key, size in (("sp", self.sequence), ("tp", self.tensor),
+                                                          ("ep", self.expert)) if size > 1)
+        return f"{Path(self.ds_config).stem}_np{self.nproc}{sizes}_accum{self.accum}"
 
     def parallel(self, cfg: RunConfig) -> RunConfig:
         """`cfg` with this layout's model-parallel sizes."""
-        return replace(cfg, parallel=replace(cfg.parallel, sequence=self.sequence, tensor=self.tensor))
+        return replace(cfg, parallel=replace(cfg.parallel, sequence=self.sequence, tensor=self.tensor,
+                                             expert=self.expert))
 
     def describe(self) -> str:
-        return "".join(f", {what} parallel {size}" for what, size in (("sequence", self.sequence),
-                                                                       ("tensor", self.tensor)) if size > 1)
+        return "".join(f", {what} parallel {size}" for what, size in (
+            ("sequence", self.sequence), ("tensor", self.tensor), ("expert", self.expert)) if size > 1)
 
 
 @dataclass(frozen=True)
@@ -82,20 +84,23 @@ class Job:
 
 
 def layouts(cfg: RunConfig, templates: dict[str, dict], nprocs: list[int], accums: list[int],
-            sequences: list[int] | None = None, tensors: list[int] | None = None, hf_config=None) -> list[Layout]:
+            sequences: list[int] | None = None, tensors: list[int] | None = None, hf_config=None,
+            experts: list[int] | None = None) -> list[Layout]:
     """Every ds_config (path -> its template) x world size x sequence- and tensor-parallel sizes that
-    divide it x accumulation, with the micro-batch that keeps the global batch (no --grad-accum: the
-    config's micro-batch); each checked by the run's own layout check (RunSpec.check), or one line."""
+    divide it (x expert-parallel sizes that divide its data ranks) x accumulation, with the micro-batch
+    that keeps the global batch (no --grad-accum: the config's micro-batch); each checked by the run's
+    own layout check (RunSpec.check), or one line."""
     ds_configs = list(templates)
     g = cfg.train.global_batch_size
     out = []
     sequences = sequences or [cfg.parallel.sequence]
     tensors = tensors or [cfg.parallel.tensor]
-    several = len(sequences) > 1 or len(tensors) > 1
-    for n, sp, tp in ((n, sp, tp) for n in nprocs for sp in sequences for tp in tensors):
-        if n % (sp * tp) and several:
+    experts = experts or [cfg.parallel.expert]
+    several = len(sequences) > 1 or len(tensors) > 1 or len(experts) > 1
+    for n, sp, tp, ep in ((n, sp, tp, ep) for n in nprocs for sp in sequences for tp in tensors for ep in experts):
+        if (n % (sp * tp) or n // (sp * tp) % ep) and several:
             continue  # sizes of the lists that do not divide this world size: another world size takes them
-        cfg_sp = replace(cfg, parallel=replace(cfg.parallel, sequence=sp, tensor=tp))
+        cfg_sp = replace(cfg, parallel=replace(cfg.parallel, sequence=sp, tensor=tp, expert=ep))
         dp = plan_dims(cfg_sp.parallel, n).data  # the layout's data-parallel size (refused: one line)
         for accum in accums or [0]:
             micro = cfg.train.micro_batch_size if not accum else g // (accum * dp)
@@ -107,7 +112,7 @@ def layouts(cfg: RunConfig, templates: dict[str, dict], nprocs: list[int], accum
             run = replace(cfg_sp, train=replace(cfg.train, micro_batch_size=micro))
             for d in ds_configs:  # the run's own check of this layout at this world size, or one line
                 plan = train_spec(run).check(run, templates[d], n, hf_config)[0].batch
-                out.append(Layout(str(d), n, micro, plan.grad_accum_steps, sp, tp))
+                out.append(Layout(str(d), n, micro, plan.grad_accum_steps, sp, tp, ep))
     return out
 
 
@@ -200,7 +205,8 @@ def _launch_failed(code: int, log: Path) -> None:
 
 def parity(cfg: RunConfig, label: str, ds_configs: list[str], nprocs: list[int], accums: list[int], steps: int,
            shrink_it: bool, out: str, launcher_args: str, loss_tol: float | None, grad_tol: float | None,
-           sequences: list[int] | None = None, tensors: list[int] | None = None, tf32: bool = False) -> int:
+           sequences: list[int] | None = None, tensors: list[int] | None = None, tf32: bool = False,
+           experts: list[int] | None = None) -> int:
     """Every layout against the reference, printed as it goes; 0 when every one is within tolerance."""
     templates = {d: read_ds_template(d) for d in ds_configs}
     if steps <= 0 or min(nprocs) <= 0:
@@ -212,9 +218,11 @@ def parity(cfg: RunConfig, label: str, ds_configs: list[str], nprocs: list[int],
     if shrink_it:
         sizes = [s * t for s in sequences or [cfg.parallel.sequence] for t in tensors or [cfg.parallel.tensor]]
         cfg, notes = shrink(cfg, math.lcm(*sizes))
-    split = any(s * t > 1 for s in sequences or [cfg.parallel.sequence] for t in tensors or [cfg.parallel.tensor])
+    split = any(s * t * e > 1 for s in sequences or [cfg.parallel.sequence] for t in tensors or [cfg.parallel.tensor]
+                for e in experts or [cfg.parallel.expert])
     lays = layouts(cfg, templates, sorted(set(nprocs)), sorted(set(accums)), sorted(set(sequences or [])),
-                   sorted(set(tensors or [])), model_config(cfg) if split else None)  # all checked before any launch
+                   sorted(set(tensors or [])), model_config(cfg) if split else None,
+                   sorted(set(experts or [])))  # all checked before any launch
     out_dir = Path(out) if out else Path(tempfile.mkdtemp(prefix="ds_train_parity_"))
     _check_out(out_dir)
     passed, verdict = _parity(cfg, label, lays, templates, steps, notes, out_dir, shlex.split(launcher_args),
@@ -257,7 +265,7 @@ def _parity(cfg: RunConfig, label: str, lays: list[Layout], templates: dict, ste
     cfg = _exported_once(cfg, out)
     g, seq = cfg.train.global_batch_size, cfg.train.seq_len
     micro_ref = min(lay.micro for lay in lays)
-    alone = {"parallel.sequence": 1, "parallel.tensor": 1, "train.debug_loss_fault": ""}
+    alone = {"parallel.sequence": 1, "parallel.tensor": 1, "parallel.expert": 1, "train.debug_loss_fault": ""}
     ref_cfg = build_config(_job(cfg, REFERENCE, out, steps, micro_ref, g // micro_ref,
                                 **alone, **{"model.dtype": "fp32", "model.tf32": tf32}))
     ref_ds = reference_template(next(iter(templates.values())), out)
@@ -279,7 +287,8 @@ def _parity(cfg: RunConfig, label: str, lays: list[Layout], templates: dict, ste
         groups[(1, 1)].append(Job(FLOOR, _job(cfg, FLOOR, out, steps, micro_ref, g // micro_ref, **alone), ref_ds))
     for lay in lays:
         job = _job(cfg, lay.name, out, steps, lay.micro, lay.accum,
-                   **{"parallel.sequence": lay.sequence, "parallel.tensor": lay.tensor, **fp32})
+                   **{"parallel.sequence": lay.sequence, "parallel.tensor": lay.tensor, "parallel.expert": lay.expert,
+                      **fp32})
         groups.setdefault((lay.nproc, lay.tensor), []).append(Job(lay.name, job, lay.ds_config))
     for (n, tp), jobs in sorted(groups.items()):
         name = f"np{n}" + (f"_tp{tp}" if tp > 1 else "")

@@ -6,7 +6,8 @@ Nobody else does rank arithmetic.
 Ranks are laid out as DeepSpeed lays out its groups: tensor innermost (AutoTP's groups are runs of
 consecutive ranks), then sequence (Ulysses' groups likewise), then data. The sequence and tensor
 ranks of one data-parallel group read the same batch; the ranks that hold different tokens (the
-data and sequence ranks of one tensor rank) are the ones a token count is summed over.
+data and sequence ranks of one tensor rank) are the ones a token count is summed over. Expert
+parallelism (AutoEP, ds_train/plan/experts.py) groups data ranks and is not a factor of the world.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from dataclasses import dataclass
 from ds_train.config import ParallelConfig, RunConfig
 from ds_train.errors import UserError
 from ds_train.plan.batch import BatchPlan, plan_batch, sample_rows
+from ds_train.plan.experts import check_expert_data, check_expert_model, check_expert_run
 from ds_train.plan.memory import tp_plan
 
 
@@ -24,6 +26,7 @@ class ParallelDims:
     data: int
     sequence: int = 1
     tensor: int = 1
+    expert: int = 1  # AutoEP's groups, cut from the data ranks: not a factor of the world
 
     @property
     def world(self) -> int:
@@ -56,19 +59,22 @@ class ParallelDims:
         return f"world size {self.world} / (parallel.sequence {self.sequence} x parallel.tensor {self.tensor})"
 
     def describe(self) -> str:
+        experts = f" (experts split over {self.expert} of the data ranks)" if self.expert > 1 else ""
         return (f"parallel: data {self.data} x sequence {self.sequence} x tensor {self.tensor} = world "
-                f"{self.world}")
+                f"{self.world}{experts}")
 
     def record(self) -> dict:
         """What env.json, results and every checkpoint marker record of the layout."""
-        return {"data": self.data, "sequence": self.sequence, "tensor": self.tensor}
+        return {"data": self.data, "sequence": self.sequence, "tensor": self.tensor} | (
+            {"expert": self.expert} if self.expert > 1 else {})
 
     @classmethod
     def from_record(cls, record: dict | None, world_size: int) -> "ParallelDims":
         """A marker's layout; one written before layouts were recorded is all data-parallel."""
         if not isinstance(record, dict):
             return cls(world_size)
-        return cls(int(record["data"]), int(record.get("sequence", 1)), int(record.get("tensor", 1)))
+        return cls(int(record["data"]), int(record.get("sequence", 1)), int(record.get("tensor", 1)),
+                   int(record.get("expert", 1)))
 
 
 def _divisors(n: int) -> list[int]:
@@ -87,7 +93,8 @@ def plan_dims(p: ParallelConfig, world_size: int) -> ParallelDims:
         raise UserError(f"parallel.sequence={p.sequence} x parallel.tensor={p.tensor} = {model} does not divide "
                         f"the world size {world_size}; choose sizes whose product is {choices(_divisors(world_size))}, "
                         f"or launch a multiple of {model} ranks")
-    return ParallelDims(world_size // model, p.sequence, p.tensor)
+    check_expert_data(p.expert, world_size // model)
+    return ParallelDims(world_size // model, p.sequence, p.tensor, p.expert)
 
 
 def check_heads(dims: ParallelDims, hf_config, where: str = "the model") -> None:
@@ -181,18 +188,20 @@ TIED_TO_DEEPSPEED = {
                 "over data ranks) and the refusal of zero_optimization.reduce_scatter=false",
     "tensor": "the AutoTP process groups made before deepspeed.initialize and the refusals of ZeRO-0 in bf16/fp16 "
               "and of AutoTP with Ulysses",
+    "expert": "AutoEP's use of transformers' output-capture registry (ds_train/model/workarounds.py) and of the "
+              "checkpoint's client state",
 }
 
 
 def deepspeed_range_note(cfg: RunConfig, version: str) -> str | None:
     """One line when `version` (DeepSpeed's) is outside DEEPSPEED_PROVEN and the run relies on a
-    workaround tied to it (parallel.sequence or parallel.tensor > 1); None otherwise."""
+    workaround tied to it (parallel.sequence, tensor or expert > 1); None otherwise."""
     from packaging.version import Version
 
     low, high = DEEPSPEED_PROVEN
     if Version(low) <= Version(version) < Version(high):
         return None
-    used = [TIED_TO_DEEPSPEED[k] for k in ("sequence", "tensor") if getattr(cfg.parallel, k) > 1]
+    used = [TIED_TO_DEEPSPEED[k] for k in ("sequence", "tensor", "expert") if getattr(cfg.parallel, k) > 1]
     if not used:
         return None
     return (f"DeepSpeed {version} is outside the range ds_train's parallel workarounds were proven on (>={low}, "
@@ -211,8 +220,8 @@ def check_layout(cfg: RunConfig, template: dict, world_size: int | None, hf_conf
     """The one check of a run's layout, before anything is written or launched, for the run, the dry
     run and the estimate, `launch --check` / `slurm`, and parity: at `world_size`, that the sizes
     divide it (plan_dims), the batch math over the data ranks (plan_batch), and the model's heads,
-    window and what AutoTP shards (check_model; `hf_config` None: not checked); then what the sizes
-    cannot take with this DeepSpeed JSON (check_parallel). `world_size` None (the check step, before
+    window, what AutoTP shards and what AutoEP splits (check_model, check_expert_model; `hf_config`
+    None: not checked); then what the sizes cannot take with this DeepSpeed JSON (check_parallel). `world_size` None (the check step, before
     the world is known): the last part alone, and None."""
     layout = None
     if world_size is not None:
@@ -222,6 +231,8 @@ def check_layout(cfg: RunConfig, template: dict, world_size: int | None, hf_conf
                            sample_rows(cfg.data.format))
         if hf_config is not None and dims.sequence * dims.tensor > 1:
             check_model(dims, hf_config, cfg.model.attn_implementation, t.seq_len)
+        if hf_config is not None:
+            check_expert_model(dims.expert, hf_config)
         layout = Layout(dims, batch)
     check_parallel(cfg, template)
     return layout
@@ -231,6 +242,7 @@ def check_parallel(cfg: RunConfig, template: dict) -> None:
     """What the model-parallel sizes cannot take, from the run config and the DeepSpeed JSON alone
     (before anything is written; every problem, one line)."""
     check_sequence(cfg, template)
+    check_expert_run(cfg)
     tp = cfg.parallel.tensor
     if tp == 1:
         return

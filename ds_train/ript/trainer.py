@@ -63,6 +63,9 @@ class RiptInputs:
         if cfg.parallel.sequence > 1:
             raise UserError(f"parallel.sequence={cfg.parallel.sequence}: RIPT's rollouts generate token by token, "
                             f"which Ulysses sequence parallelism cannot split; set parallel.sequence=1 for ript")
+        if cfg.parallel.expert > 1:
+            raise UserError(f"parallel.expert={cfg.parallel.expert}: RIPT under expert parallelism is not built yet "
+                            f"(its rollouts would generate through AutoEP's layers); set parallel.expert=1 for ript")
         if cfg.parallel.tensor > 1 and r.kl_coef > 0:
             raise UserError(f"ript.kl_coef={r.kl_coef:g} with parallel.tensor={cfg.parallel.tensor}: ds_train builds "
                             f"the reference policy without AutoTP's split; use ZeRO-3 (parallel.tensor=1) to "

@@ -1,0 +1,99 @@
+"""Expert parallelism (parallel.expert, DeepSpeed AutoEP): the mixture-of-experts models it takes (DeepSpeed's
+presets), how many experts a model has, and what `parallel.expert` ranks per expert group ask of the model and
+of the layout. AutoEP cuts its expert groups from the data-parallel ranks: the world size and the batch math
+do not change. The ds_config section it renders is `expert_parallel` (engine.render_ds_config).
+
+What ds_train does not combine with experts yet is refused here, one line each, before anything is written:
+sequence and tensor parallelism, LoRA and preference training (check_expert_run); RIPT (ds_train/ript) and
+moving a checkpoint to another layout (ds_train/checkpoint/resume.py) and export (ds_train/checkpoint/export.py)
+refuse it where they are.
+"""
+
+from __future__ import annotations
+
+from ds_train.config import RunConfig
+from ds_train.errors import UserError
+
+
+def _presets() -> dict:
+    from deepspeed.module_inject.auto_ep_presets.registry import PRESET_MODELS
+
+    return PRESET_MODELS
+
+
+def autoep_preset(hf_config) -> str | None:
+    """The AutoEP preset of the model's type (DeepSpeed's registry), None when it has none."""
+    model_type = getattr(hf_config, "model_type", None)
+    return next((name for name, preset in _presets().items() if model_type in preset.hf_model_types), None)
+
+
+def num_experts(hf_config) -> int | None:
+    """The routed experts per MoE layer, as the model's preset names the config attribute."""
+    preset = autoep_preset(hf_config)
+    value = getattr(hf_config, _presets()[preset].num_experts_attr, None) if preset else None
+    return value if isinstance(value, int) else None
+
+
+def _choices(n: int) -> str:
+    divisors = [d for d in range(1, n + 1) if n % d == 0]
+    return ", ".join(map(str, divisors[:-1])) + (" or " if len(divisors) > 1 else "") + str(divisors[-1])
+
+
+def check_expert_model(expert: int, hf_config) -> None:
+    """A model AutoEP can split into `expert` groups: one of its presets' types, its experts divisible.
+    Any mixture-of-experts model: no router loss asked for that ds_train's loss would leave out."""
+    if getattr(hf_config, "output_router_logits", False) is True:
+        raise UserError("model.config.output_router_logits=true: the router's auxiliary (load-balancing) loss is not "
+                        "in ds_train's loss yet, so it would not train; set it to false (the loss is then the "
+                        "language-modelling loss alone, as with the model's default)")
+    if expert == 1:
+        return
+    model_type = getattr(hf_config, "model_type", "?")
+    if autoep_preset(hf_config) is None:
+        types = sorted({t for preset in _presets().values() for t in preset.hf_model_types})
+        raise UserError(f"parallel.expert={expert}: model type {model_type!r} has no DeepSpeed AutoEP preset, so its "
+                        f"experts cannot be split; AutoEP takes {', '.join(types)}; for this model use "
+                        f"parallel.expert=1")
+    experts = num_experts(hf_config)
+    if experts is not None and experts % expert:
+        raise UserError(f"parallel.expert={expert} does not divide the model's {experts} experts per layer; choose "
+                        f"{_choices(experts)}")
+
+
+def check_expert_data(expert: int, data: int) -> None:
+    """Expert groups are cut from the data-parallel ranks: `expert` must divide them."""
+    if expert > 1 and data % expert:
+        raise UserError(f"parallel.expert={expert} does not divide the {data} data-parallel rank(s) (AutoEP cuts its "
+                        f"expert groups from them); choose {_choices(data)}, or launch a multiple of {expert} "
+                        f"data-parallel ranks")
+
+
+def check_expert_run(cfg: RunConfig) -> None:
+    """What ds_train does not combine with expert parallelism yet (every problem, one line)."""
+    ep = cfg.parallel.expert
+    if ep == 1:
+        return
+    problems = []
+    for key in ("sequence", "tensor"):
+        size = getattr(cfg.parallel, key)
+        if size > 1:
+            problems.append(f"parallel.expert={ep} with parallel.{key}={size}: ds_train does not combine expert "
+                            f"parallelism with {key} parallelism yet; choose one")
+    if cfg.model.lora.rank:
+        problems.append(f"parallel.expert={ep} with LoRA (model.lora.rank={cfg.model.lora.rank}): AutoEP replaces the "
+                        f"MoE blocks peft would put adapters on; ds_train does not combine them yet")
+    if cfg.checkpoint.export_final:
+        problems.append(f"parallel.expert={ep} with checkpoint.export_final=true: exporting an expert-parallel "
+                        f"checkpoint is not built yet; set checkpoint.export_final=false")
+    if cfg.data.format == "preference":
+        problems.append(f"parallel.expert={ep} with data.format=preference: DPO under expert parallelism is not "
+                        f"built yet; train it with parallel.expert=1 (ZeRO-3 partitions the experts too)")
+    if problems:
+        raise UserError("; ".join(problems))
+
+
+def expert_section(cfg: RunConfig, hf_config) -> dict | None:
+    """The ds_config's `expert_parallel` section the run owns (None without expert parallelism)."""
+    if cfg.parallel.expert == 1:
+        return None
+    return {"enabled": True, "autoep_size": cfg.parallel.expert, "preset_model": autoep_preset(hf_config)}
