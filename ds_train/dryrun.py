@@ -102,7 +102,7 @@ def _estimate(cfg: RunConfig, ds_config_path: str, target: Target, preset: str |
                       "gpu_memory_gib": target.gpu_memory_gib, "parallel": dims.record()},
            "model": {"params": shape.n_params, "layers": shape.n_layers, "hidden": shape.hidden,
                      "rank_params": round(shape.rank_params(dims.tensor)),
-                     "trainable": shape.trainable or shape.n_params},
+                     "trainable": shape.trainable or shape.n_params, "experts": shape.experts},
            "dtype": dtype, "rows": rows, "seq_len": cfg.train.seq_len, "rank_seq_len": rank_seq_len(cfg),
            "kernels": kernels_said(cfg)}
     given = next(r for r in rows if r["given"])
@@ -134,6 +134,12 @@ def format_estimate(out: dict, target: Target) -> str:
         lines.insert(1, f"parallel: data {par['data']} x sequence {par['sequence']} x tensor {par['tensor']}; AutoTP "
                         f"splits the layers: each rank holds {m['rank_params'] / 1e6:,.2f}M of the "
                         f"{m['params'] / 1e6:,.2f}M parameters, ZeRO partitions them over the {par['data']} data ranks")
+    if par.get("expert", 1) > 1:
+        ep = par["expert"]
+        lines.insert(1, f"parallel: data {par['data']}, experts split over {ep} of them (AutoEP): each rank holds 1/{ep} "
+                        f"of the {m['experts'] / 1e6:,.1f}M expert parameters, whole below ZeRO-3; ZeRO partitions "
+                        f"their gradients and optimizer states over the {par['data'] // ep} rank(s) that hold the "
+                        f"same ones")
     if out.get("suggestions"):
         lines.append("does not fit; changes ranked by cost, with the predicted per-GPU peak:")
         lines += format_suggestions(out["suggestions"])
@@ -265,9 +271,9 @@ def _notes(cfg: RunConfig, dims, m: _Measured, p: _Projection) -> list[str]:
                      f"splits, 1/{tp} of each), so the step time is scaled by that; AutoTP's all-reduces (two a "
                      f"layer, each way) are communication, not included; the memory columns are a rank's share")
     if dims.expert > 1:
-        notes.append(f"parallel.expert={dims.expert}: ran every expert here; a rank of the target holds "
-                     f"1/{dims.expert} of each MoE layer's experts, which the memory plan does not divide yet (it "
-                     f"counts them all); AutoEP's all-to-all is communication, not included")
+        notes.append(f"parallel.expert={dims.expert}: ran every expert here ({m.step_s:.3f} s a step); a rank of the "
+                     f"target holds 1/{dims.expert} of each MoE layer's experts (the memory columns are its share) "
+                     f"and computes the tokens routed to them; AutoEP's all-to-all is communication, not included")
     return notes
 
 

@@ -25,18 +25,20 @@ from ds_train.train.losses import forward_loss
 
 data_dir, out_dir, root = (Path(a) for a in [a for a in sys.argv[1:] if not a.startswith("--")])
 env = topology.detect_env()
-CASES = [(stage, dtype, 1, 0) for stage in (0, 1, 2, 3) for dtype in ("fp32", "bf16")]
-CASES += [(stage, "bf16", 1, 8) for stage in (0, 2, 3)]  # LoRA rank 8: a frozen base
+LLAMA = {"model_type": "llama", "hidden_size": 128, "intermediate_size": 352, "num_hidden_layers": 2,
+         "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 128,
+         "tie_word_embeddings": False}
+MOE = {**LLAMA, "model_type": "qwen3_moe", "moe_intermediate_size": 176, "num_experts": 4, "num_experts_per_tok": 2}
+CASES = [(stage, dtype, 1, 0, 1) for stage in (0, 1, 2, 3) for dtype in ("fp32", "bf16")]
+CASES += [(stage, "bf16", 1, 8, 1) for stage in (0, 2, 3)]  # LoRA rank 8: a frozen base
+CASES += [(stage, "fp32", 1, 0, 2) for stage in (0, 1, 2, 3)]  # AutoEP: each rank 2 of the 4 experts
 # AutoTP last: DeepSpeed keeps its tensor-parallel state in the process after the engine is gone
-CASES += [(0, "fp32", 2, 0)] + [(stage, dtype, 2, 0) for stage in (1, 2) for dtype in ("fp32", "bf16")]
-for stage, dtype, tensor, lora in CASES:
+CASES += [(0, "fp32", 2, 0, 1)] + [(stage, dtype, 2, 0, 1) for stage in (1, 2) for dtype in ("fp32", "bf16")]
+for stage, dtype, tensor, lora, expert in CASES:
     cfg = build_config({
-        "output_dir": str(out_dir / f"z{stage}_{dtype}_tp{tensor}_lora{lora}"), "seed": 1,
-        "parallel": {"tensor": tensor},
-        "model": {"dtype": dtype, "lora": {"rank": lora}, "config": {
-            "model_type": "llama", "hidden_size": 128, "intermediate_size": 352,
-            "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-            "max_position_embeddings": 128, "tie_word_embeddings": False}},
+        "output_dir": str(out_dir / f"z{stage}_{dtype}_tp{tensor}_lora{lora}_ep{expert}"), "seed": 1,
+        "parallel": {"tensor": tensor, "expert": expert},
+        "model": {"dtype": dtype, "lora": {"rank": lora}, "config": dict(MOE if expert > 1 else LLAMA)},
         "data": {"dir": str(data_dir)},
         "train": {"max_steps": 4, "micro_batch_size": 2, "global_batch_size": 8, "seq_len": 64},
         "checkpoint": {"save_final": False, "resume": "none"},
@@ -53,14 +55,14 @@ for stage, dtype, tensor, lora in CASES:
             if engine.is_gradient_accumulation_boundary():
                 measured = engine_state_bytes(engine)
             engine.step()
-        if tensor > 1 or lora:  # what `ds-train estimate` and `dry-run` say a rank holds, from the model's config
+        if tensor > 1 or lora or expert > 1:  # what `ds-train estimate` and `dry-run` say a rank holds (the config's)
             rows = run_estimate(cfg, str(root / "ds_configs" / f"zero{stage}.json"),
                                 Target(1, env.world_size, 80.0), None)["rows"]
             predicted = next(r for r in rows if r["given"])["model_states_gib"] * GiB
         else:
             predicted = model_states(n, stage, dtype, data).held
-        print("PROBE " + json.dumps({"stage": stage, "dtype": dtype, "tensor": tensor, "lora": lora, "rank": env.rank,
-                                     "measured": measured, "predicted": predicted}), flush=True)
+        print("PROBE " + json.dumps({"stage": stage, "dtype": dtype, "tensor": tensor, "lora": lora, "expert": expert,
+                                     "rank": env.rank, "measured": measured, "predicted": predicted}), flush=True)
         if tensor > 1 and stage == 1:  # activations: the same forward as the single-process test's
             batch = rank_micro_batches(inputs.data.train, 2, 8, 2, data_rank, data)[0]  # (micro, seq_len + 1)
             saved = {}

@@ -22,10 +22,11 @@ def test_predicted_model_states_match_what_each_rank_holds(tiny_data, tmp_path):
                   timeout=600)
     assert res.returncode == 0, res.out[-4000:]
     probes = [json.loads(m) for m in re.findall(r"PROBE (\{[^}]*\})", res.out)]  # ranks interleave
-    assert {(p["stage"], p["dtype"], p["tensor"], p["lora"], p["rank"]) for p in probes} == {
-        (s, d, 1, 0, r) for s in range(4) for d in ("fp32", "bf16") for r in range(2)} | {
-        (s, d, 2, 0, r) for s in (1, 2) for d in ("fp32", "bf16") for r in range(2)} | {
-        (0, "fp32", 2, 0, r) for r in range(2)} | {(s, "bf16", 1, 8, r) for s in (0, 2, 3) for r in range(2)}
+    assert {(p["stage"], p["dtype"], p["tensor"], p["lora"], p["expert"], p["rank"]) for p in probes} == {
+        (s, d, 1, 0, 1, r) for s in range(4) for d in ("fp32", "bf16") for r in range(2)} | {
+        (s, d, 2, 0, 1, r) for s in (1, 2) for d in ("fp32", "bf16") for r in range(2)} | {
+        (0, "fp32", 2, 0, 1, r) for r in range(2)} | {(s, "bf16", 1, 8, 1, r) for s in (0, 2, 3) for r in range(2)} | {
+        (s, "fp32", 1, 0, 2, r) for s in range(4) for r in range(2)}  # AutoEP 2: ZeRO 0-3
     for p in probes:
         assert p["predicted"] == pytest.approx(p["measured"], rel=0.05), p
     # AutoTP (tensor 2, ZeRO-1): the activations one forward saves on each tensor rank, against the
@@ -34,6 +35,20 @@ def test_predicted_model_states_match_what_each_rank_holds(tiny_data, tmp_path):
     assert {(a["dtype"], a["rank"]) for a in acts} == {(d, r) for d in ("fp32", "bf16") for r in range(2)}
     for a in acts:
         assert a["predicted"] == pytest.approx(a["measured"], rel=0.06), a
+
+
+def test_experts_split_over_ranks_are_held_in_share_and_partitioned_as_the_rest():
+    """AutoEP (parallel.expert 4 of world 8): a rank holds 1/4 of the experts, whole below ZeRO-3; ZeRO
+    partitions the experts' gradients and optimizer states over the 2 ranks that hold the same ones,
+    which is n / 8 in all, as without experts (measured: the probe above)."""
+    n, e, world = 1000.0, 800.0, 8
+    for stage in range(4):
+        dense, split = model_states(n, stage, "bf16", world), model_states(n, stage, "bf16", world, experts=e, expert=4)
+        whole = 2 * (n - e * 3 / 4)  # bf16 parameters a rank keeps whole
+        assert split.params == (2 * n / world if stage == 3 else whole)
+        assert split.grads == (whole if stage == 0 else dense.grads)
+        assert split.optimizer == (12 * (n - e * 3 / 4) if stage == 0 else dense.optimizer)
+    assert model_states(n, 1, "bf16", world, experts=e, expert=1) == model_states(n, 1, "bf16", world)
 
 
 def llama(**kw):

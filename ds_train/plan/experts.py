@@ -1,7 +1,8 @@
 """Expert parallelism (parallel.expert, DeepSpeed AutoEP): the mixture-of-experts models it takes (DeepSpeed's
 presets), how many experts a model has, and what `parallel.expert` ranks per expert group ask of the model and
 of the layout. AutoEP cuts its expert groups from the data-parallel ranks: the world size and the batch math
-do not change. The ds_config section it renders is `expert_parallel` (engine.render_ds_config).
+do not change. The ds_config section it renders is `expert_parallel` (engine.render_ds_config); the memory
+plan counts a rank's share of the experts (plan/memory.py, expert_param_count).
 
 What ds_train does not combine with experts yet is refused here, one line each, before anything is written:
 sequence and tensor parallelism, LoRA and preference training (check_expert_run); RIPT (ds_train/ript) and
@@ -32,6 +33,20 @@ def num_experts(hf_config) -> int | None:
     preset = autoep_preset(hf_config)
     value = getattr(hf_config, _presets()[preset].num_experts_attr, None) if preset else None
     return value if isinstance(value, int) else None
+
+
+def expert_param_count(model, hf_config) -> int:
+    """Parameters of the routed experts (every MoE layer's experts module, as the model's AutoEP preset
+    names them): what parallel.expert divides. 0 for a model without a preset."""
+    import re
+
+    preset = autoep_preset(hf_config)
+    if preset is None:
+        return 0
+    spec = _presets()[preset]
+    pattern = re.compile(spec.moe_layer_pattern + r"\." + re.escape(spec.experts_pattern))
+    return sum(p.numel() for name, module in model.named_modules() if pattern.fullmatch(name)
+               for p in module.parameters())
 
 
 def _choices(n: int) -> str:

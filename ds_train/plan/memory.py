@@ -28,6 +28,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ds_train.plan.experts import expert_param_count
+
 GiB = 2**30
 
 
@@ -58,26 +60,31 @@ def param_bytes(dtype: str) -> int:
 
 
 def model_states(n_params: int, stage: int, dtype: str, world: int, offload_optimizer: bool = False,
-                 offload_params: bool = False, trainable: float | None = None) -> ModelStates:
+                 offload_params: bool = False, trainable: float | None = None, experts: float = 0.0,
+                 expert: int = 1) -> ModelStates:
     """Per-rank bytes for parameters, gradients and optimizer states (table in the module doc).
     `trainable`: the parameters that train (LoRA: the adapters), when not all of them do: a frozen
-    parameter is held in the training dtype and has no gradient and no optimizer state."""
+    parameter is held in the training dtype and has no gradient and no optimizer state. `experts`:
+    the routed experts' parameters, split over `expert` ranks (AutoEP, parallel.expert): a rank holds
+    1/expert of them, and ZeRO partitions those over the world / expert ranks that hold the same ones,
+    so the partitioned columns are as without experts and the whole ones hold less."""
     p, n = param_bytes(dtype), n_params
     t = n if trainable is None else trainable
+    away = experts * (1 - 1 / expert)  # held by the other ranks of this rank's expert group
     mixed = dtype != "fp32"
     upcast = 4 - p if mixed else 0  # the step's fp32 gradient replaces the low-precision one
     accumulation = 0.0
     if stage == 0:
-        params, grads = p * n, p * t
-        optim = ((4 if mixed else 0) + 8) * t
-        transient = upcast * t
+        params, grads = p * (n - away), p * (t - away)
+        optim = ((4 if mixed else 0) + 8) * (t - away)
+        transient = upcast * (t - away)
     else:
-        params = p * n / (world if stage == 3 else 1)
+        params = p * n / world if stage == 3 else p * (n - away)
         grads = p * t / world
         optim = 12 * t / world
         transient = upcast * t / world
         if stage == 1:  # ZeRO-1 accumulates full-size gradients until the boundary reduce
-            accumulation = p * t * (1 - 1 / world)
+            accumulation = p * (t - away - t / world)
     cpu = 0.0
     if offload_optimizer and stage > 0:
         cpu += optim + transient
@@ -175,6 +182,7 @@ class ModelShape:
     tensor_split: int = 0  # parameters of the modules AutoTP splits across the tensor ranks (tp_plan)
     kv_heads: int = 0  # key/value heads (AutoTP splits them too); 0: unknown
     trainable: int = 0  # LoRA: the adapters and modules_to_save copies (n_params counts them too); 0: all
+    experts: int = 0  # the routed experts' parameters (what parallel.expert splits; plan/experts.py)
 
     def rank_params(self, tensor: int) -> float:
         """Parameters one rank holds under parallel.tensor (the split modules' share, the rest whole)."""
@@ -253,7 +261,8 @@ def model_shape(hf_config, lora=None) -> ModelShape:
     head_dim = getattr(hf_config, "head_dim", None) or hidden // heads
     return ModelShape(n_params, hf_config.num_hidden_layers, hidden,
                       getattr(hf_config, "intermediate_size", 4 * hidden), kv_heads * head_dim,
-                      hf_config.vocab_size, largest, heads, split, kv_heads, trainable)
+                      hf_config.vocab_size, largest, heads, split, kv_heads, trainable,
+                      expert_param_count(model, hf_config))
 
 
 @dataclass(frozen=True)
@@ -359,13 +368,13 @@ class Estimate:
 
 def estimate(shape: ModelShape, stage: int, dtype: str, world: int, micro_batch: int, seq_len: int,
              checkpointing: bool, zero: dict, tile_tokens: int = 0, mlp_tile_positions: int = 0,
-             tensor: int = 1, fused_loss: bool = False, fused_kernels: bool = False) -> Estimate:
+             tensor: int = 1, fused_loss: bool = False, fused_kernels: bool = False, expert: int = 1) -> Estimate:
     """One rank's memory: `world` the ranks ZeRO partitions over, `tensor` the AutoTP size (each
-    rank's model states are its share, ZeRO-partitioned over `world`)."""
+    rank's model states are its share, ZeRO-partitioned over `world`), `expert` the AutoEP size."""
     offload_opt = zero.get("offload_optimizer", {}).get("device") in ("cpu", "nvme")
     offload_par = zero.get("offload_param", {}).get("device") in ("cpu", "nvme")
     return Estimate(stage, model_states(shape.rank_params(tensor), stage, dtype, world, offload_opt, offload_par,
-                                        shape.trainable or None),
+                                        shape.trainable or None, shape.experts, expert),
                     activation_bytes(shape, micro_batch, seq_len, dtype, checkpointing, tile_tokens,
                                      mlp_tile_positions, tensor, fused_loss, fused_kernels),
                     buffer_bytes(zero, stage, dtype, shape))

@@ -221,8 +221,8 @@ def check_layout(cfg: RunConfig, template: dict, world_size: int | None, hf_conf
     run and the estimate, `launch --check` / `slurm`, and parity: at `world_size`, that the sizes
     divide it (plan_dims), the batch math over the data ranks (plan_batch), and the model's heads,
     window, what AutoTP shards and what AutoEP splits (check_model, check_expert_model; `hf_config`
-    None: not checked); then what the sizes cannot take with this DeepSpeed JSON (check_parallel). `world_size` None (the check step, before
-    the world is known): the last part alone, and None."""
+    None: not checked); then what the sizes cannot take with this DeepSpeed JSON (check_parallel).
+    `world_size` None (the check step, before the world is known): the last part alone, and None."""
     layout = None
     if world_size is not None:
         dims = plan_dims(cfg.parallel, world_size)

@@ -32,13 +32,14 @@ class Target:
         return self.nodes * self.gpus_per_node
 
 
-def tiles(cfg: RunConfig) -> tuple[int, int, int, bool, bool]:
+def tiles(cfg: RunConfig) -> tuple[int, int, int, bool, bool, int]:
     """The loss's and the MLP's tile sizes in tokens (train.loss_tile_tokens in tokens,
     train.mlp_tile_positions in positions of a sequence), the AutoTP size that splits the
     layers, whether the loss is fused and whether the layers run fused kernels (model.compile,
-    `auto` included: the plan is for GPUs; model.liger_kernels): estimate's last arguments."""
+    `auto` included: the plan is for GPUs; model.liger_kernels), and the AutoEP size that splits the
+    experts: estimate's last arguments."""
     return (cfg.train.loss_tile_tokens, cfg.train.mlp_tile_positions, cfg.parallel.tensor, cfg.train.fused_loss,
-            bool(fused_kernels(cfg)))
+            bool(fused_kernels(cfg)), cfg.parallel.expert)
 
 
 def fused_kernels(cfg: RunConfig) -> list[str]:
