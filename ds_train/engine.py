@@ -22,6 +22,7 @@ from ds_train.dsconfig import AUTO, check_optimizer, check_scheduler, resolve_ze
 from ds_train.errors import UserError
 from ds_train.model.workarounds import defer_muon_compile, output_capture_registry_takes_keys
 from ds_train.plan.batch import BatchPlan
+from ds_train.plan.experts import check_autoep_section
 
 # Top-level keys DeepSpeed 0.19 reads (deepspeed/runtime/config.py and the feature configs).
 KNOWN_TOP_LEVEL = {
@@ -173,6 +174,7 @@ def render_ds_config(template: dict, cfg: RunConfig, plan: BatchPlan, *, dtype: 
         raise UserError(f"{source}: zero_optimization.{leftover[0]} is \"auto\" but ds_train cannot "
                         f"derive it; give a value")
     _check_sections(ds, source)
+    check_autoep_section(ds, plan.data_parallel_size * cfg.parallel.sequence * cfg.parallel.tensor, source)
     return ds
 
 

@@ -116,3 +116,9 @@ def test_the_run_renders_the_expert_parallel_section_and_a_template_must_agree()
     with pytest.raises(UserError, match=r"t.json: expert_parallel.enabled=true, but parallel.expert=1; set "
                                         r"parallel.expert instead"):
         render({**zero2, "expert_parallel": {"enabled": True}}, run_config(), None)
+    with pytest.raises(UserError, match=r"t.json: expert_parallel.combine_implementation: not a key DeepSpeed's "
+                                        r"AutoEP reads \(did you mean 'combine_impl'\?\); it would be ignored"):
+        render({**zero2, "expert_parallel": {"combine_implementation": "weighted_sum"}})
+    with pytest.raises(UserError, match=r"t.json: expert_parallel: combine_impl must be one of .*got 'bogus'"):
+        render({**zero2, "expert_parallel": {"combine_impl": "bogus"}})  # DeepSpeed's own check, before any write
+

@@ -112,3 +112,33 @@ def expert_section(cfg: RunConfig, hf_config) -> dict | None:
     if cfg.parallel.expert == 1:
         return None
     return {"enabled": True, "autoep_size": cfg.parallel.expert, "preset_model": autoep_preset(hf_config)}
+
+
+def check_autoep_section(ds: dict, world: int, source: str) -> None:
+    """The rendered `expert_parallel` section as DeepSpeed's AutoEP reads and validates it inside
+    deepspeed.initialize, after the run directory is written, where a wrong value was a traceback and a
+    misspelt key silently ignored: here, before anything is written, one line naming the file and key."""
+    import dataclasses
+    import difflib
+
+    section = ds.get("expert_parallel")
+    if not isinstance(section, dict) or not section.get("enabled"):
+        return
+    from deepspeed.module_inject.auto_ep_config import AutoEPConfig, parse_autoep_config, validate_autoep_config
+
+    keys = [f.name for f in dataclasses.fields(AutoEPConfig) if not f.name.startswith("_")]
+    for key in section:
+        if key not in keys:
+            close = difflib.get_close_matches(key, keys, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise UserError(f"{source}: expert_parallel.{key}: not a key DeepSpeed's AutoEP reads{hint}; it would be "
+                            f"ignored")
+    zero = ds.get("zero_optimization") or {}
+    offloaded = [(zero.get(k) or {}).get("device") in ("cpu", "nvme") for k in ("offload_optimizer", "offload_param")]
+    tensor = int((ds.get("tensor_parallel") or {}).get("autotp_size", 1) or 1)
+    try:
+        validate_autoep_config(parse_autoep_config(section), world, 1, tensor, 1, zero_stage=int(zero.get("stage", 0)),
+                               zero_offload_optimizer=offloaded[0], zero_offload_param=offloaded[1])
+    except (ValueError, TypeError) as e:
+        raise UserError(f"{source}: expert_parallel: {e}") from None
+
