@@ -297,15 +297,17 @@ MOE_MODEL = {"model_type": "qwen3_moe", "hidden_size": 64, "intermediate_size": 
 
 
 @pytest.mark.slow
-def test_autoep_expert_parallelism_keeps_the_math(tiny_data, tmp_path):
-    """parallel.expert 2 (DeepSpeed AutoEP) on a tiny Qwen3-MoE (4 experts, top 2), ZeRO 1-3, on 2
-    processes (expert 2 x data 1 of them) and on 4 (expert groups of 2 within data 4), against the
-    one-process dense reference (the model's own MoE blocks, every expert on one rank): loss within 1e-5,
-    gradient norm within 1e-4, the held-out loss too. Each rank really holds half of each layer's experts,
-    and the tokens routed to the other half went there and back."""
+def test_autoep_expert_parallelism_keeps_the_math(sft_data, tmp_path):
+    """parallel.expert 2 (DeepSpeed AutoEP) on a tiny Qwen3-MoE (4 experts, top 2), SFT with examples
+    packed several to a sequence (unequal target counts a rank), ZeRO 1-3, on 2 processes (expert groups
+    of 2 within data 2) and on 4 (within data 4), against the one-process reference (the model's own MoE
+    blocks, every expert on one rank): loss within 1e-5, gradient norm within 1e-4, the held-out loss too.
+    Each rank really holds half of each layer's experts, and the tokens routed to the other half went
+    there and back. (Pretraining under EP: tests/test_checkpoint.py, killed and resumed bitwise.)"""
     cfg = write_config(tmp_path / "c.yaml", tiny_config(
-        tiny_data, tmp_path / "unused", model={"config": dict(MOE_MODEL)},
-        train={"global_batch_size": GLOBAL_BATCH, "micro_batch_size": 2}))
+        sft_data, tmp_path / "unused", model={"config": dict(MOE_MODEL)},
+        train={"global_batch_size": GLOBAL_BATCH, "micro_batch_size": 2},
+        data={"dir": str(sft_data), "format": "sft", "pack": True}))
     out = tmp_path / "parity"
     res = ds_train("parity", "--config", str(cfg), "--ds-config", *STAGES[1:], "--nproc", "2", "4",
                    "--expert", "2", "--steps", str(STEPS), "--out", str(out), timeout=900)

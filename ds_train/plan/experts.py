@@ -40,6 +40,8 @@ def expert_param_count(model, hf_config) -> int:
     names them): what parallel.expert divides. 0 for a model without a preset."""
     import re
 
+    if not any(name.endswith(".experts") for name, _ in model.named_modules()):
+        return 0  # a dense model (and DeepSpeed's registry not imported for it)
     preset = autoep_preset(hf_config)
     if preset is None:
         return 0
