@@ -136,10 +136,10 @@ def format_estimate(out: dict, target: Target) -> str:
                         f"{m['params'] / 1e6:,.2f}M parameters, ZeRO partitions them over the {par['data']} data ranks")
     if par.get("expert", 1) > 1:
         ep = par["expert"]
-        lines.insert(1, f"parallel: data {par['data']}, experts split over {ep} of them (AutoEP): each rank holds 1/{ep} "
-                        f"of the {m['experts'] / 1e6:,.1f}M expert parameters, whole below ZeRO-3; ZeRO partitions "
-                        f"their gradients and optimizer states over the {par['data'] // ep} rank(s) that hold the "
-                        f"same ones")
+        lines.insert(1, f"parallel: data {par['data']}, experts split over {ep} of them (AutoEP): each rank holds "
+                        f"1/{ep} of the {m['experts'] / 1e6:,.1f}M expert parameters, whole below ZeRO-3; ZeRO "
+                        f"partitions their gradients and optimizer states over the {par['data'] // ep} rank(s) that "
+                        f"hold the same ones")
     if out.get("suggestions"):
         lines.append("does not fit; changes ranked by cost, with the predicted per-GPU peak:")
         lines += format_suggestions(out["suggestions"])
