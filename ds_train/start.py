@@ -307,7 +307,8 @@ def _build_checkpointer(inputs: RunInputs, env: DistEnv, spec: RunSpec, checked:
     needed = checkpoint_bytes(model.n_params, stage, checked.dtype, env.world_size, ranks_here, model.trainable)
     site = SaveSite(checked.paths.checkpoints, env.rank, env.world_size, writer=agreed.writer,
                     where=f" (node {env.node_rank}, {host})",
-                    channel=dist.side_channel(env) if cfg.checkpoint.async_save else None)
+                    channel=dist.side_channel(env) if cfg.checkpoint.async_save else None,
+                    peer_gone_s=max(5 * cfg.watchdog.heartbeat_s, 5.0))
     hooks = SaveHooks(stop, rank_log, beat=heartbeat.beat, say=say, grace=kill_grace(launchers, os.environ))
     return Checkpointer(cfg.checkpoint, engine, site, hooks, last=spec.last, record=record, unit=spec.unit,
                         seq=agreed.decision.next_seq, needed_bytes=needed)

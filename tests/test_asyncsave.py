@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import collections
 import threading
+import time
+
+import pytest
 
 import torch
 
@@ -79,3 +82,37 @@ def test_writers_meet_share_and_abandon_a_save_through_the_store():
     one.meet("written")
     assert one.share(["a"]) == ["a"]
 
+
+@pytest.mark.timeout(30)  # without the check, the meeting waits for the dead rank forever
+def test_a_peer_whose_heartbeat_stands_still_is_gone_and_its_save_abandoned():
+    """A rank killed after its last collective (its writer outran the training) leaves no collective to
+    fail: the others, waiting in the store, stop once its heartbeat there (a watchdog's, republished
+    every heartbeat_s) has not changed for gone_s of their own clock, and name it. A peer that is slow
+    but beating is waited for, past gone_s."""
+    server = torch.distributed.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    channel = lambda: dist.SideChannel("127.0.0.1", server.port)  # noqa: E731 (one a thread)
+    stop = threading.Event()
+
+    def live_rank(rank: int, seq: int, arrive_after_s: float) -> None:  # its watchdog beats; its writer is late
+        ch, n, t0 = channel(), 0, time.monotonic()
+        while not stop.is_set():
+            ch.set(f"hb/{rank}", f'{{"n": {n}}}')
+            n += 1
+            if time.monotonic() - t0 > arrive_after_s:
+                ch.add(f"ckpt/{seq}/written", 1)
+                arrive_after_s = float("inf")
+            time.sleep(0.2)
+
+    try:
+        channel().set("hb/2", '{"n": 0}')  # rank 2 beat, then its process was killed
+        threading.Thread(target=live_rank, args=(1, 7, 0.5), daemon=True).start()
+        t0 = time.monotonic()
+        with pytest.raises(Abandoned, match=r"rank 2's heartbeat stopped \d+ s ago: its process is gone"):
+            StoreMeeting(channel(), 7, 0, 3, gone_s=1.5).meet("written")
+        assert time.monotonic() - t0 < 6
+        threading.Thread(target=live_rank, args=(1, 8, 3.0), daemon=True).start()  # late past gone_s, but beating
+        t0 = time.monotonic()
+        StoreMeeting(channel(), 8, 0, 2, gone_s=1.5).meet("written")
+        assert time.monotonic() - t0 > 2.5
+    finally:
+        stop.set()

@@ -75,18 +75,39 @@ class Abandoned(Exception):
 
 class StoreMeeting:
     """A save's barriers and rank 0's prune list through the rendezvous store (no collective: the
-    writer threads of all ranks meet while their main threads train). `channel` None: one process."""
+    writer threads of all ranks meet while their main threads train). `channel` None: one process.
+
+    A rank may die while the others wait here, after its last collective (a writer that outran the
+    training): no collective fails to say so. Each rank's watchdog republishes its heartbeat in the
+    store (hb/<r>) every heartbeat_s from its own thread, whatever its main thread does; a peer's that
+    stays the same for `gone_s` of this rank's clock (no clocks compared) is a process gone: the save
+    is abandoned, and the collective after it names the rank."""
 
     POLL_S = 0.02
 
-    def __init__(self, channel, seq: int, rank: int, world: int):
-        self.channel, self.rank, self.world = channel, rank, world
+    def __init__(self, channel, seq: int, rank: int, world: int, gone_s: float = 10.0):
+        self.channel, self.rank, self.world, self.gone_s = channel, rank, world, gone_s
         self.prefix = f"ckpt/{seq}/"
+        self._beats: dict[int, tuple[str, float]] = {}  # peer -> (its last heartbeat, when it changed)
+        self._looked = 0.0
 
     def _check(self) -> None:
         why = self.channel.get(self.prefix + "failed")
         if why is not None:
             raise Abandoned(why)
+        now = time.monotonic()
+        if now - self._looked < 1.0:
+            return
+        self._looked = now
+        for peer in (r for r in range(self.world) if r != self.rank):
+            beat = self.channel.get(f"hb/{peer}")
+            if beat is None:  # never published (no watchdog): not judged
+                continue
+            last, since = self._beats.get(peer, (None, now))
+            if beat != last:
+                self._beats[peer] = (beat, now)
+            elif now - since > self.gone_s:
+                raise Abandoned(f"rank {peer}'s heartbeat stopped {now - since:.0f} s ago: its process is gone")
 
     def meet(self, name: str) -> None:
         if self.channel is None:
@@ -118,8 +139,8 @@ class BackgroundSave:
     """One save: `start` (every rank; collectives) takes the snapshots and starts the writer
     thread; `join` waits for it and returns what went wrong on this rank (None: its part is done)."""
 
-    def __init__(self, channel, log):
-        self.channel, self.log = channel, log
+    def __init__(self, channel, log, gone_s: float = 10.0):
+        self.channel, self.log, self.gone_s = channel, log, gone_s
         self.thread: threading.Thread | None = None
         self.error: BaseException | None = None
         self.stall_s = self.write_s = 0.0
@@ -139,7 +160,7 @@ class BackgroundSave:
         files = [*capture.files, (str(checkpoint.rank_file(ckpt_dir / self.tag, rank)),
                                   snapshot(checkpoint.rank_record(rank_state)))]
         needed = checkpoint.needed_files(engine, ckpt_dir, self.tag)
-        meeting = StoreMeeting(self.channel, seq, rank, world)
+        meeting = StoreMeeting(self.channel, seq, rank, world, self.gone_s)
         serialize = getattr(inner, "zipfile_serialization", True)
         self.stall_s = time.perf_counter() - t0
 

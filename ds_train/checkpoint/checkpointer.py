@@ -42,7 +42,8 @@ def grace_warning(save_s: float, grace: tuple[str, float] | None) -> str | None:
 class SaveSite:
     """Where and as whom this rank saves: the run's checkpoint directory, its rank of `world`, whether
     it writes what a tag shares (the marker, `latest`; None: rank 0), how a failed save's line names
-    it (" (node 0, host)"), and the rendezvous store where background saves meet (None: one process)."""
+    it (" (node 0, host)"), the rendezvous store where background saves meet (None: one process), and
+    how long a peer's heartbeat may stand still there before its process counts as gone."""
 
     ckpt_dir: Path
     rank: int = 0
@@ -50,6 +51,7 @@ class SaveSite:
     writer: bool | None = None
     where: str = ""
     channel: Any = None
+    peer_gone_s: float = 10.0
 
 
 @dataclass(frozen=True)
@@ -80,7 +82,7 @@ class Checkpointer:
         self.engine, self.cfg, self.last, self.unit, self.record = engine, cfg, last, unit, record
         self.ckpt_dir, self.rank, self.world, self.where = site.ckpt_dir, site.rank, site.world, site.where
         self.writer = site.rank == 0 if site.writer is None else site.writer
-        self.channel = site.channel
+        self.channel, self.peer_gone_s = site.channel, site.peer_gone_s
         self.stop, self.log, self.beat, self.say, self.grace = hooks.stop, hooks.log, hooks.beat, hooks.say, hooks.grace
         self.seq, self.needed_bytes = seq, needed_bytes
         self.fault = save_fault(cfg.debug_fault, site.rank)
@@ -117,7 +119,7 @@ class Checkpointer:
                 self.cfg.keep, self.writer, self.seq, rank_state, self.fault)
         try:
             if background:
-                self.inflight = BackgroundSave(self.channel, self.log)
+                self.inflight = BackgroundSave(self.channel, self.log, self.peer_gone_s)
                 tag = self.inflight.start(*args)
             else:
                 tag = save(*args)
