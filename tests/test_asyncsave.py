@@ -106,13 +106,10 @@ def test_a_peer_whose_heartbeat_stands_still_is_gone_and_its_save_abandoned():
     try:
         channel().set("hb/2", '{"n": 0}')  # rank 2 beat, then its process was killed
         threading.Thread(target=live_rank, args=(1, 7, 0.5), daemon=True).start()
-        t0 = time.monotonic()
         with pytest.raises(Abandoned, match=r"rank 2's heartbeat stopped \d+ s ago: its process is gone"):
             StoreMeeting(channel(), 7, 0, 3, gone_s=1.5).meet("written")
-        assert time.monotonic() - t0 < 6
         threading.Thread(target=live_rank, args=(1, 8, 3.0), daemon=True).start()  # late past gone_s, but beating
-        t0 = time.monotonic()
-        StoreMeeting(channel(), 8, 0, 2, gone_s=1.5).meet("written")
-        assert time.monotonic() - t0 > 2.5
+        StoreMeeting(channel(), 8, 0, 2, gone_s=1.5).meet("written")  # no Abandoned: it waited for rank 1
+        assert channel().add("ckpt/8/written", 0) == 2
     finally:
         stop.set()
