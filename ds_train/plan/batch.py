@@ -108,3 +108,12 @@ def rollout_update_steps(contexts_per_rank: int, rollouts_per_context: int, plan
                         f"set train.global_batch_size to {rows * plan.data_parallel_size} (one optimizer step per "
                         f"iteration) or that divided by the steps you want")
     return rows // plan.sequences_per_rank
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def choices(values: list[int]) -> str:
+    """`values` in words: "1, 2 or 4"."""
+    return ", ".join(map(str, values[:-1])) + (" or " if len(values) > 1 else "") + str(values[-1])

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from ds_train.config import RunConfig
 from ds_train.errors import UserError
+from ds_train.plan.batch import choices, divisors
 
 
 def _presets() -> dict:
@@ -51,11 +52,6 @@ def expert_param_count(model, hf_config) -> int:
                for p in module.parameters())
 
 
-def _choices(n: int) -> str:
-    divisors = [d for d in range(1, n + 1) if n % d == 0]
-    return ", ".join(map(str, divisors[:-1])) + (" or " if len(divisors) > 1 else "") + str(divisors[-1])
-
-
 def check_expert_model(expert: int, hf_config) -> None:
     """A model AutoEP can split into `expert` groups: one of its presets' types, its experts divisible.
     Any mixture-of-experts model: no router loss asked for that ds_train's loss would leave out."""
@@ -74,14 +70,14 @@ def check_expert_model(expert: int, hf_config) -> None:
     experts = num_experts(hf_config)
     if experts is not None and experts % expert:
         raise UserError(f"parallel.expert={expert} does not divide the model's {experts} experts per layer; choose "
-                        f"{_choices(experts)}")
+                        f"{choices(divisors(experts))}")
 
 
 def check_expert_data(expert: int, data: int) -> None:
     """Expert groups are cut from the data-parallel ranks: `expert` must divide them."""
     if expert > 1 and data % expert:
         raise UserError(f"parallel.expert={expert} does not divide the {data} data-parallel rank(s) (AutoEP cuts its "
-                        f"expert groups from them); choose {_choices(data)}, or launch a multiple of {expert} "
+                        f"expert groups from them); choose {choices(divisors(data))}, or launch a multiple of {expert} "
                         f"data-parallel ranks")
 
 

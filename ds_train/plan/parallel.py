@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from ds_train.config import ParallelConfig, RunConfig
 from ds_train.errors import UserError
-from ds_train.plan.batch import BatchPlan, plan_batch, sample_rows
+from ds_train.plan.batch import BatchPlan, choices, divisors, plan_batch, sample_rows
 from ds_train.plan.experts import check_expert_data, check_expert_model, check_expert_run
 from ds_train.plan.memory import tp_plan
 
@@ -77,21 +77,13 @@ class ParallelDims:
                    int(record.get("expert", 1)))
 
 
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
-def choices(values: list[int]) -> str:
-    return ", ".join(map(str, values[:-1])) + (" or " if len(values) > 1 else "") + str(values[-1])
-
-
 def plan_dims(p: ParallelConfig, world_size: int) -> ParallelDims:
     """The layout of `world_size` ranks: sequence x tensor must divide it (one line naming the
     numbers and the sizes that do)."""
     model = p.sequence * p.tensor
     if world_size % model:
         raise UserError(f"parallel.sequence={p.sequence} x parallel.tensor={p.tensor} = {model} does not divide "
-                        f"the world size {world_size}; choose sizes whose product is {choices(_divisors(world_size))}, "
+                        f"the world size {world_size}; choose sizes whose product is {choices(divisors(world_size))}, "
                         f"or launch a multiple of {model} ranks")
     check_expert_data(p.expert, world_size // model)
     return ParallelDims(world_size // model, p.sequence, p.tensor, p.expert)
@@ -110,10 +102,10 @@ def check_heads(dims: ParallelDims, hf_config, where: str = "the model") -> None
             continue
         if heads % size:
             problems.append(f"parallel.{key}={size} does not divide {where}'s {heads} attention heads; choose "
-                            f"{choices(_divisors(heads))}")
+                            f"{choices(divisors(heads))}")
         # Ulysses replicates key/value heads when there are fewer than ranks; AutoTP cannot.
         elif key == "tensor" and kv % size or key == "sequence" and kv % size and size % kv:
-            fits = [d for d in _divisors(heads) if kv % d == 0 or (key == "sequence" and d % kv == 0)]
+            fits = [d for d in divisors(heads) if kv % d == 0 or (key == "sequence" and d % kv == 0)]
             problems.append(f"parallel.{key}={size} does not divide {where}'s {kv} key/value heads; choose "
                             f"{choices(fits)}")
     if problems:
@@ -159,7 +151,7 @@ def check_tensor_model(dims: ParallelDims, hf_config) -> None:
     for key, split in sharded.items():
         size = getattr(hf_config, key, None)
         if split and isinstance(size, int) and size % dims.tensor:
-            fits = [d for d in _divisors(size) if d <= 64]
+            fits = [d for d in divisors(size) if d <= 64]
             problems.append(f"parallel.tensor={dims.tensor} does not divide the model's {key} {size} (AutoTP splits "
                             f"it); choose {choices(fits)}")
     if problems:
