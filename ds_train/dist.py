@@ -104,7 +104,6 @@ def _open_store(env: DistEnv, port: int, timeout_s: float, server: bool):
     import datetime
 
     from torch.distributed import TCPStore
-
     return TCPStore(env.master_addr, port, env.world_size, is_master=server,
                     timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False)
 
@@ -385,6 +384,13 @@ def release_shared_memory(env: DistEnv) -> None:
         for path in glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_*_{os.environ.get('MASTER_PORT', '')}_*"):
             with contextlib.suppress(OSError):  # already gone
                 os.unlink(path)
+
+
+def leave() -> None:
+    """Every rank out of the process group together: one exiting with it up while a peer tears its own
+    down can abort at exit (gloo: "terminate called without an active exception"), code 2 turned -6."""
+    barrier()
+    shutdown()
 
 
 def shutdown() -> None:

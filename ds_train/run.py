@@ -237,7 +237,7 @@ class Run:
         self.logger.close()
         self.life.watchdog.stop("ended" if exc is None else "stopped" if isinstance(exc, RunStopped) else "failed")
         self.rank_log.info(_ending(exc))
-        if exc is None or isinstance(exc, RunStopped):  # every rank is here: collectives cannot hang
+        if exc is None or isinstance(exc, (RunStopped, AgreedError)):  # every rank is here: collectives cannot hang
             dist.barrier()
             if not self.spec.keep_group:
                 dist.release_shared_memory(self.env)

@@ -81,8 +81,10 @@ def build_run(inputs: RunInputs, env: DistEnv, spec: RunSpec, quiet: bool = Fals
     stop = StopRequest()
     try:
         run = _build_run(inputs, env, spec, stop, quiet)
-    except BaseException:
+    except BaseException as e:
         stop.restore()
+        if isinstance(e, AgreedError):  # every rank is here: they leave the process group together
+            dist.leave()
         raise
     gc.freeze()  # the start-up's objects (modules, the model) out of the run's collections (Run.__exit__ thaws them)
     gc.enable()  # off since the process started (ds_train.__main__.cli): the start-up is over
