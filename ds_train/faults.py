@@ -98,6 +98,10 @@ LOSS_FAULTS = {
     "drop_micro_batch": "global rank 0's last micro-batch of every step adds nothing to the gradient or the loss",
     "sequence_divisor": "the gradient is divided by the data-parallel size under ZeRO-3 and by data x sequence "
                         "under ZeRO 0-2: the other stage's rule, off by parallel.sequence",
+    "router_counts_local": "a mixture-of-experts model's tokens per expert are each rank's own, not summed over "
+                           "the ranks",
+    "aux_loss_summed": "the router's auxiliary loss is summed over a rank's micro-batches, not averaged: it weighs "
+                       "gradient-accumulation-steps times as much",
 }
 
 

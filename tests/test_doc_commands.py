@@ -166,6 +166,10 @@ WAYS = [
         "each kind of source", "ds-train prepare --help"),
     Way(_exact("deepspeed --num_gpus 2 --module ds_train train --config recipes/sft.yaml --ds-config "
                "ds_configs/zero2.json"), REDUCED, "2 steps", f"{{cmd}} train.max_steps=2 {LEAN}"),
+    Way(_exact("deepspeed --num_gpus 2 --module ds_train train --config recipes/moe.yaml --ds-config "
+               "ds_configs/zero2.json"), REDUCED, "2 steps: AutoEP's experts split over the 2 ranks, the router's "
+        "load and loss on the console", f"{{cmd}} train.max_steps=2 {LEAN}",
+        expect=("moe/load_max_mean ", "moe/aux_loss ", "train: done, 2 steps")),
     Way(_exact("deepspeed --num_gpus 2 --module ds_train train --config recipes/sft_lora.yaml --ds-config "
                "ds_configs/zero2.json"), REDUCED, "2 steps", f"{{cmd}} train.max_steps=2 {LEAN}"),
     Way(r"ds-train export runs/sft_lora --out runs/sft_lora_(adapter|merged --merge)", AS_WRITTEN,

@@ -136,6 +136,7 @@ KEY_NOT_CITED = {
     "real/rl_no_signal": "the class is told by metrics.jsonl's statistics (test_post_training_findings_cite_"
                          "the_runs_own_statistics), not by a log line",
     "real/rl_truncated": "as real/rl_no_signal",
+    "real/router_collapse": "as real/rl_no_signal: metrics.jsonl's expert load tells it (tests/test_routers.py)",
     # Known gaps (the doctor's class and fixes are right, its evidence misses the clearest line):
     "real/rendezvous/console.log": "evidence stops at 3 lines; ds_train's own start-up line (40) comes after "
                                    "torch's store errors (2, 3, 21)",

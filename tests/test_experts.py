@@ -4,6 +4,8 @@ models it takes, the sizes that divide their experts and the data ranks, what is
 
 from __future__ import annotations
 
+import re
+
 import pytest
 from transformers import AutoConfig
 
@@ -14,7 +16,7 @@ from ds_train.dsconfig import read_ds_template
 from ds_train.engine import render_ds_config
 from ds_train.errors import UserError
 from ds_train.plan.batch import plan_batch
-from ds_train.plan.experts import autoep_preset, check_expert_model, expert_section, num_experts
+from ds_train.plan.experts import check_router_loss, autoep_preset, check_expert_model, expert_section, num_experts
 from ds_train.plan.parallel import ParallelDims, check_layout, plan_dims
 
 MOE = {"model_type": "qwen3_moe", "hidden_size": 64, "intermediate_size": 128, "moe_intermediate_size": 32,
@@ -70,12 +72,15 @@ def test_sizes_the_model_or_the_ranks_cannot_take_are_one_line(expert, world, mo
     check_expert_model(1, hf)  # parallel.expert=1: any model
 
 
-def test_a_router_loss_asked_for_is_refused_rather_than_left_out():
-    with pytest.raises(UserError, match=r"model.config.output_router_logits=true: the router's auxiliary "
-                                        r"\(load-balancing\) loss is not in ds_train's loss yet"):
-        check_layout(run_config(), read_ds_template(ROOT / "ds_configs" / "zero2.json"), 2,
-                     moe_config(output_router_logits=True))
-    check_expert_model(2, moe_config(output_router_logits=False))
+def test_a_router_loss_is_refused_where_the_loss_would_leave_it_out_or_a_rank_sees_part_of_a_sequence():
+    template = read_ds_template(ROOT / "ds_configs" / "zero2.json")
+    moe = moe_config(output_router_logits=True)
+    check_layout(run_config(), template, 2, moe)  # pretraining and SFT train it (tests/test_parity.py)
+    for changes, where in (({"data": {"format": "preference"}}, "data.format=preference: the DPO loss does not add it"),
+                           ({"parallel": {"sequence": 2}}, "parallel.sequence=2: each rank routes part of a sequence")):
+        with pytest.raises(UserError, match=re.escape(f"model.config.output_router_logits=true with {where}")):
+            check_router_loss(run_config(**changes), moe)
+    check_router_loss(run_config(data={"format": "preference"}), moe_config(output_router_logits=False))
 
 
 def test_what_experts_are_not_combined_with_yet_is_refused_in_one_line_each():

@@ -298,23 +298,35 @@ MOE_MODEL = {"model_type": "qwen3_moe", "hidden_size": 64, "intermediate_size": 
 
 @pytest.mark.slow
 def test_autoep_expert_parallelism_keeps_the_math(sft_data, tmp_path):
-    """parallel.expert 2 (DeepSpeed AutoEP) on a tiny Qwen3-MoE (4 experts, top 2), SFT with examples
-    packed several to a sequence (unequal target counts a rank), ZeRO 1-3, on 2 processes (expert groups
-    of 2 within data 2) and on 4 (within data 4), against the one-process reference (the model's own MoE
-    blocks, every expert on one rank): loss within 1e-5, gradient norm within 1e-4, the held-out loss too.
+    """parallel.expert 2 (DeepSpeed AutoEP) on a tiny Qwen3-MoE (4 experts, top 2, its router loss trained:
+    output_router_logits), SFT with examples packed several to a sequence (unequal target counts a rank),
+    ZeRO 1-3, on 2 processes (expert groups of 2 within data 2) and on 4 (within data 4), against the
+    one-process reference (the model's own MoE blocks, every expert on one rank): loss within 1e-5,
+    gradient norm within 1e-4, the held-out loss and the router's aux loss too, and the tokens each
+    layer's router sent to each expert, summed over the ranks, equal to the reference's counts.
     Each rank really holds half of each layer's experts, and the tokens routed to the other half went
-    there and back. (Pretraining under EP: tests/test_checkpoint.py, killed and resumed bitwise.)"""
+    there and back. ZeRO-1 has a wrong reduction of the router statistics injected
+    (train.debug_loss_fault=router_counts_local): it trains the same, and parity fails it on them.
+    (Pretraining under EP: tests/test_checkpoint.py, killed and resumed bitwise.)"""
     cfg = write_config(tmp_path / "c.yaml", tiny_config(
-        sft_data, tmp_path / "unused", model={"config": dict(MOE_MODEL)},
+        sft_data, tmp_path / "unused", model={"config": dict(MOE_MODEL, output_router_logits=True)},
         train={"global_batch_size": GLOBAL_BATCH, "micro_batch_size": 2},
         data={"dir": str(sft_data), "format": "sft", "pack": True}))
     out = tmp_path / "parity"
     res = ds_train("parity", "--config", str(cfg), "--ds-config", *STAGES[1:], "--nproc", "2", "4",
-                   "--expert", "2", "--steps", str(STEPS), "--out", str(out), timeout=900)
-    assert res.returncode == 0, res.out[-6000:]
-    assert "verdict: PASS: 6 of 6 layout(s) within tolerance of the reference over 5 steps" in res.out, res.out[-3000:]
+                   "--expert", "2", "--steps", str(STEPS), "--out", str(out),
+                   "train.debug_loss_fault=router_counts_local:1", timeout=900)
+    assert res.returncode == 1, res.out[-6000:]
+    assert "verdict: FAIL: 4 of 6 layout(s) within tolerance of the reference over 5 steps" in res.out, res.out[-3000:]
     assert "zero3_np4_ep2_accum1: ZeRO-3, fp32, 4 process(es), expert parallel 2, micro 2 x accum 1" in res.out
+    verdicts = re.findall(r"^(zero\d_np\d_ep2)_accum\d: .*\n(?:.*\n)*?  router: (.*)\n  (PASS|FAIL)", res.out, re.M)
+    assert [(name, verdict) for name, _, verdict in verdicts] == [
+        (f"zero{stage}_np{world}_ep2", "FAIL" if stage == 1 else "PASS") for world in (2, 4) for stage in (1, 2, 3)]
+    assert all("off the reference's 0.0e+00 (<= 0.001)" in said for name, said, _ in verdicts if "zero1" not in name)
     ref = metrics(out / "reference")
+    assert all(ref[s]["moe/aux_loss"] > 0 and len(ref[s]["moe/tokens_per_expert"]) == 2 for s in ref)
+    tokens = [sum(map(sum, ref[s]["moe/tokens_per_expert"])) for s in ref]
+    assert len(set(tokens)) == 1 and tokens[0] == 2 * 2 * GLOBAL_BATCH * 64  # layers x top 2 x every token, once
     for stage in (1, 2, 3):
         for world in (2, 4):
             run = out / f"zero{stage}_np{world}_ep2_accum{GLOBAL_BATCH // (2 * world)}"
@@ -323,6 +335,12 @@ def test_autoep_expert_parallelism_keeps_the_math(sft_data, tmp_path):
             assert json.loads((run / "ds_config.json").read_text())["expert_parallel"] == {
                 "enabled": True, "autoep_size": 2, "preset_model": "qwen3_moe"}
             assert_matches(run, ref)
+            got = metrics(run)
+            for s in got:
+                assert rel(got[s]["moe/aux_loss"], ref[s]["moe/aux_loss"]) <= 1e-5, (run.name, s)
+                counts = got[s]["moe/tokens_per_expert"]
+                assert (counts == ref[s]["moe/tokens_per_expert"]) == (stage > 1), (run.name, s)  # exact
+                assert stage > 1 or sum(map(sum, counts)) < sum(map(sum, ref[s]["moe/tokens_per_expert"]))
             for r in range(world):
                 log = (run / "logs" / f"rank_{r}.log").read_text()
                 assert f"AutoEP: 2 MoE layer(s) split; expert rank {r % 2} holds 2 of each one's 4 experts" in log

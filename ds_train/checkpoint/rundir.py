@@ -100,12 +100,14 @@ TRAIN = RunKind(
     "train", "step", "train.max_steps", "results.json",
     console_keys=("train/loss", "rewards/accuracies", "rewards/margins", "eval/loss", "eval/ppl",
                   "eval/rewards/accuracies", "optim/lr", "optim/grad_norm", "perf/tokens_per_s",
-                  "perf/step_time_s", "perf/mfu", "mem/max_rank_gib", "mem/max_rank_rss_gib"),
+                  "perf/step_time_s", "perf/mfu", "mem/max_rank_gib", "mem/max_rank_rss_gib", "moe/load_max_mean",
+                  "moe/aux_loss"),
     curves=(("loss", "train/loss"), ("eval loss", "eval/loss"), ("reward accuracy", "rewards/accuracies"),
             ("held-out reward accuracy", "eval/rewards/accuracies"), ("lr", "optim/lr"),
             ("grad norm", "optim/grad_norm"),
-            ("tokens/s", "perf/tokens_per_s"), ("MFU", "perf/mfu")),
-    figures=("loss", "lr", "throughput", "memory"), progress=("train/loss", "loss"))
+            ("tokens/s", "perf/tokens_per_s"), ("MFU", "perf/mfu"), ("expert load max/mean", "moe/load_max_mean"),
+            ("router aux loss", "moe/aux_loss")),
+    figures=("loss", "lr", "throughput", "memory", "experts"), progress=("train/loss", "loss"))
 RIPT = RunKind(
     "ript", "iteration", "ript.iterations", "ript_results.json",
     console_keys=("ript/success_rate", "ript/reward_mean", "ript/accepted", "ript/rejected", "ript/checked",

@@ -113,7 +113,8 @@ class TrainConfig(Section):
                                          "infinite, to rehearse the non-finite handling.")
     debug_loss_fault: str = _f("", "Fault injection: KIND[:STAGE][,...] breaks the loss math on purpose, so "
                                    "that `ds-train parity` is seen to catch it (under ZeRO stage STAGE only, when "
-                                   "given): mean_of_rank_means, drop_micro_batch or sequence_divisor.")
+                                   "given): mean_of_rank_means, drop_micro_batch, sequence_divisor, "
+                                   "router_counts_local or aux_loss_summed.")
 
     def check(self) -> list[str]:
         from ds_train.faults import loss_fault_problem

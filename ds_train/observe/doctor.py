@@ -75,16 +75,19 @@ PATTERNS: list[tuple[str, str, str]] = [
 # Causes before consequences: the finding of the class listed first heads the report.
 PRIORITY = ["config_error", "missing_module", "op_build", "ssh", "port_in_use", "wandb_login", "disk_full", "cuda_oom",
             "cuda_error", "cpu_oom", "nccl_error", "nccl_timeout", "rendezvous", "nonfinite", "hang", "killed_rank",
-            "rank_error", "rl_truncated", "rl_no_signal"]
+            "rank_error", "rl_truncated", "rl_no_signal", "router_collapse"]
 COMPILED = [(cls, title, re.compile(p)) for cls, title, p in PATTERNS]
 RANK_ERROR = next(p for cls, _, p in COMPILED if cls == "rank_error")
 # Findings of a post-training run's statistics (metrics.jsonl), not of its logs.
 TITLES = {cls: title for cls, title, _ in PATTERNS} | {
     "rl_no_signal": "post-training without a learning signal: every group's rewards were equal",
-    "rl_truncated": "post-training rollouts cut off at their token limit"}
+    "rl_truncated": "post-training rollouts cut off at their token limit",
+    "router_collapse": "a collapsed mixture-of-experts router: one expert takes most of a layer's tokens"}
 RL_RECENT = 5  # the syncs a post-training finding looks at
 RL_NO_SIGNAL = 0.95  # the share of groups with equal rewards above which nothing is learned
 RL_TRUNCATED = 0.5  # the share of truncated rollouts above which the limit decides the reward
+ROUTER_RECENT = 5  # the logged steps a collapsed router must show it on, each
+ROUTER_COLLAPSED = 0.5  # the share of a layer's tokens choosing one expert (and 2x a uniform router's) that is collapse
 # Lines that look alarming and are not: DeepSpeed's and torch's routine warnings.
 BENIGN = re.compile(r"\[WARNING\].*(get_lr|Setting accelerator|real_accelerator)|UserWarning|FutureWarning|"
                     r"DeprecationWarning|^\s*warnings\.warn")
@@ -236,6 +239,7 @@ def _from_records(view, found: dict[str, Finding]) -> None:
         _stuck_without_report(view, found)
     if view.kind.name == "ript":
         _post_training(view, found)
+    _router_collapse(view, found)
     losses = [r.get("train/loss") for r in view.metrics[-3:]]
     bad = [x for x in losses if isinstance(x, float) and not math.isfinite(x)]
     if bad:
@@ -276,6 +280,24 @@ def _post_training(view, found: dict[str, Finding]) -> None:
             success = [r.get("ript/success_rate") for r in recent]
             if cls == "rl_no_signal" and all(isinstance(x, (int, float)) for x in success):
                 f.context.append(f"success rate {min(success):.2f}-{max(success):.2f}")
+
+
+def _router_collapse(view, found: dict[str, Finding]) -> None:
+    """A mixture-of-experts layer whose router sent most tokens to one expert on each of the last
+    ROUTER_RECENT logged steps (ds_train/model/routers.py's metrics)."""
+    recent = [r for r in view.metrics if r.get("moe/tokens_per_expert")][-ROUTER_RECENT:]
+    if len(recent) < ROUTER_RECENT:
+        return
+    limit = min(1.0, max(ROUTER_COLLAPSED, 2 * recent[-1].get("moe/uniform_share", 0.0)))
+    for layer in range(len(recent[-1]["moe/layer_top_share"])):
+        shares = [r["moe/layer_top_share"][layer] for r in recent if layer < len(r["moe/layer_top_share"])]
+        if len(shares) < len(recent) or min(shares) < limit:
+            continue
+        row = recent[-1]["moe/tokens_per_expert"][layer]
+        f = found.setdefault("router_collapse", Finding("router_collapse", TITLES["router_collapse"]))
+        f.evidence.append(f"metrics.jsonl: steps {recent[0]['step']}-{recent[-1]['step']}: MoE layer {layer}'s expert "
+                          f"{row.index(max(row))} was chosen by {min(shares):.0%}-{max(shares):.0%} of its tokens "
+                          f"(a uniform router: {recent[-1].get('moe/uniform_share', 0.0):.0%})")
 
 
 def _stuck_without_report(view, found: dict[str, Finding]) -> None:

@@ -107,6 +107,22 @@ class _Plotter:
         ax.set(xlabel="step", ylabel="GiB")
         return self.finish(fig, [ax], "memory per rank")
 
+    def experts(self):
+        """A mixture-of-experts run's router load per layer (None for a dense run: no figure)."""
+        if not any(r.get("moe/layer_load_max_mean") for _, recs in self.runs for r in recs):
+            return None
+        fig, (top, bottom) = self.plt.subplots(2, 1, figsize=(7, 6), sharex=True)
+        for label, recs in self.runs:
+            layers = max((len(r.get("moe/layer_load_max_mean") or []) for r in recs), default=0)
+            for layer in range(layers):
+                logged = [r for r in recs if len(r.get("moe/layer_load_max_mean") or []) > layer]
+                self.line(top, [r["step"] for r in logged], [r["moe/layer_load_max_mean"][layer] for r in logged],
+                          self.name(label, f"layer {layer}"))
+            self.line(bottom, *series(recs, "moe/aux_loss"), self.name(label, "aux loss"))
+        top.set(ylabel="busiest expert's load / mean (1: balanced)")
+        bottom.set(xlabel="step", ylabel="router aux loss")
+        return self.finish(fig, [top, bottom], "mixture of experts: router load per layer")
+
     def success(self):
         fig, ax = self.plt.subplots(figsize=(7, 4))
         for label, recs in self.runs:
@@ -144,14 +160,15 @@ class _Plotter:
         return self.finish(fig, [top, bottom], "post-training: rewards, filtering, truncation, KL")
 
 
-FIGURES = ("loss", "lr", "throughput", "memory", "success", "heldout", "rewards")  # what a RunKind may name
+FIGURES = ("loss", "lr", "throughput", "memory", "experts", "success", "heldout", "rewards")  # what a RunKind may name
 
 
 def figures(runs: list[tuple[str, list[dict]]], kind: RunKind = TRAIN) -> dict:
     """{name: Figure} of the kind's figures for runs given as (label, metrics records); several
     runs are overlaid."""
     plotter = _Plotter(runs)
-    return {name: getattr(plotter, name)() for name in kind.figures}
+    drawn = {name: getattr(plotter, name)() for name in kind.figures}
+    return {name: fig for name, fig in drawn.items() if fig is not None}  # None: nothing to draw (a dense run)
 
 
 def write_plots(runs: list[tuple[str, list[dict]]], out_dir: Path, kind: RunKind = TRAIN) -> list[Path]:

@@ -18,6 +18,10 @@ FP32_TOLERANCES = (1e-5, 1e-4)
 # a layout may differ by FLOOR_FACTOR times it. (Measured on CPU, 8 steps, ZeRO 0-3 x 1-2 ranks x
 # accumulation 1 and 4, Ulysses 2, AutoTP 2: every layout within 2.5x of the floor.)
 FLOOR_FACTOR = 4
+# A mixture-of-experts model's routing (tokens per expert per layer, summed over ranks) against the
+# reference's: the share of routing choices that may differ (a near tie in a router's scores can break
+# the other way under another summation order; a wrong reduction moves a third or more).
+ROUTER_TOLERANCE = 1e-3
 
 
 def noise_floor(floor: dict, reference: dict) -> tuple[dict, dict]:
@@ -56,7 +60,24 @@ def series(run_dir: Path) -> dict:
     records = {r["step"]: r for r in read_metrics(RunPaths(run_dir).metrics)}
     steps = {s: (r.get("train/loss"), r.get("optim/grad_norm")) for s, r in sorted(records.items())}
     last = records[max(records)] if records else {}
-    return {"steps": steps, "eval": last.get("eval/loss")}
+    router = {s: r["moe/tokens_per_expert"] for s, r in sorted(records.items()) if "moe/tokens_per_expert" in r}
+    aux = {s: r["moe/aux_loss"] for s, r in sorted(records.items()) if "moe/aux_loss" in r}
+    return {"steps": steps, "eval": last.get("eval/loss"), "router": router, "aux": aux}
+
+
+def router_difference(layout: dict, reference: dict) -> tuple[float, int, int]:
+    """The largest share of routing choices (tokens per expert, over layers) that differ from the
+    reference's at a step, and at which step; how many steps the layout lacks the counts of."""
+    worst, at, missing = 0.0, 0, 0
+    for step, ref in reference.get("router", {}).items():
+        got = layout.get("router", {}).get(step)
+        if got is None or len(got) != len(ref) or any(len(a) != len(b) for a, b in zip(got, ref)):
+            missing += 1
+            continue
+        moved = sum(abs(a - b) for row, ref_row in zip(got, ref) for a, b in zip(row, ref_row))
+        share = moved / max(1, sum(map(sum, ref)) + sum(map(sum, got)))
+        worst, at = max((worst, at), (share, step))
+    return worst, at, missing
 
 
 def compare(layout: dict, reference: dict, loss_tol: float | dict, grad_tol: float | dict) -> tuple[list[str], bool]:
@@ -81,6 +102,20 @@ def compare(layout: dict, reference: dict, loss_tol: float | dict, grad_tol: flo
     worst["loss"] = max(worst["loss"], (de / eval_tol, de, eval_tol, "eval"), key=lambda w: w[0])
     lines.append(f"  {'eval':>5} {_num(layout['eval'], 13)} {_num(reference['eval'], 13)} {de:>9.1e}")
     ok = ok and all(ratio <= 1 for ratio, *_ in worst.values())
+    if reference.get("aux"):  # the router's auxiliary loss, held to the loss's tolerance
+        _, d, tol, step = max((rel(layout["aux"].get(step), ref) / at(loss_tol, step), rel(layout["aux"].get(step), ref),
+                               at(loss_tol, step), step) for step, ref in reference["aux"].items())
+        ok = ok and d <= tol
+        lines.append(f"  router aux loss: largest relative difference {d:.1e} at step {step} "
+                     f"({'<=' if d <= tol else '>'} {tol:.2g})")
+    if reference.get("router"):
+        moved, step, missing = router_difference(layout, reference)
+        ok = ok and moved <= ROUTER_TOLERANCE and not missing
+        lines.append(f"  router: tokens per expert per layer, summed over ranks: "
+                     + (f"missing at {missing} step(s); " if missing else "")
+                     + f"largest share of routing choices off the reference's {moved:.1e}"
+                     + (f" at step {step}" if moved else "")
+                     + f" ({'<=' if moved <= ROUTER_TOLERANCE else '>'} {ROUTER_TOLERANCE:g})")
     said = [f"{what} difference {d:.1e} {'at step ' if step != 'eval' else 'on '}{step} "
             f"({'<=' if d <= tol else '>'} {tol:.2g})" for what, (_, d, tol, step) in worst.items()]
     lines.append(f"  {'PASS' if ok else 'FAIL'}: largest {', largest '.join(said)}")

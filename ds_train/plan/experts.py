@@ -5,7 +5,8 @@ do not change. The ds_config section it renders is `expert_parallel` (engine.ren
 plan counts a rank's share of the experts (plan/memory.py, expert_param_count).
 
 What ds_train does not combine with experts yet is refused here, one line each, before anything is written:
-sequence and tensor parallelism, LoRA and preference training (check_expert_run); RIPT (ds_train/ript) and
+sequence and tensor parallelism, LoRA and preference training (check_expert_run); the router loss where it
+would not train (check_router_loss); RIPT (ds_train/ript) and
 moving a checkpoint to another layout (ds_train/checkpoint/resume.py) and export (ds_train/checkpoint/export.py)
 refuse it where they are.
 """
@@ -53,12 +54,7 @@ def expert_param_count(model, hf_config) -> int:
 
 
 def check_expert_model(expert: int, hf_config) -> None:
-    """A model AutoEP can split into `expert` groups: one of its presets' types, its experts divisible.
-    Any mixture-of-experts model: no router loss asked for that ds_train's loss would leave out."""
-    if getattr(hf_config, "output_router_logits", False) is True:
-        raise UserError("model.config.output_router_logits=true: the router's auxiliary (load-balancing) loss is not "
-                        "in ds_train's loss yet, so it would not train; set it to false (the loss is then the "
-                        "language-modelling loss alone, as with the model's default)")
+    """A model AutoEP can split into `expert` groups: one of its presets' types, its experts divisible."""
     if expert == 1:
         return
     model_type = getattr(hf_config, "model_type", "?")
@@ -71,6 +67,20 @@ def check_expert_model(expert: int, hf_config) -> None:
     if experts is not None and experts % expert:
         raise UserError(f"parallel.expert={expert} does not divide the model's {experts} experts per layer; choose "
                         f"{choices(divisors(experts))}")
+
+
+def check_router_loss(cfg: RunConfig, hf_config) -> None:
+    """The router's auxiliary (load-balancing) loss, asked for by the model config (output_router_logits),
+    trains in pretraining and SFT (ds_train/train/losses.py), per micro-batch as in Hugging Face; where
+    ds_train's loss would leave it out, or a rank would see part of a micro-batch's tokens, refused."""
+    if getattr(hf_config, "output_router_logits", False) is not True:
+        return
+    where = ("data.format=preference: the DPO loss does not add it yet" if cfg.data.format == "preference" else
+             f"parallel.sequence={cfg.parallel.sequence}: each rank routes part of a sequence, and the loss is "
+             f"computed per micro-batch" if cfg.parallel.sequence > 1 else "")
+    if where:
+        raise UserError(f"model.config.output_router_logits=true with {where}; set it to false (the loss is then the "
+                        f"language-modelling loss alone, as with the model's default)")
 
 
 def check_expert_data(expert: int, data: int) -> None:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from ds_train.config import ParallelConfig, RunConfig
 from ds_train.errors import UserError
 from ds_train.plan.batch import BatchPlan, choices, divisors, plan_batch, sample_rows
-from ds_train.plan.experts import check_expert_data, check_expert_model, check_expert_run
+from ds_train.plan.experts import check_expert_data, check_expert_model, check_expert_run, check_router_loss
 from ds_train.plan.memory import tp_plan
 
 
@@ -225,6 +225,7 @@ def check_layout(cfg: RunConfig, template: dict, world_size: int | None, hf_conf
             check_model(dims, hf_config, cfg.model.attn_implementation, t.seq_len)
         if hf_config is not None:
             check_expert_model(dims.expert, hf_config)
+            check_router_loss(cfg, hf_config)
         layout = Layout(dims, batch)
     check_parallel(cfg, template)
     return layout

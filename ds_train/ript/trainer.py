@@ -72,6 +72,9 @@ class RiptInputs:
                             f"partition both models, or ript.kl_coef=0")
         check_task_entries(cfg)  # fail fast: before the model is read
         run = check_inputs(cfg, ds_config_path, data=False)
+        if getattr(run.source.hf_config, "output_router_logits", False) is True:
+            raise UserError("model.config.output_router_logits=true: RIPT's policy loss does not add the router's "
+                            "auxiliary loss yet; set it to false for ript")
         tasks = load_tasks(cfg, run.source.tokenizer, run.source.hf_config)
         data_parallel = plan_dims(cfg.parallel, world_size).data
         tasks = {part.name: part for task in tasks.values() for part in split_for_ranks(task, data_parallel)}

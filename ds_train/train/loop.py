@@ -27,7 +27,7 @@ from ds_train.inputs import check_inputs
 from ds_train.observe.metrics import Interval
 from ds_train.run import Run, RunSpec
 from ds_train.start import build_run
-from ds_train.train.losses import forward_loss
+from ds_train.train.losses import forward_losses
 from ds_train.train.meters import ComputeClock, Evaluator, StepMeter
 from ds_train.train.preference import preference_step
 from ds_train.train.reference import PairReference, ReferenceSpec, preference_reference
@@ -117,6 +117,8 @@ class StepResult:
     tokens: int
     grad_norm: float | None  # only where DeepSpeed does not report it
     skipped: bool  # gradients not finite: the update was not applied (same answer on every rank)
+    aux_sum: float = 0.0  # the router's auxiliary loss summed over this rank's micro-batches (an MoE model's)
+    aux_count: int = 0  # micro-batches that had one
 
 
 def train_step(engine, micro_batches: list[np.ndarray] | list[Batch], poison: bool = False,
@@ -149,20 +151,34 @@ def train_step(engine, micro_batches: list[np.ndarray] | list[Batch], poison: bo
         ranks_dividing = data_parallel or engine.dp_world_size
         per_step = max(step_targets, 1) / (ranks_dividing * engine.gradient_accumulation_steps())
     dropped = len(micro_batches) - 1 if fault == "drop_micro_batch" and engine.global_rank == 0 else None
+    aux_coef, aux_total, aux_count = router_aux_loss_coef(engine), 0.0, 0
+    if fault == "aux_loss_summed":
+        aux_coef *= engine.gradient_accumulation_steps()
     for i, batch in enumerate(micro_batches):
         beat("forward")
         with clock.device():
-            loss_sum, n_tokens = forward_loss(engine, batch, tile_tokens, fused_loss)
+            loss_sum, n_tokens, aux = forward_losses(engine, batch, tile_tokens, fused_loss)
         if poison:
             loss_sum = loss_sum * float("inf")
         divisor = per_step or n_tokens
         if i == dropped:
             loss_sum, n_tokens = loss_sum * 0.0, 0
-        norm = backward_step(engine, loss_sum / divisor, beat)
+        loss = loss_sum / divisor
+        if aux is not None:  # per micro-batch, as Hugging Face adds it; the engine averages it over all of them
+            loss = loss + aux_coef * aux
+            aux_total, aux_count = aux_total + aux.detach(), aux_count + 1
+        norm = backward_step(engine, loss, beat)
         grad_norm = norm if norm is not None else grad_norm
         loss_total = loss_total + loss_sum.detach()
         tokens_total += n_tokens
-    return StepResult(loss_total, tokens_total, grad_norm, engine.skipped_steps > skipped_before)
+    return StepResult(loss_total, tokens_total, grad_norm, engine.skipped_steps > skipped_before, aux_total, aux_count)
+
+
+def router_aux_loss_coef(engine) -> float:
+    """The weight of a mixture-of-experts model's router loss in the training loss (its config's
+    router_aux_loss_coef, as Hugging Face's forward adds it when given labels)."""
+    config = getattr(getattr(engine, "module", engine), "config", None)
+    return float(getattr(config, "router_aux_loss_coef", 0.0) or 0.0)
 
 
 def generate_sample(run: Run) -> str:

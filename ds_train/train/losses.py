@@ -170,9 +170,16 @@ def tiles(model, tokens: int, tile_tokens: int) -> bool:
 
 
 def forward_loss(engine, batch: np.ndarray | Batch, tile_tokens: int = 0, fused: bool = False):
-    """Summed next-token cross-entropy and the count of target tokens of one micro-batch: windows
-    of seq_len + 1 tokens (pretraining), or a Batch (sft: targets on the assistant's tokens, and
-    position ids restarting at each packed example, which keep examples from attending across).
+    """Summed next-token cross-entropy and the count of target tokens of one micro-batch (forward_losses)."""
+    loss_sum, count, _ = forward_losses(engine, batch, tile_tokens, fused)
+    return loss_sum, count
+
+
+def forward_losses(engine, batch: np.ndarray | Batch, tile_tokens: int = 0, fused: bool = False):
+    """Summed next-token cross-entropy, the count of target tokens of one micro-batch, and the router's
+    auxiliary loss when the model computes one (a mixture-of-experts model with output_router_logits;
+    else None): windows of seq_len + 1 tokens (pretraining), or a Batch (sft: targets on the assistant's
+    tokens, and position ids restarting at each packed example, which keep examples from attending across).
     `tile_tokens`: above that many tokens the loss is computed in tiles (train.loss_tile_tokens), their
     gradients in the forward where the head allows (`fused`: train.fused_loss)."""
     import torch
@@ -189,9 +196,11 @@ def forward_loss(engine, batch: np.ndarray | Batch, tile_tokens: int = 0, fused:
     model = getattr(engine, "module", engine)
     if tiles(model, inputs.numel(), tile_tokens):
         with _head_computes_the_loss(model, targets.to(engine.device), tile_tokens, fused):
-            loss_sum = engine(input_ids=inputs.to(engine.device), use_cache=False, **extra).logits
-        return loss_sum, count
-    logits = engine(input_ids=inputs.to(engine.device), use_cache=False, **extra).logits
+            out = engine(input_ids=inputs.to(engine.device), use_cache=False, **extra)
+        return out.logits, count, getattr(out, "aux_loss", None)
+    out = engine(input_ids=inputs.to(engine.device), use_cache=False, **extra)
+    logits = out.logits
     loss_sum = F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), targets.to(engine.device).reshape(-1),
                                reduction="sum", ignore_index=IGNORE)
-    return loss_sum, count
+    return loss_sum, count, getattr(out, "aux_loss", None)
+

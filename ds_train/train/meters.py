@@ -13,6 +13,8 @@ import time
 from ds_train import dist
 from ds_train.data.datasets import eval_micro_batches, sequence_shard
 from ds_train.config import DpoConfig, TrainConfig
+from ds_train.faults import loss_fault
+from ds_train.model.routers import RouterCounts, load_metrics
 from ds_train.observe.metrics import Interval, memory_gib, mfu
 from ds_train.observe.reports import stragglers
 from ds_train.run import Run
@@ -64,6 +66,9 @@ class StepMeter:
 
     def __init__(self, run: Run, interval: Interval, clock: ComputeClock, straggler_ratio: float):
         self.run, self.interval, self.clock, self.straggler_ratio = run, interval, clock, straggler_ratio
+        self.routers = RouterCounts(run.engine.module)  # a mixture-of-experts model's (empty for a dense one)
+        config = getattr(run.engine.module, "config", None)
+        self.aux_loss = bool(self.routers) and getattr(config, "output_router_logits", False) is True
         self.window_start, self.window_steps = time.perf_counter(), 0
         self.warm = False  # the first window holds one-time costs (allocations, kernel choice)
 
@@ -91,9 +96,32 @@ class StepMeter:
             "world_size": run.env.world_size,
             **(mean_metrics(sums, result.tokens, run.token_group) if sums else {}),
             **self.per_rank(step),
+            **self.router_load(),
+            **self.router_loss(result),
         }
         self.window_start, self.window_steps = time.perf_counter(), 0
         return metrics
+
+    def router_loss(self, result) -> dict:
+        """The router's auxiliary loss, the mean over the step's micro-batches on every rank (its own key:
+        train/loss stays the language-modelling loss)."""
+        if not self.aux_loss:
+            return {}
+        total, count = dist.all_reduce_sum([float(getattr(result, "aux_sum", 0.0)),
+                                            float(getattr(result, "aux_count", 0))], self.run.token_group)
+        return {"moe/aux_loss": total / count} if count else {}
+
+    def router_load(self) -> dict:
+        """Tokens per expert per layer since the last logging step, summed over the ranks (exact:
+        counts; tensor-parallel ranks route the same tokens, counted once), and what they say."""
+        if not self.routers:
+            return {}
+        run, counts = self.run, self.routers.take()
+        flat = [float(n) for row in counts for n in row]
+        if loss_fault(run.cfg.train.debug_loss_fault, run.zero_stage) != "router_counts_local":
+            flat = [n / run.dims.tensor for n in dist.all_reduce_sum(flat)]
+        it = iter(round(n) for n in flat)
+        return load_metrics([[next(it) for _ in row] for row in counts], self.routers.routers)
 
     def per_rank(self, step: int) -> dict:
         """Every rank's compute time per step and memory (one small gather): the slowest rank, a
