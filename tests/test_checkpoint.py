@@ -544,14 +544,19 @@ def test_a_save_into_an_existing_tag_killed_at_each_phase_leaves_whole_tags(tiny
 
 
 @pytest.mark.slow
-def test_an_expert_parallel_run_killed_resumes_exactly_and_another_layout_or_an_export_is_one_line(tiny_data,
-                                                                                                  tmp_path):
+def test_an_expert_parallel_run_killed_resumes_exactly_exports_and_another_layout_is_one_line(tiny_data, tmp_path):
     """parallel.expert 2 (AutoEP) on a tiny Qwen3-MoE under ZeRO-2, saved every 2 steps: rank 1
     SIGKILLed at step 4, the same command resumes from step 2 and ends with the straight run's losses,
     bitwise (DeepSpeed writes AutoEP's checkpoint its own way: ds_train's client state must not collide
-    with it). A resume at parallel.expert 1 and an export of the run are refused in one line each, and
-    write nothing."""
+    with it). A resume at parallel.expert 1 is refused in one line and writes nothing. The export is a
+    Hugging Face Qwen3-MoE directory (the experts gathered into the model's own layout) whose held-out
+    loss is the engine's after the last step, within 1e-5."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
     from test_parity import MOE_MODEL
+    from ds_train.data.datasets import TokenData, eval_micro_batches
+    from ds_train.train.losses import forward_loss
 
     runs = {}
     for name in ("straight", "killed"):
@@ -567,15 +572,23 @@ def test_an_expert_parallel_run_killed_resumes_exactly_and_another_layout_or_an_
     expect_error(["train", "--config", str(tmp_path / "killed.yaml"), "--ds-config", str(ROOT / "ds_configs" /
                   "zero2.json"), "parallel.expert=1"], "parallel.expert=2; resume with those (moving an "
                  "expert-parallel checkpoint to another layout is not built yet)")
-    expect_error(["export", str(runs["killed"]), "--out", str(tmp_path / "hf")],
-                 "was trained with parallel.expert=2; exporting an expert-parallel checkpoint")
-    assert tree_listing(runs["killed"]) == before and not (tmp_path / "hf").exists()
+    assert tree_listing(runs["killed"]) == before
     res = deepspeed_train(tmp_path / "killed.yaml", "zero2.json")
     assert res.returncode == 0, res.out[-3000:]
     assert f"resumed from {runs['killed'] / 'checkpoints' / 'step_00000002'} at step 2" in res.out
     straight, resumed = metrics_by_step(runs["straight"]), metrics_by_step(runs["killed"])
     assert sorted(resumed) == list(range(1, 7)) and [resumed[s]["loss"] for s in range(3, 7)] == [
         straight[s]["loss"] for s in range(3, 7)]
+
+    res = ds_train("export", str(runs["killed"]), "--out", str(tmp_path / "hf"))
+    assert res.returncode == 0, res.out[-3000:]
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    assert type(model).__name__ == "Qwen3MoeForCausalLM" and model.model.layers[0].mlp.experts.gate_up_proj.shape[0] == 4
+    val = TokenData(tiny_data / "val.bin", "uint16", 64, 7)
+    with torch.no_grad():  # the evaluator's batches: eval_batches 2 of micro 2 on each of the 2 data ranks
+        parts = [forward_loss(model, b) for r in range(2) for b in eval_micro_batches(val, 2, 2, r, 2)]
+    held_out = sum(float(loss) for loss, _ in parts) / sum(n for _, n in parts)
+    assert abs(held_out - resumed[6]["eval/loss"]) <= 1e-5 * resumed[6]["eval/loss"], (held_out, resumed[6])
 
 
 @pytest.mark.slow

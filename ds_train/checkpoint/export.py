@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ds_train.checkpoint import commit as checkpoint
+from ds_train.checkpoint.experts import autoep_module_state_dict, autoep_specs, hf_layout
 from ds_train.checkpoint.rundir import LATEST, RunPaths
 from ds_train.checkpoint.universal import (ds_to_universal, tensor_module_state_dict, universal_dir,
                                            universal_state_dict)
@@ -41,6 +42,7 @@ class ExportSource:
     tag: str
     zero_stage: int
     tensor: int = 1  # parallel.tensor it was saved with: AutoTP shards to merge
+    expert: int = 1  # parallel.expert it was saved with: AutoEP's experts to gather into the model's layout
     passed_over: str = ""  # what newer than `tag` was not taken, and why (said by the command); "" none
 
     @property
@@ -101,11 +103,9 @@ def resolve_source(source: str | Path, tag: str | None = None) -> ExportSource:
                         f"{source_tag} for a resume); export {str(ckpt_dir / source_tag)!r} instead")
     tensor = int((checkpoint.saved_parallel(state) or {}).get("tensor", 1))
     expert = int((checkpoint.saved_parallel(state) or {}).get("expert", 1))
-    if expert > 1:  # AutoEP's layers hold the experts in their own layout, a share in each rank's files
-        raise UserError(f"export: {str(ckpt_dir / chosen)!r} was trained with parallel.expert={expert}; exporting "
-                        f"an expert-parallel checkpoint into the model's own layout is not built yet")
     passed_over = _passed_over(ckpt_dir, chosen) if wanted is None else ""
-    return ExportSource(ckpt_dir.parent, ckpt_dir, chosen, _zero_stage(state, ckpt_dir / chosen), tensor, passed_over)
+    return ExportSource(ckpt_dir.parent, ckpt_dir, chosen, _zero_stage(state, ckpt_dir / chosen), tensor, expert,
+                        passed_over)
 
 
 def _passed_over(ckpt_dir: Path, chosen: str) -> str:
@@ -183,14 +183,17 @@ def locate_model(path: str | Path) -> tuple[Path, Path | None]:
 
 def load_fp32_state_dict(src: ExportSource, scratch: Path) -> dict:
     """The full fp32 weights of one tag: DeepSpeed's master copy for ZeRO 1-3, the module for ZeRO 0.
-    AutoTP's shards are merged by DeepSpeed's universal conversion (its tensor-parallel patterns say
-    how), written under `scratch` and removed, unless a resume already converted the tag; under ZeRO-0
-    (no optimizer partitions to convert) from the module shards by AutoTP's saved maps."""
+    AutoTP's shards and AutoEP's experts are gathered by DeepSpeed's universal conversion (its
+    tensor-parallel patterns and expert maps say how), written under `scratch` and removed, unless a
+    resume already converted the tag; under ZeRO-0 (no optimizer partitions to convert) from the
+    module shards by AutoTP's saved maps, or from the module and AutoEP's per-expert files."""
     import torch
 
     if src.tensor > 1 and src.zero_stage == 0:
         return tensor_module_state_dict(src.tag_dir, src.tensor)
-    if src.tensor > 1:
+    if src.expert > 1 and src.zero_stage == 0:
+        return autoep_module_state_dict(src.tag_dir)
+    if src.tensor > 1 or src.expert > 1:
         universal = universal_dir(src.tag_dir)
         if not checkpoint.is_complete(universal):
             universal = scratch / src.tag  # ds_to_universal writes latest_universal beside it
@@ -235,6 +238,17 @@ def build_model(hf_dir: Path, state_dict: dict, where: Path):
         raise UserError(f"{mismatch}: unexpected {sorted(result.unexpected_keys)[:5]}, "
                         f"missing {missing[:5]}")
     return model
+
+
+def model_layout(hf_dir: Path, state: dict) -> dict:
+    """An expert-parallel checkpoint's weights (AutoEP's names) in the model's own layout."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(hf_dir)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    return hf_layout(state, autoep_specs(model, config), {k: v.shape for k, v in model.state_dict().items()})
 
 
 def _check_shard_size(max_shard_size: str) -> None:
@@ -306,8 +320,10 @@ def export(source: str | Path, out: str | Path, tag: str | None = None, max_shar
     hf_dir = hf_metadata_dir(src)
 
     def fill(tmp: Path) -> None:
-        write_model(build_model(hf_dir, load_fp32_state_dict(src, tmp / ".universal"), src.tag_dir), hf_dir, tmp,
-                    max_shard_size)
+        state = load_fp32_state_dict(src, tmp / ".universal")
+        if src.expert > 1:
+            state = model_layout(hf_dir, state)
+        write_model(build_model(hf_dir, state, src.tag_dir), hf_dir, tmp, max_shard_size)
 
     return write_dir(Path(out), fill, max_shard_size)
 

@@ -6,9 +6,9 @@ plan counts a rank's share of the experts (plan/memory.py, expert_param_count).
 
 What ds_train does not combine with experts yet is refused here, one line each, before anything is written:
 sequence and tensor parallelism, LoRA and preference training (check_expert_run); the router loss where it
-would not train (check_router_loss); RIPT (ds_train/ript) and
-moving a checkpoint to another layout (ds_train/checkpoint/resume.py) and export (ds_train/checkpoint/export.py)
-refuse it where they are.
+would not train (check_router_loss); RIPT (ds_train/ript) and moving a checkpoint to another layout
+(ds_train/checkpoint/resume.py) refuse it where they are. Export gathers the experts into the model's own
+layout (ds_train/checkpoint/experts.py).
 """
 
 from __future__ import annotations
@@ -105,9 +105,6 @@ def check_expert_run(cfg: RunConfig) -> None:
     if cfg.model.lora.rank:
         problems.append(f"parallel.expert={ep} with LoRA (model.lora.rank={cfg.model.lora.rank}): AutoEP replaces the "
                         f"MoE blocks peft would put adapters on; ds_train does not combine them yet")
-    if cfg.checkpoint.export_final:
-        problems.append(f"parallel.expert={ep} with checkpoint.export_final=true: exporting an expert-parallel "
-                        f"checkpoint is not built yet; set checkpoint.export_final=false")
     if cfg.data.format == "preference":
         problems.append(f"parallel.expert={ep} with data.format=preference: DPO under expert parallelism is not "
                         f"built yet; train it with parallel.expert=1 (ZeRO-3 partitions the experts too)")
