@@ -118,8 +118,9 @@ def cmd_convert(args) -> int:
 def cmd_export(args) -> int:
     """write a Hugging Face model directory from a checkpoint
 
-    Export a checkpoint (ZeRO 0-3) as config.json, model.safetensors (sharded when large),
-    generation_config.json and the tokenizer. A LoRA run (model.lora) exports its adapters as a peft
+    Export a checkpoint (ZeRO 0-3; AutoTP's shards and AutoEP's experts gathered into the model's own
+    layout) as config.json, model.safetensors (sharded when large), generation_config.json and the
+    tokenizer. A LoRA run (model.lora) exports its adapters as a peft
     directory (adapter_config.json, adapter_model.safetensors) on its base, or with --merge one model
     with the adapters merged in."""
     from ds_train.checkpoint.export import export, resolve_source

@@ -163,6 +163,12 @@ class Run:
     def zero_stage(self) -> int:
         return self.engine.zero_optimization_stage()
 
+    @property
+    def collective_forward(self) -> bool:
+        """Whether every forward is a collective, so that ranks must make the same number of them
+        (generation included): ZeRO-3 gathers each layer's parameters, AutoEP sends tokens to experts."""
+        return self.zero_stage == 3 or self.dims.expert > 1
+
     def progress(self, initial: int):
         """The loop starts: the watchdog is armed, and rank 0 gets a progress bar (log.progress)
         that closes when its block ends."""

@@ -94,10 +94,9 @@ def test_what_experts_are_not_combined_with_yet_is_refused_in_one_line_each():
                    "parallel.expert=2 with LoRA (model.lora.rank=4)"):
         assert needle in said, said
     assert "export_final" not in said  # an expert-parallel checkpoint exports (tests/test_checkpoint.py)
-    with pytest.raises(UserError, match="parallel.expert=2 with data.format=preference: DPO under expert "
-                                        "parallelism is not built yet"):
-        check_layout(run_config(parallel={"expert": 2}, data={"format": "preference"}),
-                     read_ds_template(ROOT / "ds_configs" / "zero2.json"), None)
+    # DPO trains under expert parallelism (tests/test_preference.py)
+    check_layout(run_config(parallel={"expert": 2}, data={"format": "preference"}),
+                 read_ds_template(ROOT / "ds_configs" / "zero2.json"), None)
 
 
 def test_the_run_renders_the_expert_parallel_section_and_a_template_must_agree():

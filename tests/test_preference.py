@@ -346,6 +346,27 @@ def test_live_and_precomputed_references_zero3_and_zero0_and_a_resume_train_the_
     assert model.config.vocab_size == len(AutoTokenizer.from_pretrained(pref_data / "tokenizer"))
 
 
+@pytest.mark.slow
+def test_dpo_under_expert_parallelism_trains_as_one_process_with_every_expert_does(pref_data, tmp_path):
+    """A tiny Qwen3-MoE, its experts split over 2 ranks (parallel.expert 2, AutoEP, ZeRO-2) with a live
+    reference (a second AutoEP engine), against 1 process holding every expert with the reference
+    precomputed: the same losses (1e-5) and gradient norms (1e-4) at every step."""
+    from test_parity import MOE_MODEL
+
+    moe = {"config": dict(MOE_MODEL)}
+    res = deepspeed_train(dpo_run(pref_data, tmp_path / "ep2", model=moe, parallel={"expert": 2},
+                                  dpo={"reference": "live"}), "zero2.json", timeout=300)
+    assert res.returncode == 0, res.out[-3000:]
+    assert "experts split over 2 of the data ranks" in res.out and "reference policy: a frozen copy" in res.out
+    res = deepspeed_train(dpo_run(pref_data, tmp_path / "one", model=moe), "zero0.json", nproc=1, timeout=300)
+    assert res.returncode == 0, res.out[-3000:]
+    ep, one = metrics_by_step(tmp_path / "ep2"), metrics_by_step(tmp_path / "one")
+    assert sorted(ep) == sorted(one) == list(range(1, 8)) and one[7]["train/loss"] < one[1]["train/loss"]
+    for s in one:
+        assert rel(ep[s]["train/loss"], one[s]["train/loss"]) <= 1e-5, (s, ep[s], one[s])
+        assert rel(ep[s]["optim/grad_norm"], one[s]["optim/grad_norm"]) <= 1e-4, (s, ep[s], one[s])
+
+
 @pytest.fixture(scope="module")
 def pref_base(pref_data, tmp_path_factory) -> Path:
     """A tiny Llama with the preference data's tokenizer (a model.path for LoRA)."""

@@ -300,6 +300,42 @@ def final_weights(run_dir: Path) -> dict:
     return get_fp32_state_dict_from_zero_checkpoint(str(run_dir / "checkpoints"), tag=tag)
 
 
+def test_ript_under_expert_parallelism_updates_as_with_every_expert_on_each_rank(tiny_policy, tmp_path):
+    """A tiny Qwen3-MoE policy (tiny_policy's tokenizer). Scripted rollouts, a KL reference: under
+    parallel.expert 2 (AutoEP: the log-probs, the reference's and the update go through experts split
+    over the 2 ranks) each iteration's policy loss and KL are parallel.expert 1's within 1e-5. Then the
+    model acts under parallel.expert 2 on one task, so rank 1 has nothing to roll out: its dummy rows
+    keep the generation's all-to-alls in step (as under ZeRO-3), and the run ends."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    from test_parity import MOE_MODEL
+
+    policy = tmp_path / "policy"
+    tok = AutoTokenizer.from_pretrained(tiny_policy)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(AutoConfig.for_model(**{**MOE_MODEL, "vocab_size": len(tok)})).save_pretrained(policy)
+    tok.save_pretrained(policy)
+    got = {}
+    for ep in (2, 1):
+        (tmp_path / f"ep{ep}").mkdir()
+        cfg = ript_config(tmp_path / f"ep{ep}", policy, tasks=["copy", "rev"], kl_coef=0.05)
+        res = launch_ript(cfg, f"parallel.expert={ep}")
+        assert res.returncode == 0, res.out[-4000:]
+        got[ep] = [m for m in logged(tmp_path / f"ep{ep}" / "run").values() if "policy/loss" in m]
+    assert len(got[2]) == len(got[1]) == 2 and got[1][-1]["policy/kl"] > 0
+    for a, b in zip(got[2], got[1]):
+        assert a["policy/tokens"] == b["policy/tokens"]
+        for key in ("policy/loss", "policy/kl"):
+            assert abs(a[key] - b[key]) <= 1e-5 * max(abs(b[key]), 1e-3), (key, a, b)
+
+    (tmp_path / "acting").mkdir()
+    cfg = ript_config(tmp_path / "acting", policy, tasks=["copy"], policy="", allow_idle_ranks=True, iterations=1)
+    res = launch_ript(cfg, "parallel.expert=2", "ript.max_sampling_rounds=2")
+    assert res.returncode == 0, res.out[-4000:]
+    assert "   1  (idle)" in res.out and "ript: done, 1 iterations" in res.out
+
+
 def test_the_same_rollouts_split_into_other_micro_batches_and_ranks_give_the_same_update(tiny_policy, tmp_path):
     """ript_policies:Half accepts every context, so 2 ranks x 3 contexts (copy on one, sort on the
     other) and 1 rank x 6 (copy and sort in turn) roll out the same 24 episodes per iteration. The

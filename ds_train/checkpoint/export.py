@@ -6,7 +6,9 @@ DeepSpeed's zero_to_fp32.py writes weights only; the run recorded config.json,
 generation_config.json and the tokenizer in `<run_dir>/hf_model/`, and export adds the weights:
 fp32 safetensors, sharded above `max_shard_size`. ZeRO 1-3 weights are DeepSpeed's fp32 master
 copy, consolidated by its own `get_fp32_state_dict_from_zero_checkpoint`; ZeRO 0 has no optimizer
-partitions, so its weights are the `module` entry of `mp_rank_00_model_states.pt`.
+partitions, so its weights are the `module` entry of `mp_rank_00_model_states.pt`. AutoTP's shards and
+AutoEP's experts are gathered by DeepSpeed's universal conversion; AutoEP's router and experts then go
+back under the model's own names and layout (ds_train/checkpoint/experts.py).
 
 The process holds at most one full fp32 copy of the weights: the model is built on the meta device
 and takes the checkpoint's tensors as they are (`load_state_dict(assign=True)`), and the writer

@@ -105,9 +105,6 @@ def check_expert_run(cfg: RunConfig) -> None:
     if cfg.model.lora.rank:
         problems.append(f"parallel.expert={ep} with LoRA (model.lora.rank={cfg.model.lora.rank}): AutoEP replaces the "
                         f"MoE blocks peft would put adapters on; ds_train does not combine them yet")
-    if cfg.data.format == "preference":
-        problems.append(f"parallel.expert={ep} with data.format=preference: DPO under expert parallelism is not "
-                        f"built yet; train it with parallel.expert=1 (ZeRO-3 partitions the experts too)")
     if problems:
         raise UserError("; ".join(problems))
 

@@ -63,9 +63,6 @@ class RiptInputs:
         if cfg.parallel.sequence > 1:
             raise UserError(f"parallel.sequence={cfg.parallel.sequence}: RIPT's rollouts generate token by token, "
                             f"which Ulysses sequence parallelism cannot split; set parallel.sequence=1 for ript")
-        if cfg.parallel.expert > 1:
-            raise UserError(f"parallel.expert={cfg.parallel.expert}: RIPT under expert parallelism is not built yet "
-                            f"(its rollouts would generate through AutoEP's layers); set parallel.expert=1 for ript")
         if cfg.parallel.tensor > 1 and r.kl_coef > 0:
             raise UserError(f"ript.kl_coef={r.kl_coef:g} with parallel.tensor={cfg.parallel.tensor}: ds_train builds "
                             f"the reference policy without AutoTP's split; use ZeRO-3 (parallel.tensor=1) to "
@@ -133,7 +130,7 @@ class RiptJob:
         if self.scripted is not None:
             return scripted_policy(self.scripted, run.tokenizer)
         return model_policy(run.engine.module, run.tokenizer, run.cfg.ript.max_new_tokens, temperature,
-                            run.zero_stage == 3, list(self.tasks.values()))
+                            run.collective_forward, list(self.tasks.values()))
 
     @property
     def max_tokens(self) -> int:
@@ -290,11 +287,12 @@ class HeldOut:
 
 
 def run_episodes(job: RiptJob, act, jobs: list) -> list[Episode]:
-    """Rollouts of this rank's jobs. Under ZeRO-3 generation is a collective: every rank makes the
-    same number of policy calls (batches x turns), with dummy rows where it has nothing to do."""
+    """Rollouts of this rank's jobs. Under ZeRO-3 and expert parallelism generation is a collective:
+    every rank makes the same number of policy calls (batches x turns), with dummy rows where it has
+    nothing to do."""
     r = job.run.cfg.ript
     size = r.rollout_contexts * r.rloo_batch_size
-    if job.run.zero_stage != 3 or r.policy:  # scripted policies make no collective calls
+    if not job.run.collective_forward or r.policy:  # scripted policies make no collective calls
         return rollout(act, job.run.tokenizer, jobs, size, max_new_tokens=r.max_new_tokens)
     batches = int(dist.all_reduce_max([float(math.ceil(len(jobs) / size))])[0])
     turns = max(t.max_turns for t in job.tasks.values())

@@ -193,7 +193,7 @@ def generate_sample(run: Run) -> str:
         out = run.engine.module.generate(
             ids, max_new_tokens=run.cfg.log.sample_tokens, min_new_tokens=run.cfg.log.sample_tokens,
             do_sample=False, repetition_penalty=run.cfg.log.sample_repetition_penalty, use_cache=True,
-            pad_token_id=run.tokenizer.eos_token_id, synced_gpus=run.zero_stage == 3)
+            pad_token_id=run.tokenizer.eos_token_id, synced_gpus=run.collective_forward)
     run.engine.train()
     return run.tokenizer.decode(out[0], skip_special_tokens=True)
 
