@@ -42,6 +42,23 @@ def test_estimate_marks_what_fits_and_ranks_fixes(tmp_path):
         f"on world 16 -> DOES NOT FIT (the changes above, cheapest first)")
 
 
+def test_a_mixture_of_experts_that_does_not_fit_is_told_to_split_its_experts_first(tmp_path):
+    """Qwen3-30B-A3B's shape on 8 x 80 GiB with every expert on every rank: AutoEP over the 8 ranks (128
+    experts, 16 a rank) is the first fix, at the peak the recipe's own estimate gives."""
+    from ds_train.config.file import load_config
+
+    cfg = load_config(str(ROOT / "recipes" / "qwen3_30b_a3b.yaml"), ["parallel.expert=1"])
+    out = run_estimate(cfg, str(ROOT / "ds_configs" / "zero2.json"), Target(1, 8, 80), None)
+    given = next(r for r in out["rows"] if r["given"])
+    assert not given["fits"] and round(given["gpu_peak_gib"], 2) == 112.80
+    first = out["suggestions"][0]
+    assert first["change"].startswith("parallel.expert=8 (AutoEP, an all-to-all a layer: each rank holds 1/8 of "
+                                      "every MoE layer's 128 experts") and first["fits"]
+    assert round(first["gpu_peak_gib"], 2) == 65.55  # docs/parallel.md: the recipe at parallel.expert 8
+    dense = run_estimate(seven_b(tmp_path), str(ROOT / "ds_configs" / "zero2.json"), Target(2, 8, 80), None)
+    assert not any("parallel.expert" in f["change"] for f in dense["suggestions"])
+
+
 @pytest.mark.parametrize("preset, fraction", [("conservative", 0.5), ("balanced", 0.7), ("aggressive", 0.9)])
 def test_presets_stay_within_their_memory_fraction(tmp_path, preset, fraction):
     cfg = seven_b(tmp_path)

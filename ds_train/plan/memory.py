@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ds_train.plan.experts import expert_param_count
+from ds_train.plan.experts import expert_param_count, num_experts
 
 GiB = 2**30
 
@@ -183,6 +183,7 @@ class ModelShape:
     kv_heads: int = 0  # key/value heads (AutoTP splits them too); 0: unknown
     trainable: int = 0  # LoRA: the adapters and modules_to_save copies (n_params counts them too); 0: all
     experts: int = 0  # the routed experts' parameters (what parallel.expert splits; plan/experts.py)
+    routed: int = 0  # routed experts per MoE layer (what parallel.expert must divide); 0: none or unknown
 
     def rank_params(self, tensor: int) -> float:
         """Parameters one rank holds under parallel.tensor (the split modules' share, the rest whole)."""
@@ -262,7 +263,7 @@ def model_shape(hf_config, lora=None) -> ModelShape:
     return ModelShape(n_params, hf_config.num_hidden_layers, hidden,
                       getattr(hf_config, "intermediate_size", 4 * hidden), kv_heads * head_dim,
                       hf_config.vocab_size, largest, heads, split, kv_heads, trainable,
-                      expert_param_count(model, hf_config))
+                      expert_param_count(model, hf_config), num_experts(hf_config) or 0)
 
 
 @dataclass(frozen=True)

@@ -158,7 +158,7 @@ def suggestions(shape: ModelShape, cfg: RunConfig, zero: dict, target: Target, d
         est = estimate(shape, kw.get("stage", stage), dtype, kw.get("ranks", zero_ranks(cfg, target)),
                        micro_rows(cfg, kw.get("micro", micro)), kw.get("seq", seq) // kw.get("sp", sp),
                        kw.get("ckpt", ckpt), kw.get("zero", zero), *tiles(cfg)[:2], kw.get("tp", cfg.parallel.tensor),
-                       *tiles(cfg)[3:])
+                       *tiles(cfg)[3:5], kw.get("expert", cfg.parallel.expert))
         out.append({"change": change, "gpu_peak_gib": est.gpu_peak / GiB, "fits": fits(est, target)})
 
     per_rank = cfg.train.global_batch_size // data if cfg.train.global_batch_size % data == 0 else 0
@@ -170,6 +170,10 @@ def suggestions(shape: ModelShape, cfg: RunConfig, zero: dict, target: Target, d
             break
     if not ckpt:
         add("model.activation_checkpointing=true (about a third more compute)", ckpt=True)
+    ep = max((n for n in range(2, data + 1) if data % n == 0 and shape.routed % n == 0), default=0)
+    if shape.experts and sp == cfg.parallel.tensor == 1 and ep > cfg.parallel.expert:
+        add(f"parallel.expert={ep} (AutoEP, an all-to-all a layer: each rank holds 1/{ep} of every MoE layer's "
+            f"{shape.routed} experts; the data-parallel size stays {data})", expert=ep)
     for s in range(stage + 1, stages(cfg, dtype).stop):
         add(f"--ds-config ds_configs/{STAGE_FILES[s]}", stage=s, zero=stage_zero(f"zero{s}", shape))
     if cfg.parallel.tensor == 1:
