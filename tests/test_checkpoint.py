@@ -544,11 +544,13 @@ def test_a_save_into_an_existing_tag_killed_at_each_phase_leaves_whole_tags(tiny
 
 
 @pytest.mark.slow
-def test_an_expert_parallel_run_killed_resumes_exactly_exports_and_another_layout_is_one_line(tiny_data, tmp_path):
+def test_an_expert_parallel_run_killed_resumes_exactly_in_another_layout_and_exports(tiny_data, tmp_path):
     """parallel.expert 2 (AutoEP) on a tiny Qwen3-MoE under ZeRO-2, saved every 2 steps: rank 1
     SIGKILLed at step 4, the same command resumes from step 2 and ends with the straight run's losses,
     bitwise (DeepSpeed writes AutoEP's checkpoint its own way: ds_train's client state must not collide
-    with it). A resume at parallel.expert 1 is refused in one line and writes nothing. The export is a
+    with it). Resumed on 4 ranks with parallel.expert 4 and ZeRO-1 (DeepSpeed's universal checkpoint),
+    the losses continue within 1e-6. A resume at parallel.expert 1, or into ZeRO-3, is refused in one
+    line and writes nothing. The export is a
     Hugging Face Qwen3-MoE directory (the experts gathered into the model's own layout) whose held-out
     loss is the engine's after the last step, within 1e-5."""
     import torch
@@ -570,8 +572,11 @@ def test_an_expert_parallel_run_killed_resumes_exactly_exports_and_another_layou
     assert checkpoint.latest_complete(runs["killed"] / "checkpoints") == "step_00000002"
     before = tree_listing(runs["killed"])
     expect_error(["train", "--config", str(tmp_path / "killed.yaml"), "--ds-config", str(ROOT / "ds_configs" /
-                  "zero2.json"), "parallel.expert=1"], "parallel.expert=2; resume with those (moving an "
-                 "expert-parallel checkpoint to another layout is not built yet)")
+                  "zero2.json"), "parallel.expert=1"], "saved with parallel.expert=2, resumed with parallel.expert=1: "
+                 "AutoEP's layers and the model's own MoE blocks keep the experts under other names")
+    res = deepspeed_train(tmp_path / "killed.yaml", "zero3.json")  # into ZeRO-3: DeepSpeed would assert
+    assert res.returncode == 2 and "saved with ZeRO-2, resumed with ZeRO-3" in res.out, res.out[-3000:]
+    assert "from and to ZeRO-1 or 2 only" in res.out and "Traceback" not in res.out
     assert tree_listing(runs["killed"]) == before
     res = deepspeed_train(tmp_path / "killed.yaml", "zero2.json")
     assert res.returncode == 0, res.out[-3000:]
@@ -580,6 +585,14 @@ def test_an_expert_parallel_run_killed_resumes_exactly_exports_and_another_layou
     assert sorted(resumed) == list(range(1, 7)) and [resumed[s]["loss"] for s in range(3, 7)] == [
         straight[s]["loss"] for s in range(3, 7)]
 
+    wider = tmp_path / "wider"  # 4 ranks, experts split 4 ways: through DeepSpeed's universal checkpoint
+    res = deepspeed_train(tmp_path / "killed.yaml", "zero1.json", f"output_dir={wider}", "parallel.expert=4",
+                          f"checkpoint.resume={runs['straight'] / 'checkpoints' / 'step_00000002'}", nproc=4)
+    assert res.returncode == 0, res.out[-3000:]
+    assert ("world size 2 -> 4, ZeRO stage 2 -> 1, parallel.expert 2 -> 4: loading through DeepSpeed's universal "
+            "checkpoint step_00000002_universal") in res.out
+    moved = metrics_by_step(wider)
+    assert all(abs(moved[s]["loss"] - straight[s]["loss"]) <= 1e-6 * straight[s]["loss"] for s in range(3, 7)), moved
     res = ds_train("export", str(runs["killed"]), "--out", str(tmp_path / "hf"))
     assert res.returncode == 0, res.out[-3000:]
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
