@@ -53,6 +53,36 @@ def expert_param_count(model, hf_config) -> int:
                for p in module.parameters())
 
 
+def moe_mlp_width(model, hf_config) -> float:
+    """What autograd keeps of a mixture-of-experts model's MLPs per token, in values, averaged over the
+    layers (0 for a dense model: the planner's 4 x intermediate_size then). A token's k experts each keep
+    its hidden state twice (gathered in, and their output before the routing weight), 4 x their width
+    (gate, up, SiLU, product) and their weight and index; a shared expert 4 x its width; the router its
+    logits and probabilities; a dense layer among them (DeepSeek's first ones) 4 x intermediate_size.
+    Widths are read off the experts' parameters (3 matrices of hidden x width). Measured against what
+    autograd keeps of Hugging Face's Qwen3-MoE blocks (top 2, 4, 8) and Mixtral's (tests/test_memory.py)."""
+    import re
+
+    preset = autoep_preset(hf_config)
+    experts = num_experts(hf_config)
+    if preset is None or not experts:
+        return 0.0
+    spec, hidden = _presets()[preset], hf_config.hidden_size
+    k = int(getattr(hf_config, spec.top_k_attr, 1) or 1)
+    pattern = re.compile(spec.moe_layer_pattern)
+    widths = []
+    for name, module in model.named_modules():
+        block = getattr(module, spec.experts_pattern, None) if pattern.fullmatch(name) else None
+        if block is None:  # not an MoE layer (Qwen3-MoE's mlp_only_layers are dense)
+            continue
+        routed = sum(p.numel() for p in block.parameters()) / (3 * hidden * experts)
+        shared = getattr(module, spec.shared_experts_pattern or "", None) if spec.has_shared_experts else None
+        shared_width = sum(p.numel() for p in shared.parameters()) / (3 * hidden) if shared is not None else 0
+        widths.append(k * (2 * hidden + 4 * routed + 4) + 4 * shared_width + 2 * experts)
+    dense = hf_config.num_hidden_layers - len(widths)
+    return (sum(widths) + dense * 4 * getattr(hf_config, "intermediate_size", 4 * hidden)) / hf_config.num_hidden_layers
+
+
 def check_expert_model(expert: int, hf_config) -> None:
     """A model AutoEP can split into `expert` groups: one of its presets' types, its experts divisible."""
     if expert == 1:

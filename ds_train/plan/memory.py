@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ds_train.plan.experts import expert_param_count, num_experts
+from ds_train.plan.experts import expert_param_count, moe_mlp_width, num_experts
 
 GiB = 2**30
 
@@ -184,6 +184,9 @@ class ModelShape:
     trainable: int = 0  # LoRA: the adapters and modules_to_save copies (n_params counts them too); 0: all
     experts: int = 0  # the routed experts' parameters (what parallel.expert splits; plan/experts.py)
     routed: int = 0  # routed experts per MoE layer (what parallel.expert must divide); 0: none or unknown
+    mlp_width: float = 0.0  # values a token's MLPs keep per layer (an MoE's: plan/experts.py); 0: 4 x intermediate
+    q_hidden: int = 0  # width of the query projection (heads x head_dim; Qwen3's exceeds hidden); 0: hidden
+    qk_norm: bool = False  # RMSNorms on the query and key heads (Qwen3): they keep their inputs too
 
     def rank_params(self, tensor: int) -> float:
         """Parameters one rank holds under parallel.tensor (the split modules' share, the rest whole)."""
@@ -260,10 +263,12 @@ def model_shape(hf_config, lora=None) -> ModelShape:
     heads = hf_config.num_attention_heads
     kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
     head_dim = getattr(hf_config, "head_dim", None) or hidden // heads
+    qk_norm = any(name.endswith(".q_norm") for name, _ in model.named_modules())
     return ModelShape(n_params, hf_config.num_hidden_layers, hidden,
                       getattr(hf_config, "intermediate_size", 4 * hidden), kv_heads * head_dim,
                       hf_config.vocab_size, largest, heads, split, kv_heads, trainable,
-                      expert_param_count(model, hf_config), num_experts(hf_config) or 0)
+                      expert_param_count(model, hf_config), num_experts(hf_config) or 0, moe_mlp_width(model, hf_config),
+                      heads * head_dim, qk_norm)
 
 
 @dataclass(frozen=True)
@@ -310,11 +315,14 @@ and their fp32 copy are transient. The fused loss in tiles (train.fused_loss) ke
     mlp_tiled = bool(mlp_tile_positions) and seq_len > mlp_tile_positions
     # Fused kernels (model.compile, model.liger_kernels) keep only the MLP's gate and up (SiLU and the
     # product recomputed in the backward) and no fp32 copy of an RMSNorm's input.
-    mlp = 0 if mlp_tiled else (2 if fused_kernels else 4) * shape.intermediate / tensor
+    width = shape.mlp_width or 4 * shape.intermediate  # a mixture of experts': its k experts, router and shared one
+    mlp = 0 if mlp_tiled else (width / 2 if fused_kernels else width) / tensor
     norm_fp32 = 2 * shape.hidden * (4 - p) if p < 4 and not fused_kernels else 0
-    mlp_transient = (micro_batch * mlp_tile_positions * 4 * shape.intermediate / tensor + tokens * shape.hidden) \
-        * p if mlp_tiled else 0
-    split = (3 * shape.hidden + 3 * shape.kv_hidden) / tensor
+    mlp_transient = (micro_batch * mlp_tile_positions * width / tensor + tokens * shape.hidden) * p if mlp_tiled else 0
+    q, kv = shape.q_hidden or shape.hidden, shape.kv_hidden
+    split = (3 * q + 3 * kv + (2 * (q + kv) if shape.qk_norm else 0)) / tensor  # Qwen3's Q/K norms: input, output
+    if shape.qk_norm and p < 4 and not fused_kernels:
+        norm_fp32 += (q + kv) * (4 - p) / tensor
     layer_full = tokens * (p * (5 * shape.hidden + split + mlp) + norm_fp32)
     # The loss in tiles (train.loss_tile_tokens): only a tile's logits and log-softmax, recomputed
     # in the backward, ever exist.
