@@ -551,8 +551,9 @@ def test_an_expert_parallel_run_killed_resumes_exactly_in_another_layout_and_exp
     with it). Resumed on 4 ranks with parallel.expert 4 and ZeRO-1 (DeepSpeed's universal checkpoint),
     the losses continue within 1e-6. A resume at parallel.expert 1, or into ZeRO-3, is refused in one
     line and writes nothing. The export is a
-    Hugging Face Qwen3-MoE directory (the experts gathered into the model's own layout) whose held-out
-    loss is the engine's after the last step, within 1e-5."""
+    Hugging Face Qwen3-MoE directory (the experts gathered into the model's own layout) whose logits are
+    those of the AutoEP engine given the same tag (tests/tp_logits_probe.py), and whose held-out loss is
+    the run's after the last step, within 1e-5."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -595,8 +596,11 @@ def test_an_expert_parallel_run_killed_resumes_exactly_in_another_layout_and_exp
     assert all(abs(moved[s]["loss"] - straight[s]["loss"]) <= 1e-6 * straight[s]["loss"] for s in range(3, 7)), moved
     res = ds_train("export", str(runs["killed"]), "--out", str(tmp_path / "hf"))
     assert res.returncode == 0, res.out[-3000:]
+    assert_export_matches(tmp_path / "hf", engine_logits(tmp_path / "killed.yaml", "zero2.json", runs["killed"] /
+                                                         "checkpoints", "step_00000006", tmp_path / "engine_logits.pt"))
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
-    assert type(model).__name__ == "Qwen3MoeForCausalLM" and model.model.layers[0].mlp.experts.gate_up_proj.shape[0] == 4
+    assert type(model).__name__ == "Qwen3MoeForCausalLM"
+    assert model.model.layers[0].mlp.experts.gate_up_proj.shape[0] == 4  # every expert, gathered
     val = TokenData(tiny_data / "val.bin", "uint16", 64, 7)
     with torch.no_grad():  # the evaluator's batches: eval_batches 2 of micro 2 on each of the 2 data ranks
         parts = [forward_loss(model, b) for r in range(2) for b in eval_micro_batches(val, 2, 2, r, 2)]

@@ -1,4 +1,4 @@
-"""Run under the deepspeed launcher by tests/test_checkpoint.py: the engine (AutoTP, LoRA) ds_train builds
+"""Run under the deepspeed launcher by tests/test_checkpoint.py: the engine (AutoTP, AutoEP, LoRA) ds_train builds
 for a run config, given a checkpoint tag's weights (DeepSpeed's load_checkpoint), and its logits on
 a fixed input, which rank 0 writes: what an export of that tag must reproduce."""
 
