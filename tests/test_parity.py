@@ -45,6 +45,25 @@ def test_a_layout_within_the_tolerances_passes_and_one_past_them_fails():
     assert tolerances("fp32", None, None, None) == FP32_TOLERANCES == (1e-5, 1e-4)
 
 
+def test_a_mixture_of_experts_layout_is_held_to_the_references_router_counts_and_aux_loss():
+    """Tokens per expert per layer: at most ROUTER_TOLERANCE of the routing choices may differ (near ties);
+    the aux loss is held to the loss's tolerance; a layout without them fails."""
+    ref = {**series([2.0, 1.5], [1.0, 0.8], 1.4), "router": {1: [[6, 2]], 2: [[5, 3]]}, "aux": {1: 2.0, 2: 2.1}}
+    same = {**series([2.0, 1.5], [1.0, 0.8], 1.4), "router": {1: [[6, 2]], 2: [[5, 3]]}, "aux": {1: 2.0, 2: 2.1}}
+    lines, ok = compare(same, ref, 1e-5, 1e-4)
+    assert ok and lines[-3:-1] == [
+        "  router aux loss: largest relative difference 0.0e+00 at step 2 (<= 1e-05)",
+        "  router: tokens per expert per layer, summed over ranks: largest share of routing choices off the "
+        "reference's 0.0e+00 (<= 0.001)"]
+    local = {**same, "router": {1: [[3, 1]], 2: [[3, 1]]}}  # each rank's own counts: half of them
+    lines, ok = compare(local, ref, 1e-5, 1e-4)
+    assert not ok and "off the reference's 3.3e-01 at step 2 (> 0.001)" in lines[-2]
+    lines, ok = compare({**same, "aux": {1: 2.0, 2: 2.2}}, ref, 1e-5, 1e-4)
+    assert not ok and lines[-3] == "  router aux loss: largest relative difference 4.8e-02 at step 2 (> 1e-05)"
+    assert not compare({**same, "router": {1: [[6, 2]]}}, ref, 1e-5, 1e-4)[1]  # a step's counts missing
+    assert not compare({k: v for k, v in same.items() if k != "aux"}, ref, 1e-5, 1e-4)[1]
+
+
 def test_low_precision_tolerances_follow_the_measured_noise_floor_step_by_step():
     """bf16: the reference's layout in bf16 against it in fp32 gives, per step, the largest difference
     so far; a layout may differ by FLOOR_FACTOR x that (never less than fp32's tolerances). A fault

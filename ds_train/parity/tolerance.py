@@ -103,8 +103,8 @@ def compare(layout: dict, reference: dict, loss_tol: float | dict, grad_tol: flo
     lines.append(f"  {'eval':>5} {_num(layout['eval'], 13)} {_num(reference['eval'], 13)} {de:>9.1e}")
     ok = ok and all(ratio <= 1 for ratio, *_ in worst.values())
     if reference.get("aux"):  # the router's auxiliary loss, held to the loss's tolerance
-        _, d, tol, step = max((rel(layout["aux"].get(step), ref) / at(loss_tol, step), rel(layout["aux"].get(step), ref),
-                               at(loss_tol, step), step) for step, ref in reference["aux"].items())
+        diffs = {step: rel(layout.get("aux", {}).get(step), ref) for step, ref in reference["aux"].items()}
+        _, d, tol, step = max((d / at(loss_tol, step), d, at(loss_tol, step), step) for step, d in diffs.items())
         ok = ok and d <= tol
         lines.append(f"  router aux loss: largest relative difference {d:.1e} at step {step} "
                      f"({'<=' if d <= tol else '>'} {tol:.2g})")

@@ -267,8 +267,8 @@ def model_shape(hf_config, lora=None) -> ModelShape:
     return ModelShape(n_params, hf_config.num_hidden_layers, hidden,
                       getattr(hf_config, "intermediate_size", 4 * hidden), kv_heads * head_dim,
                       hf_config.vocab_size, largest, heads, split, kv_heads, trainable,
-                      expert_param_count(model, hf_config), num_experts(hf_config) or 0, moe_mlp_width(model, hf_config),
-                      heads * head_dim, qk_norm)
+                      expert_param_count(model, hf_config), num_experts(hf_config) or 0,
+                      moe_mlp_width(model, hf_config), heads * head_dim, qk_norm)
 
 
 @dataclass(frozen=True)
