@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import (BIN, ROOT, SCRIPTED_TASKS, TESTS_ON_PATH, ds_train, free_port, pids_with, reap, ript_config, run_cmd,
-                      spawn, tree_listing)
+from conftest import (BIN, ROOT, SCRIPTED_TASKS, TESTS_ON_PATH, ds_train, expect_error, free_port, pids_with, reap,
+                      ript_config, run_cmd, spawn, tree_listing)
 from ds_train.checkpoint import commit as checkpoint
 from ds_train.ript.sampler import ContextSampler, Tally
 from ds_train.ript.sharding import shard_tasks
@@ -305,7 +305,8 @@ def test_ript_under_expert_parallelism_updates_as_with_every_expert_on_each_rank
     parallel.expert 2 (AutoEP: the log-probs, the reference's and the update go through experts split
     over the 2 ranks) each iteration's policy loss and KL are parallel.expert 1's within 1e-5. Then the
     model acts under parallel.expert 2 on one task, so rank 1 has nothing to roll out: its dummy rows
-    keep the generation's all-to-alls in step (as under ZeRO-3), and the run ends."""
+    keep the generation's all-to-alls in step (as under ZeRO-3), and the run ends. A policy whose config
+    asks for the router's aux loss is refused in one line (RIPT's loss would leave it out)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
@@ -334,6 +335,15 @@ def test_ript_under_expert_parallelism_updates_as_with_every_expert_on_each_rank
     res = launch_ript(cfg, "parallel.expert=2", "ript.max_sampling_rounds=2")
     assert res.returncode == 0, res.out[-4000:]
     assert "   1  (idle)" in res.out and "ript: done, 1 iterations" in res.out
+
+    # a router loss asked for by the model config: RIPT's policy loss would leave it out, so it is refused
+    config = json.loads((policy / "config.json").read_text())
+    (policy / "config.json").write_text(json.dumps({**config, "output_router_logits": True}))
+    (tmp_path / "aux").mkdir()
+    expect_error(["ript", "--config", str(ript_config(tmp_path / "aux", policy)), "--ds-config",
+                  str(ROOT / "ds_configs" / "zero2.json")],
+                 "model.config.output_router_logits=true: RIPT's policy loss does not add the router's auxiliary loss")
+    assert not (tmp_path / "aux" / "run").exists()
 
 
 def test_the_same_rollouts_split_into_other_micro_batches_and_ranks_give_the_same_update(tiny_policy, tmp_path):
