@@ -47,11 +47,14 @@ def output_capture_registry_takes_keys(needed: bool = True):
     `registry[key] = entry`); transformers 5.23's registry takes a model instead (`get(model)`, keyed by
     its class): a TypeError from deepspeed.initialize, and an entry restored under a wrong key. While
     `needed`, the registry also takes its own keys (a str) as the dict it is; the model form is
-    unchanged. Restored after."""
-    if not needed:
+    unchanged. Restored after. The pinned transformers (5.19.0, requirements.txt) has the plain dict
+    DeepSpeed expects (no _CanRecordRegistry): nothing to do; the patch is for a newer one."""
+    from transformers.utils import output_capturing
+
+    registry = getattr(output_capturing, "_CanRecordRegistry", None)
+    if not needed or registry is None:
         yield
         return
-    from transformers.utils.output_capturing import _CanRecordRegistry as registry
 
     get, setitem = registry.get, registry.__setitem__
 
