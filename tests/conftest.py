@@ -287,35 +287,56 @@ def tiny_policy(tmp_path_factory) -> Path:
     return Path(once(tmp_path_factory, "tiny_policy", build))
 
 
+def sft_on_demonstrations(model, tok, out: Path) -> Path:
+    """150 AdamW steps on the task demonstrations (in this process, plain torch); saved with `tok`."""
+    import torch
+
+    eos = tok.eos_token_id
+    seqs = [[eos, *tok(t, add_special_tokens=False)["input_ids"], eos] for t in demonstration_texts()]
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(150):
+        rows = [seqs[i] for i in torch.randint(len(seqs), (16,), generator=gen).tolist()]
+        width = max(map(len, rows))
+        ids = torch.full((16, width), eos)
+        labels = torch.full((16, width), -100)
+        for r, seq in enumerate(rows):
+            ids[r, :len(seq)] = labels[r, :len(seq)] = torch.tensor(seq)
+        model(input_ids=ids, labels=labels).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    return out
+
+
 @pytest.fixture(scope="session")
 def sft_policy(tiny_policy, tmp_path_factory) -> Path:
-    """tiny_policy after 150 AdamW steps on the demonstrations (in this process, plain torch): it
-    solves parity, max and guess some of the time, so RLOO groups of K disagree and RIPT updates."""
+    """tiny_policy after 150 AdamW steps on the demonstrations: it solves parity, max and guess some of
+    the time, so RLOO groups of K disagree and RIPT updates."""
     def build(out: Path) -> Path:
-        import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        tok = AutoTokenizer.from_pretrained(tiny_policy)
-        model = AutoModelForCausalLM.from_pretrained(tiny_policy)
-        eos = tok.eos_token_id
-        seqs = [[eos, *tok(t, add_special_tokens=False)["input_ids"], eos] for t in demonstration_texts()]
-        opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-        gen = torch.Generator().manual_seed(0)
-        for _ in range(150):
-            rows = [seqs[i] for i in torch.randint(len(seqs), (16,), generator=gen).tolist()]
-            width = max(map(len, rows))
-            ids = torch.full((16, width), eos)
-            labels = torch.full((16, width), -100)
-            for r, seq in enumerate(rows):
-                ids[r, :len(seq)] = labels[r, :len(seq)] = torch.tensor(seq)
-            model(input_ids=ids, labels=labels).loss.backward()
-            opt.step()
-            opt.zero_grad()
-        model.save_pretrained(out)
-        tok.save_pretrained(out)
-        return out
+        return sft_on_demonstrations(AutoModelForCausalLM.from_pretrained(tiny_policy),
+                                     AutoTokenizer.from_pretrained(tiny_policy), out)
 
     return Path(once(tmp_path_factory, "sft_policy", build))
+
+
+@pytest.fixture(scope="session")
+def vllm_policy(tiny_policy, tmp_path_factory) -> Path:
+    """As sft_policy, with 2 attention heads of 32 (vLLM's CPU attention takes no head size below 32)."""
+    def build(out: Path) -> Path:
+        import torch
+        from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(tiny_policy)
+        torch.manual_seed(0)
+        cfg = AutoConfig.for_model(**{**TINY_MODEL, "num_attention_heads": 2, "num_key_value_heads": 2,
+                                      "vocab_size": len(tok)})
+        return sft_on_demonstrations(AutoModelForCausalLM.from_config(cfg), tok, out)
+
+    return Path(once(tmp_path_factory, "vllm_policy", build))
 
 
 SCRIPTED_TASKS = ["add", "copy", "rev", "sort"]

@@ -1,5 +1,5 @@
-"""ds_train/ript/algorithms.py: every advantage estimator, loss aggregation mode, KL estimator and the
-overlong penalty against values computed by hand on fixed tensors (1e-7), and the aggregation's
+"""ds_train/ript/algorithms.py: every advantage estimator, loss aggregation mode, KL estimator, rollout
+correction (truncated importance sampling) and the overlong penalty against values computed by hand on fixed tensors (1e-7), and the aggregation's
 exactness when the same rollouts are split into other micro-batches or ranks."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import math
 import pytest
 import torch
 
-from ds_train.ript.algorithms import (ADVANTAGES, KL_ESTIMATORS, LOSS_AGG_MODES, Norms, aggregate, advantages,
-                                      keep_mask, overlong_penalty)
+from ds_train.ript.algorithms import (ADVANTAGES, KL_ESTIMATORS, LOSS_AGG_MODES, Norms, PolicyStats, aggregate,
+                                      advantages, keep_mask, logp_mismatch, overlong_penalty, rollout_correction)
 from ds_train.ript.sampler import Tally, std_from_sums
 
 REWARDS = torch.tensor([[1.0, 0.0, 0.0, 1.0], [1.0, 1.0, 1.0, 0.0]])
@@ -124,3 +124,47 @@ def test_the_tally_gives_reward_truncation_and_zero_std_statistics_from_sums():
     assert m["ript/reward_std"] == pytest.approx(std_from_sums(16, 3.0, 2.5))
     assert m["ript/truncated_frac"] == 2 / 16 and m["ript/frac_reward_zero_std"] == 0.5
     assert merged.counts["a"]["reward"] == 3.0 and merged.counts["a"]["truncated"] == 2
+
+
+# the trainer's log-probs (pi_old) and the rollout engine's (pi_rollout) of two rollouts of 3 tokens; the
+# second's last token is padding (mask 0)
+OLD = torch.tensor([[-1.0, -2.0, -0.5], [-0.2, -3.0, -9.0]])
+ROLLOUT = torch.tensor([[-1.5, -1.0, -0.5], [-0.2, -2.0, -1.0]])
+MASK = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
+
+
+def test_token_tis_by_hand():
+    """min(exp(old - rollout), cap) per token: exp(0.5) = 1.6487 stays under cap 2, exp(-1) = 0.3679, exp(0) = 1;
+    the padding's weight is 0 whatever its ratio (exp(-8) here)."""
+    got = rollout_correction("tis", OLD, ROLLOUT, MASK, cap=2.0)
+    assert close(got, [[math.exp(0.5), math.exp(-1.0), 1.0], [1.0, math.exp(-1.0), 0.0]])
+    capped = rollout_correction("tis", ROLLOUT, OLD, MASK, cap=2.0)  # the other way round: exp(1) is capped
+    assert close(capped, [[math.exp(-0.5), 2.0, 1.0], [1.0, 2.0, 0.0]])
+    live = OLD.clone().requires_grad_()
+    assert not rollout_correction("tis", live, ROLLOUT, MASK, 2.0).requires_grad  # a weight, never a gradient path
+
+
+def test_sequence_tis_by_hand():
+    """One weight per rollout: min(exp(sum of its tokens' old - rollout), cap). Row 1: 0.5 - 1 + 0 = -0.5;
+    row 2 (its padding left out): 0 - 1 = -1; reversed, row 1's exp(0.5) stays, row 2's exp(1) is capped."""
+    got = rollout_correction("seq-tis", OLD, ROLLOUT, MASK, cap=2.0)
+    assert close(got, [[math.exp(-0.5)] * 3, [math.exp(-1.0), math.exp(-1.0), 0.0]])
+    assert close(rollout_correction("seq-tis", ROLLOUT, OLD, MASK, cap=2.0),
+                 [[math.exp(0.5)] * 3, [2.0, 2.0, 0.0]])
+
+
+def test_the_logprob_mismatch_and_its_sums_over_ranks():
+    """Tokens, summed |diff| (0.5 + 1 + 0 + 0 + 1), tokens over 0.1 (3) and the largest, on the mask only
+    (the padding's 8 is left out); over ranks the maximum is a maximum, every other field a sum."""
+    tokens, total, over, most = logp_mismatch(OLD, ROLLOUT, MASK)
+    assert (tokens, over) == (5.0, 3.0) and total == pytest.approx(2.5) and most == pytest.approx(1.0)
+    a = PolicyStats(tokens=4.0, rollout_tokens=tokens, rollout_diff=total, rollout_over=over, rollout_diff_max=most)
+    b = PolicyStats(tokens=1.0, rollout_tokens=1.0, rollout_diff=0.25, rollout_diff_max=0.25)
+    both = a + b  # two updates on one rank
+    assert (both.tokens, both.rollout_tokens, both.rollout_diff_max) == (5.0, 6.0, 1.0)
+    ranks = PolicyStats.from_reduced([x + y for x, y in zip(a.sums(), b.sums())], [max(a.maxima() + b.maxima())])
+    assert ranks == both
+    metrics = both.metrics()
+    assert metrics["rollout/logp_diff_mean"] == pytest.approx(2.75 / 6) and metrics["rollout/logp_diff_max"] == 1.0
+    assert metrics["rollout/logp_diff_frac_over_0.1"] == pytest.approx(3 / 6)
+    assert "rollout/logp_diff_mean" not in PolicyStats(tokens=3.0).metrics()  # Hugging Face generate: none

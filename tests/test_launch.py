@@ -292,7 +292,8 @@ def test_every_third_party_module_ds_train_imports_is_compared_across_hosts():
     import ast
     import importlib.metadata
 
-    everything = set(run_packages(SimpleNamespace(wandb="online", tensorboard=True)))
+    everything = set(run_packages(SimpleNamespace(wandb="online", tensorboard=True),
+                                  SimpleNamespace(rollout_engine="vllm")))
     owners = importlib.metadata.packages_distributions()
     missing = {}
     for path in (ROOT / "ds_train").rglob("*.py"):

@@ -34,8 +34,9 @@ class RunPaths:
 
     # name -> "file" or "dir": what a run directory holds (anything else under these names is in the way)
     ENTRIES = {"config.yaml": "file", "ds_config.json": "file", "env.json": "file", "metrics.jsonl": "file",
-               "results.json": "file", "ript_results.json": "file", "checkpoints": "dir", "logs": "dir",
-               "heartbeats": "dir", "hf_model": "dir", "tensorboard": "dir", "plots": "dir"}
+               "results.json": "file", "ript_results.json": "file", "completions.jsonl": "file",
+               "checkpoints": "dir", "logs": "dir", "heartbeats": "dir", "hf_model": "dir", "tensorboard": "dir",
+               "plots": "dir"}
 
     def __post_init__(self):
         object.__setattr__(self, "root", Path(self.root))
@@ -44,6 +45,7 @@ class RunPaths:
     ds_config = property(lambda self: self.root / "ds_config.json")  # the DeepSpeed config used
     env = property(lambda self: self.root / "env.json")  # the command, versions, hosts, layout
     metrics = property(lambda self: self.root / "metrics.jsonl")
+    completions = property(lambda self: self.root / "completions.jsonl")  # RIPT's rollouts (ript.log_completions)
     logs = property(lambda self: self.root / "logs")
     console_log = property(lambda self: self.root / "logs" / "train.log")  # rank 0's console
     hang_report = property(lambda self: self.root / "logs" / "hang_report.json")

@@ -6,7 +6,8 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from ds_train.config.fields import NON_NEGATIVE, POSITIVE, Section, _f
-from ds_train.config.registry import ADVANTAGES, KL_ESTIMATORS, LOSS_AGGREGATIONS, PREFERENCE_LOSSES
+from ds_train.config.registry import (ADVANTAGES, KL_ESTIMATORS, LOSS_AGGREGATIONS, PREFERENCE_LOSSES,
+                                      ROLLOUT_CORRECTIONS)
 
 
 @dataclass(frozen=True)
@@ -73,6 +74,23 @@ class RiptConfig(Section):
     sharding: Literal["balanced", "round_robin"] = _f(
         "balanced", "Task to rank assignment: balanced by estimated cost (contexts x turns), or round_robin.")
     allow_idle_ranks: bool = _f(False, "Allow more ranks than tasks (idle ranks still join every collective).")
+    rollout_engine: Literal["hf", "vllm"] = _f(
+        "hf", "What generates the rollouts: hf, the policy's own generate (batched); vllm, a vLLM engine in each "
+              "rank's process, its weights synced from the policy after every update (docs/post_training.md).")
+    vllm_mode: Literal["colocate"] = _f("colocate", "Where vLLM runs (TRL vllm_mode): colocate, one engine in each "
+                                                    "rank's own process, on its GPU.")
+    vllm_gpu_memory_utilization: float = _f(
+        0.3, "The fraction of each GPU vLLM takes for its weights and KV cache (TRL's default); it sleeps while "
+             "the policy trains. On a CPU the KV cache is sized to one rollout batch instead.", (0.0, 1.0))
+    vllm_tensor_parallel_size: int = _f(1, "GPUs one vLLM engine spans (TRL vllm_tensor_parallel_size); a colocated "
+                                           "engine lives in one rank's process: 1.", POSITIVE)
+    tis_cap: float = _f(0.0, "Truncated importance sampling (verl, TRL): each token's policy loss times min(pi_old / "
+                             "pi_rollout, tis_cap), the trainer's probability over the rollout engine's. 0: off. "
+                             "Needs rollout_engine=vllm (its log-probs).", NON_NEGATIVE)
+    rollout_correction: ROLLOUT_CORRECTIONS.choices = _f(
+        "tis", ROLLOUT_CORRECTIONS.help("The correction tis_cap turns on"))
+    log_completions: int = _f(0, "Rank 0's rollouts written to completions.jsonl per iteration (and per held-out "
+                                 "evaluation): text, token ids, log-probs, reward. 0: none.", NON_NEGATIVE)
 
     def check(self) -> list[str]:
         errs = []
@@ -96,6 +114,27 @@ class RiptConfig(Section):
                         f"or leave scale_rewards out")
         if self.kl_coef == 0 and (self.kl_in, self.kl_estimator) != (RiptConfig.kl_in, RiptConfig.kl_estimator):
             errs.append("ript.kl_in / kl_estimator: set, but ript.kl_coef is 0 (no KL term); set kl_coef")
+        return errs + self._check_engine()
+
+    def _check_engine(self) -> list[str]:
+        errs = []
+        if self.vllm_gpu_memory_utilization <= 0:
+            errs.append(f"ript.vllm_gpu_memory_utilization: {self.vllm_gpu_memory_utilization} must be within (0, 1]: "
+                        f"the fraction of each GPU vLLM takes (TRL's default 0.3)")
+        if self.tis_cap > 0 and self.rollout_engine != "vllm":
+            errs.append(f"ript.tis_cap: {self.tis_cap:g} corrects for the rollout engine's log-probs, and "
+                        f"ript.rollout_engine={self.rollout_engine} samples from the policy itself; set "
+                        f"ript.rollout_engine=vllm, or leave tis_cap out")
+        if self.tis_cap == 0 and self.rollout_correction != RiptConfig.rollout_correction:
+            errs.append(f"ript.rollout_correction: {self.rollout_correction}, but ript.tis_cap is 0 (no correction); "
+                        f"set tis_cap (verl and TRL use 2)")
+        if self.rollout_engine == "vllm" and self.vllm_tensor_parallel_size > 1:
+            errs.append(f"ript.vllm_tensor_parallel_size: {self.vllm_tensor_parallel_size}: a colocated engine lives "
+                        f"in one rank's process and spans its one device; set it to 1 (the policy's own layout, "
+                        f"ZeRO-3 or parallel.tensor, still splits training)")
+        if self.rollout_engine == "vllm" and self.policy:
+            errs.append(f"ript.rollout_engine=vllm with ript.policy={self.policy!r}: a scripted policy generates "
+                        f"nothing; set rollout_engine=hf or leave policy out")
         return errs
 
 

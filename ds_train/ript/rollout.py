@@ -27,9 +27,20 @@ class Episode:
     success: bool = False
     reward: float = 0.0  # the task's reward (1.0 / 0.0 for success / failure unless the task says)
     truncated: bool = False  # an action reached its max_new_tokens without a stop token
+    # the sampling engine's log-prob of each token of `ids` (0.0 off the actions); None when the policy
+    # reports none (Hugging Face generate): the update then recomputes them all (ds_train/ript/update.py)
+    logprobs: list[float] | None = None
 
 
-Act = Callable[[list[Episode]], list[list[int]]]  # live episodes -> each one's action token ids
+class Sampled(list):
+    """An action's token ids, with the log-prob the sampling engine gave each (vLLM's)."""
+
+    def __init__(self, ids: list[int], logprobs: list[float]):
+        super().__init__(ids)
+        self.logprobs = list(logprobs)
+
+
+Act = Callable[[list[Episode]], list[list[int]]]  # live episodes -> each one's action token ids (or Sampled)
 
 
 @dataclass(frozen=True)
@@ -152,7 +163,7 @@ def _rollout_batch(act: Act, tokenizer, jobs, turns: int, max_new_tokens: int) -
             ids = task.prompt_ids(context)
         else:  # after a document boundary, as the policy saw text in training
             ids = [start] + encode(tokenizer, prompt)
-        episodes.append(Episode(task, context, index, ids, [0] * len(ids), prompt))
+        episodes.append(Episode(task, context, index, ids, [0] * len(ids), prompt, logprobs=[0.0] * len(ids)))
     max_turns = turns or max(task.max_turns for task, _, _ in jobs)
     eos = tokenizer.eos_token_id
     for turn in range(max_turns):
@@ -169,6 +180,8 @@ def _rollout_batch(act: Act, tokenizer, jobs, turns: int, max_new_tokens: int) -
                 e.truncated = True
             e.ids += action_ids
             e.action_mask += [1] * len(action_ids)
+            sampled = getattr(action_ids, "logprobs", None)  # a Sampled action's; HF generate gives none
+            e.logprobs = None if sampled is None or e.logprobs is None else e.logprobs + sampled
             e.text += action
             e.turns += 1
             step = e.task.step(e.context, turn, action)
@@ -179,5 +192,6 @@ def _rollout_batch(act: Act, tokenizer, jobs, turns: int, max_new_tokens: int) -
                 obs_ids = encode(tokenizer, step.observation)
                 e.ids += obs_ids
                 e.action_mask += [0] * len(obs_ids)
+                e.logprobs = None if e.logprobs is None else e.logprobs + [0.0] * len(obs_ids)
                 e.text += step.observation
     return episodes

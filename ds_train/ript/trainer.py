@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -25,13 +24,16 @@ from ds_train.inputs import RunInputs, check_inputs
 from ds_train.observe.metrics import Interval
 from ds_train.plan.batch import rollout_update_steps
 from ds_train.plan.parallel import plan_dims
-from ds_train.ript.algorithms import ADVANTAGES, PolicyStats, keep_mask
+from ds_train.ript.algorithms import ADVANTAGES, keep_mask
 from ds_train.ript.datatask import check_task_entries, load_tasks, split_for_ranks
 from ds_train.ript.rollout import Episode, max_rollout_tokens, model_policy, rollout, scripted_policy
 from ds_train.ript.sampler import ContextSampler, Tally, by_family, family, merge_states
 from ds_train.ript.sharding import format_shards, shard_tasks
 from ds_train.ript.tasks import load_object
+from ds_train.ript.completions import Completions
+from ds_train.ript.counts import SyncedCounts
 from ds_train.ript.update import update
+from ds_train.ript.vllm_engine import VllmRollouts, check_rollout_engine
 from ds_train.run import Run, RunSpec
 from ds_train.start import build_run
 from ds_train.train.reference import ReferenceSpec, build_reference, report_reference
@@ -53,6 +55,7 @@ class RiptInputs:
     shards: list[list[str]]
     scripted: Any  # ript.policy, when a script acts instead of the model
     run: RunInputs
+    engine: str  # what generates the rollouts: "generate", or the vLLM package and version
 
     @classmethod
     def check(cls, cfg: RunConfig, ds_config_path: str, world_size: int) -> "RiptInputs":
@@ -69,6 +72,7 @@ class RiptInputs:
                             f"partition both models, or ript.kl_coef=0")
         check_task_entries(cfg)  # fail fast: before the model is read
         run = check_inputs(cfg, ds_config_path, data=False)
+        engine = check_rollout_engine(cfg, run.source.hf_config)
         if getattr(run.source.hf_config, "output_router_logits", False) is True:
             raise UserError("model.config.output_router_logits=true: RIPT's policy loss does not add the router's "
                             "auxiliary loss yet; set it to false for ript")
@@ -77,7 +81,7 @@ class RiptInputs:
         tasks = {part.name: part for task in tasks.values() for part in split_for_ranks(task, data_parallel)}
         shards = shard_tasks(cls.costs(cfg, tasks), data_parallel, r.sharding, r.allow_idle_ranks)
         scripted = load_scripted(r.policy) if r.policy else None
-        return cls(tasks, shards, scripted, run)
+        return cls(tasks, shards, scripted, run, engine)
 
     @staticmethod
     def costs(cfg: RunConfig, tasks: dict) -> dict[str, float]:
@@ -120,6 +124,17 @@ class RiptJob:
     scripted: Any
     pending: dict = field(default_factory=dict)  # this rank's counts not yet synced, from a checkpoint
     reference: Any = None  # the KL term's reference policy (ds_train/train/reference.py), or None
+    completions: Any = None  # rank 0's rollouts for completions.jsonl (ript.log_completions)
+    vllm: Any = None  # this rank's vLLM engine (ript.rollout_engine=vllm), or None: the policy generates
+
+    def pause_engine(self) -> None:
+        if self.vllm is not None:
+            self.vllm.pause()
+
+    def sync_engine(self, iteration: int) -> None:
+        """The policy was updated at `iteration`: vLLM takes its weights (every rank together)."""
+        if self.vllm is not None:
+            self.vllm.updated(iteration)
 
     @property
     def mine(self) -> list[str]:
@@ -129,6 +144,8 @@ class RiptJob:
         run = self.run
         if self.scripted is not None:
             return scripted_policy(self.scripted, run.tokenizer)
+        if self.vllm is not None:
+            return self.vllm.policy(temperature)
         return model_policy(run.engine.module, run.tokenizer, run.cfg.ript.max_new_tokens, temperature,
                             run.collective_forward, list(self.tasks.values()))
 
@@ -159,17 +176,36 @@ def ript(cfg: RunConfig, ds_config_path: str) -> dict:
         sampler = ContextSampler([inputs.tasks[n] for n in inputs.shards[run.data_rank]], r.train_contexts,
                                  cfg.seed, r.skip_solved, r.retest_after, r.task_weighting)
         job = RiptJob(run, inputs.tasks, inputs.shards, sampler, inputs.scripted,
-                      reference=build_reference(run, ReferenceSpec.of(cfg), run.weights) if r.kl_coef else None)
+                      reference=build_reference(run, ReferenceSpec.of(cfg), run.weights) if r.kl_coef else None,
+                      completions=Completions(run.paths.completions, r.log_completions, run.env.is_main))
         run.say(format_shards(inputs.shards, RiptInputs.costs(cfg, inputs.tasks)))
         run.say(f"K={r.rloo_batch_size}; quota {r.contexts_per_rank} contexts per rank; policy "
-                f"{r.policy or cfg.model.path}; {describe_algorithm(cfg)}")
+                f"{r.policy or cfg.model.path}; {describe_algorithm(cfg)}; rollouts: {inputs.engine}")
         report_reference(run, job.reference)
-        state = resume(job) or start(job)
-        first = state.iteration
-        ript_loop(run, job, state)
+        saved = resume(job)
+        job.completions.rewind(saved.iteration if saved else -1)
+        with rollout_engine(job, saved.iteration if saved else 0):  # its weights: the checkpoint's on a resume
+            state = saved or start(job)
+            first = state.iteration
+            ript_loop(run, job, state)
         run.write_plots()
         report(job, state, first)
         return asdict(state)
+
+
+@contextlib.contextmanager
+def rollout_engine(job: RiptJob, version: int):
+    """This rank's vLLM engine for the block (ript.rollout_engine=vllm), built from the policy's weights
+    as they are now; nothing with the Hugging Face engine or a scripted policy."""
+    if job.run.cfg.ript.rollout_engine != "vllm" or job.scripted is not None:
+        yield
+        return
+    job.vllm = VllmRollouts(job.run, version)
+    try:
+        yield
+    finally:
+        job.vllm.close()
+        job.vllm = None
 
 
 def resume(job: RiptJob) -> RiptState | None:
@@ -200,8 +236,10 @@ def ript_loop(run: Run, job: RiptJob, state: RiptState) -> None:
         for it in range(state.iteration + 1, r.iterations + 1):
             with counts.rollouts():
                 groups = sample(job, act, counts.window, it)
+            job.pause_engine()
             counts.policy += update(run, r, groups, it, job.reference, job.max_tokens, seed=run.cfg.seed,
                                     poison=it in run.cfg.train.debug_nonfinite_steps)
+            job.sync_engine(it)
             state.iteration = it
             metrics = counts.maybe_sync(it, state) | held_out.maybe_evaluate(it, state)
             run.logger.log(metrics, it)
@@ -213,58 +251,6 @@ def checkpoint_state(job: RiptJob, state: RiptState) -> dict:
     """The loop state plus all ranks' sampler states, merged by task (a collective)."""
     samplers = dist.all_gather_object(job.sampler.state())
     return {"iteration": state.iteration, "ript": {**asdict(state), "sampler": merge_states(samplers, job.shards)}}
-
-
-class SyncedCounts:
-    """Per-task counts, policy statistics and rollout time of the iterations since the last sync,
-    summed (exactly) over ranks every ript.sync_every iterations and at the last."""
-
-    def __init__(self, job: RiptJob, interval: Interval):
-        self.job, self.interval, self.names = job, interval, sorted(job.tasks)
-        self._restart()
-
-    def _restart(self) -> None:
-        self.window, self.policy = Tally(self.names), PolicyStats()
-        self.started, self.rollout_s, self.iterations = time.perf_counter(), 0.0, 0
-
-    def state(self) -> dict:
-        """This rank's counts since the last sync (its rank file carries them across a resume)."""
-        return {"window": self.window.as_dict(), "policy": asdict(self.policy), "rollout_s": self.rollout_s,
-                "iterations": self.iterations, "elapsed_s": time.perf_counter() - self.started}
-
-    def load_state(self, saved: dict) -> None:
-        if not saved:
-            return
-        for name, counts in saved["window"].items():
-            self.window.add(name, **counts)
-        self.policy = PolicyStats(**saved["policy"])
-        self.rollout_s, self.iterations = saved["rollout_s"], saved["iterations"]
-        self.started = time.perf_counter() - saved["elapsed_s"]
-
-    @contextlib.contextmanager
-    def rollouts(self):
-        t0 = time.perf_counter()
-        yield
-        self.rollout_s += time.perf_counter() - t0
-
-    def maybe_sync(self, it: int, state: RiptState) -> dict:
-        self.iterations += 1
-        if it not in self.interval:
-            return {}
-        self.job.run.beat(it, "sync")
-        self.job.run.rank_log.info(f"iteration {it} counts {json.dumps(self.window.as_dict())}")  # this rank's own
-        counts = Tally.from_vector(self.names, dist.all_reduce_sum(self.window.vector()))
-        rollout_s = dist.all_reduce_max([self.rollout_s])[0]
-        state.totals = {n: {k: v + counts.counts[n][k] for k, v in c.items()} for n, c in state.totals.items()}
-        policy = PolicyStats.from_vector(dist.all_reduce_sum(self.policy.vector()))
-        metrics = counts.metrics() | policy.metrics(reference=self.job.reference is not None) | {
-            "policy/skipped_steps": self.job.run.guard.skipped,  # so far; the same on every rank
-            "perf/rollouts_per_s": counts.total("rollouts") / max(rollout_s, 1e-9),
-            "perf/iteration_s": (time.perf_counter() - self.started) / self.iterations,
-            "optim/lr": float(self.job.run.engine.get_lr()[0])}
-        state.synced = {k: v for k, v in metrics.items() if k.startswith(("ript/", "policy/"))}
-        self._restart()
-        return metrics
 
 
 class HeldOut:
@@ -279,7 +265,7 @@ class HeldOut:
 
     def record(self, it: int, state: RiptState) -> dict:
         self.job.run.beat(it, "eval")
-        result = evaluate(self.job)
+        result = evaluate(self.job, it)
         state.evals.append({"iteration": it, **result})
         write_results(self.job, state)
         return {"eval/success": result["success_rate"]} | {
@@ -292,7 +278,7 @@ def run_episodes(job: RiptJob, act, jobs: list) -> list[Episode]:
     nothing to do."""
     r = job.run.cfg.ript
     size = r.rollout_contexts * r.rloo_batch_size
-    if not job.run.collective_forward or r.policy:  # scripted policies make no collective calls
+    if not job.run.collective_forward or r.policy or job.vllm is not None:  # vLLM's generation: this rank's own
         return rollout(act, job.run.tokenizer, jobs, size, max_new_tokens=r.max_new_tokens)
     batches = int(dist.all_reduce_max([float(math.ceil(len(jobs) / size))])[0])
     turns = max(t.max_turns for t in job.tasks.values())
@@ -323,6 +309,7 @@ def sample(job: RiptJob, act, tally: Tally, it: int) -> list[list[Episode]]:
         picked = [] if done else job.sampler.next(min(r.rollout_contexts, r.max_contexts_checked - checked), tally)
         checked += len(picked)
         episodes = run_episodes(job, act, [(task, ctx, i) for task, _, ctx in picked for i in range(k)])
+        job.completions.add(it, "train", episodes)
         rewards = torch.tensor([[e.reward for e in episodes[g * k:(g + 1) * k]] for g in range(len(picked))])
         keep_groups = keep_mask(rewards).tolist() if picked else []
         for g, (task, index, _) in enumerate(picked):
@@ -338,14 +325,15 @@ def sample(job: RiptJob, act, tally: Tally, it: int) -> list[list[Episode]]:
     return groups
 
 
-def evaluate(job: RiptJob) -> dict:
-    """Greedy success on each task's held-out contexts; counts summed over ranks (exact)."""
+def evaluate(job: RiptJob, it: int) -> dict:
+    """Greedy success on each task's held-out contexts (at iteration `it`); counts summed over ranks (exact)."""
     run, r = job.run, job.run.cfg.ript
     jobs = [(job.tasks[n], c, 0) for n in job.mine
             for c in job.tasks[n].contexts("heldout", r.eval_contexts, run.cfg.seed)]
     run.engine.eval()
     episodes = run_episodes(job, job.policy(temperature=0.0), jobs)
     run.engine.train()
+    job.completions.add(it, "eval", episodes)
     names = sorted({family(n) for n in job.tasks})  # a dataset task's parts add up under its name
     local = {n: [0.0, 0.0] for n in names}
     for e in episodes:

@@ -20,7 +20,7 @@ from ds_train import dist
 from ds_train.config import RiptConfig
 from ds_train.guard import backward_step
 from ds_train.ript.algorithms import (ADVANTAGES, KL_ESTIMATORS, Norms, PolicyStats, advantages, aggregate,
-                                      clipped_policy_loss, overlong_penalty)
+                                      clipped_policy_loss, logp_mismatch, overlong_penalty, rollout_correction)
 from ds_train.ript.rollout import Episode, max_rollout_tokens
 from ds_train.ript.sampler import std_from_sums
 from ds_train.run import Run
@@ -57,7 +57,7 @@ def update(run: Run, r: RiptConfig, groups: list[list[Episode]], iteration: int,
     n_steps = int(dist.all_reduce_max([float(math.ceil(len(rows) / per_step))])[0])
     if n_steps == 0:
         return PolicyStats()
-    ids, mask = _padded(run, rows, n_steps * per_step, r.mask_truncated)
+    ids, mask, sampled = _padded(run, rows, n_steps * per_step, r.mask_truncated)
     orders = [_order(len(rows), len(ids), f"{seed}:{iteration}:{epoch}:{run.env.rank}")
               for epoch in range(r.ppo_epochs)]
     # The policy before the update: the rows of the first optimizer step take it from that step's own
@@ -66,7 +66,7 @@ def update(run: Run, r: RiptConfig, groups: list[list[Episode]], iteration: int,
     first = set() if reference is not None and r.kl_in == "reward" else set(orders[0][:per_step])
     old, ref = _logp_before(run, ids, [i for i in orders[0] if i not in first], reference, iteration)
     adv = _advantages(r, groups, len(rows), old, ref, mask)
-    batch = _Batch(ids, mask, old, ref, adv, first)
+    batch = _Batch(ids, mask, old, ref, adv, first, sampled)
     stats = PolicyStats()
     for epoch, order in enumerate(orders):
         steps = [mask[order[s * per_step:(s + 1) * per_step]] for s in range(n_steps)]
@@ -93,20 +93,26 @@ class _Batch:
     ref: torch.Tensor | None  # [n, width - 1] the reference's log-probs, with a reference
     adv: torch.Tensor  # [n] each row's advantage (the padding: 0)
     first: set[int]  # rows whose `old` the first optimizer step's own forward fills in
+    sampled: torch.Tensor | None = None  # [n, width - 1] the rollout engine's log-probs (vLLM's), else None
 
 
 def _padded(run: Run, rows: list[Episode], n: int, mask_truncated: bool):
-    """The rows' token ids and their action mask, right-padded to the longest row of every rank and
-    to `n` rows (causal attention never looks at the padding); a truncated row trains nothing when
+    """The rows' token ids, their action mask and the rollout engine's log-probs (None when a row has
+    none: the policy sampled them itself), right-padded to the longest row of every rank and to `n`
+    rows (causal attention never looks at the padding); a truncated row trains nothing when
     `mask_truncated`."""
     width = int(dist.all_reduce_max([float(max((len(e.ids) for e in rows), default=2))])[0])
     ids = torch.full((n, width), run.tokenizer.eos_token_id, dtype=torch.long)
     mask = torch.zeros((n, width - 1))
+    with_logprobs = bool(rows) and all(e.logprobs is not None for e in rows)
+    sampled = torch.zeros((n, width - 1)) if with_logprobs else None
     for i, e in enumerate(rows):
         ids[i, :len(e.ids)] = torch.tensor(e.ids)
         if not (mask_truncated and e.truncated):
             mask[i, :len(e.ids) - 1] = torch.tensor(e.action_mask[1:], dtype=torch.float)
-    return ids.to(run.engine.device), mask
+        if sampled is not None:
+            sampled[i, :len(e.ids) - 1] = torch.tensor(e.logprobs[1:], dtype=torch.float)
+    return ids.to(run.engine.device), mask, sampled
 
 
 def _logp_before(run: Run, ids, later: list[int], reference: Reference | None, iteration: int):
@@ -158,6 +164,16 @@ def _micro_step(run: Run, r: RiptConfig, batch: _Batch, idx: list[int], first_ep
     mask_m = batch.mask[idx].to(logp.device)
     per_token, st = clipped_policy_loss(logp, batch.old[idx], batch.adv[idx].to(logp.device), mask_m,
                                         r.clip_low, r.clip_high)
+    engine_stats = {}
+    if batch.sampled is not None:  # the rollout engine's log-probs against the trainer's (pi_old)
+        sampled = batch.sampled[idx].to(logp.device)
+        weights = rollout_correction(r.rollout_correction, batch.old[idx], sampled, mask_m, r.tis_cap) \
+            if r.tis_cap > 0 else mask_m
+        per_token = per_token * weights
+        if first_epoch:
+            tokens, diff, over, most = logp_mismatch(batch.old[idx], sampled, mask_m)
+            engine_stats = dict(rollout_tokens=tokens, rollout_diff=diff, rollout_over=over, rollout_diff_max=most,
+                                rollout_weight=float((weights * mask_m).sum()))
     kl_sum = 0.0
     if batch.ref is not None:
         kl_tokens = KL_ESTIMATORS[r.kl_estimator](logp, batch.ref[idx])
@@ -168,7 +184,7 @@ def _micro_step(run: Run, r: RiptConfig, batch: _Batch, idx: list[int], first_ep
     backward_step(engine, scaled * float("inf") if poison else scaled)
     weighted_adv = float((batch.adv[idx][:, None] * batch.mask[idx]).sum())
     return PolicyStats(float(scaled.detach()) / scale, st["tokens"], st["clipped_tokens"], st["ratio_sum"],
-                       weighted_adv, kl_sum, 1.0 / plan.data_parallel_size if first_micro else 0.0)
+                       weighted_adv, kl_sum, 1.0 / plan.data_parallel_size if first_micro else 0.0, **engine_stats)
 
 
 def _order(rows: int, n: int, seed: str) -> list[int]:
