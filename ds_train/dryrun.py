@@ -35,8 +35,8 @@ from ds_train.model.lora import check_lora
 from ds_train.observe.metrics import PEAK_TFLOPS, memory_gib, peak_flops
 from ds_train.plan.memory import GiB, ModelShape, model_shape
 from ds_train.plan.parallel import Layout, check_layout
-from ds_train.plan.planner import (Target, format_rows, format_suggestions, fused_kernels, pick_preset, plan_rows,
-                                   rank_seq_len, resolved_zero, suggestions)
+from ds_train.plan.planner import (Target, engine_bytes, engine_weights_bytes, format_rows, format_suggestions,
+                                   fused_kernels, pick_preset, plan_rows, rank_seq_len, resolved_zero, suggestions)
 from ds_train.start import build_run
 from ds_train.train.loop import run_step, train_spec
 from ds_train.train.losses import forward_loss
@@ -105,6 +105,14 @@ def _estimate(cfg: RunConfig, ds_config_path: str, target: Target, preset: str |
                      "trainable": shape.trainable or shape.n_params, "experts": shape.experts},
            "dtype": dtype, "rows": rows, "seq_len": cfg.train.seq_len, "rank_seq_len": rank_seq_len(cfg),
            "kernels": kernels_said(cfg)}
+    engine = engine_bytes(cfg, target)
+    if engine:
+        weights = engine_weights_bytes(shape, dtype)
+        out["rollout_engine"] = {"fraction": cfg.ript.vllm_gpu_memory_utilization, "gib": engine / GiB,
+                                 "weights_gib": weights / GiB, "kv_cache_gib": (engine - weights) / GiB}
+        if weights >= engine:  # vLLM cannot start: no room for a KV cache in its share
+            for r in rows:
+                r["fits"] = False
     given = next(r for r in rows if r["given"])
     if not given["fits"]:
         out["suggestions"] = suggestions(shape, cfg, zero, target, dtype)
@@ -140,6 +148,13 @@ def format_estimate(out: dict, target: Target) -> str:
                         f"1/{ep} of the {m['experts'] / 1e6:,.1f}M expert parameters, whole below ZeRO-3; ZeRO "
                         f"partitions their gradients and optimizer states over the {par['data'] // ep} rank(s) that "
                         f"hold the same ones")
+    if out.get("rollout_engine"):
+        e = out["rollout_engine"]
+        room = (f"KV cache up to {e['kv_cache_gib']:.2f} GiB" if e["kv_cache_gib"] > 0 else
+                "no room for a KV cache: raise ript.vllm_gpu_memory_utilization")
+        lines.insert(1, f"rollouts: vLLM in each rank's process, {e['fraction']:g} of each GPU = {e['gib']:.2f} GiB "
+                        f"(its weights {e['weights_gib']:.2f} GiB, whole on every rank; {room}); it sleeps while the "
+                        f"policy trains: the peak is the larger of the update's and the model states + vLLM's")
     if out.get("suggestions"):
         lines.append("does not fit; changes ranked by cost, with the predicted per-GPU peak:")
         lines += format_suggestions(out["suggestions"])

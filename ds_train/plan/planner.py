@@ -62,10 +62,29 @@ def micro_rows(cfg: RunConfig, micro: int) -> int:
     return micro * sample_rows(cfg.data.format)
 
 
+def engine_bytes(cfg: RunConfig, target: Target) -> float:
+    """What a colocated vLLM engine (ript.rollout_engine=vllm) takes of each GPU while it generates:
+    ript.vllm_gpu_memory_utilization of it, its weights and KV cache within (vLLM's own cap); 0 without one."""
+    return cfg.ript.vllm_gpu_memory_utilization * target.gpu_memory_gib * GiB if cfg.ript.rollout_engine == "vllm" \
+        else 0.0
+
+
+def engine_weights_bytes(shape: ModelShape, dtype: str) -> float:
+    """vLLM's copy of the policy: the whole model on each rank (it does not split with ZeRO or AutoTP)."""
+    return shape.n_params * (4 if dtype == "fp32" else 2)
+
+
+def rank_peak(est: Estimate, engine: float = 0.0) -> float:
+    """A rank's peak in bytes: training's (Estimate.gpu_peak), or, with a colocated vLLM engine, the
+    rollouts' (the engine awake beside the model states the engine holds between steps) if higher; the
+    engine sleeps while the policy trains (level 2: its weights and KV cache freed)."""
+    return max(est.gpu_peak, est.states.held + engine) if engine else est.gpu_peak
+
+
 def plan_rows(shape: ModelShape, cfg: RunConfig, zero: dict, target: Target, dtype: str) -> list[dict]:
     """The given config and ZeRO 0-3 (with and without activation checkpointing) side by side; the
     other stages as ds_configs/zero<stage>.json renders them."""
-    rows = []
+    rows, engine = [], engine_bytes(cfg, target)
     given = int(zero.get("stage", 0))
     ranks, seq = zero_ranks(cfg, target), rank_seq_len(cfg)
     for stage in stages(cfg, dtype):
@@ -74,7 +93,7 @@ def plan_rows(shape: ModelShape, cfg: RunConfig, zero: dict, target: Target, dty
             est = estimate(shape, stage, dtype, ranks, micro_rows(cfg, cfg.train.micro_batch_size), seq, ckpt, z,
                            *tiles(cfg))
             rows.append(_row(est, ckpt, stage == given and ckpt == cfg.model.activation_checkpointing,
-                             target, cfg.train.micro_batch_size, zero_label(z)))
+                             target, cfg.train.micro_batch_size, zero_label(z), engine))
     return rows
 
 
@@ -115,19 +134,19 @@ def zero_label(zero: dict) -> str:
     return label
 
 
-def _row(est: Estimate, ckpt: bool, given: bool, target: Target, micro: int, label: str) -> dict:
+def _row(est: Estimate, ckpt: bool, given: bool, target: Target, micro: int, label: str, engine: float) -> dict:
     s = est.states
     return {"config": label, "activation_checkpointing": ckpt, "micro_batch_size": micro,
             "given": given, "params_gib": s.params / GiB, "grads_gib": (s.grads + s.accumulation) / GiB,
             "optimizer_gib": s.optimizer / GiB,  # the step's fp32 gradient copy comes after the activations are freed
             "model_states_gib": s.held / GiB,  # what the engine holds between steps (tests/test_memory.py)
             "activations_gib": est.activations.peak / GiB, "buffers_gib": est.buffers / GiB,
-            "gpu_peak_gib": est.gpu_peak / GiB, "cpu_gib": est.cpu / GiB,
-            "fits": fits(est, target)}
+            "gpu_peak_gib": rank_peak(est, engine) / GiB, "cpu_gib": est.cpu / GiB,
+            "fits": fits(est, target, engine)} | ({"rollout_peak_gib": (s.held + engine) / GiB} if engine else {})
 
 
-def fits(est: Estimate, target: Target) -> bool:
-    return est.gpu_peak / GiB <= USABLE * target.gpu_memory_gib
+def fits(est: Estimate, target: Target, engine: float = 0.0) -> bool:
+    return rank_peak(est, engine) / GiB <= USABLE * target.gpu_memory_gib
 
 
 def format_rows(rows: list[dict], target: Target) -> str:
@@ -152,14 +171,14 @@ def suggestions(shape: ModelShape, cfg: RunConfig, zero: dict, target: Target, d
     """Changes that lower the per-GPU peak, cheapest first, each with its predicted peak."""
     stage, micro, ckpt = int(zero.get("stage", 0)), cfg.train.micro_batch_size, cfg.model.activation_checkpointing
     seq, data, sp = cfg.train.seq_len, data_parallel(cfg, target), cfg.parallel.sequence
-    out = []
+    out, engine = [], engine_bytes(cfg, target)
 
     def add(change: str, **kw):
         est = estimate(shape, kw.get("stage", stage), dtype, kw.get("ranks", zero_ranks(cfg, target)),
                        micro_rows(cfg, kw.get("micro", micro)), kw.get("seq", seq) // kw.get("sp", sp),
                        kw.get("ckpt", ckpt), kw.get("zero", zero), *tiles(cfg)[:2], kw.get("tp", cfg.parallel.tensor),
                        *tiles(cfg)[3:5], kw.get("expert", cfg.parallel.expert))
-        out.append({"change": change, "gpu_peak_gib": est.gpu_peak / GiB, "fits": fits(est, target)})
+        out.append({"change": change, "gpu_peak_gib": rank_peak(est, engine) / GiB, "fits": fits(est, target, engine)})
 
     per_rank = cfg.train.global_batch_size // data if cfg.train.global_batch_size % data == 0 else 0
     smaller = [m for m in valid_micro_batch_sizes(per_rank * data, data) if m < micro] if per_rank else []
@@ -206,16 +225,17 @@ def pick_preset(shape: ModelShape, cfg: RunConfig, target: Target, dtype: str, p
         raise UserError(f"train.global_batch_size={cfg.train.global_batch_size} is not divisible by the "
                         f"data-parallel size {data}")
     micros = sorted(valid_micro_batch_sizes(cfg.train.global_batch_size, data), reverse=True)
+    engine = engine_bytes(cfg, target)
     for ckpt in (False, True):
         for stage in stages(cfg, dtype):
             z = stage_zero(f"zero{stage}", shape)
             for m in micros:
                 est = estimate(shape, stage, dtype, zero_ranks(cfg, target), micro_rows(cfg, m), rank_seq_len(cfg),
                                ckpt, z, *tiles(cfg))
-                if est.gpu_peak / GiB <= budget:
+                if rank_peak(est, engine) / GiB <= budget:
                     return {"preset": preset, "memory_fraction": PRESETS[preset],
                             "micro_batch_size": m, "activation_checkpointing": ckpt, "stage": stage,
-                            "gpu_peak_gib": est.gpu_peak / GiB,
+                            "gpu_peak_gib": rank_peak(est, engine) / GiB,
                             "overrides": f"train.micro_batch_size={m} model.activation_checkpointing="
                                          f"{str(ckpt).lower()}", "ds_config": f"ds_configs/{STAGE_FILES[stage]}"}
     raise UserError(f"preset {preset}: nothing fits in {budget:.1f} GiB per GPU, even ZeRO-3 with "
