@@ -137,6 +137,7 @@ KEY_NOT_CITED = {
                          "the_runs_own_statistics), not by a log line",
     "real/rl_truncated": "as real/rl_no_signal",
     "real/router_collapse": "as real/rl_no_signal: metrics.jsonl's expert load tells it (tests/test_routers.py)",
+    "real/rollout_mismatch": "as real/rl_no_signal: metrics.jsonl's rollout/logp_diff_mean tells it",
     # Known gaps (the doctor's class and fixes are right, its evidence misses the clearest line):
     "real/rendezvous/console.log": "evidence stops at 3 lines; ds_train's own start-up line (40) comes after "
                                    "torch's store errors (2, 3, 21)",
@@ -256,3 +257,26 @@ def test_a_file_that_is_not_text_is_refused_as_not_a_log(tmp_path):
     from ds_train.observe.doctor import read_sources
 
     assert [len(s.lines) for s in read_sources(log)] == [3]
+
+
+def test_a_growing_rollout_mismatch_is_named_and_a_steady_one_is_not(tmp_path):
+    """vLLM's log-probs against the trainer's (ds_train/ript/update.py): the captured run whose engine never
+    took the updated weights is named with its first and last figures; the same run with a steady
+    mismatch (as a healthy bf16 run's, 1e-2) has no such finding."""
+    import shutil
+
+    run = FIXTURES / "real" / "rollout_mismatch" / "run"
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    synced = [r for r in rows if "rollout/logp_diff_mean" in r]
+    first, last = synced[0], synced[-1]
+    (finding,) = [f for f in diagnose(str(run)) if f.cls == "rollout_mismatch"]
+    assert finding.evidence == [
+        f"metrics.jsonl: rollout/logp_diff_mean {first['rollout/logp_diff_mean']:.2g} at iteration {first['step']} -> "
+        f"{last['rollout/logp_diff_mean']:.2g} at iteration {last['step']} "
+        f"({last['rollout/logp_diff_frac_over_0.1']:.0%} of the tokens off by more than 0.1)"]
+    steady = tmp_path / "run"
+    shutil.copytree(run, steady)
+    (steady / "metrics.jsonl").write_text("".join(
+        json.dumps(r | ({"rollout/logp_diff_mean": 0.012} if "rollout/logp_diff_mean" in r else {})) + "\n"
+        for r in rows))
+    assert "rollout_mismatch" not in {f.cls for f in diagnose(str(steady))}

@@ -89,6 +89,8 @@ class RiptConfig(Section):
                              "Needs rollout_engine=vllm (its log-probs).", NON_NEGATIVE)
     rollout_correction: ROLLOUT_CORRECTIONS.choices = _f(
         "tis", ROLLOUT_CORRECTIONS.help("The correction tis_cap turns on"))
+    debug_stale_engine: bool = _f(False, "Fault injection: vLLM keeps the policy's first weights (no sync after "
+                                         "an update), what `ds-train doctor` names rollout_mismatch.")
     log_completions: int = _f(0, "Rank 0's rollouts written to completions.jsonl per iteration (and per held-out "
                                  "evaluation): text, token ids, log-probs, reward. 0: none.", NON_NEGATIVE)
 
@@ -132,6 +134,9 @@ class RiptConfig(Section):
             errs.append(f"ript.vllm_tensor_parallel_size: {self.vllm_tensor_parallel_size}: a colocated engine lives "
                         f"in one rank's process and spans its one device; set it to 1 (the policy's own layout, "
                         f"ZeRO-3 or parallel.tensor, still splits training)")
+        if self.debug_stale_engine and self.rollout_engine != "vllm":
+            errs.append("ript.debug_stale_engine: a fault of the vLLM engine, and ript.rollout_engine is hf; set "
+                        "rollout_engine=vllm or leave it out")
         if self.rollout_engine == "vllm" and self.policy:
             errs.append(f"ript.rollout_engine=vllm with ript.policy={self.policy!r}: a scripted policy generates "
                         f"nothing; set rollout_engine=hf or leave policy out")

@@ -75,17 +75,21 @@ PATTERNS: list[tuple[str, str, str]] = [
 # Causes before consequences: the finding of the class listed first heads the report.
 PRIORITY = ["config_error", "missing_module", "op_build", "ssh", "port_in_use", "wandb_login", "disk_full", "cuda_oom",
             "cuda_error", "cpu_oom", "nccl_error", "nccl_timeout", "rendezvous", "nonfinite", "hang", "killed_rank",
-            "rank_error", "rl_truncated", "rl_no_signal", "router_collapse"]
+            "rank_error", "rl_truncated", "rl_no_signal", "rollout_mismatch", "router_collapse"]
 COMPILED = [(cls, title, re.compile(p)) for cls, title, p in PATTERNS]
 RANK_ERROR = next(p for cls, _, p in COMPILED if cls == "rank_error")
 # Findings of a post-training run's statistics (metrics.jsonl), not of its logs.
 TITLES = {cls: title for cls, title, _ in PATTERNS} | {
     "rl_no_signal": "post-training without a learning signal: every group's rewards were equal",
     "rl_truncated": "post-training rollouts cut off at their token limit",
+    "rollout_mismatch": "the rollout engine's log-probs drift from the trainer's: vLLM samples from another policy",
     "router_collapse": "a collapsed mixture-of-experts router: one expert takes most of a layer's tokens"}
 RL_RECENT = 5  # the syncs a post-training finding looks at
 RL_NO_SIGNAL = 0.95  # the share of groups with equal rewards above which nothing is learned
 RL_TRUNCATED = 0.5  # the share of truncated rollouts above which the limit decides the reward
+# vLLM's log-prob of a sampled token against the trainer's, |difference| averaged over tokens (fp32 on a CPU:
+# 1e-6; bf16 on GPUs: about 1e-2): drift once it reaches this and twice the run's first
+ROLLOUT_DRIFT = 0.05
 ROUTER_RECENT = 5  # the logged steps a collapsed router must show it on, each
 ROUTER_COLLAPSED = 0.5  # the share of a layer's tokens choosing one expert (and 2x a uniform router's) that is collapse
 # Lines that look alarming and are not: DeepSpeed's and torch's routine warnings.
@@ -239,6 +243,7 @@ def _from_records(view, found: dict[str, Finding]) -> None:
         _stuck_without_report(view, found)
     if view.kind.name == "ript":
         _post_training(view, found)
+        _rollout_mismatch(view, found)
     _router_collapse(view, found)
     losses = [r.get("train/loss") for r in view.metrics[-3:]]
     bad = [x for x in losses if isinstance(x, float) and not math.isfinite(x)]
@@ -280,6 +285,20 @@ def _post_training(view, found: dict[str, Finding]) -> None:
             success = [r.get("ript/success_rate") for r in recent]
             if cls == "rl_no_signal" and all(isinstance(x, (int, float)) for x in success):
                 f.context.append(f"success rate {min(success):.2f}-{max(success):.2f}")
+
+
+def _rollout_mismatch(view, found: dict[str, Finding]) -> None:
+    """Rollouts whose engine's log-probs (vLLM's) moved away from the trainer's over the run: the last
+    sync's mean difference at least ROLLOUT_DRIFT and twice the first's."""
+    synced = [r for r in view.metrics if "rollout/logp_diff_mean" in r]
+    if len(synced) < 2:
+        return
+    first, last = synced[0], synced[-1]
+    if last["rollout/logp_diff_mean"] >= max(ROLLOUT_DRIFT, 2 * first["rollout/logp_diff_mean"]):
+        f = found.setdefault("rollout_mismatch", Finding("rollout_mismatch", TITLES["rollout_mismatch"]))
+        f.evidence.append(f"metrics.jsonl: rollout/logp_diff_mean {first['rollout/logp_diff_mean']:.2g} at iteration "
+                          f"{first['step']} -> {last['rollout/logp_diff_mean']:.2g} at iteration {last['step']} "
+                          f"({last.get('rollout/logp_diff_frac_over_0.1', 0):.0%} of the tokens off by more than 0.1)")
 
 
 def _router_collapse(view, found: dict[str, Finding]) -> None:

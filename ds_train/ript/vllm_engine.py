@@ -244,9 +244,11 @@ class VllmRollouts:
         self.calls = 0
 
     def updated(self, version: int) -> None:
-        """The policy was updated to `version` (the iteration): sync, and seed the next requests by it."""
+        """The policy was updated to `version` (the iteration): sync, and seed the next requests by it
+        (ript.debug_stale_engine: no sync, the fault doctor's rollout_mismatch names)."""
         self.version = version
-        self.sync()
+        if not self.run.cfg.ript.debug_stale_engine:
+            self.sync()
 
     def pause(self) -> None:
         """The policy trains now: on a GPU vLLM sleeps (its KV cache and weights freed)."""
