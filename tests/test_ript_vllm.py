@@ -99,6 +99,7 @@ def test_vllm_rollouts_under_zero3_equal_hf_generate_and_the_trainers_logprobs(v
     assert all(m["rollout/logp_diff_max"] < 1e-4 for m in logged.values()), logged
     assert all(m["rollout/logp_diff_frac_over_0.1"] == 0 and m["rollout/tis_weight"] == 1.0 for m in logged.values())
     assert sum(m["policy/tokens"] for m in logged.values()) > 0  # the policy was updated
+    assert "[rollout_mismatch]" not in ds_train("doctor", str(run_dir), timeout=120).out
 
     export = tmp_path / "export"
     res = ds_train("export", str(run_dir), "--out", str(export), *(["--merge"] if lora else []), timeout=300)
