@@ -40,6 +40,10 @@ class UpdateRun:
     guard: Any
     token_group: Any = None
 
+    @property
+    def data_rank(self) -> int:  # data parallelism only: a rank's slice is its own
+        return self.env.rank
+
     def beat(self, step: int, phase: str) -> None:
         pass
 
@@ -71,7 +75,7 @@ results = {}
 for it, mode in enumerate(spec["modes"], 1):  # one engine: each mode's update starts where the last one ended
     cfg = config(mode)
     stats = update(run, cfg.ript, groups, iteration=it, max_tokens=spec["max_tokens"], seed=cfg.seed)
-    summed = PolicyStats.from_vector(dist.all_reduce_sum(stats.vector()))
+    summed = PolicyStats.from_reduced(dist.all_reduce_sum(stats.sums()), dist.all_reduce_max(stats.maxima()))
     results[mode] = {"metrics": summed.metrics(), "plan": [plan.grad_accum_steps, plan.data_parallel_size],
                      "weights": {k: v.detach().clone() for k, v in engine.module.state_dict().items()}}
 if env.is_main:

@@ -171,7 +171,8 @@ def ript(cfg: RunConfig, ds_config_path: str) -> dict:
     env = topology.detect_env()
     inputs = RiptInputs.check(cfg, ds_config_path, env.world_size)
     with build_run(inputs.run, env, ript_spec(cfg)) as run:
-        torch.manual_seed(cfg.seed * 1000 + env.rank)  # each rank samples its own rollouts
+        # each data-parallel rank samples its own rollouts; the ranks of a tensor group the same ones
+        torch.manual_seed(cfg.seed * 1000 + run.data_rank)
         r = cfg.ript
         sampler = ContextSampler([inputs.tasks[n] for n in inputs.shards[run.data_rank]], r.train_contexts,
                                  cfg.seed, r.skip_solved, r.retest_after, r.task_weighting)
@@ -200,7 +201,9 @@ def rollout_engine(job: RiptJob, version: int):
     if job.run.cfg.ript.rollout_engine != "vllm" or job.scripted is not None:
         yield
         return
-    job.vllm = VllmRollouts(job.run, version)
+    run = job.run
+    job.vllm = VllmRollouts(run.engine.module, run.tokenizer, run.cfg.ript, run.dtype, run.cfg.seed, run.data_rank,
+                            version)
     try:
         yield
     finally:

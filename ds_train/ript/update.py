@@ -43,7 +43,7 @@ def update(run: Run, r: RiptConfig, groups: list[list[Episode]], iteration: int,
            max_tokens: int = 1, seed: int = 0, poison: bool = False) -> PolicyStats:
     """PPO epochs over the accepted rollouts (`r`: the ript section); every rank runs the same number
     of engine steps. The run gives the engine, the plan, the tokenizer, the non-finite guard and the
-    heartbeat; `seed` orders the rows (with the iteration, epoch and rank); `poison` (the
+    heartbeat; `seed` orders the rows (with the iteration, epoch and data-parallel rank); `poison` (the
     train.debug_nonfinite_steps fault) makes every optimizer step's gradients non-finite.
 
     The engine averages gradients over data-parallel ranks and accumulation steps, so each
@@ -58,7 +58,7 @@ def update(run: Run, r: RiptConfig, groups: list[list[Episode]], iteration: int,
     if n_steps == 0:
         return PolicyStats()
     ids, mask, sampled = _padded(run, rows, n_steps * per_step, r.mask_truncated)
-    orders = [_order(len(rows), len(ids), f"{seed}:{iteration}:{epoch}:{run.env.rank}")
+    orders = [_order(len(rows), len(ids), f"{seed}:{iteration}:{epoch}:{run.data_rank}")  # a tensor group: one order
               for epoch in range(r.ppo_epochs)]
     # The policy before the update: the rows of the first optimizer step take it from that step's own
     # forward (no update has happened yet), unless the rewards need it first (kl_in=reward); the
