@@ -272,7 +272,7 @@ def main(argv: list[str] | None = None) -> int:
         warnings.filterwarnings("ignore", category=FutureWarning)  # torch.distributed deprecations
         logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
         os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # ript.rollout_engine=vllm: its info logs
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # ript.rollout_engine=vllm: its start-up chatter
     if args.command is None:
         parser.print_help()
         return 2

