@@ -20,6 +20,7 @@ one runs. Parts (--parts chooses and orders them):
   steps     steps.py: loop overhead, bf16 against fp32, checkpoint save / load, export
   oom       oom.py: a micro-batch the planner says does not fit ends with exit 4; its fix runs
   capture   capture.py: a real CUDA OOM and a real CUDA error through ds_train, kept as doctor fixtures
+  rollouts  ../rollouts.py --engine vllm: rollouts/s of ds_train's vLLM engine against batched generate
 
 OUT/lease.tar.gz holds every part's directory (results JSON, logs, configs, the captured fixtures;
 no checkpoints or weights), OUT/lease.json the summary, OUT/lease.log what every part printed.
@@ -51,6 +52,9 @@ PARTS: dict[str, tuple[list[str], int]] = {
     "steps": (["steps.py", "--steps", "30"], 150),  # 146 s (H200)
     "oom": (["oom.py"], 200),  # 93 s with its fix failing fast (H200); 190 s with a fix that trains (H100)
     "capture": (["capture.py"], 70),  # 66 s (H200)
+    # vLLM's rollouts against batched generate (bench/rollouts.py); the host needs vLLM (pip install
+    # 'ds_train[vllm]': its wheel is above what a lease carries), else the part says so and fails
+    "rollouts": (["../rollouts.py", "--engine", "vllm"], 120),
 }
 SKIP_IN_ARCHIVE = ("checkpoints", "hf_model", "export", "final", "wandb")  # directories of weights and states
 TAG = "DS_TRAIN_LEASE_PART"  # in the environment of every process a part starts
