@@ -183,3 +183,27 @@ def test_the_plan_of_a_long_context_job_knows_sequence_parallelism():
     tiled = run_estimate(build_config({**raw, "parallel": {"sequence": 8}}, source="t"), zero3, target, None)
     gained = sp["activations_gib"] - next(r for r in tiled["rows"] if r["given"])["activations_gib"]
     assert gained == pytest.approx((16384 - 4096) * 128256 * (4 + 2 + 4) / 2**30, rel=1e-6)  # ~15 GiB
+
+
+def test_the_plan_counts_a_colocated_vllm_engine_awake_beside_the_model_states():
+    """recipes/rl_vllm.yaml (Qwen2.5-7B's shape, ZeRO-3, 8 x 80 GB): vLLM takes 0.3 of each GPU while it
+    generates, its bf16 weights whole within that; every row's peak is the larger of the update's and the
+    model states + vLLM's; a share below vLLM's weights leaves no KV cache, and nothing fits."""
+    from ds_train.config.file import load_config
+
+    zero3, target = str(ROOT / "ds_configs" / "zero3.json"), Target(1, 8, 80)
+    cfg = load_config(str(ROOT / "recipes" / "rl_vllm.yaml"), [])
+    out = run_estimate(cfg, zero3, target, None)
+    e = out["rollout_engine"]
+    assert (e["fraction"], e["gib"]) == (0.3, pytest.approx(24.0))
+    assert e["weights_gib"] == pytest.approx(7_615_616_512 * 2 / 2**30, rel=1e-3) and e["kv_cache_gib"] > 9
+    without = run_estimate(load_config(str(ROOT / "recipes" / "rl_vllm.yaml"), ["ript.rollout_engine=hf",
+                                                                                "ript.tis_cap=0"]), zero3, target, None)
+    assert "rollout_engine" not in without
+    for row, bare in zip(out["rows"], without["rows"]):
+        assert row["rollout_peak_gib"] == pytest.approx(row["model_states_gib"] + 24.0)
+        assert row["gpu_peak_gib"] == pytest.approx(max(bare["gpu_peak_gib"], row["rollout_peak_gib"]))
+    assert estimate_outcome(out, target).endswith("peak 38.19 of 80 GiB per GPU on world 8 -> fits")
+    starved = run_estimate(load_config(str(ROOT / "recipes" / "rl_vllm.yaml"),
+                                       ["ript.vllm_gpu_memory_utilization=0.1"]), zero3, target, None)
+    assert starved["rollout_engine"]["kv_cache_gib"] < 0 and not any(r["fits"] for r in starved["rows"])
