@@ -336,10 +336,11 @@ def checkout(dest: Path) -> Path:
             (dest / name).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(src, dest / name)
     venv, real = dest / ".venv", Path(sys.prefix)
-    wanted = (dest / "requirements.txt").read_bytes() + (dest / "pyproject.toml").read_bytes()
+    wanted = b"".join((dest / name).read_bytes() for name in ("requirements.txt", "requirements-vllm.txt",
+                                                              "pyproject.toml"))  # scripts/setup.sh's stamp
     stamp = real / ".installed-requirements.txt"
     if not stamp.is_file() or stamp.read_bytes() != wanted:
-        pytest.fail(f"{real} was not installed from this checkout's requirements.txt and pyproject.toml "
+        pytest.fail(f"{real} was not installed from this checkout's requirements files and pyproject.toml "
                     f"(scripts/setup.sh would install them): run `bash scripts/setup.sh` first")
     (venv / "bin").mkdir(parents=True)
     (venv / ".installed-requirements.txt").write_bytes(wanted)
