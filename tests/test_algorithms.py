@@ -1,6 +1,7 @@
 """ds_train/ript/algorithms.py: every advantage estimator, loss aggregation mode, KL estimator, rollout
-correction (truncated importance sampling) and the overlong penalty against values computed by hand on fixed tensors (1e-7), and the aggregation's
-exactness when the same rollouts are split into other micro-batches or ranks."""
+correction (truncated importance sampling) and the overlong penalty against values computed by hand on
+fixed tensors (1e-7), and the aggregation's exactness when the same rollouts are split into other
+micro-batches or ranks."""
 
 from __future__ import annotations
 
