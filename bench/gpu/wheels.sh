@@ -17,7 +17,10 @@ if ! ls .whl/deepspeed-"$ds"-*.whl >/dev/null 2>&1; then
 fi
 specs=()
 for name in hjson pydantic pydantic_core annotated-types typing-inspection typing_extensions transformers tokenizers regex; do
-    specs+=("$name==$(version "$name")")
+    v=$(version "$name")
+    specs+=("$name==$v")
+    # a wheel of another version, from an earlier pin: env.sh would install both
+    find .whl -name "${name//-/_}-*.whl" ! -name "${name//-/_}-$v-*" -delete
 done
 specs+=("liger-kernel==0.8.5")  # model.liger_kernels (pyproject's `liger` extra); the image has its triton
 "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
