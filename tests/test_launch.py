@@ -26,8 +26,9 @@ from ds_train.config.file import describe, load_config
 from ds_train.errors import UserError
 from ds_train.launch import envfile
 from ds_train.launch.hostfile import Host, is_valid_host, parse_hostfile, read_hostfile, select_hosts
-from ds_train.launch.preflight import (OPTIONAL, HostProbe, SshOptions, check_gpus, check_probes, check_shell_safe,
-                                       compare_versions, local_versions, pick_master, run_packages, run_preflight)
+from ds_train.launch.packages import OPTIONAL, local_versions, run_packages
+from ds_train.launch.preflight import (HostProbe, SshOptions, check_gpus, check_probes, check_shell_safe,
+                                       compare_versions, pick_master, run_preflight)
 from ds_train.launch.probe import PROBE
 from ds_train.launch.slurm import SlurmJob, render_sbatch
 

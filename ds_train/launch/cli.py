@@ -162,7 +162,8 @@ def cmd_launch(args) -> int:
     before `--` go to the deepspeed launcher unchanged."""
     from ds_train.launch import envfile
     from ds_train.launch.hostfile import read_hostfile, select_hosts
-    from ds_train.launch.preflight import SshOptions, run_packages, run_preflight
+    from ds_train.launch.packages import run_packages
+    from ds_train.launch.preflight import SshOptions, run_preflight
 
     ours, command_argv = _split(args.argv, "launch")
     opts, passthrough = _launch_parser().parse_known_args(ours)

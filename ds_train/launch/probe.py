@@ -2,7 +2,7 @@
 ssh): the host's Python, the versions of the named packages (null: not installed), working directory,
 addresses, a free master port, its GPUs and the CUDA / NCCL versions its torch was built with,
 printed as one JSON object. Which packages to ask about is the launching host's choice
-(preflight.run_packages)."""
+(packages.run_packages)."""
 
 PACKAGES = ("ds_train", "deepspeed", "torch")  # the least a run needs; run_packages() derives the full list
 PORT_TRIES = 10  # the master port and the next nine
