@@ -11,6 +11,8 @@ goes on without them, and one line says why.
 
 from __future__ import annotations
 
+from ds_train.model.lora import base_model
+
 # Liger's own switches: its cross-entropy and fused linear cross-entropy stay off (ds_train computes the loss).
 LIGER = dict(rope=True, rms_norm=True, swiglu=True, cross_entropy=False, fused_linear_cross_entropy=False)
 
@@ -26,7 +28,7 @@ def apply_liger(model, device_type: str) -> tuple[bool, str]:
     except ImportError as e:
         return False, (f"model.liger_kernels: liger-kernel cannot be imported ({e}); `pip install liger-kernel`, or "
                        f"set model.liger_kernels=false; the run goes on without them")
-    base = _base(model)
+    base = base_model(model)
     model_type = getattr(base.config, "model_type", "")
     if model_type not in MODEL_TYPE_TO_APPLY_LIGER_FN:
         return False, (f"model.liger_kernels: Liger has no kernels for model_type {model_type!r}; the run goes on "
@@ -46,7 +48,7 @@ def compile_layers(model, backend: str) -> tuple[int, str]:
     # As DeepSpeed's own engine.compile does: its NVTX ranges wrap ZeRO-3's module hooks, which dynamo
     # would trace and compile again for each module class inside a layer (up to its recompile limit).
     deepspeed.utils.nvtx.enable_nvtx = False
-    base = _base(model)
+    base = base_model(model)
     names = set(getattr(base, "_no_split_modules", None) or [])
     layers = [m for m in base.modules() if type(m).__name__ in names]
     for layer in layers or [base]:
@@ -57,8 +59,3 @@ def compile_layers(model, backend: str) -> tuple[int, str]:
 def compiles(choice, device_type: str) -> bool:
     """model.compile: true, false, or auto (on a CUDA GPU, where it measured 1.39x eager's tokens/s)."""
     return choice is True or (choice == "auto" and device_type == "cuda")
-
-
-def _base(model):
-    """A PEFT model's base model; any other model itself."""
-    return model.get_base_model() if hasattr(model, "get_base_model") else model

