@@ -25,13 +25,13 @@ from ds_train.observe.metrics import Interval
 from ds_train.plan.batch import rollout_update_steps
 from ds_train.plan.parallel import plan_dims
 from ds_train.ript.algorithms import ADVANTAGES, keep_mask
+from ds_train.ript.completions import Completions
+from ds_train.ript.counts import SyncedCounts
 from ds_train.ript.datatask import check_task_entries, load_tasks, split_for_ranks
 from ds_train.ript.rollout import Episode, max_rollout_tokens, model_policy, rollout, scripted_policy
 from ds_train.ript.sampler import ContextSampler, Tally, by_family, family, merge_states
 from ds_train.ript.sharding import format_shards, shard_tasks
 from ds_train.ript.tasks import load_object
-from ds_train.ript.completions import Completions
-from ds_train.ript.counts import SyncedCounts
 from ds_train.ript.update import update
 from ds_train.ript.vllm_engine import VllmRollouts, check_rollout_engine
 from ds_train.run import Run, RunSpec
@@ -55,7 +55,7 @@ class RiptInputs:
     shards: list[list[str]]
     scripted: Any  # ript.policy, when a script acts instead of the model
     run: RunInputs
-    engine: str  # what generates the rollouts: "generate", or the vLLM package and version
+    engine: str  # what generates the rollouts: "the policy's generate", or the vLLM package and version
 
     @classmethod
     def check(cls, cfg: RunConfig, ds_config_path: str, world_size: int) -> "RiptInputs":
