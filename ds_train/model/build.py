@@ -6,6 +6,7 @@ Under ZeRO-3 a live `HfDeepSpeedConfig` makes transformers construct the model i
 
 from __future__ import annotations
 
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,6 +37,7 @@ class BuiltModel:
     hf_config: Any
     ds_hf_config: Any  # keeps HfDeepSpeedConfig alive while the engine is built (ZeRO-3)
     new_weights: tuple[str, ...] = ()  # initialised, not loaded: missing from model.path (allow_new_weights)
+    constructed: tuple[str, ...] = ()  # from scratch: weights the model's _init_weights leaves to its constructor
 
 
 # What from-scratch weights depend on beyond model.config and the seed (the DPO reference cache keys on
@@ -56,22 +58,24 @@ def seed_all(seed: int) -> None:
     torch.manual_seed(seed)  # the CPU generator and every CUDA device's
 
 
-def seeded_init(model, seed: int, zero3: bool) -> None:
+def seeded_init(model, seed: int, zero3: bool) -> list[str]:
     """Re-initialise each module with the model's own `_init_weights`, seeded by the module's name.
 
     The weights then depend on the seed alone, not on how construction consumed the RNG, so ZeRO-3
     (built inside zero.Init) starts from the same weights as ZeRO 0-2 and any world size. Every
     draw comes from the CPU generator, on fp32 CPU copies of the module's parameters: a ZeRO-3
     parameter gathered on a GPU would otherwise draw from the GPU's generator, another sequence for
-    the same seed, and a bf16 one would draw other numbers than the fp32 draw it rounds. The
-    caller's RNG state is left as it was.
+    the same seed, and a bf16 one would draw other numbers than the fp32 draw it rounds. A parameter
+    `_init_weights` leaves alone keeps the value construction gave it. The caller's RNG state is left
+    as it was. Returns the parameters and buffers left NaN: built by `built_unset`, those the model's
+    own initialisation does not reach.
     """
     import zlib
-    from contextlib import nullcontext
 
     import deepspeed
     import torch
 
+    unset = []
     with torch.random.fork_rng(devices=[]), torch.no_grad():
         for name, module in model.named_modules():
             params = list(module.parameters(recurse=False))
@@ -80,16 +84,75 @@ def seeded_init(model, seed: int, zero3: bool) -> None:
             gather = deepspeed.zero.GatheredParameters(params, modifier_rank=0) if zero3 else nullcontext()
             with gather:
                 held = dict(module._parameters)
-                for key, p in held.items():  # an fp32 CPU stand-in for each other parameter, while it is drawn
+                for key, p in held.items():  # an fp32 CPU stand-in (NaN until drawn) for each other parameter
                     if p is not None and (p.device.type != "cpu" or p.dtype != torch.float32):
                         module._parameters[key] = torch.nn.Parameter(
-                            torch.empty_like(p, device="cpu", dtype=torch.float32), requires_grad=p.requires_grad)
+                            torch.full(p.shape, float("nan"), dtype=torch.float32), requires_grad=p.requires_grad)
                 torch.default_generator.manual_seed(seed + zlib.crc32(name.encode()))  # the CPU one alone
                 model._init_weights(module)
                 for key, p in held.items():
-                    if module._parameters[key] is not p:
-                        p.data.copy_(module._parameters[key].data)
-                        module._parameters[key] = p
+                    drawn = module._parameters[key]
+                    if drawn is p:  # drawn in place (fp32 on the CPU)
+                        if p is not None and p.is_floating_point() and _has_nan(p):
+                            unset.append(_dotted(name, key))
+                        continue
+                    if _has_nan(drawn):  # not (all) drawn: the constructor's value stays there
+                        if p.device.type != "meta":
+                            drawn = torch.where(drawn.isnan(), p.detach().to(device="cpu", dtype=torch.float32), drawn)
+                        if p.device.type == "meta" or _has_nan(drawn):
+                            unset.append(_dotted(name, key))
+                    p.data.copy_(drawn.data)
+                    module._parameters[key] = p
+        unset += [name for name, b in model.named_buffers()
+                  if b.is_floating_point() and b.device.type != "meta" and _has_nan(b)]
+    return unset
+
+
+def _has_nan(t) -> bool:
+    """Whether `t` holds a NaN: its sum is not finite (one pass, no mask), then the exact test."""
+    import torch
+
+    return not bool(torch.isfinite(t.sum(dtype=torch.float32))) and bool(t.isnan().any())
+
+
+def _dotted(name: str, key: str) -> str:
+    return f"{name}.{key}" if name else key
+
+
+# torch.nn.init's functions that draw: built_unset makes them mark their tensor NaN instead
+DRAWS = ("uniform_", "normal_", "xavier_uniform_", "xavier_normal_", "kaiming_uniform_", "kaiming_normal_",
+         "trunc_normal_", "orthogonal_", "sparse_")
+
+
+@contextmanager
+def built_unset():
+    """Construction without its draws: what torch.nn.init would draw is set to NaN instead (a fill, not
+    a draw), and transformers' initialisation pass is skipped (its weight tying is not). On a ~1B model
+    those draws and that pass cost as much as the seeded initialisation that replaces them. Whatever
+    the model's own `_init_weights` then does not reach stays NaN, and seeded_init names it."""
+    import sys
+
+    import torch
+    from transformers.initialization import TORCH_MODULES_TO_PATCH
+    from transformers.modeling_utils import PreTrainedModel
+
+    def fill_nan(tensor, *args, **kwargs):
+        with torch.no_grad():
+            return tensor.fill_(float("nan"))
+
+    originals = []
+    try:
+        for module in (sys.modules[m] for m in TORCH_MODULES_TO_PATCH if m in sys.modules):
+            for name in DRAWS:
+                if hasattr(module, name):
+                    originals.append((module, name, getattr(module, name)))
+                    setattr(module, name, fill_nan)
+        originals.append((PreTrainedModel, "initialize_weights", PreTrainedModel.initialize_weights))
+        PreTrainedModel.initialize_weights = lambda self: None
+        yield
+    finally:
+        for module, name, original in reversed(originals):
+            setattr(module, name, original)
 
 
 def training_dtype(ds_config: dict):
@@ -125,6 +188,7 @@ def build_model(model_cfg: ModelConfig, hf_config, ds_config: dict, seed: int = 
         unset_hf_deepspeed_config()
     kwargs = dict(attn_implementation=model_cfg.attn_implementation, dtype=training_dtype(ds_config))
     new_weights: tuple[str, ...] = ()
+    constructed: tuple[str, ...] = ()
     if model_cfg.path:
         # ignore_mismatched_sizes: without it transformers raises a multi-line RuntimeError on a
         # shape mismatch before returning the loading info; check_loading_info rejects them anyway.
@@ -140,20 +204,41 @@ def build_model(model_cfg: ModelConfig, hf_config, ds_config: dict, seed: int = 
         new_weights = check_loading_info(model_cfg.path, getattr(hf_config, "model_type", ""), info,
                                          model_cfg.allow_new_weights)
     else:
-        with torch.random.fork_rng(devices=[]):  # construction's own draws leave the caller's RNG as it was
-            try:
-                model = AutoModelForCausalLM.from_config(hf_config, **kwargs)
-            except (ValueError, TypeError, KeyError) as e:  # check_buildable ran without ZeRO-3's zero.Init
-                raise UserError(f"model.config: Hugging Face cannot build the model ({said(e)}); "
-                                f"fix model.config") from None
-        seeded_init(model, seed, zero3)
+        model, constructed = from_scratch(hf_config, seed, zero3, **kwargs)
     if model_cfg.activation_checkpointing:
         checkpoint_activations(model)
     if lora_enabled(model_cfg.lora):  # the adapters on the built (ZeRO-3: partitioned) base
         model = apply_lora(model, model_cfg.lora, seed)
         if zero3:
             match_partitioned_dtype(model)
-    return BuiltModel(model, hf_config, keep_alive, new_weights)
+    return BuiltModel(model, hf_config, keep_alive, new_weights, constructed)
+
+
+def from_scratch(hf_config, seed: int, zero3: bool, **kwargs):
+    """The model from its config, and the weights its `_init_weights` leaves to its constructor (none:
+    every weight from seeded_init). Built without construction's own draws
+    (built_unset) when the model's `_init_weights` then reaches every parameter and buffer; otherwise
+    (a module it leaves alone: what is left NaN shows it) built again with them, so that such a weight
+    keeps its constructor's value, as transformers gives it."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    def build(fast: bool):
+        with torch.random.fork_rng(devices=[]), (built_unset() if fast else nullcontext()):
+            try:  # construction's own draws leave the caller's RNG as it was
+                return AutoModelForCausalLM.from_config(hf_config, **kwargs)
+            except (ValueError, TypeError, KeyError) as e:  # check_buildable ran without ZeRO-3's zero.Init
+                raise UserError(f"model.config: Hugging Face cannot build the model ({said(e)}); "
+                                f"fix model.config") from None
+
+    model = build(fast=True)
+    unset = seeded_init(model, seed, zero3)
+    if not unset:
+        return model, ()
+    del model
+    model = build(fast=False)
+    seeded_init(model, seed, zero3)
+    return model, tuple(unset)
 
 
 def match_partitioned_dtype(model) -> None:
