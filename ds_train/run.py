@@ -39,6 +39,7 @@ from ds_train.observe.logs import release_console
 from ds_train.observe.metrics import Logger, build_progress
 from ds_train.observe.reports import doctor_hint, is_secondary
 from ds_train.observe.reports import where as rank_where
+from ds_train.observe.startup import StartupClock
 from ds_train.observe.watchdog import Heartbeat, Watchdog
 from ds_train.plan.batch import BatchPlan
 from ds_train.plan.parallel import Layout, ParallelDims, check_layout
@@ -134,6 +135,7 @@ class Run:
     guard: NonFiniteGuard  # optimizer steps whose gradients were not finite: counted, never applied
     life: RunLifecycle
     weights: Path | None = None  # the directory the starting weights were loaded from (None: from scratch)
+    startup: StartupClock | None = None  # the start-up's phases; the loop marks its first step (first_step)
 
     @property
     def run_dir(self) -> Path:
@@ -181,6 +183,7 @@ class Run:
         under "rank"), or None for a fresh start."""
         if self.life.resume is None:
             self.life.describe_run(-1)
+            self.mark_startup("resume")
             return None
         self.beat(int(self.life.resume.state["step"]), "load")
         t0 = time.perf_counter()
@@ -188,7 +191,31 @@ class Run:
         self.rank_log.info(f"loaded checkpoint {self.life.resume.tag} in {time.perf_counter() - t0:.2f} s")
         self.life.describe_run(int(self.life.resume.state["step"]))
         self.say(self.life.resume_said)
+        self.mark_startup("resume")
         return state
+
+    def mark_startup(self, phase: str) -> None:
+        """A phase of the start-up ended now (the loops' own: resume, a preference reference)."""
+        if self.startup is not None:
+            self.startup.mark(phase)
+
+    def maybe_finish_startup(self, phase: str = "first step") -> None:
+        """The first step (or iteration) of this process ended: the start-up, phase by phase, in every
+        rank's log and on rank 0's console (results.json takes `startup_s`)."""
+        if self.startup is not None and not self.startup.finished:
+            if self.engine.device.type == "cuda":  # the step's kernels are done, not only queued
+                import torch
+
+                torch.cuda.synchronize()
+            self.startup.finish(phase)
+            said = self.startup.said(f"the {phase}")
+            self.rank_log.info(said)
+            self.say(said)
+
+    def startup_s(self) -> dict[str, float] | None:
+        """The start-up's seconds per phase (results.json's startup_s), once the first step ended."""
+        return {k: round(v, 2) for k, v in self.startup.phases().items()} if self.startup and self.startup.finished \
+            else None
 
     def say_outcome(self, outcome: str) -> None:
         """Rank 0's last line: `<command>: <outcome>; <its newest checkpoint>; run directory <path>`, the

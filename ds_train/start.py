@@ -19,6 +19,7 @@ import json
 import os
 import platform
 import socket
+import sys
 from dataclasses import dataclass, replace
 from functools import partial
 from importlib.metadata import version
@@ -52,6 +53,7 @@ from ds_train.model.ulysses import register_ulysses
 from ds_train.observe.launchers import LauncherWatch, kill_grace
 from ds_train.observe.logs import build_rank_log, capture_console
 from ds_train.observe.metrics import build_logger, peak_flops, rewind_jsonl
+from ds_train.observe.startup import StartupClock, process_started
 from ds_train.observe.watchdog import Heartbeat, Watchdog
 from ds_train.plan.batch import BatchPlan, scaled_lr
 from ds_train.plan.experts import expert_section
@@ -73,14 +75,17 @@ def check_launch(cfg: RunConfig, template: dict, spec: RunSpec, world_size: int)
     return layout.batch
 
 
-def build_run(inputs: RunInputs, env: DistEnv, spec: RunSpec, quiet: bool = False) -> Run:
-    """Everything before the first step. Bad input fails here, before anything is written.
+def build_run(inputs: RunInputs, env: DistEnv, spec: RunSpec, quiet: bool = False,
+              clock: StartupClock | None = None) -> Run:
+    """Everything before the first step. Bad input fails here, before anything is written. `clock`:
+    the start-up's phases so far (None: a clock from the process's start), marked on as they pass.
 
     The signal handlers go in first: a stop asked for during start-up (SLURM's SIGUSR1 can come
     early) is kept, and the run saves and stops at its first step."""
     stop = StopRequest()
+    clock = clock or StartupClock(process_started())
     try:
-        run = _build_run(inputs, env, spec, stop, quiet)
+        run = _build_run(inputs, env, spec, stop, quiet, clock)
     except BaseException as e:
         stop.restore()
         if isinstance(e, AgreedError):  # every rank is here: they leave the process group together
@@ -171,7 +176,7 @@ class _Model:
 
 
 def _build_model(inputs: RunInputs, env: DistEnv, checked: _Checked, ds_config: dict, paths: RunPaths,
-                 rank_log, quiet: bool) -> _Model:
+                 rank_log, quiet: bool, clock: StartupClock) -> _Model:
     """The starting weights (a ds_train run given as model.path exported once), the seed, Ulysses'
     attention, the model, its kernels and tiles, and the DeepSpeed engine."""
     import torch
@@ -183,6 +188,7 @@ def _build_model(inputs: RunInputs, env: DistEnv, checked: _Checked, ds_config: 
     loud = env.is_main and not quiet
     if checked.on_gpu:  # set either way: parity's worker runs several runs in one process
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = cfg.model.tf32
+        torch.cuda.reset_peak_memory_stats()  # mem/max_rank_gib: this run's peak, not an earlier one's in the process
         if said := fix_arch_list(ds_config):
             _log_and_say(rank_log, said, loud)
     seed_all(cfg.seed)
@@ -190,16 +196,21 @@ def _build_model(inputs: RunInputs, env: DistEnv, checked: _Checked, ds_config: 
                            checked.layout.batch.micro_batch_size,
                            packed=inputs.data is not None and inputs.data.packed)
     built = build_model(replace(cfg.model, path=str(weights or "")), source.hf_config, ds_config, cfg.seed)
+    if built.constructed:  # the model's _init_weights leaves these to its constructor: built with its draws
+        rank_log.info(f"init: {', '.join(built.constructed[:5])}{' ...' if len(built.constructed) > 5 else ''} "
+                      f"keep their constructor's values (the model's _init_weights leaves them)")
     if cfg.model.liger_kernels:
         _log_and_say(rank_log, apply_liger(built.model, device)[1], loud)
     tiled, whole = tiled_mlps(built.model, cfg.train.mlp_tile_positions, cfg.train.seq_len // dims.sequence)
     n_params = count_params(built.model)
     trainable = count_params(built.model, trainable_only=True) if has_frozen_params(built.model) else None
+    clock.mark("model")
     engine = initialize(built.model, ds_config, mpu)
-    if compiles(cfg.model.compile, device):  # each decoder layer, with the accelerator's backend
+    if compiles(cfg.model.compile, device, cfg.model.liger_kernels):  # each decoder layer, the device's backend
         backend = get_accelerator().get_compile_backend()
         n, kind = compile_layers(engine.module, backend)
         rank_log.info(f"model.compile: torch.compile(backend={backend!r}) on {n} {kind} module(s)")
+    clock.mark("engine")
     return _Model(engine, weights, n_params, trainable, built.new_weights, tiled, whole)
 
 
@@ -209,12 +220,14 @@ def _log_and_say(rank_log, said: str, loud: bool) -> None:
         print(said)
 
 
-def _build_run(inputs: RunInputs, env: DistEnv, spec: RunSpec, stop: StopRequest, quiet: bool) -> Run:
+def _build_run(inputs: RunInputs, env: DistEnv, spec: RunSpec, stop: StopRequest, quiet: bool,
+               clock: StartupClock) -> Run:
     cfg, source = inputs.cfg, inputs.source
     checked = _check_alone(inputs, env, spec)
     paths, dims, plan = checked.paths, checked.layout.dims, checked.layout.batch
     host = socket.gethostname()
     agreed = _agree_together(inputs, env, spec, checked, host)
+    clock.mark("process group")
     ds_config = with_checkpoint_options(checked.ds_config, load_universal=agreed.resume_plan.universal,
                                         node_local=agreed.storage == NODE_LOCAL)
 
@@ -231,10 +244,10 @@ def _build_run(inputs: RunInputs, env: DistEnv, spec: RunSpec, stop: StopRequest
     if cfg.checkpoint.resume == "restart":
         start_over(paths, agreed.writer)
     resume = prepare_resume(agreed.resume_plan)
-    model = _build_model(inputs, env, checked, ds_config, paths, rank_log, quiet)
+    model = _build_model(inputs, env, checked, ds_config, paths, rank_log, quiet, clock)
     engine = model.engine
     hosts = dist.all_gather_object((env.node_rank, host))  # node rank: loopback nodes share a name
-    say = print if env.is_main and not quiet else _silent
+    say = _console if env.is_main and not quiet else _silent
     _say_setup(say, rank_log, cfg, env, checked, agreed, model, hosts)
     if threads and env.local_world_size > 1:
         say(threads)
@@ -264,7 +277,12 @@ def _build_run(inputs: RunInputs, env: DistEnv, spec: RunSpec, stop: StopRequest
         peak_flops=peak_flops(device_name, cfg.log.peak_tflops) if checked.on_gpu else None,
         logger=logger, rank_log=rank_log, say=say, checkpointer=checkpointer,
         guard=NonFiniteGuard(cfg.train.nonfinite, cfg.train.nonfinite_patience, rank_log), life=life,
-        weights=model.weights)
+        weights=model.weights, startup=_marked(clock, "run set-up"))
+
+
+def _marked(clock: StartupClock, phase: str) -> StartupClock:
+    clock.mark(phase)
+    return clock
 
 
 def _split_cores(env: DistEnv, rank_log) -> str:
@@ -380,6 +398,13 @@ def _describe_run(cfg: RunConfig, env: DistEnv, paths: RunPaths, ds_config: dict
 
 def _silent(*args, **kwargs) -> None:
     return None
+
+
+def _console(*args) -> None:
+    """Rank 0's print, through tqdm: a line said while the progress bar is up leaves the bar whole."""
+    from tqdm import tqdm
+
+    tqdm.write(" ".join(map(str, args)), file=sys.stdout)
 
 
 def _export_initial_model(source: ModelSource, paths: RunPaths) -> Path | None:

@@ -51,6 +51,15 @@ def test_each_zero_stage_trains_through_the_deepspeed_launcher(stage, stage_run)
     assert "step 8: train/loss" in console and all(line in out for line in console.splitlines())
     results = json.loads((run_dir / "results.json").read_text())
     assert results["steps"] == 8 and results["tokens"] == 8 * 8 * 64
+    # the start-up, phase by phase from the process's creation to the end of the first step: rank 0 says it
+    # once, every rank logs its own, results.json keeps rank 0's
+    phases = results["startup_s"]
+    assert list(phases) == ["imports", "inputs", "process group", "model", "engine", "run set-up", "resume",
+                            "first step"] and all(s >= 0 for s in phases.values())
+    assert 0 < sum(phases.values()) < 600 and phases["imports"] > 0
+    said = res.lines("start-up: ")
+    assert len(said) == 1 and said[0].endswith(f"first step {phases['first step']:.1f}"), said
+    assert all("start-up: " in (run_dir / "logs" / f"rank_{r}.log").read_text() for r in (0, 1))
     assert console.splitlines()[-1] == (  # rank 0's last line: how the run ended and where it went
         f"train: done, 8 steps, final loss {results['final_train_loss']:.4g}, eval loss "
         f"{results['final_eval_loss']:.4g}; checkpoint step_00000008; run directory {run_dir.resolve()}")

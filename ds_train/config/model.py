@@ -58,7 +58,7 @@ class ModelConfig(Section):
     compile: Literal["auto", True, False] = _f(
         "auto", "torch.compile each decoder layer (the loss stays eager); the first steps take a few seconds "
                 "more while it compiles. auto: on a CUDA GPU (1.39x the tokens/s of eager, and 9 GiB less memory, "
-                "for a 1.1B Llama on an H100), off elsewhere.")
+                "for a 1.1B Llama on an H100), off elsewhere and with model.liger_kernels.")
     liger_kernels: bool = _f(False, "Liger's Triton kernels for RMSNorm, RoPE and the SwiGLU MLP (`pip install "
                                     "liger-kernel`; a CUDA GPU). Where they cannot run the run goes on without "
                                     "them and says so in one line.")
@@ -72,6 +72,11 @@ class ModelConfig(Section):
         if self.lora.load_in != "none" and not self.path:
             errs.append(f"model.lora.load_in={self.lora.load_in}: a quantised base is loaded from model.path; a "
                         f"model trained from scratch (model.config) cannot be quantised")
+        if self.compile is True and self.liger_kernels:
+            errs.append("model.compile=true with model.liger_kernels=true: Liger's Triton kernels inside compiled "
+                        "layers failed on a GPU (an illegal memory access in the backward; liger-kernel 0.8.5, "
+                        "torch 2.11, H200, 2026-11-28); use one of them (model.compile=auto leaves the layers "
+                        "eager under Liger's kernels)")
         if bool(self.path) == bool(self.config):
             errs.append("model: set exactly one of model.path (a local HF directory) "
                         "or model.config (an architecture to train from scratch)")

@@ -28,6 +28,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -179,14 +180,17 @@ def run_jobs(plan_path: str) -> int:
     import gc
 
     from ds_train import dist, topology
+    from ds_train.observe.startup import StartupClock
     from ds_train.start import build_run
     from ds_train.train.loop import run_training
 
     env = topology.detect_env()
     for job in json.loads(Path(plan_path).read_text())["jobs"]:
+        clock = StartupClock(time.time())  # this job's start-up, from its start (the process's imports are done)
         cfg = build_config(job["config"], source=f"{plan_path}: {job['name']}")
         inputs = check_inputs(cfg, job["ds_config"])
-        with build_run(inputs, env, train_spec(cfg, keep_group=True), quiet=True) as run:
+        clock.mark("inputs")
+        with build_run(inputs, env, train_spec(cfg, keep_group=True), quiet=True, clock=clock) as run:
             run_training(run, inputs.data)
         del run, inputs
         gc.collect()  # the engine's memory, before the next layout builds its own

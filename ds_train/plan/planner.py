@@ -44,8 +44,10 @@ def tiles(cfg: RunConfig) -> tuple[int, int, int, bool, bool, int]:
 
 def fused_kernels(cfg: RunConfig) -> list[str]:
     """What makes the layers keep less (memory.py): compiled layers (model.compile, `auto` included: the
-    plan is for GPUs) and Liger's kernels, named as the estimate prints them; [] for eager layers."""
-    return [name for name, on in (("compiled (model.compile)", cfg.model.compile is not False),
+    plan is for GPUs; auto leaves them eager under Liger's kernels, as model/kernels.compiles does) and
+    Liger's kernels, named as the estimate prints them; [] for eager layers."""
+    compiled = cfg.model.compile is True or (cfg.model.compile == "auto" and not cfg.model.liger_kernels)
+    return [name for name, on in (("compiled (model.compile)", compiled),
                                   ("Liger's kernels (model.liger_kernels)", cfg.model.liger_kernels)) if on]
 
 

@@ -22,6 +22,7 @@ from ds_train.errors import UserError
 from ds_train.fs import write_atomic
 from ds_train.inputs import RunInputs, check_inputs
 from ds_train.observe.metrics import Interval
+from ds_train.observe.startup import StartupClock
 from ds_train.plan.batch import rollout_update_steps
 from ds_train.plan.parallel import plan_dims
 from ds_train.ript.algorithms import ADVANTAGES, keep_mask
@@ -168,9 +169,11 @@ class RiptState:
 def ript(cfg: RunConfig, ds_config_path: str) -> dict:
     import torch
 
+    clock = StartupClock.begin()
     env = topology.detect_env()
     inputs = RiptInputs.check(cfg, ds_config_path, env.world_size)
-    with build_run(inputs.run, env, ript_spec(cfg)) as run:
+    clock.mark("inputs")
+    with build_run(inputs.run, env, ript_spec(cfg), clock=clock) as run:
         # each data-parallel rank samples its own rollouts; the ranks of a tensor group the same ones
         torch.manual_seed(cfg.seed * 1000 + run.data_rank)
         r = cfg.ript
@@ -187,6 +190,7 @@ def ript(cfg: RunConfig, ds_config_path: str) -> dict:
         job.completions.rewind(saved.iteration if saved else -1)
         with rollout_engine(job, saved.iteration if saved else 0):  # its weights: the checkpoint's on a resume
             state = saved or start(job)
+            run.mark_startup("rollout engine" if saved else "rollout engine, evaluation 0")
             first = state.iteration
             ript_loop(run, job, state)
         run.write_plots()
@@ -243,6 +247,7 @@ def ript_loop(run: Run, job: RiptJob, state: RiptState) -> None:
             counts.policy += update(run, r, groups, it, job.reference, job.max_tokens, seed=run.cfg.seed,
                                     poison=it in run.cfg.train.debug_nonfinite_steps)
             job.sync_engine(it)
+            run.maybe_finish_startup("first iteration")
             state.iteration = it
             metrics = counts.maybe_sync(it, state) | held_out.maybe_evaluate(it, state)
             run.logger.log(metrics, it)

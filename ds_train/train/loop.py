@@ -25,6 +25,7 @@ from ds_train.fs import write_atomic
 from ds_train.guard import backward_step
 from ds_train.inputs import check_inputs
 from ds_train.observe.metrics import Interval
+from ds_train.observe.startup import StartupClock
 from ds_train.run import Run, RunSpec
 from ds_train.start import build_run
 from ds_train.train.losses import forward_losses
@@ -38,8 +39,10 @@ def train_spec(cfg: RunConfig, keep_group: bool = False) -> RunSpec:
 
 
 def train(cfg: RunConfig, ds_config_path: str) -> dict:
+    clock = StartupClock.begin()
     inputs = check_inputs(cfg, ds_config_path)
-    with build_run(inputs, topology.detect_env(), train_spec(cfg)) as run:
+    clock.mark("inputs")
+    with build_run(inputs, topology.detect_env(), train_spec(cfg), clock=clock) as run:
         return run_training(run, inputs.data)
 
 
@@ -62,6 +65,8 @@ def run_training(run: Run, data: Datasets) -> dict:
         return {"steps": start, "run_dir": str(run.run_dir.resolve())}
     preference = isinstance(data.train, PreferenceData)
     reference = preference_reference(run, ReferenceSpec.of(cfg), data, start) if preference else None
+    if preference:
+        run.mark_startup("reference")
     metrics = train_loop(run, data, start, cfg.train.max_steps, reference)
     return finish(run, metrics)
 
@@ -219,7 +224,7 @@ def finish(run: Run, metrics: dict) -> dict:
                "tokens": run.cfg.train.max_steps * run.plan.tokens_per_step,
                "final_train_loss": metrics.get("train/loss"), "final_eval_loss": metrics.get("eval/loss"),
                "tokens_per_s": metrics.get("perf/tokens_per_s"), "world_size": run.env.world_size,
-               "parallel": run.dims.record(),
+               "parallel": run.dims.record(), "startup_s": run.startup_s(),
                "run_dir": str(run.run_dir.resolve())}
     # (generation under Ulysses would split a prompt of a few tokens: no sample with parallel.sequence)
     sample = (generate_sample(run) if run.cfg.log.sample_prompt and run.cfg.log.sample_tokens

@@ -74,6 +74,7 @@ class StepMeter:
 
     def maybe_measure(self, step: int, result, skipped_steps: int) -> dict:
         """`result`: the step's StepResult (ds_train.train.loop); `skipped_steps`: so far, in all."""
+        self.run.maybe_finish_startup()
         self.window_steps += 1
         if step not in self.interval:
             return {}
