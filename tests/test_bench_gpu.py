@@ -41,14 +41,20 @@ def test_mfu_measures_every_side_and_the_ratios(tiny_data, tmp_path):
     graphs was half of this test's time; every layer compiled through ds-train and keeping
     the math is tests/test_parity.py's Ulysses run); `liger` says in one line that its kernels need a
     GPU and trains without them. Reduced, the ds_train sides are the jobs of one process and bare and
-    hf share another (two launches, not five)."""
-    sides = ["ds_train", "bare", "hf", "fused_loss", "liger"]
+    hf share another (two launches, not six). `liger_max` takes the largest micro-batch the plan says
+    fits (on a CPU, 80 GiB: the search's cap, 8x the given one). Then startup.py reads the ds_train and
+    bare sides' start-up clocks from the results (--from-mfu), phase by phase."""
+    sides = ["ds_train", "bare", "hf", "fused_loss", "liger", "liger_max"]
     r = bench("mfu.py", tmp_path, tiny_data, "--sides", ",".join(sides))
     d = json.loads((tmp_path / "mfu.json").read_text())
     assert list(d["sides"]) == sides
     for side, s in d["sides"].items():
         assert s["tokens_per_s"] > 0 and s["steps"] == d["timed_steps"], (side, s)
     assert set(d["ratios"]) == {f"ds_train/{s}" for s in sides[1:]} and all(x > 0 for x in d["ratios"].values())
+    big = d["sides"]["liger_max"]
+    assert big["micro_batch_size"] == 8 * d["micro_batch_size"] and 0 < big["predicted_gib"] < 80
+    assert configs_micro(tmp_path, "liger_max") == (big["micro_batch_size"], big["micro_batch_size"] * d["grad_accum"])
+    assert list(d["sides"]["bare"]["startup_s"]) == ["imports", "model", "engine", "first step"]
     configs = {s: yaml.safe_load((tmp_path / "configs" / f"{s}.yaml").read_text())
                for s in sides if s not in ("bare", "hf")}
     assert configs["fused_loss"]["train"]["fused_loss"] is True and configs["liger"]["model"]["liger_kernels"]
@@ -58,6 +64,40 @@ def test_mfu_measures_every_side_and_the_ratios(tiny_data, tmp_path):
     assert sorted(p.name for p in (tmp_path / "logs").iterdir()) == ["bare_hf.log", "ds_train_sides.log"]
     assert d["versions"]["deepspeed"] and d["versions"]["device"] == "cpu" and d["peak_flops"] is None
     assert "ds_train/hf:" in r.out and "results:" in r.out
+    # the jobs of one process (the reduced form) clock each run from its own start
+    assert list(d["sides"]["ds_train"]["startup_s"]) == ["inputs", "process group", "model", "engine", "run set-up",
+                                                        "resume", "first step"]
+    r = bench("startup.py", tmp_path / "startup", tiny_data, "--from-mfu", str(tmp_path / "mfu.json"))
+    s = json.loads((tmp_path / "startup" / "startup.json").read_text())
+    totals = {side: sum(d["sides"][side]["startup_s"].values()) for side in ("ds_train", "bare")}
+    assert s["total_s"] == pytest.approx(totals)
+    assert s["difference_s"] == pytest.approx(totals["ds_train"] - totals["bare"])
+    excess = [row["excess_s"] for row in s["phases"]]
+    assert excess == sorted(excess, reverse=True) and {row["phase"] for row in s["phases"]} == set(
+        d["sides"]["ds_train"]["startup_s"])
+    model = next(row for row in s["phases"] if row["phase"] == "model")
+    assert model["bare_s"] == d["sides"]["bare"]["startup_s"]["model"] and "launch to first step:" in r.out
+
+
+def configs_micro(out, side: str) -> tuple[int, int]:
+    train = yaml.safe_load((out / "configs" / f"{side}.yaml").read_text())["train"]
+    return train["micro_batch_size"], train["global_batch_size"]
+
+
+def test_compiled_layers_under_dpo_against_eager_and_the_plan(tiny_data, tmp_path):
+    """compiled.py's DPO layout (the one that writes a base model and prepares preference pairs): its
+    compiled run (inductor on this CPU) and its eager one as the jobs of one process, each with the plan's
+    peak and its losses; on a CPU fp32 the two agree far inside the bf16 tolerance."""
+    r = bench("compiled.py", tmp_path, tiny_data, "--layouts", "dpo")
+    d = json.loads((tmp_path / "compiled.json").read_text())
+    (row,) = d["layouts"]
+    assert row["layout"] == "dpo" and row["error"] is None and set(row["runs"]) == {"compiled", "eager"}
+    for run in row["runs"].values():
+        assert len(run["losses"]) == d["steps"] == 3 and run["predicted_gib"] > 0
+    assert row["loss_max_rel_diff"] < 1e-4 and row["losses_within"]
+    logs = {side: (tmp_path / "runs" / f"dpo_{side}" / "logs" / "rank_0.log").read_text() for side in row["runs"]}
+    assert "model.compile: torch.compile" in logs["compiled"] and "model.compile" not in logs["eager"]
+    assert (tmp_path / "policy" / "config.json").is_file() and "losses compiled vs eager" in r.out
 
 
 def test_memory_predicts_and_measures_each_case(tiny_data, tmp_path):
@@ -115,7 +155,7 @@ def test_one_lease_runs_its_parts_in_order_skips_what_does_not_fit_and_packs_one
     assert r.returncode == 1, r.out[-3000:]  # not every part ran
     d = json.loads((out / "lease.json").read_text())
     assert list(d["parts"]) == ["capture", "mfu"] and d["parts"]["capture"]["exit"] == 0
-    assert d["parts"]["mfu"]["skipped"].startswith("needs ~370 s") and "lease: " in r.out
+    assert d["parts"]["mfu"]["skipped"].startswith("needs ~230 s") and "lease: " in r.out
     cap = json.loads((out / "work" / "capture" / "capture.json").read_text())["captures"]
     err = cap["cuda_error"]
     assert cap["cuda_oom"]["skipped"] and err["exit"] == 1 and err["expect"] == "rank_error"

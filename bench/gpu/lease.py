@@ -1,7 +1,7 @@
 """One GPU lease, one command: the bench/gpu parts in the order the GPU issue needs them, each only if
 it fits the time left, everything packed into one archive.
 
-    source bench/gpu/env.sh && python3 bench/gpu/lease.py --out $OUT             # on the GPU machine
+    source bench/gpu/env.sh && python3 bench/gpu/lease.py --out $OUT --work /tmp/lw   # on the GPU machine
     python bench/gpu/lease.py --out OUT --reduced --data DIR --parts capture      # the CPU check
 
 The device tool lends a session 15 minutes of a GPU in all (the machine's start included), at most
@@ -11,10 +11,16 @@ measures it; lease.json records each part's real seconds) fit in what is left of
 with the rest of the budget as its limit. A part that fails or is skipped is recorded and the next
 one runs. Parts (--parts chooses and orders them):
 
-  mfu       mfu.py --sides ds_train,bare,hf,eager: tokens/s and MFU of the ~1B Llama, ds_train (its
-            defaults) against a bare DeepSpeed loop and the HF Trainer, and ds_train not compiled
-  mfu_more  mfu.py --sides liger,fused_loss,ckpt: ds_train with Liger's kernels, with the fused loss,
-            with activation checkpointing
+  mfu       mfu.py --sides ds_train,bare,hf: tokens/s and MFU of the ~1B Llama, ds_train (its defaults:
+            compiled layers) against a bare DeepSpeed loop and the HF Trainer; each side's start-up clocked
+  startup   startup.py: launch to first step, ds_train against the bare loop, phase by phase (from the
+            mfu part's sides when it ran, else its own two launches)
+  mfu_more  mfu.py --sides liger,liger_max: Liger's kernels with compiled layers, at micro-batch 8 and at
+            the largest the memory plan says fits with the memory they free
+  compiled  compiled.py: compiled layers under activation checkpointing, LoRA and DPO: the plan against
+            the measured peak, and losses against eager
+  mfu_other mfu.py --sides eager,fused_loss,ckpt: ds_train not compiled, with the fused loss, with
+            activation checkpointing
   memory    memory.py: predicted against measured peak, micro-batch 4 / 16 x ZeRO-2 / 3 x checkpointing
             off / on
   steps     steps.py: loop overhead, bf16 against fp32, checkpoint save / load, export
@@ -46,8 +52,13 @@ HERE = Path(__file__).resolve().parent
 # part -> (script and its arguments, seconds on one GPU: measured on 2026-11-26 (H200, then H100))
 PARTS: dict[str, tuple[list[str], int]] = {
     # 540 s on an H100 for six sides, 20 timed steps each: 64 to 114 s a side, ds_train's start-up ~60 s
-    "mfu": (["mfu.py", "--sides", "ds_train,bare,hf,eager", "--warmup", "4", "--steps", "20"], 370),
-    "mfu_more": (["mfu.py", "--sides", "liger,fused_loss,ckpt", "--warmup", "4", "--steps", "20"], 280),
+    # before the start-up fix (one construction draw instead of two: ~20 s less on the ~1B model)
+    "mfu": (["mfu.py", "--sides", "ds_train,bare,hf", "--warmup", "4", "--steps", "20"], 230),  # 212 s (H200, 11-28)
+    # the sides' own clocks (mfu.py records them): nothing launched when the mfu part ran
+    "startup": (["startup.py", "--from-mfu", "{work}/mfu/mfu.json"], 100),
+    "mfu_more": (["mfu.py", "--sides", "liger,liger_max", "--warmup", "4", "--steps", "10"], 170),
+    "compiled": (["compiled.py"], 170),  # 148 s (H200, 11-28)
+    "mfu_other": (["mfu.py", "--sides", "eager,fused_loss,ckpt", "--warmup", "4", "--steps", "20"], 280),
     "memory": (["memory.py", "--ckpt", "off,on"], 210),  # 205 s (H200)
     "steps": (["steps.py", "--steps", "30"], 150),  # 146 s (H200)
     "oom": (["oom.py"], 200),  # 93 s with its fix failing fast (H200); 190 s with a fix that trains (H100)
@@ -68,6 +79,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--budget", type=float, default=560,
                    help="seconds for all parts together (default 560: a 600 s command, with time to pack)")
     p.add_argument("--data", default=str(DEFAULT_DATA), help="prepared data directory (default: the bundled corpus)")
+    p.add_argument("--work", help="where the parts write (default OUT/work; on the device machine outside $OUT, "
+                   "whose every file is sent back)")
     p.add_argument("--reduced", action="store_true", help="every part on this CPU with a tiny model: measures nothing")
     args = p.parse_args(argv)
     args.parts = [x.strip() for x in args.parts.split(",") if x.strip()]
@@ -135,7 +148,8 @@ def pack(work: Path, archive: Path) -> int:
 def main(argv=None) -> int:
     args = parse_args(argv)
     out = Path(args.out).resolve()
-    work = out / "work"
+    work = Path(args.work).resolve() if args.work else out / "work"
+    out.mkdir(parents=True, exist_ok=True)
     work.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
     summary: dict = {"what": "bench/gpu in one lease", "budget_s": args.budget, "reduced": args.reduced,
@@ -148,7 +162,8 @@ def main(argv=None) -> int:
                 summary["parts"][name] = {"skipped": f"needs ~{estimate} s, {left:.0f} s left"}
                 print(f"== {name}: skipped (needs ~{estimate} s, {left:.0f} s left)", flush=True)
                 continue
-            argv = [sys.executable, str(HERE / script[0]), *script[1:], "--out", str(work / name),
+            argv = [sys.executable, str(HERE / script[0]), *[a.replace("{work}", str(work)) for a in script[1:]],
+                    "--out", str(work / name),
                     "--data", args.data, "--timeout", str(int(left))] + (["--reduced"] if args.reduced else [])
             print(f"== {name}: {' '.join(script)} ({left:.0f} s left)", flush=True)
             log.write(f"== {name}: {' '.join(argv)}\n")

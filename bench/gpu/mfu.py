@@ -19,6 +19,9 @@ not once a side):
   fused_loss  ds_train with train.fused_loss=true (the loss's gradients computed in its forward)
   ckpt      ds_train with model.activation_checkpointing=true
   compile   ds_train with model.compile=true (its default on a GPU; the CPU check's compiled side)
+  liger_max ds_train with Liger's kernels and compiled layers at the largest micro-batch the memory plan
+            says fits this GPU with the memory they free (ds-train estimate's arithmetic; accumulation
+            as given, so more tokens a step)
 
 Every side times the same steps (after --warmup) with the device synchronised at both ends, and
 MFU = tokens/s x (6 N + 12 L h s) / peak, one formula for all. results: OUT/mfu.json, rewritten
@@ -38,10 +41,11 @@ from common import (LLAMA_1B, ROOT, add_common_args, ds_train, launch, launch_jo
                     run_config, start, tail, versions, write_results)
 from bench import cli  # noqa: E402
 
-SIDES = ("ds_train", "bare", "hf", "eager", "liger", "fused_loss", "ckpt", "compile")
+SIDES = ("ds_train", "bare", "hf", "eager", "liger", "fused_loss", "ckpt", "compile", "liger_max")
 # a ds_train side -> what it changes in the run config (run_config's arguments)
 DS_TRAIN_SIDES = {"ds_train": {}, "eager": {"compile": False}, "liger": {"model_keys": {"liger_kernels": True}},
-                  "fused_loss": {"train": {"fused_loss": True}}, "ckpt": {"ckpt": True}, "compile": {"compile": True}}
+                  "fused_loss": {"train": {"fused_loss": True}}, "ckpt": {"ckpt": True}, "compile": {"compile": True},
+                  "liger_max": {"model_keys": {"liger_kernels": True}}}
 DS_CONFIG = ROOT / "ds_configs" / "zero2.json"
 
 
@@ -100,15 +104,22 @@ def synchronize() -> None:
 
 
 def side_bare(args) -> dict:
-    """The DeepSpeed tutorial's loop: initialize, then forward / backward / step."""
+    """The DeepSpeed tutorial's loop: initialize, then forward / backward / step. Its start-up is clocked
+    as ds_train clocks its own (ds_train/observe/startup.py): imports, model, engine, first step, from
+    the process's creation."""
+    from ds_train.observe.startup import StartupClock
+
+    clock = StartupClock.begin()  # torch, DeepSpeed, transformers
     import deepspeed
     import torch
 
     cfg, train = load_run(args.config)
     ds_config = json.loads(Path(args.ds_config).read_text())
     model, hf = build_model(cfg)
+    clock.mark("model")
     engine, *_ = deepspeed.initialize(model=model, model_parameters=[p for p in model.parameters()],
                                       config=ds_config)
+    clock.mark("engine")
     micro, seq, gas = train["micro_batch_size"], train["seq_len"], ds_config["gradient_accumulation_steps"]
     gen = torch.Generator().manual_seed(0)
     for step in range(args.warmup + args.steps):
@@ -120,8 +131,13 @@ def side_bare(args) -> dict:
             loss = engine(input_ids=x, labels=x, use_cache=False).loss
             engine.backward(loss)
             engine.step()
+        if step == 0:
+            synchronize()
+            clock.finish("first step")
     synchronize()
-    return {"seconds": time.perf_counter() - t0, "steps": args.steps, "params": sum(p.numel() for p in model.parameters())}
+    return {"seconds": time.perf_counter() - t0, "steps": args.steps,
+            "params": sum(p.numel() for p in model.parameters()),
+            "startup_s": clock.phases()}
 
 
 def side_hf(args) -> dict:
@@ -186,27 +202,64 @@ def ds_train_result(args, out: Path, name: str, cfg: Path, wall: float) -> dict:
     seconds = sum(r["perf/step_time_s"] * n for r, n in timed)
     end = recs[-1]
     env = json.loads((out / "runs" / name / "env.json").read_text())
+    startup = json.loads((out / "runs" / name / "results.json").read_text()).get("startup_s")
     return {"seconds": seconds, "steps": sum(n for _, n in timed), "wall_s": wall, "config": str(cfg),
-            "dtype": env.get("dtype"), "logged_mfu_last": end.get("perf/mfu")}
+            "dtype": env.get("dtype"), "logged_mfu_last": end.get("perf/mfu"), "peak_gib": end.get("mem/max_rank_gib"),
+            "startup_s": startup}
 
 
-def ds_train_side(args, out: Path, name: str, model: dict, seq: int, dtype: str, **flags) -> dict:
-    cfg = ds_train_config(args, out, name, model, seq, dtype, **flags)
+def largest_micro(args, model: dict, seq: int, dtype: str, out: Path, **flags) -> tuple[int, float]:
+    """The largest micro-batch (at most 8x --micro) whose plan fits one GPU of this device's memory (the
+    CPU check: 80 GiB), with the side's flags; and its predicted peak (GiB)."""
+    import torch
+
+    from ds_train.config.file import load_config
+    from ds_train.dryrun import run_estimate
+    from ds_train.plan.planner import Target
+
+    gib = torch.cuda.get_device_properties(0).total_memory / 2**30 if torch.cuda.is_available() else 80.0
+    best = (args.micro, 0.0)
+    for micro in range(args.micro, 8 * args.micro + 1, max(args.micro // 4, 1)):
+        cfg = run_config(out, "plan", model, args.data, seq=seq, micro=micro, global_batch=micro * args.accum,
+                         steps=1, dtype=dtype, **flags)
+        row = next(r for r in run_estimate(load_config(str(cfg), []), str(DS_CONFIG), Target(1, 1, gib), None)["rows"]
+                   if r["given"])
+        if not row["fits"]:
+            break
+        best = (micro, row["gpu_peak_gib"])
+    return best
+
+
+def side_setup(args, out: Path, name: str, model: dict, seq: int, dtype: str) -> tuple:
+    """(the side's args, its run config, what its result adds): liger_max takes the largest micro-batch
+    the plan says fits."""
+    flags, extra = dict(DS_TRAIN_SIDES[name]), {}
+    if name == "liger_max":
+        micro, predicted = largest_micro(args, model, seq, dtype, out, **flags)
+        args = argparse.Namespace(**{**vars(args), "micro": micro})
+        flags["train"] = {"micro_batch_size": micro, "global_batch_size": micro * args.accum}
+        extra["predicted_gib"] = predicted
+        print(f"liger_max: micro-batch {micro}, the plan's peak {predicted:.1f} GiB", flush=True)
+    return args, ds_train_config(args, out, name, model, seq, dtype, **flags), {**extra, "micro_batch_size": args.micro}
+
+
+def ds_train_side(args, out: Path, name: str, model: dict, seq: int, dtype: str) -> dict:
+    args, cfg, extra = side_setup(args, out, name, model, seq, dtype)
     log = out / "logs" / f"{name}.log"
     rc, wall = launch(ds_train("train", "--config", str(cfg), "--ds-config", str(DS_CONFIG)), log, args.timeout)
     if rc:
         return {"error": f"exit {rc}", "log_tail": tail(log)}
-    return ds_train_result(args, out, name, cfg, wall)
+    return {**ds_train_result(args, out, name, cfg, wall), **extra}
 
 
 def ds_train_sides_in_one_process(args, out: Path, names: list[str], model: dict, seq: int, dtype: str) -> dict:
     """--reduced: the ds_train sides as the jobs of one process; wall_s is that process's."""
-    cfgs = {name: ds_train_config(args, out, name, model, seq, dtype, **DS_TRAIN_SIDES[name]) for name in names}
-    rc, wall, log = launch_jobs(out, "ds_train_sides", [(name, cfg, {}) for name, cfg in cfgs.items()],
+    setups = {name: side_setup(args, out, name, model, seq, dtype) for name in names}
+    rc, wall, log = launch_jobs(out, "ds_train_sides", [(name, cfg, {}) for name, (_, cfg, _) in setups.items()],
                                 str(DS_CONFIG), args.timeout)
     if rc:
         return {name: {"error": f"exit {rc}", "log_tail": tail(log)} for name in names}
-    return {name: ds_train_result(args, out, name, cfg, wall) for name, cfg in cfgs.items()}
+    return {name: {**ds_train_result(a, out, name, cfg, wall), **extra} for name, (a, cfg, extra) in setups.items()}
 
 
 def worker_sides(args, out: Path, sides: list[str]) -> dict:
@@ -243,7 +296,7 @@ def summarise(args, sides: dict, model: dict, seq: int) -> dict:
     tokens_per_step = args.micro * args.accum * seq
     for s in sides.values():
         if "seconds" in s:
-            s["tokens_per_s"] = tokens_per_step * s["steps"] / s["seconds"]
+            s["tokens_per_s"] = s.get("micro_batch_size", args.micro) * args.accum * seq * s["steps"] / s["seconds"]
             if params and peak:
                 fpt = flops_per_token(params, hf.num_hidden_layers, hf.hidden_size, seq, lookup_params(hf))
                 s["mfu"] = s["tokens_per_s"] * fpt / peak
@@ -270,7 +323,7 @@ def measure(args, out: Path, model: dict, seq: int, dtype: str):
         return
     for side in args.sides:
         if side in DS_TRAIN_SIDES:
-            yield side, ds_train_side(args, out, side, model, seq, dtype, **DS_TRAIN_SIDES[side])
+            yield side, ds_train_side(args, out, side, model, seq, dtype)
         else:
             yield side, worker_sides(args, out, [side])[side]
 
@@ -287,7 +340,8 @@ def main(argv=None) -> int:
     measured = {}
     for side, s in measure(args, out, model, seq, dtype):
         measured[side] = s
-        print(f"{side}: " + (f"{args.micro * args.accum * seq * s['steps'] / s['seconds']:,.0f} tokens/s"
+        tokens = s.get("micro_batch_size", args.micro) * args.accum * seq * s.get("steps", 0)
+        print(f"{side}: " + (f"{tokens / s['seconds']:,.0f} tokens/s"
                              if "seconds" in s else f"FAILED {s['error']}\n{s.get('log_tail', '')}"), flush=True)
         sides = {k: measured[k] for k in args.sides if k in measured}  # in the order asked
         results = summarise(args, sides, model, seq)
