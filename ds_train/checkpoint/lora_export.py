@@ -22,7 +22,7 @@ from ds_train.checkpoint.rundir import RunPaths
 from ds_train.config.model import LoraConfig
 from ds_train.errors import UserError
 from ds_train.fs import write_atomic
-from ds_train.model.build import seeded_init
+from ds_train.model.build import from_scratch
 from ds_train.model.lora import apply_lora
 from ds_train.model.weights import fingerprint, weight_files
 
@@ -64,8 +64,9 @@ def load_base(src: ExportSource, hf_dir: Path, state: dict):
     if base is not None:
         model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
     else:
-        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(hf_dir), dtype=torch.float32)
-        seeded_init(model, int(state["config"].get("seed", 0)), zero3=False)  # as the run built it
+        seed = int(state["config"].get("seed", 0))
+        torch.manual_seed(seed)  # as the run built it: seed_all, then from_scratch
+        model, _ = from_scratch(AutoConfig.from_pretrained(hf_dir), seed, False, dtype=torch.float32)
     model.config.use_cache = True  # an exported model is for inference (the run turned the cache off)
     return model, base
 
