@@ -22,8 +22,10 @@ def test_phases_run_from_the_process_start_in_order_and_a_phase_marked_twice_add
 
 
 def test_a_clock_begins_at_this_process_creation_with_the_imports_every_run_needs():
+    import psutil
+
     started = process_started()
-    assert started <= time.time() and time.time() - started < 3600  # this test process, not the epoch
+    assert psutil.boot_time() <= started <= time.time()  # this test process's, not the epoch
     clock = StartupClock.begin()
     assert [phase for phase, _ in clock.marks] == ["imports"] and clock.started == started
     assert StartupClock(started=0.0).total_s() == 0.0 and StartupClock(started=5.0).phases() == {}
