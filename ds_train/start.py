@@ -17,9 +17,7 @@ from __future__ import annotations
 import gc
 import json
 import os
-import platform
 import socket
-import sys
 from dataclasses import dataclass, replace
 from functools import partial
 from importlib.metadata import version
@@ -51,8 +49,8 @@ from ds_train.model.lora import check_lora
 from ds_train.model.tiled_mlp import tiled_mlps
 from ds_train.model.ulysses import register_ulysses
 from ds_train.observe.launchers import LauncherWatch, kill_grace
-from ds_train.observe.logs import build_rank_log, capture_console
-from ds_train.observe.metrics import build_logger, peak_flops, rewind_jsonl
+from ds_train.observe.logs import build_rank_log, capture_console, console_say, say_nothing
+from ds_train.observe.metrics import build_logger, device_name, peak_flops, rewind_jsonl
 from ds_train.observe.startup import StartupClock, process_started
 from ds_train.observe.watchdog import Heartbeat, Watchdog
 from ds_train.plan.batch import BatchPlan, scaled_lr
@@ -247,15 +245,15 @@ def _build_run(inputs: RunInputs, env: DistEnv, spec: RunSpec, stop: StopRequest
     model = _build_model(inputs, env, checked, ds_config, paths, rank_log, quiet, clock)
     engine = model.engine
     hosts = dist.all_gather_object((env.node_rank, host))  # node rank: loopback nodes share a name
-    say = _console if env.is_main and not quiet else _silent
+    say = console_say if env.is_main and not quiet else say_nothing
     _say_setup(say, rank_log, cfg, env, checked, agreed, model, hosts)
     if threads and env.local_world_size > 1:
         say(threads)
 
-    device_name = _device_name(checked.on_gpu)
+    device = device_name(checked.on_gpu)
     logger = build_logger(env.is_main, paths, cfg.log.wandb, cfg.log.wandb_project, cfg.to_dict(),
                           spec.kind.console_keys, tensorboard=cfg.log.tensorboard)
-    rank_log.info(f"device {device_name}; {agreed.decision.said}")
+    rank_log.info(f"device {device}; {agreed.decision.said}")
     heartbeat = _build_heartbeat(cfg, env, host)
     launchers = LauncherWatch()  # a launcher above that ends stops the run, as SIGTERM does
     checkpointer = _build_checkpointer(inputs, env, spec, checked, agreed, model, stop, rank_log, heartbeat,
@@ -264,6 +262,7 @@ def _build_run(inputs: RunInputs, env: DistEnv, spec: RunSpec, stop: StopRequest
                         dist.side_channel(env), env.local_rank if checked.on_gpu else None, stop.request,
                         launchers).start()
     hf = source.hf_config
+    clock.mark("run set-up")
     life = RunLifecycle(stop=stop, resume=resume, resume_said=agreed.decision.said, hosts=hosts, heartbeat=heartbeat,
                         watchdog=watchdog, lock=lock,
                         describe_run=partial(_describe_run, cfg, env, paths, ds_config, source, hosts, checked.dtype,
@@ -274,15 +273,10 @@ def _build_run(inputs: RunInputs, env: DistEnv, spec: RunSpec, stop: StopRequest
         tokenizer=source.tokenizer, n_params=model.n_params,
         flops_per_token=flops_per_token(model.n_params, hf.num_hidden_layers, hf.hidden_size, cfg.train.seq_len,
                                         lookup_params(hf), model.trainable),
-        peak_flops=peak_flops(device_name, cfg.log.peak_tflops) if checked.on_gpu else None,
+        peak_flops=peak_flops(device, cfg.log.peak_tflops) if checked.on_gpu else None,
         logger=logger, rank_log=rank_log, say=say, checkpointer=checkpointer,
         guard=NonFiniteGuard(cfg.train.nonfinite, cfg.train.nonfinite_patience, rank_log), life=life,
-        weights=model.weights, startup=_marked(clock, "run set-up"))
-
-
-def _marked(clock: StartupClock, phase: str) -> StartupClock:
-    clock.mark(phase)
-    return clock
+        weights=model.weights, startup=clock)
 
 
 def _split_cores(env: DistEnv, rank_log) -> str:
@@ -300,12 +294,6 @@ def _split_cores(env: DistEnv, rank_log) -> str:
             f"OMP_NUM_THREADS overrides)")
     rank_log.info(said)
     return said
-
-
-def _device_name(on_gpu: bool) -> str:
-    import torch
-
-    return torch.cuda.get_device_name() if on_gpu else platform.processor() or "cpu"
 
 
 def _build_heartbeat(cfg: RunConfig, env: DistEnv, host: str) -> Heartbeat:
@@ -395,16 +383,6 @@ def _describe_run(cfg: RunConfig, env: DistEnv, paths: RunPaths, ds_config: dict
         say(f"metrics.jsonl: dropped {damaged} line(s) that do not parse (a write cut short, or damage); "
             f"kept every other record")
 
-
-def _silent(*args, **kwargs) -> None:
-    return None
-
-
-def _console(*args) -> None:
-    """Rank 0's print, through tqdm: a line said while the progress bar is up leaves the bar whole."""
-    from tqdm import tqdm
-
-    tqdm.write(" ".join(map(str, args)), file=sys.stdout)
 
 
 def _export_initial_model(source: ModelSource, paths: RunPaths) -> Path | None:

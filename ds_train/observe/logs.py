@@ -150,3 +150,15 @@ def build_rank_log(path: Path, rank: int, host: str) -> logging.Logger:
     handler.setFormatter(logging.Formatter(LINE_FORMAT.format(prefix=prefix(host, rank)), DATE_FORMAT))
     log.addHandler(handler)
     return log
+
+
+def say_nothing(*args, **kwargs) -> None:
+    """What every rank but 0 says (and a quiet run's rank 0)."""
+    return None
+
+
+def console_say(*args) -> None:
+    """Rank 0's print, through tqdm: a line said while the progress bar is up leaves the bar whole."""
+    from tqdm import tqdm
+
+    tqdm.write(" ".join(map(str, args)), file=sys.stdout)

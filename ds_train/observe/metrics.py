@@ -254,6 +254,15 @@ def build_progress(is_main: bool, enabled: bool, total: int, kind: RunKind, init
     return Progress(total, initial, kind.name, kind.unit, kind.progress) if is_main and enabled else NullProgress()
 
 
+def device_name(on_gpu: bool) -> str:
+    """The device's name, as the MFU table and env.json read it: the GPU's, else the processor's."""
+    import platform
+
+    import torch
+
+    return torch.cuda.get_device_name() if on_gpu else platform.processor() or "cpu"
+
+
 def peak_flops(device_name: str, override_tflops: float) -> float | None:
     """Peak FLOP/s of one device: the override, else the table, else None (no MFU, e.g. on CPU)."""
     if override_tflops > 0:
