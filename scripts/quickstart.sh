@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
-# The README's main job: set up .venv, then train a small Llama on the bundled corpus through the
-# real deepspeed launcher with 2 processes (CPU here, GPUs where present). Extra arguments are
-# config overrides, e.g. `bash scripts/quickstart.sh train.max_steps=400`.
+# The README's main job: set up .venv with what this job needs (scripts/setup.sh main: no test tools, no
+# vLLM), then train a small Llama on the bundled corpus through the real deepspeed launcher with 2
+# processes (CPU here, GPUs where present). Extra arguments are config overrides, e.g.
+# `bash scripts/quickstart.sh train.max_steps=400`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/setup.sh
+bash scripts/setup.sh main
 export PATH="$PWD/.venv/bin:$PATH"
 # DeepSpeed JIT-builds its CPU ops once per user, version and install (scripts/extensions_dir.sh says where).
 export TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-$(bash scripts/extensions_dir.sh)}"

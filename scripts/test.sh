@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The README's test command: set up .venv, then run the whole suite (unit and multi-process tests).
+# The README's test command: set up .venv (the main job's part, then the test tools, CPU Adam and vLLM:
+# scripts/setup.sh), then run the whole suite (unit and multi-process tests).
 # Extra arguments go to pytest, e.g. `bash scripts/test.sh -k config`.
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -325,6 +325,12 @@ def plan(docs: list[Documented]) -> list[Step]:
     return sorted(steps, key=lambda s: s.way.phase)  # stable: reading order within a phase
 
 
+# scripts/setup.sh's stamps: its main part's (the quickstart's) and its test part's, each the files it installed
+SETUP_STAMPS = {".installed-requirements.txt": ("requirements.txt", "pyproject.toml"),
+                ".installed-test.txt": ("requirements.txt", "pyproject.toml", "requirements-test.txt",
+                                        "requirements-vllm.txt")}
+
+
 def checkout(dest: Path) -> Path:
     """The repository's files as git lists them (tracked and untracked, nothing ignored) in `dest`,
     with a .venv that is this interpreter's virtualenv (see the module's doc)."""
@@ -336,14 +342,13 @@ def checkout(dest: Path) -> Path:
             (dest / name).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(src, dest / name)
     venv, real = dest / ".venv", Path(sys.prefix)
-    wanted = b"".join((dest / name).read_bytes() for name in ("requirements.txt", "requirements-vllm.txt",
-                                                              "pyproject.toml"))  # scripts/setup.sh's stamp
-    stamp = real / ".installed-requirements.txt"
-    if not stamp.is_file() or stamp.read_bytes() != wanted:
-        pytest.fail(f"{real} was not installed from this checkout's requirements files and pyproject.toml "
-                    f"(scripts/setup.sh would install them): run `bash scripts/setup.sh` first")
     (venv / "bin").mkdir(parents=True)
-    (venv / ".installed-requirements.txt").write_bytes(wanted)
+    for stamp, names in SETUP_STAMPS.items():
+        wanted = b"".join((dest / name).read_bytes() for name in names)
+        if not (real / stamp).is_file() or (real / stamp).read_bytes() != wanted:
+            pytest.fail(f"{real} was not installed from this checkout's {', '.join(names)} "
+                        f"(scripts/setup.sh would install them): run `bash scripts/setup.sh` first")
+        (venv / stamp).write_bytes(wanted)
     shutil.copy2(real / "pyvenv.cfg", venv / "pyvenv.cfg")
     # Its packages are the real venv's, at their own paths: DeepSpeed JIT-builds an op where its sources'
     # paths are new, and would rebuild the shared CPU ops for every checkout (and every other user).

@@ -78,3 +78,13 @@ def test_the_shipped_preference_pairs_are_what_their_script_writes_and_each_kind
     for r in greetings:
         name = re.match(r"Write a greeting for (\w+)", r["prompt"]).group(1)
         assert r["chosen"].endswith(f", {name}!") and not r["rejected"].endswith(f", {name}!")
+
+
+def test_requirements_vllm_is_what_its_command_writes_from_the_recorded_index():
+    """scripts/vllm_hashes.py reads PyPI; tests/fixtures/vllm_index.txt holds the wheels it read for the target
+    (`python3 scripts/vllm_hashes.py --record tests/fixtures/vllm_index.txt`), so the choice of each file and the
+    file's every byte are checked offline: a hand-edited pin or header fails here."""
+    res = subprocess.run([sys.executable, str(ROOT / "scripts" / "vllm_hashes.py"), "--check",
+                          "--index", str(ROOT / "tests" / "fixtures" / "vllm_index.txt")],
+                         capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stderr
