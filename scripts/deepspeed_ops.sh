@@ -8,15 +8,24 @@
 # (the ops are built for this CPU: -march=native), with a -shm suffix where it holds the all-reduce alone,
 # and installed into .venv; a later .venv installs the same wheel in seconds (the wheel with both ops
 # serves either call). Only where torch is a CPU build: a CUDA host builds its ops when a run needs
-# them (docs/config.md). A build that fails leaves the JIT path, with one line. Run by scripts/setup.sh.
+# them (docs/config.md). A build that fails leaves the JIT path, with one line. Run by scripts/setup.sh, first
+# with --build-only (the wheel into the cache, nothing installed: beside the pip install of the requirements).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 py=.venv/bin/python
 "$py" -c 'import sys, torch
 sys.exit(torch.version.cuda is not None or torch.version.hip is not None)' >/dev/null 2>&1 || exit 0
-adam=0
-[ "${1:-}" = cpu_adam ] && adam=1
-version=$("$py" -c 'import importlib.metadata as m; print(m.version("deepspeed"))')
+adam=0 build_only=0
+for arg in "$@"; do
+  case $arg in
+    cpu_adam) adam=1 ;;
+    --build-only) build_only=1 ;;
+    *) echo "usage: bash scripts/deepspeed_ops.sh [cpu_adam] [--build-only]" >&2; exit 2 ;;
+  esac
+done
+# the installed DeepSpeed's version, or requirements.txt's pin before it is installed (--build-only)
+version=$("$py" -c 'import importlib.metadata as m; print(m.version("deepspeed"))' 2>/dev/null ||
+          sed -n 's/^deepspeed==//p' requirements.txt)
 if "$py" -c 'import sys; from deepspeed.git_version_info import installed_ops as o
 sys.exit(not (o.get("deepspeed_shm_comm") and (o.get("cpu_adam") or sys.argv[1] == "0")))' "$adam" \
    >/dev/null 2>&1; then
@@ -38,11 +47,13 @@ if [ -z "$wheel" ]; then
   [ "$adam" = 1 ] && ops="$ops and CPU Adam"
   echo "setup: compiling DeepSpeed $version's $ops once for this machine (log: .venv/ops.log)"
   tmp=$(mktemp -d)
-  if ! DS_ACCELERATOR=cpu DS_BUILD_OPS=0 DS_BUILD_SHM_COMM=1 DS_BUILD_CPU_ADAM=$adam \
-       "$py" -m pip wheel --no-deps --no-build-isolation --no-cache-dir -w "$tmp" "deepspeed==$version" \
+  # ninja (a requirement of DeepSpeed's, from .venv/bin) compiles an op's sources in parallel
+  if ! PATH="$PWD/.venv/bin:$PATH" DS_ENABLE_NINJA=1 DS_ACCELERATOR=cpu DS_BUILD_OPS=0 DS_BUILD_SHM_COMM=1 \
+       DS_BUILD_CPU_ADAM=$adam "$py" -m pip wheel --no-deps --no-build-isolation --no-cache-dir -w "$tmp" "deepspeed==$version" \
        > .venv/ops.log 2>&1; then
     rm -rf "$tmp"
-    echo "setup: could not prebuild DeepSpeed's CPU ops (log: .venv/ops.log); runs JIT-build them on first use" >&2
+    echo "setup: could not prebuild DeepSpeed's CPU ops (log: .venv/ops.log); runs JIT-build them on first use" \
+      >&2
     exit 0
   fi
   mkdir -p "$wheels"
@@ -51,4 +62,4 @@ if [ -z "$wheel" ]; then
   mv "$built" "$wheel.part" && mv "$wheel.part" "$wheel"  # whole or absent, for a setup beside this one
   rm -rf "$tmp"
 fi
-"$py" -m pip install --no-deps --force-reinstall "$wheel" >> .venv/pip.log 2>&1
+[ "$build_only" = 1 ] || "$py" -m pip install --no-deps --force-reinstall "$wheel" >> .venv/pip.log 2>&1

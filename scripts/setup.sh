@@ -33,8 +33,12 @@ if ! cat requirements.txt pyproject.toml | cmp -s - "$stamp"; then
   # torch first, at its pin: a CPU wheel where one is provided, the CUDA build elsewhere; installing
   # it before the rest keeps any other requirement from pulling a different torch.
   torch_pin=$(grep -E '^torch==' requirements.txt)
-  { .venv/bin/pip install "$torch_pin" && .venv/bin/pip install -r requirements.txt -e .; } > .venv/pip.log 2>&1 ||
-    fail "pip install failed"
+  .venv/bin/pip install "$torch_pin" ninja > .venv/pip.log 2>&1 || fail "pip install of $torch_pin failed"
+  # DeepSpeed's CPU ops compile (a CPU torch, once per machine) while pip installs the rest: then installed
+  bash scripts/deepspeed_ops.sh --build-only &
+  ops=$!
+  .venv/bin/pip install -r requirements.txt -e . >> .venv/pip.log 2>&1 || { wait "$ops" || true; fail "pip install failed"; }
+  wait "$ops" || true
   bash scripts/deepspeed_ops.sh
   cat requirements.txt pyproject.toml > "$stamp"
 fi
