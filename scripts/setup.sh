@@ -37,8 +37,10 @@ if ! cat requirements.txt pyproject.toml | cmp -s - "$stamp"; then
   # DeepSpeed's CPU ops compile (a CPU torch, once per machine) while pip installs the rest: then installed
   bash scripts/deepspeed_ops.sh --build-only &
   ops=$!
-  .venv/bin/pip install -r requirements.txt -e . >> .venv/pip.log 2>&1 || { wait "$ops" || true; fail "pip install failed"; }
+  pip_rc=0
+  .venv/bin/pip install -r requirements.txt -e . >> .venv/pip.log 2>&1 || pip_rc=$?
   wait "$ops" || true
+  [ "$pip_rc" = 0 ] || fail "pip install failed"
   bash scripts/deepspeed_ops.sh
   cat requirements.txt pyproject.toml > "$stamp"
 fi
