@@ -107,8 +107,9 @@ def _estimate(cfg: RunConfig, ds_config_path: str, target: Target, preset: str |
            "kernels": kernels_said(cfg)}
     engine = engine_bytes(cfg, target)
     if engine:
-        weights = engine_weights_bytes(shape, dtype)
+        weights = engine_weights_bytes(shape, dtype, cfg.ript.vllm_tensor_parallel_size)
         out["rollout_engine"] = {"fraction": cfg.ript.vllm_gpu_memory_utilization, "gib": engine / GiB,
+                                 "tensor": cfg.ript.vllm_tensor_parallel_size,
                                  "weights_gib": weights / GiB, "kv_cache_gib": (engine - weights) / GiB}
         if weights >= engine:  # vLLM cannot start: no room for a KV cache in its share
             for r in rows:
@@ -152,8 +153,10 @@ def format_estimate(out: dict, target: Target) -> str:
         e = out["rollout_engine"]
         room = (f"KV cache up to {e['kv_cache_gib']:.2f} GiB" if e["kv_cache_gib"] > 0 else
                 "no room for a KV cache: raise ript.vllm_gpu_memory_utilization")
+        spread = "whole on every rank" if e.get("tensor", 1) == 1 else \
+            f"1/{e['tensor']} of them on each GPU of an engine"
         lines.insert(1, f"rollouts: vLLM in each rank's process, {e['fraction']:g} of each GPU = {e['gib']:.2f} GiB "
-                        f"(its weights {e['weights_gib']:.2f} GiB, whole on every rank; {room}); it sleeps while the "
+                        f"(its weights {e['weights_gib']:.2f} GiB, {spread}; {room}); it sleeps while the "
                         f"policy trains: the peak is the larger of the update's and the model states + vLLM's")
     if out.get("suggestions"):
         lines.append("does not fit; changes ranked by cost, with the predicted per-GPU peak:")

@@ -339,6 +339,25 @@ def vllm_policy(tiny_policy, tmp_path_factory) -> Path:
     return Path(once(tmp_path_factory, "vllm_policy", build))
 
 
+@pytest.fixture(scope="session")
+def moe_policy(tiny_policy, tmp_path_factory) -> Path:
+    """As vllm_policy, a Qwen3-MoE (4 experts, 2 a token, every layer sparse): transformers keeps its experts
+    fused (experts.gate_up_proj), vLLM's loader takes them one by one."""
+    def build(out: Path) -> Path:
+        import torch
+        from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(tiny_policy)
+        torch.manual_seed(0)
+        cfg = AutoConfig.for_model(**{**TINY_MODEL, "model_type": "qwen3_moe", "num_attention_heads": 2,
+                                      "num_key_value_heads": 2, "head_dim": 32, "num_experts": 4,
+                                      "num_experts_per_tok": 2, "moe_intermediate_size": 64,
+                                      "decoder_sparse_step": 1, "vocab_size": len(tok)})
+        return sft_on_demonstrations(AutoModelForCausalLM.from_config(cfg), tok, out)
+
+    return Path(once(tmp_path_factory, "moe_policy", build))
+
+
 SCRIPTED_TASKS = ["add", "copy", "rev", "sort"]
 TESTS_ON_PATH = {"PYTHONPATH": str(ROOT / "tests")}  # ript.policy: ript_policies:Scripted
 

@@ -1,6 +1,7 @@
 """Run by tests/test_ript_trainer.py under the deepspeed launcher (2 ranks): ds_train's RIPT update
 (ds_train/ript/update.py) on the rollouts the test wrote, for each loss aggregation mode, through a
-real ZeRO-2 engine whose optimizer is SGD without momentum or clipping: each update leaves the weights
+real ZeRO-2 engine whose optimizer is SGD without momentum or clipping (a mode `M+tis`: M, with the rollouts'
+engine log-probs and ript.tis_cap): each update leaves the weights
 minus lr x the gradients the engine reduced over ranks and micro-batches. The modes run one after
 another on the one engine; rank 0 writes the weights after each and its logged policy metrics (summed
 over ranks) to OUT/update.pt.
@@ -53,13 +54,20 @@ spec = json.loads(Path(rollouts).read_text())
 env = topology.detect_env()
 dist.init(env)
 task = load_task("copy")
-groups = [[Episode(task, None, i, e["ids"], e["action_mask"], reward=e["reward"]) for i, e in enumerate(g)]
-          for g in spec["ranks"][env.rank]]
+
+
+def groups(tis: bool) -> list:
+    """This rank's rollouts; with the rollout engine's log-probs for a `+tis` mode."""
+    return [[Episode(task, None, i, e["ids"], e["action_mask"], reward=e["reward"],
+                     logprobs=e["logprobs"] if tis else None) for i, e in enumerate(g)]
+            for g in spec["ranks"][env.rank]]
 
 
 def config(mode: str):
+    """A mode `M` (ript.loss_agg_mode), or `M+tis`: M with truncated importance sampling at spec's tis_cap."""
+    tis = {"rollout_engine": "vllm", "tis_cap": spec["tis_cap"]} if mode.endswith("+tis") else {}
     return build_config({"seed": 3, "model": {"path": policy, "dtype": "fp32"}, "train": spec["train"],
-                         "ript": {**spec["ript"], "loss_agg_mode": mode}})
+                         "ript": {**spec["ript"], "loss_agg_mode": mode.split("+")[0], **tis}})
 
 
 cfg = config(spec["modes"][0])
@@ -74,7 +82,8 @@ run = UpdateRun(plan, engine, AutoTokenizer.from_pretrained(policy), env,
 results = {}
 for it, mode in enumerate(spec["modes"], 1):  # one engine: each mode's update starts where the last one ended
     cfg = config(mode)
-    stats = update(run, cfg.ript, groups, iteration=it, max_tokens=spec["max_tokens"], seed=cfg.seed)
+    stats = update(run, cfg.ript, groups(cfg.ript.tis_cap > 0), iteration=it, max_tokens=spec["max_tokens"],
+                   seed=cfg.seed)
     summed = PolicyStats.from_reduced(dist.all_reduce_sum(stats.sums()), dist.all_reduce_max(stats.maxima()))
     results[mode] = {"metrics": summed.metrics(), "plan": [plan.grad_accum_steps, plan.data_parallel_size],
                      "weights": {k: v.detach().clone() for k, v in engine.module.state_dict().items()}}

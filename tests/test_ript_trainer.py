@@ -394,6 +394,7 @@ def test_the_same_rollouts_split_into_other_micro_batches_and_ranks_give_the_sam
 
 
 UPDATE_LR, MAX_TOKENS = 0.5, 16  # SGD's lr: the second epoch's ratios reach the clip
+TIS_CAP = 1.5  # ript.tis_cap of the update test's "+tis" mode
 
 
 def update_rollouts(vocab: int) -> list:
@@ -409,8 +410,9 @@ def update_rollouts(vocab: int) -> list:
     def rollout(reward: float) -> dict:
         segments = [(rand(3, 6), 0), (rand(1, 9), 1)] + ([(2, 0), (rand(1, 4), 1)] if rand(0, 1) else [])
         mask = [m for n, m in segments for _ in range(n)]
+        engine = (-0.5 - 5.5 * torch.rand(len(mask), generator=gen)).tolist()  # a rollout engine's log-probs
         return {"ids": torch.randint(vocab, (len(mask),), generator=gen).tolist(), "action_mask": mask,
-                "reward": reward}
+                "reward": reward, "logprobs": [lp if m else 0.0 for lp, m in zip(engine, mask)]}
 
     rewards = [[[1.0, 0.0, 0.5, 0.0], [0.0, 1.0, 1.0, 0.25]], [[1.0, 0.0, 0.0, 0.0]]]
     return [[[rollout(r) for r in group] for group in rank] for rank in rewards]
@@ -419,9 +421,11 @@ def update_rollouts(vocab: int) -> list:
 def hand_update(model, ranks: list, mode: str, epochs: int = 2, clip: tuple = (0.2, 0.28)) -> float:
     """The RIPT update of `model` in plain torch, one rollout at a time (no padding, micro-batches or
     ranks): RLOO advantages, PPO's clipped surrogate against the policy before the update, `mode`'s
-    aggregation over every rank's tokens, an SGD step per epoch. Returns the epochs' mean loss."""
+    aggregation over every rank's tokens, an SGD step per epoch. Returns the epochs' mean loss. A mode
+    `M+tis`: M, each token's loss times min(pi_old / pi_rollout, TIS_CAP) (the rollouts' `logprobs`)."""
     import torch
 
+    mode, tis = mode.split("+")[0], mode.endswith("+tis")
     rows = []
     for group in (g for rank in ranks for g in rank):
         rewards = [e["reward"] for e in group]
@@ -437,9 +441,12 @@ def hand_update(model, ranks: list, mode: str, epochs: int = 2, clip: tuple = (0
             ids = torch.tensor(e["ids"])
             logp = torch.log_softmax(model(input_ids=ids[None]).logits[0, :-1], -1)[torch.arange(len(ids) - 1),
                                                                                      ids[1:]]
-            logp = logp[torch.tensor(e["action_mask"][1:], dtype=torch.bool)]
+            acted = torch.tensor(e["action_mask"][1:], dtype=torch.bool)
+            logp = logp[acted]
             ratio = torch.exp(logp - old.setdefault(i, logp.detach()))
             per_token = -torch.minimum(ratio * adv, ratio.clamp(1 - clip[0], 1 + clip[1]) * adv)
+            if tis:
+                per_token = per_token * torch.exp(old[i] - torch.tensor(e["logprobs"][1:])[acted]).clamp(max=TIS_CAP)
             loss = loss + per_token.sum() * weight(n)
         model.zero_grad()
         loss.backward()
@@ -463,7 +470,8 @@ def test_the_policy_update_is_the_hand_computed_loss_and_gradient_over_ranks_and
     from ds_train.ript.algorithms import LOSS_AGG_MODES
 
     ranks = update_rollouts(len(AutoTokenizer.from_pretrained(tiny_policy)))
-    spec = {"ranks": ranks, "modes": list(LOSS_AGG_MODES), "lr": UPDATE_LR, "max_tokens": MAX_TOKENS,
+    modes = [*LOSS_AGG_MODES, "token-mean+tis"]  # the last: the rollout engine's log-probs weight the loss
+    spec = {"ranks": ranks, "modes": modes, "lr": UPDATE_LR, "max_tokens": MAX_TOKENS, "tis_cap": TIS_CAP,
             "train": {"micro_batch_size": 2, "global_batch_size": 16},
             "ript": {"rloo_batch_size": 4, "contexts_per_rank": 2, "ppo_epochs": 2}}
     (tmp_path / "rollouts.json").write_text(json.dumps(spec))
@@ -474,7 +482,7 @@ def test_the_policy_update_is_the_hand_computed_loss_and_gradient_over_ranks_and
     got = torch.load(tmp_path / "update.pt")
     model = AutoModelForCausalLM.from_pretrained(tiny_policy)
     tokens = sum(sum(e["action_mask"][1:]) for rank in ranks for g in rank for e in g)
-    for mode in LOSS_AGG_MODES:
+    for mode in modes:
         before = {n: p.detach().clone() for n, p in model.named_parameters()}
         loss = hand_update(model, ranks, mode)
         m = got[mode]["metrics"]
@@ -490,6 +498,8 @@ def test_the_policy_update_is_the_hand_computed_loss_and_gradient_over_ranks_and
             assert diff <= bound, (mode, n, diff, bound)
         # the second epoch's loss is taken after the first step: a wrong scale shows here too
         assert m["policy/loss"] == pytest.approx(loss, rel=1e-4, abs=1e-6), mode
+        if mode.endswith("+tis"):  # the engine's log-probs are far from the trainer's: weights other than 1
+            assert m["rollout/logp_diff_max"] > 1 and 0 < m["rollout/tis_weight"] < TIS_CAP, m
 
 
 def task_prompts(path: Path, name: str, n: int = 400, answer: str = "") -> Path:

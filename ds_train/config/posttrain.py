@@ -82,8 +82,9 @@ class RiptConfig(Section):
     vllm_gpu_memory_utilization: float = _f(
         0.3, "The fraction of each GPU vLLM takes for its weights and KV cache (TRL's default); it sleeps while "
              "the policy trains. On a CPU the KV cache is sized to one rollout batch instead.", (0.0, 1.0))
-    vllm_tensor_parallel_size: int = _f(1, "GPUs one vLLM engine spans (TRL vllm_tensor_parallel_size); a colocated "
-                                           "engine lives in one rank's process: 1.", POSITIVE)
+    vllm_tensor_parallel_size: int = _f(1, "Ranks (GPUs of one node) one vLLM engine spans (TRL "
+                                           "vllm_tensor_parallel_size): consecutive ranks, each holding its shard; "
+                                           "a divisor of the ranks a node runs.", POSITIVE)
     tis_cap: float = _f(0.0, "Truncated importance sampling (verl, TRL): each token's policy loss times min(pi_old / "
                              "pi_rollout, tis_cap), the trainer's probability over the rollout engine's. 0: off. "
                              "Needs rollout_engine=vllm (its log-probs).", NON_NEGATIVE)
@@ -130,10 +131,6 @@ class RiptConfig(Section):
         if self.tis_cap == 0 and self.rollout_correction != RiptConfig.rollout_correction:
             errs.append(f"ript.rollout_correction: {self.rollout_correction}, but ript.tis_cap is 0 (no correction); "
                         f"set tis_cap (verl and TRL use 2)")
-        if self.rollout_engine == "vllm" and self.vllm_tensor_parallel_size > 1:
-            errs.append(f"ript.vllm_tensor_parallel_size: {self.vllm_tensor_parallel_size}: a colocated engine lives "
-                        f"in one rank's process and spans its one device; set it to 1 (the policy's own layout, "
-                        f"ZeRO-3 or parallel.tensor, still splits training)")
         if self.debug_stale_engine and self.rollout_engine != "vllm":
             errs.append("ript.debug_stale_engine: a fault of the vLLM engine, and ript.rollout_engine is hf; set "
                         "rollout_engine=vllm or leave it out")

@@ -71,15 +71,18 @@ def engine_bytes(cfg: RunConfig, target: Target) -> float:
         else 0.0
 
 
-def engine_weights_bytes(shape: ModelShape, dtype: str) -> float:
-    """vLLM's copy of the policy: the whole model on each rank (it does not split with ZeRO or AutoTP)."""
-    return shape.n_params * (4 if dtype == "fp32" else 2)
+def engine_weights_bytes(shape: ModelShape, dtype: str, tensor: int = 1) -> float:
+    """vLLM's copy of the policy on each GPU: the whole model over an engine's `tensor` GPUs
+    (ript.vllm_tensor_parallel_size; it does not split with ZeRO or AutoTP)."""
+    return shape.n_params * (4 if dtype == "fp32" else 2) / tensor
 
 
 def rank_peak(est: Estimate, engine: float = 0.0) -> float:
     """A rank's peak in bytes: training's (Estimate.gpu_peak), or, with a colocated vLLM engine, the
     rollouts' (the engine awake beside the model states the engine holds between steps) if higher; the
-    engine sleeps while the policy trains (level 2: its weights and KV cache freed)."""
+    engine sleeps while the policy trains (level 2: its weights and KV cache freed). The larger of the two,
+    never their sum, because the engine wakes as vllm_engine.wake_and_load orders it: the update's cached
+    blocks freed first, then the weights, their load, then the KV cache."""
     return max(est.gpu_peak, est.states.held + engine) if engine else est.gpu_peak
 
 

@@ -33,7 +33,7 @@ from ds_train.ript.rollout import Episode, max_rollout_tokens, model_policy, rol
 from ds_train.ript.sampler import ContextSampler, Tally, by_family, family, merge_states
 from ds_train.ript.sharding import format_shards, shard_tasks
 from ds_train.ript.tasks import load_object
-from ds_train.ript.update import update
+from ds_train.ript.update import token_logp, update
 from ds_train.ript.vllm_engine import VllmRollouts, check_rollout_engine
 from ds_train.run import Run, RunSpec
 from ds_train.start import build_run
@@ -59,7 +59,7 @@ class RiptInputs:
     engine: str  # what generates the rollouts: "the policy's generate", or the vLLM package and version
 
     @classmethod
-    def check(cls, cfg: RunConfig, ds_config_path: str, world_size: int) -> "RiptInputs":
+    def check(cls, cfg: RunConfig, ds_config_path: str, world_size: int, local_world_size: int = 1) -> "RiptInputs":
         r = cfg.ript
         if not cfg.model.path:
             raise UserError("model.path: RIPT starts from a trained policy: a Hugging Face directory or a "
@@ -73,7 +73,7 @@ class RiptInputs:
                             f"partition both models, or ript.kl_coef=0")
         check_task_entries(cfg)  # fail fast: before the model is read
         run = check_inputs(cfg, ds_config_path, data=False)
-        engine = check_rollout_engine(cfg, run.source.hf_config)
+        engine = check_rollout_engine(cfg, run.source.hf_config, world_size, local_world_size)
         if getattr(run.source.hf_config, "output_router_logits", False) is True:
             raise UserError("model.config.output_router_logits=true: RIPT's policy loss does not add the router's "
                             "auxiliary loss yet; set it to false for ript")
@@ -171,7 +171,7 @@ def ript(cfg: RunConfig, ds_config_path: str) -> dict:
 
     clock = StartupClock.begin()
     env = topology.detect_env()
-    inputs = RiptInputs.check(cfg, ds_config_path, env.world_size)
+    inputs = RiptInputs.check(cfg, ds_config_path, env.world_size, env.local_world_size)
     clock.mark("inputs")
     with build_run(inputs.run, env, ript_spec(cfg), clock=clock) as run:
         # each data-parallel rank samples its own rollouts; the ranks of a tensor group the same ones
@@ -205,10 +205,22 @@ def rollout_engine(job: RiptJob, version: int):
     if job.run.cfg.ript.rollout_engine != "vllm" or job.scripted is not None:
         yield
         return
+    import torch
+
     run = job.run
     job.vllm = VllmRollouts(run.engine.module, run.tokenizer, run.cfg.ript, run.dtype, run.cfg.seed, run.data_rank,
-                            version)
+                            version, run.env, say=run.rank_log.info)
+
+    def policy_logp(ids: list[int]) -> list[float]:
+        run.engine.eval()
+        with torch.no_grad():
+            out = token_logp(run.engine, torch.tensor([ids], device=run.engine.device))[0].tolist()
+        run.engine.train()
+        return out
+
     try:
+        worst = job.vllm.probe(policy_logp)
+        run.say(f"vLLM's log-probs against the policy's forward at start-up: largest difference {worst:.3g}")
         yield
     finally:
         job.vllm.close()
@@ -286,7 +298,7 @@ def run_episodes(job: RiptJob, act, jobs: list) -> list[Episode]:
     nothing to do."""
     r = job.run.cfg.ript
     size = r.rollout_contexts * r.rloo_batch_size
-    if not job.run.collective_forward or r.policy or job.vllm is not None:  # vLLM's generation: this rank's own
+    if not (job.run.collective_forward or job.vllm is not None) or r.policy:  # generation of this rank's own
         return rollout(act, job.run.tokenizer, jobs, size, max_new_tokens=r.max_new_tokens)
     batches = int(dist.all_reduce_max([float(math.ceil(len(jobs) / size))])[0])
     turns = max(t.max_turns for t in job.tasks.values())

@@ -27,7 +27,8 @@ from ds_train.run import Run
 from ds_train.train.reference import Reference
 
 
-def _token_logp(engine, ids):
+def token_logp(engine, ids):
+    """The log-prob the policy gives each token of `ids` [rows, tokens] after its prefix: [rows, tokens - 1]."""
     logits = engine(input_ids=ids[:, :-1], use_cache=False).logits.float()
     return torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
 
@@ -126,7 +127,7 @@ def _logp_before(run: Run, ids, later: list[int], reference: Reference | None, i
     with torch.no_grad():
         for i in range(0, len(later), micro):
             run.beat(iteration, "update")
-            old[later[i:i + micro]] = _token_logp(engine, ids[later[i:i + micro]])
+            old[later[i:i + micro]] = token_logp(engine, ids[later[i:i + micro]])
         for i in range(0, n if ref is not None else 0, micro):
             ref[i:i + micro] = reference.token_logp(ids[i:i + micro])
     engine.train()
@@ -158,7 +159,7 @@ def _micro_step(run: Run, r: RiptConfig, batch: _Batch, idx: list[int], first_ep
     statistics."""
     plan, engine = run.plan, run.engine
     scale = plan.data_parallel_size * plan.grad_accum_steps
-    logp = _token_logp(engine, batch.ids[idx])
+    logp = token_logp(engine, batch.ids[idx])
     if first_epoch and idx and idx[0] in batch.first:
         batch.old[idx] = logp.detach()
     mask_m = batch.mask[idx].to(logp.device)

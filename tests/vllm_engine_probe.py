@@ -1,0 +1,30 @@
+"""One process outside a launcher (as bench/rollouts.py): a tiny Llama's vLLM engine built through ds_train
+(ds_train/ript/vllm_engine.py VllmRollouts), the global generators drawn from before and after the build, and
+what vLLM's worker said of itself; printed as JSON. tests/test_vllm_engine.py reads it.
+
+    python tests/vllm_engine_probe.py
+"""
+
+import json
+import random
+
+import numpy as np
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from conftest import TINY_MODEL
+from ds_train.config.posttrain import RiptConfig
+from ds_train.ript.vllm_engine import VllmRollouts
+
+torch.manual_seed(0)
+model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**{**TINY_MODEL, "num_attention_heads": 2,
+                                                                 "num_key_value_heads": 2, "vocab_size": 96}))
+random.seed(5), np.random.seed(5), torch.manual_seed(5)
+expected = (random.random(), float(np.random.rand()), torch.rand(1).item())
+random.seed(5), np.random.seed(5), torch.manual_seed(5)
+said = []
+engine = VllmRollouts(model, None,  # the tokenizer: for a policy's stop strings, not the build
+                      RiptConfig(rollout_engine="vllm", rollout_contexts=1, rloo_batch_size=2), "fp32", seed=0,
+                      rank=0, say=said.append)
+got = (random.random(), float(np.random.rand()), torch.rand(1).item())
+print(json.dumps({"expected": expected, "got": got, "said": said}))
