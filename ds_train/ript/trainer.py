@@ -293,9 +293,9 @@ class HeldOut:
 
 
 def run_episodes(job: RiptJob, act, jobs: list) -> list[Episode]:
-    """Rollouts of this rank's jobs. Under ZeRO-3 and expert parallelism generation is a collective:
-    every rank makes the same number of policy calls (batches x turns), with dummy rows where it has
-    nothing to do."""
+    """Rollouts of this rank's jobs. Under ZeRO-3 and expert parallelism generation is a collective, and vLLM's
+    engines step in lockstep (ds_train/ript/vllm_engine.py): every rank makes the same number of policy calls
+    (batches x turns), with dummy rows where it has nothing to do."""
     r = job.run.cfg.ript
     size = r.rollout_contexts * r.rloo_batch_size
     if not (job.run.collective_forward or job.vllm is not None) or r.policy:  # generation of this rank's own
