@@ -267,7 +267,7 @@ def test_bad_ript_input_is_one_line_and_changes_nothing(scripted_run, tiny_polic
              (["ript.tasks=[add,nosuch]"], "'nosuch' is neither a built-in task"),
              (["ript.rloo_batch_size=1"], "ript.rloo_batch_size=1: must be at least 2"),
              (["ript.policy=nosuch:Policy"], "ript.policy: cannot load 'nosuch:Policy'"),
-             (["ript.policy=", "ript.rollout_engine=vllm"], "the model's head size is 16 (hidden_size / "
+             (["ript.policy=", "ript.rollout_engine=vllm"], "the model's attention head size is 16 (hidden_size / "
               "num_attention_heads), which vLLM's CPU attention cannot serve"),
              (["ript.policy=", "ript.rollout_engine=vllm", "ript.vllm_gpu_memory_utilization=1.5"],
               "ript.vllm_gpu_memory_utilization=1.5: must be within [0.0, 1.0]"),
