@@ -349,7 +349,6 @@ def all_gather_object(obj: Any, group=None) -> list[Any]:
     """Every rank's object in rank order, over `group` (None: all ranks; each of them must call it)."""
     import deepspeed.comm as comm
     import torch.distributed as tdist
-
     if not comm.is_initialized() or comm.get_world_size() == 1:
         return [obj]
     out = [None] * tdist.get_world_size(group)
