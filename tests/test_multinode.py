@@ -142,7 +142,7 @@ def test_two_nodes_train_through_pdsh_and_ssh_and_sigusr1_saves_and_resumes_exac
     env = {**cluster["env"], "WANDB_API_KEY": "must-not-travel", "DS_TRAIN_TEST_TOKEN": "listed"}
     assert cluster["hostfile"].read_text() == "127.0.0.2 slots=1\n127.0.0.3 slots=1\n"
     proc = spawn(launch_args(cluster["hostfile"], config, "--master_port", str(free_port()),
-                             overrides=("watchdog.debug_fault=slow:0:0.4",)), env=env)
+                             overrides=("watchdog.debug_fault=slow:0:1.0",)), env=env)
     try:
         _wait_for_step(tmp_path / "run" / "heartbeats" / "rank_1.json", 3, proc)
         os.kill(proc.pid, signal.SIGUSR1)  # the supervisor only: it shares no process with a rank
