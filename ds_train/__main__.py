@@ -49,11 +49,12 @@ RUN_COMMANDS = ("train", "ript")  # run on every rank, from a run config: what `
 BUILDS_A_RUN = (*RUN_COMMANDS, "dry-run", "parity-worker")  # start.build_run turns the collector back on (cli)
 
 
-def check_command(argv: list[str], world_size: int):
+def check_command(argv: list[str], world_size: int, local_world_size: int | None = None,
+                  device: str | None = None):
     """The command `ds-train launch` / `slurm` runs on every rank: parsed by that subcommand's own
-    parser, its config loaded and its batch math checked at the target world size."""
+    parser, its config loaded and checked at the target world size as each rank checks it
+    (start.check_launch; `device`: "cuda" or "cpu" where known, for the rendered ds_config)."""
     from ds_train.config.file import load_config
-    from ds_train.dsconfig import read_ds_template
     from ds_train.start import check_launch
 
     args = build_parser().parse_args(argv)
@@ -63,7 +64,7 @@ def check_command(argv: list[str], world_size: int):
     if not args.config or not args.ds_config:
         raise UserError(f"{args.command} needs --config and --ds-config")
     cfg = load_config(args.config, args.overrides)
-    return cfg, check_launch(cfg, read_ds_template(args.ds_config), args.spec(cfg), world_size)
+    return cfg, check_launch(cfg, args.ds_config, args.spec(cfg), world_size, local_world_size, device)
 
 
 def plan_memory(argv: list[str], world_size: int) -> float:
@@ -74,7 +75,7 @@ def plan_memory(argv: list[str], world_size: int) -> float:
     from ds_train.plan.planner import Target
 
     args = build_parser().parse_args(argv)
-    cfg = load_config(args.config, args.overrides)
+    cfg = load_config(args.config, args.overrides, command=args.command)
     out = run_estimate(cfg, args.ds_config, Target(1, world_size, 80.0), preset=None)  # 80: only "fits" uses it
     return next(r for r in out["rows"] if r["given"])["gpu_peak_gib"]
 

@@ -17,7 +17,7 @@ def cmd_train(args) -> int:
     from ds_train.config.file import load_config
     from ds_train.train.loop import train
 
-    cfg = load_config(args.config, args.overrides)
+    cfg = load_config(args.config, args.overrides, command="train")
     train(cfg, args.ds_config)
     return 0
 
@@ -30,7 +30,7 @@ def cmd_ript(args) -> int:
     from ds_train.config.file import load_config
     from ds_train.ript.trainer import ript
 
-    cfg = load_config(args.config, args.overrides)
+    cfg = load_config(args.config, args.overrides, command="ript")
     ript(cfg, args.ds_config)
     return 0
 
@@ -61,7 +61,7 @@ def cmd_prepare(args) -> int:
     if args.workers is not None and args.workers < 0:
         raise UserError(f"prepare: --workers {args.workers}: give 0 (one per core) or more")
     if args.config:
-        cfg = load_config(args.config, args.overrides)
+        cfg = load_config(args.config, args.overrides, command="prepare")  # a train run's config
         d, out = cfg.data, cfg.data.dir
         tokenizer = tokenizer_dir(cfg, model_dirs(cfg)[0])  # the tokenizer `train` checks the data against
         prepare(d.sources, d.dir, tokenizer, d.vocab_size, d.val_fraction, d.text_key, fmt=d.format,
@@ -199,7 +199,7 @@ def _plan_inputs(args):
     from ds_train.config.file import load_config
     from ds_train.dryrun import target_from_args
 
-    cfg = load_config(args.config, args.overrides)
+    cfg = load_config(args.config, args.overrides, command=args.command)  # estimate, dry-run
     return cfg, target_from_args(args.hostfile, args.nodes, args.gpus_per_node, args.gpu_memory)
 
 
@@ -267,7 +267,7 @@ def cmd_parity(args) -> int:
         numbers[flag] = [int(v) for v in items]
     if not ds_configs:
         raise UserError("parity: --ds-config needs at least one DeepSpeed JSON (ds_configs/zero*.json)")
-    cfg = load_config(args.config, overrides)
+    cfg = load_config(args.config, overrides, command="parity")
     label = args.config + (f" {' '.join(overrides)}" if overrides else "")
     return parity(cfg, label, ds_configs, numbers["--nproc"] or [2], numbers["--grad-accum"], args.steps, args.shrink,
                   args.out or "", args.launcher_args, args.loss_tol, args.grad_tol, numbers["--sequence"],

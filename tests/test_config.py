@@ -549,3 +549,80 @@ def test_a_key_set_in_a_section_the_run_does_not_use_is_refused_by_one_rule():
     used = build_config({**base, "data": {"format": "preference"}, "dpo": {"beta": 0.5},
                          "model": {**base["model"], "lora": {"rank": 4, "alpha": 8}}})
     assert (used.dpo.beta, used.model.lora.alpha) == (0.5, 8)
+
+
+# --- the sections a command reads (ds_train/config/uses.py) -------------------------------------
+
+def test_every_section_of_the_run_config_has_a_row_saying_which_command_reads_it():
+    """A section added later (a field of RunConfig, or a section inside one) without a row would be
+    neither refused nor said: the table must name it; every row names a real key or section."""
+    import typing
+
+    from ds_train.config.uses import READS, USES
+
+    def sections(cls, prefix: str) -> list[str]:
+        out = []
+        for name, tp in typing.get_type_hints(cls).items():
+            if dataclasses.is_dataclass(tp):
+                out += [f"{prefix}{name}", *sections(tp, f"{prefix}{name}.")]
+            elif not prefix:
+                out.append(name)  # a top-level key (output_dir, seed) is its own row
+        return out
+
+    missing = [s for s in sections(RunConfig, "") if s not in USES]
+    assert not missing, f"add a row to ds_train/config/uses.py USES for {missing}"
+    real = set(sections(RunConfig, "")) | set(all_keys())
+    assert not [row for row in USES if row not in real]
+    assert {"train", "ript", "dry-run", "parity", "estimate", "prepare"} <= set(READS)
+
+
+def test_a_key_of_a_section_the_command_does_not_read_is_refused_by_one_rule():
+    """train ignores ript.*, ript ignores data.* (but for its chat template) and train.max_steps;
+    dry-run, parity and prepare read a train run's config; estimate plans either kind."""
+    ript_keys = {"ript": {"iterations": 3}}
+    for command in ("train", "dry-run", "parity", "prepare"):
+        with pytest.raises(UserError, match=rf"^config: ript.iterations: set, but `ds-train {command}` does not "
+                                            rf"read ript.\* \(`ds-train ript` does\); remove it, or run"):
+            build_config({**ARCH, **ript_keys}, command=command)
+    with pytest.raises(UserError) as e:
+        build_config({**ARCH, "data": {"dir": "d", "chat_template": "{{ x }}"}, "train": {"max_steps": 5},
+                      "log": {"sample_prompt": "x"}}, command="ript")
+    said = str(e.value)
+    assert said.startswith("config: 3 problems: ") and "chat_template" not in said
+    assert "data.dir: set, but `ds-train ript` does not read data.* (`ds-train train` does)" in said
+    assert "train.max_steps: set, but `ds-train ript` does not read train.max_steps (" in said
+    assert "log.sample_prompt: set, but" in said
+    both = {**ARCH, **ript_keys, "data": {"dir": "d"}}
+    assert build_config(both, command="estimate").ript.iterations == 3  # plans a train or a ript run
+    assert build_config(both).ript.iterations == 3  # a library caller naming no command: either
+    full = RunConfig(output_dir="/nonexistent/run", model=build_config(ARCH).model).to_dict()  # every key
+    for command in ("train", "ript", "estimate"):
+        assert build_config(full, command=command).ript.iterations == 50  # defaults are no setting
+
+
+def test_a_train_run_given_ript_keys_is_refused_before_anything_is_written(tmp_path):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(f"output_dir: {tmp_path / 'run'}\nmodel: {{config: {{model_type: llama}}}}\n"
+                   f"data: {{dir: {tmp_path / 'data'}}}\nript: {{tasks: [add]}}\n")
+    before = tree_listing(tmp_path)
+    for args in (["train"], ["parity", "--nproc", "2"], ["dry-run", "--nodes", "1", "--gpus-per-node", "1"]):
+        expect_error([*args, "--config", str(cfg), "--ds-config", "ds_configs/zero2.json"],
+                     f"{cfg}: ript.tasks: set, but `ds-train {args[0]}` does not read ript.*")
+    expect_error(["ript", "--config", str(cfg), "--ds-config", "ds_configs/zero2.json", "train.max_steps=3"],
+                 "data.dir: set, but `ds-train ript` does not read data.*",
+                 "override train.max_steps=3: set, but `ds-train ript` does not read train.max_steps")
+    assert tree_listing(tmp_path) == before
+
+
+@pytest.mark.parametrize("recipe", sorted((ROOT / "recipes").glob("*.yaml")), ids=lambda p: p.name)
+def test_each_recipe_loads_for_the_command_its_header_documents(recipe, tmp_path):
+    """A recipe's header comment shows its command (deepspeed ... --module ds_train train|ript, ds-train
+    estimate ...): the recipe must pass that command's check of the sections it reads."""
+    import re
+
+    header = "".join(line for line in recipe.read_text().splitlines(keepends=True) if line.startswith("#"))
+    commands = set(re.findall(r"(?:ds_train|ds-train) (train|ript|estimate|prepare|dry-run|parity)\b", header))
+    assert commands, f"{recipe.name}: its header names no command"
+    model = [f"model.path={tmp_path}"] if "path:" in recipe.read_text().split("data:")[0] else []
+    for command in commands:
+        load_config(recipe, model, command=command)

@@ -294,16 +294,10 @@ class WatchdogConfig(Section):
         return errs
 
 
-# Sections only some runs use: section -> (whether this run uses it, what does, in words). A key of one set
-# to other than its default in a run that does not use it is refused (RunConfig.unused): it would be ignored.
-APPLIES = {
-    "dpo": (lambda c: c.data.format == "preference", "preference training (data.format: preference)"),
-    "model.lora": (lambda c: c.model.lora.rank > 0, "LoRA (model.lora.rank > 0)"),
-}
-
-
 @dataclass(frozen=True)
 class RunConfig:
+    """The run config; which command reads each section: ds_train/config/uses.py (a new section needs its row)."""
+
     output_dir: str = _f("runs/default", "Run directory: resolved configs, logs, metrics, checkpoints.", path=True)
     seed: int = _f(1234, "Seed for weights, data order and sampling.", (0, 2**32 - 1))
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -318,23 +312,6 @@ class RunConfig:
     watchdog: WatchdogConfig = field(default_factory=WatchdogConfig)
     ript: RiptConfig = field(default_factory=RiptConfig)
     dpo: DpoConfig = field(default_factory=DpoConfig)
-
-    def unused(self, raw: dict) -> list[str]:
-        """Keys of `raw` (the config as written) in a section this run does not use (APPLIES), set to
-        other than their default: each would be silently ignored, so each is one error."""
-        errs = []
-        for prefix, (applies, what) in APPLIES.items():
-            written, section = raw, self
-            for part in prefix.split("."):
-                written = written.get(part) if isinstance(written, dict) else None
-                section = getattr(section, part)
-            if applies(self) or not isinstance(written, dict):
-                continue
-            default = type(section)()
-            for key, value in written.items():
-                if hasattr(default, key) and value != getattr(default, key) and not dataclasses.is_dataclass(value):
-                    errs.append(f"{prefix}.{key}: set, but only {what} uses {prefix}.*; remove it, or turn that on")
-        return errs
 
     def check(self) -> list[str]:
         errs = out_of_bounds(self, "")

@@ -16,6 +16,7 @@ from typing import Any, Literal
 import yaml
 
 from ds_train.config import RunConfig
+from ds_train.config.uses import unused_keys
 from ds_train.errors import UserError
 from ds_train.fs import DuplicateKey, YamlRefused, read_text, write_atomic, yaml_load
 
@@ -241,9 +242,10 @@ def read_yaml(path: str | Path) -> dict:
     return raw
 
 
-def load_config(path: str | Path | None, overrides: list[str] = ()) -> RunConfig:
-    """YAML file (optional) + `key=value` overrides -> validated, frozen RunConfig. A problem with a
-    value given on the command line names the override, not the file."""
+def load_config(path: str | Path | None, overrides: list[str] = (), command: str | None = None) -> RunConfig:
+    """YAML file (optional) + `key=value` overrides -> validated, frozen RunConfig for `command`
+    (a key it would not read is refused: ds_train/config/uses.py). A problem with a value given on the
+    command line names the override, not the file."""
     raw = read_yaml(path) if path else {}
     unknown, given = [], {}
     for item, (key, value) in zip(overrides, parse_overrides(list(overrides))):
@@ -253,7 +255,7 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> RunConfig
         given[key] = (item.partition("=")[2], value)
     if unknown:
         raise UserError("; ".join(unknown))
-    return build_config(raw, source=str(path) if path else "overrides", overrides=given)
+    return build_config(raw, source=str(path) if path else "overrides", overrides=given, command=command)
 
 
 def _blame(err: str, overrides: dict[str, tuple[str, Any]]) -> str | None:
@@ -273,15 +275,16 @@ def _blame(err: str, overrides: dict[str, tuple[str, Any]]) -> str | None:
     return None
 
 
-def build_config(raw: dict, source: str = "config",
-                 overrides: dict[str, tuple[str, Any]] | None = None) -> RunConfig:
-    """`raw` -> RunConfig, every problem reported at once. A problem with one of `overrides` (key ->
-    (text as given, value)) is blamed on the override, the others on `source`."""
+def build_config(raw: dict, source: str = "config", overrides: dict[str, tuple[str, Any]] | None = None,
+                 command: str | None = None) -> RunConfig:
+    """`raw` -> RunConfig, every problem reported at once, keys `command` would not read included
+    (None: a train or a ript run). A problem with one of `overrides` (key -> (text as given, value))
+    is blamed on the override, the others on `source`."""
     errs: list[str] = []
     cfg = _build(RunConfig, raw, "", errs)
     errs += cfg.check()  # fields with a type error kept their default, so these checks still run
     said = {e.split(":")[0].split("=")[0] for e in errs}  # a key already refused for its value: not again
-    errs += [e for e in cfg.unused(raw) if e.split(":")[0] not in said]
+    errs += [e for e in unused_keys(cfg, raw, command) if e.split(":")[0] not in said]
     if not errs:
         return cfg
     blamed = [_blame(err, overrides or {}) for err in errs]
