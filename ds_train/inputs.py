@@ -1,19 +1,24 @@
 """The check step: every input of a run read and checked once, before anything is written, and
 handed to the run builder (ds_train/start.py) as one object.
 
-    inputs = check_inputs(cfg, ds_config_path)              # train, dry-run, parity: model and data
-    inputs = check_inputs(cfg, ds_config_path, data=False)  # ript: the model and its own tokenizer
+    inputs = check_inputs(cfg, ds_config_path, config_check)  # train, dry-run, parity: model and data
+    inputs = check_inputs(cfg, ds_config_path, data=False)    # ript: the model and its own tokenizer
     with build_run(inputs, topology.detect_env(), spec) as run: ...
 
 What fails fast goes first: the DeepSpeed JSON and the model (its config, the architecture built
-on the meta device, model.path's weights) before the data is prepared, which can take minutes.
+on the meta device, model.path's weights), then the run's config at its world size (check_config),
+all before the data is prepared, which writes data.dir and can take minutes.
+
+check_config is the one check of a run's config at its world size: each rank runs it before its data
+is prepared and again once the tokenizer's vocabulary is known (start.build_run), and `ds-train launch
+--check` / `slurm` run it on the launching host for the target world (ds_train/__main__.check_command).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from ds_train.checkpoint.export import locate_model, resolve_source
 from ds_train.config import RunConfig
@@ -23,13 +28,16 @@ from ds_train.data.prepare import ensure_prepared
 from ds_train.data.tokenizer import load_tokenizer, vocabulary_id
 from ds_train.dsconfig import check_optimizer, check_scheduler
 from ds_train.dsconfig import read_ds_template
+from ds_train.engine import render_ds_config
 from ds_train.errors import UserError
-from ds_train.model.build import supports_packing
+from ds_train.model.build import resolve_dtype, supports_packing
 from ds_train.model.hfconfig import build_hf_config, with_vocab
 from ds_train.model.lora import check_lora
 from ds_train.model.lora import enabled as lora_enabled
 from ds_train.model.weights import fingerprint, weight_files
-from ds_train.plan.parallel import check_layout, packs_under_sequence
+from ds_train.plan.batch import scaled_lr
+from ds_train.plan.experts import expert_section
+from ds_train.plan.parallel import Layout, check_layout, packs_under_sequence
 
 
 @dataclass(frozen=True)
@@ -92,17 +100,67 @@ def _hf_config(cfg: RunConfig, model_dir: Path | None, weights: bool):
     return build_hf_config(model_cfg, stand_in, cfg.train.seq_len, weights=weights)
 
 
-def check_inputs(cfg: RunConfig, ds_config_path: str, data: bool = True) -> RunInputs:
-    """The DeepSpeed JSON, the model, and (`data`) the prepared data, prepared on first use: every
-    check, nothing written in the run directory."""
+@dataclass(frozen=True)
+class ConfigChecked:
+    """What check_config found: the layout, the schedule's length, the scaled learning rate and, for
+    a known device, the precision and the rendered ds_config."""
+
+    layout: Layout
+    total_steps: int
+    lr: float
+    dtype: str | None = None  # None: no device given (the launch host before its probe)
+    ds_config: dict | None = None
+
+
+def check_config(cfg: RunConfig, template: dict, spec, world_size: int, hf_config, source: str,
+                 device: str | None = None, bf16: bool = True, local_world_size: int | None = None) -> ConfigChecked:
+    """The one check of a run's config at `world_size` with the model's config, before anything is
+    written (pure): the layout and batch math (spec.check: check_layout), LoRA's targets, the command's
+    own model checks (spec.check_model: ript's rollout engine, ...), and, for a `device` ("cuda" or
+    "cpu"; `bf16`: it has bf16), the precision and the ds_config rendered from `template` (`source`: its
+    file). `local_world_size`: ranks a node (default: all on one)."""
+    layout, total_steps = spec.check(cfg, template, world_size, hf_config)
+    check_lora(cfg.model.lora, hf_config)
+    if spec.check_model is not None:
+        spec.check_model(cfg, hf_config, world_size, local_world_size or world_size, device)
+    lr = scaled_lr(cfg.optim.lr, layout.batch.global_batch_size, cfg.optim.reference_batch_size, cfg.optim.lr_scaling)
+    if device is None:
+        return ConfigChecked(layout, total_steps, lr)
+    dtype = resolve_dtype(cfg.model.dtype, device, bf16)
+    ds_config = render_ds_config(template, cfg, layout.batch, dtype=dtype, lr=lr, total_steps=total_steps,
+                                 hidden_size=hf_config.hidden_size, on_gpu=device == "cuda",
+                                 experts=expert_section(cfg, hf_config), source=source)
+    return ConfigChecked(layout, total_steps, lr, dtype, ds_config)
+
+
+def check_template(cfg: RunConfig, ds_config_path: str) -> dict:
+    """The DeepSpeed JSON read and checked with the run config, before the world size is known (the
+    ranks' check step and the launch preflight): its names, its scheduler's and optimizer's numbers,
+    what the model-parallel sizes cannot take with it. Returns it."""
     template = read_ds_template(ds_config_path)
     check_ds_names(template, str(ds_config_path))
     check_scheduler(template, str(ds_config_path))  # the template's own numbers, before the data is prepared
     check_optimizer(template, str(ds_config_path))
-    check_layout(cfg, template, None)  # what needs no world size; the run checks the rest (build_run)
+    check_layout(cfg, template, None)  # what needs no world size; check_config checks the rest
+    return template
+
+
+# The rank's check of its config at its world size, given the template and the model's config
+# (check_inputs runs it before the data is prepared).
+ConfigCheck = Callable[[dict, Any], Any]
+
+
+def check_inputs(cfg: RunConfig, ds_config_path: str, config_check: ConfigCheck | None = None,
+                 data: bool = True) -> RunInputs:
+    """The DeepSpeed JSON, the model, the config at the run's world size (`config_check`, with the
+    template and the model's config), and (`data`) the prepared data, prepared on first use: every
+    check before the first write (data.dir's preparation), nothing written in the run directory."""
+    template = check_template(cfg, ds_config_path)
     model_dir, export_from = model_dirs(cfg)
     hf_config = _hf_config(cfg, model_dir, weights=export_from is None)  # a run's weights: in its checkpoint
     check_lora(cfg.model.lora, hf_config)
+    if config_check is not None:
+        config_check(template, hf_config)
     if not data:  # the model's own tokenizer
         source = ModelSource(hf_config, load_tokenizer(model_dir), model_dir if export_from is None else None,
                              export_from)

@@ -56,6 +56,10 @@ class RunSpec:
     steps: Callable[[BatchPlan], int]  # optimizer steps the LR schedule spans; UserError if impossible
     same_world: bool = False  # resume only at the saved world size (work sharded per rank)
     keep_group: bool = False  # the process group outlives the run (parity: several runs in one group)
+    # The command's own checks of its config with the model's: (cfg, hf_config, world_size, local_world_size,
+    # device: "cuda", "cpu" or None where not known); run by inputs.check_config on every rank and by the
+    # launch preflight (ript: its rollout engine, ...)
+    check_model: Callable[[RunConfig, Any, int, int, str | None], Any] | None = None
 
     @property
     def unit(self) -> str:

@@ -2,8 +2,9 @@
 `dry-run` and `parity` (and what `launch --check` / `slurm` check of the command they start).
 
 `build_run` (each phase a function, each component built by its own function):
-1. alone (each rank fails fast on its own): the run directory can be written, the layout
-   (RunSpec.check: the one layout check), the ds_config rendered once, the resume point named;
+1. alone (each rank fails fast on its own): the run directory can be written, the config at the
+   world size (inputs.check_config, which check_inputs ran before the data: the layout, the command's
+   model checks, the ds_config rendered once), the resume point named;
 2. together (the process group joined): the file-system layout and the resume every rank agrees
    on; the agreed checkpoint options added to the ds_config;
 3. writes: the run directory held, the logs, a fresh start's clean slate, a converted checkpoint,
@@ -35,17 +36,14 @@ from ds_train.checkpoint.storage import (NODE_LOCAL, check_run_dir, check_storag
                                          start_over, storage_layout)
 from ds_train.config import RunConfig
 from ds_train.config.file import save_config
-from ds_train.engine import (check_op_build, fix_arch_list, initialize, render_ds_config, with_checkpoint_options,
-                             zero_stage)
+from ds_train.engine import check_op_build, fix_arch_list, initialize, with_checkpoint_options, zero_stage
 from ds_train.errors import AgreedError, UserError
 from ds_train.faults import step_fault
 from ds_train.fs import check_writable, file_lock, write_atomic
 from ds_train.guard import NonFiniteGuard
-from ds_train.inputs import ModelSource, RunInputs, model_config
-from ds_train.model.build import (build_model, count_params, flops_per_token, has_frozen_params, lookup_params,
-                                  resolve_dtype, seed_all)
+from ds_train.inputs import ConfigCheck, ModelSource, RunInputs, check_config, check_template, model_config
+from ds_train.model.build import build_model, count_params, flops_per_token, has_frozen_params, lookup_params, seed_all
 from ds_train.model.kernels import apply_liger, compile_layers, compiles
-from ds_train.model.lora import check_lora
 from ds_train.model.tiled_mlp import tiled_mlps
 from ds_train.model.ulysses import register_ulysses
 from ds_train.observe.launchers import LauncherWatch, kill_grace
@@ -53,24 +51,35 @@ from ds_train.observe.logs import build_rank_log, capture_console, console_say, 
 from ds_train.observe.metrics import build_logger, device_name, peak_flops, rewind_jsonl
 from ds_train.observe.startup import StartupClock, process_started
 from ds_train.observe.watchdog import Heartbeat, Watchdog
-from ds_train.plan.batch import BatchPlan, scaled_lr
-from ds_train.plan.experts import expert_section
+from ds_train.plan.batch import BatchPlan
 from ds_train.plan.memory import checkpoint_bytes
 from ds_train.plan.parallel import Layout, ParallelDims, deepspeed_range_note
 from ds_train.run import Run, RunLifecycle, RunSpec, StopRequest
 from ds_train.topology import DistEnv, node_hosts, threads_per_rank
 
 
-def check_launch(cfg: RunConfig, template: dict, spec: RunSpec, world_size: int) -> BatchPlan:
+def check_launch(cfg: RunConfig, ds_config_path: str, spec: RunSpec, world_size: int,
+                 local_world_size: int | None = None, device: str | None = None) -> BatchPlan:
     """What `ds-train launch --check` / `slurm` check of the command every rank will run, at the target
-    world size, from its config alone: the layout (with the model's config where the layout splits
-    the heads or LoRA targets its modules; no weights, no data) and the batch math. Returns the plan."""
-    needs_model = cfg.parallel.sequence * cfg.parallel.tensor > 1 or cfg.model.lora.rank > 0
-    hf_config = model_config(cfg) if needs_model else None
-    layout, _ = spec.check(cfg, template, world_size, hf_config)
-    if cfg.model.lora.rank:  # target modules the model has
-        check_lora(cfg.model.lora, hf_config)
-    return layout.batch
+    world size: the ranks' own checks of the DeepSpeed JSON (check_template) and of the config
+    (check_config), with the model's config (no weights, no data: each rank checks those) and, for a
+    `device` the hosts were found to have, the rendered ds_config. Returns the batch plan."""
+    template = check_template(cfg, ds_config_path)
+    return check_config(cfg, template, spec, world_size, model_config(cfg), ds_config_path, device,
+                        local_world_size=local_world_size).layout.batch
+
+
+def rank_config_check(cfg: RunConfig, spec: RunSpec, env: DistEnv, ds_config_path: str) -> ConfigCheck:
+    """check_config at this rank's world, on its device: what check_inputs runs before the data."""
+    from deepspeed.accelerator import get_accelerator
+
+    accel = get_accelerator()
+    return partial(_config_check, cfg, spec, env, ds_config_path, accel.device_name(), accel.is_bf16_supported())
+
+
+def _config_check(cfg, spec, env, ds_config_path, device, bf16, template, hf_config):
+    return check_config(cfg, template, spec, env.world_size, hf_config, ds_config_path, device, bf16,
+                        env.local_world_size)
 
 
 def build_run(inputs: RunInputs, env: DistEnv, spec: RunSpec, quiet: bool = False,
@@ -107,26 +116,22 @@ class _Checked:
 
 
 def _check_alone(inputs: RunInputs, env: DistEnv, spec: RunSpec) -> _Checked:
-    """Checks that need the world size but no peers: each rank fails fast on its own."""
+    """Checks that need the world size but no peers: each rank fails fast on its own. The config's
+    check (check_config) ran before the data was prepared; again here with the tokenizer's vocabulary."""
     from deepspeed.accelerator import get_accelerator
 
     cfg, source = inputs.cfg, inputs.source
     paths = RunPaths(cfg.output_dir)
     check_writable(paths.root, "output_dir")
     check_run_dir(paths)
-    layout, total_steps = spec.check(cfg, inputs.template, env.world_size, source.hf_config)
     accel = get_accelerator()
     on_gpu = accel.device_name() == "cuda"
-    dtype = resolve_dtype(cfg.model.dtype, accel.device_name(), accel.is_bf16_supported())
-    lr = scaled_lr(cfg.optim.lr, layout.batch.global_batch_size, cfg.optim.reference_batch_size,
-                   cfg.optim.lr_scaling)
-    ds_config = render_ds_config(inputs.template, cfg, layout.batch, dtype=dtype, lr=lr, total_steps=total_steps,
-                                 hidden_size=source.hf_config.hidden_size, on_gpu=on_gpu,
-                                 experts=expert_section(cfg, source.hf_config), source=inputs.ds_config_path)
+    checked = check_config(cfg, inputs.template, spec, env.world_size, source.hf_config, inputs.ds_config_path,
+                           accel.device_name(), accel.is_bf16_supported(), env.local_world_size)
     if on_gpu:  # an op DeepSpeed would JIT-build: what its build needs is here, or one line says what is not
-        check_op_build(ds_config)
+        check_op_build(checked.ds_config)
     locate_checkpoint(cfg.checkpoint.resume, paths.checkpoints)
-    return _Checked(paths, layout, ds_config, dtype, lr, on_gpu)
+    return _Checked(paths, checked.layout, checked.ds_config, checked.dtype, checked.lr, on_gpu)
 
 
 @dataclass(frozen=True)

@@ -36,7 +36,7 @@ from ds_train.ript.tasks import load_object
 from ds_train.ript.update import token_logp, update
 from ds_train.ript.vllm_engine import VllmRollouts, check_rollout_engine
 from ds_train.run import Run, RunSpec
-from ds_train.start import build_run
+from ds_train.start import build_run, rank_config_check
 from ds_train.train.reference import ReferenceSpec, build_reference, report_reference
 
 
@@ -44,7 +44,32 @@ def ript_spec(cfg: RunConfig) -> RunSpec:
     r = cfg.ript
     return RunSpec(RIPT, last=r.iterations, same_world=True,
                    steps=lambda plan: r.iterations * r.ppo_epochs *
-                   rollout_update_steps(r.contexts_per_rank, r.rloo_batch_size, plan))
+                   rollout_update_steps(r.contexts_per_rank, r.rloo_batch_size, plan),
+                   check_model=check_ript_config)
+
+
+def check_ript_config(cfg: RunConfig, hf_config=None, world_size: int = 1, local_world_size: int = 1,
+                      device: str | None = None) -> None:
+    """ript's own checks of its config (RunSpec.check_model: each rank's check_config, and the launch
+    preflight's): `hf_config` None: those that need no model, before it is read."""
+    r = cfg.ript
+    if not cfg.model.path:
+        raise UserError("model.path: RIPT starts from a trained policy: a Hugging Face directory or a "
+                        "ds_train run directory (recipes/ript_sft.yaml makes one)")
+    if cfg.parallel.sequence > 1:
+        raise UserError(f"parallel.sequence={cfg.parallel.sequence}: RIPT's rollouts generate token by token, "
+                        f"which Ulysses sequence parallelism cannot split; set parallel.sequence=1 for ript")
+    if cfg.parallel.tensor > 1 and r.kl_coef > 0:
+        raise UserError(f"ript.kl_coef={r.kl_coef:g} with parallel.tensor={cfg.parallel.tensor}: ds_train builds "
+                        f"the reference policy without AutoTP's split; use ZeRO-3 (parallel.tensor=1) to "
+                        f"partition both models, or ript.kl_coef=0")
+    check_task_entries(cfg)
+    if hf_config is None:
+        return
+    check_rollout_engine(cfg, hf_config, world_size, local_world_size, device)
+    if getattr(hf_config, "output_router_logits", False) is True:
+        raise UserError("model.config.output_router_logits=true: RIPT's policy loss does not add the router's "
+                        "auxiliary loss yet; set it to false for ript")
 
 
 @dataclass(frozen=True)
@@ -59,26 +84,12 @@ class RiptInputs:
     engine: str  # what generates the rollouts: "the policy's generate", or the vLLM package and version
 
     @classmethod
-    def check(cls, cfg: RunConfig, ds_config_path: str, world_size: int, local_world_size: int = 1) -> "RiptInputs":
-        r = cfg.ript
-        if not cfg.model.path:
-            raise UserError("model.path: RIPT starts from a trained policy: a Hugging Face directory or a "
-                            "ds_train run directory (recipes/ript_sft.yaml makes one)")
-        if cfg.parallel.sequence > 1:
-            raise UserError(f"parallel.sequence={cfg.parallel.sequence}: RIPT's rollouts generate token by token, "
-                            f"which Ulysses sequence parallelism cannot split; set parallel.sequence=1 for ript")
-        if cfg.parallel.tensor > 1 and r.kl_coef > 0:
-            raise UserError(f"ript.kl_coef={r.kl_coef:g} with parallel.tensor={cfg.parallel.tensor}: ds_train builds "
-                            f"the reference policy without AutoTP's split; use ZeRO-3 (parallel.tensor=1) to "
-                            f"partition both models, or ript.kl_coef=0")
-        check_task_entries(cfg)  # fail fast: before the model is read
-        run = check_inputs(cfg, ds_config_path, data=False)
-        engine = check_rollout_engine(cfg, run.source.hf_config, world_size, local_world_size)
-        if getattr(run.source.hf_config, "output_router_logits", False) is True:
-            raise UserError("model.config.output_router_logits=true: RIPT's policy loss does not add the router's "
-                            "auxiliary loss yet; set it to false for ript")
+    def check(cls, cfg: RunConfig, ds_config_path: str, env, spec: RunSpec) -> "RiptInputs":
+        check_ript_config(cfg)  # fail fast: before the model is read
+        run = check_inputs(cfg, ds_config_path, rank_config_check(cfg, spec, env, ds_config_path), data=False)
+        engine = check_rollout_engine(cfg, run.source.hf_config, env.world_size, env.local_world_size)
         tasks = load_tasks(cfg, run.source.tokenizer, run.source.hf_config)
-        data_parallel = plan_dims(cfg.parallel, world_size).data
+        data_parallel = plan_dims(cfg.parallel, env.world_size).data
         tasks = {part.name: part for task in tasks.values() for part in split_for_ranks(task, data_parallel)}
         shards = shard_tasks(cls.costs(cfg, tasks), data_parallel, r.sharding, r.allow_idle_ranks)
         scripted = load_scripted(r.policy) if r.policy else None
@@ -170,10 +181,10 @@ def ript(cfg: RunConfig, ds_config_path: str) -> dict:
     import torch
 
     clock = StartupClock.begin()
-    env = topology.detect_env()
-    inputs = RiptInputs.check(cfg, ds_config_path, env.world_size, env.local_world_size)
+    env, spec = topology.detect_env(), ript_spec(cfg)
+    inputs = RiptInputs.check(cfg, ds_config_path, env, spec)
     clock.mark("inputs")
-    with build_run(inputs.run, env, ript_spec(cfg), clock=clock) as run:
+    with build_run(inputs.run, env, spec, clock=clock) as run:
         # each data-parallel rank samples its own rollouts; the ranks of a tensor group the same ones
         torch.manual_seed(cfg.seed * 1000 + run.data_rank)
         r = cfg.ript

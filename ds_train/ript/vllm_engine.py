@@ -94,9 +94,12 @@ def check_vllm(hf_config, on_cpu: bool, engines: int = 1) -> str:
     return f"{name} {version}"
 
 
-def check_rollout_engine(cfg, hf_config, world_size: int = 1, local_world_size: int = 1) -> str:
+def check_rollout_engine(cfg, hf_config, world_size: int = 1, local_world_size: int = 1,
+                         device: str | None = "here") -> str:
     """What generates a run's rollouts, checked before anything is written: "the policy's generate", or
-    the vLLM package and version (check_vllm); one line for a layout the vLLM path cannot serve."""
+    the vLLM package and version (check_vllm); one line for a layout the vLLM path cannot serve.
+    `device`: "cuda" or "cpu", "here" (this process's), or None (not known: the launch host before its probe;
+    what vLLM's CPU build cannot serve is not checked)."""
     r = cfg.ript
     if r.rollout_engine != "vllm":
         return "the policy's generate"
@@ -109,9 +112,11 @@ def check_rollout_engine(cfg, hf_config, world_size: int = 1, local_world_size: 
         raise UserError(f"ript.vllm_tensor_parallel_size={tp}: each vLLM engine spans {tp} ranks of one node, and "
                         f"this job has {world_size} ranks, {local_world_size} a node; set it to a divisor of "
                         f"{local_world_size}")
-    import torch
+    if device == "here":
+        import torch
 
-    found = check_vllm(hf_config, on_cpu=not torch.cuda.is_available(), engines=world_size // tp)
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    found = check_vllm(hf_config, on_cpu=device == "cpu", engines=world_size // tp)
     return found + (f", tensor parallel {tp}" if tp > 1 else "")
 
 

@@ -27,7 +27,7 @@ from ds_train.inputs import check_inputs
 from ds_train.observe.metrics import Interval
 from ds_train.observe.startup import StartupClock
 from ds_train.run import Run, RunSpec
-from ds_train.start import build_run
+from ds_train.start import build_run, rank_config_check
 from ds_train.train.losses import forward_losses
 from ds_train.train.meters import ComputeClock, Evaluator, StepMeter
 from ds_train.train.preference import preference_step
@@ -40,9 +40,10 @@ def train_spec(cfg: RunConfig, keep_group: bool = False) -> RunSpec:
 
 def train(cfg: RunConfig, ds_config_path: str) -> dict:
     clock = StartupClock.begin()
-    inputs = check_inputs(cfg, ds_config_path)
+    env, spec = topology.detect_env(), train_spec(cfg)
+    inputs = check_inputs(cfg, ds_config_path, rank_config_check(cfg, spec, env, ds_config_path))
     clock.mark("inputs")
-    with build_run(inputs, topology.detect_env(), train_spec(cfg), clock=clock) as run:
+    with build_run(inputs, env, spec, clock=clock) as run:
         return run_training(run, inputs.data)
 
 
