@@ -242,22 +242,29 @@ def op_to_build(ds_config: dict) -> str | None:
 
 
 def op_build_problem(op: str, *, cuda_home: str | None, nvcc_cuda: str | None, torch_cuda: str | None,
-                     ninja: bool, cxx: bool, arch_list: str | None) -> str | None:
+                     ninja: bool, cxx: bool, arch_list: str | None, cached: bool = False) -> str | None:
     """What keeps DeepSpeed from building `op` on this host, in one line with the fix; None if nothing.
     Every op needs ninja and a C++ compiler; a CUDA op (fused_*) also nvcc of torch's CUDA major
     version and an arch list DeepSpeed parses. The CPU ones (offload) are plain C++ on a CUDA host
-    too (DeepSpeed's CUDA accelerator takes them from op_builder/cpu)."""
+    too (DeepSpeed's CUDA accelerator takes them from op_builder/cpu).
+
+    `cached`: the op was JIT-built before in this torch-extensions directory. Loading it still goes
+    through torch's cpp_extension.load, which in a new process always writes build.ninja again and
+    runs ninja (which then finds nothing to do): DeepSpeed's jit_load and torch's loader ask for ninja;
+    for a CUDA op torch's _prepare_ldflags joins CUDA_HOME (OSError "CUDA_HOME environment variable is
+    not set" without it) and both DeepSpeed's compute_capability_args and torch's _get_cuda_arch_flags
+    parse the arch list. Neither runs nvcc nor the compiler then (torch only warns about a missing one)."""
     lacks = []
     if not ninja:
         lacks.append("ninja (pip install ninja)")
-    if not cxx:
+    if not cxx and not cached:
         lacks.append("a C++ compiler (c++, or $CXX)")
     if op.startswith("fused"):
         if cuda_home is None:
             lacks.append("the CUDA toolkit (no nvcc on PATH, CUDA_HOME unset)")
-        elif nvcc_cuda is None:
+        elif not cached and nvcc_cuda is None:
             lacks.append(f"nvcc under CUDA_HOME={cuda_home}")
-        elif torch_cuda and nvcc_cuda.split(".")[0] != torch_cuda.split(".")[0]:
+        elif not cached and torch_cuda and nvcc_cuda.split(".")[0] != torch_cuda.split(".")[0]:
             lacks.append(f"nvcc of torch's CUDA {torch_cuda} (CUDA_HOME={cuda_home} has {nvcc_cuda})")
         bad = [e for e in (arch_list or "").replace(" ", ";").split(";")
                if e.strip() and not ARCH_ENTRY.match(e.strip())]
@@ -265,7 +272,9 @@ def op_build_problem(op: str, *, cuda_home: str | None, nvcc_cuda: str | None, t
             lacks.append(f"TORCH_CUDA_ARCH_LIST entries as major.minor, like 9.0 (not {bad[0]!r})")
     if not lacks:
         return None
-    return (f"the ds_config's optimizer needs DeepSpeed's {op} op, compiled on first use, and this host lacks "
+    how = ("built before in the torch-extensions directory, and loading it there still needs what torch's loader "
+           "asks for; this host lacks" if cached else "compiled on first use, and this host lacks")
+    return (f"the ds_config's optimizer needs DeepSpeed's {op} op, {how} "
             f"{'; '.join(lacks)}: install it, or let torch's AdamW run (optimizer.params.torch_adam \"auto\", "
             f"as ds_configs/zero*.json have it)")
 
@@ -293,8 +302,9 @@ def _nvcc_cuda(home: str) -> str | None:
 
 
 def check_op_build(ds_config: dict) -> None:
-    """Before deepspeed.initialize on a CUDA host: a DeepSpeed op the optimizer needs, not prebuilt
-    nor in the JIT cache, must be buildable here; otherwise one line (UserError) says what is missing."""
+    """Before deepspeed.initialize on a CUDA host: a DeepSpeed op the optimizer needs, not prebuilt,
+    must be buildable here, or (in the JIT cache) loadable; otherwise one line (UserError) says what
+    is missing."""
     op = op_to_build(ds_config)
     if op is None:
         return
@@ -302,14 +312,15 @@ def check_op_build(ds_config: dict) -> None:
     from deepspeed.git_version_info import installed_ops
     from torch.utils import cpp_extension
 
-    if installed_ops.get(op) or _jit_built(op):
+    if installed_ops.get(op):  # prebuilt into the wheel: imported, no JIT load
         return
+    cached = _jit_built(op)
     home = cpp_extension.CUDA_HOME
-    nvcc_cuda = _nvcc_cuda(home) if home and op.startswith("fused") else None
+    nvcc_cuda = _nvcc_cuda(home) if home and op.startswith("fused") and not cached else None
     problem = op_build_problem(op, cuda_home=home, nvcc_cuda=nvcc_cuda, torch_cuda=torch.version.cuda,
                                ninja=cpp_extension.is_ninja_available(),
                                cxx=shutil.which(os.environ.get("CXX", "c++")) is not None,
-                               arch_list=os.environ.get("TORCH_CUDA_ARCH_LIST"))
+                               arch_list=os.environ.get("TORCH_CUDA_ARCH_LIST"), cached=cached)
     if problem:
         raise UserError(problem)
 

@@ -338,6 +338,34 @@ def test_the_op_an_optimizer_needs_and_what_keeps_it_from_being_built_are_one_li
     check_op_build(render(read_ds_template(TEMPLATES[0]), on_gpu=True))  # torch's AdamW: nothing to build
 
 
+def test_an_op_in_the_jit_cache_still_needs_what_torchs_loader_asks_for(tmp_path, monkeypatch):
+    """torch's cpp_extension.load writes build.ninja again in every new process: ninja, CUDA_HOME
+    (joined into the link flags) and a parseable arch list are needed for a cached CUDA op too, nvcc
+    and the compiler are not. The cache faked here (TORCH_EXTENSIONS_DIR holding fused_adam.so); this
+    host's torch finds no CUDA_HOME, as a GPU host without a toolkit: one line, not a traceback."""
+    from ds_train.engine import check_op_build, op_build_problem
+
+    ok = dict(cuda_home="/usr/local/cuda", nvcc_cuda=None, torch_cuda="13.0", ninja=False, cxx=False,
+              arch_list="9.0", cached=True)
+    line = op_build_problem("fused_adam", **ok)
+    assert "built before in the torch-extensions directory" in line and line.endswith(
+        'lacks ninja (pip install ninja): install it, or let torch\'s AdamW run (optimizer.params.torch_adam '
+        '"auto", as ds_configs/zero*.json have it)')  # no nvcc, no compiler: not asked for
+    assert op_build_problem("fused_adam", **{**ok, "ninja": True}) is None
+    assert "12.4" not in (op_build_problem("fused_adam", **{**ok, "ninja": True, "nvcc_cuda": "12.4"}) or "")
+    for change, said in [({"cuda_home": None}, "the CUDA toolkit (no nvcc on PATH, CUDA_HOME unset)"),
+                         ({"arch_list": "sm_90"}, "TORCH_CUDA_ARCH_LIST entries as major.minor")]:
+        assert said in op_build_problem("fused_adam", **{**ok, "ninja": True, **change})
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    (tmp_path / "fused_adam").mkdir()
+    (tmp_path / "fused_adam" / "fused_adam.so").write_bytes(b"")
+    fused = render({**read_ds_template(TEMPLATES[0]), "optimizer": {"type": "AdamW", "params": {"torch_adam": False}}},
+                   on_gpu=True)
+    with pytest.raises(UserError, match=r"fused_adam op, built before in the torch-extensions directory, .* "
+                                        r"lacks the CUDA toolkit \(no nvcc on PATH, CUDA_HOME unset\)"):
+        check_op_build(fused)
+
+
 UNDO_PROBE = """
 import json, os, sys, torch, deepspeed
 from ds_train import dist, topology
