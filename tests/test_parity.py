@@ -87,6 +87,39 @@ def test_low_precision_tolerances_follow_the_measured_noise_floor_step_by_step()
                                                      {1: 1e-4, 2: 1e-4, 3: 1e-4})
 
 
+def test_a_noise_floor_past_what_rounding_explains_widens_no_tolerance(tmp_path):
+    """A broken bf16 reference (its layout in bf16 off the fp32 reference by 5%: a skipped update, a
+    fault in the bf16 path) would make 4x its floor, 20%, every layout's tolerance: the floor is bounded
+    by bf16's epsilon (FLOOR_BOUNDS), said by floor_problem (parity stops on it), and a layout off by as
+    much as the broken run still fails."""
+    from ds_train.parity.tolerance import FLOOR_BOUNDS, floor_problem
+
+    ref = series([2.0, 1.5, 1.2], [1.0, 0.8, 0.6], 1.1)
+    broken = series([2.0 * 1.03, 1.5 * 1.05, 1.2 * 1.03], [1.0 * 1.2, 0.8 * 1.1, 0.6 * 1.1], 1.1 * 1.03)
+    floor = noise_floor(broken, ref)
+    assert FLOOR_BOUNDS["bf16"] == (2 ** -7, 2 ** -5) and FLOOR_BOUNDS["fp16"] == (2 ** -10, 2 ** -8)
+    assert floor_problem("bf16", floor) == ("loss 5.0e-02 at step 2 (bound 7.8e-03); gradient norm 2.0e-01 at "
+                                            "step 1 (bound 3.1e-02)")
+    loss_tol, grad_tol = tolerances("bf16", floor, None, None)
+    assert loss_tol[1] == FLOOR_FACTOR * 2 ** -7 and grad_tol[3] == FLOOR_FACTOR * 2 ** -5
+    lines, ok = compare(broken, ref, loss_tol, grad_tol)  # as far off as the broken floor run: fails
+    assert not ok and "loss difference 5.0e-02 at step 2 (> 0.031)" in lines[-1], lines[-1]
+    from ds_train.errors import UserError
+    from ds_train.parity import FLOOR, _measured_floor
+
+    (tmp_path / FLOOR).mkdir()  # the floor run as parity reads it: its env.json and metrics.jsonl
+    (tmp_path / FLOOR / "env.json").write_text(json.dumps({"dtype": "bf16"}))
+    records = [{"step": s, "train/loss": l, "optim/grad_norm": g} for s, (l, g) in broken["steps"].items()]
+    records[-1]["eval/loss"] = broken["eval"]
+    (tmp_path / FLOOR / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    with pytest.raises(UserError, match=r"^parity: the bf16 noise-floor run .* by more than bf16 rounding explains: "
+                                        r"loss 5.0e-02 at step 2 \(bound 7.8e-03\); gradient norm 2.0e-01"):
+        _measured_floor(tmp_path, ref)
+    measured = noise_floor(series([2.0 * (1 + 1e-4), 1.5, 1.2], [1.0 * (1 + 2e-3), 0.8, 0.6], 1.1 * (1 + 2e-4)), ref)
+    assert floor_problem("bf16", measured) is None  # what this CPU measures: within the bound
+    assert floor_problem("fp16", measured) is None
+
+
 def test_shrink_keeps_the_model_type_and_its_shape_ratios():
     from transformers import AutoConfig
 

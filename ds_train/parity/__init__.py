@@ -42,7 +42,7 @@ from ds_train.errors import UserError
 from ds_train.fs import write_atomic
 from ds_train.inputs import check_inputs, model_config, model_dirs
 from ds_train.parity.shrunk import shrink
-from ds_train.parity.tolerance import FLOOR_FACTOR, compare, noise_floor, series, tolerances
+from ds_train.parity.tolerance import FLOOR_FACTOR, compare, floor_problem, noise_floor, series, tolerances
 from ds_train.plan.parallel import choices, plan_dims
 from ds_train.train.loop import train_spec
 
@@ -329,6 +329,13 @@ def _measured_floor(out: Path, reference: dict) -> tuple[float, float] | None:
         raise UserError(f"parity: the {dtype} noise-floor run (the reference's layout in {dtype}) has no finite "
                         f"loss or gradient norm at some step, so no {dtype} tolerance can be derived; its metrics "
                         f"are in {out / FLOOR}")
+    past = floor_problem(dtype, floor)
+    if past:
+        raise UserError(f"parity: the {dtype} noise-floor run (the reference's layout in {dtype}) differs from the "
+                        f"fp32 reference by more than {dtype} rounding explains: {past} (ds_train/parity/"
+                        f"tolerance.py FLOOR_BOUNDS): that precision's path computes something else, so no {dtype} "
+                        f"tolerance can be derived; its metrics are in {out / FLOOR} (model.dtype=fp32 compares "
+                        f"the layouts without it)")
     loss_tol, grad_tol = tolerances(dtype, floor, None, None)
     first = next(iter(floor[1]))
     print(f"\nnoise floor: the reference's layout in {dtype} differs from it in fp32 by up to {floor[0]['eval']:.1e} "

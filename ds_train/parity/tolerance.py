@@ -1,6 +1,7 @@
 """How `ds-train parity` judges a layout against the reference: relative differences (`rel`), a run's
 per-step loss and gradient norm from its metrics (`series`), the tolerances (fp32's fixed ones, or
-FLOOR_FACTOR x the noise floor measured in a low precision) and the table with its verdict (`compare`).
+FLOOR_FACTOR x the noise floor measured in a low precision, the floor bounded by what rounding explains)
+and the table with its verdict (`compare`).
 """
 
 from __future__ import annotations
@@ -18,6 +19,17 @@ FP32_TOLERANCES = (1e-5, 1e-4)
 # a layout may differ by FLOOR_FACTOR times it. (Measured on CPU, 8 steps, ZeRO 0-3 x 1-2 ranks x
 # accumulation 1 and 4, Ulysses 2, AutoTP 2: every layout within 2.5x of the floor.)
 FLOOR_FACTOR = 4
+# An upper bound on the noise floor, relative, per dtype: (loss, gradient norm). A dtype's epsilon (2^-7 for
+# bf16's 8-bit significand, 2^-10 for fp16's 11) is the gap between 1 and the next number it holds; one
+# rounding moves a value by at most half of it. The loss is a mean over a step's tokens and the gradient
+# norm a sum over every parameter, whose roundings have both signs and largely cancel: rounding alone
+# leaves the loss far closer than one epsilon to fp32's (measured on this CPU over 5 steps: 2.1e-4, 0.03
+# of bf16's epsilon; compiled against eager on an H200 over 10 steps: 1.9e-3, 0.24). The gradient norm
+# carries the backward's roundings on top of the forward's and is dominated by its largest entries (less
+# cancelling): measured 10x the loss's floor (2.1e-3, 0.27 epsilon), so it is given 4 epsilons. A floor
+# past these is no rounding: the low-precision run computes something else (an update fp16's loss scale
+# skipped on an overflow, a fault in that precision's path), and 4x it would let any layout pass.
+FLOOR_BOUNDS = {"bf16": (2.0 ** -7, 4 * 2.0 ** -7), "fp16": (2.0 ** -10, 4 * 2.0 ** -10)}
 # A mixture-of-experts model's routing (tokens per expert per layer, summed over ranks) against the
 # reference's: the share of routing choices that may differ (a near tie in a router's scores can break
 # the other way under another summation order; a wrong reduction moves a third or more).
@@ -37,14 +49,28 @@ def noise_floor(floor: dict, reference: dict) -> tuple[dict, dict]:
     return loss, grad
 
 
+def floor_problem(dtype: str, floor: tuple[dict, dict]) -> str | None:
+    """Where the noise floor of `dtype` is past what rounding explains (FLOOR_BOUNDS), in words; None
+    when it is within them."""
+    past = []
+    for what, series, bound in zip(("loss", "gradient norm"), floor, FLOOR_BOUNDS.get(dtype, (math.inf,) * 2)):
+        worst = max(series, key=lambda k: series[k], default=None)
+        if worst is not None and series[worst] > bound:
+            where = "on the held-out loss" if worst == "eval" else f"at step {worst}"
+            past.append(f"{what} {series[worst]:.1e} {where} (bound {bound:.1e})")
+    return "; ".join(past) or None
+
+
 def tolerances(dtype: str, floor: tuple[dict, dict] | None, loss_tol: float | None,
                grad_tol: float | None) -> tuple[float | dict, float | dict]:
     """(loss, gradient norm) tolerances of a layout in `dtype`: fp32's fixed ones, else per step
-    FLOOR_FACTOR x the measured noise floor (never below fp32's); --loss-tol / --grad-tol replace either."""
+    FLOOR_FACTOR x the measured noise floor (never below fp32's, never above FLOOR_FACTOR x the
+    dtype's FLOOR_BOUNDS: a broken low-precision run widens nothing); --loss-tol / --grad-tol replace either."""
     tol: tuple[float | dict, float | dict] = FP32_TOLERANCES
     if dtype != "fp32" and floor is not None:
-        tol = tuple({k: max(FLOOR_FACTOR * v, fixed) for k, v in series.items()}
-                    for series, fixed in zip(floor, FP32_TOLERANCES))
+        bounds = FLOOR_BOUNDS.get(dtype, (math.inf, math.inf))
+        tol = tuple({k: max(FLOOR_FACTOR * min(v, bound), fixed) for k, v in series.items()}
+                    for series, fixed, bound in zip(floor, FP32_TOLERANCES, bounds))
     return tol[0] if loss_tol is None else loss_tol, tol[1] if grad_tol is None else grad_tol
 
 
