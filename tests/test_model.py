@@ -103,6 +103,54 @@ def test_allow_new_weights_initialises_and_lists_the_missing_tensor(tmp_path):
     assert torch.isfinite(loaded["model.norm.weight"]).all()  # initialised, not left empty
 
 
+NEW_HEAD_PROBE = """
+import json, sys, torch, deepspeed
+from ds_train import dist, topology
+from ds_train.config.model import ModelConfig
+from ds_train.model.build import build_model
+from ds_train.model.hfconfig import build_hf_config
+dist.init(topology.detect_env())
+cfg = ModelConfig(path=sys.argv[1], dtype="fp32", attn_implementation="eager", allow_new_weights=True)
+out = {}
+for stage, other_draws in ((0, 0), (3, 7)):  # ZeRO-3 after other draws: another generator state, as a GPU's
+    torch.manual_seed(other_draws)
+    built = build_model(cfg, build_hf_config(cfg, 300, 64), {"zero_optimization": {"stage": stage},
+                        "train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1}, seed=5)
+    params = dict(built.model.named_parameters())
+    with deepspeed.zero.GatheredParameters([params["lm_head.weight"], params["model.norm.weight"]]):
+        out[stage] = {"new": built.new_weights, "head": params["lm_head.weight"].detach().clone().tolist(),
+                      "norm": params["model.norm.weight"].detach().clone().tolist(),
+                      "partitioned": hasattr(params["lm_head.weight"], "ds_id")}
+print(json.dumps(out))
+"""
+
+
+def test_a_new_head_under_zero3_starts_equal_to_zero0s(tmp_path):
+    """model.allow_new_weights: transformers draws a missing head on the device its parameters live on
+    (under ZeRO-3 a GPU's generator), from whatever state that generator is in. ds_train draws it again
+    from the CPU generator seeded by the run's seed and the module's name (seeded_init): ZeRO-3's new
+    head equals ZeRO-0's whatever was drawn before; the loaded weights of the model stay as saved. One
+    process, gloo, the real zero.Init."""
+    import os
+    import subprocess
+    import sys
+
+    from conftest import free_port
+
+    saved = save_tiny(tmp_path)
+    edit_weights(tmp_path, lambda t: t.pop("lm_head.weight"))
+    env = {**os.environ, "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1",
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "PYTHONPATH": str(ROOT)}
+    res = subprocess.run([sys.executable, "-c", NEW_HEAD_PROBE, str(tmp_path)], capture_output=True, text=True,
+                         env=env, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    got = json.loads(res.stdout.strip().splitlines()[-1])
+    zero0, zero3 = got["0"], got["3"]
+    assert zero0["new"] == zero3["new"] == ["lm_head.weight"] and zero3["partitioned"] and not zero0["partitioned"]
+    assert zero3["head"] == zero0["head"]
+    assert zero0["norm"] == zero3["norm"] == saved["model.norm.weight"].tolist()  # loaded: as saved
+
+
 def test_an_unexpected_tensor_is_an_error_naming_it_even_with_allow_new_weights(tmp_path):
     save_tiny(tmp_path)
     edit_weights(tmp_path, lambda t: t.update({"model.extra_head.weight": torch.zeros(3, 64)}))

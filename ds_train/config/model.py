@@ -64,7 +64,8 @@ class ModelConfig(Section):
                                     "them and says so in one line.")
     attn_implementation: str = _f("sdpa", "Hugging Face attention implementation (sdpa, eager, ...).")
     allow_new_weights: bool = _f(False, "Allow tensors missing from model.path's weights (a new head); "
-                                        "they are initialised and listed.")
+                                        "they are initialised from the seed on the CPU generator, as a model "
+                                        "from scratch is (equal under every ZeRO stage), and listed.")
     lora: LoraConfig = field(default_factory=LoraConfig)
 
     def check(self) -> list[str]:

@@ -58,8 +58,10 @@ def seed_all(seed: int) -> None:
     torch.manual_seed(seed)  # the CPU generator and every CUDA device's
 
 
-def seeded_init(model, seed: int, zero3: bool) -> list[str]:
-    """Re-initialise each module with the model's own `_init_weights`, seeded by the module's name.
+def seeded_init(model, seed: int, zero3: bool, only: frozenset[str] | None = None) -> list[str]:
+    """Re-initialise each module with the model's own `_init_weights`, seeded by the module's name
+    (`only`: just these parameters, by dotted name, e.g. the new head of model.allow_new_weights; every
+    other parameter of their modules keeps its loaded value).
 
     The weights then depend on the seed alone, not on how construction consumed the RNG, so ZeRO-3
     (built inside zero.Init) starts from the same weights as ZeRO 0-2 and any world size. Every
@@ -79,19 +81,22 @@ def seeded_init(model, seed: int, zero3: bool) -> list[str]:
     with torch.random.fork_rng(devices=[]), torch.no_grad():
         for name, module in model.named_modules():
             params = list(module.parameters(recurse=False))
-            if not params:
+            if not params or only is not None and not any(_dotted(name, k) in only for k in module._parameters):
                 continue
             gather = deepspeed.zero.GatheredParameters(params, modifier_rank=0) if zero3 else nullcontext()
             with gather:
                 held = dict(module._parameters)
                 for key, p in held.items():  # an fp32 CPU stand-in (NaN until drawn) for each other parameter
-                    if p is not None and (p.device.type != "cpu" or p.dtype != torch.float32):
+                    if p is not None and (p.device.type != "cpu" or p.dtype != torch.float32 or only is not None):
                         module._parameters[key] = torch.nn.Parameter(
                             torch.full(p.shape, float("nan"), dtype=torch.float32), requires_grad=p.requires_grad)
                 torch.default_generator.manual_seed(seed + zlib.crc32(name.encode()))  # the CPU one alone
                 model._init_weights(module)
                 for key, p in held.items():
                     drawn = module._parameters[key]
+                    if only is not None and _dotted(name, key) not in only:  # loaded: kept as it is
+                        module._parameters[key] = p
+                        continue
                     if drawn is p:  # drawn in place (fp32 on the CPU)
                         if p is not None and p.is_floating_point() and _has_nan(p):
                             unset.append(_dotted(name, key))
@@ -104,7 +109,7 @@ def seeded_init(model, seed: int, zero3: bool) -> list[str]:
                     p.data.copy_(drawn.data)
                     module._parameters[key] = p
         unset += [name for name, b in model.named_buffers()
-                  if b.is_floating_point() and b.device.type != "meta" and _has_nan(b)]
+                  if only is None and b.is_floating_point() and b.device.type != "meta" and _has_nan(b)]
     return unset
 
 
@@ -203,6 +208,8 @@ def build_model(model_cfg: ModelConfig, hf_config, ds_config: dict, seed: int = 
         # unexpected and mismatched come back empty, and a shape mismatch raises on rank 0 alone.
         new_weights = check_loading_info(model_cfg.path, getattr(hf_config, "model_type", ""), info,
                                          model_cfg.allow_new_weights)
+        if new_weights:  # transformers drew them from the generator of the device they live on (ZeRO-3: the GPU)
+            seeded_init(model, seed, zero3, only=frozenset(new_weights))
     else:
         model, constructed = from_scratch(hf_config, seed, zero3, **kwargs)
     if model_cfg.activation_checkpointing:
