@@ -15,9 +15,13 @@ def cmd_train(args) -> int:
 
     Train. Overrides are dotted keys: train.max_steps=20 optim.lr=3e-4. --help-config lists every key."""
     from ds_train.config.file import load_config
-    from ds_train.train.loop import train
+    from ds_train.launch.packages import check_imports, run_modules
 
     cfg = load_config(args.config, args.overrides, command="train")
+    check_imports(run_modules(cfg))  # before the loop's imports: a package that fails to import is one line
+
+    from ds_train.train.loop import train
+
     train(cfg, args.ds_config)
     return 0
 
@@ -28,9 +32,13 @@ def cmd_ript(args) -> int:
     Post-train a policy (model.path: a Hugging Face directory or a ds_train run directory) on the tasks
     of the ript section. Overrides as for train; --help-config lists every key."""
     from ds_train.config.file import load_config
-    from ds_train.ript.trainer import ript
+    from ds_train.launch.packages import check_imports, run_modules
 
     cfg = load_config(args.config, args.overrides, command="ript")
+    check_imports(run_modules(cfg))  # before the loop's imports: a package that fails to import is one line
+
+    from ds_train.ript.trainer import ript
+
     ript(cfg, args.ds_config)
     return 0
 

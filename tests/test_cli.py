@@ -105,6 +105,9 @@ def test_a_parallel_layout_that_does_not_fit_is_one_line_naming_the_numbers_and_
     hostfile.write_text("127.0.0.2 slots=3\n")
     expect_error(capsys, run_dir, ["launch", "--hostfile", str(hostfile), "--check", "--", "train", "--config",
                                    str(cfg), "--ds-config", ZERO0, "parallel.sequence=3"],
+                 "train.seq_len=64 is not divisible by parallel.sequence=3")  # what each rank says first
+    expect_error(capsys, run_dir, ["launch", "--hostfile", str(hostfile), "--check", "--", "train", "--config",
+                                   str(cfg), "--ds-config", ZERO0, "parallel.sequence=3", "train.seq_len=66"],
                  "parallel.sequence=3 does not divide the model's 4 attention heads; choose 1, 2 or 4")
     expect_error(capsys, run_dir, ["estimate", "--config", str(cfg), "--ds-config", str(ROOT / "ds_configs" / "zero3.json"),
                                    "--nodes", "1", "--gpus-per-node", "4", "parallel.tensor=2"],
