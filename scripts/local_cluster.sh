@@ -8,7 +8,8 @@
 # One sshd listens on the loopback addresses 127.0.0.2 and 127.0.0.3 (port $DS_TRAIN_CLUSTER_PORT,
 # default 2222) with a throwaway host key and user key; its ssh client config lives in the state
 # directory ($DS_TRAIN_CLUSTER_DIR, default /tmp/ds_train_cluster) and reaches pdsh and the
-# preflight through PDSH_SSH_ARGS_APPEND="-F <config>". Nothing in ~/.ssh or /etc/ssh is touched.
+# preflight through PDSH_SSH_ARGS_APPEND="-F <config>"; DS_TRAIN_ONE_MACHINE tells the preflight that
+# both names are this one machine on purpose. Nothing in ~/.ssh or /etc/ssh is touched.
 # Both commands are idempotent. Needs /usr/sbin/sshd and pdsh (scripts/test.sh installs them).
 #
 # Node-local disks: with DS_TRAIN_CLUSTER_NODE_LOCAL=<dir> (root only), each node gets its own sshd
@@ -44,6 +45,8 @@ print_env() {
   # stdout is meant for eval; everything else goes to stderr.
   printf "export PDSH_RCMD_TYPE=ssh PDSH_SSH_ARGS_APPEND='-F %s/ssh_config'\n" "$state"
   printf "export DS_TRAIN_CLUSTER_HOSTFILE='%s/hostfile'\n" "$state"
+  # Both "nodes" are this machine, on purpose: the preflight refuses two names of one machine unless told.
+  printf "export DS_TRAIN_ONE_MACHINE='%s'\n" "$(IFS=,; echo "${nodes[*]}")"
 }
 
 up() {

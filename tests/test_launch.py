@@ -12,6 +12,7 @@ import os
 import platform
 import re
 import shlex
+import socket
 import stat
 import subprocess
 import sys
@@ -27,8 +28,9 @@ from ds_train.errors import UserError
 from ds_train.launch import envfile
 from ds_train.launch.hostfile import Host, is_valid_host, parse_hostfile, read_hostfile, select_hosts
 from ds_train.launch.packages import OPTIONAL, local_versions, run_packages
-from ds_train.launch.preflight import (HostProbe, SshOptions, check_gpus, check_probes, check_shell_safe,
-                                       compare_versions, pick_master, run_preflight)
+from ds_train.launch.preflight import (HostProbe, SshOptions, check_gpus, check_identity, check_probes,
+                                       check_shell_safe, compare_versions, one_machine_hosts, pick_master,
+                                       run_preflight)
 from ds_train.launch.probe import PROBE
 from ds_train.launch.slurm import SlurmJob, render_sbatch
 
@@ -80,6 +82,14 @@ def test_bad_lines_are_rejected_with_their_line_number(line, needle):
 def test_duplicates_name_both_lines():
     with pytest.raises(UserError, match=r"^h:4: duplicate host 'node0' \(first on line 1\); list each host once"):
         parse_hostfile("node0 slots=1\nnode1 slots=1\n\nnode0 slots=2\n", "h")
+    # DNS names are case-insensitive and may end in '.'; an address is one address however written
+    for first, again in (("gpu-A.lab", "GPU-a.LAB."), ("fe80::1", "fe80:0:0::1"), ("Node_1", "node_1")):
+        with pytest.raises(UserError) as e:
+            parse_hostfile(f"{first} slots=1\nother slots=1\n{again} slots=2\n", "h")
+        assert str(e.value) == (f"h:3: duplicate host {again!r} (first on line 1 as {first!r}); list each host "
+                                f"once with its total slots (names are compared without case)")
+    assert [h.name for h in parse_hostfile("node1 slots=1\nnode10 slots=1\n10.0.0.1 slots=1\n10.0.0.10 slots=1\n")] \
+        == ["node1", "node10", "10.0.0.1", "10.0.0.10"]
 
 
 def test_every_bad_line_is_reported_at_once():
@@ -254,6 +264,34 @@ def test_check_probes_reports_every_host_at_once():
         "(pip install deepspeed==0.19.8 there)"]
     assert problems[7].startswith("e: working directory /work does not exist")
     assert len(problems) == 8 and not any(p.startswith("a:") for p in problems)
+
+
+def test_two_names_of_one_machine_are_refused_naming_both_lines_unless_said_on_purpose(tmp_path):
+    """An alias and an address of one machine (the hostfile parser cannot tell): the probes' boot id and host name."""
+    boot = "0f3c2a1e-5d6b-4c7a-9e8f-112233445566"
+    probes = [_probe("gpu-a", boot_id=boot, hostname="gpu-a"), _probe("10.0.0.5", boot_id=boot, hostname="gpu-a"),
+              _probe("gpu-b", boot_id=boot.replace("0f", "aa"), hostname="gpu-b"),
+              _probe("c1", boot_id="77", hostname="ctr-1"), _probe("c2", boot_id="77", hostname="ctr-2"),  # containers
+              _probe("old"), HostProbe("gone", problem="gone: not reachable", unreachable=True)]
+    where = {"gpu-a": "hf:1", "10.0.0.5": "hf:4"}
+    problems, notes = check_identity(probes, where)
+    assert problems == ["hf:1 (gpu-a) and hf:4 (10.0.0.5) are one machine (host gpu-a, boot id 0f3c2a1e): the launch "
+                        "would start a set of ranks per name on its GPUs; list it once with its total slots (a test "
+                        "cluster on one machine on purpose: DS_TRAIN_ONE_MACHINE=gpu-a,10.0.0.5)"] and notes == []
+    allowed = one_machine_hosts({"DS_TRAIN_ONE_MACHINE": " gpu-a, 10.0.0.5 ,"})
+    assert allowed == {"gpu-a", "10.0.0.5"} and one_machine_hosts({}) == set()
+    assert check_identity(probes, where, allowed) == ([], ["gpu-a, 10.0.0.5 are one machine (gpu-a), as "
+                                                           "DS_TRAIN_ONE_MACHINE says"])
+    assert check_identity(probes, where, frozenset({"gpu-a", "gpu-b"}))[0] == problems  # both names, not one
+    # through run_preflight: the problem beside the others, and the note of the allowed cluster
+    here = [_here(h, _cpu_probe, boot_id=boot, hostname="vm") for h in ("127.0.0.2", "127.0.0.3")]
+    with pytest.raises(UserError) as e:
+        run_preflight(_slots(**{"127.0.0.2": 1, "127.0.0.3": 1}), SshOptions(), sys.executable, str(tmp_path), "",
+                      29500, probe=lambda *args: here, where={"127.0.0.2": "h:1", "127.0.0.3": "h:2"})
+    assert str(e.value).splitlines()[1].startswith("  h:1 (127.0.0.2) and h:2 (127.0.0.3) are one machine (host vm")
+    result = run_preflight(_slots(**{"127.0.0.2": 1, "127.0.0.3": 1}), SshOptions(), sys.executable, str(tmp_path),
+                           "", 29500, probe=lambda *args: here, one_machine=frozenset({"127.0.0.2", "127.0.0.3"}))
+    assert result.notes[0] == "127.0.0.2, 127.0.0.3 are one machine (vm), as DS_TRAIN_ONE_MACHINE says"
 
 
 def test_compare_versions_names_each_host_package_and_both_versions():
@@ -499,6 +537,8 @@ def test_the_probe_runs_here_and_reports_no_gpus_and_torchs_cuda_build(tmp_path)
                                 "no-such-pkg": None}
     assert None not in list(info["versions"].values())[:2]
     assert info["gpus"] == [] and info["gpu_error"] is None
+    assert info["boot_id"] == Path("/proc/sys/kernel/random/boot_id").read_text().strip()  # this machine's identity
+    assert info["hostname"] == socket.gethostname()
     assert info["torch_cuda"] == torch.version.cuda  # None on a CPU build of torch
     assert "torch_nccl" in info and (info["torch_nccl"] is None) == (torch.version.cuda is None)
     assert info["torch_cuda_available"] is None and info["torch_error"] is None  # not asked: nothing listed

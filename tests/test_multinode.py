@@ -361,7 +361,15 @@ def test_busy_master_port_moves_to_the_next_free_one(cluster, tiny_data, tmp_pat
     assert f"master 127.0.0.2:{m.group(1)}" in res.out
     last = res.out.strip().splitlines()[-1]
     assert last == "launch: preflight ok on 2 host(s), world size 2; nothing launched (--check)", res.out
+    assert "preflight: 127.0.0.2, 127.0.0.3 are one machine" in res.out  # said, as DS_TRAIN_ONE_MACHINE allows
     assert not (tmp_path / "run").exists()  # --check writes nothing
+    # Without the cluster's word that both names are this machine, the probes' identity refuses it.
+    env = {k: v for k, v in cluster["env"].items() if k != "DS_TRAIN_ONE_MACHINE"}
+    res = run_cmd(launch_args(cluster["hostfile"], config, "--check"), timeout=30, env=env)
+    assert res.returncode == 2, res.out
+    assert (f"{cluster['hostfile']}:1 (127.0.0.2) and {cluster['hostfile']}:2 (127.0.0.3) are one machine (host "
+            f"{socket.gethostname()}, boot id ") in res.out
+    assert not (tmp_path / "run").exists()
 
 
 def test_shell_metacharacters_in_the_hostfile_are_rejected(cluster, tiny_data, tmp_path):

@@ -154,7 +154,8 @@ def cmd_launch(args) -> int:
 
     Check the command after `--` (its own parser, its batch math at this world size) and every host of
     the hostfile (ssh without a password, same Python and versions, working directory, free master
-    port), write output_dir/.deepspeed_env, then run the deepspeed launcher (pdsh) and exit with its
+    port, no machine named twice: DS_TRAIN_ONE_MACHINE=h1,h2 allows a test cluster on one machine),
+    write output_dir/.deepspeed_env, then run the deepspeed launcher (pdsh) and exit with its
     exit code; its last line says how the job ended (done, the hang or failure report, a stop by a
     signal, or the exit code); --check ends with the preflight's verdict. SIGTERM, SIGINT or
     SIGUSR1 sent to it reach every rank on every node: each saves a checkpoint and stops; if it is
@@ -163,13 +164,14 @@ def cmd_launch(args) -> int:
     from ds_train.launch import envfile
     from ds_train.launch.hostfile import read_hostfile, select_hosts
     from ds_train.launch.packages import run_packages
-    from ds_train.launch.preflight import SshOptions, run_preflight
+    from ds_train.launch.preflight import SshOptions, one_machine_hosts, run_preflight
 
     ours, command_argv = _split(args.argv, "launch")
     opts, passthrough = _launch_parser().parse_known_args(ours)
     _check_flags(opts)
     beat_s = launch_beat_s(os.environ)
-    pool = select_hosts(read_hostfile(opts.hostfile), opts.num_nodes, opts.num_gpus, opts.include, opts.exclude)
+    hosts = read_hostfile(opts.hostfile)
+    pool = select_hosts(hosts, opts.num_nodes, opts.num_gpus, opts.include, opts.exclude)
     world_size = sum(len(slots) for slots in pool.values())
     cfg, plan = _check_run(args, command_argv, world_size)
     cwd, python = os.path.abspath("."), sys.executable
@@ -179,7 +181,9 @@ def cmd_launch(args) -> int:
     ssh = SshOptions.from_env(os.environ, opts.ssh_timeout, opts.ssh_port)
     result = run_preflight(pool, ssh, python, cwd, opts.master_addr, opts.master_port,
                            needed_gib=lambda: args.plan_memory(command_argv, world_size),
-                           packages=run_packages(cfg.log, cfg.ript))
+                           packages=run_packages(cfg.log, cfg.ript),
+                           where={h.name: f"{opts.hostfile}:{h.line}" for h in hosts},
+                           one_machine=one_machine_hosts(os.environ))
     print(f"preflight: {len(pool)} host(s), world size {world_size} "
           f"({', '.join(f'{h}: {len(s)}' for h, s in pool.items())}); ssh, Python {python}, versions and "
           f"working directory {cwd} ok on every host")

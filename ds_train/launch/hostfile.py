@@ -2,7 +2,9 @@
 
 DeepSpeed's own parser accepts any non-blank token as a host and later splices it into pdsh and ssh
 command lines; here a host is a host name or an IP address and nothing else, so a name like
-`x;touch /tmp/f` or `$(...)` stops at its line number before any command is built.
+`x;touch /tmp/f` or `$(...)` stops at its line number before any command is built. Two lines naming
+one host (`node0`, `NODE0.`) are refused here; two names of one machine that only its own answer can
+tell apart (an ssh alias and an address) are refused by the preflight (ds_train/launch/preflight.py).
 """
 
 from __future__ import annotations
@@ -43,7 +45,16 @@ def is_valid_host(name: str) -> bool:
     return is_ip_address(name) or (len(name) <= 253 and _HOSTNAME.fullmatch(name) is not None)
 
 
-def _parse_line(text: str, where: str, seen: dict[str, int], lineno: int) -> tuple[Host | None, str | None]:
+def host_key(name: str) -> str:
+    """What two spellings of one host share: DNS names are case-insensitive (RFC 4343) and may end in
+    `.`; an address is compared by value (`::1` and `0:0::1`)."""
+    if is_ip_address(name):
+        return ipaddress.ip_address(name).compressed
+    return name.lower().rstrip(".")
+
+
+def _parse_line(text: str, where: str, seen: dict[str, tuple[str, int]],
+                lineno: int) -> tuple[Host | None, str | None]:
     body = text.split("#", 1)[0].strip()
     if not body:
         return None, None
@@ -60,10 +71,12 @@ def _parse_line(text: str, where: str, seen: dict[str, int], lineno: int) -> tup
     n = int(slots.group("n"))
     if n <= 0:
         return None, f"{where}:{lineno}: slots={n} for {host!r} must be positive; use slots=1 or more"
-    if host in seen:
-        return None, (f"{where}:{lineno}: duplicate host {host!r} (first on line {seen[host]}); list "
-                      f"each host once with its total slots")
-    seen[host] = lineno
+    first = seen.get(host_key(host))
+    if first:
+        as_ = f" as {first[0]!r}" if first[0] != host else ""
+        return None, (f"{where}:{lineno}: duplicate host {host!r} (first on line {first[1]}{as_}); list "
+                      f"each host once with its total slots (names are compared without case)")
+    seen[host_key(host)] = (host, lineno)
     return Host(host, n, lineno), None
 
 

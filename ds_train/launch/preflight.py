@@ -10,7 +10,10 @@ also lists the host's GPUs (`nvidia-smi --query-gpu`, no CUDA context) and the C
 versions torch was built with; a host without nvidia-smi has no GPUs (DeepSpeed's CPU accelerator
 then runs one process per slot). check_gpus() compares them with the slots the launch gives each
 host, the memory plan's per-GPU peak (`needed_gib`, computed by the caller) and the other hosts.
-Every problem on every host is reported at once.
+check_identity() refuses two hostfile names that reach one machine (same boot id and host name, as
+each machine itself reports them: an ssh alias need not resolve here), which would start two sets
+of ranks on its GPUs, unless DS_TRAIN_ONE_MACHINE lists both (a test cluster on one machine,
+scripts/local_cluster.sh). Every problem on every host is reported at once.
 """
 
 from __future__ import annotations
@@ -33,6 +36,8 @@ from ds_train.launch.probe import PACKAGES, PORT_TRIES, PROBE
 # from a local disk and can take tens of seconds from a cold shared file system.
 PROBE_TIME_S = 60
 MiB_PER_GiB = 1024  # nvidia-smi reports memory in MiB
+# Hostfile names (comma-separated) that are one machine on purpose: a test cluster on loopback addresses.
+ONE_MACHINE_ENV = "DS_TRAIN_ONE_MACHINE"
 
 
 # What passes through the deepspeed launcher's pdsh command line unchanged: it writes the working
@@ -165,6 +170,37 @@ def check_probes(probes: list[HostProbe], python: str, cwd: str, versions: Mappi
             problems.append(f"{p.host}: working directory {cwd} does not exist there; the launcher runs "
                             f"`cd {cwd}` on every node: use a shared file system or the same checkout path")
     return problems
+
+
+def one_machine_hosts(environ: Mapping[str, str]) -> frozenset[str]:
+    """The hostfile names DS_TRAIN_ONE_MACHINE says are one machine on purpose."""
+    return frozenset(name.strip() for name in environ.get(ONE_MACHINE_ENV, "").split(",") if name.strip())
+
+
+def check_identity(probes: list[HostProbe], where: Mapping[str, str] | None = None,
+                   one_machine: frozenset[str] = frozenset()) -> tuple[list[str], list[str]]:
+    """Problems and notes: hosts whose probes report one machine (pure: takes the probes' answers).
+
+    `where`: host -> its hostfile line (`hostfile:3`), to name it by; `one_machine`: names allowed to
+    share a machine (DS_TRAIN_ONE_MACHINE), said in a note instead.
+    """
+    where = where or {}
+    machines: dict[tuple[str, str], list[str]] = {}
+    for p in probes:
+        if p.info and p.info.get("boot_id"):  # no /proc there: nothing to compare
+            machines.setdefault((p.info["boot_id"], p.info.get("hostname", "")), []).append(p.host)
+    problems, notes = [], []
+    for (boot, hostname), hosts in machines.items():
+        if len(hosts) < 2:
+            continue
+        if set(hosts) <= one_machine:
+            notes.append(f"{', '.join(hosts)} are one machine ({hostname}), as {ONE_MACHINE_ENV} says")
+            continue
+        named = " and ".join(f"{where[h]} ({h})" if h in where else h for h in hosts)
+        problems.append(f"{named} are one machine (host {hostname}, boot id {boot[:8]}): the launch would start "
+                        f"a set of ranks per name on its GPUs; list it once with its total slots (a test cluster "
+                        f"on one machine on purpose: {ONE_MACHINE_ENV}={','.join(hosts)})")
+    return problems, notes
 
 
 def check_gpus(probes: list[HostProbe], pool: Mapping[str, list[int]],
@@ -327,18 +363,22 @@ def check_shell_safe(cwd: str, python: str, train_args: list[str]) -> list[str]:
 def run_preflight(pool: Mapping[str, list[int]], ssh: SshOptions, python: str, cwd: str,
                   master_addr: str, master_port: int, needed_gib: float | Callable[[], float] | None = None,
                   probe: Callable[..., list[HostProbe]] = probe_hosts,
-                  packages: tuple[str, ...] | None = None) -> PreflightResult:
+                  packages: tuple[str, ...] | None = None, where: Mapping[str, str] | None = None,
+                  one_machine: frozenset[str] = frozenset()) -> PreflightResult:
     """Probe every host; raise one UserError naming every problem, else the master and world size.
 
     `needed_gib`: the memory plan's per-GPU peak, checked against each used GPU's free memory; a
     callable is asked only when some host has GPUs (the plan takes seconds to build).
     `packages`: whose versions must match this machine's (default run_packages(): a run without wandb
-    or TensorBoard). `probe` stands in for probe_hosts (same arguments) in tests.
+    or TensorBoard). `probe` stands in for probe_hosts (same arguments) in tests. `where` and
+    `one_machine`: see check_identity.
     """
     hosts = list(pool)
     packages = run_packages() if packages is None else packages
     probes = probe(hosts, ssh, python, cwd, master_port, packages)
     problems = check_probes(probes, python, cwd, local_versions(packages), platform.python_version())
+    same, same_notes = check_identity(probes, where, one_machine)
+    problems += same
     if callable(needed_gib):
         needed_gib = needed_gib() if any(p.info and p.info.get("gpus") for p in probes) else None
     gpu_problems, gpu_notes = check_gpus(probes, pool, needed_gib)
@@ -347,4 +387,4 @@ def run_preflight(pool: Mapping[str, list[int]], ssh: SshOptions, python: str, c
         raise UserError(f"preflight: {len(problems)} problem{'s' if len(problems) > 1 else ''}:\n  " +
                         "\n  ".join(problems))
     addr, port, notes = pick_master(probes[0], master_addr, master_port)
-    return PreflightResult(addr, port, sum(len(slots) for slots in pool.values()), gpu_notes + notes)
+    return PreflightResult(addr, port, sum(len(slots) for slots in pool.values()), same_notes + gpu_notes + notes)

@@ -1,7 +1,8 @@
 """The probe `ds-train launch` runs on every host (`<python> -c PROBE <cwd> <port> <package>...`, over
 ssh): the host's Python, the versions of the named packages (null: not installed), working directory,
-addresses, a free master port, its GPUs and the CUDA / NCCL versions its torch was built with,
-printed as one JSON object. Which packages to ask about is the launching host's choice
+addresses, the machine's identity (its kernel's boot id with the host name: two hostfile names of
+one machine answer the same), a free master port, its GPUs and the CUDA / NCCL versions its torch was
+built with, printed as one JSON object. Which packages to ask about is the launching host's choice
 (packages.run_packages)."""
 
 PACKAGES = ("ds_train", "deepspeed", "torch")  # the least a run needs; run_packages() derives the full list
@@ -71,6 +72,14 @@ def torch_cuda(listed):
     except Exception as e:  # a broken CUDA install is the answer, not a crash of the probe
         out["torch_error"] = f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"
     return out
+def boot_id():
+    # Random per kernel boot: two machines never share it, two names of one machine (or containers
+    # on one kernel) do. /etc/machine-id is not used: images often ship one fixed id.
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip() or None
+    except OSError:
+        return None
 try:
     addresses = subprocess.run(["hostname", "-I"], capture_output=True, text=True, timeout=5).stdout.split()
 except (OSError, subprocess.SubprocessError):
@@ -79,7 +88,8 @@ listed, gpu_error = gpus()
 print(json.dumps({
     "python": sys.executable, "python_version": platform.python_version(),
     "versions": {name: version(name) for name in packages},
-    "cwd_exists": os.path.isdir(cwd), "hostname": socket.gethostname(), "addresses": addresses,
+    "cwd_exists": os.path.isdir(cwd), "hostname": socket.gethostname(), "boot_id": boot_id(),
+    "addresses": addresses,
     "free_port": next((p for p in range(port, port + %(tries)d) if free(p)), None) if port else None,
     "gpus": listed, "gpu_error": gpu_error, **torch_cuda(listed)}))
 """ % {"tries": PORT_TRIES}
