@@ -16,7 +16,7 @@ import pytest
 from conftest import (BIN, ROOT, STRAIGHT_STEPS, Result, deepspeed_args, deepspeed_train, ds_train, expect_error,
                       TINY_MODEL, free_port, pids_with, reap, run_cmd, spawn, tiny_config, tree_listing, write_config)
 from ds_train.checkpoint import commit as checkpoint
-from ds_train.checkpoint import consensus
+from ds_train.checkpoint import consensus, resume
 from ds_train.observe.doctor import diagnose
 
 
@@ -103,6 +103,68 @@ def test_latest_that_is_not_text_and_files_named_like_tags_are_survived(tmp_path
     assert checkpoint.complete_tags(tmp_path) == ["step_00000002"]
     assert checkpoint.prunable(tmp_path, 1, "step_00000004") == ["step_00000002"]  # the file is not deleted
     assert (tmp_path / "step_00000008").is_file()
+
+
+def protocol_save(ckpt_dir, step, seq, keep, world=2, said=None):
+    """A save through the real protocol (begin, then every rank's commit, rank 0 last as the writer), one
+    process playing every rank; the engine's files are stand-ins, one under a name ds_train knows nothing of."""
+    tag = checkpoint.begin(None, ckpt_dir, step, writer=True)
+    tag_dir = ckpt_dir / tag
+    (tag_dir / "mp_rank_00_model_states.pt").write_bytes(b"weights")
+    (tag_dir / "expert_0_mp_rank_00_model_states.pt").write_bytes(b"experts")  # in no manifest
+    state, said = {"step": step, "zero_stage": 2, "config": {}}, [] if said is None else said
+    for r in reversed(range(world)):
+        (tag_dir / f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt").write_bytes(b"optim")
+        checkpoint.rank_file(tag_dir, r).write_bytes(b"x")
+        checkpoint.commit(ckpt_dir, tag, step, state, r, world, keep, r == 0, seq,
+                          ["mp_rank_00_model_states.pt", f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt"],
+                          lambda phase: None, lambda chosen: chosen or [], say=said.append)
+    return tag
+
+
+def test_retention_deletes_only_what_ds_train_wrote_and_says_what_a_user_left(tmp_path):
+    ckpts, said = tmp_path / "checkpoints", []
+    t2, t4 = protocol_save(ckpts, 2, 1, keep=2), protocol_save(ckpts, 4, 2, keep=2)
+    assert checkpoint.complete_tags(ckpts) == [t2, t4]
+    (ckpts / t2 / "notes.txt").write_text("lr too high")  # a user's files, after the save
+    (ckpts / t2 / "eval").mkdir()
+    (ckpts / t2 / "eval" / "results.json").write_text("{}")
+    (ckpts / "step_00000010").mkdir()
+    (ckpts / "step_00000010" / "mine.txt").write_text("put there before ds_train saved step 10")
+    protocol_save(ckpts, 6, 3, keep=2, said=said)  # prunes tag 2
+    assert sorted(tree_listing(ckpts / t2)) == ["eval", "eval/results.json", "notes.txt"]  # the save's files gone
+    assert said == [f"checkpoint.keep: removed {t2}'s checkpoint files; kept 2 file(s) a user left there "
+                    f"(eval/results.json, notes.txt): ds_train deletes only what it wrote"]
+    assert not checkpoint.tagfiles.holds_a_save(ckpts / t2) and checkpoint.complete_tags(ckpts) == [t4, "step_00000006"]
+    # A save into a folder that holds a user's file, cut short (no commit): pruned as an unfinished save, the
+    # file kept; a save that finishes there records it as the user's too.
+    t10 = checkpoint.begin(None, ckpts, 10, writer=True)
+    (ckpts / t10 / "mp_rank_00_model_states.pt").write_bytes(b"half")
+    assert checkpoint.prunable(ckpts, 2, "step_00000008") == [t4, t10]  # the user-only tag 2 is no save
+    said.clear()
+    protocol_save(ckpts, 8, 4, keep=2, said=said)
+    assert sorted(tree_listing(ckpts / t10)) == ["mine.txt"] and not (ckpts / t4).exists()  # tag 4: nothing of a user's
+    assert said == [f"checkpoint.keep: removed {t10}'s checkpoint files; kept 1 file(s) a user left there "
+                    f"(mine.txt): ds_train deletes only what it wrote"]
+    protocol_save(ckpts, 10, 5, keep=0)
+    (ckpts / t10 / "later.txt").write_text("after the save")
+    assert checkpoint.remove_tags(ckpts, [t10]) == {t10: ["later.txt", "mine.txt"]}
+    # Folders of a user's files only are not saves: pruning passes them by, the resume does not call them
+    # unfinished (or damaged), and nothing newer is said to be skipped.
+    assert checkpoint.prunable(ckpts, 1, "step_00000008") == ["step_00000006"]
+    view = consensus.RankView(0, 0, "h", consensus.scan(ckpts, None, 0, 2))
+    assert sorted(view.tags) == ["step_00000006", "step_00000008"]
+    decision = consensus.decide("auto", ckpts, None, [view, consensus.RankView(1, 0, "h", view.tags)], 2)
+    assert decision.point.tag == "step_00000008"
+    assert decision.said == f"resumed from {ckpts / 'step_00000008'} at step 8"
+    assert resume.newer_incomplete(resume.ResumePoint(ckpts, t4, {"step": 4})) == []
+
+
+def test_a_tag_saved_before_the_record_loses_only_ds_trains_files_and_what_its_manifests_list(tmp_path):
+    tag = tmp_path / fake_tag(tmp_path, 2)  # as an older ds_train laid it out: no ds_train_files.json
+    (tag / "notes.txt").write_text("mine")
+    assert checkpoint.remove_tags(tmp_path, [tag.name]) == {tag.name: ["notes.txt"]}
+    assert sorted(tree_listing(tag)) == ["notes.txt"]
 
 
 # ---- through the real launcher -------------------------------------------------------------
@@ -616,12 +678,19 @@ def test_fresh_finished_and_damaged_runs(tiny_data, tmp_path):
     cfg = write_config(tmp_path / "run.yaml", tiny_config(tiny_data, run, train={"max_steps": 4},
                                                           checkpoint={"every": 2, "keep": 2}))
     assert single(cfg).returncode == 0
+    (run / "checkpoints" / "step_00000002" / "notes.txt").write_text("a user's, kept by checkpoint.keep")
     metrics = run / "metrics.jsonl"
     metrics.write_text(metrics.read_text()[:-25])  # a kill in the middle of writing step 4's line
     res = single(cfg, "train.max_steps=6")
     assert res.returncode == 0, res.out[-3000:]
     assert "metrics.jsonl: dropped 1 line(s) that do not parse (a write cut short, or damage)" in res.out
     assert f"resumed from {run / 'checkpoints' / 'step_00000004'} at step 4" in res.out
+    # keep=2 pruned step 2 at the save of 6: DeepSpeed's files and ds_train's went, the user's file stayed
+    assert sorted(tree_listing(run / "checkpoints" / "step_00000002")) == ["notes.txt"]
+    assert ("checkpoint.keep: removed step_00000002's checkpoint files; kept 1 file(s) a user left there (notes.txt)"
+            in (run / "logs" / "rank_0.log").read_text())
+    record = json.loads((run / "checkpoints" / "step_00000006" / "ds_train_files.json").read_text())
+    assert record["user"] == [] and {"mp_rank_00_model_states.pt", checkpoint.STATE_FILE} <= set(record["files"])
     assert sorted(metrics_by_step(run)) == [1, 2, 3, 5, 6]
 
     results = (run / "results.json").read_bytes()
@@ -630,6 +699,7 @@ def test_fresh_finished_and_damaged_runs(tiny_data, tmp_path):
     said = (f"train: nothing to do, already trained to step 6 >= train.max_steps=6 (raise train.max_steps to continue, "
             f"or set another output_dir); checkpoint step_00000006; run directory {run.resolve()}")
     assert res.returncode == 0 and res.out.strip().splitlines()[-1] == said, res.out[-2000:]
+    assert "not complete" not in res.out  # the folder of a user's file is no unfinished save
     assert (run / "results.json").read_bytes() == results and sorted(metrics_by_step(run)) == [1, 2, 3, 5, 6]
     assert tree_listing(run / "checkpoints") == before
 

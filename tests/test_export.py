@@ -13,7 +13,7 @@ import torch
 
 from conftest import ROOT, expect_error, run_cmd, tree_listing
 from ds_train.checkpoint import commit as checkpoint
-from ds_train.checkpoint.export import export, resolve_source
+from ds_train.checkpoint.export import check_outside_checkpoints, export, resolve_source
 from ds_train.config.file import build_config
 from ds_train.errors import UserError
 
@@ -261,3 +261,27 @@ def test_an_out_that_cannot_be_written_is_one_line_naming_out(tmp_path):
         expect_error(["export", str(run), "--out", str(out)],
                      f"--out: '{out}' is on a read-only file system ('{ro}'); choose a writable --out", wrap=readonly)
     assert tree_listing(tmp_path) == before
+
+
+def test_an_export_into_a_tag_or_a_checkpoints_directory_is_refused_before_anything_is_written(tmp_path):
+    """checkpoint.keep prunes a tag's folder and a resume reads checkpoints/: an export never goes there."""
+    run = fake_run(tmp_path)
+    ckpts = run / "checkpoints"
+    fresh = tmp_path / "fresh"  # a run that has not saved yet: its checkpoints/ does not exist
+    fresh.mkdir()
+    (fresh / "config.yaml").write_text("{}")
+    (tmp_path / "link").symlink_to(ckpts / "step_00000008")
+    before = tree_listing(tmp_path)
+    line = expect_error(["export", str(run), "--out", str(ckpts / "step_00000008" / "hf")])
+    assert line == (f"ds-train: error: export: --out '{ckpts / 'step_00000008' / 'hf'}' is inside the checkpoints "
+                    f"directory '{ckpts}', where checkpoint.keep prunes and a resume reads; export beside it, e.g. "
+                    f"--out '{run / 'hf_export'}'")
+    for out, holder in ((ckpts / "step_00000008", ckpts), (ckpts, ckpts), (ckpts / "hf", ckpts),
+                        (ckpts / "step_00000012", ckpts), (tmp_path / "link" / "hf", ckpts),
+                        (fresh / "checkpoints" / "hf", fresh / "checkpoints")):
+        with pytest.raises(UserError) as e:
+            export(run, out)
+        assert f"is inside the checkpoints directory '{holder}'" in str(e.value), out
+    assert tree_listing(tmp_path) == before  # nothing written, nothing created
+    for out in (run / "hf_export", tmp_path / "elsewhere" / "hf", fresh / "hf_export"):
+        check_outside_checkpoints(out)  # beside the checkpoints: allowed

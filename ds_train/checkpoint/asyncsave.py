@@ -181,7 +181,7 @@ class BackgroundSave:
                     torch.save(obj, path, _use_new_zipfile_serialization=serialize)
                 files.clear()  # the host copy goes as soon as it is on disk
                 checkpoint.commit(ckpt_dir, self.tag, step, state, rank, world, keep, writer, seq, needed,
-                                  meeting.meet, meeting.share, fault)
+                                  meeting.meet, meeting.share, fault, self.log.info)
             except Abandoned as e:
                 self.error = e
             except BaseException as e:  # said by `join`, in the main thread

@@ -122,7 +122,7 @@ class Checkpointer:
                 self.inflight = BackgroundSave(self.channel, self.log, self.peer_gone_s)
                 tag = self.inflight.start(*args)
             else:
-                tag = save(*args)
+                tag = save(*args, say=self.log.info)
         except (OSError, RuntimeError) as e:
             raise UserError(self._failed(step, e)) from None
         self.seq += 1

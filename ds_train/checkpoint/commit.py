@@ -2,10 +2,11 @@
 
 A tag is written in phases (`PHASES`, each a fault-injection point): the writer of each file
 system first takes the tag's completeness marker away (and `latest`, if it names the tag) and
-removes the old files; then every rank writes its DeepSpeed files, its RNG and loop state
-(`ds_train_rank_<r>.pt`), flushes them and records them, with their sizes, in its manifest
-(`ds_train_rank_<r>.json`); after a barrier the writer writes the marker `ds_train_state.json`
-(the run state and a save sequence number), then `latest`, then prunes. A crash at any point
+removes the old files (the ones ds_train wrote: a user's stay, ds_train/checkpoint/tagfiles.py);
+then every rank writes its DeepSpeed files, its RNG and loop state (`ds_train_rank_<r>.pt`),
+flushes them and records them, with their sizes, in its manifest (`ds_train_rank_<r>.json`); after
+a barrier the writer records every file the save wrote, writes the marker `ds_train_state.json`
+(the run state and a save sequence number), then `latest`, then prunes (what it wrote, only). A crash at any point
 leaves either a whole tag or one without a marker, which is never loaded.
 
 The writer is global rank 0 when output_dir is one shared file system, and the first rank of each
@@ -28,6 +29,7 @@ from typing import Callable
 import numpy as np
 
 from ds_train import dist
+from ds_train.checkpoint import tagfiles
 from ds_train.checkpoint.rundir import LATEST
 from ds_train.checkpoint.universal import UNIVERSAL_SUFFIX, universal_dir
 from ds_train.config import SAVE_PHASES
@@ -222,6 +224,10 @@ def _no_fault(phase: str, step: int) -> None:
     return None
 
 
+def _no_say(line: str) -> None:
+    return None
+
+
 def unmark(ckpt_dir: Path, tag: str) -> None:
     """Before a tag is (re)written: `latest` stops naming it, its marker goes, then its files."""
     tag_dir = ckpt_dir / tag
@@ -232,10 +238,8 @@ def unmark(ckpt_dir: Path, tag: str) -> None:
             write_atomic(latest, older[-1])
         else:
             latest.unlink()
-    if tag_dir.exists():
-        (tag_dir / STATE_FILE).unlink(missing_ok=True)
-        fsync_dir(tag_dir)
-        shutil.rmtree(tag_dir)
+    if tag_dir.is_dir():
+        tagfiles.remove_ours(tag_dir, STATE_FILE)  # the marker first; a user's files stay
         shutil.rmtree(universal_dir(tag_dir), ignore_errors=True)
     fsync_dir(ckpt_dir)
 
@@ -247,6 +251,7 @@ def begin(engine, ckpt_dir: Path, step: int, writer: bool, fault: Callable[[str,
     if writer:
         ckpt_dir.mkdir(parents=True, exist_ok=True)
         unmark(ckpt_dir, tag)
+        tagfiles.record_begin(ckpt_dir / tag)
     dist.barrier()
     fault("unmarked", step)
     return tag
@@ -273,12 +278,13 @@ def rank_record(rank_state: dict | None) -> dict:
 
 def commit(ckpt_dir: Path, tag: str, step: int, state: dict, rank: int, world: int, keep: int, writer: bool,
            seq: int, needed: list[str], meet: Callable[[str], None], share: Callable[[list | None], list],
-           fault: Callable[[str, int], None] = _no_fault) -> None:
+           fault: Callable[[str, int], None] = _no_fault, say: Callable[[str], None] = _no_say) -> None:
     """A save's second half, once this rank's files are written: the same protocol for a save that
     blocks (`meet` a barrier, `share` a broadcast from rank 0) and one written in the background
     (both through the rendezvous store). Every rank flushes the files it needs (`needed`, and its
     rank file) and records them in its manifest; once every rank has, the writers mark the tag
-    complete, then move `latest`, then prune what rank 0 chose."""
+    complete, then move `latest`, then prune what rank 0 chose (`say`: the writer's log, where it names
+    the files a user left in a pruned tag, which stay)."""
     tag_dir = ckpt_dir / tag
     meet("written")  # every rank's DeepSpeed files exist (the model states are written by one rank)
     files = [*needed, rank_file(tag_dir, rank).name]
@@ -290,6 +296,8 @@ def commit(ckpt_dir: Path, tag: str, step: int, state: dict, rank: int, world: i
     fault("rank_files", step)
     meet("durable")
     if writer:  # plain file writes
+        tagfiles.record_written(tag_dir, STATE_FILE)
+        fsync_dir(tag_dir)  # the record of what the save wrote before the marker that makes it a checkpoint
         write_atomic(tag_dir / STATE_FILE, json.dumps({**state, "world_size": world, "seq": seq}, indent=2))
         fsync_dir(tag_dir)
         fault("marked", step)
@@ -298,7 +306,9 @@ def commit(ckpt_dir: Path, tag: str, step: int, state: dict, rank: int, world: i
         fault("latest", step)
     doomed = share(prunable(ckpt_dir, keep, tag) if rank == 0 else None)
     if writer:
-        remove_tags(ckpt_dir, doomed)
+        for pruned, left in remove_tags(ckpt_dir, doomed).items():
+            say(f"checkpoint.keep: removed {pruned}'s checkpoint files; kept {len(left)} file(s) a user left there "
+                f"({', '.join(left[:3])}{', ...' if len(left) > 3 else ''}): ds_train deletes only what it wrote")
     meet("pruned")
 
 
@@ -308,7 +318,7 @@ def _barrier(name: str) -> None:
 
 def save(engine, ckpt_dir: Path, step: int, state: dict, rank: int, world: int, keep: int,
          writer: bool | None = None, seq: int = 0, rank_state: dict | None = None,
-         fault: Callable[[str, int], None] = _no_fault) -> str:
+         fault: Callable[[str, int], None] = _no_fault, say: Callable[[str], None] = _no_say) -> str:
     """A save that blocks until the tag is whole. Every rank calls this (it holds collectives).
     `writer`: this rank marks the tag complete, moves `latest` and prunes on its file system
     (default: rank 0, one shared file system)."""
@@ -320,7 +330,7 @@ def save(engine, ckpt_dir: Path, step: int, state: dict, rank: int, world: int, 
     fault("written", step)
     torch.save(rank_record(rank_state), rank_file(ckpt_dir / tag, rank))
     commit(ckpt_dir, tag, step, state, rank, world, keep, writer, seq, needed_files(engine, ckpt_dir, tag),
-           _barrier, dist.broadcast_object, fault)
+           _barrier, dist.broadcast_object, fault, say)
     return tag
 
 
@@ -329,8 +339,8 @@ def prunable(ckpt_dir: Path, keep: int, saved: str) -> list[str]:
     (saves that did not finish). Never `saved`. keep=0 keeps every marked tag."""
     marked, unmarked = [], []
     for p in ckpt_dir.iterdir() if ckpt_dir.is_dir() else ():
-        if not TAG_RE.match(p.name) or p.name == saved or not p.is_dir():
-            continue  # (a file named like a tag is not ours to delete)
+        if not TAG_RE.match(p.name) or p.name == saved or not p.is_dir() or not tagfiles.holds_a_save(p):
+            continue  # (a file named like a tag, or a folder of a user's files only, is not ours to delete)
         state, _ = read_marker(p)
         (marked if state else unmarked).append((state, p.name))
     if keep <= 0:
@@ -340,18 +350,23 @@ def prunable(ckpt_dir: Path, keep: int, saved: str) -> list[str]:
                   [name for _, name in unmarked])
 
 
-def remove_tags(ckpt_dir: Path, tags: list[str]) -> None:
-    """Delete tags (their marker first, so a crash midway leaves nothing that looks complete) and
-    their universal copies."""
+def remove_tags(ckpt_dir: Path, tags: list[str]) -> dict[str, list[str]]:
+    """Delete what ds_train wrote in these tags (their marker first, so a crash midway leaves nothing
+    that looks complete) and their universal copies; returns, per tag, the files a user left there (kept)."""
+    kept = {}
     for tag in tags:
         tag_dir = ckpt_dir / tag
-        (tag_dir / STATE_FILE).unlink(missing_ok=True)
-        shutil.rmtree(tag_dir, ignore_errors=True)
+        try:
+            left = tagfiles.remove_ours(tag_dir, STATE_FILE) if tag_dir.is_dir() else []
+        except OSError:  # as before: what cannot be deleted now goes at the next prune
+            left = []
+        if left:
+            kept[tag] = left
         shutil.rmtree(universal_dir(tag_dir), ignore_errors=True)
+    return kept
 
 
-def prune(ckpt_dir: Path, keep: int) -> None:
-    """Keep the newest `keep` complete tags (0: keep all) on one file system."""
+def prune(ckpt_dir: Path, keep: int) -> dict[str, list[str]]:
+    """Keep the newest `keep` complete tags (0: keep all) on one file system; returns what remove_tags does."""
     newest = latest_complete(ckpt_dir)
-    if newest is not None:
-        remove_tags(ckpt_dir, prunable(ckpt_dir, keep, newest))
+    return remove_tags(ckpt_dir, prunable(ckpt_dir, keep, newest)) if newest is not None else {}

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from ds_train import dist
 from ds_train.checkpoint.commit import TAG_RE, manifest_file, rank_missing, read_latest, read_marker, save_order
+from ds_train.checkpoint.tagfiles import holds_a_save
 from ds_train.checkpoint.resume import ResumePoint, locate_checkpoint
 from ds_train.errors import UserError
 
@@ -52,8 +53,9 @@ def _manifest_seq(tag_dir: Path, rank: int) -> int | None:
 
 
 def scan(load_dir: Path, wanted: str | None, rank: int, world: int) -> dict[str, TagSeen]:
-    """What this rank holds: every tag of `load_dir` (and the one wanted), marker and own files."""
-    names = (sorted(p.name for p in load_dir.iterdir() if TAG_RE.match(p.name) and p.is_dir())
+    """What this rank holds: every tag of `load_dir` (and the one wanted), marker and own files. A
+    folder named like a tag that holds no save (a user's files, left by retention) is none."""
+    names = (sorted(p.name for p in load_dir.iterdir() if TAG_RE.match(p.name) and p.is_dir() and holds_a_save(p))
              if load_dir.is_dir() else [])
     if wanted is not None and wanted not in names:
         names.append(wanted)

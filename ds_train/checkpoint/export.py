@@ -14,7 +14,8 @@ The process holds at most one full fp32 copy of the weights: the model is built 
 and takes the checkpoint's tensors as they are (`load_state_dict(assign=True)`), and the writer
 never clones them (see `save_weights`). The directory is written under a temporary name beside
 `out` and renamed at the end, so a failed export leaves nothing behind, and an existing non-empty
-`out` is never touched.
+`out` is never touched. An `out` inside a checkpoints directory or a tag, where retention prunes and
+a resume reads, is refused before anything is written.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from pathlib import Path
 from ds_train.checkpoint import commit as checkpoint
 from ds_train.checkpoint.experts import autoep_module_state_dict, autoep_specs, hf_layout
 from ds_train.checkpoint.rundir import LATEST, RunPaths
+from ds_train.checkpoint.tagfiles import holds_a_save
 from ds_train.checkpoint.universal import (ds_to_universal, tensor_module_state_dict, universal_dir,
                                            universal_state_dict)
 from ds_train.errors import UserError
@@ -115,7 +117,7 @@ def _passed_over(ckpt_dir: Path, chosen: str) -> str:
     and a `latest` that names another tag, said in a few words; "" when there are none."""
     step = int(checkpoint.TAG_RE.match(chosen).group(1))
     newer = sorted(p.name for p in ckpt_dir.iterdir() if (m := checkpoint.TAG_RE.match(p.name))
-                   and int(m.group(1)) > step and p.is_dir() and not checkpoint.is_complete(p))
+                   and int(m.group(1)) > step and p.is_dir() and holds_a_save(p) and not checkpoint.is_complete(p))
     said = [f"skipped {', '.join(newer)} (incomplete: a save that did not finish)"] if newer else []
     latest = checkpoint.read_latest(ckpt_dir)
     if latest and latest != chosen and latest not in newer:
@@ -136,6 +138,27 @@ def _check_out(out: Path) -> None:
                         f"give a new directory or remove this one")
     if out.exists() and not out.is_dir():
         raise UserError(f"export: {str(out)!r} exists and is not a directory; give a new directory")
+
+
+def _holds_checkpoints(folder: Path) -> bool:
+    """A run's checkpoints/ (made yet or not), or any folder with `latest` or a tag that holds a save."""
+    try:
+        return (folder == RunPaths(folder.parent).checkpoints and RunPaths(folder.parent).config.is_file() or
+                (folder / LATEST).is_file() or folder.is_dir() and any(
+                    checkpoint.TAG_RE.match(p.name) and p.is_dir() and holds_a_save(p) for p in folder.iterdir()))
+    except OSError:  # a folder we may not read holds no checkpoints of ours
+        return False
+
+
+def check_outside_checkpoints(out: Path) -> None:
+    """An export never goes into a tag or a checkpoints directory: retention prunes there (and would
+    see a tag's files mixed with the export's), a resume and `ds-train export` read there."""
+    target = Path(os.path.abspath(out)).resolve()
+    for folder in (target, *target.parents):
+        if _holds_checkpoints(folder):
+            raise UserError(f"export: --out {str(out)!r} is inside the checkpoints directory {str(folder)!r}, where "
+                            f"checkpoint.keep prunes and a resume reads; export beside it, e.g. --out "
+                            f"{str(folder.parent / 'hf_export')!r}")
 
 
 def hf_metadata_dir(src: ExportSource) -> Path:
@@ -342,6 +365,7 @@ def write_dir(out: Path, fill, max_shard_size: str = "5GB") -> Path:
     """`fill(tmp)` writes the export into a temporary directory beside `out`, renamed to `out` at the
     end: a failed export leaves nothing, an existing non-empty `out` is never touched. Every check
     comes before the weights are read."""
+    check_outside_checkpoints(out)
     _check_out(out)
     # The export is written beside `out` and renamed over it: both must be writable.
     for path in (out, out.parent) if out.exists() else (out,):

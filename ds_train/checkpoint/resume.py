@@ -18,6 +18,7 @@ from typing import Any
 from ds_train.checkpoint.commit import (STATE_FILE, TAG_RE, has_frozen, is_complete, latest_complete, rank_file,
                                         read_marker, saved_parallel, set_rng_state)
 from ds_train.checkpoint.rundir import RunPaths
+from ds_train.checkpoint.tagfiles import holds_a_save
 from ds_train.checkpoint.universal import UNIVERSAL_SUFFIX, ds_to_universal, universal_dir
 from ds_train.config import RunConfig
 from ds_train.errors import UserError
@@ -56,7 +57,8 @@ def newer_incomplete(point: ResumePoint) -> list[str]:
     skipped, to say so."""
     step = int(point.state["step"])
     return [f"{p.name} ({read_marker(p)[1] or 'files missing or damaged'})" for p in sorted(point.load_dir.iterdir())
-            if TAG_RE.match(p.name) and p.is_dir() and int(TAG_RE.match(p.name).group(1)) > step and not is_complete(p)]
+            if TAG_RE.match(p.name) and p.is_dir() and int(TAG_RE.match(p.name).group(1)) > step and not is_complete(p)
+            and holds_a_save(p)]
 
 
 def locate_checkpoint(resume: str, ckpt_dir: Path, key: str = "checkpoint.resume") -> tuple[Path, str | None]:
