@@ -171,7 +171,8 @@ def _add_checkpoint_commands(sub) -> None:
     c.add_argument("--to", choices=["universal"], default="universal", help="target format")
     e = _command(sub, "export", cmd.cmd_export)
     _add_checkpoint_source(e, "export")
-    e.add_argument("--out", required=True, help="output directory (must not exist or be empty)")
+    e.add_argument("--out", required=True, help="output directory (must not exist or be empty, and lie outside "
+                                               "checkpoints/: retention prunes there)")
     e.add_argument("--max-shard-size", default="5GB", help="safetensors shard size (default 5GB)")
     e.add_argument("--merge", action="store_true",
                    help="LoRA runs: merge the adapters into the base and write one model (default: the peft "
