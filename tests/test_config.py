@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from pathlib import Path
 
 import pytest
@@ -472,6 +473,18 @@ def _numeric_fields(cls=RunConfig, prefix=""):
             yield f"{prefix}{f.name}", tp, f.metadata.get("bound")
 
 
+def _outside(bound) -> list:
+    """Values just outside each finite end of a bound (an open end: the end itself)."""
+    from ds_train.config.fields import Range
+
+    if isinstance(bound, tuple):
+        bound = Range(*bound)
+    if not isinstance(bound, Range):
+        return []
+    out = [bound.low if bound.low_open else bound.low - 1] if math.isfinite(bound.low) else []
+    return out + ([bound.high if bound.high_open else bound.high + 1] if math.isfinite(bound.high) else [])
+
+
 def _nest(key: str, value) -> dict:
     for part in reversed(key.split(".")):
         value = {part: value}
@@ -490,8 +503,7 @@ def test_every_number_of_the_config_is_checked_where_it_is_declared(key, tp, bou
         bad.append(0)
     if bound in ("positive", ">= 0"):
         bad.append(-1)
-    if isinstance(bound, tuple):
-        bad += [bound[0] - 1, bound[1] + 1]
+    bad += _outside(bound)
     for value in bad:
         raw = _nest(key, value)
         for section, values in base.items():
@@ -626,3 +638,41 @@ def test_each_recipe_loads_for_the_command_its_header_documents(recipe, tmp_path
     model = [f"model.path={tmp_path}"] if "path:" in recipe.read_text().split("data:")[0] else []
     for command in commands:
         load_config(recipe, model, command=command)
+
+
+@pytest.mark.parametrize("key, tp, bound", [k for k in _numeric_fields() if k[1] in (int, float)],
+                         ids=lambda x: x if isinstance(x, str) else "")
+def test_a_keys_range_is_said_one_way_wherever_a_value_is_refused(key, tp, bound):
+    """A key's range lives in its field's bound and is worded by out_of_range: over values across and
+    at its ends, whatever refuses a value of the key alone (naming no other key) says exactly that, and
+    nothing refuses a value the bound admits (no second check in a section's check() with its own words,
+    "below 1" beside ">= 0")."""
+    import re
+
+    from ds_train.config.fields import in_bound, out_of_range
+
+    others = [k for k in all_keys() if k != key]
+    base = {"output_dir": "/nonexistent/run", "model": {"config": {"model_type": "llama"}}}
+    probes = [-1, 0, 1, 2, 3, 10 ** 9] if tp is int else [-1.0, 0.0, 0.25, 0.5, 1.0, 1.5, 2.0, 1e9]
+    for value in sorted(set(probes + [tp(v) for v in _outside(bound)])):
+        raw = _nest(key, value)
+        raw["model"] = {**base["model"], **raw.get("model", {})}
+        try:
+            build_config({**raw, "output_dir": base["output_dir"]}, source="c.yaml")
+            said = []
+        except UserError as e:
+            said = str(e).split(": ", 1)[1]
+            said = said.split(" problems: ", 1)[1] if " problems: " in said else said
+            said = [p for p in said.split("; ") if p.startswith((f"{key}:", f"{key}=")) and
+                    not any(re.search(rf"(?<![\w.]){re.escape(other)}(?!\w)", p) for other in others)]
+        assert said == ([] if not bound or in_bound(value, bound) else [out_of_range(key, value, bound)]), \
+            (value, said)
+
+
+def test_a_dense_model_given_expert_parallelism_is_told_it_has_no_experts():
+    from transformers import AutoConfig
+
+    from ds_train.plan.experts import check_expert_model
+
+    with pytest.raises(UserError, match=r"^parallel.expert=2: model type 'llama' has no experts \(a dense model"):
+        check_expert_model(2, AutoConfig.for_model("llama", hidden_size=64))

@@ -60,11 +60,13 @@ def test_experts_are_cut_from_the_data_ranks_and_change_neither_the_world_nor_th
     (2, 3, {}, "parallel.expert=2 does not divide the 3 data-parallel rank(s) (AutoEP cuts its expert groups from "
                "them); choose 1 or 3, or launch a multiple of 2 data-parallel ranks"),
     (3, 3, {}, "parallel.expert=3 does not divide the model's 4 experts per layer; choose 1, 2 or 4"),
-    (2, 2, {"model_type": "llama"}, "parallel.expert=2: model type 'llama' has no DeepSpeed AutoEP preset, so its "
-                                    "experts cannot be split; AutoEP takes deepseek_v2, deepseek_v3,"),
+    (2, 2, {"model_type": "llama"}, "parallel.expert=2: model type 'llama' has no experts (a dense model: no "
+                                    "mixture-of-experts layers to split over ranks); set parallel.expert=1"),
+    (2, 2, {"model_type": "llama", "num_local_experts": 4}, "parallel.expert=2: model type 'llama' has no DeepSpeed "
+                                    "AutoEP preset, so its experts cannot be split; AutoEP takes deepseek_v2,"),
 ])
 def test_sizes_the_model_or_the_ranks_cannot_take_are_one_line(expert, world, model, needle):
-    hf = AutoConfig.for_model("llama", hidden_size=64) if model else moe_config()
+    hf = AutoConfig.for_model(**model, hidden_size=64) if model else moe_config()
     cfg = run_config(parallel={"expert": expert}, train={"global_batch_size": 6 * world, "micro_batch_size": 1})
     with pytest.raises(UserError) as e:
         check_layout(cfg, read_ds_template(ROOT / "ds_configs" / "zero2.json"), world, hf)

@@ -265,12 +265,12 @@ def test_bad_ript_input_is_one_line_and_changes_nothing(scripted_run, tiny_polic
               f"{rows}:2: no 'answer' field (ript.tasks[1]: answer_key)"),
              ([f"model.path={tmp_path}"], "neither a Hugging Face directory"),
              (["ript.tasks=[add,nosuch]"], "'nosuch' is neither a built-in task"),
-             (["ript.rloo_batch_size=1"], "ript.rloo_batch_size=1: must be at least 2"),
+             (["ript.rloo_batch_size=1"], "ript.rloo_batch_size=1: must be >= 2 (RLOO leaves one out)"),
              (["ript.policy=nosuch:Policy"], "ript.policy: cannot load 'nosuch:Policy'"),
              (["ript.policy=", "ript.rollout_engine=vllm"], "the model's attention head size is 16 (hidden_size / "
               "num_attention_heads), which vLLM's CPU attention cannot serve"),
              (["ript.policy=", "ript.rollout_engine=vllm", "ript.vllm_gpu_memory_utilization=1.5"],
-              "ript.vllm_gpu_memory_utilization=1.5: must be within [0.0, 1.0]"),
+              "ript.vllm_gpu_memory_utilization=1.5: must be within (0, 1]"),
              ([], "saved with 2 ranks; resume ript with the same world size"),  # one process, checkpoints of 2
              ([f"model.path={source}", "checkpoint.resume=none", "train.global_batch_size=8"],
               "must be a multiple of train.global_batch_size / data-parallel size")]

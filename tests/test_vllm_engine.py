@@ -129,7 +129,7 @@ def test_a_model_or_layout_the_vllm_path_cannot_serve_is_one_line(tmp_path):
 
 @pytest.mark.parametrize("overrides, needle", [
     ({"vllm_gpu_memory_utilization": 0.0}, "ript.vllm_gpu_memory_utilization: 0.0 must be within (0, 1]"),
-    ({"vllm_gpu_memory_utilization": 1.5}, "ript.vllm_gpu_memory_utilization: 1.5 must be within [0.0, 1.0]"),
+    ({"vllm_gpu_memory_utilization": 1.5}, "ript.vllm_gpu_memory_utilization: 1.5 must be within (0, 1]"),
     ({"tis_cap": 2.0}, "ript.tis_cap: 2 corrects for the rollout engine's log-probs, and ript.rollout_engine=hf"),
     ({"rollout_correction": "seq-tis", "rollout_engine": "vllm"},
      "ript.rollout_correction: seq-tis, but ript.tis_cap is 0"),

@@ -11,7 +11,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Literal
 
-from ds_train.config.fields import NON_NEGATIVE, NOT_PATHS, POSITIVE, Section, _f, out_of_bounds
+from ds_train.config.fields import NON_NEGATIVE, NOT_PATHS, POSITIVE, Range, Section, _f, out_of_bounds
 from ds_train.config.model import ModelConfig
 from ds_train.config.posttrain import DpoConfig, RiptConfig
 from ds_train.fs import path_problems
@@ -43,13 +43,14 @@ class DataConfig(Section):
                                                        "train.seq_len is dropped or truncated (counted and reported at "
                                                        "the start of a run).")
     workers: int = _f(0, "Processes that tokenise during prepare. 0: one per core (one for a "
-                         "corpus under 8 MiB).")
+                         "corpus under 8 MiB).", Range(0, note="0: one per core"))
     tokenizer: str = _f("", "Tokenizer directory. Empty: model.path's, else a byte-level BPE trained "
                             "on the sources into data.dir/tokenizer.", path=True)
-    vocab_size: int = _f(4096, "Vocabulary size of the BPE trained when no tokenizer is given.")
+    vocab_size: int = _f(4096, "Vocabulary size of the BPE trained when no tokenizer is given.",
+                         Range(260, note="256 bytes + specials"))
     split_digits: bool = _f(False, "The BPE trained when no tokenizer is given makes every digit its own "
                                    "token (as Llama's and DeepSeek's do): numbers read digit by digit.")
-    val_fraction: float = _f(0.02, "Share of the source documents held out into val.bin.")
+    val_fraction: float = _f(0.02, "Share of the source documents held out into val.bin.", Range(0, 1, True, True))
     text_key: str = _f("text", "Field holding the text in JSONL sources.")
     reprepare: bool = _f(False, "Re-prepare data.dir when its sources, tokenizer or vocabulary changed "
                                 "since it was prepared, instead of stopping.")
@@ -59,12 +60,6 @@ class DataConfig(Section):
         if not self.dir.strip():
             errs.append("data.dir: must not be empty (it would prepare into the current directory); give "
                         "the directory that holds or will hold train.bin, val.bin and meta.json")
-        if not 0 < self.val_fraction < 1:
-            errs.append(f"data.val_fraction: {self.val_fraction} must be between 0 and 1")
-        if self.vocab_size < 260:
-            errs.append(f"data.vocab_size: {self.vocab_size} is below 260 (256 bytes + specials)")
-        if self.workers < 0:
-            errs.append(f"data.workers: {self.workers} must be 0 (one per core) or more")
         if self.weights:
             if len(self.weights) != len(self.sources):
                 errs.append(f"data.weights: {len(self.weights)} weight(s) for {len(self.sources)} source(s); give "
@@ -128,7 +123,7 @@ class OptimConfig(Section):
     """AdamW and its schedule (warm-up, cosine decay), rendered into the DeepSpeed JSON's "auto" values."""
 
     lr: float = _f(3e-4, "Peak learning rate (AdamW), before optional batch-size scaling.", POSITIVE)
-    min_lr_ratio: float = _f(0.1, "Final learning rate of the cosine decay, as a fraction of lr.")
+    min_lr_ratio: float = _f(0.1, "Final learning rate of the cosine decay, as a fraction of lr.", (0, 1))
     warmup_steps: int = _f(10, "Linear warm-up steps: update k of them trains at k/(warmup_steps+1) of lr; 0: lr "
                               "from the first update.", NON_NEGATIVE)
     weight_decay: float = _f(0.1, "AdamW weight decay.", NON_NEGATIVE)
@@ -141,8 +136,6 @@ class OptimConfig(Section):
 
     def check(self) -> list[str]:
         errs = []
-        if not 0 <= self.min_lr_ratio <= 1:
-            errs.append(f"optim.min_lr_ratio: {self.min_lr_ratio} must be within [0, 1]")
         if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
             errs.append(f"optim.betas: {self.betas} must be two numbers in [0, 1)")
         if self.lr_scaling != "none" and self.reference_batch_size <= 0:
@@ -262,11 +255,12 @@ class WatchdogConfig(Section):
 
     stall_s: float = _f(300.0, "A rank that makes no progress this long (no new phase of a step, no checkpoint "
                                "I/O while saving) ends the job with a hang report naming it (exit 5); 0 "
-                               "turns the watchdog off. Must be below dist.timeout_s.")
+                               "turns the watchdog off. Must be below dist.timeout_s.", Range(0, note="0: off"))
     heartbeat_s: float = _f(2.0, "How often each rank writes its heartbeat (output_dir/heartbeats/rank_<r>.json).",
                             POSITIVE)
     straggler_ratio: float = _f(1.3, "On logging steps, a rank whose compute time per step (data + forward) "
-                                     "exceeds the median of all ranks by this factor is reported.")
+                                     "exceeds the median of all ranks by this factor is reported.",
+                                Range(1, low_open=True))
     debug_fault: str = _f("", "Fault injection: stall:RANK:STEP (the rank stops at STEP), "
                               "slow:RANK:SECONDS[:FROM_STEP] (it sleeps that long every step), "
                               "raise:RANK:STEP (an exception), "
@@ -276,10 +270,6 @@ class WatchdogConfig(Section):
 
     def check(self) -> list[str]:
         errs = []
-        if self.stall_s < 0:
-            errs.append(f"watchdog.stall_s: {self.stall_s} must be >= 0 (0: off)")
-        if self.straggler_ratio <= 1:
-            errs.append(f"watchdog.straggler_ratio: {self.straggler_ratio} must be above 1")
         if self.debug_fault:
             parts = self.debug_fault.split(":")
             ok = (len(parts) == 3 or len(parts) == 4 and parts[0] == "slow" and parts[3].isdigit()) and \

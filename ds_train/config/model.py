@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from ds_train.config.fields import NON_NEGATIVE, POSITIVE, Section, _f, out_of_bounds
+from ds_train.config.fields import NON_NEGATIVE, POSITIVE, Range, Section, _f, out_of_bounds
 from ds_train.fs import path_problem
 
 
@@ -20,7 +20,7 @@ class LoraConfig(Section):
 
     rank: int = _f(0, "Adapter rank r. 0: off (every weight trains).", NON_NEGATIVE)
     alpha: float = _f(16.0, "Scaling numerator: an adapter's update is scaled by alpha / rank.", POSITIVE)
-    dropout: float = _f(0.0, "Dropout on the adapters' input (0: none).", NON_NEGATIVE)
+    dropout: float = _f(0.0, "Dropout on the adapters' input (0: none).", Range(0, 1, high_open=True))
     target_modules: list[str] = _f(["all-linear"], "Module names (or name suffixes) that get adapters; "
                                    "all-linear: every linear layer but the output head.")
     modules_to_save: list[str] = _f([], "Modules trained whole beside the adapters (e.g. embed_tokens, "
@@ -34,8 +34,6 @@ class LoraConfig(Section):
             errs.append(f"model.lora: rank {self.rank} with empty target_modules and modules_to_save trains "
                         f"nothing; list target_modules (e.g. [all-linear] or [q_proj, v_proj]), or set "
                         f"model.lora.rank=0 to train every weight")
-        if self.dropout >= 1:
-            errs.append(f"model.lora.dropout: {self.dropout:g} must be below 1")
         if not self.rank and self.load_in != "none":
             errs.append(f"model.lora.load_in={self.load_in} needs LoRA (a quantised base cannot train); set "
                         f"model.lora.rank")

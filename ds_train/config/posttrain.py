@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from ds_train.config.fields import NON_NEGATIVE, POSITIVE, Section, _f
+from ds_train.config.fields import NON_NEGATIVE, POSITIVE, Range, Section, _f
 from ds_train.config.registry import (ADVANTAGES, KL_ESTIMATORS, LOSS_AGGREGATIONS, PREFERENCE_LOSSES,
                                       ROLLOUT_CORRECTIONS)
 
@@ -23,10 +23,11 @@ class RiptConfig(Section):
     policy: str = _f("", "Empty: the model acts. module:Class: a scripted policy with "
                          "act(task, context, transcript, index) -> str (tests and debugging).")
     iterations: int = _f(50, "RIPT iterations (sample, then update).", POSITIVE)
-    rloo_batch_size: int = _f(8, "K: rollouts per context; the RLOO baseline is the mean of the other K-1.")
+    rloo_batch_size: int = _f(8, "K: rollouts per context; the RLOO baseline is the mean of the other K-1.",
+                              Range(2, note="RLOO leaves one out"))
     contexts_per_rank: int = _f(8, "Quota of accepted contexts (0 < successes < K) per rank per iteration.", POSITIVE)
     early_stop_fraction: float = _f(1.0, "Stop sampling once the accepted contexts of all ranks reach "
-                                         "this fraction of the total quota.")
+                                         "this fraction of the total quota.", Range(0, 1, low_open=True))
     max_contexts_checked: int = _f(64, "Cap on contexts a rank rolls out per iteration (never a hang "
                                        "when its tasks are all solved or all failed).", POSITIVE)
     rollout_contexts: int = _f(8, "Contexts rolled out together (x K episodes in one batched generate).", POSITIVE)
@@ -66,8 +67,8 @@ class RiptConfig(Section):
                                      "max_num_gen_batches); the update takes what was accepted by then. 0: no "
                                      "cap but max_contexts_checked.", NON_NEGATIVE)
     ppo_epochs: int = _f(1, "Passes over the accepted rollouts per iteration.", POSITIVE)
-    clip_low: float = _f(0.2, "PPO ratio clip below 1 (ratio >= 1 - clip_low).")
-    clip_high: float = _f(0.28, "PPO ratio clip above 1 (ratio <= 1 + clip_high).")
+    clip_low: float = _f(0.2, "PPO ratio clip below 1 (ratio >= 1 - clip_low).", Range(0, 1, high_open=True))
+    clip_high: float = _f(0.28, "PPO ratio clip above 1 (ratio <= 1 + clip_high).", NON_NEGATIVE)
     temperature: float = _f(1.0, "Sampling temperature of training rollouts.", NON_NEGATIVE)
     max_new_tokens: int = _f(12, "Tokens per action at most (an action ends at a newline).", POSITIVE)
     sync_every: int = _f(1, "All-reduce and log the per-task statistics every N iterations.", POSITIVE)
@@ -81,7 +82,8 @@ class RiptConfig(Section):
                                                     "rank's own process, on its GPU.")
     vllm_gpu_memory_utilization: float = _f(
         0.3, "The fraction of each GPU vLLM takes for its weights and KV cache (TRL's default); it sleeps while "
-             "the policy trains. On a CPU the KV cache is sized to one rollout batch instead.", (0.0, 1.0))
+             "the policy trains. On a CPU the KV cache is sized to one rollout batch instead.",
+        Range(0, 1, low_open=True, note="the fraction of each GPU vLLM takes, TRL's default 0.3"))
     vllm_tensor_parallel_size: int = _f(1, "Ranks (GPUs of one node) one vLLM engine spans (TRL "
                                            "vllm_tensor_parallel_size): consecutive ranks, each holding its shard; "
                                            "a divisor of the ranks a node runs.", POSITIVE)
@@ -97,17 +99,9 @@ class RiptConfig(Section):
 
     def check(self) -> list[str]:
         errs = []
-        if self.rloo_batch_size < 2:
-            errs.append(f"ript.rloo_batch_size: {self.rloo_batch_size} must be at least 2 (RLOO "
-                        f"leaves one out)")
-        if not 0 < self.early_stop_fraction <= 1:
-            errs.append(f"ript.early_stop_fraction: {self.early_stop_fraction} must be in (0, 1]")
-        if self.max_contexts_checked < self.contexts_per_rank:
+        if 0 < self.max_contexts_checked < self.contexts_per_rank:  # 0: its range says it
             errs.append(f"ript.max_contexts_checked: {self.max_contexts_checked} is below "
                         f"ript.contexts_per_rank={self.contexts_per_rank}")
-        if not 0 <= self.clip_low < 1 or self.clip_high < 0:
-            errs.append(f"ript.clip_low / clip_high: {self.clip_low} / {self.clip_high}: need "
-                        f"0 <= clip_low < 1 and clip_high >= 0")
         if not self.tasks or len(set(map(str, self.tasks))) != len(self.tasks):
             errs.append(f"ript.tasks: {self.tasks} must be a non-empty list without repeats")
         if self.advantage in ADVANTAGES.where(scaled=False) and self.scale_rewards != "group":
@@ -121,9 +115,6 @@ class RiptConfig(Section):
 
     def _check_engine(self) -> list[str]:
         errs = []
-        if self.vllm_gpu_memory_utilization <= 0:
-            errs.append(f"ript.vllm_gpu_memory_utilization: {self.vllm_gpu_memory_utilization} must be within (0, 1]: "
-                        f"the fraction of each GPU vLLM takes (TRL's default 0.3)")
         if self.tis_cap > 0 and self.rollout_engine != "vllm":
             errs.append(f"ript.tis_cap: {self.tis_cap:g} corrects for the rollout engine's log-probs, and "
                         f"ript.rollout_engine={self.rollout_engine} samples from the policy itself; set "
@@ -148,7 +139,8 @@ class DpoConfig(Section):
     loss: PREFERENCE_LOSSES.choices = _f("sigmoid", PREFERENCE_LOSSES.help("The loss of a pair"))
     beta: float = _f(0.1, "The strength of the pull to the reference (DPO's beta; IPO's tau).", POSITIVE)
     label_smoothing: float = _f(0.0, "Conservative DPO (cDPO): the assumed chance that a pair's label is wrong, "
-                                     "in [0, 0.5). sigmoid losses only.", NON_NEGATIVE)
+                                     "in [0, 0.5). sigmoid losses only.",
+                                Range(0, 0.5, high_open=True, note="0.5 would make chosen and rejected alike"))
     reference: Literal["precomputed", "live"] = _f(
         "precomputed", "precomputed: the reference's log-probs of every pair, computed in one pass before the first "
                        "step and stored in data.dir/reference/ (keyed by the model, the data, seq_len and the "
@@ -158,9 +150,6 @@ class DpoConfig(Section):
 
     def check(self) -> list[str]:
         errs = []
-        if self.label_smoothing >= 0.5:
-            errs.append(f"dpo.label_smoothing: {self.label_smoothing:g} must be below 0.5 (0.5 would make "
-                        f"chosen and rejected alike)")
         if self.label_smoothing and self.loss in PREFERENCE_LOSSES.where(smoothed=False):
             smoothed = PREFERENCE_LOSSES.where(smoothed=True)
             errs.append(f"dpo.label_smoothing: applies to the losses {', '.join(smoothed)}; {self.loss} has none: "

@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from ds_train.config.fields import POSITIVE, out_of_range
 from ds_train.errors import UserError
 
 
@@ -72,9 +73,11 @@ def plan_batch(global_batch_size: int, micro_batch_size: int, data_parallel: int
     three. `ranks` says where the data-parallel size comes from when it is not the world size
     (ParallelDims.derivation); empty: every rank is a data-parallel rank."""
     what = f"data-parallel size {data_parallel} ({ranks})" if ranks else f"world size {data_parallel}"
-    if min(global_batch_size, micro_batch_size, data_parallel) <= 0:
-        raise UserError(f"batch sizes must be positive: train.global_batch_size={global_batch_size}, "
-                        f"train.micro_batch_size={micro_batch_size}, {what.replace(' size ', ' size=', 1)}")
+    if min(global_batch_size, micro_batch_size, data_parallel) <= 0:  # each key said as the config says it
+        bad = [out_of_range(key, value, POSITIVE) for key, value in (("train.global_batch_size", global_batch_size),
+                                                                      ("train.micro_batch_size", micro_batch_size))
+               if value <= 0]
+        raise UserError("; ".join(bad or [f"{what}: must be positive"]))
     accum, rest = divmod(global_batch_size, micro_batch_size * data_parallel)
     if rest or accum == 0:
         globals_ = valid_global_batch_sizes(micro_batch_size, data_parallel, global_batch_size)

@@ -83,11 +83,19 @@ def moe_mlp_width(model, hf_config) -> float:
     return (sum(widths) + dense * 4 * getattr(hf_config, "intermediate_size", 4 * hidden)) / hf_config.num_hidden_layers
 
 
+# The config attributes Hugging Face's mixture-of-experts models give their routed experts per layer under
+# (Mixtral, Qwen2/3-MoE, OLMoE: num_experts / num_local_experts; DeepSeek: n_routed_experts; ERNIE: moe_num_experts).
+EXPERT_COUNTS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
+
+
 def check_expert_model(expert: int, hf_config) -> None:
     """A model AutoEP can split into `expert` groups: one of its presets' types, its experts divisible."""
     if expert == 1:
         return
     model_type = getattr(hf_config, "model_type", "?")
+    if not any(isinstance(getattr(hf_config, a, None), int) and getattr(hf_config, a) > 0 for a in EXPERT_COUNTS):
+        raise UserError(f"parallel.expert={expert}: model type {model_type!r} has no experts (a dense model: no "
+                        f"mixture-of-experts layers to split over ranks); set parallel.expert=1")
     if autoep_preset(hf_config) is None:
         types = sorted({t for preset in _presets().values() for t in preset.hf_model_types})
         raise UserError(f"parallel.expert={expert}: model type {model_type!r} has no DeepSpeed AutoEP preset, so its "
