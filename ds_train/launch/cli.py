@@ -13,6 +13,7 @@ target world size).
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 from pathlib import Path
@@ -27,8 +28,9 @@ from ds_train.observe.launchers import BEAT_ENV, BEAT_S, launch_beat_s
 DEFAULT_MASTER_PORT = 29500
 
 
-# The command after `--` and the target world size -> (run config, batch plan), or a UserError.
-CheckCommand = Callable[[list[str], int], tuple]
+# The command after `--`, the target world size, ranks a node and the hosts' device ("cuda", "cpu" or None:
+# not known yet) -> (run config, batch plan), or a UserError: the ranks' own checks (start.check_launch).
+CheckCommand = Callable[[list[str], int, int | None, str | None], tuple]
 # The command after `--` and the target world size -> the memory plan's per-GPU peak in GiB.
 PlanMemory = Callable[[list[str], int], float]
 
@@ -90,11 +92,12 @@ def _split(argv: list[str], name: str) -> tuple[list[str], list[str]]:
     return argv[:i], argv[i + 1:]
 
 
-def _check_run(args, command: list[str], world_size: int):
-    """The command after `--`, checked for the world size: (run config, batch plan)."""
+def _check_run(args, command: list[str], world_size: int, local_world_size: int | None = None,
+               device: str | None = None):
+    """The command after `--`, checked as its ranks check it at this world size: (run config, batch plan)."""
     if not command:
         raise UserError(f"{args.command}: nothing after `--`; give `train` or `ript` with --config and --ds-config")
-    return args.check_command(command, world_size)
+    return args.check_command(command, world_size, local_world_size, device)
 
 
 def _check_flags(opts) -> None:
@@ -163,7 +166,7 @@ def cmd_launch(args) -> int:
     before `--` go to the deepspeed launcher unchanged."""
     from ds_train.launch import envfile
     from ds_train.launch.hostfile import read_hostfile, select_hosts
-    from ds_train.launch.packages import run_packages
+    from ds_train.launch.packages import run_modules, run_packages
     from ds_train.launch.preflight import SshOptions, one_machine_hosts, run_preflight
 
     ours, command_argv = _split(args.argv, "launch")
@@ -173,7 +176,8 @@ def cmd_launch(args) -> int:
     hosts = read_hostfile(opts.hostfile)
     pool = select_hosts(hosts, opts.num_nodes, opts.num_gpus, opts.include, opts.exclude)
     world_size = sum(len(slots) for slots in pool.values())
-    cfg, plan = _check_run(args, command_argv, world_size)
+    per_node = math.gcd(*(len(slots) for slots in pool.values()))  # what must divide every node's ranks
+    cfg, plan = _check_run(args, command_argv, world_size, per_node)
     cwd, python = os.path.abspath("."), sys.executable
     variables = envfile.collect_env(os.environ, list(cfg.launch.env), cwd)
     _check_local(cwd, python, command_argv, variables)
@@ -181,9 +185,10 @@ def cmd_launch(args) -> int:
     ssh = SshOptions.from_env(os.environ, opts.ssh_timeout, opts.ssh_port)
     result = run_preflight(pool, ssh, python, cwd, opts.master_addr, opts.master_port,
                            needed_gib=lambda: args.plan_memory(command_argv, world_size),
-                           packages=run_packages(cfg.log, cfg.ript),
+                           packages=run_packages(cfg.log, cfg.ript), modules=run_modules(cfg, optional=True),
                            where={h.name: f"{opts.hostfile}:{h.line}" for h in hosts},
                            one_machine=one_machine_hosts(os.environ))
+    _check_run(args, command_argv, world_size, per_node, "cuda" if result.on_gpu else "cpu")  # its ds_config
     print(f"preflight: {len(pool)} host(s), world size {world_size} "
           f"({', '.join(f'{h}: {len(s)}' for h, s in pool.items())}); ssh, Python {python}, versions and "
           f"working directory {cwd} ok on every host")
@@ -335,7 +340,9 @@ def cmd_slurm(args) -> int:
     opts, srun_args = _slurm_parser().parse_known_args(ours)
     job = SlurmJob(opts.nodes, opts.gpus_per_node, opts.partition, opts.time, opts.job_name, opts.account,
                    opts.requeue, opts.signal_lead, not opts.no_gpu_request)
-    _check_run(args, command_argv, opts.nodes * opts.gpus_per_node)  # batch math fails here, not in the queue
+    # as its ranks check it, here rather than in the queue (on GPUs when the job asks SLURM for them)
+    _check_run(args, command_argv, opts.nodes * opts.gpus_per_node, opts.gpus_per_node,
+               "cuda" if job.request_gpus else None)
     script = render_sbatch(job, sys.executable, os.path.abspath("."), srun_args, command_argv)
     size = f"{opts.nodes} node(s) x {opts.gpus_per_node} rank(s)"
     if not opts.out:  # the script alone on stdout (`> job.sbatch`); what was done on stderr

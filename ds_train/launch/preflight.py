@@ -29,7 +29,7 @@ from typing import Callable, Mapping
 
 from ds_train.errors import UserError
 from ds_train.launch.hostfile import is_ip_address
-from ds_train.launch.packages import local_versions, run_packages
+from ds_train.launch.packages import import_problem, local_versions, run_packages
 from ds_train.launch.probe import PACKAGES, PORT_TRIES, PROBE
 
 # Seconds a probe may take beyond the ssh connect timeout: it imports torch, which takes seconds
@@ -84,6 +84,7 @@ class PreflightResult:
     master_port: int
     world_size: int
     notes: list[str] = field(default_factory=list)
+    on_gpu: bool = False  # the hosts have GPUs (the ranks run on CUDA)
 
 
 def compare_versions(here: Mapping[str, str | None], hosts: Mapping[str, Mapping[str, str | None]]) -> list[str]:
@@ -148,8 +149,9 @@ def probe_hosts(hosts: list[str], ssh: SshOptions, python: str, cwd: str, master
 
 
 def check_probes(probes: list[HostProbe], python: str, cwd: str, versions: Mapping[str, str | None],
-                 python_version: str) -> list[str]:
-    """Problems with the environment on each host (pure: takes the probes' answers)."""
+                 python_version: str, modules: tuple[tuple[str, str, str], ...] = ()) -> list[str]:
+    """Problems with the environment on each host (pure: takes the probes' answers). `modules`: the
+    run's (module, distribution, fix) the probes imported (packages.run_modules)."""
     problems = [p.problem for p in probes if p.problem]
     unreachable = [p.host for p in probes if p.unreachable]
     if unreachable:
@@ -169,6 +171,9 @@ def check_probes(probes: list[HostProbe], python: str, cwd: str, versions: Mappi
         if not p.info["cwd_exists"]:
             problems.append(f"{p.host}: working directory {cwd} does not exist there; the launcher runs "
                             f"`cd {cwd}` on every node: use a shared file system or the same checkout path")
+        for module, dist, fix in modules:
+            if module in (p.info.get("import_errors") or {}):
+                problems.append(import_problem(module, dist, fix, p.info["import_errors"][module], f"{p.host}: "))
     return problems
 
 
@@ -364,19 +369,21 @@ def run_preflight(pool: Mapping[str, list[int]], ssh: SshOptions, python: str, c
                   master_addr: str, master_port: int, needed_gib: float | Callable[[], float] | None = None,
                   probe: Callable[..., list[HostProbe]] = probe_hosts,
                   packages: tuple[str, ...] | None = None, where: Mapping[str, str] | None = None,
-                  one_machine: frozenset[str] = frozenset()) -> PreflightResult:
+                  one_machine: frozenset[str] = frozenset(),
+                  modules: tuple[tuple[str, str, str], ...] = ()) -> PreflightResult:
     """Probe every host; raise one UserError naming every problem, else the master and world size.
 
     `needed_gib`: the memory plan's per-GPU peak, checked against each used GPU's free memory; a
     callable is asked only when some host has GPUs (the plan takes seconds to build).
     `packages`: whose versions must match this machine's (default run_packages(): a run without wandb
     or TensorBoard). `probe` stands in for probe_hosts (same arguments) in tests. `where` and
-    `one_machine`: see check_identity.
+    `one_machine`: see check_identity. `modules`: the run's (module, distribution, fix), imported on every
+    host (packages.run_modules).
     """
     hosts = list(pool)
     packages = run_packages() if packages is None else packages
-    probes = probe(hosts, ssh, python, cwd, master_port, packages)
-    problems = check_probes(probes, python, cwd, local_versions(packages), platform.python_version())
+    probes = probe(hosts, ssh, python, cwd, master_port, (*packages, *(f"import:{m[0]}" for m in modules)))
+    problems = check_probes(probes, python, cwd, local_versions(packages), platform.python_version(), modules)
     same, same_notes = check_identity(probes, where, one_machine)
     problems += same
     if callable(needed_gib):
@@ -387,4 +394,5 @@ def run_preflight(pool: Mapping[str, list[int]], ssh: SshOptions, python: str, c
         raise UserError(f"preflight: {len(problems)} problem{'s' if len(problems) > 1 else ''}:\n  " +
                         "\n  ".join(problems))
     addr, port, notes = pick_master(probes[0], master_addr, master_port)
-    return PreflightResult(addr, port, sum(len(slots) for slots in pool.values()), same_notes + gpu_notes + notes)
+    return PreflightResult(addr, port, sum(len(slots) for slots in pool.values()), same_notes + gpu_notes + notes,
+                           any(p.info and p.info.get("gpus") for p in probes))

@@ -1,5 +1,6 @@
-"""The probe `ds-train launch` runs on every host (`<python> -c PROBE <cwd> <port> <package>...`, over
-ssh): the host's Python, the versions of the named packages (null: not installed), working directory,
+"""The probe `ds-train launch` runs on every host (`<python> -c PROBE <cwd> <port> <package>...
+import:<module>...`, over ssh): the host's Python, the versions of the named packages (null: not
+installed), the errors of the named modules that fail to import, working directory,
 addresses, the machine's identity (its kernel's boot id with the host name: two hostfile names of
 one machine answer the same), a free master port, its GPUs and the CUDA / NCCL versions its torch was
 built with, printed as one JSON object. Which packages to ask about is the launching host's choice
@@ -11,7 +12,9 @@ PORT_TRIES = 10  # the master port and the next nine
 # Port 0 means "not the master".
 PROBE = r"""
 import importlib.metadata as md, json, os, platform, shutil, socket, subprocess, sys, warnings
-cwd, port, packages = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
+cwd, port = sys.argv[1], int(sys.argv[2])
+packages = [a for a in sys.argv[3:] if not a.startswith("import:")]
+modules = [a[len("import:"):] for a in sys.argv[3:] if a.startswith("import:")]
 def version(name):
     try:
         return md.version(name)
@@ -80,6 +83,18 @@ def boot_id():
             return f.read().strip() or None
     except OSError:
         return None
+def import_errors(modules):
+    # Each module the run imports, imported here: an installed package that fails to (a GPU build
+    # without its CUDA runtime) is named with its error's last line. After torch_cuda, which clears
+    # CUDA_VISIBLE_DEVICES as the launcher would.
+    import importlib
+    out = {}
+    for name in modules:
+        try:
+            importlib.import_module(name)
+        except Exception as e:
+            out[name] = f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"
+    return out
 try:
     addresses = subprocess.run(["hostname", "-I"], capture_output=True, text=True, timeout=5).stdout.split()
 except (OSError, subprocess.SubprocessError):
@@ -91,5 +106,5 @@ print(json.dumps({
     "cwd_exists": os.path.isdir(cwd), "hostname": socket.gethostname(), "boot_id": boot_id(),
     "addresses": addresses,
     "free_port": next((p for p in range(port, port + %(tries)d) if free(p)), None) if port else None,
-    "gpus": listed, "gpu_error": gpu_error, **torch_cuda(listed)}))
+    "gpus": listed, "gpu_error": gpu_error, **torch_cuda(listed), "import_errors": import_errors(modules)}))
 """ % {"tries": PORT_TRIES}
