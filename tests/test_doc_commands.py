@@ -1,9 +1,11 @@
-"""Every command the README, docs/*.md and the recipes' comments show (tests/doc_commands.py collects
-them), run from a fresh checkout with an empty runs/: as written where a 2-core CPU can run it,
-reduced where it would take minutes (a training run's steps, a bench's `--reduced`), checked where
-it needs GPUs or other nodes (`--help`, `ds-train launch --check` on the loopback cluster of
-scripts/local_cluster.sh, `ds-train estimate`). WAYS says which, and why, for each; a documented
-command that matches no row fails the fast test, so a new command in the docs needs a row.
+"""Every command the README, docs/*.md, the benches' READMEs and the recipes' comments show, in blocks
+and inline in prose (tests/doc_commands.py collects them), run from a fresh checkout with an empty
+runs/: as written where a 2-core CPU can run it, reduced where it would take minutes (a training
+run's steps, a bench's `--reduced`), checked where it needs GPUs or other nodes (`--help`, `ds-train
+launch --check` on the loopback cluster of scripts/local_cluster.sh, `ds-train estimate`). WAYS says
+which, and why, for each; a documented command that matches no row fails the fast test, so a new
+command in the docs needs a row. The inline ones (INLINE_WAYS) add about 15 s: --help runs, one
+estimate, a monitor frame.
 
     PYTHONPATH=. python -m pytest -q tests/test_doc_commands.py -m "not slow"  # the table covers the docs
     PYTHONPATH=. python -m pytest -q -s tests/test_doc_commands.py -m slow      # they run (and a table of times)
@@ -53,13 +55,14 @@ class Way:
     pattern: str
     how: str
     why: str
-    run: str = "{cmd}"  # what runs in the checkout ({cmd}: the documented command); "": nothing
+    run: str = "{cmd}"  # what runs in the checkout ({cmd}: the documented command, {1}: the pattern's group 1)
     phase: int = 0  # 0: in reading order; CLUSTER_CHECKS: after those, with the loopback cluster up; LAST
     expect: tuple[str, ...] = ()  # lines its output must hold, beyond exit 0 (the launch's own test, shared)
     expect_files: tuple[tuple[str, str], ...] = ()  # (a file of the checkout, text it holds after the step)
 
     def command(self, doc: Documented) -> str:
-        return self.run.replace("{cmd}", doc.text)
+        group = re.fullmatch(self.pattern, doc.text).group(1) if "{1}" in self.run else ""
+        return self.run.replace("{cmd}", doc.text).replace("{1}", group or "")
 
 
 def _exact(text: str) -> str:
@@ -70,11 +73,65 @@ def _launch_check(train_args: str) -> str:
     return f"ds-train launch --hostfile {CLUSTER} --check -- {train_args}"
 
 
+SUBCOMMANDS = "train|ript|prepare|convert|export|launch|slurm|estimate|dry-run|parity|parity-worker|monitor|doctor|plot"
+# What the prose names in inline code (`ds-train export`, `ds-train parity --tensor 2`, `python bench/dpo.py`) and
+# the benches' READMEs show: most are a subcommand's name or a flag of it (its --help parses: a second each), the
+# rest run as written, join a step above, or need what this machine lacks (a GPU, the network).
+INLINE_WAYS = [
+    Way(rf"ds-train ({SUBCOMMANDS})( --to universal| --out| --(tensor|expert|sequence) 2| -- ript \.\.\.| PLAN"
+        rf"| RUN_DIR( \[(LOGFILE|RUN_DIR) \.\.\.\])?)?", CHECKED,
+        "a subcommand named in prose, bare or with one of its flags or placeholders: its --help parses (what each "
+        "does runs in its own rows and tests)", "ds-train {1} --help"),
+    Way(_exact("ds-train --debug train ..."), CHECKED, "placeholder arguments: --debug before the subcommand parses",
+        "ds-train --debug train --help"),
+    Way(r"ds-train (train|ript) --help-config", AS_WRITTEN, "prints every config key"),
+    Way(r"deepspeed|srun", NOT_A_COMMAND, "a launcher's name in prose", ""),
+    Way(_exact("srun --wait=60 python -u -m ds_train train ..."), ELSEWHERE,
+        "the line `ds-train slurm` writes into its script (placeholder arguments): tests/test_slurm.py runs such "
+        "scripts under a real one-node SLURM; the slurm rows above write one here", ""),
+    Way(_exact("deepspeed --num_gpus N --module ds_train ript --config C --ds-config D"), CHECKED,
+        "placeholders N, C, D: ript's arguments parse; the RIPT demo's own command runs (reduced) by the bench below",
+        "ds-train ript --help"),
+    Way(_exact("deepspeed --num_gpus 2 my_entry.py ript --config C --ds-config D"), ELSEWHERE,
+        "the reader's own entry file: tests/test_registry.py launches one of its own this way (2 ranks, an "
+        "advantage estimator registered in it)", ""),
+    Way(_exact("bash scripts/quickstart.sh train.max_steps=400"), REDUCED,
+        "an override passed to the script the way README.md:4's step passes train.max_steps=2: that step",
+        f"bash scripts/quickstart.sh train.max_steps=2 {LEAN}"),
+    Way(_exact("ds-train monitor runs/quickstart --once"), AS_WRITTEN, "the quickstart's run, finished by then"),
+    Way(_exact("ds-train estimate --config llama8b_lora.yaml --ds-config ds_configs/zero2.json --nodes 1 "
+               "--gpus-per-node 1"), AS_WRITTEN, "llama8b_lora.yaml written first from the YAML block above it; "
+        "arithmetic on the meta device", "python -c 'import re, pathlib; t = pathlib.Path(\"docs/fine_tuning.md\")"
+        ".read_text(); pathlib.Path(\"llama8b_lora.yaml\").write_text(re.search(r\"```yaml\\n(model:.*?)```\", t, "
+        "re.S).group(1))' && {cmd}",
+        expect=("LoRA trains 41.94M of them", "peak 19.20 of 80 GiB per GPU on world 1 -> fits")),
+    Way(_exact("python bench/rl_vs_sft.py --demo ript"), REDUCED,
+        "the bench's default demo named in prose: its --replace step below (reduced)",
+        "python bench/rl_vs_sft.py --replace --reduced"),
+    Way(_exact("python bench/rl_vs_sft.py --demo arith"), REDUCED,
+        "the demo named in prose: its --replace step below (reduced)",
+        "python bench/rl_vs_sft.py --demo arith --replace --reduced"),
+    Way(_exact("python bench/long_context.py"), CHECKED,
+        "a search of many launches in 1.3 GiB memory cgroups (minutes): its arguments parse; the recipe it "
+        "launches runs above (1 step) and tests/test_config.py checks its two ranks' layout", "{cmd} --help"),
+    Way(_exact("bash scripts/setup.sh"), AS_WRITTEN, "the checkout's .venv holds both parts' stamps: installs nothing"),
+    Way(_exact("python3 scripts/vllm_hashes.py"), ELSEWHERE,
+        "reads PyPI's JSON API (no network here): tests/test_scripts.py checks its output offline, from a "
+        "recorded index", ""),
+    Way(_exact('python -c "import torch; print(torch.version.cuda)"'), AS_WRITTEN, "prints None on this CPU torch"),
+    Way(_exact("bash bench/gpu/wheels.sh"), ELSEWHERE,
+        "downloads wheels from PyPI for a GPU lease (no network here); tests/test_bench_gpu.py runs the benches' "
+        "--reduced forms", ""),
+    Way(r"source bench/gpu/env\.sh && python3 bench/gpu/lease\.py .*|python3 bench/gpu/mfu\.py .*", ELSEWHERE,
+        "needs a GPU (a lease of one H200); tests/test_bench_gpu.py runs each part's --reduced form on this CPU", ""),
+]
+
 WAYS = [
     Way(_exact("bash scripts/quickstart.sh"), REDUCED,
         "2 steps, the README's own way of passing overrides; it makes runs/quickstart, which the commands "
         "after it read", f"{{cmd}} train.max_steps=2 {LEAN}"),
-    Way(_exact("bash scripts/test.sh"), ELSEWHERE, "the suite itself, this test included: CI runs it", ""),
+    Way(r'bash scripts/test\.sh( -m "not slow")?', ELSEWHERE, "the suite itself, this test included: CI runs it",
+        ""),
     Way(_exact("source .venv/bin/activate"), AS_WRITTEN,
         "its effect: every command here runs with the checkout's .venv/bin first on PATH", ""),
     Way(_exact("deepspeed --num_gpus 2 --module ds_train train --config recipes/quickstart.yaml --ds-config "
@@ -229,6 +286,7 @@ WAYS = [
     Way(_exact("deepspeed --num_gpus 2 --module ds_train train --config recipes/quickstart.yaml --ds-config "
                "ds_configs/zero2.json train.micro_batch_size=16"), BY_ANOTHER,
         "what `bash scripts/quickstart.sh` (README.md:4) runs, its defaults in place (checked by the fast test)", ""),
+    *INLINE_WAYS,
 ]
 
 
@@ -248,7 +306,7 @@ def test_every_documented_command_has_one_way_and_every_way_a_command():
     stale = [w.pattern for w in WAYS if not any(re.fullmatch(w.pattern, d.text) for d in docs)]
     assert not stale, "rows of WAYS matching no documented command:\n" + "\n".join(stale)
     assert {d.program for d in docs} <= {"ds-train", "deepspeed", "torchrun", "python", "python3", "bash", "sbatch",
-                                         "eval", "source", "nc", "..."}
+                                         "srun", "eval", "source", "nc", "..."}
 
 
 def test_the_commands_run_by_another_are_that_ones():
@@ -285,11 +343,19 @@ def test_commands_are_collected_from_shell_blocks_prompts_and_recipe_comments():
         "ds-train: error: output too", "```", "```yaml", "ript: {tasks: [add]}", "```",
         "```console", "$ echo 'a # not a comment' # but this is", "```"])
     got = [(d.where, d.text) for d in markdown_commands(md, "X.md")]
-    assert got == [("X.md:3", "source .venv/bin/activate"),
+    assert got == [("X.md:1", "ds-train inline"), ("X.md:3", "source .venv/bin/activate"),
                    ("X.md:4", "deepspeed --num_gpus 2 --module ds_train train --config a.yaml"),
                    ("X.md:7", "python -m http.server 1 --bind 0.0.0.0"),
                    ("X.md:10", "ds-train estimate --config C --nodes 2"),
                    ("X.md:19", "echo 'a # not a comment'")]
+    prose = "\n".join([
+        "Prose with `python bench/dpo.py` and `not a program` and ``ds-train export RUN_DIR --out", "x`` across lines,",
+        "then `deepspeed` alone; `python-stdlib` is a name.", "", "An indented block:", "",
+        "    source env.sh && python3 lease.py \\", "        --out $OUT", "", "    pip list", "after it `bash s.sh`"])
+    assert [(d.where, d.text) for d in markdown_commands(prose, "P.md")] == [
+        ("P.md:1", "python bench/dpo.py"), ("P.md:1", "ds-train export RUN_DIR --out x"), ("P.md:3", "deepspeed"),
+        ("P.md:7", "source env.sh && python3 lease.py --out $OUT"), ("P.md:11", "bash s.sh")]
+    assert any(d.where.startswith("bench/gpu/README.md:") for d in collect(ROOT))  # the benches' READMEs too
     recipe = "\n".join(["# A recipe:", "#   deepspeed --num_gpus 2 --module ds_train train --config r.yaml \\",
                         "#       --ds-config z.json", "#   not a program here",
                         "#   bash scripts/quickstart.sh   # first",
