@@ -63,7 +63,7 @@ def check_command(argv: list[str], world_size: int, local_world_size: int | None
                         f"{args.command or 'nothing'!r}")
     if not args.config or not args.ds_config:
         raise UserError(f"{args.command} needs --config and --ds-config")
-    cfg = load_config(args.config, args.overrides)
+    cfg = load_config(args.config, args.overrides, command=args.command)
     return cfg, check_launch(cfg, args.ds_config, args.spec(cfg), world_size, local_world_size, device)
 
 

@@ -624,6 +624,12 @@ def test_a_train_run_given_ript_keys_is_refused_before_anything_is_written(tmp_p
                  "data.dir: set, but `ds-train ript` does not read data.*",
                  "override train.max_steps=3: set, but `ds-train ript` does not read train.max_steps")
     assert tree_listing(tmp_path) == before
+    from ds_train.__main__ import check_command, plan_memory  # what `ds-train launch` / `slurm` check first
+
+    for check in (check_command, plan_memory):
+        with pytest.raises(UserError, match=r"ript.tasks: set, but `ds-train train` does not read ript.\*"):
+            check(["train", "--config", str(cfg), "--ds-config", "ds_configs/zero2.json"], 2)
+    assert tree_listing(tmp_path) == before
 
 
 @pytest.mark.parametrize("recipe", sorted((ROOT / "recipes").glob("*.yaml")), ids=lambda p: p.name)
