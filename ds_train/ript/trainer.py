@@ -85,6 +85,7 @@ class RiptInputs:
 
     @classmethod
     def check(cls, cfg: RunConfig, ds_config_path: str, env, spec: RunSpec) -> "RiptInputs":
+        r = cfg.ript
         check_ript_config(cfg)  # fail fast: before the model is read
         run = check_inputs(cfg, ds_config_path, rank_config_check(cfg, spec, env, ds_config_path), data=False)
         engine = check_rollout_engine(cfg, run.source.hf_config, env.world_size, env.local_world_size)
