@@ -228,10 +228,31 @@ def reap(proc: subprocess.Popen, timeout: float) -> Result:
     return Result(proc.returncode, out)
 
 
-def deepspeed_args(config: Path, ds_config: str, *overrides: str, nproc: int = 2) -> list[str]:
-    return [str(BIN / "deepspeed"), "--num_gpus", str(nproc), "--master_port", str(free_port()),
-            "--module", "ds_train", "train", "--config", str(config),
-            "--ds-config", str(ROOT / "ds_configs" / ds_config), *overrides]
+def node_launch(nproc: int = 2) -> list[str]:
+    """DeepSpeed's per-node launcher as its runner starts it on one node (deepspeed/launcher/runner.py's
+    local branch: `python -u -m deepspeed.launcher.launch --world_info=... --master_addr=127.0.0.1
+    --master_port=...`): what pdsh runs on each node of a multi-node job. Tests whose subject is not the
+    `deepspeed` command start their ranks with it, saving the runner's own Python start-up (it imports
+    DeepSpeed, then starts this launcher, which imports it again): ~3 CPU seconds a launch. The runner,
+    the launchers and multi-node (test_launch, test_launchers, test_multinode, test_doc_commands,
+    straight_zero2) keep the real `deepspeed` command. The checkout's ds_train is importable from
+    any working directory (its editable install), which is what the runner's PYTHONPATH adds."""
+    import base64
+
+    world = base64.urlsafe_b64encode(json.dumps({"localhost": list(range(nproc))}).encode()).decode()
+    return [sys.executable, "-u", "-m", "deepspeed.launcher.launch", f"--world_info={world}",
+            "--master_addr=127.0.0.1", f"--master_port={free_port()}"]
+
+
+def deepspeed_runner(nproc: int = 2) -> list[str]:
+    """The `deepspeed` command on one node: for tests whose subject is the runner (a signal to it, its exit)."""
+    return [str(BIN / "deepspeed"), "--num_gpus", str(nproc), "--master_port", str(free_port())]
+
+
+def deepspeed_args(config: Path, ds_config: str, *overrides: str, nproc: int = 2, runner: bool = False) -> list[str]:
+    """`train` on `nproc` ranks through DeepSpeed's per-node launcher (node_launch), or its runner."""
+    return [*(deepspeed_runner if runner else node_launch)(nproc), "--module", "ds_train", "train", "--config",
+            str(config), "--ds-config", str(ROOT / "ds_configs" / ds_config), *overrides]
 
 
 def expect_error(args: list[str], *needles: str, timeout: float = 180, wrap: list[str] = ()) -> str:

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import (BIN, ROOT, STRAIGHT_STEPS, Result, deepspeed_args, deepspeed_train, ds_train, expect_error,
-                      TINY_MODEL, free_port, pids_with, reap, run_cmd, spawn, tiny_config, tree_listing, write_config)
+from conftest import (ROOT, Result, STRAIGHT_STEPS, TINY_MODEL, deepspeed_args, deepspeed_train, ds_train, expect_error,
+                      node_launch, pids_with, reap, run_cmd, spawn, tiny_config, tree_listing, write_config)
 from ds_train.checkpoint import commit as checkpoint
 from ds_train.checkpoint import consensus, resume
 from ds_train.observe.doctor import diagnose
@@ -319,8 +319,7 @@ def engine_logits(config: Path, ds_config: str, ckpt_dir: Path, tag: str, out: P
     """tests/tp_logits_probe.py on 2 processes: the AutoTP engine given the tag, its logits on a fixed input."""
     import torch
 
-    res = run_cmd([str(BIN / "deepspeed"), "--num_gpus", "2", "--master_port", str(free_port()),
-                   str(ROOT / "tests" / "tp_logits_probe.py"), str(config), str(ROOT / "ds_configs" / ds_config),
+    res = run_cmd([*node_launch(), str(ROOT / "tests" / "tp_logits_probe.py"), str(config), str(ROOT / "ds_configs" / ds_config),
                    str(ckpt_dir), tag, str(out)], timeout=300)
     assert res.returncode == 0, res.out[-3000:]
     return torch.load(out)
@@ -432,7 +431,7 @@ def test_sigterm_to_a_rank_or_the_launcher_and_sigkill_of_the_launcher_save_and_
     cfg = write_config(tmp_path / "run.yaml", tiny_config(
         tiny_data, run_dir, train={"max_steps": STEPS}, checkpoint={"every": 100, "save_final": True},
         watchdog={"stall_s": STALL_S}))
-    args = deepspeed_args(cfg, "zero2.json", "watchdog.debug_fault=slow:0:0.5")  # slower, same numbers
+    args = deepspeed_args(cfg, "zero2.json", "watchdog.debug_fault=slow:0:0.5", runner=True)  # slower, same numbers
     proc = spawn(args)
     k = stop_by(proc, run_dir, 2, lambda: rank_pid(run_dir, 1), signal.SIGTERM, 60)
     for signum, within_s in ((signal.SIGTERM, 60), (signal.SIGKILL, STALL_S + 60)):

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import (BIN, ROOT, TINY_MODEL, deepspeed_args, deepspeed_train, ds_train, free_port, run_cmd, spawn,
+from conftest import (ROOT, TINY_MODEL, deepspeed_args, deepspeed_train, ds_train, node_launch, run_cmd, spawn,
                       tiny_config, write_config)
 from ds_train.checkpoint import commit as checkpoint
 from ds_train.config.file import build_config, describe
@@ -198,8 +198,7 @@ def test_zero3_on_two_processes_trains_the_adapters_of_zero0_on_one_and_both_exp
     res = ds_train("export", str(tmp_path / "zero3"), "--out", str(merged), "--merge", timeout=300)
     assert res.returncode == 0, res.out[-3000:]
     probe = tmp_path / "engine_logits.pt"
-    res = run_cmd([str(BIN / "deepspeed"), "--num_gpus", "2", "--master_port", str(free_port()),
-                   str(ROOT / "tests" / "tp_logits_probe.py"), str(runs["zero3"]), str(ROOT / "ds_configs" / "zero3.json"),
+    res = run_cmd([*node_launch(), str(ROOT / "tests" / "tp_logits_probe.py"), str(runs["zero3"]), str(ROOT / "ds_configs" / "zero3.json"),
                    str(tmp_path / "zero3" / "checkpoints"), "step_00000005", str(probe)], timeout=300)
     assert res.returncode == 0, res.out[-3000:]
     engine = torch.load(probe)

@@ -10,15 +10,14 @@ import re
 import pytest
 import torch
 
-from conftest import BIN, ROOT, free_port, run_cmd
+from conftest import ROOT, node_launch, run_cmd
 from ds_train.model.build import checkpoint_activations
 from ds_train.plan.memory import activation_bytes, estimate, model_shape, model_states, parameter_bytes_beside
 
 
 @pytest.mark.slow
 def test_predicted_model_states_match_what_each_rank_holds(tiny_data, tmp_path):
-    res = run_cmd([str(BIN / "deepspeed"), "--num_gpus", "2", "--master_port", str(free_port()),
-                   str(ROOT / "tests" / "memory_probe.py"), str(tiny_data), str(tmp_path), str(ROOT)],
+    res = run_cmd([*node_launch(), str(ROOT / "tests" / "memory_probe.py"), str(tiny_data), str(tmp_path), str(ROOT)],
                   timeout=600)
     assert res.returncode == 0, res.out[-4000:]
     probes = [json.loads(m) for m in re.findall(r"PROBE (\{[^}]*\})", res.out)]  # ranks interleave

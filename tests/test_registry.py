@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from conftest import BIN, ROOT, TINY_MODEL, free_port, ript_config, run_cmd
+from conftest import ROOT, TINY_MODEL, node_launch, ript_config, run_cmd
 from ds_train.config.file import build_config, describe
 from ds_train.config.registry import (ADVANTAGES, KL_ESTIMATORS, LOSS_AGGREGATIONS, PREFERENCE_LOSSES, Entry,
                                       Registry)
@@ -146,8 +146,7 @@ def test_a_ript_run_trains_with_an_estimator_and_an_aggregation_from_a_scratch_m
     (tmp_path / "my_algorithms.py").write_text(SCRATCH)
     (tmp_path / "entry.py").write_text(ENTRY)
     config = ript_config(tmp_path, tiny_policy, advantage="marked", loss_agg_mode="token-sum")
-    res = run_cmd([str(BIN / "deepspeed"), "--num_gpus", "2", "--master_port", str(free_port()),
-                   str(tmp_path / "entry.py"), "ript", "--config", str(config), "--ds-config",
+    res = run_cmd([*node_launch(), str(tmp_path / "entry.py"), "ript", "--config", str(config), "--ds-config",
                    str(ROOT / "ds_configs" / "zero2.json")], timeout=240,
                   env={"PYTHONPATH": f"{ROOT}:{ROOT / 'tests'}:{tmp_path}"})  # this checkout's ds_train
     assert res.returncode == 0, res.out[-4000:]

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import (BIN, ROOT, SCRIPTED_TASKS, TESTS_ON_PATH, ds_train, expect_error, free_port, pids_with, reap,
-                      ript_config, run_cmd, spawn, tree_listing)
+from conftest import (ROOT, SCRIPTED_TASKS, TESTS_ON_PATH, deepspeed_runner, ds_train, expect_error, free_port, node_launch, pids_with,
+                      reap, ript_config, run_cmd, spawn, tree_listing)
 from ds_train.checkpoint import commit as checkpoint
 from ds_train.ript.sampler import ContextSampler, Tally
 from ds_train.ript.sharding import shard_tasks
@@ -27,8 +27,8 @@ ZERO2 = str(ROOT / "ds_configs" / "zero2.json")
 TEMPLATE = "{{ bos_token }}{% for m in messages %}{{ m['content'] }}{% endfor %}"  # the policy's plain transcript
 
 
-def ript_args(config: Path, *overrides: str) -> list[str]:
-    return [str(BIN / "deepspeed"), "--num_gpus", "2", "--master_port", str(free_port()), "--module", "ds_train",
+def ript_args(config: Path, *overrides: str, runner: bool = False) -> list[str]:
+    return [*(deepspeed_runner if runner else node_launch)(), "--module", "ds_train",
             "ript", "--config", str(config), "--ds-config", ZERO2, *overrides]
 
 
@@ -190,7 +190,7 @@ def test_sigterm_to_the_launcher_saves_and_the_resume_is_exact(sft_policy, tmp_p
     assert [reference_bytes(straight / "run", r) for r in (0, 1)] == [whole, whole]  # ZeRO-2: a whole frozen copy
 
     cfg = ript_config(split, sft_policy, MODEL_TRAIN, {"lr": LR}, **model_ript)
-    proc = spawn(ript_args(cfg, *scaling, "watchdog.debug_fault=slow:0:1.0"))  # slower (the ranks see the
+    proc = spawn(ript_args(cfg, *scaling, "watchdog.debug_fault=slow:0:1.0", runner=True))  # slower (the ranks see the
     wait_for_iteration(proc, split / "run", 2)  # runner gone within a second), same numbers
     os.kill(proc.pid, signal.SIGTERM)  # the `deepspeed` runner alone, as a container runtime signals it
     res = reap(proc, timeout=90)  # every rank closed the output pipe: none is left
@@ -475,8 +475,7 @@ def test_the_policy_update_is_the_hand_computed_loss_and_gradient_over_ranks_and
             "train": {"micro_batch_size": 2, "global_batch_size": 16},
             "ript": {"rloo_batch_size": 4, "contexts_per_rank": 2, "ppo_epochs": 2}}
     (tmp_path / "rollouts.json").write_text(json.dumps(spec))
-    res = run_cmd([str(BIN / "deepspeed"), "--num_gpus", "2", "--master_port", str(free_port()),
-                   str(ROOT / "tests" / "ript_update_probe.py"), str(tiny_policy), str(tmp_path / "rollouts.json"),
+    res = run_cmd([*node_launch(), str(ROOT / "tests" / "ript_update_probe.py"), str(tiny_policy), str(tmp_path / "rollouts.json"),
                    str(tmp_path)], timeout=240)
     assert res.returncode == 0, res.out[-4000:]
     got = torch.load(tmp_path / "update.pt")

@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import (BIN, ROOT, TESTS_ON_PATH, free_port, losses_by_step, ript_config, run_cmd, tiny_config,
+from conftest import (BIN, ROOT, TESTS_ON_PATH, losses_by_step, node_launch, ript_config, run_cmd, tiny_config,
                       write_config)
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
@@ -63,7 +63,7 @@ def first_jobs(slurm, tiny_data, tiny_policy, tmp_path_factory):
 
 def reference(config: Path, command: str) -> Path:
     """The same run straight through, through the deepspeed launcher beside SLURM: its run dir."""
-    res = run_cmd([str(BIN / "deepspeed"), "--num_gpus", "2", "--master_port", str(free_port()), "--module",
+    res = run_cmd([*node_launch(), "--module",
                    "ds_train", command, "--config", str(config), "--ds-config", ZERO2], timeout=300, env=TESTS_ON_PATH)
     assert res.returncode == 0, res.out[-3000:]
     return Path(yaml.safe_load(config.read_text())["output_dir"])

@@ -10,7 +10,7 @@ import socket
 
 import pytest
 
-from conftest import BIN, ROOT, deepspeed_train, ds_train, free_port, run_cmd, tiny_config, write_config
+from conftest import ROOT, deepspeed_train, ds_train, node_launch, run_cmd, tiny_config, write_config
 
 pytestmark = pytest.mark.slow  # every test here runs the trainer through a launcher
 STAGES = ["zero0", "zero1", "zero2", "zero3"]
@@ -196,8 +196,7 @@ def test_single_process_form_with_eval_sample_and_checkpoint(tiny_data, tmp_path
 def test_the_loss_is_a_mean_over_all_tokens_when_ranks_hold_different_counts(tmp_path):
     """Rank 0 holds 4 target tokens, rank 1 holds 120: a mean of per-rank means would weigh rank
     0's tokens 30 times as much."""
-    res = run_cmd([str(BIN / "deepspeed"), "--num_gpus", "2", "--master_port", str(free_port()),
-                   str(ROOT / "tests" / "uneven_loss.py"), str(tmp_path)], timeout=180, env={"PYTHONPATH": str(ROOT)})
+    res = run_cmd([*node_launch(), str(ROOT / "tests" / "uneven_loss.py"), str(tmp_path)], timeout=180, env={"PYTHONPATH": str(ROOT)})
     assert res.returncode == 0, res.out[-3000:]
     ranks = [json.loads((tmp_path / f"rank_{r}.json").read_text()) for r in (0, 1)]
     assert [r["tokens"] for r in ranks] == [4, 120]
