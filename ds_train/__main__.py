@@ -53,9 +53,9 @@ def check_command(argv: list[str], world_size: int, local_world_size: int | None
                   device: str | None = None):
     """The command `ds-train launch` / `slurm` runs on every rank: parsed by that subcommand's own
     parser, its config loaded and checked at the target world size as each rank checks it
-    (start.check_launch; `device`: "cuda" or "cpu" where known, for the rendered ds_config)."""
+    (inputs.check_launch; `device`: "cuda" or "cpu" where known, for the rendered ds_config)."""
     from ds_train.config.file import load_config
-    from ds_train.start import check_launch
+    from ds_train.inputs import check_launch
 
     args = build_parser().parse_args(argv)
     if getattr(args, "spec", None) is None:

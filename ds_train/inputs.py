@@ -17,13 +17,14 @@ is prepared and again once the tokenizer's vocabulary is known (start.build_run)
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from functools import partial
 from pathlib import Path
 from typing import Any, Callable
 
 from ds_train.checkpoint.export import locate_model, resolve_source
 from ds_train.config import RunConfig
 from ds_train.data.datasets import Datasets, build_datasets
-from ds_train.data.meta import META, check_vocab, load_meta
+from ds_train.data.meta import META, check_vocab, load_meta, read_meta
 from ds_train.data.prepare import ensure_prepared
 from ds_train.data.tokenizer import load_tokenizer, vocabulary_id
 from ds_train.dsconfig import check_optimizer, check_scheduler
@@ -145,6 +146,17 @@ def check_template(cfg: RunConfig, ds_config_path: str) -> dict:
     return template
 
 
+def check_data_meta(cfg: RunConfig, hf_config) -> None:
+    """The prepared data against the model from data.dir's meta.json alone, as the launch host checks it
+    (it reads no tokens and writes nothing): every token id the data holds is an id of the model's
+    vocabulary, where that vocabulary is the model's own (model.path or model.config.vocab_size; a model
+    from scratch takes the data tokenizer's). A data.dir not prepared yet, or not on this host, is the
+    ranks' to check."""
+    if not (cfg.model.path or "vocab_size" in cfg.model.config) or not (Path(cfg.data.dir) / META).is_file():
+        return
+    check_vocab(read_meta(Path(cfg.data.dir)), getattr(hf_config, "vocab_size", None), cfg.data.dir)
+
+
 # The rank's check of its config at its world size, given the template and the model's config
 # (check_inputs runs it before the data is prepared).
 ConfigCheck = Callable[[dict, Any], Any]
@@ -247,3 +259,32 @@ def plan_config(cfg: RunConfig):
                         f"model.config.vocab_size or run `ds-train prepare --config ...`")
     meta = ensure_prepared(d, tokenizer_dir(cfg, None)) if d.sources else load_meta(d.dir)
     return with_vocab(hf_config, cfg.model, len(load_tokenizer(meta["tokenizer"])))
+
+
+def check_launch(cfg: RunConfig, ds_config_path: str, spec, world_size: int,
+                 local_world_size: int | None = None, device: str | None = None) -> Any:
+    """What `ds-train launch --check` / `slurm` check of the command every rank will run, at the target
+    world size: the ranks' own checks of the DeepSpeed JSON (check_template) and of the config
+    (check_config), with the model's config (no weights: each rank reads those) and, for a `device` the
+    hosts were found to have, the rendered ds_config; the prepared data from its meta.json alone
+    (check_data_meta). Returns the batch plan."""
+    template = check_template(cfg, ds_config_path)
+    hf_config = model_config(cfg)
+    checked = check_config(cfg, template, spec, world_size, hf_config, ds_config_path, device,
+                           local_world_size=local_world_size)
+    if spec.kind.name == "train":  # ript reads no prepared data
+        check_data_meta(cfg, hf_config)
+    return checked.layout.batch
+
+
+def rank_config_check(cfg: RunConfig, spec, env, ds_config_path: str) -> ConfigCheck:
+    """check_config at this rank's world, on its device: what check_inputs runs before the data."""
+    from deepspeed.accelerator import get_accelerator
+
+    accel = get_accelerator()
+    return partial(_config_check, cfg, spec, env, ds_config_path, accel.device_name(), accel.is_bf16_supported())
+
+
+def _config_check(cfg, spec, env, ds_config_path, device, bf16, template, hf_config):
+    return check_config(cfg, template, spec, env.world_size, hf_config, ds_config_path, device, bf16,
+                        env.local_world_size)

@@ -1,5 +1,5 @@
 """Starting a run: everything before the first step, composed from its parts, for `train`, `ript`,
-`dry-run` and `parity` (and what `launch --check` / `slurm` check of the command they start).
+`dry-run` and `parity` (what `launch --check` / `slurm` check of the command they start: inputs.check_launch).
 
 `build_run` (each phase a function, each component built by its own function):
 1. alone (each rank fails fast on its own): the run directory can be written, the config at the
@@ -41,7 +41,7 @@ from ds_train.errors import AgreedError, UserError
 from ds_train.faults import step_fault
 from ds_train.fs import check_writable, file_lock, write_atomic
 from ds_train.guard import NonFiniteGuard
-from ds_train.inputs import ConfigCheck, ModelSource, RunInputs, check_config, check_template, model_config
+from ds_train.inputs import ModelSource, RunInputs, check_config
 from ds_train.model.build import build_model, count_params, flops_per_token, has_frozen_params, lookup_params, seed_all
 from ds_train.model.kernels import apply_liger, compile_layers, compiles
 from ds_train.model.tiled_mlp import tiled_mlps
@@ -51,35 +51,10 @@ from ds_train.observe.logs import build_rank_log, capture_console, console_say, 
 from ds_train.observe.metrics import build_logger, device_name, peak_flops, rewind_jsonl
 from ds_train.observe.startup import StartupClock, process_started
 from ds_train.observe.watchdog import Heartbeat, Watchdog
-from ds_train.plan.batch import BatchPlan
 from ds_train.plan.memory import checkpoint_bytes
 from ds_train.plan.parallel import Layout, ParallelDims, deepspeed_range_note
 from ds_train.run import Run, RunLifecycle, RunSpec, StopRequest
 from ds_train.topology import DistEnv, node_hosts, threads_per_rank
-
-
-def check_launch(cfg: RunConfig, ds_config_path: str, spec: RunSpec, world_size: int,
-                 local_world_size: int | None = None, device: str | None = None) -> BatchPlan:
-    """What `ds-train launch --check` / `slurm` check of the command every rank will run, at the target
-    world size: the ranks' own checks of the DeepSpeed JSON (check_template) and of the config
-    (check_config), with the model's config (no weights, no data: each rank checks those) and, for a
-    `device` the hosts were found to have, the rendered ds_config. Returns the batch plan."""
-    template = check_template(cfg, ds_config_path)
-    return check_config(cfg, template, spec, world_size, model_config(cfg), ds_config_path, device,
-                        local_world_size=local_world_size).layout.batch
-
-
-def rank_config_check(cfg: RunConfig, spec: RunSpec, env: DistEnv, ds_config_path: str) -> ConfigCheck:
-    """check_config at this rank's world, on its device: what check_inputs runs before the data."""
-    from deepspeed.accelerator import get_accelerator
-
-    accel = get_accelerator()
-    return partial(_config_check, cfg, spec, env, ds_config_path, accel.device_name(), accel.is_bf16_supported())
-
-
-def _config_check(cfg, spec, env, ds_config_path, device, bf16, template, hf_config):
-    return check_config(cfg, template, spec, env.world_size, hf_config, ds_config_path, device, bf16,
-                        env.local_world_size)
 
 
 def build_run(inputs: RunInputs, env: DistEnv, spec: RunSpec, quiet: bool = False,

@@ -10,7 +10,7 @@ import pytest
 from conftest import ROOT, TINY_MODEL, expect_error, run_cmd, tiny_config, tree_listing, write_config
 from ds_train.config.file import build_config, load_config
 from ds_train.errors import UserError
-from ds_train.inputs import check_inputs, tokenizer_dir
+from ds_train.inputs import check_inputs, rank_config_check, tokenizer_dir
 
 ZERO0 = str(ROOT / "ds_configs" / "zero0.json")
 ZERO2 = str(ROOT / "ds_configs" / "zero2.json")
@@ -145,7 +145,6 @@ def test_each_layout_a_rank_refuses_the_launch_preflight_refuses_alike_before_th
     """The rank's own check step (check_inputs with its config check, or ript's) at world 2 refuses before
     data.dir is prepared; `ds-train launch --check` / `slurm` (check_command) gives the same line."""
     from ds_train.__main__ import check_command
-    from ds_train.start import rank_config_check
     from ds_train.topology import DistEnv
 
     path = _layout_config(tmp_path, sections, tiny_policy)
@@ -247,3 +246,25 @@ def test_the_preflight_imports_the_runs_optional_packages_on_every_host(tmp_path
                             info["python_version"], modules)
     assert len(problems) == 1 and problems[0].startswith("node1: import peft: peft ")
     assert "(OSError: libcudart.so.12" in problems[0] and problems[0].endswith("or set model.lora.rank=0")
+
+
+def test_the_preflight_checks_prepared_data_from_its_metadata_alone_as_the_ranks_do(tiny_data, tmp_path):
+    """A model whose vocabulary is its own (model.config.vocab_size) smaller than the ids data.dir holds: the
+    rank's check step and the launch preflight (meta.json alone, nothing read or written) say the same line."""
+    from ds_train.__main__ import check_command
+    from ds_train.topology import DistEnv
+    from ds_train.train.loop import train_spec
+
+    path = write_config(tmp_path / "run.yaml", tiny_config(tiny_data, tmp_path / "run",
+                                                           model={"config": {**TINY_MODEL, "vocab_size": 100}}))
+    cfg = load_config(str(path), [], command="train")
+    env = DistEnv(0, 0, 2, 2, 0, "127.0.0.1", 29500, "deepspeed")
+    before = tree_listing(Path(tiny_data))
+    with pytest.raises(UserError) as by_rank:
+        check_inputs(cfg, ZERO2, rank_config_check(cfg, train_spec(cfg), env, ZERO2))
+    assert "holds token id" in str(by_rank.value) and ">= the model's vocab_size 100" in str(by_rank.value)
+    with pytest.raises(UserError) as by_preflight:
+        check_command(["train", "--config", str(path), "--ds-config", ZERO2], 2, 2)
+    assert str(by_preflight.value) == str(by_rank.value)
+    check_command(["train", "--config", str(path), "--ds-config", ZERO2, "model.config.vocab_size=512"], 2, 2)
+    assert tree_listing(Path(tiny_data)) == before and not (tmp_path / "run").exists()

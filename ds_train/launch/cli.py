@@ -29,7 +29,7 @@ DEFAULT_MASTER_PORT = 29500
 
 
 # The command after `--`, the target world size, ranks a node and the hosts' device ("cuda", "cpu" or None:
-# not known yet) -> (run config, batch plan), or a UserError: the ranks' own checks (start.check_launch).
+# not known yet) -> (run config, batch plan), or a UserError: the ranks' own checks (inputs.check_launch).
 CheckCommand = Callable[[list[str], int, int | None, str | None], tuple]
 # The command after `--` and the target world size -> the memory plan's per-GPU peak in GiB.
 PlanMemory = Callable[[list[str], int], float]

@@ -175,7 +175,6 @@ def build_model(model_cfg: ModelConfig, hf_config, ds_config: dict, seed: int = 
     holds an fp32 copy of a bf16 model in host memory before the engine takes it (an 8B model: 32 GB
     per rank instead of 16, and nothing copied for a checkpoint already in that dtype); the engine's
     cast is then a no-op. Its fp32 master weights come from these, exactly as from the engine's cast."""
-    import torch
     from safetensors import SafetensorError
     from transformers import AutoModelForCausalLM
     from transformers.integrations import HfDeepSpeedConfig

@@ -20,7 +20,7 @@ from ds_train.checkpoint.rundir import RIPT
 from ds_train.config import RunConfig
 from ds_train.errors import UserError
 from ds_train.fs import write_atomic
-from ds_train.inputs import RunInputs, check_inputs
+from ds_train.inputs import RunInputs, check_inputs, rank_config_check
 from ds_train.observe.metrics import Interval
 from ds_train.observe.startup import StartupClock
 from ds_train.plan.batch import rollout_update_steps
@@ -36,7 +36,7 @@ from ds_train.ript.tasks import load_object
 from ds_train.ript.update import token_logp, update
 from ds_train.ript.vllm_engine import VllmRollouts, check_rollout_engine
 from ds_train.run import Run, RunSpec
-from ds_train.start import build_run, rank_config_check
+from ds_train.start import build_run
 from ds_train.train.reference import ReferenceSpec, build_reference, report_reference
 
 

@@ -32,7 +32,7 @@ import shutil
 import tempfile
 import zlib
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Callable
 
 from ds_train import dist
 from ds_train.errors import UserError

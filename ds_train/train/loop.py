@@ -23,11 +23,11 @@ from ds_train.data.pairs import PreferenceData
 from ds_train.faults import loss_fault
 from ds_train.fs import write_atomic
 from ds_train.guard import backward_step
-from ds_train.inputs import check_inputs
+from ds_train.inputs import check_inputs, rank_config_check
 from ds_train.observe.metrics import Interval
 from ds_train.observe.startup import StartupClock
 from ds_train.run import Run, RunSpec
-from ds_train.start import build_run, rank_config_check
+from ds_train.start import build_run
 from ds_train.train.losses import forward_losses
 from ds_train.train.meters import ComputeClock, Evaluator, StepMeter
 from ds_train.train.preference import preference_step
