@@ -319,7 +319,7 @@ def test_ript_recipes_load_and_agree_with_two_ranks(tmp_path):
     assert cfg.ript.tasks == ["add", "rev", "copy", "sort", "parity", "max", "guess"] and cfg.ript.rloo_batch_size == 8
     rows_per_rank = cfg.ript.contexts_per_rank * cfg.ript.rloo_batch_size
     assert rows_per_rank % (cfg.train.global_batch_size // 2) == 0  # what `ript` checks at 2 ranks
-    with pytest.raises(UserError, match=r"override ript.early_stop_fraction=0: must be in \(0, 1\]"):
+    with pytest.raises(UserError, match=r"override ript.early_stop_fraction=0: must be within \(0, 1\]"):
         load_config(None, [f"model.path={tmp_path}", "ript.early_stop_fraction=0"])
 
 

@@ -204,16 +204,17 @@ def _broken_peft(root: Path) -> Path:
 
 
 def test_a_package_that_fails_to_import_is_one_line_before_anything_is_written(tiny_data, tmp_path):
-    fake = _broken_peft(tmp_path / "site")
-    path = write_config(tmp_path / "run.yaml", tiny_config(tiny_data, tmp_path / "run",
-                                                           model={"lora": {"rank": 4}}))
-    before = tree_listing(tmp_path)
+    fake = _broken_peft(tmp_path / "site")  # (importing it may write its bytecode there)
+    work = tmp_path / "work"
+    work.mkdir()
+    path = write_config(work / "run.yaml", tiny_config(tiny_data, work / "run", model={"lora": {"rank": 4}}))
+    before = tree_listing(work)
     line = expect_error(["train", "--config", str(path), "--ds-config", ZERO2], "import peft: peft ",
                         "is installed but fails to import (OSError: libcudart.so.12: cannot open shared object",
                         "pip install --force-reinstall peft==", "or set model.lora.rank=0",
                         wrap=["env", f"PYTHONPATH={fake}"])
     assert "Traceback" not in line
-    assert tree_listing(tmp_path) == before
+    assert tree_listing(work) == before
 
 
 def test_the_preflight_imports_the_runs_optional_packages_on_every_host(tmp_path):

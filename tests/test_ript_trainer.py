@@ -27,8 +27,8 @@ ZERO2 = str(ROOT / "ds_configs" / "zero2.json")
 TEMPLATE = "{{ bos_token }}{% for m in messages %}{{ m['content'] }}{% endfor %}"  # the policy's plain transcript
 
 
-def ript_args(config: Path, *overrides: str, runner: bool = False) -> list[str]:
-    return [*(deepspeed_runner if runner else node_launch)(), "--module", "ds_train",
+def ript_args(config: Path, *overrides: str, runner: bool = False, nproc: int = 2) -> list[str]:
+    return [*(deepspeed_runner if runner else node_launch)(nproc), "--module", "ds_train",
             "ript", "--config", str(config), "--ds-config", ZERO2, *overrides]
 
 
@@ -344,7 +344,8 @@ def test_ript_under_expert_parallelism_updates_as_with_every_expert_on_each_rank
     config = json.loads((policy / "config.json").read_text())
     (policy / "config.json").write_text(json.dumps({**config, "output_router_logits": True}))
     (tmp_path / "aux").mkdir()
-    expect_error(["ript", "--config", str(ript_config(tmp_path / "aux", policy)), "--ds-config",
+    expect_error(["ript", "--config", str(ript_config(tmp_path / "aux", policy, {"global_batch_size": 12})),
+                  "--ds-config",
                   str(ROOT / "ds_configs" / "zero2.json")],
                  "model.config.output_router_logits=true: RIPT's policy loss does not add the router's auxiliary loss")
     assert not (tmp_path / "aux" / "run").exists()
@@ -368,8 +369,7 @@ def test_the_same_rollouts_split_into_other_micro_batches_and_ranks_give_the_sam
         (tmp_path / name).mkdir()
         cfg = ript_config(tmp_path / name, tiny_policy, {"micro_batch_size": micro, "global_batch_size": 24},
                           contexts_per_rank=quota, max_contexts_checked=quota, **common)
-        args = ript_args(cfg)
-        args[2] = str(nproc)
+        args = ript_args(cfg, nproc=nproc)
         res = run_cmd(args, timeout=240, env=TESTS_ON_PATH)
         assert res.returncode == 0, res.out[-4000:]
         assert "grpo (scale group), token-mean, clip 0.2/0.28, no KL" in res.out
