@@ -269,3 +269,17 @@ class PolicyStats:
                     "rollout/logp_diff_frac_over_0.1": self.rollout_over / self.rollout_tokens,
                     "rollout/tis_weight": self.rollout_weight / self.rollout_tokens}
         return out
+
+
+def describe_algorithm(cfg) -> str:
+    """The update's recipe in one phrase: `rloo, token-mean, clip 0.2/0.28, no KL`."""
+    r = cfg.ript
+    parts = [r.advantage + (f" (scale {r.scale_rewards})" if ADVANTAGES.entry(r.advantage).scaled else ""),
+             r.loss_agg_mode,
+             f"clip {r.clip_low:g}/{r.clip_high:g}",
+             f"KL {r.kl_estimator} x {r.kl_coef:g} in the {r.kl_in}" if r.kl_coef else "no KL"]
+    if r.mask_truncated:
+        parts.append("truncated rollouts masked")
+    if r.overlong_buffer:
+        parts.append(f"overlong penalty over the last {r.overlong_buffer} tokens")
+    return ", ".join(parts)

@@ -25,7 +25,7 @@ from ds_train.observe.metrics import Interval
 from ds_train.observe.startup import StartupClock
 from ds_train.plan.batch import rollout_update_steps
 from ds_train.plan.parallel import plan_dims
-from ds_train.ript.algorithms import ADVANTAGES, keep_mask
+from ds_train.ript.algorithms import describe_algorithm, keep_mask
 from ds_train.ript.completions import Completions
 from ds_train.ript.counts import SyncedCounts
 from ds_train.ript.datatask import check_task_entries, load_tasks, split_for_ranks
@@ -102,20 +102,6 @@ class RiptInputs:
         ript.train_contexts)."""
         return {n: len(t.contexts("train", cfg.ript.train_contexts, cfg.seed)) * t.max_turns
                 if hasattr(t, "prompt_ids") else cfg.ript.train_contexts * t.max_turns for n, t in tasks.items()}
-
-
-def describe_algorithm(cfg: RunConfig) -> str:
-    """The update's recipe in one phrase: `rloo, token-mean, clip 0.2/0.28, no KL`."""
-    r = cfg.ript
-    parts = [r.advantage + (f" (scale {r.scale_rewards})" if ADVANTAGES.entry(r.advantage).scaled else ""),
-             r.loss_agg_mode,
-             f"clip {r.clip_low:g}/{r.clip_high:g}",
-             f"KL {r.kl_estimator} x {r.kl_coef:g} in the {r.kl_in}" if r.kl_coef else "no KL"]
-    if r.mask_truncated:
-        parts.append("truncated rollouts masked")
-    if r.overlong_buffer:
-        parts.append(f"overlong penalty over the last {r.overlong_buffer} tokens")
-    return ", ".join(parts)
 
 
 def load_scripted(spec: str):
