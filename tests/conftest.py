@@ -377,10 +377,11 @@ def sft_policy_of(tiny_policy: Path, tmp_path_factory, name: str, **config) -> P
 
 @pytest.fixture(scope="session")
 def moe_policy(tiny_policy, tmp_path_factory) -> Path:
-    """As vllm_policy, a Qwen3-MoE (4 experts, 2 a token, every layer sparse): transformers keeps its experts
-    fused (experts.gate_up_proj), vLLM's loader takes them one by one."""
+    """As vllm_policy, a Qwen3-MoE (4 experts, 2 a token; its first layer a dense MLP, the second sparse):
+    transformers keeps its experts fused (experts.gate_up_proj), vLLM's loader takes them one by one."""
     return sft_policy_of(tiny_policy, tmp_path_factory, "moe_policy", model_type="qwen3_moe", head_dim=32,
-                         num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64, decoder_sparse_step=1)
+                         num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64, decoder_sparse_step=1,
+                         mlp_only_layers=[0])
 
 
 @pytest.fixture(scope="session")

