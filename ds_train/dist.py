@@ -165,7 +165,7 @@ def rendezvous(env: DistEnv, port: int, timeout_s: float, host: str):
                         time.sleep(0.1)
                 raise Stalled(line, agreed=env.rank != 0)
             time.sleep(pause)
-            pause = min(2 * pause, 1.0)
+            pause = min(2 * pause, 0.25)  # a store check is cheap; a longer pause delays every start-up
     except DistError:  # rank 0 gave up and took the store with it: it says why
         raise Stalled(f"start-up: rank {env.rank}: the rendezvous at {env.master_addr}:{port} ended before every "
                       f"rank joined", agreed=True) from None
