@@ -246,10 +246,11 @@ def _initial_weights(policy: Path) -> dict:
     return load_file(policy / "model.safetensors")
 
 
-def test_bad_ript_input_is_one_line_and_changes_nothing(scripted_run, tiny_policy, tmp_path):
+def test_bad_ript_input_is_one_line_and_changes_nothing(scripted_run, tiny_policy, tmp_path, capsys):
     """Bad input against an existing RIPT run directory, and against a ds_train run given as
     model.path (which would be exported into the run directory): one error line, exit 2, and both
-    directories byte for byte as they were."""
+    directories byte for byte as they were. In this process (the CLI's `main`: what the command runs after
+    Python starts), and once as the command."""
     _, finished = scripted_run
     run_dir, source = tmp_path / "run", tmp_path / "source_run"
     shutil.copytree(finished, run_dir)
@@ -274,12 +275,24 @@ def test_bad_ript_input_is_one_line_and_changes_nothing(scripted_run, tiny_polic
              ([], "saved with 2 ranks; resume ript with the same world size"),  # one process, checkpoints of 2
              ([f"model.path={source}", "checkpoint.resume=none", "train.global_batch_size=8"],
               "must be a multiple of train.global_batch_size / data-parallel size")]
-    for overrides, message in cases:  # one process: 12 rollouts per rank make one step of 12
-        res = ds_train("ript", "--config", str(cfg), "--ds-config", ZERO2, "train.global_batch_size=12",
-                       *overrides, timeout=120, env=TESTS_ON_PATH)
-        assert res.returncode == 2 and message in res.out, (overrides, res.out[-2000:])
-        assert "Traceback" not in res.out and len(res.lines("ds-train: error:")) == 1, res.out
+    import torch.distributed as tdist
+
+    from ds_train.__main__ import main
+
+    args = ["ript", "--config", str(cfg), "--ds-config", ZERO2, "train.global_batch_size=12"]
+    capsys.readouterr()
+    for overrides, message in cases:  # in this process, world 1: 12 rollouts per rank make one step of 12
+        code = main([*args, *overrides])
+        out, err = capsys.readouterr()
+        assert code == 2 and err.startswith("ds-train: error: ") and message in err, (overrides, err, out[-2000:])
+        assert "Traceback" not in out + err and len(err.strip().splitlines()) == 1, err
+        assert not tdist.is_initialized(), overrides  # refused before the process group
     assert {d: tree_listing(d) for d in (run_dir, source)} == before
+    # the same refusal as a command: exit 2, one line, nothing else on stderr
+    res = ds_train(*args, "ript.rloo_batch_size=1", timeout=120, env=TESTS_ON_PATH)
+    said = res.lines("ds-train: error:")
+    assert res.returncode == 2 and len(said) == 1 and "ript.rloo_batch_size=1: must be >= 2" in said[0], res.out
+    assert "Traceback" not in res.out
 
 
 def test_an_idle_rank_joins_every_collective(tiny_policy, tmp_path):
