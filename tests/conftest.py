@@ -87,6 +87,12 @@ def run_cmd(args: list[str], timeout: float = 300, env: dict | None = None, cwd:
 
 def deepspeed_train(config: Path, ds_config: str, *overrides: str, nproc: int = 2,
                     timeout: float = 300, env: dict | None = None) -> Result:
+    """`train` on `nproc` ranks through DeepSpeed's per-node launcher; one rank as `python -m ds_train train`
+    (a one-GPU user's form, the launcher's own Python start-up saved: tests/test_trainer.py's
+    single-process test says they run alike)."""
+    if nproc == 1:
+        return ds_train("train", "--config", str(config), "--ds-config", str(ROOT / "ds_configs" / ds_config),
+                        *overrides, timeout=timeout, env=env)
     return run_cmd(deepspeed_args(config, ds_config, *overrides, nproc=nproc), timeout=timeout, env=env)
 
 

@@ -164,10 +164,13 @@ def test_zero3_on_two_processes_trains_the_adapters_of_zero0_on_one_and_both_exp
         assert res.returncode == 0, res.out[-3000:]
         assert "M of them trained (LoRA rank 8: the adapters and lm_head; the base frozen)" in res.out
         runs[name] = cfg
-        res = ds_train("export", str(tmp_path / name), "--out", str(tmp_path / f"{name}_adapter"), timeout=300)
-        assert res.returncode == 0, res.out[-3000:]
-        assert res.out.strip().splitlines()[-1].startswith(
-            f"export: wrote {tmp_path / f'{name}_adapter'} from step_00000005: a peft LoRA adapter"), res.out[-2000:]
+    res = ds_train("export", str(tmp_path / "zero3"), "--out", str(tmp_path / "zero3_adapter"), timeout=300)
+    assert res.returncode == 0, res.out[-3000:]
+    assert res.out.strip().splitlines()[-1].startswith(
+        f"export: wrote {tmp_path / 'zero3_adapter'} from step_00000005: a peft LoRA adapter"), res.out[-2000:]
+    from ds_train.checkpoint.lora_export import export_lora  # the same export in this process (no CLI start-up)
+
+    export_lora(tmp_path / "zero0", tmp_path / "zero0_adapter")
     logged = {name: metrics_by_step(tmp_path / name) for name in runs}
     assert sorted(logged["zero3"]) == sorted(logged["zero0"]) == [1, 2, 3, 4, 5]
     for step, m in logged["zero3"].items():  # a lost or doubled rank's gradient shows in both, Adam or not
@@ -195,8 +198,7 @@ def test_zero3_on_two_processes_trains_the_adapters_of_zero0_on_one_and_both_exp
         assert float((got[k] - ref[k]).norm()) <= 1e-4 * float(moved[k].norm()), k
 
     merged = tmp_path / "merged"
-    res = ds_train("export", str(tmp_path / "zero3"), "--out", str(merged), "--merge", timeout=300)
-    assert res.returncode == 0, res.out[-3000:]
+    export_lora(tmp_path / "zero3", merged, merge=True)  # `--merge` as a command: tests/test_doc_commands.py
     probe = tmp_path / "engine_logits.pt"
     res = run_cmd([*node_launch(), str(ROOT / "tests" / "tp_logits_probe.py"), str(runs["zero3"]), str(ROOT / "ds_configs" / "zero3.json"),
                    str(tmp_path / "zero3" / "checkpoints"), "step_00000005", str(probe)], timeout=300)
