@@ -75,6 +75,14 @@ def detect_env(environ: Mapping[str, str] | None = None) -> DistEnv:
         rank = _int(env, "RANK")
         if rank >= world:
             raise UserError(f"environment: RANK={rank} must be below WORLD_SIZE={world}")
+        if launcher == "manual" and "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
+            task, tasks = _int(env, "SLURM_PROCID"), _int(env, "SLURM_NTASKS")
+            if (rank, world) != (task, tasks):  # each task would take itself for rank `rank` of `world`
+                raise UserError(
+                    f"environment: RANK={rank} and WORLD_SIZE={world} are set, but SLURM started this process as "
+                    f"task {task} of {tasks} (SLURM_PROCID, SLURM_NTASKS): exported by the shell that submitted "
+                    f"the job? Unset RANK, LOCAL_RANK, WORLD_SIZE and LOCAL_WORLD_SIZE in the job script (ds_train "
+                    f"reads SLURM's own), or start the ranks with torchrun or deepspeed")
         return DistEnv(rank, _int(env, "LOCAL_RANK", 0), world, local_world, node_rank,
                        env["MASTER_ADDR"], _int(env, "MASTER_PORT"), launcher)
     if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:

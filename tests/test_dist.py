@@ -83,6 +83,20 @@ def test_launcher_variables_win_over_slurm():
     assert env.launcher == "deepspeed" and env.rank == 2
 
 
+def test_a_rank_and_world_the_submitting_shell_exported_into_an_srun_task_are_refused():
+    """Inherited by every task of the step: each would take itself for rank 0 of 1 (one crashed, one trained
+    alone). Consistent with SLURM's own numbers they are kept; torchrun's or deepspeed's win as before."""
+    leaked = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+              "MASTER_PORT": "47833"}
+    with pytest.raises(UserError) as e:
+        detect_env({**SLURM, **leaked})
+    assert str(e.value).startswith("environment: RANK=0 and WORLD_SIZE=1 are set, but SLURM started this process as "
+                                   "task 3 of 8 (SLURM_PROCID, SLURM_NTASKS)")
+    assert "Unset RANK, LOCAL_RANK, WORLD_SIZE and LOCAL_WORLD_SIZE in the job script" in str(e.value)
+    agreed = detect_env({**SLURM, **leaked, "RANK": "3", "LOCAL_RANK": "1", "WORLD_SIZE": "8"})
+    assert (agreed.rank, agreed.world_size, agreed.launcher) == (3, 8, "manual")
+
+
 def test_manual_environment():
     env = detect_env({**UNRELATED, "RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
                       "MASTER_PORT": "29501", "LOCAL_RANK": "1", "NODE_RANK": "0"})

@@ -590,6 +590,8 @@ def test_sbatch_script_has_the_resources_quotes_user_values_and_passes_bash_n(tm
                                  "-m", "ds_train", "train", "--config", "recipes/a b.yaml", "--ds-config",
                                  "ds_configs/zero3.json"]
     assert 'if [ "$code" -eq 138 ]; then' in script and 'scontrol requeue "$SLURM_JOB_ID"' in script
+    lines = script.splitlines()  # the ranks number themselves from SLURM, whatever the submitting shell exported
+    assert lines.index("unset RANK LOCAL_RANK WORLD_SIZE LOCAL_WORLD_SIZE") < lines.index(srun)
 
 
 def test_sbatch_without_optional_resources():

@@ -76,6 +76,8 @@ def render_sbatch(job: SlurmJob, python: str, cwd: str, srun_args: list[str], tr
         f"exits {EXIT_USR1}." if job.signal_lead_s else "# No signal before the time limit (--signal-lead 0).",
         "set -uo pipefail",
         f"cd {q(cwd)}",
+        "# The ranks take their place from SLURM; a RANK or WORLD_SIZE the submitting shell exported would not.",
+        "unset RANK LOCAL_RANK WORLD_SIZE LOCAL_WORLD_SIZE",
         'echo "ds-train slurm: job $SLURM_JOB_ID (restart ${SLURM_RESTART_COUNT:-0}) on $SLURM_JOB_NODELIST"',
         srun,
         "code=$?",
