@@ -138,7 +138,35 @@ def machine(request, tmp_path_factory):
     with open(root / "machine.lock", "a+") as held:  # closing it releases the lock
         with _flocked(root / "machine.gate", fcntl.LOCK_EX):
             fcntl.flock(held, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
+        with _cpu_seconds(request.node.nodeid):
+            yield
+
+
+@contextmanager
+def _cpu_seconds(nodeid: str):
+    """With DS_TRAIN_TEST_CPU=FILE, a JSON line per test: the CPU seconds of pytest's process and of the
+    processes it waited for (its launches, their ranks), and the wall seconds. The suite's CPU map:
+    which tests cost the machine most, independent of what the other worker ran meanwhile."""
+    log = os.environ.get("DS_TRAIN_TEST_CPU")
+    if not log:
         yield
+        return
+    import resource
+    import time
+
+    def now() -> tuple[float, float, float]:
+        me, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+        return me.ru_utime + me.ru_stime, kids.ru_utime + kids.ru_stime, time.monotonic()
+
+    before = now()
+    try:
+        yield
+    finally:
+        after = now()
+        with open(log, "a") as f:
+            f.write(json.dumps({"test": nodeid, "self": round(after[0] - before[0], 2),
+                                "children": round(after[1] - before[1], 2),
+                                "wall": round(after[2] - before[2], 2)}) + "\n")
 
 
 def once(tmp_path_factory, name: str, build: Callable[[Path], Any]) -> Any:
