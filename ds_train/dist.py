@@ -296,6 +296,15 @@ def all_reduce_sum(values: list[float], group=None) -> list[float]:
     return _reduce(values, "sum", group)
 
 
+def all_reduce_tensor(t, group=None):
+    """Sum a tensor over the ranks of `group` (None: all), in place; returns it."""
+    import deepspeed.comm as comm
+
+    if comm.is_initialized() and comm.get_world_size() > 1:
+        comm.all_reduce(t, op=comm.ReduceOp.SUM, group=group)
+    return t
+
+
 def subgroup(groups: list[list[int]], rank: int):
     """The process group among `groups` (disjoint lists of ranks covering the world) that holds
     `rank`; None when one group is the whole world (the default group). Every rank must call it

@@ -34,6 +34,7 @@ from ds_train.config import RunConfig
 from ds_train.errors import (AgreedError, OutOfMemory, PeerFailed, Preempted, RunStopped, UserError, device_oom_said,
                              is_device_oom)
 from ds_train.guard import NonFiniteGuard
+from ds_train.model.speedups import Speedups
 from ds_train.model.ulysses import unregister_ulysses
 from ds_train.observe.logs import release_console
 from ds_train.observe.metrics import Logger, build_progress
@@ -60,6 +61,9 @@ class RunSpec:
     # device: "cuda", "cpu" or None where not known); run by inputs.check_config on every rank and by the
     # launch preflight (ript: its rollout engine, ...)
     check_model: Callable[[RunConfig, Any, int, int, str | None], Any] | None = None
+    # The start-up probe (train/probe.py): (cfg, hf_config, dtype, device type, dims, rank) -> the speed-ups the
+    # run keeps; every rank calls it after the process group is up, before anything is written. None: as configured.
+    probe: Callable[[RunConfig, Any, str, str, Any, int], Speedups] | None = None
 
     @property
     def unit(self) -> str:
@@ -139,6 +143,7 @@ class Run:
     guard: NonFiniteGuard  # optimizer steps whose gradients were not finite: counted, never applied
     life: RunLifecycle
     weights: Path | None = None  # the directory the starting weights were loaded from (None: from scratch)
+    speedups: Speedups | None = None  # the speed-ups the start-up probe kept (the loss's tiles and head factor)
     startup: StartupClock | None = None  # the start-up's phases; the loop marks its first step (first_step)
 
     @property

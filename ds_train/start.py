@@ -43,7 +43,8 @@ from ds_train.fs import check_writable, file_lock, write_atomic
 from ds_train.guard import NonFiniteGuard
 from ds_train.inputs import ModelSource, RunInputs, check_config
 from ds_train.model.build import build_model, count_params, flops_per_token, has_frozen_params, lookup_params, seed_all
-from ds_train.model.kernels import apply_liger, compile_layers, compiles
+from ds_train.model.kernels import apply_liger, compile_layers
+from ds_train.model.speedups import Speedups, configured
 from ds_train.model.tiled_mlp import tiled_mlps
 from ds_train.model.ulysses import register_ulysses
 from ds_train.observe.launchers import LauncherWatch, kill_grace
@@ -118,11 +119,12 @@ class _Agreed:
     changes: list[str]  # settings a resume changes
     resume_plan: Any  # how the agreed checkpoint loads (plan_resume)
     writer: bool  # this rank writes the run directory's files (rank 0, or each node's first under node-local)
+    speedups: Speedups  # what the start-up probe kept of the speed-ups the config asks for
 
 
 def _agree_together(inputs: RunInputs, env: DistEnv, spec: RunSpec, checked: _Checked, host: str) -> _Agreed:
-    """Checks every rank makes together: the file-system layout and the resume point (the process
-    group joined first). What every rank found alike, rank 0 says."""
+    """Checks every rank makes together: the file-system layout, the resume point and the start-up probe of
+    the speed-ups (the process group joined first). What every rank found alike, rank 0 says."""
     cfg, paths = inputs.cfg, checked.paths
     dist.init(env, cfg.dist.timeout_s, cfg.dist.join_timeout_s, host)
     try:
@@ -134,10 +136,22 @@ def _agree_together(inputs: RunInputs, env: DistEnv, spec: RunSpec, checked: _Ch
                                   cfg.checkpoint.load_universal)
         check_storage(storage, str(resume_plan.point.load_dir / resume_plan.point.tag) if resume_plan.convert
                       else "", cfg.checkpoint.export_final)
+        speedups = _probe(inputs, env, spec, checked)
     except UserError as e:  # every rank found the same: rank 0 says it
         raise AgreedError(str(e)) from None
     writer = env.local_rank == 0 if storage == NODE_LOCAL else env.is_main
-    return _Agreed(storage, decision, changes, resume_plan, writer)
+    return _Agreed(storage, decision, changes, resume_plan, writer, speedups)
+
+
+def _probe(inputs: RunInputs, env: DistEnv, spec: RunSpec, checked: _Checked) -> Speedups:
+    """The speed-ups the run keeps: the command's start-up probe of each against the model's own forward
+    (RunSpec.probe; the same verdict on every rank), or as configured."""
+    from deepspeed.accelerator import get_accelerator
+
+    device = get_accelerator().device_name()
+    if spec.probe is None:
+        return configured(inputs.cfg, device)
+    return spec.probe(inputs.cfg, inputs.source.hf_config, checked.dtype, device, checked.layout.dims, env.rank)
 
 
 @dataclass(frozen=True)
@@ -154,7 +168,7 @@ class _Model:
 
 
 def _build_model(inputs: RunInputs, env: DistEnv, checked: _Checked, ds_config: dict, paths: RunPaths,
-                 rank_log, quiet: bool, clock: StartupClock) -> _Model:
+                 rank_log, quiet: bool, clock: StartupClock, speedups: Speedups) -> _Model:
     """The starting weights (a ds_train run given as model.path exported once), the seed, Ulysses'
     attention, the model, its kernels and tiles, and the DeepSpeed engine."""
     import torch
@@ -177,14 +191,14 @@ def _build_model(inputs: RunInputs, env: DistEnv, checked: _Checked, ds_config: 
     if built.constructed:  # the model's _init_weights leaves these to its constructor: built with its draws
         rank_log.info(f"init: {', '.join(built.constructed[:5])}{' ...' if len(built.constructed) > 5 else ''} "
                       f"keep their constructor's values (the model's _init_weights leaves them)")
-    if cfg.model.liger_kernels:
+    if speedups.liger:
         _log_and_say(rank_log, apply_liger(built.model, device)[1], loud)
-    tiled, whole = tiled_mlps(built.model, cfg.train.mlp_tile_positions, cfg.train.seq_len // dims.sequence)
+    tiled, whole = tiled_mlps(built.model, speedups.mlp_tile_positions, cfg.train.seq_len // dims.sequence)
     n_params = count_params(built.model)
     trainable = count_params(built.model, trainable_only=True) if has_frozen_params(built.model) else None
     clock.mark("model")
     engine = initialize(built.model, ds_config, mpu)
-    if compiles(cfg.model.compile, device, cfg.model.liger_kernels):  # each decoder layer, the device's backend
+    if speedups.compile:  # each decoder layer, the device's backend
         backend = get_accelerator().get_compile_backend()
         n, kind = compile_layers(engine.module, backend)
         rank_log.info(f"model.compile: torch.compile(backend={backend!r}) on {n} {kind} module(s)")
@@ -222,7 +236,7 @@ def _build_run(inputs: RunInputs, env: DistEnv, spec: RunSpec, stop: StopRequest
     if cfg.checkpoint.resume == "restart":
         start_over(paths, agreed.writer)
     resume = prepare_resume(agreed.resume_plan)
-    model = _build_model(inputs, env, checked, ds_config, paths, rank_log, quiet, clock)
+    model = _build_model(inputs, env, checked, ds_config, paths, rank_log, quiet, clock, agreed.speedups)
     engine = model.engine
     hosts = dist.all_gather_object((env.node_rank, host))  # node rank: loopback nodes share a name
     say = console_say if env.is_main and not quiet else say_nothing
@@ -256,7 +270,7 @@ def _build_run(inputs: RunInputs, env: DistEnv, spec: RunSpec, stop: StopRequest
         peak_flops=peak_flops(device, cfg.log.peak_tflops) if checked.on_gpu else None,
         logger=logger, rank_log=rank_log, say=say, checkpointer=checkpointer,
         guard=NonFiniteGuard(cfg.train.nonfinite, cfg.train.nonfinite_patience, rank_log), life=life,
-        weights=model.weights, startup=clock)
+        weights=model.weights, startup=clock, speedups=agreed.speedups)
 
 
 def _split_cores(env: DistEnv, rank_log) -> str:
@@ -316,6 +330,11 @@ def _say_setup(say, rank_log, cfg: RunConfig, env: DistEnv, checked: _Checked, a
         say(note)
     if model.new_weights:
         say(f"initialised new weights (model.allow_new_weights): {', '.join(model.new_weights)}")
+    if agreed.speedups.probed:
+        rank_log.info(agreed.speedups.probed)
+    for note in agreed.speedups.notes:  # a default speed-up the start-up probe turned off
+        rank_log.info(note)
+        say(note)
     say(plan.describe(env.world_size))
     if dims.sequence > 1:
         say(f"{dims.describe()}; each rank holds {cfg.train.seq_len // dims.sequence} positions of a sequence")

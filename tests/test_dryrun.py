@@ -50,11 +50,11 @@ def test_a_mixture_of_experts_that_does_not_fit_is_told_to_split_its_experts_fir
     cfg = load_config(str(ROOT / "recipes" / "qwen3_30b_a3b.yaml"), ["parallel.expert=1"])
     out = run_estimate(cfg, str(ROOT / "ds_configs" / "zero2.json"), Target(1, 8, 80), None)
     given = next(r for r in out["rows"] if r["given"])
-    assert not given["fits"] and round(given["gpu_peak_gib"], 2) == 112.80
+    assert not given["fits"] and round(given["gpu_peak_gib"], 2) == 114.49
     first = out["suggestions"][0]
     assert first["change"].startswith("parallel.expert=8 (AutoEP, an all-to-all a layer: each rank holds 1/8 of "
                                       "every MoE layer's 128 experts") and first["fits"]
-    assert round(first["gpu_peak_gib"], 2) == 65.55  # docs/parallel.md: the recipe at parallel.expert 8
+    assert round(first["gpu_peak_gib"], 2) == 67.24  # docs/parallel.md: the recipe at parallel.expert 8
     dense = run_estimate(seven_b(tmp_path), str(ROOT / "ds_configs" / "zero2.json"), Target(2, 8, 80), None)
     assert not any("parallel.expert" in f["change"] for f in dense["suggestions"])
 

@@ -417,9 +417,7 @@ def test_the_tiled_loss_is_the_full_logits_loss_in_tiles():
         model.zero_grad()
         loss, _ = forward_loss(model, batch, 16, True)
     assert abs(float(loss) - full) <= 1e-5 * abs(full) and all(p.grad is None for p in model.parameters())
-    assert tiles(model, 80, 16) and not tiles(model, 16, 16) and not tiles(model, 80, 0)
-    model.config.final_logit_softcapping = 30.0
-    assert not tiles(model, 80, 16)
+    assert tiles(80, 16) and not tiles(16, 16) and not tiles(80, 0)  # a soft-capping model: tests/test_probe.py
 
 
 def test_sdpa_over_packed_examples_under_ulysses_is_the_block_causal_mask():
@@ -553,9 +551,9 @@ def test_seeded_init_draws_on_cpu_copies_wherever_the_parameters_live():
     assert {p.device.type for p in model.parameters()} == {"meta"}
 
 
-def _tiled_against_full(model, vocab: int) -> None:
-    """forward_loss with tiles of 16 tokens against the full logits: loss and every gradient of what
-    trains within 1e-6 relative (fp32)."""
+def _tiled_against_full(model, vocab: int, factor: float = 1.0) -> None:
+    """forward_loss with tiles of 16 tokens (the head's output times `factor`: the start-up probe's head
+    factor) against the full logits: loss and every gradient of what trains within 1e-6 relative (fp32)."""
     import numpy as np
 
     from ds_train.data.examples import Batch
@@ -566,7 +564,7 @@ def _tiled_against_full(model, vocab: int) -> None:
     runs = []
     for tile, fused in ((0, False), (16, False), (16, True)):
         model.zero_grad()
-        loss, _ = forward_loss(model, batch, tile, fused)
+        loss, _ = forward_loss(model, batch, tile, fused, factor)
         loss.backward()
         runs.append((float(loss.detach()), {n: p.grad.clone() for n, p in model.named_parameters()
                                             if p.grad is not None}))
@@ -578,21 +576,28 @@ def _tiled_against_full(model, vocab: int) -> None:
             assert float((g_tiled[name] - g).abs().max()) <= 1e-6 * max(float(g.abs().max()), 1e-30), name
 
 
-@pytest.mark.parametrize("model_type, scale", [("granite", {"logits_scaling": 4.0}),
-                                               ("cohere", {"logit_scale": 0.0625})])
-def test_the_tiled_loss_applies_the_models_scaling_after_the_head(model_type, scale):
+@pytest.mark.parametrize("model_type, scale, factor", [("granite", {"logits_scaling": 4.0}, 0.25),
+                                                       ("cohere", {"logit_scale": 0.0625}, 0.0625)])
+def test_the_tiled_loss_applies_the_models_scaling_after_the_head(model_type, scale, factor):
     """Granite divides the head's output by logits_scaling, Cohere multiplies it by logit_scale: the
-    tiles do too (before, a Granite run's tiled loss was 4x too small: 2.084 against 8.318)."""
+    start-up probe measures that factor (no list of model types), and the tiles apply it (before, a
+    Granite run's tiled loss was 4x too small: 2.084 against 8.318)."""
+    import numpy as np
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    cfg = AutoConfig.for_model(model_type, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                               num_attention_heads=4, num_key_value_heads=4, vocab_size=300, **scale)
-    from ds_train.train.losses import _post_head, tiles
+    from ds_train.train.losses import tiles
+    from ds_train.train.probe import head_factor
+
+    def build(hidden: int):
+        cfg = AutoConfig.for_model(model_type, hidden_size=hidden, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=4, vocab_size=300, **scale)
+        return AutoModelForCausalLM.from_config(cfg)
 
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(cfg)
-    assert tiles(model, 80, 16) and _post_head(model.config)[0] == next(iter(scale.values()))
-    _tiled_against_full(model, 300)
+    model = build(32)
+    ids = np.random.default_rng(0).integers(0, 300, (2, 17))
+    assert tiles(80, 16) and head_factor(model, ids, lambda: build(64)) == (pytest.approx(factor, rel=1e-6), "")
+    _tiled_against_full(model, 300, factor)
 
 
 def test_the_tiled_loss_goes_through_a_lora_head():
@@ -788,3 +793,25 @@ def test_a_weight_the_models_init_leaves_alone_keeps_its_constructors_value():
     other = _drawn_twice(LlamaConfig(**{**TINY, "tie_word_embeddings": False}), torch.bfloat16, 7)
     theirs = other.state_dict()
     assert all(torch.equal(v, theirs[k]) for k, v in model.state_dict().items() if k != "lm_head.weight")
+
+
+def test_a_key_the_model_reads_is_accepted_though_its_config_class_does_not_declare_it():
+    """Qwen3-MoE's attention reads head_dim with getattr (its config class does not declare it): "unused" is
+    what the model does not read when built and run on the meta device, so head_dim=128 (the real
+    Qwen3-30B-A3B's, as recipes/qwen3_30b_a3b.yaml says) is accepted and widens the attention the plan
+    counts; a misspelt key is still refused, pointed at the key the model reads."""
+    from ds_train.config.file import load_config
+    from ds_train.plan.memory import model_shape
+
+    recipe = load_config(str(ROOT / "recipes" / "qwen3_30b_a3b.yaml"), [])
+    assert recipe.model.config["head_dim"] == 128
+    small = {"model_type": "qwen3_moe", "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2,
+             "num_hidden_layers": 2, "intermediate_size": 64, "moe_intermediate_size": 32, "num_experts": 4,
+             "num_experts_per_tok": 2}
+    counts = [model_shape(build_hf_config(ModelConfig(config={**small, **extra}), 300, 64)).n_params
+              for extra in ({}, {"head_dim": 32})]
+    assert counts[1] - counts[0] == 2 * (64 * 16 * (4 + 2 + 2 + 4) + 2 * 16)  # 2 layers: q, k, v, o; q/k norms 16 wider
+    with pytest.raises(UserError, match=r"^model.config.head_dimm: unknown key for Qwen3MoeConfig \(model_type "
+                                        r"qwen3_moe\), which Hugging Face would leave unused \(did you mean "
+                                        r"'head_dim'\?\)$"):
+        build_hf_config(ModelConfig(config={**small, "head_dimm": 32}), 300, 64)

@@ -14,7 +14,7 @@ import pytest
 
 from conftest import ROOT, TINY_MODEL, ds_train, tiny_config, write_config
 from ds_train.__main__ import main
-from ds_train.parity.shrunk import shrink_model
+from ds_train.model.shrunk import shrink_model
 from ds_train.parity.tolerance import FLOOR_FACTOR, FP32_TOLERANCES, compare, noise_floor, rel, tolerances
 
 STAGES = [str(ROOT / "ds_configs" / f"zero{s}.json") for s in range(4)]

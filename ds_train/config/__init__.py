@@ -85,7 +85,10 @@ class TrainConfig(Section):
     loss_tile_tokens: int = _f(1024, "Compute the loss this many tokens at a time when a micro-batch holds "
                                      "more (per rank): the logits over the vocabulary (seq x vocab x 6 bytes "
                                      "in bf16) exist for one tile, in the forward and recomputed in the "
-                                     "backward, never for the whole sequence. 0: never tile.", NON_NEGATIVE)
+                                     "backward, never for the whole sequence. 0: never tile. The start-up "
+                                     "probe checks it against the model's own loss: a model that soft-caps or "
+                                     "cuts its logits after the head keeps them whole (refused where set "
+                                     "explicitly).", NON_NEGATIVE)
     fused_loss: bool = _f(False, "In the tiled loss, compute each tile's gradients in its forward (a fused "
                                  "linear cross-entropy in torch, as Liger's): the output head's matmul is not "
                                  "recomputed in the backward; its weight gradient is held meanwhile. A head "
@@ -95,7 +98,8 @@ class TrainConfig(Section):
                                        "a rank holds more positions of a sequence (seq_len / parallel.sequence; "
                                        "DeepSpeed's TiledMLP): its largest activations (about 3 x "
                                        "intermediate_size values a token) exist for one tile, the MLP recomputed "
-                                       "tile by tile in the backward. 0: never tile.", NON_NEGATIVE)
+                                       "tile by tile in the backward. 0: never tile. Checked against the model's "
+                                       "own MLP by the start-up probe.", NON_NEGATIVE)
     grad_clip: float = _f(1.0, "Gradient clipping by global norm (0 turns it off).", NON_NEGATIVE)
     eval_every: int = _f(0, "Evaluate on val.bin every N steps (0: only at the end).", NON_NEGATIVE)
     eval_batches: int = _f(4, "Micro-batches per rank in each evaluation.", POSITIVE)

@@ -56,7 +56,9 @@ class ModelConfig(Section):
     compile: Literal["auto", True, False] = _f(
         "auto", "torch.compile each decoder layer (the loss stays eager); the first steps take a few seconds "
                 "more while it compiles. auto: on a CUDA GPU (1.39x the tokens/s of eager, and 9 GiB less memory, "
-                "for a 1.1B Llama on an H100), off elsewhere and with model.liger_kernels.")
+                "for a 1.1B Llama on an H100), off elsewhere and with model.liger_kernels. The start-up probe "
+                "checks the compiled layers against eager ones on a small model of the type (auto: off where they "
+                "differ; true: refused).")
     liger_kernels: bool = _f(False, "Liger's Triton kernels for RMSNorm, RoPE and the SwiGLU MLP (`pip install "
                                     "liger-kernel`; a CUDA GPU). Where they cannot run the run goes on without "
                                     "them and says so in one line.")

@@ -62,17 +62,49 @@ def unknown_config_keys(model_type: str, given: dict, built) -> list[str]:
     return [key for key in given if key not in known and key in stored]
 
 
-def check_config_keys(model_type: str, given: dict, built) -> None:
-    """A UserError naming every misspelt model.config key with the closest valid key."""
+def keys_read(hf, attn_implementation: str = "sdpa") -> set[str]:
+    """The config attributes the model reads when it is built and run once on the meta device: what its
+    modeling code uses, declared by its config class or not (the pinned Qwen3-MoE attention reads head_dim
+    with getattr). What the forward reads before a meta kernel it cannot run is counted."""
+    import copy
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    read: set[str] = set()
+
+    class Reading(type(hf)):
+        def __getattribute__(self, name):
+            read.add(name)
+            return super().__getattribute__(name)
+
+    watched = copy.deepcopy(hf)
+    watched.__class__ = Reading
+    model_class = AutoModelForCausalLM._model_mapping[type(hf)]
+    try:
+        with torch.random.fork_rng(devices=[]), torch.device("meta"), torch.no_grad():
+            model = model_class._from_config(watched, attn_implementation=attn_implementation)
+            model(input_ids=torch.zeros(1, 8, dtype=torch.long))
+    except Exception:  # noqa: BLE001 - what was read until then counts; check_buildable reports a failure
+        pass
+    return read
+
+
+def check_config_keys(model_type: str, given: dict, built, attn_implementation: str = "sdpa") -> None:
+    """A UserError naming every misspelt model.config key with the closest valid key: a key its config
+    class does not declare and its model does not read when built and run (keys_read)."""
     import inspect
 
     unknown = unknown_config_keys(model_type, given, built)
+    read = keys_read(built, attn_implementation) if unknown else set()
+    unknown = [key for key in unknown if key not in read]
     if not unknown:
         return
     cls = config_class(model_type)
     default = cls()
     params = [p for p in inspect.signature(cls.__init__).parameters if p not in ("self", "kwargs")]
-    valid = sorted({*default.to_dict(), *default.attribute_map, *params} - {"model_type"})
+    valid = sorted({*default.to_dict(), *default.attribute_map, *params, *(r for r in read if r.islower())}
+                   - {"model_type"})
     valid = [k for k in valid if not k.startswith("_")]
     problems = []
     for key in unknown:
@@ -223,7 +255,7 @@ def build_hf_config(model_cfg: ModelConfig, vocab_size: int, seq_len: int, weigh
             hf = AutoConfig.for_model(model_type, **kwargs)
         except _rejects() as e:
             raise UserError(f"model.config: Hugging Face rejects it: {said(e)}; fix model.config") from None
-        check_config_keys(model_type, model_cfg.config, hf)
+        check_config_keys(model_type, model_cfg.config, hf, model_cfg.attn_implementation)
     max_pos = getattr(hf, "max_position_embeddings", None)
     if max_pos is not None and seq_len > max_pos:
         raise UserError(f"train.seq_len={seq_len} exceeds the model's max_position_embeddings="

@@ -10,6 +10,7 @@ itself (engine, sinks, checkpoints, signals, teardown) is built by ds_train/star
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import math
 from dataclasses import asdict, dataclass, field
@@ -37,6 +38,7 @@ from ds_train.ript.update import token_logp, update
 from ds_train.ript.vllm_engine import VllmRollouts, check_rollout_engine
 from ds_train.run import Run, RunSpec
 from ds_train.start import build_run
+from ds_train.train.probe import probe
 from ds_train.train.reference import ReferenceSpec, build_reference, report_reference
 
 
@@ -45,7 +47,7 @@ def ript_spec(cfg: RunConfig) -> RunSpec:
     return RunSpec(RIPT, last=r.iterations, same_world=True,
                    steps=lambda plan: r.iterations * r.ppo_epochs *
                    rollout_update_steps(r.contexts_per_rank, r.rloo_batch_size, plan),
-                   check_model=check_ript_config)
+                   check_model=check_ript_config, probe=functools.partial(probe, losses=False))
 
 
 def check_ript_config(cfg: RunConfig, hf_config=None, world_size: int = 1, local_world_size: int = 1,

@@ -29,13 +29,15 @@ from ds_train.observe.startup import StartupClock
 from ds_train.run import Run, RunSpec
 from ds_train.start import build_run
 from ds_train.train.losses import forward_losses
+from ds_train.train.probe import probe
 from ds_train.train.meters import ComputeClock, Evaluator, StepMeter
 from ds_train.train.preference import preference_step
 from ds_train.train.reference import PairReference, ReferenceSpec, preference_reference
 
 
 def train_spec(cfg: RunConfig, keep_group: bool = False) -> RunSpec:
-    return RunSpec(TRAIN, last=cfg.train.max_steps, steps=lambda plan: cfg.train.max_steps, keep_group=keep_group)
+    return RunSpec(TRAIN, last=cfg.train.max_steps, steps=lambda plan: cfg.train.max_steps, keep_group=keep_group,
+                   probe=functools.partial(probe, losses=cfg.data.format != "preference"))
 
 
 def train(cfg: RunConfig, ds_config_path: str) -> dict:
@@ -108,8 +110,9 @@ def run_step(run: Run, batches: list, step: int, clock: ComputeClock, reference:
     fault = loss_fault(run.cfg.train.debug_loss_fault, run.zero_stage)
     if fault == "sequence_divisor":  # the other stage's rule (ParallelDims.gradient_ranks)
         kw["data_parallel"] = run.dims.data * (run.dims.sequence if run.zero_stage != 3 else 1)
-    return train_step(run.engine, batches, tile_tokens=run.cfg.train.loss_tile_tokens,
-                      fused_loss=run.cfg.train.fused_loss, fault=fault, **kw)
+    fast = run.speedups
+    return train_step(run.engine, batches, tile_tokens=fast.loss_tile_tokens, fused_loss=fast.fused_loss,
+                      head_factor=fast.head_factor, fault=fault, **kw)
 
 
 def position(run: Run, step: int) -> dict:
@@ -130,7 +133,7 @@ class StepResult:
 def train_step(engine, micro_batches: list[np.ndarray] | list[Batch], poison: bool = False,
                beat: Callable[[str], None] = lambda phase: None, clock: ComputeClock | None = None,
                group=None, data_parallel: int | None = None, tile_tokens: int = 0, fused_loss: bool = False,
-               fault: str = "") -> StepResult:
+               head_factor: float = 1.0, fault: str = "") -> StepResult:
     """One optimizer step: the engine owns accumulation scaling, clipping and the optimizer.
 
     The gradient is that of the mean loss over the step's target tokens on every rank. Windows all
@@ -139,7 +142,8 @@ def train_step(engine, micro_batches: list[np.ndarray] | list[Batch], poison: bo
     of a count), times the engine's own averaging over micro-batches and ranks, which backward undoes.
 
     `data_parallel`: how many ranks DeepSpeed divides the summed gradient by (ParallelDims.gradient_ranks;
-    default the engine's data-parallel size); `tile_tokens`, `fused_loss`: train.loss_tile_tokens, train.fused_loss.
+    default the engine's data-parallel size); `tile_tokens`, `fused_loss`, `head_factor`: the loss's tiles as the
+    start-up probe kept them (Run.speedups).
     `poison` makes the loss infinite (fault injection for train.debug_nonfinite_steps); `fault`: a
     train.debug_loss_fault kind (ds_train/faults.py); `beat` tells the heartbeat each phase; `clock`
     times the forward passes (this rank's own work).
@@ -163,7 +167,7 @@ def train_step(engine, micro_batches: list[np.ndarray] | list[Batch], poison: bo
     for i, batch in enumerate(micro_batches):
         beat("forward")
         with clock.device():
-            loss_sum, n_tokens, aux = forward_losses(engine, batch, tile_tokens, fused_loss)
+            loss_sum, n_tokens, aux = forward_losses(engine, batch, tile_tokens, fused_loss, head_factor)
         if poison:
             loss_sum = loss_sum * float("inf")
         divisor = per_step or n_tokens

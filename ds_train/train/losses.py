@@ -123,65 +123,50 @@ def fuses(head) -> bool:
     return type(head) is torch.nn.Linear
 
 
-# What a model's forward does to its head's output before the logits are returned (transformers), by
-# config key: (the op on the logits, the value the head hands back so that the op turns it into the
-# loss). Granite divides by logits_scaling, Cohere multiplies by logit_scale.
-POST_HEAD = {"logits_scaling": (lambda x, s: x / s, lambda loss, s: loss * s),
-             "logit_scale": (lambda x, s: x * s, lambda loss, s: loss / s)}
-
-
-def _post_head(config):
-    for key, (apply, undo) in POST_HEAD.items():
-        value = getattr(config, key, None)
-        if isinstance(value, (int, float)) and value != 1:
-            return value, apply, undo
-    return None
-
-
 @contextmanager
-def _head_computes_the_loss(model, targets, tile_tokens: int, fused: bool = False):
+def _head_computes_the_loss(model, targets, tile_tokens: int, fused: bool = False, factor: float = 1.0):
     """During one forward, the output head returns the tiled summed loss instead of logits. A plain
     Linear head (`fuses`), with `fused`, computes its gradients in the forward (`fused_loss_sum`); any
     other goes tile by tile through the head module's own forward (LoRA adapters, a modules_to_save
     copy: whatever the module is), recomputed in the backward. Either way the module is called, so its
-    ZeRO-3 hooks still gather and release its weight around the call, and the model's scaling after
-    the head (POST_HEAD) is applied to every tile, the returned value made to survive its op."""
+    ZeRO-3 hooks still gather and release its weight around the call. `factor`: what the model's forward
+    multiplies its head's output by (the start-up probe measured it: train/probe.py), applied to every
+    tile, and the returned loss divided by it, so that the forward's own product makes it the loss."""
     head = model.get_output_embeddings()
     own = type(head).forward
-    scale, apply, undo = _post_head(getattr(model, "config", None)) or (1.0, lambda x, s: x, lambda x, s: x)
     if fused and fuses(head):
-        factor = apply(1.0, scale)  # the op is a product: x / s or x * s
-        head.forward = lambda hidden: undo(fused_loss_sum(head, hidden, targets, tile_tokens, factor), scale)
+        head.forward = lambda hidden: fused_loss_sum(head, hidden, targets, tile_tokens, factor) / factor
     else:
-        head.forward = lambda hidden: undo(
-            tiled_loss_sum(lambda h: apply(own(head, h), scale), hidden, targets, tile_tokens), scale)
+        head.forward = lambda hidden: tiled_loss_sum(
+            lambda h: own(head, h) * factor if factor != 1 else own(head, h), hidden, targets, tile_tokens) / factor
     try:
         yield
     finally:
         del head.forward
 
 
-def tiles(model, tokens: int, tile_tokens: int) -> bool:
-    """Whether a micro-batch of `tokens` tokens gets the tiled loss: more tokens than a tile, and a
-    model whose logits are the head's output, or that scaled (POST_HEAD): a model that soft-caps
-    its logits after the head keeps the full logits."""
-    config = getattr(model, "config", None)
-    return bool(tile_tokens) and tokens > tile_tokens and not getattr(config, "final_logit_softcapping", None)
+def tiles(tokens: int, tile_tokens: int) -> bool:
+    """Whether a micro-batch of `tokens` tokens gets the tiled loss: more tokens than a tile (the start-up
+    probe set tile_tokens to 0 for a model whose logits are not a constant times its head's output)."""
+    return bool(tile_tokens) and tokens > tile_tokens
 
 
-def forward_loss(engine, batch: np.ndarray | Batch, tile_tokens: int = 0, fused: bool = False):
+def forward_loss(engine, batch: np.ndarray | Batch, tile_tokens: int = 0, fused: bool = False,
+                 head_factor: float = 1.0):
     """Summed next-token cross-entropy and the count of target tokens of one micro-batch (forward_losses)."""
-    loss_sum, count, _ = forward_losses(engine, batch, tile_tokens, fused)
+    loss_sum, count, _ = forward_losses(engine, batch, tile_tokens, fused, head_factor)
     return loss_sum, count
 
 
-def forward_losses(engine, batch: np.ndarray | Batch, tile_tokens: int = 0, fused: bool = False):
+def forward_losses(engine, batch: np.ndarray | Batch, tile_tokens: int = 0, fused: bool = False,
+                   head_factor: float = 1.0):
     """Summed next-token cross-entropy, the count of target tokens of one micro-batch, and the router's
     auxiliary loss when the model computes one (a mixture-of-experts model with output_router_logits;
     else None): windows of seq_len + 1 tokens (pretraining), or a Batch (sft: targets on the assistant's
     tokens, and position ids restarting at each packed example, which keep examples from attending across).
     `tile_tokens`: above that many tokens the loss is computed in tiles (train.loss_tile_tokens), their
-    gradients in the forward where the head allows (`fused`: train.fused_loss)."""
+    gradients in the forward where the head allows (`fused`: train.fused_loss), times `head_factor` (what
+    the model multiplies its head's output by: Speedups.head_factor)."""
     import torch
     import torch.nn.functional as F
 
@@ -194,8 +179,8 @@ def forward_losses(engine, batch: np.ndarray | Batch, tile_tokens: int = 0, fuse
         inputs, targets, extra = tokens[:, :-1], tokens[:, 1:], {}
         count = targets.numel()
     model = getattr(engine, "module", engine)
-    if tiles(model, inputs.numel(), tile_tokens):
-        with _head_computes_the_loss(model, targets.to(engine.device), tile_tokens, fused):
+    if tiles(inputs.numel(), tile_tokens):
+        with _head_computes_the_loss(model, targets.to(engine.device), tile_tokens, fused, head_factor):
             out = engine(input_ids=inputs.to(engine.device), use_cache=False, **extra)
         return out.logits, count, getattr(out, "aux_loss", None)
     out = engine(input_ids=inputs.to(engine.device), use_cache=False, **extra)

@@ -146,13 +146,15 @@ class StepMeter:
 class Evaluator:
     """Token-weighted validation loss over a fixed set of the val split, exact across ranks; for
     preference data (`reference_logps`: the reference's, for val batches) the mean pair loss and
-    the rewards of held-out pairs. `train`: the train section (eval_batches, loss_tile_tokens); `dpo`:
+    the rewards of held-out pairs. `train`: the train section (eval_batches); `dpo`:
     the dpo section (preference data)."""
 
     def __init__(self, run: Run, val, interval: Interval, train: TrainConfig, dpo: DpoConfig,
                  reference_logps=None):
         self.run, self.val, self.interval, self.reference_logps = run, val, interval, reference_logps
-        self.batches, self.tile_tokens, self.dpo = train.eval_batches, train.loss_tile_tokens, dpo
+        self.batches, self.dpo = train.eval_batches, dpo
+        fast = run.speedups  # the loss's tiles as the start-up probe kept them
+        self.tile_tokens, self.head_factor = (fast.loss_tile_tokens, fast.head_factor) if fast else (0, 1.0)
 
     def maybe_evaluate(self, step: int) -> dict[str, float]:
         return self.evaluate(step) if step in self.interval else {}
@@ -170,7 +172,7 @@ class Evaluator:
                                             run.data_rank, run.dims.data):
                 run.beat(step, "eval")
                 loss_sum, n = forward_loss(engine, sequence_shard(batch, run.sequence_rank, run.dims.sequence),
-                                           self.tile_tokens)
+                                           self.tile_tokens, head_factor=self.head_factor)
                 loss, count = loss + float(loss_sum), count + n
         engine.train()
         mean = token_mean(loss, count, run.token_group)

@@ -1,0 +1,76 @@
+"""A model type's config with small dimensions: what `ds-train parity --shrink` trains and what the
+start-up probe (ds_train/train/probe.py) runs each speed-up on. Every setting that is not a size stays:
+the multipliers, scales, caps and kinds of layer that make a model type's forward its own.
+"""
+
+from __future__ import annotations
+
+import math
+
+HEAD_DIM = 16
+DROPPED = ("_name_or_path", "transformers_version", "architectures", "auto_map", "torch_dtype", "dtype")
+
+
+def shrink_model(hf, heads_multiple: int = 1) -> tuple[dict, str]:
+    """The same model type with small dimensions: 2 layers, or one of each kind where the model's layers
+    differ (layer_types and every other per-layer setting: sliding and full attention, dense and MoE,
+    attention and recurrent), the grouped-query ratio kept (heads a multiple of `heads_multiple`, so a
+    layout that splits them still can), 16 per head, the MLP 2.75x the hidden size, 4 experts of which 2
+    active; dropout off. Returns model.config and what changed, in words."""
+    d = {k: v for k, v in hf.to_diff_dict().items() if k not in DROPPED}
+    d["model_type"] = hf.model_type
+    heads = getattr(hf, "num_attention_heads", None) or getattr(hf, "n_head", None) or 4
+    kv = getattr(hf, "num_key_value_heads", None) or heads
+    ratio = heads // kv if heads % kv == 0 else 1
+    small_heads = math.lcm(4, ratio, heads_multiple)
+    hidden = HEAD_DIM * small_heads
+    ffn = max(8, round(hidden * 2.75 / 8) * 8)
+    layers, per_layer = _layer_kinds(d, _layers(hf))
+    small = {"hidden_size": hidden, "n_embd": hidden, "d_model": hidden,
+             "num_attention_heads": small_heads, "n_head": small_heads,
+             "num_key_value_heads": small_heads // ratio, "head_dim": HEAD_DIM,
+             "intermediate_size": ffn, "n_inner": ffn, "ffn_dim": ffn,
+             "moe_intermediate_size": ffn // 2, "shared_expert_intermediate_size": ffn // 2,
+             "num_hidden_layers": layers, "n_layer": layers, "num_layers": layers,
+             # state-space and recurrent widths (Mamba, Falcon-H1, RecurrentGemma)
+             "mamba_n_heads": 4, "mamba_d_head": HEAD_DIM, "mamba_d_ssm": 4 * HEAD_DIM, "mamba_d_state": 16,
+             "ssm_state_size": 16, "state_size": 16, "lru_width": hidden}
+    for key, value in small.items():
+        if d.get(key) is not None:  # the keys this model type has (GPT-2's n_inner None: 4 x hidden)
+            d[key] = value
+    for key, cap in (("num_local_experts", 4), ("num_experts", 4), ("n_routed_experts", 4),
+                     ("num_experts_per_tok", 2), ("max_window_layers", layers), ("first_k_dense_replace", 1)):
+        if isinstance(d.get(key), int):
+            d[key] = min(d[key], cap)
+    d.update(per_layer)
+    for key, value in list(d.items()):
+        if ("dropout" in key or "pdrop" in key) and isinstance(value, float):
+            d[key] = 0.0
+    said = (f"{hf.model_type}: hidden {getattr(hf, 'hidden_size', '?')} -> {hidden}, layers "
+            f"{getattr(hf, 'num_hidden_layers', '?')} -> {layers}, attention heads {heads}/{kv} -> "
+            f"{small_heads}/{small_heads // ratio} (query/key-value), vocabulary "
+            f"{getattr(hf, 'vocab_size', '?')} kept")
+    return d, said
+
+
+def _layers(hf) -> int:
+    for key in ("num_hidden_layers", "n_layer", "num_layers"):
+        if isinstance(getattr(hf, key, None), int):
+            return getattr(hf, key)
+    return 0
+
+
+def _layer_kinds(d: dict, n: int) -> tuple[int, dict]:
+    """How many layers the small model keeps, and its per-layer settings: each setting of the config that
+    holds one entry a layer (a list, or a string of one letter a layer) cut to the first layer of each
+    distinct kind (its entries in every such setting together), at least 2 layers."""
+    per_layer = {k: v for k, v in d.items() if n > 1 and isinstance(v, (list, str)) and len(v) == n
+                 and k not in ("model_type",)}
+    kinds = {}
+    for i in range(n):
+        kinds.setdefault(tuple(repr(v[i]) for v in per_layer.values()), i)
+    keep = sorted(kinds.values())
+    keep += [i for i in range(n) if i not in keep][:max(0, 2 - len(keep))]
+    cut = {k: (type(v)(v[i] for i in keep) if isinstance(v, list) else "".join(v[i] for i in keep))
+           for k, v in per_layer.items()}
+    return max(2, len(keep)), cut

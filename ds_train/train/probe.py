@@ -1,0 +1,302 @@
+"""The start-up probe: each speed-up a run turns on that replaces part of the model's forward, run once
+against the model's own forward before anything is written, instead of lists of model types.
+
+The speed-ups assume things about a model's forward that model types break: the tiled and fused loss
+compute the head's logits themselves (a model that scales, soft-caps or cuts them after its head gets
+another loss), the tiled MLP recomputes each MLP in pieces, compiled layers run inductor's code,
+Ulysses hands each rank's attention the whole sequence on some of the heads, Liger replaces norms, RoPE
+and MLP. So each one the run turns on (model.speedups.configured) is run on a *probe model*: the run's
+model type and config with its sizes shrunk (model/shrunk.py: 2 layers or one of each kind, 16 per head;
+every multiplier, scale and cap kept), built from its config, seeded, on the run's device in the run's
+dtype, over a few synthetic token ids. Its summed loss and its gradients are compared with those of the
+model's own eager forward, the loss from its own logits: within the dtype's tolerance (TOLERANCES), or
+the speed-up does not hold for this model.
+
+What the model does after its head is measured, not listed: the head's output is replaced by a random
+tensor Z spanning six decades, and the logits the forward returns must be c x Z for one constant c (the
+head factor: 1 for most, 1 / logits_scaling for Granite, logit_scale for Cohere), the same c at another
+width, with no weight of the model in it. The tiled loss then computes c x the head's output tile by tile.
+A soft cap, a cut of a padded vocabulary, or anything else leaves the model's full logits.
+
+A speed-up that does not hold: where the config asks for it explicitly (a value other than its default),
+one line naming the model type, the speed-up, the difference and the setting that turns it off, before
+anything is written; where it is on by default (the tiled loss and MLP, model.compile=auto), it is turned
+off for this run and a line says so.
+
+How it runs across ranks: every rank probes on its own (the same seed and synthetic ids give every rank
+the same verdict; nothing is exchanged), after the process group is up and before anything is written.
+The probe model has no ZeRO-3 partitioning and no tensor parallelism: whether a layout keeps the math is
+`ds-train parity`'s to prove, and a speed-up's agreement with a model's forward does not depend on the
+layout. Ulysses is the exception: its probe is a collective over each sequence-parallel group, each rank
+holding its part of the probe's sequences as in training, the summed loss and gradients of the group
+against the whole sequences' on one rank.
+
+Its cost: a probe model built and a few forward and backward passes over 2 x 64 tokens, independent of
+the model's size, plus inductor's compile of the probe's layers where compiled layers are on (docs/models.md).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import math
+import time
+from dataclasses import replace
+from typing import Any, Callable
+
+import numpy as np
+
+from ds_train import dist
+from ds_train.config import RunConfig
+from ds_train.errors import UserError
+from ds_train.model.kernels import apply_liger, compile_layers
+from ds_train.model.shrunk import shrink_model
+from ds_train.model.speedups import Speedups, configured
+from ds_train.model.tiled_mlp import tiled_mlps
+from ds_train.model.ulysses import register_ulysses, unregister_ulysses
+from ds_train.plan.parallel import ParallelDims
+from ds_train.train.losses import forward_losses
+
+ROWS, LENGTH = 2, 64  # the probe's synthetic sequences: 128 tokens
+TILE_TOKENS, MLP_TILE = 48, 16  # tiles that do not divide the tokens evenly: the last one is short
+# (loss, gradients) relative: an fp32 forward differs from another order of the same sums by ~1e-7; bf16 and
+# fp16 by their rounding (their epsilon 2^-7, 2^-10: one rounding moves a value by at most half of it).
+TOLERANCES = {"fp32": (1e-5, 1e-4), "bf16": (2.0 ** -7, 4 * 2.0 ** -7), "fp16": (2.0 ** -10, 4 * 2.0 ** -10)}
+HEAD_FACTOR_TOLERANCE = 1e-5  # Z and the logits in fp32: a product by c is exact to a rounding or two
+FACTOR_TOKENS = 8  # the head factor's forward: Z holds this many tokens' logits
+
+
+def probe(cfg: RunConfig, hf_config, dtype: str, device_type: str, dims: ParallelDims, rank: int,
+          losses: bool = True) -> Speedups:
+    """The speed-ups this run keeps after each has run against the model's own forward (see the module).
+    `losses`: the command computes its loss through the tiled loss (train, but for preference pairs and RL,
+    whose log-probs come from the model's logits). UserError: one an explicit setting asks for does not hold."""
+    want = configured(cfg, device_type)
+    if not losses:
+        want = replace(want, loss_tile_tokens=0, fused_loss=False)
+    asked = _asked(cfg, want, device_type, dims)
+    if not asked:
+        return want
+    import torch
+
+    seed, start = cfg.seed, time.monotonic()
+    model, ids = _probe_model(cfg, hf_config, dtype, seed, dims.sequence), _ids(hf_config, seed)
+    ref = _measure(model, lambda m: forward_losses(m, ids)[0])
+    notes: list[str] = []
+    kept = want
+    if "tiled loss" in asked or "fused loss" in asked:
+        factor, why = head_factor(model, ids, lambda: _probe_model(cfg, hf_config, dtype, seed, 2 * dims.sequence))
+        for name in ("tiled loss", "fused loss"):
+            if name not in asked:
+                continue
+            fused = name == "fused loss"
+            diff = why or _differs(ref, _measure(model, lambda m: forward_losses(
+                m, ids, TILE_TOKENS, fused, factor)[0]), dtype)
+            kept = _verdict(kept, name, diff, cfg, hf_config, notes, factor=factor)
+    if "tiled MLP" in asked:
+        tiled = copy.deepcopy(model)
+        names, _ = tiled_mlps(tiled, MLP_TILE, LENGTH // dims.sequence)
+        diff = "no MLP to tile" if not names else _differs(ref, _measure(tiled, lambda m: forward_losses(m, ids)[0]),
+                                                             dtype)
+        kept = _verdict(kept, "tiled MLP", diff if names else "", cfg, hf_config, notes)
+    if "compiled layers" in asked:
+        compiled = copy.deepcopy(model)
+        from deepspeed.accelerator import get_accelerator
+
+        compile_layers(compiled, get_accelerator().get_compile_backend())
+        try:
+            diff = _differs(ref, _measure(compiled, lambda m: forward_losses(m, ids)[0]), dtype)
+        finally:
+            torch._dynamo.reset()  # the probe's compiled code counts toward no recompile limit of the run's
+        kept = _verdict(kept, "compiled layers", diff, cfg, hf_config, notes)
+    if "Liger kernels" in asked:
+        patched = copy.deepcopy(model)
+        done, said = apply_liger(patched, device_type)
+        diff = _differs(ref, _measure(patched, lambda m: forward_losses(m, ids)[0]), dtype) if done else ""
+        kept = _verdict(kept, "Liger kernels", diff, cfg, hf_config, notes)
+    if "Ulysses attention" in asked:
+        diff = _ulysses_differs(model, ids, ref, cfg, dtype, dims, rank)
+        kept = _verdict(kept, "Ulysses attention", diff, cfg, hf_config, notes)
+    said = (f"start-up probe: {', '.join(asked)} against {getattr(hf_config, 'model_type', '?')}'s own forward in "
+            f"{dtype}: {len(asked) - len(notes)} of {len(asked)} match" + (f" (head factor {kept.head_factor:g})"
+                                                                            if kept.head_factor != 1 else "")
+            + f" ({time.monotonic() - start:.1f} s)")
+    return replace(kept, notes=tuple(notes), probed=said)
+
+
+# ---- what is asked, and what becomes of it ----
+
+# speed-up -> (its setting, the value that turns it off, the Speedups field it clears)
+SETTINGS = {"tiled loss": ("train.loss_tile_tokens", "0", "loss_tile_tokens"),
+            "fused loss": ("train.fused_loss", "false", "fused_loss"),
+            "tiled MLP": ("train.mlp_tile_positions", "0", "mlp_tile_positions"),
+            "compiled layers": ("model.compile", "false", "compile"),
+            "Liger kernels": ("model.liger_kernels", "false", "liger"),
+            "Ulysses attention": ("parallel.sequence", "1", "")}
+
+
+def _asked(cfg: RunConfig, want: Speedups, device_type: str, dims: ParallelDims) -> list[str]:
+    """The speed-ups this run would use: the loss tiled where a micro-batch holds more tokens than a tile,
+    the MLP where a rank holds more positions of a sequence than a tile."""
+    t = cfg.train
+    rank_tokens = t.micro_batch_size * t.seq_len // dims.sequence
+    asked = []
+    if want.loss_tile_tokens and rank_tokens > want.loss_tile_tokens:
+        asked.append("tiled loss")
+        if want.fused_loss:
+            asked.append("fused loss")
+    if want.mlp_tile_positions and t.seq_len // dims.sequence > want.mlp_tile_positions:
+        asked.append("tiled MLP")
+    if want.compile:
+        asked.append("compiled layers")
+    if want.liger and device_type == "cuda":
+        asked.append("Liger kernels")
+    if dims.sequence > 1:
+        asked.append("Ulysses attention")
+    return asked
+
+
+def _explicit(cfg: RunConfig, key: str) -> bool:
+    """Whether the config sets `key` to other than its default (a default is turned off, not refused)."""
+    section, name = key.split(".")
+    part = getattr(cfg, section)
+    default = next(f.default for f in dataclasses.fields(part) if f.name == name)
+    return getattr(part, name) != default or key == "parallel.sequence"
+
+
+def _verdict(kept: Speedups, name: str, diff: str, cfg: RunConfig, hf_config, notes: list[str],
+             factor: float | None = None) -> Speedups:
+    key, off, field = SETTINGS[name]
+    model_type = getattr(hf_config, "model_type", "?")
+    if not diff:
+        return replace(kept, head_factor=factor) if factor is not None and name == "tiled loss" else kept
+    if _explicit(cfg, key):
+        raise UserError(f"{key}: the {name} does not match {model_type}'s own forward: {diff}; set {key}={off}")
+    notes.append(f"{key}: the {name} does not match {model_type}'s own forward: {diff}; off for this run")
+    cleared = {field: 0 if field.endswith(("tokens", "positions")) else False}
+    if field == "loss_tile_tokens":
+        cleared["fused_loss"] = False
+    return replace(kept, **cleared)
+
+
+# ---- the probe model, its inputs, its measurements ----
+
+def _probe_model(cfg: RunConfig, hf_config, dtype: str, seed: int, heads_multiple: int):
+    """The run's model type at probe size (shrink_model), built from its config in the run's dtype and
+    attention implementation on this rank's device, every weight drawn from `seed`."""
+    from transformers import AutoConfig
+
+    from ds_train.model.build import from_scratch, training_dtype
+
+    small, _ = shrink_model(hf_config, heads_multiple)
+    model_type = small.pop("model_type")
+    config = AutoConfig.for_model(model_type, **small)
+    ds = {"bf16": {"enabled": dtype == "bf16"}, "fp16": {"enabled": dtype == "fp16"}}
+    model, _ = from_scratch(config, seed, False, attn_implementation=cfg.model.attn_implementation,
+                            dtype=training_dtype(ds))
+    return model.to(dist.device()).train()
+
+
+def _ids(hf_config, seed: int) -> np.ndarray:
+    """ROWS windows of LENGTH + 1 synthetic token ids (inputs and their next-token targets)."""
+    vocab = int(getattr(hf_config, "vocab_size", 0) or 0) or 256
+    return np.random.default_rng(seed).integers(0, vocab, (ROWS, LENGTH + 1), dtype=np.int64)
+
+
+def _measure(model, loss_of: Callable[[Any], Any]) -> tuple[float, list]:
+    """The summed loss of one forward and each parameter's gradient (fp32 on the CPU; zeros where none)."""
+    import torch
+
+    model.zero_grad(set_to_none=True)
+    loss = loss_of(model)
+    loss.backward()
+    grads = [(p.grad if p.grad is not None else torch.zeros_like(p)).detach().float().cpu()
+             for p in model.parameters() if p.requires_grad]
+    model.zero_grad(set_to_none=True)
+    return float(loss.detach()), grads
+
+
+def _differs(ref: tuple[float, list], got: tuple[float, list], dtype: str) -> str:
+    """'' when `got` is within the dtype's tolerance of `ref`: the loss, and each parameter's gradient (relative
+    to its own norm: a layer's gradient is not hidden by the embedding's), else the differences in words."""
+    loss_tol, grad_tol = TOLERANCES.get(dtype, TOLERANCES["fp32"])
+    loss = abs(got[0] - ref[0]) / max(abs(ref[0]), 1e-30)
+    grad = max((float((g - r).norm()) / max(float(r.norm()), 1e-30) for g, r in zip(got[1], ref[1])), default=0.0)
+    if loss <= loss_tol and grad <= grad_tol:  # NaN compares false: a NaN differs
+        return ""
+    return (f"loss {got[0]:.6g} against {ref[0]:.6g}, {loss:.1e} relative; a parameter's gradient {grad:.1e} "
+            f"relative")
+
+
+def head_factor(model, ids: np.ndarray, wider) -> tuple[float | None, str]:
+    """What the model's forward does to its head's output, if it is a product by one constant: (c, '');
+    else (None, what it does instead). `wider()`: the same model type at another width (a factor that
+    depends on the model's sizes differs there)."""
+    c, why = _factor(model, ids)
+    if c is None or c == 1:  # none at all: no size it could depend on
+        return c, why
+    c2, why2 = _factor(wider(), ids)
+    if c2 is None or abs(c2 - c) > HEAD_FACTOR_TOLERANCE * abs(c):
+        return None, why2 or f"its logits are {c:.6g} x its head's output at one width, {c2:.6g} x at another"
+    return c, ""
+
+
+def _factor(model, ids: np.ndarray) -> tuple[float | None, str]:
+    import torch
+
+    head = model.get_output_embeddings()
+    if head is None:
+        return None, "it names no output head (get_output_embeddings)"
+    generator = torch.Generator().manual_seed(0)
+    held = {}
+
+    def replace_output(module, args, out):
+        # fp32, as the tiled loss's value is: six decades of magnitude, both signs (a soft cap shows)
+        z = torch.randn(out.shape, generator=generator) * torch.logspace(-3, 3, out.shape[-1])
+        held["z"] = z.to(out.device)
+        return held["z"]
+
+    hook = head.register_forward_hook(replace_output)
+    try:
+        model.zero_grad(set_to_none=True)
+        logits = model(input_ids=torch.from_numpy(ids[:1, :FACTOR_TOKENS]).to(dist.device()), use_cache=False).logits
+    finally:
+        hook.remove()
+    z = held["z"]
+    if logits.shape != z.shape:
+        return None, f"its logits' shape {tuple(logits.shape)} is not its head's output's {tuple(z.shape)}"
+    got, z = logits.detach().float(), z.float()
+    c = float((got * z).sum() / (z * z).sum())
+    err = float((got - c * z).abs().max() / got.abs().max())
+    if not (math.isfinite(err) and err <= HEAD_FACTOR_TOLERANCE):
+        return None, (f"its logits are not a constant times its head's output (an op after the head, such as a soft "
+                      f"cap: {err:.1e} off the nearest constant)")
+    if logits.requires_grad:
+        logits.float().sum().backward()
+        moved = [n for n, p in model.named_parameters() if p.grad is not None and bool(p.grad.abs().sum() > 0)]
+        model.zero_grad(set_to_none=True)
+        if moved:
+            return None, f"its logits depend on {moved[0]} after its head"
+    return c, ""
+
+
+def _ulysses_differs(model, ids: np.ndarray, ref: tuple[float, Any], cfg: RunConfig, dtype: str,
+                     dims: ParallelDims, rank: int) -> str:
+    """The probe model under Ulysses attention, each rank of a sequence-parallel group holding its part of
+    the sequences (data.datasets.sequence_shard, as in training), the group's summed loss and gradients
+    against the whole sequences' (`ref`). Every rank of the world calls it."""
+    import torch
+
+    from ds_train.data.datasets import sequence_shard
+
+    sequence_rank = dims.coords(rank)[1]
+    mpu = register_ulysses(model.config, cfg.model.attn_implementation, dims.sequence, ROWS)
+    try:
+        sp = copy.deepcopy(model)  # built before: the attention Ulysses replaced is looked up at each call
+        loss, grads = _measure(sp, lambda m: forward_losses(m, sequence_shard(ids, sequence_rank, dims.sequence))[0])
+        group = mpu.get_sequence_parallel_group()
+        summed = dist.all_reduce_tensor(torch.tensor([loss], dtype=torch.float64, device=dist.device()), group)
+        grads = [dist.all_reduce_tensor(g.to(dist.device()), group).cpu() for g in grads]
+    finally:
+        unregister_ulysses()
+    return _differs(ref, (float(summed), grads), dtype)
