@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from conftest import tiny_config
+from conftest import ROOT, expect_error, tiny_config, write_config
 
 torch = pytest.importorskip("torch")
 
@@ -167,3 +167,18 @@ def test_every_speedup_that_holds_is_kept(dtype, compiled):
     n = 3 + compiled
     assert fast.notes == () and fast.probed.startswith(
         f"start-up probe: {names} against llama's own forward in {dtype}: {n} of {n} match (")
+
+
+@pytest.mark.slow
+def test_a_refusal_from_the_probe_comes_before_anything_is_written(tiny_data, tmp_path):
+    """`ds-train train` on a RecurrentGemma with the tiled loss asked for: exit 2, one line, and no output_dir
+    (the probe runs after the process group is up, before the run directory)."""
+    model = {"model_type": "recurrent_gemma", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+             "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 16, "lru_width": 64}
+    out = tmp_path / "run"
+    cfg = write_config(tmp_path / "c.yaml", tiny_config(tiny_data, out, model={"config": model},
+                                                        train={"loss_tile_tokens": 32}))
+    expect_error(["train", "--config", str(cfg), "--ds-config", str(ROOT / "ds_configs" / "zero0.json")],
+                 "train.loss_tile_tokens: the tiled loss does not match recurrent_gemma's own forward",
+                 "; set train.loss_tile_tokens=0")
+    assert not out.exists()

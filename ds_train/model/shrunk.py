@@ -11,29 +11,31 @@ HEAD_DIM = 16
 DROPPED = ("_name_or_path", "transformers_version", "architectures", "auto_map", "torch_dtype", "dtype")
 
 
-def shrink_model(hf, heads_multiple: int = 1) -> tuple[dict, str]:
+def shrink_model(hf, heads_multiple: int = 1, head_dim: int = HEAD_DIM) -> tuple[dict, str]:
     """The same model type with small dimensions: 2 layers, or one of each kind where the model's layers
     differ (layer_types and every other per-layer setting: sliding and full attention, dense and MoE,
     attention and recurrent), the grouped-query ratio kept (heads a multiple of `heads_multiple`, so a
     layout that splits them still can), 16 per head, the MLP 2.75x the hidden size, 4 experts of which 2
-    active; dropout off. Returns model.config and what changed, in words."""
+    active; dropout off (`head_dim` per head: 16). Returns model.config and what changed, in words."""
     d = {k: v for k, v in hf.to_diff_dict().items() if k not in DROPPED}
     d["model_type"] = hf.model_type
     heads = getattr(hf, "num_attention_heads", None) or getattr(hf, "n_head", None) or 4
     kv = getattr(hf, "num_key_value_heads", None) or heads
     ratio = heads // kv if heads % kv == 0 else 1
     small_heads = math.lcm(4, ratio, heads_multiple)
-    hidden = HEAD_DIM * small_heads
+    hidden = head_dim * small_heads
     ffn = max(8, round(hidden * 2.75 / 8) * 8)
     layers, per_layer = _layer_kinds(d, _layers(hf))
     small = {"hidden_size": hidden, "n_embd": hidden, "d_model": hidden,
              "num_attention_heads": small_heads, "n_head": small_heads,
-             "num_key_value_heads": small_heads // ratio, "head_dim": HEAD_DIM,
+             "num_key_value_heads": small_heads // ratio, "head_dim": head_dim,
              "intermediate_size": ffn, "n_inner": ffn, "ffn_dim": ffn,
              "moe_intermediate_size": ffn // 2, "shared_expert_intermediate_size": ffn // 2,
              "num_hidden_layers": layers, "n_layer": layers, "num_layers": layers,
+             "decoder_layers": layers, "decoder_attention_heads": small_heads, "decoder_ffn_dim": ffn,  # BART's names
+             "encoder_layers": layers, "encoder_attention_heads": small_heads, "encoder_ffn_dim": ffn,
              # state-space and recurrent widths (Mamba, Falcon-H1, RecurrentGemma)
-             "mamba_n_heads": 4, "mamba_d_head": HEAD_DIM, "mamba_d_ssm": 4 * HEAD_DIM, "mamba_d_state": 16,
+             "mamba_n_heads": 4, "mamba_d_head": head_dim, "mamba_d_ssm": 4 * head_dim, "mamba_d_state": 16,
              "ssm_state_size": 16, "state_size": 16, "lru_width": hidden}
     for key, value in small.items():
         if d.get(key) is not None:  # the keys this model type has (GPT-2's n_inner None: 4 x hidden)
@@ -54,7 +56,7 @@ def shrink_model(hf, heads_multiple: int = 1) -> tuple[dict, str]:
 
 
 def _layers(hf) -> int:
-    for key in ("num_hidden_layers", "n_layer", "num_layers"):
+    for key in ("num_hidden_layers", "n_layer", "num_layers", "decoder_layers"):
         if isinstance(getattr(hf, key, None), int):
             return getattr(hf, key)
     return 0

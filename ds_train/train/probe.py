@@ -37,7 +37,6 @@ the model's size, plus inductor's compile of the probe's layers where compiled l
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import math
 import time
@@ -64,6 +63,7 @@ TILE_TOKENS, MLP_TILE = 48, 16  # tiles that do not divide the tokens evenly: th
 TOLERANCES = {"fp32": (1e-5, 1e-4), "bf16": (2.0 ** -7, 4 * 2.0 ** -7), "fp16": (2.0 ** -10, 4 * 2.0 ** -10)}
 HEAD_FACTOR_TOLERANCE = 1e-5  # Z and the logits in fp32: a product by c is exact to a rounding or two
 FACTOR_TOKENS = 8  # the head factor's forward: Z holds this many tokens' logits
+GRAD_FLOOR = 1e-6  # a parameter's gradient is compared relative to at least this share of the whole one's
 
 
 def probe(cfg: RunConfig, hf_config, dtype: str, device_type: str, dims: ParallelDims, rank: int,
@@ -77,51 +77,70 @@ def probe(cfg: RunConfig, hf_config, dtype: str, device_type: str, dims: Paralle
     asked = _asked(cfg, want, device_type, dims)
     if not asked:
         return want
-    import torch
-
-    seed, start = cfg.seed, time.monotonic()
-    model, ids = _probe_model(cfg, hf_config, dtype, seed, dims.sequence), _ids(hf_config, seed)
-    ref = _measure(model, lambda m: forward_losses(m, ids)[0])
+    seed, start, ids = cfg.seed, time.monotonic(), _ids(hf_config, cfg.seed)
+    diffs, factor = differences(
+        lambda: _probe_model(cfg, hf_config, dtype, seed, dims.sequence), ids, asked, dtype, device_type,
+        lambda: _probe_model(cfg, hf_config, dtype, seed, dims.sequence, head_dim=32),
+        lambda m, ref: _ulysses_differs(m, ids, ref, cfg, dtype, dims, rank))
     notes: list[str] = []
     kept = want
-    if "tiled loss" in asked or "fused loss" in asked:
-        factor, why = head_factor(model, ids, lambda: _probe_model(cfg, hf_config, dtype, seed, 2 * dims.sequence))
-        for name in ("tiled loss", "fused loss"):
-            if name not in asked:
-                continue
-            fused = name == "fused loss"
-            diff = why or _differs(ref, _measure(model, lambda m: forward_losses(
-                m, ids, TILE_TOKENS, fused, factor)[0]), dtype)
-            kept = _verdict(kept, name, diff, cfg, hf_config, notes, factor=factor)
-    if "tiled MLP" in asked:
-        tiled = copy.deepcopy(model)
-        names, _ = tiled_mlps(tiled, MLP_TILE, LENGTH // dims.sequence)
-        diff = "no MLP to tile" if not names else _differs(ref, _measure(tiled, lambda m: forward_losses(m, ids)[0]),
-                                                             dtype)
-        kept = _verdict(kept, "tiled MLP", diff if names else "", cfg, hf_config, notes)
-    if "compiled layers" in asked:
-        compiled = copy.deepcopy(model)
-        from deepspeed.accelerator import get_accelerator
-
-        compile_layers(compiled, get_accelerator().get_compile_backend())
-        try:
-            diff = _differs(ref, _measure(compiled, lambda m: forward_losses(m, ids)[0]), dtype)
-        finally:
-            torch._dynamo.reset()  # the probe's compiled code counts toward no recompile limit of the run's
-        kept = _verdict(kept, "compiled layers", diff, cfg, hf_config, notes)
-    if "Liger kernels" in asked:
-        patched = copy.deepcopy(model)
-        done, said = apply_liger(patched, device_type)
-        diff = _differs(ref, _measure(patched, lambda m: forward_losses(m, ids)[0]), dtype) if done else ""
-        kept = _verdict(kept, "Liger kernels", diff, cfg, hf_config, notes)
-    if "Ulysses attention" in asked:
-        diff = _ulysses_differs(model, ids, ref, cfg, dtype, dims, rank)
-        kept = _verdict(kept, "Ulysses attention", diff, cfg, hf_config, notes)
+    for name in asked:
+        kept = _verdict(kept, name, diffs[name], cfg, hf_config, notes, factor=factor)
     said = (f"start-up probe: {', '.join(asked)} against {getattr(hf_config, 'model_type', '?')}'s own forward in "
             f"{dtype}: {len(asked) - len(notes)} of {len(asked)} match" + (f" (head factor {kept.head_factor:g})"
                                                                             if kept.head_factor != 1 else "")
             + f" ({time.monotonic() - start:.1f} s)")
     return replace(kept, notes=tuple(notes), probed=said)
+
+
+def differences(make: Callable[[], Any], ids: np.ndarray, asked: list[str], dtype: str, device_type: str,
+                wider: Callable[[], Any], ulysses: Callable[[Any, tuple], str] | None = None
+                ) -> tuple[dict[str, str], float | None]:
+    """Each speed-up of `asked` on a probe model (`make()`: a fresh one, the same weights every time) against
+    its own forward over `ids`: '' where it matches, else how it differs, in words (a speed-up that raises
+    differs); and the head factor (None: not a constant). `wider()`: the model type at another width;
+    `ulysses(model, reference)`: the sequence-parallel comparison (a collective: every rank reaches it)."""
+    import torch
+
+    def own(m):
+        return forward_losses(m, ids)[0]
+
+    ref = _measure(make(), own)
+    diffs: dict[str, str] = {}
+    factor = None
+
+    def check(name: str, run: Callable[[], str]) -> None:
+        try:
+            diffs[name] = run()
+        except Exception as e:  # noqa: BLE001 - a speed-up that raises on this model type does not hold
+            diffs[name] = f"it raises {type(e).__name__}: {' '.join(str(e).split())[:200]}"
+
+    if "tiled loss" in asked or "fused loss" in asked:
+        model = make()
+        factor, why = head_factor(model, ids, wider)
+        for name in ("tiled loss", "fused loss"):
+            if name in asked:
+                check(name, lambda name=name: why or _differs(ref, _measure(model, lambda m: forward_losses(
+                    m, ids, TILE_TOKENS, name == "fused loss", factor)[0]), dtype))
+
+    def variant(change: Callable[[Any], Any]) -> str:
+        model = make()
+        return "" if change(model) is False else _differs(ref, _measure(model, own), dtype)
+
+    if "tiled MLP" in asked:
+        check("tiled MLP", lambda: variant(lambda m: bool(tiled_mlps(m, MLP_TILE, LENGTH)[0])))
+    if "compiled layers" in asked:
+        from deepspeed.accelerator import get_accelerator
+
+        try:
+            check("compiled layers", lambda: variant(lambda m: compile_layers(m, get_accelerator().get_compile_backend())))
+        finally:
+            torch._dynamo.reset()  # the probe's compiled code counts toward no recompile limit of the run's
+    if "Liger kernels" in asked:
+        check("Liger kernels", lambda: variant(lambda m: apply_liger(m, device_type)[0]))
+    if "Ulysses attention" in asked:
+        diffs["Ulysses attention"] = ulysses(make(), ref) if ulysses else ""  # a collective: no rank may skip it
+    return diffs, factor
 
 
 # ---- what is asked, and what becomes of it ----
@@ -181,14 +200,14 @@ def _verdict(kept: Speedups, name: str, diff: str, cfg: RunConfig, hf_config, no
 
 # ---- the probe model, its inputs, its measurements ----
 
-def _probe_model(cfg: RunConfig, hf_config, dtype: str, seed: int, heads_multiple: int):
+def _probe_model(cfg: RunConfig, hf_config, dtype: str, seed: int, heads_multiple: int, head_dim: int = 16):
     """The run's model type at probe size (shrink_model), built from its config in the run's dtype and
     attention implementation on this rank's device, every weight drawn from `seed`."""
     from transformers import AutoConfig
 
     from ds_train.model.build import from_scratch, training_dtype
 
-    small, _ = shrink_model(hf_config, heads_multiple)
+    small, _ = shrink_model(hf_config, heads_multiple, head_dim)
     model_type = small.pop("model_type")
     config = AutoConfig.for_model(model_type, **small)
     ds = {"bf16": {"enabled": dtype == "bf16"}, "fp16": {"enabled": dtype == "fp16"}}
@@ -198,9 +217,10 @@ def _probe_model(cfg: RunConfig, hf_config, dtype: str, seed: int, heads_multipl
 
 
 def _ids(hf_config, seed: int) -> np.ndarray:
-    """ROWS windows of LENGTH + 1 synthetic token ids (inputs and their next-token targets)."""
+    """ROWS windows of LENGTH + 1 synthetic token ids (inputs and their next-token targets), from the lower
+    half of the vocabulary (a padded vocabulary's padding, which a model may cut from its logits, is on top)."""
     vocab = int(getattr(hf_config, "vocab_size", 0) or 0) or 256
-    return np.random.default_rng(seed).integers(0, vocab, (ROWS, LENGTH + 1), dtype=np.int64)
+    return np.random.default_rng(seed).integers(0, max(vocab // 2, 2), (ROWS, LENGTH + 1), dtype=np.int64)
 
 
 def _measure(model, loss_of: Callable[[Any], Any]) -> tuple[float, list]:
@@ -208,8 +228,10 @@ def _measure(model, loss_of: Callable[[Any], Any]) -> tuple[float, list]:
     import torch
 
     model.zero_grad(set_to_none=True)
-    loss = loss_of(model)
-    loss.backward()
+    with torch.random.fork_rng(devices=[]):  # a forward that draws (router jitter, dropout) draws alike each time
+        torch.manual_seed(0)
+        loss = loss_of(model)
+        loss.backward()
     grads = [(p.grad if p.grad is not None else torch.zeros_like(p)).detach().float().cpu()
              for p in model.parameters() if p.requires_grad]
     model.zero_grad(set_to_none=True)
@@ -221,7 +243,11 @@ def _differs(ref: tuple[float, list], got: tuple[float, list], dtype: str) -> st
     to its own norm: a layer's gradient is not hidden by the embedding's), else the differences in words."""
     loss_tol, grad_tol = TOLERANCES.get(dtype, TOLERANCES["fp32"])
     loss = abs(got[0] - ref[0]) / max(abs(ref[0]), 1e-30)
-    grad = max((float((g - r).norm()) / max(float(r.norm()), 1e-30) for g, r in zip(got[1], ref[1])), default=0.0)
+    # each relative to its own norm, but not to a gradient that is zero in exact arithmetic (a key bias's: the
+    # softmax does not see it), whose rounding noise is all there is: at least GRAD_FLOOR x the whole gradient's
+    floor = GRAD_FLOOR * float(sum(float(r.norm()) ** 2 for r in ref[1]) ** 0.5)
+    grad = max((float((g - r).norm()) / max(float(r.norm()), floor, 1e-30) for g, r in zip(got[1], ref[1])),
+               default=0.0)
     if loss <= loss_tol and grad <= grad_tol:  # NaN compares false: a NaN differs
         return ""
     return (f"loss {got[0]:.6g} against {ref[0]:.6g}, {loss:.1e} relative; a parameter's gradient {grad:.1e} "
@@ -277,10 +303,42 @@ def _factor(model, ids: np.ndarray) -> tuple[float | None, str]:
         model.zero_grad(set_to_none=True)
         if moved:
             return None, f"its logits depend on {moved[0]} after its head"
+    buffer = _buffer_after_head(model, ids, head, got)
+    if buffer:  # a buffer added after the head (BART's final_logits_bias: zeros here, not in a checkpoint)
+        return None, f"its logits depend on {buffer} after its head"
     return c, ""
 
 
-def _ulysses_differs(model, ids: np.ndarray, ref: tuple[float, Any], cfg: RunConfig, dtype: str,
+def _buffer_after_head(model, ids: np.ndarray, head, logits) -> str:
+    """The first floating buffer that changes the logits when the head's output is held fixed (each one
+    set to random values in turn, then put back); '' when none does."""
+    import torch
+
+    z = torch.randn(logits.shape, generator=torch.Generator().manual_seed(1)).to(dist.device())
+    hook = head.register_forward_hook(lambda module, args, out: z)
+    try:
+        with torch.no_grad():
+            base = model(input_ids=torch.from_numpy(ids[:1, :FACTOR_TOKENS]).to(dist.device()), use_cache=False).logits
+            for name, buf in model.named_buffers():
+                if not buf.is_floating_point() or buf.numel() == 0:
+                    continue
+                kept = buf.clone()
+                buf.copy_(torch.randn(buf.shape, generator=torch.Generator().manual_seed(2)).to(buf))
+                try:
+                    out = model(input_ids=torch.from_numpy(ids[:1, :FACTOR_TOKENS]).to(dist.device()),
+                                use_cache=False).logits
+                except Exception:  # noqa: BLE001 - a buffer the trunk cannot run without: not after the head
+                    out = base
+                finally:
+                    buf.copy_(kept)
+                if out.shape != base.shape or not torch.equal(out, base):
+                    return name
+    finally:
+        hook.remove()
+    return ""
+
+
+def _ulysses_differs(model, ids: np.ndarray, ref: tuple[float, list], cfg: RunConfig, dtype: str,
                      dims: ParallelDims, rank: int) -> str:
     """The probe model under Ulysses attention, each rank of a sequence-parallel group holding its part of
     the sequences (data.datasets.sequence_shard, as in training), the group's summed loss and gradients
@@ -292,8 +350,8 @@ def _ulysses_differs(model, ids: np.ndarray, ref: tuple[float, Any], cfg: RunCon
     sequence_rank = dims.coords(rank)[1]
     mpu = register_ulysses(model.config, cfg.model.attn_implementation, dims.sequence, ROWS)
     try:
-        sp = copy.deepcopy(model)  # built before: the attention Ulysses replaced is looked up at each call
-        loss, grads = _measure(sp, lambda m: forward_losses(m, sequence_shard(ids, sequence_rank, dims.sequence))[0])
+        # built before: the attention Ulysses replaced is looked up at each call
+        loss, grads = _measure(model, lambda m: forward_losses(m, sequence_shard(ids, sequence_rank, dims.sequence))[0])
         group = mpu.get_sequence_parallel_group()
         summed = dist.all_reduce_tensor(torch.tensor([loss], dtype=torch.float64, device=dist.device()), group)
         grads = [dist.all_reduce_tensor(g.to(dist.device()), group).cpu() for g in grads]

@@ -1,0 +1,234 @@
+"""The model-type matrix: every causal-LM model type of the pinned transformers that builds from its config
+alone, tiny, with every multiplier, scale and cap moved off its identity value (a default of 1.0 hides exactly
+the bugs this looks for); per type, each speed-up against the model's own forward, the start-up probe's
+comparison (ds_train/train/probe.py: `differences`), in fp32 on this CPU.
+
+    python bench/models.py                          # the table on stdout
+    python bench/models.py --write                  # ... and into docs/models.md (between its markers)
+    python bench/models.py --compile                # compiled layers too (inductor compiles each type's layers)
+    python bench/models.py --types llama,granite    # some model types only
+
+A cell is what a run of that model type gets: ✓ (the speed-up matches the model's own forward; ×c: the tiled
+loss with the head factor c the probe measured), or the probe's verdict in short: "full logits" (the tiled
+loss cannot follow the model after its head: on by default it is turned off, asked for it is refused), "refused"
+(it differs: the probe refuses it, or turns a default off). No cell is "runs, wrong": whatever differs is
+refused. A model type that does not build from its config alone says why. The probe model's vocabulary is cut
+to VOCAB tokens here (the speed-ups do not depend on it; a run's probe keeps the model's).
+tests/test_models_matrix.py runs this (without --compile) and fails where it and docs/models.md disagree.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import signal
+import sys
+import time
+import warnings
+from datetime import date
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from bench import cli  # noqa: E402
+
+VOCAB = 1024
+MAX_PARAMS = 50_000_000  # a probe-size model past this keeps a width the shrink does not know: said, not built
+TYPE_SECONDS = 60  # one model type's time limit
+SPEEDUPS = ("tiled loss", "fused loss", "tiled MLP")
+OFF_IDENTITY = re.compile(r"multiplier|scale|scaling")
+CAP = re.compile(r"softcap|soft_cap")
+BEGIN, END = "<!-- models.py: begin -->", "<!-- models.py: end -->"
+DOC = ROOT / "docs" / "models.md"
+
+
+def model_types() -> list[str]:
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    return sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+
+
+def off_identity(config: dict) -> tuple[dict, list[str]]:
+    """Every float multiplier, scale or scaling at 1.0 set to 0.5, every soft cap that is off set to 30, an
+    unpadded vocabulary that is off (None) set 8 below the vocabulary (the logits cut after the head)."""
+    moved, said = dict(config), []
+    for key, value in config.items():
+        if value is None and "unpadded_vocab" in key and isinstance(config.get("vocab_size"), int):
+            moved[key] = config["vocab_size"] - 8
+            said.append(f"{key} {moved[key]}")
+            continue
+        if isinstance(value, float) and value == 1.0 and OFF_IDENTITY.search(key):
+            moved[key] = 0.5
+            said.append(f"{key} 0.5")
+        elif value is None and CAP.search(key):
+            moved[key] = 30.0
+            said.append(f"{key} 30")
+    return moved, said
+
+
+def probe_config(model_type: str, head_dim: int = 16):
+    """The model type's default config, tiny (model/shrunk.py), off identity, its vocabulary cut to VOCAB."""
+    from transformers import AutoConfig
+
+    from ds_train.model.shrunk import shrink_model
+
+    small, _ = shrink_model(AutoConfig.for_model(model_type), head_dim=head_dim)
+    small.pop("model_type")
+    if isinstance(small.get("vocab_size"), int):
+        small["vocab_size"] = min(small["vocab_size"], VOCAB)
+        for key in ("pad_token_id", "bos_token_id", "eos_token_id"):
+            if isinstance(small.get(key), int) and small[key] >= VOCAB:
+                small[key] = VOCAB - 1
+    small, moved = off_identity(small)
+    return AutoConfig.for_model(model_type, **small), moved
+
+
+def build(config):
+    """The model from `config`, seeded, fp32, on the CPU; its parameter count checked on the meta device first."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from ds_train.model.build import from_scratch
+
+    with torch.device("meta"):
+        n = sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
+    if n > MAX_PARAMS:
+        raise ValueError(f"{n / 1e6:.0f}M parameters at probe size (a width model/shrunk.py does not cut)")
+    try:
+        model, _ = from_scratch(config, 0, False, attn_implementation="sdpa", dtype=torch.float32)
+    except Exception as e:  # noqa: BLE001 - a model without sdpa: a run sets model.attn_implementation=eager
+        if "attention implementation" not in str(e):
+            raise
+        model, _ = from_scratch(config, 0, False, attn_implementation="eager", dtype=torch.float32)
+    return model.train()
+
+
+def row(model_type: str, speedups: tuple[str, ...]) -> dict:
+    """One model type's cells (see the module)."""
+    from ds_train.train.probe import _ids, differences
+
+    start = time.monotonic()
+    try:
+        config, moved = probe_config(model_type)
+        build(config)
+    except Exception as e:  # noqa: BLE001 - its cells say why
+        return {"type": model_type, "build": f"{not_built(model_type)}: {short(e)}", "cells": {}, "moved": [],
+                "seconds": round(time.monotonic() - start, 1)}
+    try:
+        diffs, factor = differences(lambda: build(config), _ids(config, 0), list(speedups), "fp32", "cpu",
+                                    lambda: build(probe_config(model_type, head_dim=32)[0]))
+        cells = {name: cell(name, diff, factor) for name, diff in diffs.items()}
+    except Exception as e:  # noqa: BLE001 - the model's own forward fails at probe size: the run's probe would too
+        cells = {name: f"own forward fails at probe size: {short(e)}" for name in speedups}
+    return {"type": model_type, "build": "✓", "cells": cells, "moved": moved,
+            "seconds": round(time.monotonic() - start, 1)}
+
+
+def not_built(model_type: str) -> str:
+    """Why a probe-size model was not built: its default config does not build either (on the meta device), or
+    our shrink of it (model/shrunk.py) does not."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    try:
+        with torch.device("meta"):
+            AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type))
+    except Exception:  # noqa: BLE001
+        return "cannot build from its config alone"
+    return "not at probe size (model/shrunk.py)"
+
+
+def cell(name: str, diff: str, factor: float | None) -> str:
+    if not diff:
+        return f"✓ ×{factor:g}" if name in ("tiled loss", "fused loss") and factor not in (None, 1) else "✓"
+    if "not a constant times its head's output" in diff or "is not its head's output" in diff or "after its head" \
+            in diff or "at one width" in diff:
+        return "full logits: " + ("a cut of the vocabulary" if "shape" in diff else
+                                  diff.split("depend on ")[1].replace(" after its head", " after the head")
+                                  if "depend on" in diff else "an op after the head")
+    return "refused: " + diff.split(";")[0]
+
+
+def short(e: BaseException) -> str:
+    text = " ".join(str(e).split()) or type(e).__name__
+    return f"{type(e).__name__}: {text[:120]}"
+
+
+def table(rows: list[dict], speedups: tuple[str, ...]) -> str:
+    head = ["model type", "builds", *speedups, "moved off identity"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        cells = [r["cells"].get(s, "") for s in speedups]
+        lines.append("| " + " | ".join([f"`{r['type']}`", r["build"], *cells, ", ".join(r["moved"])]).replace(
+            "\n", " ") + " |")
+    return "\n".join(lines)
+
+
+def counts(rows: list[dict]) -> str:
+    built = [r for r in rows if r["build"] == "✓"]
+    runs = [r for r in built if not any(c.startswith("own forward fails") for c in r["cells"].values())]
+    exact = [r for r in runs if all(c.startswith("✓") for c in r["cells"].values())]
+    cannot = [r for r in rows if r["build"].startswith("cannot build")]
+    return (f"{len(rows)} causal-LM model types: {len(cannot)} cannot build from their config alone, "
+            f"{len(rows) - len(built) - len(cannot)} not at probe size (the shrink does not fit them yet), "
+            f"{len(built) - len(runs)} whose own forward fails at probe size; of the {len(runs)} probed, {len(exact)} "
+            f"keep every speed-up checked, {len(runs) - len(exact)} have one turned off by default or refused where "
+            f"asked (never run wrong)")
+
+
+def main() -> int:
+    ap = cli.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--types", default="", help="comma-separated model types (default: every causal-LM type)")
+    ap.add_argument("--compile", action="store_true", help="compiled layers too (inductor: slow on a CPU)")
+    ap.add_argument("--write", action="store_true", help=f"write the table into {DOC.relative_to(ROOT)}")
+    ap.add_argument("--json", default="", help="also write the rows as JSON here")
+    args = ap.parse_args()
+    warnings.filterwarnings("ignore")
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    every = model_types()
+    types = [t for t in args.types.split(",") if t] or every
+    unknown = sorted(set(types) - set(every))
+    if unknown:
+        raise cli.fail(f"--types {','.join(unknown)}: not causal-LM model types of this transformers")
+    speedups = SPEEDUPS + (("compiled layers",) if args.compile else ())
+    start, rows = time.monotonic(), []
+
+    def too_long(signum, frame):
+        raise TimeoutError(f"past {TYPE_SECONDS} s")
+
+    signal.signal(signal.SIGALRM, too_long)
+    for model_type in types:
+        signal.alarm(TYPE_SECONDS)
+        try:
+            rows.append(row(model_type, speedups))
+        finally:
+            signal.alarm(0)
+        print(json.dumps(rows[-1], ensure_ascii=False), file=sys.stderr, flush=True)
+    seconds = time.monotonic() - start
+    text = report(rows, speedups, seconds, " ".join(["python bench/models.py", *sys.argv[1:]]))
+    print(text)
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, ensure_ascii=False, indent=1))
+    if args.write:
+        doc = DOC.read_text()
+        if BEGIN not in doc or END not in doc:
+            raise cli.fail(f"{DOC}: no {BEGIN} ... {END} markers to write the table between")
+        DOC.write_text(doc[:doc.index(BEGIN) + len(BEGIN)] + "\n" + text + "\n" + doc[doc.index(END):])
+    return 0
+
+
+def report(rows: list[dict], speedups: tuple[str, ...], seconds: float, command: str) -> str:
+    from importlib.metadata import version
+
+    return (f"`{command}`, {date.today().isoformat()}, transformers {version('transformers')}, torch "
+            f"{version('torch')}, DeepSpeed {version('deepspeed')}; {seconds:.0f} s on this 2-core CPU. "
+            f"{counts(rows)}.\n\n{table(rows, speedups)}")
+
+
+if __name__ == "__main__":
+    sys.exit(cli.run(main))
