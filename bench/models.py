@@ -55,6 +55,10 @@ def off_identity(config: dict) -> tuple[dict, list[str]]:
     unpadded vocabulary that is off (None) set 8 below the vocabulary (the logits cut after the head)."""
     moved, said = dict(config), []
     for key, value in config.items():
+        if key.endswith("_config") and isinstance(value, dict):  # a multimodal model's text model, ...
+            moved[key], inner = off_identity(value)
+            said += [f"{key}.{s}" for s in inner]
+            continue
         if value is None and "unpadded_vocab" in key and isinstance(config.get("vocab_size"), int):
             moved[key] = config["vocab_size"] - 8
             said.append(f"{key} {moved[key]}")

@@ -288,6 +288,11 @@ def test_ulysses_sequence_parallelism_keeps_the_math(kind, tiny_data, sft_data, 
         log = (run / "logs" / "rank_1.log").read_text()
         assert (compiled in log) == (kind == "pretraining")
         assert "function: 'wrapped_fn'" not in log  # DeepSpeed's NVTX wrapper of ZeRO-3's hooks: not recompiled
+        # the start-up probe ran each speed-up against the model's own forward, Ulysses as a collective
+        probed = ("tiled loss, tiled MLP, compiled layers, Ulysses attention" if kind == "pretraining"
+                  else "Ulysses attention")
+        n = probed.count(",") + 1
+        assert f"start-up probe: {probed} against llama's own forward in fp32: {n} of {n} match" in log, log[-3000:]
     assert ref[STEPS]["train/loss"] < ref[1]["train/loss"]
     if kind == "sft":  # several examples to a sequence: what the attention has to keep apart
         from ds_train.data.datasets import SftData

@@ -37,10 +37,20 @@ def shrink_model(hf, heads_multiple: int = 1, head_dim: int = HEAD_DIM) -> tuple
              # state-space and recurrent widths (Mamba, Falcon-H1, RecurrentGemma)
              "mamba_n_heads": 4, "mamba_d_head": head_dim, "mamba_d_ssm": 4 * head_dim, "mamba_d_state": 16,
              "ssm_state_size": 16, "state_size": 16, "lru_width": hidden}
+    # multi-head latent attention (DeepSeek-V2/V3, Kimi): its ranks and head widths; a partial rotary width
+    small |= {"kv_lora_rank": 32, "q_lora_rank": 32, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": head_dim,
+              "qk_head_dim": 16, "rotary_dim": head_dim // 2, "linear_head_dim": head_dim,
+              "num_experts_per_token": 2}
+    if d.get("qk_rope_head_dim") is not None and d.get("head_dim") is not None:
+        small["head_dim"] = small["qk_rope_head_dim"]  # MLA's head_dim is its rotary part's (transformers sets it so)
     for key, value in small.items():
         if d.get(key) is not None:  # the keys this model type has (GPT-2's n_inner None: 4 x hidden)
             d[key] = value
-    for key, cap in (("num_local_experts", 4), ("num_experts", 4), ("n_routed_experts", 4),
+    for key, value in list(d.items()):  # a multimodal model's sub-models (its text_config, vision_config, ...)
+        if key.endswith("_config") and isinstance(value, dict) and value.get("model_type"):
+            d[key] = _shrunk_part(value, heads_multiple, head_dim)
+    for key, cap in (("num_local_experts", 4), ("num_experts", 4), ("n_routed_experts", 4), ("n_group", 2),
+                     ("topk_group", 1),  # DeepSeek-V3's groups of experts: 2 of 2 experts, the top 2 from 1 group
                      ("num_experts_per_tok", 2), ("max_window_layers", layers), ("first_k_dense_replace", 1)):
         if isinstance(d.get(key), int):
             d[key] = min(d[key], cap)
@@ -66,8 +76,8 @@ def _layer_kinds(d: dict, n: int) -> tuple[int, dict]:
     """How many layers the small model keeps, and its per-layer settings: each setting of the config that
     holds one entry a layer (a list, or a string of one letter a layer) cut to the first layer of each
     distinct kind (its entries in every such setting together), at least 2 layers."""
-    per_layer = {k: v for k, v in d.items() if n > 1 and isinstance(v, (list, str)) and len(v) == n
-                 and k not in ("model_type",)}
+    per_layer = {k: v for k, v in d.items() if n > 1 and k != "model_type"
+                 and (isinstance(v, list) or isinstance(v, str) and "pattern" in k) and len(v) == n}
     kinds = {}
     for i in range(n):
         kinds.setdefault(tuple(repr(v[i]) for v in per_layer.values()), i)
@@ -76,3 +86,16 @@ def _layer_kinds(d: dict, n: int) -> tuple[int, dict]:
     cut = {k: (type(v)(v[i] for i in keep) if isinstance(v, list) else "".join(v[i] for i in keep))
            for k, v in per_layer.items()}
     return max(2, len(keep)), cut
+
+
+def _shrunk_part(part: dict, heads_multiple: int, head_dim: int) -> dict:
+    """A sub-model's config (a dict with its model_type) shrunk as a model is; as it was where transformers
+    has no config class for it."""
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.for_model(part["model_type"], **{k: v for k, v in part.items() if k != "model_type"})
+    except (ValueError, KeyError, TypeError):
+        return part
+    small, _ = shrink_model(config, heads_multiple, head_dim)
+    return small

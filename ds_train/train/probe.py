@@ -204,8 +204,11 @@ def _probe_model(cfg: RunConfig, hf_config, dtype: str, seed: int, heads_multipl
     """The run's model type at probe size (shrink_model), built from its config in the run's dtype and
     attention implementation on this rank's device, every weight drawn from `seed`."""
     from transformers import AutoConfig
+    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
     from ds_train.model.build import from_scratch, training_dtype
+
+    unset_hf_deepspeed_config()  # an earlier ZeRO-3 run in this process (parity's worker) must not partition it
 
     small, _ = shrink_model(hf_config, heads_multiple, head_dim)
     model_type = small.pop("model_type")
