@@ -282,12 +282,8 @@ def accelerator_name() -> str:
 
 def _reduce(values: list[float], op: str, group=None) -> list[float]:
     import torch
-    import deepspeed.comm as comm
 
-    t = torch.tensor(values, dtype=torch.float64, device=device())
-    if comm.is_initialized() and comm.get_world_size() > 1:
-        comm.all_reduce(t, op=comm.ReduceOp.SUM if op == "sum" else comm.ReduceOp.MAX, group=group)
-    return t.tolist()
+    return all_reduce_tensor(torch.tensor(values, dtype=torch.float64, device=device()), group, op).tolist()
 
 
 def all_reduce_sum(values: list[float], group=None) -> list[float]:
@@ -296,12 +292,12 @@ def all_reduce_sum(values: list[float], group=None) -> list[float]:
     return _reduce(values, "sum", group)
 
 
-def all_reduce_tensor(t, group=None):
-    """Sum a tensor over the ranks of `group` (None: all), in place; returns it."""
+def all_reduce_tensor(t, group=None, op: str = "sum"):
+    """Sum (or max) a tensor over the ranks of `group` (None: all), in place; returns it."""
     import deepspeed.comm as comm
 
     if comm.is_initialized() and comm.get_world_size() > 1:
-        comm.all_reduce(t, op=comm.ReduceOp.SUM, group=group)
+        comm.all_reduce(t, op=comm.ReduceOp.SUM if op == "sum" else comm.ReduceOp.MAX, group=group)
     return t
 
 
