@@ -182,3 +182,18 @@ def test_a_refusal_from_the_probe_comes_before_anything_is_written(tiny_data, tm
                  "train.loss_tile_tokens: the tiled loss does not match recurrent_gemma's own forward",
                  "; set train.loss_tile_tokens=0")
     assert not out.exists()
+
+
+def test_a_model_type_the_probe_cannot_shrink_keeps_no_unchecked_speedup():
+    """Mamba-2 at probe size fails its config's own validator (its heads x head width must equal hidden x
+    expand): nothing is checked, so the tiled loss on by default is off with one line, and asked for it is
+    refused in one line, never a traceback and never kept unchecked."""
+    from ds_train.errors import UserError
+
+    fast = probe_of("mamba2", {})
+    assert fast.loss_tile_tokens == 0 and fast.notes[0].startswith(
+        "train.loss_tile_tokens: the tiled loss does not match mamba2's own forward: the probe cannot build a small "
+        "mamba2 to check it against (")
+    with pytest.raises(UserError, match=r"^train\.loss_tile_tokens: .*the probe cannot build a small mamba2.*; set "
+                                        r"train\.loss_tile_tokens=0$"):
+        probe_of("mamba2", {}, loss_tile_tokens=32)

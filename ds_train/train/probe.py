@@ -78,10 +78,17 @@ def probe(cfg: RunConfig, hf_config, dtype: str, device_type: str, dims: Paralle
     if not asked:
         return want
     seed, start, ids = cfg.seed, time.monotonic(), _ids(hf_config, cfg.seed)
-    diffs, factor = differences(
-        lambda: _probe_model(cfg, hf_config, dtype, seed, dims.sequence), ids, asked, dtype, device_type,
-        lambda: _probe_model(cfg, hf_config, dtype, seed, dims.sequence, head_dim=32),
-        lambda m, ref: _ulysses_differs(m, ids, ref, cfg, dtype, dims, rank))
+    try:
+        _probe_model(cfg, hf_config, dtype, seed, dims.sequence)
+    except Exception as e:  # noqa: BLE001 - unchecked is not kept: every speed-up asked is off or refused
+        why = (f"the probe cannot build a small {getattr(hf_config, 'model_type', '?')} to check it against "
+               f"({type(e).__name__}: {' '.join(str(e).split())[:160]})")
+        diffs, factor = {name: why for name in asked}, None
+    else:
+        diffs, factor = differences(
+            lambda: _probe_model(cfg, hf_config, dtype, seed, dims.sequence), ids, asked, dtype, device_type,
+            lambda: _probe_model(cfg, hf_config, dtype, seed, dims.sequence, head_dim=32),
+            lambda m, ref: _ulysses_differs(m, ids, ref, cfg, dtype, dims, rank))
     notes: list[str] = []
     kept = want
     for name in asked:
