@@ -669,6 +669,53 @@ def test_an_expert_parallel_run_killed_resumes_exactly_in_another_layout_and_exp
     assert abs(held_out - resumed[6]["eval/loss"]) <= 1e-5 * resumed[6]["eval/loss"], (held_out, resumed[6])
 
 
+DEEPSEEK_V3 = {"model_type": "deepseek_v3", "hidden_size": 64, "intermediate_size": 96, "moe_intermediate_size": 32,
+               "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 4, "n_routed_experts": 4,
+               "num_experts_per_tok": 2, "n_shared_experts": 1, "first_k_dense_replace": 1, "n_group": 2,
+               "topk_group": 1, "q_lora_rank": 32, "kv_lora_rank": 16, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8,
+               "v_head_dim": 16, "routed_scaling_factor": 2.5, "max_position_embeddings": 128,
+               "tie_word_embeddings": False, "vocab_size": 512}
+
+
+@pytest.mark.slow
+def test_a_deepseek_v3_under_expert_parallelism_exports_with_its_router_bias_from_zero_2_and_3(tiny_data, tmp_path):
+    """A tiny DeepSeek-V3 (MLA, a dense first layer, shared experts, grouped top-k routing, a routed scale)
+    fine-tuned from a directory whose router bias (a buffer, e_score_correction_bias, no gradient) is
+    off zero, as a pretrained model's is: parallel.expert 2 under ZeRO-2 and ZeRO-3 (DeepSpeed's ZeRO-3
+    universal conversion writes flat tensors and no buffers), exported. `from_pretrained` reports no
+    missing, unexpected or mismatched key, the bias comes back as it went in, and the logits are the
+    AutoEP engine's on the same tag within 1e-5."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from ds_train.data.tokenizer import load_tokenizer
+
+    base = tmp_path / "base"
+    load_tokenizer(tiny_data / "tokenizer").save_pretrained(str(base))
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**DEEPSEEK_V3))
+    bias = torch.tensor([0.3, -0.2, 0.1, -0.4])
+    model.model.layers[1].mlp.gate.e_score_correction_bias.copy_(bias)
+    model.save_pretrained(base)
+    for stage in (2, 3):
+        run = tmp_path / f"zero{stage}"
+        cfg = tiny_config(tiny_data, run, parallel={"expert": 2}, train={"max_steps": 2},
+                          checkpoint={"save_final": True})
+        cfg["model"] = {"path": str(base), "dtype": "fp32"}
+        config = write_config(tmp_path / f"zero{stage}.yaml", cfg)
+        res = deepspeed_train(config, f"zero{stage}.json")
+        assert res.returncode == 0, res.out[-3000:]
+        assert "expert rank 1 holds 2 of each one's 4 experts" in (run / "logs" / "rank_1.log").read_text()
+        exported = tmp_path / f"hf{stage}"
+        res = ds_train("export", str(run), "--out", str(exported), timeout=300)
+        assert res.returncode == 0, res.out[-3000:]
+        back, info = AutoModelForCausalLM.from_pretrained(exported, output_loading_info=True)
+        assert not any(info.values()), info
+        assert torch.equal(back.model.layers[1].mlp.gate.e_score_correction_bias, bias)
+        assert_export_matches(exported, engine_logits(config, f"zero{stage}.json", run / "checkpoints",
+                                                      "step_00000002", tmp_path / f"logits{stage}.pt"))
+
+
 @pytest.mark.slow
 def test_fresh_finished_and_damaged_runs(tiny_data, tmp_path):
     """A truncated metrics line is dropped and said; a finished run changes nothing; a fresh run

@@ -49,18 +49,33 @@ def hf_layout(state: dict, specs: list, shapes: dict) -> dict:
         elif spec.expert_w3_name is not None:
             out[f"{experts}.{spec.expert_w1_name}"], out[f"{experts}.{spec.expert_w2_name}"] = w1, w2
             out[f"{experts}.{spec.expert_w3_name}"] = w3
-        else:  # gate and up fused, as the model had them: [E, 2F, H] (gate first), or [E, H, 2F]
-            gate_up, name = torch.cat([w1, w3], dim=1), f"{experts}.{spec.expert_w1_name}"
-            if tuple(shapes.get(name, gate_up.shape)) == tuple(gate_up.shape):
-                out[name], out[f"{experts}.{spec.expert_w2_name}"] = gate_up, w2
-            else:  # Transformers' other fused layout
-                out[name] = gate_up.transpose(1, 2).contiguous()
-                out[f"{experts}.{spec.expert_w2_name}"] = w2.transpose(1, 2).contiguous()
+        else:  # gate and up fused, as the model has them: [E, 2F, H] (gate first), or [E, H, 2F]
+            gate, down = f"{experts}.{spec.expert_w1_name}", f"{experts}.{spec.expert_w2_name}"
+            layout = fused_layout(shapes, gate, down)
+            gate_up = torch.cat([w1, w3], dim=1)
+            if layout.needs_transpose:  # Transformers' other fused layout
+                gate_up, w2 = gate_up.transpose(1, 2).contiguous(), w2.transpose(1, 2).contiguous()
+            out[gate], out[down] = gate_up, w2
         for key in [k for k in out if k.startswith(f"{layer}.router.")]:
             rest = key[len(f"{layer}.router."):]
             out.pop(f"{layer}.{router}.{rest}", None)  # AutoEP's alias of the router under the model's name
             out[f"{layer}.{router}.{rest.removeprefix('gate.')}"] = out.pop(key)
     return out
+
+
+def fused_layout(shapes: dict, gate: str, down: str):
+    """Which of the two fused gate/up layouts the model keeps, from both tensors' shapes, by DeepSpeed's own
+    classifier (the one AutoEP repacked them with): one tensor alone is ambiguous when the hidden size is
+    twice the expert width."""
+    from deepspeed.moe.fused_expert_layout import classify_fused_gate_up_layout
+
+    layout = None
+    if gate in shapes and down in shapes:
+        layout = classify_fused_gate_up_layout(tuple(shapes[gate]), tuple(shapes[down]))
+    if layout is None:
+        raise UserError(f"export: {gate} {tuple(shapes.get(gate, ()))} and {down} {tuple(shapes.get(down, ()))} "
+                        f"are neither fused gate/up layout AutoEP knows; this model's experts cannot be put back")
+    return layout
 
 
 def autoep_module_state_dict(tag_dir) -> dict:

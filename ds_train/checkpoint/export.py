@@ -31,8 +31,8 @@ from ds_train.checkpoint import commit as checkpoint
 from ds_train.checkpoint.experts import autoep_module_state_dict, autoep_specs, hf_layout
 from ds_train.checkpoint.rundir import LATEST, RunPaths
 from ds_train.checkpoint.tagfiles import holds_a_save
-from ds_train.checkpoint.universal import (ds_to_universal, tensor_module_state_dict, universal_dir,
-                                           universal_state_dict)
+from ds_train.checkpoint.universal import (ds_to_universal, module_buffers, tensor_module_state_dict,
+                                           universal_dir, universal_state_dict)
 from ds_train.errors import UserError
 from ds_train.fs import check_writable, write_atomic
 
@@ -224,7 +224,7 @@ def load_fp32_state_dict(src: ExportSource, scratch: Path) -> dict:
             universal = scratch / src.tag  # ds_to_universal writes latest_universal beside it
             ds_to_universal(src.tag_dir, universal)
         try:
-            return universal_state_dict(universal)
+            return {**module_buffers(src.tag_dir), **universal_state_dict(universal)}
         finally:
             shutil.rmtree(scratch, ignore_errors=True)
     if src.zero_stage == 0:

@@ -33,11 +33,51 @@ def ds_to_universal(tag_dir: Path, out: Path) -> None:
 
 
 def universal_state_dict(universal: Path) -> dict:
-    """The whole fp32 weights of a universal checkpoint (what ds_to_universal wrote)."""
+    """The whole fp32 weights of a universal checkpoint (what ds_to_universal wrote): a dict with the
+    tensor under "param" per parameter, except that a ZeRO-3 conversion writes the other parameters as
+    flat tensors, whose shapes its copied model-states files keep (as DeepSpeed's own loader reads them)."""
     import torch
 
-    return {p.name: torch.load(p / "fp32.pt", map_location="cpu", weights_only=False)["param"]
-            for p in sorted((universal / "zero").iterdir()) if (p / "fp32.pt").is_file()}
+    out, shapes = {}, None
+    for p in sorted((universal / "zero").iterdir()):
+        if not (p / "fp32.pt").is_file():
+            continue
+        saved = torch.load(p / "fp32.pt", map_location="cpu", weights_only=False)
+        if isinstance(saved, dict):
+            out[p.name] = saved["param"]
+            continue
+        shapes = _zero3_shapes(universal) if shapes is None else shapes
+        if p.name not in shapes:
+            raise UserError(f"{universal}: no shape for the flat tensor of {p.name!r} in its model-states files; "
+                            f"convert the tag again (ds-train convert --to universal)")
+        out[p.name] = saved.view(shapes[p.name])
+    return out
+
+
+def _zero3_shapes(universal: Path) -> dict:
+    """Every parameter's shape, from the ZeRO-3 model-states files ds_to_universal copied beside zero/."""
+    import torch
+
+    shapes = {}
+    for f in sorted(universal.glob("zero_pp_rank_*_model_states.pt")):
+        saved = torch.load(f, map_location="cpu", mmap=True, weights_only=False)
+        for group in saved.get("param_shapes") or []:
+            shapes.update({name: tuple(shape) for name, shape in group.items()})
+    return shapes
+
+
+def module_buffers(tag_dir: Path) -> dict:
+    """The persistent buffers of a tag (DeepSpeed saves them whole in every model-states file, under every
+    ZeRO stage; a universal conversion carries parameters only): for instance DeepSeek-V3's router bias."""
+    import torch
+
+    files = sorted(tag_dir.glob("*mp_rank_00_model_states.pt"))
+    files = [f for f in files if not f.name.startswith(("layer_", "expert_"))]
+    if not files:
+        return {}
+    saved = torch.load(files[0], map_location="cpu", mmap=True, weights_only=False)
+    module = saved.get("module") or {}
+    return {name: module[name].clone() for name in saved.get("buffer_names") or [] if name in module}
 
 
 def tensor_module_state_dict(tag_dir: Path, tensor: int) -> dict:
