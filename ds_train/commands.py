@@ -255,7 +255,7 @@ def cmd_parity(args) -> int:
 
     Run --steps optimizer steps of each layout (each --ds-config's ZeRO stage and the run's dtype, at
     each --nproc world size and --grad-accum accumulation) and of a reference (one process, ZeRO-0,
-    fp32, the same global batch through accumulation, the same data order and initial weights); print
+    fp32, eager layers, the same global batch through accumulation, the same data order and initial weights); print
     per step both losses and gradient norms and their relative differences, the held-out loss, and a
     verdict. Exit 0 within the tolerances, 1 past them. In bf16/fp16 the tolerances come from a
     measured noise floor: the reference run again in that precision. TF32 is off in the fp32 runs

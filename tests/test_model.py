@@ -695,14 +695,18 @@ def test_model_compile_compiles_each_decoder_layer_once_and_leaves_the_loss_eage
 def test_model_compile_auto_compiles_on_a_cuda_gpu_alone(tmp_path):
     """model.compile: auto is on where the device is CUDA (where the H100 lease measured 1.39x eager) and
     off elsewhere; true and false are what they say anywhere."""
+    from ds_train.config.file import build_config
     from ds_train.model.kernels import compiles
 
-    assert compiles("auto", "cuda") and not compiles("auto", "cpu") and not compiles("auto", "xpu")
-    assert compiles(True, "cpu") and not compiles(False, "cuda")
+    def cfg(**model):
+        return build_config({"output_dir": "/nonexistent/run", "model": {"config": {"model_type": "llama"}, **model}},
+                            source="x")
+
+    assert compiles(cfg(), "cuda") and not compiles(cfg(), "cpu") and not compiles(cfg(), "xpu")
+    assert compiles(cfg(compile=True), "cpu") and not compiles(cfg(compile=False), "cuda")
     # Liger's kernels inside compiled layers crashed on an H200 (2026-11-28): auto leaves them eager there,
     # true with them is refused when the config loads, and the plan counts the layers as what runs
-    assert not compiles("auto", "cuda", liger_kernels=True) and compiles("auto", "cuda", liger_kernels=False)
-    from ds_train.config.file import build_config
+    assert not compiles(cfg(liger_kernels=True), "cuda")
     from ds_train.plan.planner import fused_kernels
 
     base = {"output_dir": "/nonexistent/run", "model": {"config": {"model_type": "llama"}}}

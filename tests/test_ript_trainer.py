@@ -381,35 +381,40 @@ def test_the_same_rollouts_split_into_other_micro_batches_and_ranks_give_the_sam
     runs the first two steps at lr 0: iteration 4's loss is the first after an update.) kl_coef 0: no
     reference policy is built, and none is held: what the parameters beyond the policy's hold, measured
     over every live module of each rank's process, is 0 (with a reference: the whole model under ZeRO-2,
-    test_sigterm..., half of it on each of 2 ranks under ZeRO-3, test_a_dataset_task...)."""
+    test_sigterm..., half of it on each of 2 ranks under ZeRO-3, test_a_dataset_task...). The 2-rank
+    layout again with compiled layers (model.compile=true: the update's forward and backward compiled,
+    generation eager) gives the same losses and weights within 1e-5 (issue 59: compiled layers under RIPT)."""
     common = dict(tasks=["copy", "sort"], policy="ript_policies:Half", advantage="grpo", rollout_contexts=1,
                   iterations=4)
-    layouts = {"np2_micro4": (2, 3, 4), "np1_micro8": (1, 6, 8)}
+    layouts = {"np2_micro4": (2, 3, 4), "np1_micro8": (1, 6, 8), "np2_micro4_compiled": (2, 3, 4)}
     metrics, weights = {}, {}
     for name, (nproc, quota, micro) in layouts.items():
         (tmp_path / name).mkdir()
         cfg = ript_config(tmp_path / name, tiny_policy, {"micro_batch_size": micro, "global_batch_size": 24},
                           contexts_per_rank=quota, max_contexts_checked=quota, **common)
-        args = ript_args(cfg, nproc=nproc)
+        args = ript_args(cfg, *(["model.compile=true"] if name.endswith("compiled") else []), nproc=nproc)
         res = run_cmd(args, timeout=240, env=TESTS_ON_PATH)
         assert res.returncode == 0, res.out[-4000:]
         assert "grpo (scale group), token-mean, clip 0.2/0.28, no KL" in res.out
         assert "reference policy: none (ript.kl_coef 0: no reference model is built)" in res.out
         run_dir = tmp_path / name / "run"
         for r in range(nproc):
-            assert "reference policy: none; parameters beyond" in (run_dir / "logs" / f"rank_{r}.log").read_text()
-            assert reference_bytes(run_dir, r) == 0
+            log = (run_dir / "logs" / f"rank_{r}.log").read_text()
+            assert "reference policy: none; parameters beyond" in log and reference_bytes(run_dir, r) == 0
+            assert ("model.compile: torch.compile(backend='inductor') on 2 LlamaDecoderLayer module(s)" in log) == \
+                name.endswith("compiled")
         metrics[name], weights[name] = logged(run_dir), final_weights(run_dir)
     ref = metrics["np2_micro4"]
     for name, got in metrics.items():
         for it in (1, 2, 3, 4):
             assert got[it]["ript/accepted"] == 6 and got[it]["policy/tokens"] == ref[it]["policy/tokens"] > 0
             assert got[it]["ript/frac_reward_zero_std"] == 0.0 and got[it]["ript/reward_mean"] == 0.5
-            assert got[it]["policy/loss"] == pytest.approx(ref[it]["policy/loss"], rel=1e-6, abs=1e-9), (name, it)
+            tol = 1e-5 if name.endswith("compiled") else 1e-6
+            assert got[it]["policy/loss"] == pytest.approx(ref[it]["policy/loss"], rel=tol, abs=1e-9), (name, it)
         assert got[4]["policy/loss"] != got[3]["policy/loss"]  # the update moved the policy
         w, w0 = weights[name], weights["np2_micro4"]
         diff = sum(float((w[k] - w0[k]).norm() ** 2) for k in w0) ** 0.5
-        assert diff <= 1e-6 * sum(float(w0[k].norm() ** 2) for k in w0) ** 0.5, name
+        assert diff <= tol * sum(float(w0[k].norm() ** 2) for k in w0) ** 0.5, name
     start = _initial_weights(tiny_policy)
     assert any(not weights["np1_micro8"][n].equal(w) for n, w in start.items() if n in weights["np1_micro8"])
 

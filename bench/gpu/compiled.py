@@ -3,9 +3,10 @@
     python bench/gpu/compiled.py --out OUT [--layouts ckpt,lora,dpo] [--steps 10]
     python bench/gpu/compiled.py --out OUT --reduced --data DIR      # the CPU check the suite runs
 
-The memory plan assumes compiled layers wherever model.compile is not off (ds_train/plan/memory.py:
-fused kernels keep half the MLP's activations and no fp32 copy of a norm's input); the 2026-11-26
-leases measured that under one-GPU ZeRO-2 pretraining alone. Here each layout runs twice, compiled
+The memory plan counts compiled layers wherever the run compiles them (model.compile, auto on a GPU
+except where config.model.eager_layers leaves them eager; ds_train/plan/memory.py: fused kernels keep
+half the MLP's activations and no fp32 copy of a norm's input); the 2026-11-26 leases measured that
+under one-GPU ZeRO-2 pretraining alone. Here each layout runs twice, compiled
 (ds_train's default on a GPU) and eager (model.compile=false), as the two jobs of one process
 (ds_train's parity worker; each run's peak is its own: build_run resets the device's peak):
 

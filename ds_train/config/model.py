@@ -56,7 +56,8 @@ class ModelConfig(Section):
     compile: Literal["auto", True, False] = _f(
         "auto", "torch.compile each decoder layer (the loss stays eager); the first steps take a few seconds "
                 "more while it compiles. auto: on a CUDA GPU (1.39x the tokens/s of eager, and 9 GiB less memory, "
-                "for a 1.1B Llama on an H100), off elsewhere and with model.liger_kernels. The start-up probe "
+                "for a 1.1B Llama on an H100), off elsewhere, with model.liger_kernels, a quantised base "
+                "(model.lora.load_in) or parallel.expert > 1 (true is refused with the last two). The start-up probe "
                 "checks the compiled layers against eager ones on a small model of the type (auto: off where they "
                 "differ; true: refused).")
     liger_kernels: bool = _f(False, "Liger's Triton kernels for RMSNorm, RoPE and the SwiGLU MLP (`pip install "
@@ -73,6 +74,9 @@ class ModelConfig(Section):
         if self.lora.load_in != "none" and not self.path:
             errs.append(f"model.lora.load_in={self.lora.load_in}: a quantised base is loaded from model.path; a "
                         f"model trained from scratch (model.config) cannot be quantised")
+        if self.compile is True and self.lora.load_in != "none":
+            errs.append(f"model.compile=true with model.lora.load_in={self.lora.load_in}: {QUANTISED_EAGER}; leave "
+                        f"model.compile at auto (eager layers on a quantised base) or train LoRA on a full base")
         if self.compile is True and self.liger_kernels:
             errs.append("model.compile=true with model.liger_kernels=true: Liger's Triton kernels inside compiled "
                         "layers failed on a GPU (an illegal memory access in the backward; liger-kernel 0.8.5, "
@@ -90,3 +94,23 @@ class ModelConfig(Section):
             errs.append(f"model.path: {self.path!r} is not a directory (the hub is not reachable; "
                         "point it at a local model directory)")
         return errs
+
+
+# Why compiled layers do not run on a layout (model.compile=true is refused there, auto leaves them eager),
+# each measured on this CPU against eager with `ds-train parity` (tests/test_compiled_layers.py).
+QUANTISED_EAGER = ("compiled layers over bitsandbytes' 4-bit layers differ from eager beyond the fp32 tolerance "
+                   "(gradient norm 2e-5 at the first step, 4e-4 by the third; the CPU backend, 2026-11-29)")
+EXPERTS_EAGER = ("torch.compile cannot trace AutoEP's grouped expert matmul (torch._grouped_mm fails dynamo's "
+                 "fake-tensor run in fp32; torch 2.13, 2026-11-29)")
+
+
+def eager_layers(cfg) -> str:
+    """Why `model.compile: auto` leaves a run's layers eager on any device ('' where it compiles them on a
+    CUDA GPU): the one rule the run (model/kernels.compiles) and the memory plan (plan/planner) share."""
+    if cfg.model.liger_kernels:
+        return "Liger's kernels replace the layers' parts (model.liger_kernels)"
+    if cfg.model.lora.load_in != "none":
+        return f"a quantised base (model.lora.load_in={cfg.model.lora.load_in}): {QUANTISED_EAGER}"
+    if cfg.parallel.expert > 1:
+        return f"expert parallelism (parallel.expert={cfg.parallel.expert}): {EXPERTS_EAGER}"
+    return ""

@@ -11,6 +11,7 @@ goes on without them, and one line says why.
 
 from __future__ import annotations
 
+from ds_train.config.model import eager_layers
 from ds_train.model.lora import base_model
 
 # Liger's own switches: its cross-entropy and fused linear cross-entropy stay off (ds_train computes the loss).
@@ -56,7 +57,9 @@ def compile_layers(model, backend: str) -> tuple[int, str]:
     return len(layers) or 1, type(layers[0]).__name__ if layers else type(base).__name__
 
 
-def compiles(choice, device_type: str, liger_kernels: bool = False) -> bool:
+def compiles(cfg, device_type: str) -> bool:
     """model.compile: true, false, or auto: on a CUDA GPU (where it measured 1.39x eager's tokens/s),
-    unless Liger's kernels replace the layers' parts (inside compiled layers they failed: ModelConfig.check)."""
-    return choice is True or (choice == "auto" and device_type == "cuda" and not liger_kernels)
+    unless the layout leaves the layers eager (config.model.eager_layers: Liger's kernels, a quantised
+    base, expert parallelism; true is refused with the last two when the config is checked)."""
+    choice = cfg.model.compile
+    return choice is True or (choice == "auto" and device_type == "cuda" and not eager_layers(cfg))

@@ -35,5 +35,5 @@ def configured(cfg: RunConfig, device_type: str) -> Speedups:
     """What the config turns on, on this device (the probe not yet run)."""
     t, m = cfg.train, cfg.model
     return Speedups(loss_tile_tokens=t.loss_tile_tokens, fused_loss=t.fused_loss and bool(t.loss_tile_tokens),
-                    mlp_tile_positions=t.mlp_tile_positions, compile=compiles(m.compile, device_type, m.liger_kernels),
+                    mlp_tile_positions=t.mlp_tile_positions, compile=compiles(cfg, device_type),
                     liger=m.liger_kernels)

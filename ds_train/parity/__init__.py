@@ -6,7 +6,7 @@
 
 Each layout (a ds_config's ZeRO stage, the run's dtype, a world size, a gradient accumulation) takes
 `--steps` optimizer steps from the same initial weights, on the same data in the same order, with
-the same global batch, as a reference: one process, ZeRO-0, fp32, the global batch through
+the same global batch, as a reference: one process, ZeRO-0, fp32, eager layers, the global batch through
 accumulation. Per step it prints both losses and gradient norms and their relative differences,
 then the held-out loss after the last step (the same sequences for every layout), and a verdict
 against stated tolerances: exit 0 within them, 1 past them. `--shrink` builds the same model type
@@ -269,7 +269,10 @@ def _parity(cfg: RunConfig, label: str, lays: list[Layout], templates: dict, ste
     cfg = _exported_once(cfg, out)
     g, seq = cfg.train.global_batch_size, cfg.train.seq_len
     micro_ref = min(lay.micro for lay in lays)
-    alone = {"parallel.sequence": 1, "parallel.tensor": 1, "parallel.expert": 1, "train.debug_loss_fault": ""}
+    # The reference runs the model's own forward: one process, its layers eager (model.compile=true in
+    # the layouts is proved against it).
+    alone = {"parallel.sequence": 1, "parallel.tensor": 1, "parallel.expert": 1, "train.debug_loss_fault": "",
+             "model.compile": False}
     ref_cfg = build_config(_job(cfg, REFERENCE, out, steps, micro_ref, g // micro_ref,
                                 **alone, **{"model.dtype": "fp32", "model.tf32": tf32}))
     ref_ds = reference_template(next(iter(templates.values())), out)

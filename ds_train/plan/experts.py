@@ -14,6 +14,7 @@ layout (ds_train/checkpoint/experts.py).
 from __future__ import annotations
 
 from ds_train.config import RunConfig
+from ds_train.config.model import EXPERTS_EAGER
 from ds_train.errors import UserError
 from ds_train.plan.batch import choices, divisors
 
@@ -143,6 +144,9 @@ def check_expert_run(cfg: RunConfig) -> None:
     if cfg.model.lora.rank:
         problems.append(f"parallel.expert={ep} with LoRA (model.lora.rank={cfg.model.lora.rank}): AutoEP replaces the "
                         f"MoE blocks peft would put adapters on; ds_train does not combine them yet")
+    if cfg.model.compile is True:
+        problems.append(f"model.compile=true with parallel.expert={ep}: {EXPERTS_EAGER}; leave model.compile at "
+                        f"auto (eager layers under expert parallelism)")
     if problems:
         raise UserError("; ".join(problems))
 

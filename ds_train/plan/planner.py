@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ds_train.config import RunConfig
+from ds_train.config.model import eager_layers
 from ds_train.dsconfig import resolve_zero, shipped_zero
 from ds_train.errors import UserError
 from ds_train.plan.batch import sample_rows, valid_micro_batch_sizes
@@ -44,9 +45,9 @@ def tiles(cfg: RunConfig) -> tuple[int, int, int, bool, bool, int]:
 
 def fused_kernels(cfg: RunConfig) -> list[str]:
     """What makes the layers keep less (memory.py): compiled layers (model.compile, `auto` included: the
-    plan is for GPUs; auto leaves them eager under Liger's kernels, as model/kernels.compiles does) and
+    plan is for GPUs; auto leaves them eager where config.model.eager_layers says, as the run does) and
     Liger's kernels, named as the estimate prints them; [] for eager layers."""
-    compiled = cfg.model.compile is True or (cfg.model.compile == "auto" and not cfg.model.liger_kernels)
+    compiled = cfg.model.compile is True or (cfg.model.compile == "auto" and not eager_layers(cfg))
     return [name for name, on in (("compiled (model.compile)", compiled),
                                   ("Liger's kernels (model.liger_kernels)", cfg.model.liger_kernels)) if on]
 
