@@ -7,6 +7,7 @@ comparison (ds_train/train/probe.py: `differences`), in fp32 on this CPU.
     python bench/models.py --write                  # ... and into docs/models.md (between its markers)
     python bench/models.py --compile                # compiled layers too (inductor compiles each type's layers)
     python bench/models.py --types llama,granite    # some model types only
+    python bench/models.py --runs                   # and the one-process run columns (bench/model_runs.py)
 
 A cell is what a run of that model type gets: ✓ (the speed-up matches the model's own forward; ×c: the tiled
 loss with the head factor c the probe measured), or the probe's verdict in short: "full logits" (the tiled
@@ -19,9 +20,12 @@ tests/test_models_matrix.py runs this (without --compile) and fails where it and
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
+import shutil
 import signal
+import tempfile
 import sys
 import time
 import warnings
@@ -29,8 +33,9 @@ from datetime import date
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+for _path in (ROOT, ROOT / "bench"):
+    if str(_path) not in sys.path:
+        sys.path.insert(0, str(_path))
 
 from bench import cli  # noqa: E402
 
@@ -38,6 +43,7 @@ VOCAB = 1024
 MAX_PARAMS = 50_000_000  # a probe-size model past this keeps a width the shrink does not know: said, not built
 TYPE_SECONDS = 60  # one model type's time limit
 SPEEDUPS = ("tiled loss", "fused loss", "tiled MLP")
+RUN_COLUMNS = ("trains", "export", "resume", "LoRA")  # bench/model_runs.py's (--runs)
 OFF_IDENTITY = re.compile(r"multiplier|scale|scaling")
 CAP = re.compile(r"softcap|soft_cap")
 BEGIN, END = "<!-- models.py: begin -->", "<!-- models.py: end -->"
@@ -82,11 +88,15 @@ def probe_config(model_type: str, head_dim: int = 16):
     small.pop("model_type")
     if isinstance(small.get("vocab_size"), int):
         small["vocab_size"] = min(small["vocab_size"], VOCAB)
-        for key in ("pad_token_id", "bos_token_id", "eos_token_id"):
-            if isinstance(small.get(key), int) and small[key] >= VOCAB:
+        for key in [k for k in small if k.endswith("_token_id")]:  # pad, bos, eos, sep, decoder_start, ...
+            if isinstance(small[key], int) and small[key] >= VOCAB:
                 small[key] = VOCAB - 1
+            elif isinstance(small[key], list):
+                small[key] = sorted({min(i, VOCAB - 1) for i in small[key]})
+    for key in ("id2label", "label2id"):  # a classifier's labels, at their defaults (and int keys YAML has not)
+        small.pop(key, None)
     small, moved = off_identity(small)
-    return AutoConfig.for_model(model_type, **small), moved
+    return AutoConfig.for_model(model_type, **small), moved, {"model_type": model_type, **small}
 
 
 def build(config):
@@ -109,13 +119,14 @@ def build(config):
     return model.train()
 
 
-def row(model_type: str, speedups: tuple[str, ...]) -> dict:
-    """One model type's cells (see the module)."""
+def row(model_type: str, speedups: tuple[str, ...], runs: Path | None = None) -> dict:
+    """One model type's cells (see the module); `runs`: the run columns too (bench/model_runs.py), in
+    `runs` (the prepared corpus in runs/data; each type's runs in runs/<type>, removed after)."""
     from ds_train.train.probe import _ids, differences
 
     start = time.monotonic()
     try:
-        config, moved = probe_config(model_type)
+        config, moved, written = probe_config(model_type)
         build(config)
     except Exception as e:  # noqa: BLE001 - its cells say why
         return {"type": model_type, "build": f"{not_built(model_type)}: {short(e)}", "cells": {}, "moved": [],
@@ -126,6 +137,13 @@ def row(model_type: str, speedups: tuple[str, ...]) -> dict:
         cells = {name: cell(name, diff, factor) for name, diff in diffs.items()}
     except Exception as e:  # noqa: BLE001 - the model's own forward fails at probe size: the run's probe would too
         cells = {name: f"own forward fails at probe size: {short(e)}" for name in speedups}
+    if runs is not None and not any(c.startswith("own forward fails") for c in cells.values()):
+        from model_runs import run_cells
+
+        try:
+            cells.update(run_cells(model_type, written, runs / "data", runs / model_type))
+        finally:
+            shutil.rmtree(runs / model_type, ignore_errors=True)
     return {"type": model_type, "build": "✓", "cells": cells, "moved": moved,
             "seconds": round(time.monotonic() - start, 1)}
 
@@ -173,19 +191,29 @@ def table(rows: list[dict], speedups: tuple[str, ...]) -> str:
 def counts(rows: list[dict]) -> str:
     built = [r for r in rows if r["build"] == "✓"]
     runs = [r for r in built if not any(c.startswith("own forward fails") for c in r["cells"].values())]
-    exact = [r for r in runs if all(c.startswith("✓") for c in r["cells"].values())]
+    exact = [r for r in runs if all(c.startswith("✓") for k, c in r["cells"].items() if k not in RUN_COLUMNS)]
     cannot = [r for r in rows if r["build"].startswith("cannot build")]
     return (f"{len(rows)} causal-LM model types: {len(cannot)} cannot build from their config alone, "
             f"{len(rows) - len(built) - len(cannot)} not at probe size (the shrink does not fit them yet), "
             f"{len(built) - len(runs)} whose own forward fails at probe size; of the {len(runs)} probed, {len(exact)} "
             f"keep every speed-up checked, {len(runs) - len(exact)} have one turned off by default or refused where "
-            f"asked (never run wrong)")
+            f"asked (never run wrong)") + "".join(f"; {column}: {run_counts(rows, column)}" for column in RUN_COLUMNS
+                                                   if any(column in r["cells"] for r in rows))
+
+
+def run_counts(rows: list[dict], column: str) -> str:
+    cells = [r["cells"][column] for r in rows if column in r["cells"]]
+    said = [f"{sum(c.startswith(mark) for c in cells)} {name}" for mark, name in
+            (("✓", "✓"), ("≈", "≈"), ("refused", "refused"), ("fails", "fail"))]
+    return ", ".join(s for s in said if not s.startswith("0 ") or s.endswith(("✓", "fail")))
 
 
 def main() -> int:
     ap = cli.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--types", default="", help="comma-separated model types (default: every causal-LM type)")
     ap.add_argument("--compile", action="store_true", help="compiled layers too (inductor: slow on a CPU)")
+    ap.add_argument("--runs", action="store_true", help="the one-process run columns too: 2 steps, export, "
+                    "resume, LoRA (bench/model_runs.py)")
     ap.add_argument("--write", action="store_true", help=f"write the table into {DOC.relative_to(ROOT)}")
     ap.add_argument("--json", default="", help="also write the rows as JSON here")
     args = ap.parse_args()
@@ -200,6 +228,13 @@ def main() -> int:
     if unknown:
         raise cli.fail(f"--types {','.join(unknown)}: not causal-LM model types of this transformers")
     speedups = SPEEDUPS + (("compiled layers",) if args.compile else ())
+    runs = Path(tempfile.mkdtemp(prefix="ds_train_models_")) if args.runs else None
+    if runs is not None:
+        from model_runs import corpus
+
+        with contextlib.redirect_stdout(sys.stderr):
+            corpus(runs)
+        speedups += RUN_COLUMNS
     start, rows = time.monotonic(), []
 
     def too_long(signum, frame):
@@ -209,11 +244,13 @@ def main() -> int:
     for model_type in types:
         signal.alarm(TYPE_SECONDS)
         try:
-            rows.append(row(model_type, speedups))
+            rows.append(row(model_type, tuple(s for s in speedups if s in SPEEDUPS + ("compiled layers",)), runs))
         finally:
             signal.alarm(0)
         print(json.dumps(rows[-1], ensure_ascii=False), file=sys.stderr, flush=True)
     seconds = time.monotonic() - start
+    if runs is not None:
+        shutil.rmtree(runs, ignore_errors=True)
     text = report(rows, speedups, seconds, " ".join(["python bench/models.py", *sys.argv[1:]]))
     print(text)
     if args.json:

@@ -129,7 +129,7 @@ def check_config(cfg: RunConfig, template: dict, spec, world_size: int, hf_confi
         return ConfigChecked(layout, total_steps, lr)
     dtype = resolve_dtype(cfg.model.dtype, device, bf16)
     ds_config = render_ds_config(template, cfg, layout.batch, dtype=dtype, lr=lr, total_steps=total_steps,
-                                 hidden_size=hf_config.hidden_size, on_gpu=device == "cuda",
+                                 hidden_size=hf_config.get_text_config().hidden_size, on_gpu=device == "cuda",
                                  experts=expert_section(cfg, hf_config), source=source)
     return ConfigChecked(layout, total_steps, lr, dtype, ds_config)
 

@@ -255,7 +255,7 @@ def _build_run(inputs: RunInputs, env: DistEnv, spec: RunSpec, stop: StopRequest
     watchdog = Watchdog(heartbeat, paths, env.world_size, cfg.watchdog.stall_s, cfg.watchdog.heartbeat_s,
                         dist.side_channel(env), env.local_rank if checked.on_gpu else None, stop.request,
                         launchers).start()
-    hf = source.hf_config
+    text = source.hf_config.get_text_config()  # a multimodal config's language model: its layers and widths
     clock.mark("run set-up")
     life = RunLifecycle(stop=stop, resume=resume, resume_said=agreed.decision.said, hosts=hosts, heartbeat=heartbeat,
                         watchdog=watchdog, lock=lock,
@@ -265,8 +265,8 @@ def _build_run(inputs: RunInputs, env: DistEnv, spec: RunSpec, stop: StopRequest
         cfg=cfg, env=env, spec=spec, dims=dims, token_group=dist.subgroup(dims.token_groups(), env.rank),
         plan=plan, paths=paths, ds_config=ds_config, dtype=checked.dtype, engine=engine,
         tokenizer=source.tokenizer, n_params=model.n_params,
-        flops_per_token=flops_per_token(model.n_params, hf.num_hidden_layers, hf.hidden_size, cfg.train.seq_len,
-                                        lookup_params(hf), model.trainable),
+        flops_per_token=flops_per_token(model.n_params, text.num_hidden_layers, text.hidden_size, cfg.train.seq_len,
+                                        lookup_params(text), model.trainable),
         peak_flops=peak_flops(device, cfg.log.peak_tflops) if checked.on_gpu else None,
         logger=logger, rank_log=rank_log, say=say, checkpointer=checkpointer,
         guard=NonFiniteGuard(cfg.train.nonfinite, cfg.train.nonfinite_patience, rank_log), life=life,

@@ -114,11 +114,16 @@ INLINE_WAYS = [
     Way(_exact("python bench/long_context.py"), CHECKED,
         "a search of many launches in 1.3 GiB memory cgroups (minutes): its arguments parse; the recipe it "
         "launches runs above (1 step) and tests/test_config.py checks its two ranks' layout", "{cmd} --help"),
-    Way(_exact("python bench/models.py --write"), REDUCED,
-        "three model types (a factor, a soft cap, a plain head), the table printed, docs/models.md left as it is "
-        "(its date would change); tests/test_models_matrix.py regenerates every row and compares it with the table",
-        "python bench/models.py --types llama,granite,recurrent_gemma",
-        expect=("| `granite` | ✓ | ✓ ×2 | ✓ ×2 | ✓ |", "| `recurrent_gemma` | ✓ | full logits: an op after the head |")),
+    Way(_exact("python bench/models.py --runs --write"), REDUCED,
+        "three model types (a factor, a soft cap, a plain head) with their run columns, the table printed, "
+        "docs/models.md left as it is (its date would change); tests/test_models_matrix.py regenerates every row's "
+        "probe columns and the families' run columns and compares them with the table",
+        "python bench/models.py --runs --types llama,granite,recurrent_gemma",
+        expect=("| `granite` | ✓ | ✓ ×2 | ✓ ×2 | ✓ | ✓ ", "| `recurrent_gemma` | ✓ | full logits: an op after the head |",
+                "| ✓ bitwise | ✓ 14 layers |")),
+    Way(_exact("python bench/model_families.py --write"), CHECKED,
+        "2-process parity launches of 14 families (~30 minutes): its arguments parse; the layouts it launches are "
+        "tests/test_parity.py's for Llama and Qwen3-MoE", "python bench/model_families.py --help"),
     Way(_exact("bash scripts/setup.sh"), AS_WRITTEN, "the checkout's .venv holds both parts' stamps: installs nothing"),
     Way(_exact("python3 scripts/vllm_hashes.py"), ELSEWHERE,
         "reads PyPI's JSON API (no network here): tests/test_scripts.py checks its output offline, from a "

@@ -73,6 +73,32 @@ def test_target_modules_that_match_nothing_name_the_models_linear_layers():
         importlib.util.find_spec = real
 
 
+@pytest.mark.parametrize("model_type, left_out", [("falcon_h1", {"out_proj"}), ("phimoe", {"router"})])
+def test_all_linear_adapts_every_linear_layer_peft_can_and_a_layer_it_cannot_is_refused(model_type, left_out):
+    """all-linear (the default) on a Mamba hybrid leaves out the layers peft refuses there (its out_proj;
+    before: peft's ValueError at build), and on PhiMoE its router (an nn.Linear of the modeling file that
+    returns a tuple; before: an AttributeError in the first forward). Naming a refused layer is one line
+    before anything is built; the adapted model's forward and backward run, gradients on adapters alone."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    hf = AutoConfig.for_model(model_type, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                              num_attention_heads=2, num_key_value_heads=1, vocab_size=64)
+    torch.manual_seed(0)
+    adapted = apply_lora(AutoModelForCausalLM.from_config(hf), lora_cfg(), 0)
+    wrapped = {n.rsplit(".", 1)[-1] for n, m in adapted.named_modules() if hasattr(m, "lora_A")}
+    assert wrapped and not wrapped & left_out, wrapped
+    adapted(input_ids=torch.arange(8)[None], use_cache=False).logits.square().mean().backward()
+    grads = [n for n, p in adapted.named_parameters() if p.grad is not None]
+    assert grads and all(".lora_" in n for n in grads)
+    if model_type == "falcon_h1":
+        with pytest.raises(UserError) as e:
+            check_lora(lora_cfg(target_modules=["out_proj", "q_proj"]), hf)
+        assert str(e.value).startswith("model.lora.target_modules: peft puts no LoRA on 'out_proj' of a falcon_h1 "
+                                       "model ([PEFT:PeftType.LORA] Module 'out_proj' is incompatible with Mamba"), e.value
+        assert "or all-linear (which leaves them out)" in str(e.value)
+
+
 @pytest.mark.parametrize("lora", [{}, {"target_modules": ["q_proj", "v_proj"], "modules_to_save": ["lm_head"]}])
 def test_the_plan_counts_what_peft_trains_and_a_frozen_base_has_no_gradients_or_optimizer(lora):
     import torch

@@ -57,6 +57,27 @@ def test_training_forwards_count_each_token_at_its_experts_once_and_nothing_else
     assert counts.take() == [[0] * 6, [0] * 6]
 
 
+@pytest.mark.parametrize("model_type, experts", [("granitemoe", {"num_local_experts": 6}),
+                                                 ("mixtral", {"num_local_experts": 6})])
+def test_routers_that_return_the_chosen_experts_first_or_last_are_counted(model_type, experts):
+    """GraniteMoE's router returns (indices, weights, logits), Mixtral's (logits, scores, indices): the
+    counts come from the integer tensor wherever it is, every token at its 2 experts (once failed:
+    bincount of GraniteMoE's float logits, a crash at the first step)."""
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.AutoConfig.for_model(model_type, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                               num_attention_heads=2, num_key_value_heads=1, num_experts_per_tok=2,
+                                               vocab_size=50, **experts)
+    model = transformers.AutoModelForCausalLM.from_config(config).train()
+    counts = RouterCounts(model)
+    assert len(counts.routers) == 2 and all(r.experts == 6 and r.top_k == 2 for r in counts.routers)
+    model(input_ids=torch.randint(0, 50, (3, 10)))
+    got = counts.take()
+    assert all(sum(row) == 3 * 10 * 2 for row in got) and any(max(row) < 3 * 10 for row in got), got
+
+
 def test_a_dense_model_has_no_routers():
     import transformers
 

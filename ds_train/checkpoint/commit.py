@@ -193,9 +193,12 @@ def weights_finite(engine) -> bool:
 
 
 def has_frozen(engine) -> bool:
-    """A frozen base (LoRA): its weights are left out of the checkpoint (they come from model.path or
-    model.config and the seed, recorded by fingerprint), and loading puts back the trained rest."""
-    return any(not p.requires_grad for p in engine.module.parameters())
+    """A frozen base (LoRA, a peft model): its weights are left out of the checkpoint (they come from
+    model.path or model.config and the seed, recorded by fingerprint), and loading puts back the trained
+    rest. A model's own parameters that take no gradient (afmoe's expert_bias) are saved as the others
+    are: nothing else would put them back (bench/models.py found one missing from every export)."""
+    return getattr(engine.module, "peft_config", None) is not None and any(
+        not p.requires_grad for p in engine.module.parameters())
 
 
 def save_engine(engine, ckpt_dir: Path, tag: str, state: dict) -> None:

@@ -314,11 +314,18 @@ def save_weights(model, out: Path, max_shard_size: str) -> None:
         write_atomic(out / "model.safetensors.index.json", json.dumps(index, indent=2, sort_keys=True) + "\n")
 
 
-def save_config(model, out: Path) -> None:
-    """config.json as save_pretrained writes it: the architecture and the dtype of the weights."""
-    model.config.architectures = [type(model).__name__]
-    model.config.dtype = "float32"
-    model.config.save_pretrained(out)
+def save_config(model, hf_dir: Path, out: Path) -> None:
+    """config.json as save_pretrained writes it: the architecture and the dtype of the weights. Where the
+    model keeps a config AutoModelForCausalLM does not map (the text model of a multimodal config: Mllama,
+    Emu3), the run's own config, from which it maps to the same model."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = model.config
+    if type(config) not in AutoModelForCausalLM._model_mapping:
+        config = AutoConfig.from_pretrained(hf_dir)
+    config.architectures = [type(model).__name__]
+    config.dtype = "float32"
+    config.save_pretrained(out)
 
 
 def copy_metadata(hf_dir: Path, out: Path) -> None:
@@ -356,7 +363,7 @@ def export(source: str | Path, out: str | Path, tag: str | None = None, max_shar
 def write_model(model, hf_dir: Path, out: Path, max_shard_size: str) -> None:
     """A Hugging Face model directory: the weights, config.json, the run's tokenizer and generation config."""
     save_weights(model, out, max_shard_size)
-    save_config(model, out)
+    save_config(model, hf_dir, out)
     copy_metadata(hf_dir, out)
     _match_modes(out)
 

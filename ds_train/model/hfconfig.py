@@ -202,7 +202,14 @@ def check_forward(hf, attn_implementation: str, where: str) -> None:
             with torch.random.fork_rng(devices=[]), torch.device(device), torch.no_grad():
                 model = AutoModelForCausalLM.from_config(hf, attn_implementation=attn_implementation, dtype=dtype)
                 params = sum(p.numel() for p in model.parameters())
-                model(input_ids=torch.zeros(1, tokens, dtype=torch.long))
+                ids = torch.zeros(1, tokens, dtype=torch.long)
+                try:  # with its KV cache, as generation runs it
+                    model(input_ids=ids)
+                except (*_rejects(), AssertionError, NotImplementedError) as e:
+                    if SHAPE_ERROR.search(str(e)):
+                        raise
+                    # a cache the model cannot start without a prompt's past (Jamba's, HRM's): as training runs it
+                    model(input_ids=ids, use_cache=False)
         except (*_rejects(), AssertionError, NotImplementedError) as e:
             return e, params
         return None, params

@@ -24,6 +24,14 @@ def enabled(lora: LoraConfig) -> bool:
     return lora.rank > 0
 
 
+def _meta_model(hf_config):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(hf_config)
+
+
 def linear_names(hf_config) -> tuple[list[str], str]:
     """The model's linear layers by their last name (q_proj, ...), and the output head's, from a
     model built on the meta device (no memory)."""
@@ -70,6 +78,11 @@ def check_lora(lora: LoraConfig, hf_config, library: bool = True) -> None:
         problems.append(f"model.lora.target_modules: {ALL_LINEAR} already names every linear layer; give it alone "
                         f"or list modules")
     missing = [t for t in targets if t.rsplit(".", 1)[-1] not in linears + [head]]
+    refused = peft_refuses(_meta_model(hf_config), [t.rsplit(".", 1)[-1] for t in targets if t not in missing])
+    if refused:
+        problems.append(f"model.lora.target_modules: peft puts no LoRA on {', '.join(map(repr, refused))} of a {kind} "
+                        f"model ({next(iter(refused.values()))[:120]}); choose from "
+                        f"{', '.join(n for n in linears if n not in refused)}, or {ALL_LINEAR} (which leaves them out)")
     if missing:
         problems.append(f"model.lora.target_modules: {', '.join(map(repr, missing))} match no linear layer of this "
                         f"{kind} model; choose from {', '.join(linears)}" + (f" (or {head}, the output head)" if head
@@ -138,12 +151,54 @@ def apply_lora(model, lora: LoraConfig, seed: int):
         model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
     state = torch.random.get_rng_state()
     torch.manual_seed(seed)
+    config = peft_config(lora)
+    if config.target_modules == ALL_LINEAR:
+        # all-linear: every linear layer peft adapts on this model but its routers, named (peft's own
+        # all-linear takes PhiMoE's router, an nn.Linear that returns a tuple, and Mamba's out_proj, which
+        # it then refuses)
+        plain = linears_of(model)
+        refused = peft_refuses(model, plain)
+        if refused or len(plain) < len(linears_of(model, plain_only=False)):
+            config.target_modules = [n for n in plain if n not in refused]
     try:
-        adapted = get_peft_model(model, peft_config(lora))
+        adapted = get_peft_model(model, config)
     finally:
         torch.random.set_rng_state(state)
     adapted.register_state_dict_post_hook(_drop_frozen)
     return adapted
+
+
+def linears_of(model, plain_only: bool = True) -> list[str]:
+    """The last names of the model's linear layers but its output head, in order; `plain_only`: not the
+    model's routers (PhiMoE's is an nn.Linear that returns a tuple, which peft's layer cannot wrap)."""
+    import torch
+
+    from ds_train.model.routers import router_class
+
+    head, routers, names = model.get_output_embeddings(), router_class(model) if plain_only else None, []
+    for name, module in model.named_modules():
+        router = routers not in (None, torch.nn.Linear) and isinstance(module, routers)  # Jamba's: a plain Linear
+        if isinstance(module, torch.nn.Linear) and not router and module is not head and \
+                name.rsplit(".", 1)[-1] not in names:
+            names.append(name.rsplit(".", 1)[-1])
+    return names
+
+
+def peft_refuses(model, names: list[str]) -> dict[str, str]:
+    """The layer names among `names` that peft will not put LoRA on in this model, with peft's reason:
+    its own check, asked name by name (peft 0.18: out_proj and conv1d of Mamba-based models)."""
+    try:
+        from peft import LoraConfig as PeftLoraConfig
+        from peft.tuners.tuners_utils import _check_lora_target_modules_mamba as check
+    except ImportError:  # another peft: its get_peft_model says it, at build
+        return {}
+    config, refused = PeftLoraConfig(r=1, target_modules=["q_proj"]), {}
+    for name in names:
+        try:
+            check(config, model, name)
+        except ValueError as e:
+            refused[name] = " ".join(str(e).split())
+    return refused
 
 
 def _drop_frozen(module, state_dict, prefix, local_metadata) -> None:

@@ -23,10 +23,15 @@ class Router:
     autoep: bool
 
 
+def router_class(model):
+    """The class of the model's routers, as its modeling file records their logits (None: none)."""
+    recorder = (getattr(type(model), "_can_record_outputs", None) or {}).get("router_logits")
+    return getattr(recorder, "target_class", None)
+
+
 def find_routers(model) -> list[tuple[Router, object]]:
     """Every router in `model`, in layer order, with its module (empty for a dense model)."""
-    recorder = (getattr(type(model), "_can_record_outputs", None) or {}).get("router_logits")
-    hf_class = getattr(recorder, "target_class", None)
+    hf_class = router_class(model)
     found = []
     for name, module in model.named_modules():
         autoep = type(module).__name__ == AUTOEP_ROUTER
@@ -35,6 +40,17 @@ def find_routers(model) -> list[tuple[Router, object]]:
             top_k = getattr(module, "top_k", None) or getattr(module, "num_experts_per_tok", 1)
             found.append((Router(name, int(experts or module.weight.shape[0]), int(top_k), autoep), module))
     return found
+
+
+def expert_indices(output, top_k: int):
+    """The experts a router chose, from its output: its integer tensor (top_k wide where there are
+    several), wherever the model puts it (Qwen3-MoE and Mixtral: last, after the logits and scores;
+    GraniteMoE, Aria, Zaya: first). None when the output holds none."""
+    import torch
+
+    items = output if isinstance(output, (tuple, list)) else (output,)
+    ints = [t for t in items if torch.is_tensor(t) and not t.is_floating_point() and t.dtype != torch.bool]
+    return next((t for t in ints if t.dim() and t.shape[-1] == top_k), ints[0] if ints else None)
 
 
 class RouterCounts:
@@ -63,8 +79,10 @@ class RouterCounts:
             with torch.no_grad():
                 if router.autoep:
                     per_expert = output[2].to(torch.int64)
-                else:
-                    per_expert = torch.bincount(output[-1].reshape(-1), minlength=router.experts)
+                elif (chosen := expert_indices(output, router.top_k)) is not None:
+                    per_expert = torch.bincount(chosen.reshape(-1).to(torch.int64), minlength=router.experts)
+                else:  # a router that returns no expert indices: nothing to count
+                    return
                 self.counts[layer, :router.experts] += per_expert.to(self.counts.device)
         return hook
 

@@ -259,14 +259,15 @@ def model_shape(hf_config, lora=None) -> ModelShape:
         n_params, trainable = n_params + adapters + copies, adapters + copies
     largest = max(sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules())
     split = tensor_split_params(model, tp_plan(hf_config))
-    hidden = hf_config.hidden_size
-    heads = hf_config.num_attention_heads
-    kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
-    head_dim = getattr(hf_config, "head_dim", None) or hidden // heads
+    text = hf_config.get_text_config()  # a multimodal config's language model (Gemma 3, Mllama): the layers
+    hidden = text.hidden_size
+    heads = text.num_attention_heads
+    kv_heads = getattr(text, "num_key_value_heads", None) or heads
+    head_dim = getattr(text, "head_dim", None) or hidden // heads
     qk_norm = any(name.endswith(".q_norm") for name, _ in model.named_modules())
-    return ModelShape(n_params, hf_config.num_hidden_layers, hidden,
-                      getattr(hf_config, "intermediate_size", 4 * hidden), kv_heads * head_dim,
-                      hf_config.vocab_size, largest, heads, split, kv_heads, trainable,
+    return ModelShape(n_params, text.num_hidden_layers, hidden,
+                      getattr(text, "intermediate_size", 4 * hidden), kv_heads * head_dim,
+                      text.vocab_size, largest, heads, split, kv_heads, trainable,
                       expert_param_count(model, hf_config), num_experts(hf_config) or 0,
                       moe_mlp_width(model, hf_config), heads * head_dim, qk_norm)
 

@@ -1,0 +1,171 @@
+"""The model-type matrix's two-process columns, for the most used families: each family's type at the probe's
+size and settings (bench/models.py: tiny, every multiplier, scale and cap off its identity value), through
+`ds-train parity` on 2 CPU processes against its one-process eager fp32 reference, 3 steps (loss within 1e-5,
+gradient norm within 1e-4):
+
+  ZeRO-3       data 2 under ZeRO-3 (ds_configs/zero3.json)
+  SP 2         Ulysses sequence parallelism 2 under ZeRO-2 and ZeRO-3, where the model takes it
+  AutoTP 2     tensor parallelism 2 under ZeRO-2, where the model takes it
+  AutoEP 2     expert parallelism 2 under ZeRO-2 and ZeRO-3, for the types AutoEP has a preset for
+
+A cell is ✓ (every layout of it within tolerance, with the largest loss difference), the one line the user gets
+where the layout is refused before any launch, or FAIL with what parity printed.
+
+    python bench/model_families.py                     # the table on stdout
+    python bench/model_families.py --write             # ... and into docs/models.md (between its markers)
+    python bench/model_families.py --families llama    # some families only
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import date
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+for _path in (ROOT, ROOT / "bench"):
+    if str(_path) not in sys.path:
+        sys.path.insert(0, str(_path))
+
+from bench import cli  # noqa: E402
+
+FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe", "gemma2", "gemma3_text", "mistral", "mixtral", "phi3", "olmo2",
+            "deepseek_v3", "gpt_oss", "granite", "smollm3")
+COLUMNS = ("ZeRO-3", "SP 2", "AutoTP 2", "AutoEP 2")
+# parity launches: (ZeRO configs, extra flags, the columns its layouts fill); one reference and one 2-process
+# launch each. SP's layouts ride on the ZeRO-3 launch (data 2 at ZeRO-3 is its layout without --sequence 2).
+LAUNCHES = ((["zero2", "zero3"], ["--sequence", "1", "2"], ("ZeRO-3", "SP 2")),
+            (["zero2"], ["--tensor", "2"], ("AutoTP 2",)),
+            (["zero2", "zero3"], ["--expert", "2"], ("AutoEP 2",)))
+BEGIN, END = "<!-- model_families.py: begin -->", "<!-- model_families.py: end -->"
+DOC = ROOT / "docs" / "models.md"
+
+
+def run_config(model: dict, data: Path, attention: str) -> dict:
+    return {"output_dir": "/nonexistent/unused", "seed": 7,
+            "model": {"config": model, "dtype": "fp32", "compile": False, "attn_implementation": attention},
+            "data": {"dir": str(data)},
+            "train": {"max_steps": 3, "micro_batch_size": 2, "global_batch_size": 8, "seq_len": 64,
+                      "eval_every": 0, "eval_batches": 2},
+            "optim": {"lr": 1e-2, "warmup_steps": 2},
+            "checkpoint": {"every": 0, "save_final": False},
+            "log": {"every": 1, "progress": False, "sample_prompt": "", "plots": False}}
+
+
+def parity(config: Path, stages: list[str], extra: list[str], out: Path) -> tuple[str | None, dict]:
+    """`ds-train parity` of some layouts: (the refusal or failure line, or None; layout name -> its cell)."""
+    cmd = [sys.executable, "-m", "ds_train", "parity", "--config", str(config), "--ds-config",
+           *(str(ROOT / "ds_configs" / f"{s}.json") for s in stages), "--nproc", "2", *extra, "--steps", "3",
+           "--out", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    said = proc.stdout + proc.stderr
+    if "ds-train: error:" in said:
+        line = next(x for x in said.splitlines() if x.startswith("ds-train: error:"))
+        line = " ".join(line.removeprefix("ds-train: error: ").split()).replace(str(config), "CONFIG")
+        if "a launch failed" in line:  # a rank crashed: not a refusal; what the rank said, from the launch's log
+            log = Path(line.rsplit("its output is in ", 1)[-1])
+            ranks = [x for x in log.read_text(errors="replace").splitlines() if "ds-train: error:" in x] \
+                if log.is_file() else []
+            return "fails: " + (ranks[0].split("ds-train: error: ", 1)[-1] if ranks else line)[:200], {}
+        return "refused: " + line[:200], {}
+    layouts = {m.group(1): (f"✓ {float(m.group(3)):.0e}" if m.group(2) == "PASS" else f"FAIL: {m.group(4)[:160]}")
+               for m in re.finditer(r"^(\S+): ZeRO-\d, .*\n(?:.*\n)*?  (PASS|FAIL): (?:largest loss difference "
+                                    r"([0-9.e+-]+))?(.*)$", said, re.M)}
+    if not layouts:
+        return f"fails: exit {proc.returncode}: {' '.join(said.strip().splitlines()[-1:])[:160]}", {}
+    return None, layouts
+
+
+def merge(cells: list[str]) -> str:
+    """A column's cell from its layouts' cells: ✓ with the largest difference, else the first failure."""
+    bad = [c for c in cells if not c.startswith("✓")]
+    if bad or not cells:
+        return bad[0] if bad else "no layout"
+    return f"✓ {max(float(c.split()[1]) for c in cells):.0e}"
+
+
+def row(family: str, data: Path, scratch: Path) -> dict:
+    from models import probe_config
+
+    from ds_train.plan.experts import autoep_preset
+
+    start = time.monotonic()
+    config, _, written = probe_config(family)
+    attention = "sdpa" if getattr(type(config), "model_type", "") and _has_sdpa(config) else "eager"
+    path = scratch / f"{family}.yaml"
+    path.write_text(yaml.safe_dump(run_config(written, data, attention)))
+    cells = {}
+    for stages, extra, columns in LAUNCHES:
+        if columns == ("AutoEP 2",) and autoep_preset(config) is None:
+            cells["AutoEP 2"] = "no AutoEP preset"
+            continue
+        said, layouts = parity(path, stages, extra, scratch / f"{family}_{columns[0].replace(' ', '_')}")
+        if said and columns == ("ZeRO-3", "SP 2"):  # SP refused: ZeRO-3 alone
+            cells["SP 2"] = said
+            said, layouts = parity(path, ["zero3"], [], scratch / f"{family}_zero3")
+            columns = ("ZeRO-3",)
+        for column in columns:
+            if said:
+                cells[column] = said
+            elif column == "SP 2":
+                cells[column] = merge([c for name, c in layouts.items() if "_sp2" in name])
+            elif column == "ZeRO-3":
+                cells[column] = merge([c for name, c in layouts.items() if name.startswith("zero3") and "_sp" not in name])
+            else:
+                cells[column] = merge(list(layouts.values()))
+    return {"type": family, "attention": attention, "cells": cells, "seconds": round(time.monotonic() - start)}
+
+
+def _has_sdpa(config) -> bool:
+    from transformers import AutoModelForCausalLM
+
+    return bool(getattr(AutoModelForCausalLM._model_mapping[type(config)], "_supports_sdpa", False))
+
+
+def table(rows: list[dict]) -> str:
+    head = ["family (model type)", *COLUMNS, "attention"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        lines.append("| " + " | ".join([f"`{r['type']}`", *(r["cells"][c] for c in COLUMNS), r["attention"]]) + " |")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    ap = cli.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--families", default="", help=f"comma-separated model types (default: {','.join(FAMILIES)})")
+    ap.add_argument("--write", action="store_true", help=f"write the table into {DOC.relative_to(ROOT)}")
+    args = ap.parse_args()
+    families = [f for f in args.families.split(",") if f] or list(FAMILIES)
+    from model_runs import corpus
+
+    start, rows = time.monotonic(), []
+    with tempfile.TemporaryDirectory(prefix="ds_train_families_") as tmp:
+        scratch = Path(tmp)
+        with contextlib.redirect_stdout(sys.stderr):
+            corpus(scratch)
+        for family in families:
+            rows.append(row(family, scratch / "data", scratch))
+            print(rows[-1], file=sys.stderr, flush=True)
+    from importlib.metadata import version
+
+    text = (f"`{' '.join(['python bench/model_families.py', *sys.argv[1:]])}`, {date.today().isoformat()}, "
+            f"transformers {version('transformers')}, torch {version('torch')}, DeepSpeed {version('deepspeed')}; "
+            f"{time.monotonic() - start:.0f} s on this 2-core CPU.\n\n{table(rows)}")
+    print(text)
+    if args.write:
+        doc = DOC.read_text()
+        if BEGIN not in doc or END not in doc:
+            raise cli.fail(f"{DOC}: no {BEGIN} ... {END} markers to write the table between")
+        DOC.write_text(doc[:doc.index(BEGIN) + len(BEGIN)] + "\n" + text + "\n" + doc[doc.index(END):])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(cli.run(main))
