@@ -160,10 +160,9 @@ def main() -> int:
             f"{time.monotonic() - start:.0f} s on this 2-core CPU.\n\n{table(rows)}")
     print(text)
     if args.write:
-        doc = DOC.read_text()
-        if BEGIN not in doc or END not in doc:
-            raise cli.fail(f"{DOC}: no {BEGIN} ... {END} markers to write the table between")
-        DOC.write_text(doc[:doc.index(BEGIN) + len(BEGIN)] + "\n" + text + "\n" + doc[doc.index(END):])
+        from models import write_between
+
+        write_between(DOC, BEGIN, END, text)
     return 0
 
 

@@ -256,11 +256,16 @@ def main() -> int:
     if args.json:
         Path(args.json).write_text(json.dumps(rows, ensure_ascii=False, indent=1))
     if args.write:
-        doc = DOC.read_text()
-        if BEGIN not in doc or END not in doc:
-            raise cli.fail(f"{DOC}: no {BEGIN} ... {END} markers to write the table between")
-        DOC.write_text(doc[:doc.index(BEGIN) + len(BEGIN)] + "\n" + text + "\n" + doc[doc.index(END):])
+        write_between(DOC, BEGIN, END, text)
     return 0
+
+
+def write_between(doc: Path, begin: str, end: str, text: str) -> None:
+    """`text` into `doc` between its `begin` and `end` markers, in place of what was there."""
+    old = doc.read_text()
+    if begin not in old or end not in old:
+        raise cli.fail(f"{doc}: no {begin} ... {end} markers to write the table between")
+    doc.write_text(old[:old.index(begin) + len(begin)] + "\n" + text + "\n" + old[old.index(end):])
 
 
 def report(rows: list[dict], speedups: tuple[str, ...], seconds: float, command: str) -> str:
