@@ -261,8 +261,8 @@ def test_ulysses_sequence_parallelism_keeps_the_math(kind, tiny_data, sft_data, 
     examples packed several to a sequence (each attends to itself alone, as in the reference).
     Pretraining computes the loss and the MLPs in tiles (train.loss_tile_tokens, mlp_tile_positions),
     ZeRO-3 gathering the tied head and each MLP again for the backward's recomputation, every decoder
-    layer compiled (model.compile=true, its default on a GPU; the reference compiled too: compiled
-    against eager is tests/test_model.py's)."""
+    layer compiled (model.compile=true, its default on a GPU; the reference eager, as parity's always is:
+    compiled layers under SP held to the fp32 tolerances; tests/test_compiled_layers.py has the others)."""
     data = {"pretraining": tiny_data, "sft": sft_data}[kind]
     cfg = write_config(tmp_path / "c.yaml", tiny_config(
         data, tmp_path / "unused", train={"global_batch_size": GLOBAL_BATCH, "micro_batch_size": 2},
