@@ -61,7 +61,8 @@ def test_compiled_layers_under_lora_with_dpo_keep_the_math(pref_data, pref_base,
         pref_data, tmp_path / "unused", data={"dir": str(pref_data), "format": "preference"},
         model={"path": str(pref_base), "config": {}, "lora": {"rank": 4, "alpha": 8}},
         optim={"lr": 3e-3, "warmup_steps": 0}, dpo={"beta": 0.2}))
-    compiled_parity(cfg, tmp_path / "parity", "--ds-config", STAGES[2], STAGES[3], "--nproc", "2", n=2)
+    out = compiled_parity(cfg, tmp_path / "parity", "--ds-config", STAGES[2], STAGES[3], "--nproc", "2", n=2)
+    assert "zero3_np2_accum2: ZeRO-3, fp32, 2 process(es)" in out
 
 
 @pytest.mark.slow
