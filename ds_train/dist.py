@@ -43,7 +43,7 @@ def init(env: DistEnv, timeout_s: float = 1800, join_timeout_s: float = 300, hos
     import torch.distributed as tdist
     from deepspeed.accelerator import get_accelerator
 
-    port = env.master_port or free_port()
+    port = env.master_port or free_port()  # several ranks must agree on it before any binds it
     os.environ.update(RANK=str(env.rank), LOCAL_RANK=str(env.local_rank), WORLD_SIZE=str(env.world_size),
                       LOCAL_WORLD_SIZE=str(env.local_world_size), MASTER_ADDR=env.master_addr,
                       MASTER_PORT=str(port))
@@ -59,9 +59,16 @@ def init(env: DistEnv, timeout_s: float = 1800, join_timeout_s: float = 300, hos
     distributed_c10d.default_pg_timeout = timeout
     if isinstance(getattr(distributed_c10d, "default_pg_nccl_timeout", None), datetime.timedelta):
         distributed_c10d.default_pg_nccl_timeout = timeout
+    kwargs = {"device_id": accel.device(env.local_rank)} if accel.device_name() == "cuda" else {}
+    if env.world_size == 1 and not env.master_port and not tdist.is_initialized():
+        # One process and no port given: its store binds a port the OS picks and holds it. A port
+        # chosen first and bound later can be taken in between by another job on the host.
+        store = _open_store(env, 0, timeout_s, True)
+        os.environ["MASTER_PORT"] = str(store.port)
+        tdist.init_process_group(accel.communication_backend_name(), store=store, rank=0, world_size=1,
+                                 timeout=timeout, **kwargs)
     if env.world_size > 1 and not tdist.is_initialized():
         store = rendezvous(env, port, join_timeout_s, host or socket.gethostname())
-        kwargs = {"device_id": accel.device(env.local_rank)} if accel.device_name() == "cuda" else {}
         tdist.init_process_group(accel.communication_backend_name(), store=store, rank=env.rank,
                                  world_size=env.world_size, timeout=timeout, **kwargs)
         if env.rank == backup_rank(env):
