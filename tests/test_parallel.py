@@ -93,6 +93,12 @@ def test_autotp_shards_the_model_types_with_a_tensor_parallel_plan_and_what_it_s
     assert str(e.value) == ("parallel.tensor=2 does not divide the model's intermediate_size 175 (AutoTP splits it); "
                             "choose 1, 5, 7, 25 or 35; parallel.tensor=2 does not divide the model's vocab_size 32001 "
                             "(AutoTP splits it); choose 1 or 3"), str(e.value)
+    with pytest.raises(UserError) as e:  # a style DeepSpeed rejects inside deepspeed.initialize: refused before
+        check_tensor_model(ParallelDims(1, 1, 2), AutoConfig.for_model("phi3", intermediate_size=176,
+                                                                       vocab_size=512))
+    assert str(e.value).startswith("parallel.tensor=2: phi3's Hugging Face tensor-parallel plan uses "
+                                   "'rowwise_split_input', which DeepSpeed's AutoTP does not take (it takes colwise, ")
+    assert str(e.value).endswith("; for this model use parallel.tensor=1 and ZeRO-3 (ds_configs/zero3.json)")
     check_tensor_model(ParallelDims(2), AutoConfig.for_model("gpt2"))  # no tensor parallelism: anything goes
 
 

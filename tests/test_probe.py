@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from conftest import ROOT, expect_error, tiny_config, write_config
+from conftest import ROOT, deepspeed_train, expect_error, tiny_config, write_config
 
 torch = pytest.importorskip("torch")
 
@@ -197,3 +197,43 @@ def test_a_model_type_the_probe_cannot_shrink_keeps_no_unchecked_speedup():
     with pytest.raises(UserError, match=r"^train\.loss_tile_tokens: .*the probe cannot build a small mamba2.*; set "
                                         r"train\.loss_tile_tokens=0$"):
         probe_of("mamba2", {}, loss_tile_tokens=32)
+
+
+def test_ulysses_reads_the_width_of_the_heads_the_attention_gets():
+    """DeepSpeed's Ulysses takes `head_dim` where the config has the key: Mixtral's None is hidden / heads, and
+    multi-head latent attention's `head_dim` (its rotary part) gives way to the query/key width."""
+    from transformers import AutoConfig
+
+    from ds_train.model.ulysses import _with_head_size
+
+    mixtral = AutoConfig.for_model("mixtral", hidden_size=64, num_attention_heads=4, head_dim=None)
+    assert mixtral.head_dim is None and _with_head_size(mixtral).get_text_config().head_dim == 16
+    mla = AutoConfig.for_model("deepseek_v3", qk_rope_head_dim=8, qk_nope_head_dim=24, head_dim=8)
+    assert _with_head_size(mla).get_text_config().head_dim == 32 and mla.head_dim == 8  # the model's own kept
+    llama = AutoConfig.for_model("llama", hidden_size=64, num_attention_heads=4)
+    assert _with_head_size(llama) is llama
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_ulysses_that_raises_on_the_model_is_refused_by_every_rank_before_anything_is_written(tiny_data, tmp_path):
+    """A DeepSeek-V3 whose values are narrower than its queries and keys (as the real one's, 128 and 192) under
+    parallel.sequence=2 on 2 processes: DeepSpeed's Ulysses takes one head width, and raises on it inside the
+    probe, which is a collective. Every rank raises at the same point and the ranks agree: the one line, naming
+    the speed-up and its setting, said once; the run exits 2 with no output_dir, and neither rank hangs."""
+    model = {"model_type": "deepseek_v3", "hidden_size": 64, "intermediate_size": 176, "moe_intermediate_size": 88,
+             "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 4, "kv_lora_rank": 32,
+             "q_lora_rank": 32, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 8, "head_dim": 8,
+             "n_routed_experts": 4, "num_experts_per_tok": 2, "n_group": 2, "topk_group": 1,
+             "first_k_dense_replace": 1, "max_position_embeddings": 128}
+    out = tmp_path / "run"
+    cfg = write_config(tmp_path / "c.yaml", tiny_config(tiny_data, out, model={"config": model},
+                                                        parallel={"sequence": 2}))
+    res = deepspeed_train(cfg, "zero2.json", timeout=240)
+    line = ("ds-train: error: parallel.sequence: the Ulysses attention does not match deepseek_v3's own forward: it "
+            "raises AssertionError: [{rank}]: key or value input tensor does not match the required shape")
+    assert res.returncode == 2, res.out[-3000:]
+    assert line.format(rank=0) in res.out and res.out.count("ds-train: error:") == 1, res.out[-3000:]
+    assert "value.shape=torch.Size([32, 2, 4, 8]); set parallel.sequence=1" in res.out  # what differs, whole
+    assert "Traceback" not in res.out
+    assert not out.exists()

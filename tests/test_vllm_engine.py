@@ -255,7 +255,7 @@ def test_building_an_engine_leaves_every_global_generator_as_it_was():
 def test_an_engine_built_through_ds_train_leaves_the_generators_and_says_where_its_worker_is():
     """tests/vllm_engine_probe.py: a real engine built in one process (a world of one) leaves Python's, NumPy's and
     torch's generators where they were (drawing after the build gives what drawing without it does), and vLLM's
-    worker reports rank 0, local rank 0, on the CPU."""
+    worker reports rank 0, local rank 0, on the CPU; the engine's config names the model's class."""
     import json
     import subprocess
     import sys
@@ -268,3 +268,6 @@ def test_an_engine_built_through_ds_train_leaves_the_generators_and_says_where_i
     got = json.loads(res.stdout.strip().splitlines()[-1])
     assert got["got"] == got["expected"]
     assert got["said"] == ["vLLM worker: rank 0, local rank 0, device cpu"]
+    # vLLM picks its model class from `architectures` (without it, a DeepSeek-V3 or GPT-OSS built from a config
+    # came up as a pooling model); the model's own config is left as it was
+    assert got["architectures"] == ["LlamaForCausalLM"] and got["model's"] is None

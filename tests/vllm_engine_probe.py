@@ -1,6 +1,7 @@
 """One process outside a launcher (as bench/rollouts.py): a tiny Llama's vLLM engine built through ds_train
 (ds_train/ript/vllm_engine.py VllmRollouts), the global generators drawn from before and after the build, and
-what vLLM's worker said of itself; printed as JSON. tests/test_vllm_engine.py reads it.
+what vLLM's worker said of itself, the architectures of the config it was built from (the model's config, built
+from a config, has none); printed as JSON. tests/test_vllm_engine.py reads it.
 
     python tests/vllm_engine_probe.py
 """
@@ -27,4 +28,7 @@ engine = VllmRollouts(model, None,  # the tokenizer: for a policy's stop strings
                       RiptConfig(rollout_engine="vllm", rollout_contexts=1, rloo_batch_size=2), "fp32", seed=0,
                       rank=0, say=said.append)
 got = (random.random(), float(np.random.rand()), torch.rand(1).item())
-print(json.dumps({"expected": expected, "got": got, "said": said}))
+with open(f"{engine._dir}/config.json") as f:  # what vLLM picked its model class from
+    architectures = json.load(f)["architectures"]
+print(json.dumps({"expected": expected, "got": got, "said": said, "architectures": architectures,
+                  "model's": model.config.architectures}))

@@ -41,6 +41,9 @@ def shrink_model(hf, heads_multiple: int = 1, head_dim: int = HEAD_DIM) -> tuple
     small |= {"kv_lora_rank": 32, "q_lora_rank": 32, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": head_dim,
               "qk_head_dim": 16, "rotary_dim": head_dim // 2, "linear_head_dim": head_dim,
               "num_experts_per_token": 2}
+    if d.get("v_head_dim") is not None and d.get("v_head_dim") != (d.get("qk_rope_head_dim") or 0) + (
+            d.get("qk_nope_head_dim") or 0):
+        small["v_head_dim"] = head_dim // 2  # values narrower than queries and keys (DeepSeek-V3: 128 and 192) stay so
     if d.get("qk_rope_head_dim") is not None and d.get("head_dim") is not None:
         small["head_dim"] = small["qk_rope_head_dim"]  # MLA's head_dim is its rotary part's (transformers sets it so)
     for key, value in small.items():

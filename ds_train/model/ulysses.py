@@ -37,8 +37,26 @@ def register_ulysses(hf_config, attn_implementation: str, sequence: int, micro_b
     if packed and attn_implementation == "sdpa":  # Ulysses wraps what the registry holds when it registers
         ALL_ATTENTION_FUNCTIONS["sdpa"] = documents(_REPLACED["sdpa"])
     return UlyssesSPAttentionHF.register_with_transformers(
-        SimpleNamespace(config=hf_config), core_attn_implementation=attn_implementation,
+        SimpleNamespace(config=_with_head_size(hf_config)), core_attn_implementation=attn_implementation,
         sequence_parallel_size=sequence, micro_batch_size=micro_batch_size, seq_length_is_variable=True)
+
+
+def _with_head_size(hf_config):
+    """The config Ulysses reads its head size from, `head_dim` set to the query/key heads' width: DeepSpeed takes
+    `head_dim` where the config has the key, so a None (Mixtral: hidden / heads) or multi-head latent attention's
+    rotary part (DeepSeek-V3: `qk_head_dim` is the width) is replaced. The start-up probe proves the result on
+    the model type's own forward."""
+    import copy
+
+    text = hf_config.get_text_config()
+    width = (getattr(text, "qk_head_dim", None) or getattr(text, "head_dim", None)
+             or text.hidden_size // text.num_attention_heads)
+    if getattr(text, "head_dim", None) == width:
+        return hf_config
+    view = copy.copy(text)
+    view.head_dim = width
+    return SimpleNamespace(get_text_config=lambda: view, _attn_implementation=getattr(hf_config, "_attn_implementation",
+                                                                                      None))
 
 
 def unregister_ulysses() -> None:

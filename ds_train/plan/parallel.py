@@ -143,8 +143,16 @@ def check_tensor_model(dims: ParallelDims, hf_config) -> None:
     if not plan:
         raise UserError(f"parallel.tensor={dims.tensor}: model type {model_type!r} has no Hugging Face tensor-parallel "
                         f"plan, so AutoTP cannot shard it; tensor parallelism trains the model types whose config "
-                        f"has one (llama, mistral, qwen2, qwen3, gemma, phi3, ...); for this one use "
+                        f"has one (llama, mistral, qwen2, qwen3, gemma, ...); for this one use "
                         f"parallel.tensor=1 and ZeRO-3 (ds_configs/zero3.json)")
+    from deepspeed.module_inject.tp_plan_converter import SUPPORTED_STYLES
+
+    unsupported = sorted({style for style in plan.values() if style.lower() not in SUPPORTED_STYLES})
+    if unsupported:  # DeepSpeed rejects the whole plan inside deepspeed.initialize, after the run directory
+        raise UserError(f"parallel.tensor={dims.tensor}: {model_type}'s Hugging Face tensor-parallel plan uses "
+                        f"{', '.join(map(repr, unsupported))}, which DeepSpeed's AutoTP does not take (it takes "
+                        f"{', '.join(sorted(SUPPORTED_STYLES))}); for this model use parallel.tensor=1 and ZeRO-3 "
+                        f"(ds_configs/zero3.json)")
     sharded = {"intermediate_size": any(k.endswith(("gate_proj", "up_proj", "fc1", "c_fc")) for k in plan),
                "vocab_size": "lm_head" in plan or any(v.startswith("embedding") for v in plan.values())}
     problems = []

@@ -25,6 +25,7 @@ weights freed) while the policy trains, and wakes as peers wake it (`wake_and_lo
 from __future__ import annotations
 
 import contextlib
+import copy
 import importlib.metadata
 import os
 import random
@@ -268,7 +269,9 @@ class VllmRollouts:
         self.hf_config = base_model(model).config
         self.on_gpu = next(model.parameters()).device.type == "cuda"
         self._dir = tempfile.mkdtemp(prefix="ds_train_vllm_")  # the config vLLM builds the model from
-        self.hf_config.to_json_file(os.path.join(self._dir, "config.json"))
+        written = copy.deepcopy(self.hf_config)  # vLLM picks its model class from `architectures`: a model built
+        written.architectures = written.architectures or [type(base_model(model)).__name__]  # from a config has none
+        written.to_json_file(os.path.join(self._dir, "config.json"))
         self.max_len = int(getattr(_text(self.hf_config), "max_position_embeddings", 0) or 4096)
         self.batch = r.rollout_contexts * r.rloo_batch_size * self.layout.tensor
         kv_bytes = 0

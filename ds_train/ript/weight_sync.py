@@ -134,7 +134,7 @@ def cpu_moe_keeps_its_weights() -> None:
     2 with one rank an engine; with two, "size of tensor a (64) must match ... (32)" in reload/layerwise.py
     _copy_and_restore_kernel_tensors, the padding). On a CPU, ds_train's engines keep the experts' weights as
     loaded and run them in plain torch: each token's top-k experts, gate and up from w13, the
-    activation, down from w2, weighted by the router. Process-wide, set before an engine is built, as
+    activation (GPT-OSS's swigluoai as vLLM's SwigluOAIAndMul computes it), down from w2, weighted by the router. Process-wide, set before an engine is built, as
     cpu_linear_keeps_its_weight; the start-up probe checks the result."""
     import torch
     import torch.nn.functional as F
@@ -142,12 +142,21 @@ def cpu_moe_keeps_its_weights() -> None:
 
     acts = {"silu": F.silu, "gelu": F.gelu, "gelu_tanh": lambda x: F.gelu(x, approximate="tanh")}
 
+    def gated(self, activation: str, h):
+        if activation == "swigluoai":  # GPT-OSS: vLLM's SwigluOAIAndMul.forward_native (a CustomOp: not built here)
+            c = self.moe_config
+            alpha = 1.702 if c.swiglu_alpha is None else c.swiglu_alpha
+            limit = 7.0 if c.swiglu_limit is None else c.swiglu_limit
+            gate, up = h[..., ::2].clamp(max=limit), h[..., 1::2].clamp(-limit, limit)
+            return (up + 1) * gate * torch.sigmoid(gate * alpha)
+        gate, up = h.chunk(2, dim=-1)
+        return acts[activation](gate) * up
+
     def keep(self, layer) -> None:
         self._use_zentorch = False
 
     def apply(self, output, hidden_states, w1, w2, topk_weights, topk_ids, activation, global_num_experts,
               expert_map, *args, **kwargs) -> None:
-        act = acts[activation.value]
         out = torch.zeros_like(output, dtype=torch.float32)
         ids = topk_ids if expert_map is None else expert_map[topk_ids]
         for e in ids.unique().tolist():
@@ -157,8 +166,7 @@ def cpu_moe_keeps_its_weights() -> None:
             h = hidden_states[rows] @ w1[e].t()
             if self.w1_bias is not None:
                 h = h + self.w1_bias[e]
-            gate, up = h.chunk(2, dim=-1)
-            y = (act(gate) * up) @ w2[e].t()
+            y = gated(self, activation.value, h) @ w2[e].t()
             if self.w2_bias is not None:
                 y = y + self.w2_bias[e]
             out.index_add_(0, rows, (y * topk_weights[rows, slot, None]).float())
