@@ -129,7 +129,7 @@ def heldout_success(model_dir: Path, cfg) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from ds_train.ript.rollout import model_policy, rollout
-    from ds_train.ript.datatask import load_tasks
+    from ds_train.ript.environments import load_tasks
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     tok = AutoTokenizer.from_pretrained(model_dir)

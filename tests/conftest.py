@@ -369,6 +369,29 @@ def sft_on_demonstrations(model, tok, out: Path) -> Path:
 
 
 @pytest.fixture(scope="session")
+def chat_policy(tmp_path_factory) -> Path:
+    """A Hugging Face directory: a tiny random Llama, and a BPE with Qwen2.5's special tokens and its chat
+    template (recipes/templates/qwen2_5.jinja), trained on the task demonstrations and tool-call text."""
+    def build(out: Path) -> Path:
+        import torch
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        from ds_train.data.tokenizer import train_tokenizer
+
+        texts = demonstration_texts() + ['<tool_call>\n{"name": "calculator", "arguments": {"expression": "12*34"}}'
+                                         '\n</tool_call>\n<tool_response>\n408\n</tool_response>'] * 10
+        tok = train_tokenizer(texts, 300, out, (ROOT / "recipes" / "templates" / "qwen2_5.jinja").read_text())
+        tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+        tok.save_pretrained(out)
+        torch.manual_seed(0)
+        cfg = AutoConfig.for_model(**{**TINY_MODEL, "vocab_size": len(tok), "max_position_embeddings": 512})
+        AutoModelForCausalLM.from_config(cfg).save_pretrained(out)
+        return out
+
+    return Path(once(tmp_path_factory, "chat_policy", build))
+
+
+@pytest.fixture(scope="session")
 def sft_policy(tiny_policy, tmp_path_factory) -> Path:
     """tiny_policy after 150 AdamW steps on the demonstrations: it solves parity, max and guess some of
     the time, so RLOO groups of K disagree and RIPT updates."""

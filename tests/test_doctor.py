@@ -136,6 +136,8 @@ KEY_NOT_CITED = {
     "real/rl_no_signal": "the class is told by metrics.jsonl's statistics (test_post_training_findings_cite_"
                          "the_runs_own_statistics), not by a log line",
     "real/rl_truncated": "as real/rl_no_signal",
+    "real/rl_env_failing": "as real/rl_no_signal: metrics.jsonl's ript/env_failed_frac and env_failed/REASON tell it "
+                           "(tests/test_environments.py)",
     "real/router_collapse": "as real/rl_no_signal: metrics.jsonl's expert load tells it (tests/test_routers.py)",
     "real/rollout_mismatch": "as real/rl_no_signal: metrics.jsonl's rollout/logp_diff_mean tells it",
     # Known gaps (the doctor's class and fixes are right, its evidence misses the clearest line):

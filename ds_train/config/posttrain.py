@@ -19,7 +19,10 @@ class RiptConfig(Section):
         "Tasks to post-train on: built-in names, module:Class (ds_train/ript/tasks.py), or datasets of prompts "
         "and answers: a path (JSONL, parquet, .csv, .arrow, a `datasets` directory) or a mapping {data, "
         "verifier: exact|numeric|regex|boxed|module:function, prompt_key, answer_key, system, tolerance, "
-        "pattern, heldout_fraction, stop, max_new_tokens, name} (ds_train/ript/datatask.py).")
+        "pattern, heldout_fraction, stop, max_new_tokens, name, env: module:Class, tools: [module:function], "
+        "max_turns} (ds_train/ript/datatask.py; env and tools: ds_train/ript/environments.py).")
+    env_step_timeout_s: float = _f(30.0, "An environment's reset or step, or a tool call, longer than this ends its "
+                                         "episode with reward 0 (reason env_timeout / tool_timeout).", POSITIVE)
     policy: str = _f("", "Empty: the model acts. module:Class: a scripted policy with "
                          "act(task, context, transcript, index) -> str (tests and debugging).")
     iterations: int = _f(50, "RIPT iterations (sample, then update).", POSITIVE)

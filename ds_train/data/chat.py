@@ -118,10 +118,10 @@ class Renderer:
             raise UserError("data.chat_template: the tokenizer has no chat template; set data.chat_template "
                             "(a Jinja template, as in tokenizer_config.json) or use a tokenizer that has one")
 
-    def _render(self, messages: list[dict], prompt: bool, where: str) -> str:
+    def _render(self, messages: list[dict], prompt: bool, where: str, tools: list[dict] | None = None) -> str:
         try:
             return self.tok.apply_chat_template(messages, chat_template=self.template, tokenize=False,
-                                                add_generation_prompt=prompt)
+                                                add_generation_prompt=prompt, tools=tools)
         except Exception as e:  # jinja2's errors, and raise_exception() in templates
             said = " ".join(f"{type(e).__name__}: {e}".split())[:200]
             raise UserError(f"{where}: the chat template cannot render this conversation ({said}); fix the "
@@ -130,6 +130,11 @@ class Renderer:
     def render(self, messages: list[dict], where: str = "the chat template") -> str:
         """A whole conversation as text."""
         return self._render(messages, False, where)
+
+    def render_tools(self, messages: list[dict], prompt: bool, tools: list[dict] | None, where: str) -> str:
+        """A conversation with `tools` (JSON schemas) given to the template; the assistant's header after
+        it when `prompt`."""
+        return self._render(messages, prompt, where, tools)
 
     def render_prompt(self, messages: list[dict], where: str) -> str:
         """The conversation so far and the header of the assistant's turn: what a reply continues."""

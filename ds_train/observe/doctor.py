@@ -75,13 +75,14 @@ PATTERNS: list[tuple[str, str, str]] = [
 # Causes before consequences: the finding of the class listed first heads the report.
 PRIORITY = ["config_error", "missing_module", "op_build", "ssh", "port_in_use", "wandb_login", "disk_full", "cuda_oom",
             "cuda_error", "cpu_oom", "nccl_error", "nccl_timeout", "rendezvous", "nonfinite", "hang", "killed_rank",
-            "rank_error", "rl_truncated", "rl_no_signal", "rollout_mismatch", "router_collapse"]
+            "rank_error", "rl_env_failing", "rl_truncated", "rl_no_signal", "rollout_mismatch", "router_collapse"]
 COMPILED = [(cls, title, re.compile(p)) for cls, title, p in PATTERNS]
 RANK_ERROR = next(p for cls, _, p in COMPILED if cls == "rank_error")
 # Findings of a post-training run's statistics (metrics.jsonl), not of its logs.
 TITLES = {cls: title for cls, title, _ in PATTERNS} | {
     "rl_no_signal": "post-training without a learning signal: every group's rewards were equal",
     "rl_truncated": "post-training rollouts cut off at their token limit",
+    "rl_env_failing": "post-training episodes all ended by a fault of their environment or tool calls",
     "rollout_mismatch": "the rollout engine's log-probs drift from the trainer's: vLLM samples from another policy",
     "router_collapse": "a collapsed mixture-of-experts router: one expert takes most of a layer's tokens"}
 RL_RECENT = 5  # the syncs a post-training finding looks at
@@ -268,16 +269,30 @@ def rl_statistics(view) -> str:
 
 
 def _post_training(view, found: dict[str, Finding]) -> None:
-    """A post-training run that learns nothing: the last syncs' groups all had equal rewards (all
-    solved or all failed), or most rollouts hit their token limit."""
+    """A post-training run that learns nothing: every episode of the last syncs ended by a fault of its
+    environment or tool calls, its groups all had equal rewards (all solved or all failed), or most
+    rollouts hit their token limit."""
     recent = [r for r in view.metrics if "ript/checked" in r][-RL_RECENT:]
     if not recent:
         return
-    for cls, key, limit, what in (("rl_no_signal", "ript/frac_reward_zero_std", RL_NO_SIGNAL,
+    for cls, key, limit, what in (("rl_env_failing", "ript/env_failed_frac", 1.0, ""),
+                                  ("rl_no_signal", "ript/frac_reward_zero_std", RL_NO_SIGNAL,
                                    "of the groups had K equal rewards"),
                                   ("rl_truncated", "ript/truncated_frac", RL_TRUNCATED,
                                    "of the rollouts were truncated")):
         values = [r.get(key) for r in recent]
+        if cls == "rl_env_failing" and all(isinstance(v, (int, float)) and v >= limit for v in values):
+            reasons: dict[str, float] = {}
+            for r in recent:
+                for k, n in r.items():
+                    if k.startswith("ript/env_failed/"):
+                        reasons[k.rsplit("/", 1)[1]] = reasons.get(k.rsplit("/", 1)[1], 0) + n
+            f = found.setdefault(cls, Finding(cls, TITLES[cls]))
+            f.evidence.append(f"metrics.jsonl: iterations {recent[0]['step']}-{recent[-1]['step']}: every episode "
+                              f"ended by a fault: " + ", ".join(f"{k} {n:g}" for k, n in
+                                                                 sorted(reasons.items(), key=lambda x: -x[1])))
+            f.context.append("completions.jsonl (ript.log_completions) holds each episode's turns and its reason")
+            continue
         if all(isinstance(v, (int, float)) and v >= limit for v in values):
             f = found.setdefault(cls, Finding(cls, TITLES[cls]))
             f.evidence.append(f"metrics.jsonl: iterations {recent[0]['step']}-{recent[-1]['step']}: "

@@ -1,6 +1,7 @@
 """completions.jsonl: rank 0's rollouts, as they were generated (ript.log_completions per iteration and
 per held-out evaluation): the task, the transcript, the token ids, which of them the policy generated,
-the sampling engine's log-prob of each (vLLM's; null from Hugging Face generate), the reward. TRL's
+the sampling engine's log-prob of each (vLLM's; null from Hugging Face generate), the reward; an environment's
+episode its turns, tool calls and the fault that ended it ("" when none). TRL's
 log_completions, as a file: what the policy actually said, and what a test compares token for token."""
 
 from __future__ import annotations
@@ -38,4 +39,5 @@ class Completions:
                 f.write(json.dumps({"iteration": iteration, "kind": kind, "task": e.task.name, "sample": e.index,
                                     "text": e.text, "ids": e.ids, "action_mask": e.action_mask,
                                     "logprobs": e.logprobs, "reward": e.reward, "success": e.success,
-                                    "truncated": e.truncated}) + "\n")
+                                    "truncated": e.truncated, "turns": e.turns, "tool_calls": e.tool_calls,
+                                    "reason": e.reason}) + "\n")

@@ -38,13 +38,12 @@ from typing import Any
 from ds_train.data.chat import ROLES, Renderer
 from ds_train.data.sources import chunks
 from ds_train.errors import UserError
-from ds_train.ript.rollout import max_rollout_tokens
 from ds_train.ript.tasks import Step, load_task
 from ds_train.ript.verifiers import NAMES, build_verifier
 
 OPTIONS = {"name": "", "data": [], "prompt_key": "prompt", "answer_key": "answer", "system": "",
            "verifier": "exact", "tolerance": 1e-6, "pattern": "", "heldout_fraction": 0.1, "stop": [],
-           "max_new_tokens": 0}
+           "max_new_tokens": 0, "env": "", "tools": [], "max_turns": 0}
 RECORD_SUFFIXES = (".jsonl", ".jsonl.gz", ".parquet", ".csv", ".arrow")
 
 
@@ -85,9 +84,18 @@ def entry_options(entry: Any, where: str) -> dict:
     tolerance = opts["tolerance"]
     if isinstance(tolerance, bool) or not isinstance(tolerance, (int, float)) or tolerance < 0:
         problems.append(f"{where}.tolerance: {tolerance!r} must be a number >= 0")
-    new = opts["max_new_tokens"]
-    if isinstance(new, bool) or not isinstance(new, int) or new < 0:
-        problems.append(f"{where}.max_new_tokens: {new!r} must be an integer >= 0 (0: ript.max_new_tokens)")
+    for key, zero in (("max_new_tokens", "ript.max_new_tokens"), ("max_turns", "1, or 4 with env or tools")):
+        value = opts[key]
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            problems.append(f"{where}.{key}: {value!r} must be an integer >= 0 (0: {zero})")
+    if not isinstance(opts["env"], str) or opts["env"] and ":" not in opts["env"]:
+        problems.append(f"{where}.env: {opts['env']!r} must be module:Class (an environment: reset(sample) -> "
+                        f"messages, step(turn) -> (messages, reward, done, info))")
+    if not isinstance(opts["tools"], list) or not all(isinstance(t, str) and ":" in t for t in opts["tools"]):
+        problems.append(f"{where}.tools: {opts['tools']!r} must be a list of module:function")
+    if opts["max_turns"] and opts["max_turns"] > 1 and not (opts["env"] or opts["tools"]):
+        problems.append(f"{where}.max_turns: {opts['max_turns']} turns need an environment (env) or tools; a "
+                        f"dataset task without them is one prompt and one answer")
     if not problems:
         build_verifier(opts["verifier"], float(tolerance), opts["pattern"], f"{where}.verifier")
     if problems:
@@ -144,14 +152,18 @@ class DatasetTask:
         self.specials = tuple(sorted(set(tokenizer.all_special_tokens), key=len, reverse=True))
         self.splits: dict[str, list[Prompt]] = {"train": [], "heldout": []}
         for prompt in self._read(max_positions):
-            text = self.tokenizer.decode(prompt.ids)
-            self.splits["heldout" if heldout(text, options["heldout_fraction"]) else "train"].append(prompt)
+            side = heldout(self.split_key(prompt), options["heldout_fraction"])
+            self.splits["heldout" if side else "train"].append(prompt)
         for split, prompts in self.splits.items():
             if not prompts:
                 n = sum(len(p) for p in self.splits.values())
                 raise UserError(f"{where} ({self.name}): {', '.join(options['data'])}: no {split} prompts ({n} "
                                 f"record(s), heldout_fraction {options['heldout_fraction']:g}); add records or "
                                 f"change heldout_fraction")
+
+    def split_key(self, prompt: Prompt) -> str:
+        """What the train / held-out split hashes: the rendered prompt."""
+        return self.tokenizer.decode(prompt.ids)
 
     def _read(self, max_positions: int | None):
         o = self.options
@@ -189,6 +201,17 @@ class DatasetTask:
             raise UserError(f"{where}: {o['answer_key']!r} must be a string, a number or a list of them (the "
                             f"{o['verifier']} verifier compares it with the completion's text); got "
                             f"{repr(answer)[:60]}")
+        text = self.renderer.render_prompt(self.messages_of(record, where), where)
+        ids = tuple(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        if max_positions and len(ids) + self.max_new_tokens > max_positions:
+            raise UserError(f"{where}: the prompt is {len(ids)} tokens, and with max_new_tokens "
+                            f"{self.max_new_tokens} exceeds the model's {max_positions} positions; shorten it or "
+                            f"lower max_new_tokens")
+        return Prompt(ids, record[o["answer_key"]], where, record)
+
+    def messages_of(self, record: dict, where: str) -> list[dict]:
+        """A record's prompt as messages: its prompt_key (a user turn, or messages), after `system`."""
+        o = self.options
         value = record[o["prompt_key"]]
         if isinstance(value, str):
             messages = [{"role": "user", "content": value}]
@@ -198,15 +221,7 @@ class DatasetTask:
         else:
             raise UserError(f"{where}: {o['prompt_key']!r} must be a string or a list of messages ({{role, "
                             f"content}}); got {repr(value)[:60]}")
-        if o["system"]:
-            messages = [{"role": "system", "content": o["system"]}, *messages]
-        text = self.renderer.render_prompt(messages, where)
-        ids = tuple(self.tokenizer(text, add_special_tokens=False)["input_ids"])
-        if max_positions and len(ids) + self.max_new_tokens > max_positions:
-            raise UserError(f"{where}: the prompt is {len(ids)} tokens, and with max_new_tokens "
-                            f"{self.max_new_tokens} exceeds the model's {max_positions} positions; shorten it or "
-                            f"lower max_new_tokens")
-        return Prompt(ids, record[o["answer_key"]], where, record)
+        return [{"role": "system", "content": o["system"]}, *messages] if o["system"] else messages
 
     def contexts(self, split: str, n: int, seed: int) -> list[Prompt]:
         """Up to n prompts of the split, in a seeded order."""
@@ -242,6 +257,8 @@ class DatasetPart:
         self.task, self.index, self.parts = task, index, parts
         self.name = f"{task.name}#{index}"
         self.max_turns, self.stop, self.max_new_tokens = task.max_turns, task.stop, task.max_new_tokens
+        if hasattr(task, "open"):  # an environment task: each episode a session
+            self.open = task.open
 
     def contexts(self, split: str, n: int, seed: int) -> list[Prompt]:
         mine = self.task.contexts(split, len(self.task.splits[split]), seed)[self.index::self.parts]
@@ -289,24 +306,3 @@ def check_task_entries(cfg) -> dict[int, dict]:
         if not is_dataset_entry(entry):
             load_task(str(entry))
     return {i: entry_options(e, f"ript.tasks[{i}]") for i, e in enumerate(cfg.ript.tasks) if is_dataset_entry(e)}
-
-
-def load_tasks(cfg, tokenizer, hf_config) -> dict[str, Any]:
-    """Every task of ript.tasks by name, whole, checked: a dataset read and rendered with the
-    tokenizer's chat template (or data.chat_template)."""
-    r = cfg.ript
-    options = check_task_entries(cfg)
-    max_positions = getattr(hf_config, "max_position_embeddings", None)
-    tasks: dict[str, Any] = {}
-    for i, entry in enumerate(r.tasks):
-        task = (DatasetTask(options[i], tokenizer, cfg.data.chat_template, r.max_new_tokens, max_positions,
-                            f"ript.tasks[{i}]") if i in options else load_task(str(entry)))
-        if task.name in tasks:
-            raise UserError(f"ript.tasks[{i}]: a second task named {task.name!r}; give it another name (name: ...)")
-        most = max_rollout_tokens(task, r.max_new_tokens)
-        if r.overlong_buffer and r.overlong_buffer >= most:
-            raise UserError(f"ript.overlong_buffer: {r.overlong_buffer} is not below the {most} tokens task "
-                            f"{task.name!r} may generate (the penalty starts overlong_buffer tokens before the "
-                            f"limit); lower it")
-        tasks[task.name] = task
-    return tasks

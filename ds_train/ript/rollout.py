@@ -30,6 +30,9 @@ class Episode:
     # the sampling engine's log-prob of each token of `ids` (0.0 off the actions); None when the policy
     # reports none (Hugging Face generate): the update then recomputes them all (ds_train/ript/update.py)
     logprobs: list[float] | None = None
+    session: Any = None  # an environment task's episode (ds_train/ript/environments.py Session)
+    reason: str = ""  # why an environment's episode ended failed (sampler.REASONS); "" otherwise
+    tool_calls: int = 0
 
 
 class Sampled(list):
@@ -158,12 +161,17 @@ def _rollout_batch(act: Act, tokenizer, jobs, turns: int, max_new_tokens: int) -
     episodes = []
     start = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
     for task, context, index in jobs:
-        prompt = task.reset(context)
-        if hasattr(task, "prompt_ids"):  # rendered by the task itself (a chat template)
-            ids = task.prompt_ids(context)
+        session = task.open(context) if hasattr(task, "open") else None  # an environment's episode
+        if session is not None:
+            ids = list(session.prompt_ids)
+            prompt = tokenizer.decode(ids)
+        elif hasattr(task, "prompt_ids"):  # rendered by the task itself (a chat template)
+            prompt, ids = task.reset(context), task.prompt_ids(context)
         else:  # after a document boundary, as the policy saw text in training
+            prompt = task.reset(context)
             ids = [start] + encode(tokenizer, prompt)
-        episodes.append(Episode(task, context, index, ids, [0] * len(ids), prompt, logprobs=[0.0] * len(ids)))
+        episodes.append(Episode(task, context, index, ids, [0] * len(ids), prompt, logprobs=[0.0] * len(ids),
+                                session=session))
     max_turns = turns or max(task.max_turns for task, _, _ in jobs)
     eos = tokenizer.eos_token_id
     for turn in range(max_turns):
@@ -184,12 +192,15 @@ def _rollout_batch(act: Act, tokenizer, jobs, turns: int, max_new_tokens: int) -
             e.logprobs = None if sampled is None or e.logprobs is None else e.logprobs + sampled
             e.text += action
             e.turns += 1
-            step = e.task.step(e.context, turn, action)
+            step = e.session.step(turn, action) if e.session is not None else e.task.step(e.context, turn, action)
             if step.done or turn + 1 >= e.task.max_turns:
                 e.done, e.success = True, step.done and step.success
                 e.reward = float(step.reward) if step.done and step.reward is not None else float(e.success)
+                if e.session is not None:
+                    e.reason, e.tool_calls = e.session.reason, e.session.tool_calls
             else:
-                obs_ids = encode(tokenizer, step.observation)
+                # token-in/token-out: the environment's ids as its chat template renders them, else the text's
+                obs_ids = list(step.ids) if step.ids is not None else encode(tokenizer, step.observation)
                 e.ids += obs_ids
                 e.action_mask += [0] * len(obs_ids)
                 e.logprobs = None if e.logprobs is None else e.logprobs + [0.0] * len(obs_ids)

@@ -12,7 +12,11 @@ import random
 from dataclasses import dataclass, field
 from typing import Any
 
-COUNTS = ("successes", "rollouts", "accepted", "rejected", "skipped", "checked", "truncated")
+# why an environment's episode ended failed, other than by its own done (ds_train/ript/environments.py)
+REASONS = ("malformed_call", "unknown_tool", "tool_error", "tool_timeout", "env_error", "env_timeout",
+           "env_malformed", "max_turns")
+COUNTS = ("successes", "rollouts", "accepted", "rejected", "skipped", "checked", "truncated", "turns", "tool_calls",
+          *(f"failed_{reason}" for reason in REASONS))
 SUMS = ("reward", "reward_sq")  # the rollouts' rewards and their squares (not whole numbers)
 
 
@@ -208,6 +212,13 @@ class Tally:
             out[f"{prefix}/frac_reward_zero_std"] = self.total("rejected") / checked
         for key in ("accepted", "rejected", "skipped", "checked"):
             out[f"{prefix}/{key}"] = self.total(key)
+        failed = {reason: self.total(f"failed_{reason}") for reason in REASONS}
+        if rollouts and (self.total("turns") > rollouts or self.total("tool_calls") or any(failed.values())):
+            # environments: turns and tool calls per episode, and the episodes a fault ended, by reason
+            out[f"{prefix}/turns_mean"] = self.total("turns") / rollouts
+            out[f"{prefix}/tool_calls_mean"] = self.total("tool_calls") / rollouts
+            out[f"{prefix}/env_failed_frac"] = sum(failed.values()) / rollouts
+            out |= {f"{prefix}/env_failed/{reason}": n for reason, n in failed.items() if n}
         for n, c in by_family(self.counts).items():
             if c["rollouts"] or c["skipped"]:
                 out[f"task/{n}/success_rate"] = c["successes"] / c["rollouts"] if c["rollouts"] else 1.0

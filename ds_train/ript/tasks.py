@@ -24,6 +24,7 @@ class Step:
     done: bool
     success: bool = False
     reward: float | None = None  # the episode's reward when done; None: 1.0 on success, else 0.0
+    ids: tuple[int, ...] | None = None  # the observation as token ids (chat turns: as the template renders it)
 
 
 class Task(Protocol):

@@ -13,6 +13,7 @@ import contextlib
 import functools
 import json
 import math
+from collections import Counter
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -29,7 +30,8 @@ from ds_train.plan.parallel import plan_dims
 from ds_train.ript.algorithms import describe_algorithm, keep_mask
 from ds_train.ript.completions import Completions
 from ds_train.ript.counts import SyncedCounts
-from ds_train.ript.datatask import check_task_entries, load_tasks, split_for_ranks
+from ds_train.ript.datatask import check_task_entries, split_for_ranks
+from ds_train.ript.environments import load_tasks
 from ds_train.ript.rollout import Episode, max_rollout_tokens, model_policy, rollout, scripted_policy
 from ds_train.ript.sampler import ContextSampler, Tally, by_family, family, merge_states
 from ds_train.ript.sharding import format_shards, shard_tasks
@@ -337,7 +339,9 @@ def sample(job: RiptJob, act, tally: Tally, it: int) -> list[list[Episode]]:
             wins = sum(e.success for e in group)
             tally.add(task.name, successes=wins, rollouts=k, checked=1, accepted=int(keep), rejected=int(not keep),
                       truncated=sum(e.truncated for e in group), reward=sum(e.reward for e in group),
-                      reward_sq=sum(e.reward ** 2 for e in group))
+                      reward_sq=sum(e.reward ** 2 for e in group), turns=sum(e.turns for e in group),
+                      tool_calls=sum(e.tool_calls for e in group),
+                      **Counter(f"failed_{e.reason}" for e in group if e.reason))
             job.sampler.record(task.name, index, wins, k)
             if keep and len(groups) < quota:
                 groups.append(group)

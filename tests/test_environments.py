@@ -1,0 +1,317 @@
+"""Environments and tools over chat turns (ds_train/ript/environments.py, chat_turns.py): episodes kept
+token-in/token-out with the vendored Qwen2.5 and Llama 3.1 templates and one that rewrites earlier turns;
+every fault of an environment or a tool ends its episode with reward 0 and its reason, never the run."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT
+
+TEMPLATES = ROOT / "recipes" / "templates"
+SPECIALS = ["<|im_start|>", "<|im_end|>", "<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>",
+            "<|eot_id|>", "<|eom_id|>", "<|python_tag|>"]
+CALL = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "12*34"}}\n</tool_call>'
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    from ds_train.data.tokenizer import train_tokenizer
+
+    texts = ["What is 12*34? The answer is 408. Count down from 3. next 2 1 0 calculator expression arguments "
+             "name parameters tool_call think let me compute"] * 20
+    tok = train_tokenizer(texts, 400, tmp_path_factory.mktemp("tok"))
+    tok.add_special_tokens({"additional_special_tokens": SPECIALS})
+    tok.bos_token = "<|begin_of_text|>"
+    return tok
+
+
+def env_task(tokenizer, tmp: Path, template: str, records: list[dict], **options):
+    from ds_train.ript.datatask import entry_options
+    from ds_train.ript.environments import EnvTask
+
+    data = tmp / "records.jsonl"
+    filler = [{"prompt": f"What is {i}*2?", "answer": str(2 * i), "n": i} for i in range(20)]  # both splits
+    data.write_text("".join(json.dumps(r) + "\n" for r in records + filler))
+    opts = entry_options({"name": "t", "data": [str(data)], "heldout_fraction": 0.3, **options}, "ript.tasks[0]")
+    text = template if "{%" in template else (TEMPLATES / template).read_text()
+    return EnvTask(opts, tokenizer, text, 16, None, "ript.tasks[0]", 0.5)
+
+
+def sampled(tokenizer, text: str) -> list[int]:
+    """`text` as an engine might sample it: one token a piece of text between special tokens, split where
+    the tokenizer would not (every character its own token), so re-tokenising the history changes them."""
+    ids: list[int] = []
+    for piece in __import__("re").split(r"(<\|[a-z_]+\|>)", text):
+        if piece in SPECIALS or piece == tokenizer.eos_token:
+            ids.append(tokenizer.convert_tokens_to_ids(piece))
+        else:
+            ids += [i for ch in piece for i in tokenizer(ch, add_special_tokens=False)["input_ids"]]
+    return ids
+
+
+def first(task):
+    """The context of the task's first record (the test's own, whichever split it fell in)."""
+    return next(p for split in ("train", "heldout") for p in task.splits[split] if "What is" not in str(p.record)
+                or p.record.get("answer") == "408")
+
+
+def play(task, tokenizer, turns: list[str], contexts=None):
+    """Each episode of `contexts` (default: the task's first training context) with the same scripted turns."""
+    from ds_train.ript.rollout import rollout
+
+    contexts = contexts or [first(task)]
+    script = [sampled(tokenizer, t) for t in turns]
+
+    def act(live):
+        return [list(script[e.turns]) if e.turns < len(script) else [tokenizer.eos_token_id] for e in live]
+
+    episodes = rollout(act, tokenizer, [(task, c, 0) for c in contexts], max_new_tokens=16)
+    return episodes, script
+
+
+def test_a_tool_call_with_qwen25s_template_keeps_the_sampled_ids_and_renders_the_conversation(tokenizer, tmp_path):
+    """Qwen2.5: the call is run, its result a tool message; the episode's ids are the prompt, the sampled
+    turn as sampled, the template's newline after <|im_end|> and the tool turn, the answer as sampled; the
+    text is the template's own rendering of the whole conversation; the loss mask is 1 on sampled ids only."""
+    from ds_train.ript.chat_turns import tool_style
+
+    template = (TEMPLATES / "qwen2_5.jinja").read_text()
+    assert tool_style(template) == "hermes"
+    task = env_task(tokenizer, tmp_path, "qwen2_5.jinja", [{"prompt": "What is 12*34?", "answer": "408"}],
+                    tools=["ript_envs:calculator"], verifier="numeric")
+    (e,), script = play(task, tokenizer, [CALL + "<|im_end|>", "The answer is 408<|im_end|>"])
+    assert (e.done, e.success, e.reward, e.tool_calls, e.reason, e.turns) == (True, True, 1.0, 1, "", 2)
+    prompt = task.turns.prompt_ids([{"role": "user", "content": "What is 12*34?"}])
+    env = task.turns.after_turn_ids([{"role": "tool", "name": "calculator", "content": "408"}], CALL + "<|im_end|>")
+    assert e.ids == prompt + script[0] + env + script[1]
+    assert e.action_mask == [0] * len(prompt) + [1] * len(script[0]) + [0] * len(env) + [1] * len(script[1])
+    assert tokenizer.decode(env) == ("\n<|im_start|>user\n<tool_response>\n408\n</tool_response><|im_end|>\n"
+                                     "<|im_start|>assistant\n")
+    conversation = [{"role": "user", "content": "What is 12*34?"},
+                    {"role": "assistant", "content": "", "tool_calls": [
+                        {"type": "function", "function": {"name": "calculator", "arguments": {"expression": "12*34"}}}]},
+                    {"role": "tool", "name": "calculator", "content": "408"},
+                    {"role": "assistant", "content": "The answer is 408"}]
+    rendered = task.turns.renderer.render_tools(conversation, False, task.turns.tools, "test")
+    assert tokenizer.decode(e.ids) + "\n" == rendered  # the template's newline after the last turn is not sampled
+    assert "calculator" in tokenizer.decode(prompt) and '"expression"' in tokenizer.decode(prompt)  # tools=
+
+
+def test_llama31s_json_calls_and_a_turn_cut_at_max_new_tokens(tokenizer, tmp_path):
+    """Llama 3.1: the whole turn is the JSON call, the result an ipython turn. A turn cut without <|eot_id|>
+    (max_new_tokens): the environment's ids close it (mask 0), and the rendering is the conversation's."""
+    from ds_train.ript.chat_turns import tool_style
+
+    assert tool_style((TEMPLATES / "llama3_1.jinja").read_text()) == "json"
+    task = env_task(tokenizer, tmp_path, "llama3_1.jinja", [{"prompt": "What is 12*34?", "answer": "408"}],
+                    tools=["ript_envs:calculator"], verifier="numeric")
+    call = '{"name": "calculator", "parameters": {"expression": "12*34"}}'
+    (e,), script = play(task, tokenizer, [call, "The answer is 408<|eot_id|>"])  # the first turn cut
+    assert (e.success, e.tool_calls) == (True, 1)
+    env = task.turns.after_turn_ids([{"role": "tool", "name": "calculator", "content": "408"}], call)
+    assert tokenizer.decode(env) == ("<|eot_id|><|start_header_id|>ipython<|end_header_id|>\n\n\"408\"<|eot_id|>"
+                                     "<|start_header_id|>assistant<|end_header_id|>\n\n")
+    n = len(e.ids) - len(script[1]) - len(env) - len(script[0])
+    assert e.ids[n:] == script[0] + env + script[1]
+    assert e.action_mask[n:] == [1] * len(script[0]) + [0] * len(env) + [1] * len(script[1])
+    conversation = [{"role": "user", "content": "What is 12*34?"},
+                    {"role": "assistant", "tool_calls": [
+                        {"type": "function", "function": {"name": "calculator", "arguments": {"expression": "12*34"}}}]},
+                    {"role": "tool", "name": "calculator", "content": "408"},
+                    {"role": "assistant", "content": "The answer is 408"}]
+    assert tokenizer.decode(e.ids) == task.turns.renderer.render_tools(conversation, False, task.turns.tools, "t")
+
+
+def test_a_template_that_rewrites_earlier_turns_leaves_the_sampled_ids_alone(tokenizer, tmp_path):
+    """A template that drops <think> from turns before the last user message (as Qwen3's): the episode keeps
+    the think block as sampled; rendering the history again would have trained other ids."""
+    task = env_task(tokenizer, tmp_path, "qwen_think_dropped.jinja", [{"n": 1, "answer": 0}],
+                    env="ript_envs:Countdown")
+    turns = ["<think>let me compute</think>\n1<|im_end|>", "<think>next</think>\n0<|im_end|>"]
+    (e,), script = play(task, tokenizer, turns)
+    assert (e.success, e.turns, e.reason) == (True, 2, "")
+    text = tokenizer.decode(e.ids)
+    assert text.count("<think>let me compute</think>") == 1
+    assert e.ids[-len(script[1]):] == script[1] and script[0] == e.ids[len(task.turns.prompt_ids(
+        [{"role": "user", "content": "Count down from 1."}])):][:len(script[0])]
+    history = [{"role": "user", "content": "Count down from 1."},
+               {"role": "assistant", "content": "<think>let me compute</think>\n1"},
+               {"role": "user", "content": "next"}, {"role": "assistant", "content": "<think>next</think>\n0"}]
+    again = task.turns.renderer.render_tools(history, False, None, "t")
+    assert "let me compute" not in again and text + "\n" != again
+
+
+@pytest.mark.parametrize("env,turns,reason", [
+    ("ript_envs:RaisesOnStep", ["3<|im_end|>"], "env_error"),
+    ("ript_envs:RaisesOnReset", ["3<|im_end|>"], "env_error"),
+    ("ript_envs:HangsOnStep", ["3<|im_end|>"], "env_timeout"),
+    ("ript_envs:Malformed", ["3<|im_end|>"], "env_malformed"),
+    ("ript_envs:Countdown", ["3<|im_end|>", "2<|im_end|>"], "max_turns"),
+])
+def test_an_environment_that_fails_ends_its_episode_with_reward_0_and_its_reason(env, turns, reason, tokenizer,
+                                                                                  tmp_path):
+    import time
+
+    task = env_task(tokenizer, tmp_path, "qwen2_5.jinja", [{"n": 3, "answer": 0}], env=env, max_turns=2)
+    start = time.monotonic()
+    (e,), _ = play(task, tokenizer, turns)
+    assert (e.done, e.success, e.reward, e.reason) == (True, False, 0.0, reason)
+    assert time.monotonic() - start < 10  # a hung step is left at its timeout (0.5 s here)
+
+
+@pytest.mark.parametrize("turn,reason", [
+    ('<tool_call>\n{"name": "calculator", "arguments": {"expression": "12*34"}\n</tool_call>', "malformed_call"),
+    ('<tool_call>\n{"name": "calculator", "arguments": {"expression": "1', "malformed_call"),  # cut inside a call
+    ('<tool_call>\n{"name": "abacus", "arguments": {"expression": "12*34"}}\n</tool_call>', "unknown_tool"),
+    ('<tool_call>\n{"name": "calculator", "arguments": {"x": "12*34"}}\n</tool_call>', "malformed_call"),
+    ('<tool_call>\n{"name": "calculator", "arguments": {"expression": "import os"}}\n</tool_call>', "tool_error"),
+    ('<tool_call>\n{"name": "slow", "arguments": {"seconds": 60}}\n</tool_call>', "tool_timeout"),
+])
+def test_a_call_that_fails_ends_its_episode_and_the_others_go_on(turn, reason, tokenizer, tmp_path):
+    """Two episodes in one batch: the failing call ends its own with reward 0 and its reason; the other,
+    whose call is right, goes on to its answer."""
+    from ds_train.ript.rollout import rollout
+
+    task = env_task(tokenizer, tmp_path, "qwen2_5.jinja", [{"prompt": "What is 12*34?", "answer": "408"}],
+                    tools=["ript_envs:calculator", "ript_envs:slow"], verifier="numeric")
+    context = first(task)
+    script = {0: [turn + "<|im_end|>"], 1: [CALL + "<|im_end|>", "408<|im_end|>"]}
+
+    def act(live):
+        return [sampled(tokenizer, script[e.index][e.turns]) for e in live]
+
+    bad, good = rollout(act, tokenizer, [(task, context, 0), (task, context, 1)], max_new_tokens=16)
+    assert (bad.done, bad.reward, bad.reason) == (True, 0.0, reason)
+    assert (good.success, good.reward, good.reason, good.tool_calls) == (True, 1.0, "", 1)
+
+
+def test_tools_need_a_template_that_writes_calls_and_a_docstring_and_turns_need_an_environment(tokenizer, tmp_path):
+    from ds_train.errors import UserError
+    from ds_train.ript.datatask import entry_options
+
+    plain = "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
+    records = [{"prompt": "What is 12*34?", "answer": "408"}]
+    with pytest.raises(UserError, match=r"^ript\.tasks\[0\]\.tools: the chat template writes tool calls in no form "
+                                        r"ds_train parses \(it parses hermes and json"):
+        env_task(tokenizer, tmp_path, plain, records, tools=["ript_envs:calculator"])
+    with pytest.raises(UserError, match=r"^ript\.tasks\[0\]\.tools: 'undocumented' cannot be given to the chat "
+                                        r"template \(.*\); give it type hints and a docstring"):
+        env_task(tokenizer, tmp_path, "qwen2_5.jinja", records, tools=["test_environments:undocumented"])
+    with pytest.raises(UserError, match=r"^ript\.tasks\[0\]\.max_turns: 3 turns need an environment \(env\) or "
+                                        r"tools"):
+        entry_options({"data": ["x.jsonl"], "max_turns": 3}, "ript.tasks[0]")
+    with pytest.raises(UserError, match=r"^ript\.tasks\[0\]\.env: 'Countdown' must be module:Class"):
+        entry_options({"data": ["x.jsonl"], "env": "Countdown"}, "ript.tasks[0]")
+
+
+def undocumented(x):
+    return x
+
+
+def test_the_update_takes_no_gradient_from_environment_or_tool_tokens(tokenizer, tmp_path):
+    """A multi-turn episode with a tool call through the update's own padding (its mask from the action mask)
+    and clipped loss on a tiny Llama: the gradient on the logits is zero at every position that predicts a
+    prompt, tool or template token, and non-zero at every sampled one."""
+    from types import SimpleNamespace
+
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from conftest import TINY_MODEL
+    from ds_train.ript.algorithms import clipped_policy_loss
+    from ds_train.ript.update import _padded
+
+    task = env_task(tokenizer, tmp_path, "qwen2_5.jinja", [{"prompt": "What is 12*34?", "answer": "408"}],
+                    tools=["ript_envs:calculator"], verifier="numeric")
+    (e,), _ = play(task, tokenizer, [CALL + "<|im_end|>", "The answer is 408<|im_end|>"])
+    assert 0 < sum(e.action_mask) < len(e.ids) and e.tool_calls == 1
+    run = SimpleNamespace(tokenizer=tokenizer, engine=SimpleNamespace(device="cpu"))
+    ids, mask, _ = _padded(run, [e], 1, False)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**{**TINY_MODEL, "vocab_size": len(tokenizer)}))
+    logits = model(input_ids=ids[:, :-1]).logits
+    logits.retain_grad()
+    logp = torch.log_softmax(logits.float(), -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+    loss, _ = clipped_policy_loss(logp, logp.detach(), torch.ones(1), mask, 0.2, 0.28)
+    loss.sum().backward()
+    moved = logits.grad[0].abs().sum(-1) > 0
+    assert moved.tolist() == [bool(m) for m in e.action_mask[1:]]
+
+
+def tool_records(path: Path, n: int = 40) -> Path:
+    path.write_text("".join(json.dumps({"prompt": f"What is {a}*{a + 7}?", "expression": f"{a}*{a + 7}",
+                                        "answer": str(a * (a + 7))}) + "\n" for a in range(10, 10 + n)))
+    return path
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(420)
+def test_tool_calls_and_a_failing_environment_through_two_ranks_under_zero3_with_lora(chat_policy, tmp_path):
+    """`ds-train ript` on 2 processes, ZeRO-3, LoRA, a scripted policy (tests/ript_envs.py ToolScript): a
+    calculator task whose rollouts 0-1 call the tool and answer with its result, 2 writes a malformed call, 3
+    calls a tool past ript.env_step_timeout_s; and an environment that raises at every step. The run ends
+    normally; each fault is counted by its reason over both ranks; completions.jsonl keeps each turn's ids, the
+    tool's masked; the update ran on the accepted groups; the doctor does not call the run's episodes all failed."""
+    from conftest import TESTS_ON_PATH, node_launch, ript_config, run_cmd
+
+    records = tool_records(tmp_path / "calc.jsonl")
+    sim = tmp_path / "sim.jsonl"
+    sim.write_text("".join(json.dumps({"n": i}) + "\n" for i in range(40)))
+    cfg = ript_config(tmp_path, chat_policy, train={"micro_batch_size": 4, "global_batch_size": 16, "seq_len": 256},
+                      tasks=[{"name": "calc", "data": str(records), "tools": ["ript_envs:calculator", "ript_envs:slow"],
+                              "verifier": "exact", "max_turns": 3},
+                             {"name": "sim", "data": str(sim), "env": "ript_envs:RaisesOnStep"}],
+                      policy="ript_envs:ToolScript", env_step_timeout_s=1.0, contexts_per_rank=2,
+                      max_contexts_checked=4, eval_every=2, eval_contexts=4, log_completions=16, max_new_tokens=48)
+    out = tmp_path / "run"
+    res = run_cmd([*node_launch(2), "--module", "ds_train", "ript", "--config", str(cfg), "--ds-config",
+                   str(ROOT / "ds_configs" / "zero3.json"), "model.lora.rank=4",
+                   "model.lora.target_modules=[q_proj,v_proj]"], timeout=400, env=TESTS_ON_PATH)
+    assert res.returncode == 0, res.out[-5000:]
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    synced = [r for r in rows if "ript/checked" in r]
+    total = {k: sum(r.get(k, 0) for r in synced) for k in ("ript/env_failed/malformed_call", "ript/env_failed/"
+                                                             "tool_timeout", "ript/env_failed/env_error")}
+    checked = sum(r["ript/checked"] for r in synced)
+    assert total["ript/env_failed/malformed_call"] == total["ript/env_failed/tool_timeout"] > 0, total
+    assert total["ript/env_failed/env_error"] > 0 and 0 < synced[-1]["ript/env_failed_frac"] < 1
+    assert synced[-1]["ript/tool_calls_mean"] > 0 and synced[-1]["ript/turns_mean"] > 1 and checked > 0
+    results = json.loads((out / "ript_results.json").read_text())
+    assert results["eval"]["per_task"]["calc"]["success_rate"] == 1.0  # rollout 0: the call, then its result
+    assert results["eval"]["per_task"]["sim"]["success_rate"] == 0.0
+    done = [json.loads(x) for x in (out / "completions.jsonl").read_text().splitlines()]
+    called = next(c for c in done if c["task"].startswith("calc") and c["tool_calls"] == 1 and c["success"])
+    assert called["turns"] == 2 and called["reason"] == ""
+    text = "".join(__import__("transformers").AutoTokenizer.from_pretrained(chat_policy).decode([i])
+                   for i, m in zip(called["ids"], called["action_mask"]) if not m)
+    assert "<tool_response>" in text and "<|im_start|>assistant" in text  # the tool's and the template's, masked
+    assert {c["reason"] for c in done if c["task"].startswith("sim")} == {"env_error"}
+    assert all(r["policy/tokens"] > 0 and r["ript/accepted"] > 0 for r in synced)  # the groups that disagree train
+    from ds_train.observe.doctor import diagnose
+
+    assert "rl_env_failing" not in {f.cls for f in diagnose(str(out))}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_run_whose_every_episode_fails_goes_on_and_the_doctor_names_it(chat_policy, tmp_path):
+    """One process, an environment that raises at every step: the run ends normally (exit 0), each episode
+    failed with its reason, and `ds-train doctor` names the run with the reasons counted."""
+    from conftest import TESTS_ON_PATH, ds_train, ript_config
+    from ds_train.observe.doctor import diagnose
+
+    sim = tmp_path / "sim.jsonl"
+    sim.write_text("".join(json.dumps({"n": i}) + "\n" for i in range(40)))
+    cfg = ript_config(tmp_path, chat_policy, train={"micro_batch_size": 4, "global_batch_size": 8, "seq_len": 128},
+                      tasks=[{"name": "sim", "data": str(sim), "env": "ript_envs:RaisesOnStep"}],
+                      policy="ript_envs:ToolScript", contexts_per_rank=2, max_contexts_checked=2, eval_every=0)
+    res = ds_train("ript", "--config", str(cfg), "--ds-config", str(ROOT / "ds_configs" / "zero2.json"),
+                   timeout=240, env={**__import__("os").environ, **TESTS_ON_PATH})
+    assert res.returncode == 0, res.out[-4000:]
+    finding = next(f for f in diagnose(str(tmp_path / "run")) if f.cls == "rl_env_failing")
+    assert finding.evidence == ["metrics.jsonl: iterations 1-2: every episode ended by a fault: env_error 16"]
+    assert finding.title == "post-training episodes all ended by a fault of their environment or tool calls"
