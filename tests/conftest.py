@@ -370,8 +370,9 @@ def sft_on_demonstrations(model, tok, out: Path) -> Path:
 
 @pytest.fixture(scope="session")
 def chat_policy(tmp_path_factory) -> Path:
-    """A Hugging Face directory: a tiny random Llama, and a BPE with Qwen2.5's special tokens and its chat
-    template (recipes/templates/qwen2_5.jinja), trained on the task demonstrations and tool-call text."""
+    """A Hugging Face directory: a tiny random Llama (2 heads of 32, which vLLM's CPU attention takes), and a BPE
+    with Qwen2.5's special tokens and its chat template (recipes/templates/qwen2_5.jinja), trained on the task
+    demonstrations and tool-call text."""
     def build(out: Path) -> Path:
         import torch
         from transformers import AutoConfig, AutoModelForCausalLM
@@ -384,7 +385,8 @@ def chat_policy(tmp_path_factory) -> Path:
         tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
         tok.save_pretrained(out)
         torch.manual_seed(0)
-        cfg = AutoConfig.for_model(**{**TINY_MODEL, "vocab_size": len(tok), "max_position_embeddings": 512})
+        cfg = AutoConfig.for_model(**{**TINY_MODEL, "num_attention_heads": 2, "num_key_value_heads": 2,  # vLLM: 32
+                                      "vocab_size": len(tok), "max_position_embeddings": 512})
         AutoModelForCausalLM.from_config(cfg).save_pretrained(out)
         return out
 

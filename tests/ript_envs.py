@@ -84,3 +84,18 @@ class ToolScript:
         if index == 3:
             return '<tool_call>\n{"name": "slow", "arguments": {"seconds": 60}}\n</tool_call><|im_end|>'
         return CALL.format(context.record["expression"])
+
+
+class Chatter:
+    """Three turns whatever the policy says ("go on" after the first two); reward 1 when the last turn's text
+    has an even length: random rewards for a random policy, so groups disagree and the policy updates."""
+
+    def reset(self, sample: dict) -> list[dict]:
+        self.turn = 0
+        return [{"role": "user", "content": f"Say something ({sample['n']})."}]
+
+    def step(self, turn: dict) -> tuple[list[dict], float, bool, dict]:
+        self.turn += 1
+        if self.turn < 3:
+            return [{"role": "user", "content": "go on"}], 0.0, False, {}
+        return [], float(len(turn["content"]) % 2 == 0), True, {}

@@ -315,3 +315,31 @@ def test_a_run_whose_every_episode_fails_goes_on_and_the_doctor_names_it(chat_po
     finding = next(f for f in diagnose(str(tmp_path / "run")) if f.cls == "rl_env_failing")
     assert finding.evidence == ["metrics.jsonl: iterations 1-2: every episode ended by a fault: env_error 16"]
     assert finding.title == "post-training episodes all ended by a fault of their environment or tool calls"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_every_turn_sampled_through_vllm_has_the_trainers_logprobs(chat_policy, tmp_path):
+    """vLLM rollouts (ript.rollout_engine=vllm, an engine on each of 2 ranks, ZeRO-3) of a three-turn environment,
+    turns often cut at max_new_tokens: the engine's log-prob of every sampled token of every turn is the trainer's
+    within 1e-4 (rollout/logp_diff_max, over the tokens of the updates), and the environment's tokens carry none."""
+    from conftest import TESTS_ON_PATH, node_launch, ript_config, run_cmd
+
+    sim = tmp_path / "chat.jsonl"
+    sim.write_text("".join(json.dumps({"n": i}) + "\n" for i in range(40)))
+    cfg = ript_config(tmp_path, chat_policy, train={"micro_batch_size": 4, "global_batch_size": 16, "seq_len": 256},
+                      tasks=[{"name": "chat", "data": str(sim), "env": "ript_envs:Chatter", "max_turns": 3}],
+                      policy="", rollout_engine="vllm", contexts_per_rank=2, rollout_contexts=2,
+                      max_contexts_checked=4, eval_every=0, log_completions=8, max_new_tokens=8, temperature=1.0)
+    res = run_cmd([*node_launch(2), "--module", "ds_train", "ript", "--config", str(cfg), "--ds-config",
+                   str(ROOT / "ds_configs" / "zero3.json")], timeout=500, env=TESTS_ON_PATH)
+    assert res.returncode == 0, res.out[-5000:]
+    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    updated = [r for r in rows if "rollout/logp_diff_max" in r]
+    assert updated and all(r["rollout/logp_diff_max"] < 1e-4 for r in updated), updated
+    assert all(r["ript/turns_mean"] == 3 for r in rows if "ript/checked" in r)
+    done = [json.loads(x) for x in (tmp_path / "run" / "completions.jsonl").read_text().splitlines()]
+    assert done and all(c["turns"] == 3 and c["logprobs"] is not None for c in done)
+    for c in done:  # the engine's log-probs on its own tokens, none on the prompt's, the template's or the user's
+        assert all(lp == 0.0 for lp, m in zip(c["logprobs"], c["action_mask"]) if not m), c
+        assert sum(c["action_mask"]) <= 3 * 8 and any(lp != 0 for lp in c["logprobs"])
