@@ -29,7 +29,7 @@ def tokenizer(tmp_path_factory):
     return tok
 
 
-def env_task(tokenizer, tmp: Path, template: str, records: list[dict], **options):
+def env_task(tokenizer, tmp: Path, template: str, records: list[dict], workers: int = 0, **options):
     from ds_train.ript.datatask import entry_options
     from ds_train.ript.environments import EnvTask
 
@@ -38,7 +38,7 @@ def env_task(tokenizer, tmp: Path, template: str, records: list[dict], **options
     data.write_text("".join(json.dumps(r) + "\n" for r in records + filler))
     opts = entry_options({"name": "t", "data": [str(data)], "heldout_fraction": 0.3, **options}, "ript.tasks[0]")
     text = template if "{%" in template else (TEMPLATES / template).read_text()
-    return EnvTask(opts, tokenizer, text, 16, None, "ript.tasks[0]", 0.5)
+    return EnvTask(opts, tokenizer, text, 16, None, "ript.tasks[0]", 0.5 if not workers else 2.0, workers)
 
 
 def sampled(tokenizer, text: str) -> list[int]:
@@ -145,6 +145,7 @@ def test_a_template_that_rewrites_earlier_turns_leaves_the_sampled_ids_alone(tok
     assert "let me compute" not in again and text + "\n" != again
 
 
+@pytest.mark.parametrize("workers", [0, 2])
 @pytest.mark.parametrize("env,turns,reason", [
     ("ript_envs:RaisesOnStep", ["3<|im_end|>"], "env_error"),
     ("ript_envs:RaisesOnReset", ["3<|im_end|>"], "env_error"),
@@ -152,15 +153,21 @@ def test_a_template_that_rewrites_earlier_turns_leaves_the_sampled_ids_alone(tok
     ("ript_envs:Malformed", ["3<|im_end|>"], "env_malformed"),
     ("ript_envs:Countdown", ["3<|im_end|>", "2<|im_end|>"], "max_turns"),
 ])
-def test_an_environment_that_fails_ends_its_episode_with_reward_0_and_its_reason(env, turns, reason, tokenizer,
-                                                                                  tmp_path):
+def test_an_environment_that_fails_ends_its_episode_with_reward_0_and_its_reason(env, turns, reason, workers,
+                                                                                  tokenizer, tmp_path):
+    """In the rank's process (threads) and in 2 worker processes: the episode ends with its reason; a hung step's
+    worker is killed (the next episode gets a new one)."""
     import time
 
-    task = env_task(tokenizer, tmp_path, "qwen2_5.jinja", [{"n": 3, "answer": 0}], env=env, max_turns=2)
+    task = env_task(tokenizer, tmp_path, "qwen2_5.jinja", [{"n": 3, "answer": 0}], workers, env=env, max_turns=2)
     start = time.monotonic()
     (e,), _ = play(task, tokenizer, turns)
     assert (e.done, e.success, e.reward, e.reason) == (True, False, 0.0, reason)
-    assert time.monotonic() - start < 10  # a hung step is left at its timeout (0.5 s here)
+    assert time.monotonic() - start < 15  # a hung step is left (threads) or killed (workers) at its timeout
+    if workers:
+        hung = [w for w in task.room.workers if w is not None]
+        assert (reason == "env_timeout") == (not hung), hung  # the hung step's worker was killed
+        task.room.close()
 
 
 @pytest.mark.parametrize("turn,reason", [
@@ -171,12 +178,13 @@ def test_an_environment_that_fails_ends_its_episode_with_reward_0_and_its_reason
     ('<tool_call>\n{"name": "calculator", "arguments": {"expression": "import os"}}\n</tool_call>', "tool_error"),
     ('<tool_call>\n{"name": "slow", "arguments": {"seconds": 60}}\n</tool_call>', "tool_timeout"),
 ])
-def test_a_call_that_fails_ends_its_episode_and_the_others_go_on(turn, reason, tokenizer, tmp_path):
-    """Two episodes in one batch: the failing call ends its own with reward 0 and its reason; the other,
-    whose call is right, goes on to its answer."""
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_call_that_fails_ends_its_episode_and_the_others_go_on(turn, reason, workers, tokenizer, tmp_path):
+    """Two episodes in one batch (in threads, or each on a worker process of its own): the failing call ends its
+    own with reward 0 and its reason; the other, whose call is right, goes on to its answer."""
     from ds_train.ript.rollout import rollout
 
-    task = env_task(tokenizer, tmp_path, "qwen2_5.jinja", [{"prompt": "What is 12*34?", "answer": "408"}],
+    task = env_task(tokenizer, tmp_path, "qwen2_5.jinja", [{"prompt": "What is 12*34?", "answer": "408"}], workers,
                     tools=["ript_envs:calculator", "ript_envs:slow"], verifier="numeric")
     context = first(task)
     script = {0: [turn + "<|im_end|>"], 1: [CALL + "<|im_end|>", "408<|im_end|>"]}
@@ -185,6 +193,7 @@ def test_a_call_that_fails_ends_its_episode_and_the_others_go_on(turn, reason, t
         return [sampled(tokenizer, script[e.index][e.turns]) for e in live]
 
     bad, good = rollout(act, tokenizer, [(task, context, 0), (task, context, 1)], max_new_tokens=16)
+    task.room.close()
     assert (bad.done, bad.reward, bad.reason) == (True, 0.0, reason)
     assert (good.success, good.reward, good.reason, good.tool_calls) == (True, 1.0, "", 1)
 
@@ -251,12 +260,13 @@ def tool_records(path: Path, n: int = 40) -> Path:
 @pytest.mark.slow
 @pytest.mark.timeout(420)
 def test_tool_calls_and_a_failing_environment_through_two_ranks_under_zero3_with_lora(chat_policy, tmp_path):
-    """`ds-train ript` on 2 processes, ZeRO-3, LoRA, a scripted policy (tests/ript_envs.py ToolScript): a
+    """`ds-train ript` on 2 processes, ZeRO-3, LoRA, environments in 2 worker processes a rank, a scripted policy
+    (tests/ript_envs.py ToolScript): a
     calculator task whose rollouts 0-1 call the tool and answer with its result, 2 writes a malformed call, 3
     calls a tool past ript.env_step_timeout_s; and an environment that raises at every step. The run ends
     normally; each fault is counted by its reason over both ranks; completions.jsonl keeps each turn's ids, the
     tool's masked; the update ran on the accepted groups; the doctor does not call the run's episodes all failed."""
-    from conftest import TESTS_ON_PATH, node_launch, ript_config, run_cmd
+    from conftest import TESTS_ON_PATH, node_launch, pids_with, ript_config, run_cmd
 
     records = tool_records(tmp_path / "calc.jsonl")
     sim = tmp_path / "sim.jsonl"
@@ -265,7 +275,7 @@ def test_tool_calls_and_a_failing_environment_through_two_ranks_under_zero3_with
                       tasks=[{"name": "calc", "data": str(records), "tools": ["ript_envs:calculator", "ript_envs:slow"],
                               "verifier": "exact", "max_turns": 3},
                              {"name": "sim", "data": str(sim), "env": "ript_envs:RaisesOnStep"}],
-                      policy="ript_envs:ToolScript", env_step_timeout_s=1.0, contexts_per_rank=2,
+                      policy="ript_envs:ToolScript", env_step_timeout_s=1.0, env_workers=2, contexts_per_rank=2,
                       max_contexts_checked=4, eval_every=2, eval_contexts=4, log_completions=16, max_new_tokens=48)
     out = tmp_path / "run"
     res = run_cmd([*node_launch(2), "--module", "ds_train", "ript", "--config", str(cfg), "--ds-config",
@@ -291,6 +301,8 @@ def test_tool_calls_and_a_failing_environment_through_two_ranks_under_zero3_with
     assert "<tool_response>" in text and "<|im_start|>assistant" in text  # the tool's and the template's, masked
     assert {c["reason"] for c in done if c["task"].startswith("sim")} == {"env_error"}
     assert all(r["policy/tokens"] > 0 and r["ript/accepted"] > 0 for r in synced)  # the groups that disagree train
+    assert all(0 < r["perf/env_frac"] < 1 for r in synced)  # the time the rollouts waited on environments
+    assert not pids_with("ds_train.ript.env_room")  # every worker process ended with its rank
     from ds_train.observe.doctor import diagnose
 
     assert "rl_env_failing" not in {f.cls for f in diagnose(str(out))}
@@ -343,3 +355,15 @@ def test_every_turn_sampled_through_vllm_has_the_trainers_logprobs(chat_policy, 
     for c in done:  # the engine's log-probs on its own tokens, none on the prompt's, the template's or the user's
         assert all(lp == 0.0 for lp, m in zip(c["logprobs"], c["action_mask"]) if not m), c
         assert sum(c["action_mask"]) <= 3 * 8 and any(lp != 0 for lp in c["logprobs"])
+
+
+def test_the_code_tool_runs_a_models_program_on_a_worker_process(tokenizer, tmp_path):
+    """ds_train.ript.tools:run_python as a model calls it, on a worker process (ript.env_workers=1): the program's
+    output is the tool message, and the answer that reads it succeeds."""
+    task = env_task(tokenizer, tmp_path, "qwen2_5.jinja", [{"prompt": "What is 12*34?", "answer": "408"}], 1,
+                    tools=["ds_train.ript.tools:run_python"], verifier="numeric")
+    call = '<tool_call>\n{"name": "run_python", "arguments": {"code": "print(12 * 34)"}}\n</tool_call><|im_end|>'
+    (e,), _ = play(task, tokenizer, [call, "408<|im_end|>"])
+    task.room.close()
+    assert (e.success, e.tool_calls, e.reason) == (True, 1, "")
+    assert "<tool_response>\n408\n\n</tool_response>" in tokenizer.decode(e.ids)

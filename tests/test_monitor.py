@@ -99,3 +99,22 @@ def test_ript_runs_show_success_per_task_and_the_reward_statistics(tmp_path):
     assert "0.125" in curves["truncated"] and "0.0625" in curves["KL"], text
     task_rows = {line.split()[0]: line.split()[1:] for line in text.splitlines() if line.strip().startswith(("arith", "guess"))}
     assert task_rows["arith"][:2] == ["0.400", "0.400"] and task_rows["guess"][:2] == ["0.750", "-"], text
+
+
+def test_an_environment_runs_turns_tool_calls_faults_and_time_in_environments_show():
+    import tempfile
+    from pathlib import Path
+
+    tmp = Path(tempfile.mkdtemp())
+    run = make_run(tmp / "r", kind="ript", target=6, steps=(2,), statuses=("running",))
+    with open(run / "metrics.jsonl", "a") as fh:
+        fh.write(json.dumps({"step": 3, "ript/success_rate": 0.25, "ript/turns_mean": 2.5, "ript/tool_calls_mean": 1.25,
+                             "ript/env_failed_frac": 0.375, "ript/env_failed/tool_error": 2,
+                             "ript/env_failed/malformed_call": 4, "perf/env_frac": 0.125}) + "\n")
+    text = frame(run)
+    curves = {label: line for label in ("turns / episode", "tool calls / episode", "ended by a fault",
+                                        "time in environments")
+              for line in text.splitlines() if line.strip("│ ").startswith(label)}
+    assert "2.5" in curves["turns / episode"] and "1.25" in curves["tool calls / episode"], text
+    assert "0.375" in curves["ended by a fault"] and "0.125" in curves["time in environments"], text
+    assert "episodes ended by a fault at iteration 3: malformed_call 4, tool_error 2" in text, text

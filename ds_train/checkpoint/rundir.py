@@ -118,7 +118,9 @@ RIPT = RunKind(
     curves=(("success", "ript/success_rate"), ("held-out", "eval/success"), ("reward mean", "ript/reward_mean"),
             ("reward std", "ript/reward_std"), ("zero-std groups", "ript/frac_reward_zero_std"),
             ("truncated", "ript/truncated_frac"), ("KL", "policy/kl"), ("policy loss", "policy/loss"),
-            ("rollouts/s", "perf/rollouts_per_s")),
+            ("rollouts/s", "perf/rollouts_per_s"), ("turns / episode", "ript/turns_mean"),
+            ("tool calls / episode", "ript/tool_calls_mean"), ("ended by a fault", "ript/env_failed_frac"),
+            ("time in environments", "perf/env_frac")),
     figures=("success", "heldout", "rewards"), progress=("ript/success_rate", "success"), per_task=True)
 KINDS = {kind.name: kind for kind in (TRAIN, RIPT)}
 

@@ -23,6 +23,9 @@ class RiptConfig(Section):
         "max_turns} (ds_train/ript/datatask.py; env and tools: ds_train/ript/environments.py).")
     env_step_timeout_s: float = _f(30.0, "An environment's reset or step, or a tool call, longer than this ends its "
                                          "episode with reward 0 (reason env_timeout / tool_timeout).", POSITIVE)
+    env_workers: int = _f(0, "Worker processes that environments and tools run in (each episode on one; a step "
+                             "past env_step_timeout_s kills its worker). 0: threads of each rank's own process, "
+                             "where a step past its time is abandoned, not killed.", NON_NEGATIVE)
     policy: str = _f("", "Empty: the model acts. module:Class: a scripted policy with "
                          "act(task, context, transcript, index) -> str (tests and debugging).")
     iterations: int = _f(50, "RIPT iterations (sample, then update).", POSITIVE)

@@ -142,6 +142,12 @@ def render(view: RunView):
     if curves.row_count:
         parts.append(Panel(curves, title="metrics (latest, curve)", title_align="left"))
 
+    faults = next((r for r in reversed(view.metrics) if "ript/env_failed_frac" in r), {})
+    if any(k.startswith("ript/env_failed/") for k in faults):  # environments: the faults that ended episodes
+        parts.append(Text(f"episodes ended by a fault at iteration {faults.get('step')}: " + ", ".join(
+            f"{k.rsplit('/', 1)[1]} {v:g}" for k, v in sorted(faults.items(), key=lambda x: -x[1]
+                                                                if isinstance(x[1], (int, float)) else 0)
+            if k.startswith("ript/env_failed/"))))
     if view.kind.per_task:
         parts.append(_task_table(view))
 

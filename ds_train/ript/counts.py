@@ -63,6 +63,9 @@ class SyncedCounts:
             "perf/rollouts_per_s": counts.total("rollouts") / max(rollout_s, 1e-9),
             "perf/iteration_s": (time.perf_counter() - self.started) / self.iterations,
             "optim/lr": float(self.job.run.engine.get_lr()[0])}
+        if counts.total("env_s"):  # the share of the ranks' time their rollouts waited on environments and tools
+            metrics["perf/env_frac"] = counts.total("env_s") / (
+                self.job.run.env.world_size * (time.perf_counter() - self.started))
         state.synced = {k: v for k, v in metrics.items() if k.startswith(("ript/", "policy/"))}
         self._restart()
         return metrics

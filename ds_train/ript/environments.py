@@ -17,21 +17,24 @@ How today's Task protocol relates: an environment task is a Task (ds_train/ript/
 `open(context)` starts an episode's Session, which the rollout steps in place of `task.step`. Built-in
 and module:Class tasks keep their text observations.
 
-Never a crashed run: a malformed call, an unknown tool, a tool that raises or runs past
-ript.env_step_timeout_s, an environment whose reset or step raises, hangs or returns other than the
-protocol's shapes, each end that episode with reward 0 and its reason (sampler.REASONS), counted by the
+The environments and tools run in the task's room (env_room.py): threads of the rank's process, or
+ript.env_workers worker processes, where a step past its time is killed. Never a crashed run: a malformed
+call, an unknown tool, a tool that raises or runs past ript.env_step_timeout_s, an environment whose reset
+or step raises, hangs or returns other than the protocol's shapes, or whose worker dies, each end that
+episode with reward 0 and its reason (sampler.REASONS), counted by the
 trainer (ript/env_failed/REASON) and named by `ds-train doctor` when every episode ends so.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
-import threading
 from typing import Any, Callable, Protocol
 
 from ds_train.errors import UserError, load_user_object
 from ds_train.ript.chat_turns import ChatTurns, parse_turn
 from ds_train.ript.datatask import DatasetTask, Prompt, check_task_entries
+from ds_train.ript.env_room import Processes, Threads
 from ds_train.ript.rollout import max_rollout_tokens
 from ds_train.ript.sampler import REASONS
 from ds_train.ript.tasks import Step, load_task
@@ -57,34 +60,6 @@ class Answer:
     def step(self, turn: dict) -> tuple[list[dict], float, bool, dict]:
         reward = float(self.task.verify(turn["content"], self.sample[self.task.options["answer_key"]], self.sample))
         return [], reward, True, {}
-
-
-def within(seconds: float, fn: Callable, args: tuple = (), kwargs: dict | None = None
-           ) -> tuple[Any, BaseException | None, bool]:
-    """fn(*args, **kwargs) on a thread given `seconds`: (its value, what it raised, whether it ran past).
-    A call past its time is left behind (a daemon thread); ript.env_workers (worker processes) kill it."""
-    out: dict = {}
-
-    def run() -> None:
-        try:
-            out["value"] = fn(*args, **(kwargs or {}))
-        except BaseException as e:  # noqa: BLE001 - the episode's reason, never the run's end
-            out["error"] = e
-
-    thread = threading.Thread(target=run, daemon=True, name="ds_train-env-step")
-    thread.start()
-    thread.join(seconds)
-    if thread.is_alive():
-        return None, None, True
-    return out.get("value"), out.get("error"), False
-
-
-def _messages(value: Any) -> list[dict] | None:
-    """The environment's messages as the protocol has them (a list of {role, content: str}), else None."""
-    if not isinstance(value, list) or not all(isinstance(m, dict) and isinstance(m.get("role"), str)
-                                              and isinstance(m.get("content"), str) for m in value):
-        return None
-    return value
 
 
 def tool_schema(fn: Callable, where: str) -> dict:
@@ -117,10 +92,14 @@ class EnvTask(DatasetTask):
     """A dataset entry played by an environment, with or without tools (see the module)."""
 
     def __init__(self, options: dict, tokenizer, chat_template: str, max_new_tokens: int,
-                 max_positions: int | None, where: str, step_timeout_s: float = 30.0):
+                 max_positions: int | None, where: str, step_timeout_s: float = 30.0, env_workers: int = 0):
         self.tools = load_tools(options["tools"], f"{where}.tools")
         self.env_class = load_user_object(options["env"], f"{where}.env") if options["env"] else None
         self.step_timeout_s = step_timeout_s
+        self.ids = itertools.count()  # each episode's id in the room
+        tools = {**self.tools}
+        self.room = (Processes(env_workers, options["env"], list(options["tools"]), step_timeout_s) if env_workers
+                     else Threads(self.env_class, tools, step_timeout_s))
         self.turns = ChatTurns(tokenizer, chat_template, [tool_schema(f, f"{where}.tools") for f in
                                                           self.tools.values()], where)
         super().__init__(options, tokenizer, chat_template, max_new_tokens, max_positions, where)
@@ -146,66 +125,85 @@ class EnvTask(DatasetTask):
 
 
 class Session:
-    """One episode of an environment task: its environment, the prompt's ids, each turn's outcome."""
+    """One episode of an environment task: its prompt's ids, each turn's outcome. Its environment and tools run
+    in the task's room (env_room: threads, or worker processes); a turn is begun (`begin`: parsed, its tool
+    calls or its step sent) and finished (`finish`: the reply awaited, rendered), so that the rollout runs
+    the turns of a batch concurrently."""
 
-    def __init__(self, task: EnvTask, context: Prompt):
-        self.task, self.context = task, context
-        self.tool_calls, self.reason, self.prompt_ids = 0, "", list(context.ids)
-        if task.env_class is None:  # the prompt rendered when the task was read
-            self.env = Answer(task, context.record)
+    def __init__(self, task: "EnvTask", context: Prompt):
+        self.task, self.context, self.sid = task, context, next(task.ids)
+        self.tool_calls, self.reason, self.turn = 0, "", 0
+        self._pending: Any = None
+        self._prompt: list[int] | None = list(context.ids) if task.env_class is None else None
+        self.env = Answer(task, context.record) if task.env_class is None else None
+        self._opening = None if self._prompt is not None else task.room.begin(("open", self.sid, (context.record,)))
+
+    @property
+    def prompt_ids(self) -> list[int]:
+        if self._prompt is None:
+            reason, messages = self.task.room.finish(self._opening)
+            if reason:  # the environment did not start: the episode ends at its first turn
+                self.reason = "env_timeout" if reason.endswith("timeout") else reason
+                messages = [{"role": "user", "content": ""}]
+            self._prompt = self.task.turns.prompt_ids(messages)
+        return self._prompt
+
+    def step(self, turn: int, action: str) -> Step:
+        """The outcome of assistant turn `turn` whose sampled text is `action` (begin, then finish)."""
+        self.begin(turn, action)
+        return self.finish()
+
+    def begin(self, turn: int, action: str) -> None:
+        task = self.task
+        self.turn, self.action = turn, action
+        if self.reason:  # the environment failed to start
+            self._pending = ("end", self.reason)
             return
-        env, error, late = within(task.step_timeout_s, task.env_class)
-        messages = None
-        if not (error or late):
-            messages, error, late = within(task.step_timeout_s, env.reset, (context.record,))
-        self.env = env
-        if error or late or _messages(messages) is None or not messages:
-            self.reason = "env_timeout" if late else "env_error" if error else "env_malformed"
-            self.prompt_ids = task.turns.prompt_ids([{"role": "user", "content": ""}])
-            return
-        self.prompt_ids = task.turns.prompt_ids(messages)
+        parsed = parse_turn(task.completion(action), task.turns.style if task.tools else None)
+        if parsed.malformed:
+            self._pending = ("end", "malformed_call")
+        elif parsed.calls:
+            self.calls = parsed.calls
+            self._pending = ("tools", task.room.begin(("tools", self.sid, [(c.name, c.arguments) for c in parsed.calls]),
+                                                      calls=len(parsed.calls)))
+        elif self.env is not None:  # the answer, scored by the verifier here
+            self._pending = ("done", self.env.step(parsed.message))
+        else:
+            self._pending = ("step", task.room.begin(("step", self.sid, parsed.message)))
+
+    def finish(self) -> Step:
+        task, (kind, what), self._pending = self.task, self._pending, None
+        if kind == "end":
+            return self._end(what)
+        if kind == "done":
+            messages, reward, done = what[0], what[1], True
+        else:
+            reason, value = task.room.finish(what)
+            if reason:
+                return self._end(reason)
+            if kind == "tools":
+                messages = [{"role": "tool", "name": c.name, "content": v} for c, v in zip(self.calls, value)]
+                self.tool_calls += len(value)
+                reward, done = 0.0, False
+            else:
+                messages, reward, done = value
+        if done:
+            self._close()
+            return Step("", True, reward >= 1.0, reward)
+        if self.turn + 1 >= task.max_turns:
+            return self._end("max_turns")
+        ids = task.turns.after_turn_ids(messages, self.action)
+        return Step(task.tokenizer.decode(ids), False, ids=tuple(ids))
 
     def _end(self, reason: str) -> Step:
         assert reason in REASONS, reason
         self.reason = reason
+        self._close()
         return Step("", True, False, 0.0)
 
-    def step(self, turn: int, action: str) -> Step:
-        """The outcome of assistant turn `turn` whose sampled text is `action`."""
-        if self.reason:  # the environment failed to start: the episode ends at its first turn
-            return Step("", True, False, 0.0)
-        task = self.task
-        parsed = parse_turn(task.completion(action), task.turns.style if task.tools else None)
-        if parsed.malformed:
-            return self._end("malformed_call")
-        if parsed.calls:
-            messages = []
-            for call in parsed.calls:
-                fn = task.tools.get(call.name)
-                if fn is None:
-                    return self._end("unknown_tool")
-                value, error, late = within(task.step_timeout_s, fn, kwargs=call.arguments)
-                if late or error:
-                    return self._end("tool_timeout" if late else "malformed_call" if isinstance(error, TypeError)
-                                     else "tool_error")
-                messages.append({"role": "tool", "name": call.name,
-                                 "content": value if isinstance(value, str) else json.dumps(value)})
-                self.tool_calls += 1
-            reward, done = 0.0, False
-        else:
-            got, error, late = within(task.step_timeout_s, self.env.step, (parsed.message,))
-            if late or error:
-                return self._end("env_timeout" if late else "env_error")
-            if not (isinstance(got, tuple) and len(got) == 4 and _messages(got[0]) is not None
-                    and isinstance(got[1], (int, float)) and not isinstance(got[1], bool)):
-                return self._end("env_malformed")
-            messages, reward, done = got[0], float(got[1]), bool(got[2])
-        if done:
-            return Step("", True, reward >= 1.0, reward)
-        if turn + 1 >= task.max_turns:
-            return self._end("max_turns")
-        ids = task.turns.after_turn_ids(messages, action)
-        return Step(task.tokenizer.decode(ids), False, ids=tuple(ids))
+    def _close(self) -> None:
+        if self.env is None and not self.reason.endswith(("timeout", "lost")):
+            self.task.room.finish(self.task.room.begin(("close", self.sid, ())))
 
 
 def load_tasks(cfg, tokenizer, hf_config) -> dict[str, Any]:
@@ -221,7 +219,7 @@ def load_tasks(cfg, tokenizer, hf_config) -> dict[str, Any]:
             task = load_task(str(entry))
         elif options[i]["env"] or options[i]["tools"]:
             task = EnvTask(options[i], tokenizer, cfg.data.chat_template, r.max_new_tokens, max_positions, where,
-                           r.env_step_timeout_s)
+                           r.env_step_timeout_s, r.env_workers)
         else:
             task = DatasetTask(options[i], tokenizer, cfg.data.chat_template, r.max_new_tokens, max_positions, where)
         if task.name in tasks:

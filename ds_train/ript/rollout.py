@@ -10,6 +10,7 @@ of exactly the tokens the policy sampled.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -33,6 +34,7 @@ class Episode:
     session: Any = None  # an environment task's episode (ds_train/ript/environments.py Session)
     reason: str = ""  # why an environment's episode ended failed (sampler.REASONS); "" otherwise
     tool_calls: int = 0
+    env_seconds: float = 0.0  # its share of the wall time the rollout waited for environments and tools
 
 
 class Sampled(list):
@@ -160,8 +162,10 @@ def rollout(act: Act, tokenizer, jobs: list[tuple[Any, Any, int]], batch_size: i
 def _rollout_batch(act: Act, tokenizer, jobs, turns: int, max_new_tokens: int) -> list[Episode]:
     episodes = []
     start = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
-    for task, context, index in jobs:
-        session = task.open(context) if hasattr(task, "open") else None  # an environment's episode
+    # an environment's episodes: every one opened (its reset begun) before the first prompt is awaited
+    waited = time.perf_counter()
+    sessions = [task.open(context) if hasattr(task, "open") else None for task, context, _ in jobs]
+    for (task, context, index), session in zip(jobs, sessions):
         if session is not None:
             ids = list(session.prompt_ids)
             prompt = tokenizer.decode(ids)
@@ -172,6 +176,7 @@ def _rollout_batch(act: Act, tokenizer, jobs, turns: int, max_new_tokens: int) -
             ids = [start] + encode(tokenizer, prompt)
         episodes.append(Episode(task, context, index, ids, [0] * len(ids), prompt, logprobs=[0.0] * len(ids),
                                 session=session))
+    _share(time.perf_counter() - waited, [e for e in episodes if e.session is not None])
     max_turns = turns or max(task.max_turns for task, _, _ in jobs)
     eos = tokenizer.eos_token_id
     for turn in range(max_turns):
@@ -181,7 +186,12 @@ def _rollout_batch(act: Act, tokenizer, jobs, turns: int, max_new_tokens: int) -
                 break
             act([Episode(None, None, 0, [eos], [0], "")])  # keep step with the other ranks
             continue
-        for e, action_ids in zip(live, act(live)):
+        acted = list(zip(live, act(live)))
+        waited = time.perf_counter()
+        for e, action_ids in acted:  # an environment's step begun for each, so that they run together
+            if e.session is not None:
+                e.session.begin(turn, tokenizer.decode(action_ids))
+        for e, action_ids in acted:
             action = tokenizer.decode(action_ids)
             kind = generation(e.task, max_new_tokens)
             if len(action_ids) >= kind.max_new_tokens and action_ids[-1] not in stop_ids(tokenizer, kind.stop):
@@ -192,7 +202,7 @@ def _rollout_batch(act: Act, tokenizer, jobs, turns: int, max_new_tokens: int) -
             e.logprobs = None if sampled is None or e.logprobs is None else e.logprobs + sampled
             e.text += action
             e.turns += 1
-            step = e.session.step(turn, action) if e.session is not None else e.task.step(e.context, turn, action)
+            step = e.session.finish() if e.session is not None else e.task.step(e.context, turn, action)
             if step.done or turn + 1 >= e.task.max_turns:
                 e.done, e.success = True, step.done and step.success
                 e.reward = float(step.reward) if step.done and step.reward is not None else float(e.success)
@@ -205,4 +215,11 @@ def _rollout_batch(act: Act, tokenizer, jobs, turns: int, max_new_tokens: int) -
                 e.action_mask += [0] * len(obs_ids)
                 e.logprobs = None if e.logprobs is None else e.logprobs + [0.0] * len(obs_ids)
                 e.text += step.observation
+        _share(time.perf_counter() - waited, [e for e in live if e.session is not None])
     return episodes
+
+
+def _share(seconds: float, episodes: list[Episode]) -> None:
+    """The wall time spent on environments, shared among the episodes it was spent for."""
+    for e in episodes:
+        e.env_seconds += seconds / len(episodes)

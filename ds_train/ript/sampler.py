@@ -14,10 +14,10 @@ from typing import Any
 
 # why an environment's episode ended failed, other than by its own done (ds_train/ript/environments.py)
 REASONS = ("malformed_call", "unknown_tool", "tool_error", "tool_timeout", "env_error", "env_timeout",
-           "env_malformed", "max_turns")
+           "env_malformed", "env_lost", "max_turns")
 COUNTS = ("successes", "rollouts", "accepted", "rejected", "skipped", "checked", "truncated", "turns", "tool_calls",
           *(f"failed_{reason}" for reason in REASONS))
-SUMS = ("reward", "reward_sq")  # the rollouts' rewards and their squares (not whole numbers)
+SUMS = ("reward", "reward_sq", "env_s")  # the rollouts' rewards and their squares, seconds in environments
 
 
 @dataclass

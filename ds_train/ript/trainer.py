@@ -340,7 +340,7 @@ def sample(job: RiptJob, act, tally: Tally, it: int) -> list[list[Episode]]:
             tally.add(task.name, successes=wins, rollouts=k, checked=1, accepted=int(keep), rejected=int(not keep),
                       truncated=sum(e.truncated for e in group), reward=sum(e.reward for e in group),
                       reward_sq=sum(e.reward ** 2 for e in group), turns=sum(e.turns for e in group),
-                      tool_calls=sum(e.tool_calls for e in group),
+                      tool_calls=sum(e.tool_calls for e in group), env_s=sum(e.env_seconds for e in group),
                       **Counter(f"failed_{e.reason}" for e in group if e.reason))
             job.sampler.record(task.name, index, wins, k)
             if keep and len(groups) < quota:
