@@ -18,7 +18,7 @@ printed.
 
     python bench/model_families.py                     # the table on stdout
     python bench/model_families.py --write             # ... and into docs/models.md (between its markers)
-    python bench/model_families.py --families llama    # some families only
+    python bench/model_families.py --families llama    # some families only (with --write: their rows replaced)
 """
 
 from __future__ import annotations
@@ -233,15 +233,25 @@ def main() -> int:
             print(rows[-1], file=sys.stderr, flush=True)
     from importlib.metadata import version
 
-    text = (f"`{' '.join(['python bench/model_families.py', *sys.argv[1:]])}`, {date.today().isoformat()}, "
+    said = (f"`{' '.join(['python bench/model_families.py', *sys.argv[1:]])}`, {date.today().isoformat()}, "
             f"transformers {version('transformers')}, torch {version('torch')}, DeepSpeed {version('deepspeed')}; "
-            f"{time.monotonic() - start:.0f} s on this 2-core CPU.\n\n{table(rows)}")
-    print(text)
+            f"{time.monotonic() - start:.0f} s on this 2-core CPU")
+    print(f"{said}.\n\n{table(rows)}")
     if args.write:
         from models import write_between
 
-        write_between(DOC, BEGIN, END, text)
+        write_between(DOC, BEGIN, END, merged(rows, said) if args.families else f"{said}.\n\n{table(rows)}")
     return 0
+
+
+def merged(rows: list[dict], said: str) -> str:
+    """The table in the docs with these families' rows run again (and said so under it), the others kept."""
+    old = DOC.read_text().split(BEGIN, 1)[1].split(END, 1)[0].strip().splitlines()
+    lines = [x for x in table(rows).splitlines()[2:]]
+    fresh = {x.split("|")[1].strip(): x for x in lines}
+    kept = [fresh.pop(x.split("|")[1].strip(), x) if x.startswith("| `") else x for x in old]
+    kept += list(fresh.values())  # a family the table did not have
+    return "\n".join(kept) + f"\n\nRun again: {', '.join(r['type'] for r in rows)}: {said}."
 
 
 if __name__ == "__main__":

@@ -255,7 +255,8 @@ def test_building_an_engine_leaves_every_global_generator_as_it_was():
 def test_an_engine_built_through_ds_train_leaves_the_generators_and_says_where_its_worker_is():
     """tests/vllm_engine_probe.py: a real engine built in one process (a world of one) leaves Python's, NumPy's and
     torch's generators where they were (drawing after the build gives what drawing without it does), and vLLM's
-    worker reports rank 0, local rank 0, on the CPU; the engine's config names the model's class."""
+    worker reports rank 0, local rank 0, on the CPU; the engine's config names the model's class; the policy runs
+    after the engine is built, an OLMo-2's too (served through vLLM's Transformers backend)."""
     import json
     import subprocess
     import sys
@@ -271,3 +272,11 @@ def test_an_engine_built_through_ds_train_leaves_the_generators_and_says_where_i
     # vLLM picks its model class from `architectures` (without it, a DeepSeek-V3 or GPT-OSS built from a config
     # came up as a pooling model); the model's own config is left as it was
     assert got["architectures"] == ["LlamaForCausalLM"] and got["model's"] is None
+    assert got["runs"] and got["rebuilt"] == "LlamaForCausalLM"
+    # OLMo-2: vLLM 0.32 has no class of its own, and its Transformers backend decorated Hugging Face's; the policy
+    # built before the engine ran no forward after it, and no model of the class could be built
+    res = subprocess.run([sys.executable, str(ROOT / "tests" / "vllm_engine_probe.py"), "olmo2"], cwd=ROOT / "tests",
+                         capture_output=True, text=True, timeout=240)
+    assert res.returncode == 0, res.stderr[-3000:]
+    got = json.loads(res.stdout.strip().splitlines()[-1])
+    assert got["architectures"] == ["Olmo2ForCausalLM"] and got["runs"] and got["rebuilt"] == "Olmo2ForCausalLM"

@@ -236,6 +236,28 @@ def kept_rng():
             torch.cuda.set_rng_state_all(state[3])
 
 
+@contextlib.contextmanager
+def kept_classes(model):
+    """The policy's module classes as they were before the block. vLLM serves a model type it has no class of its
+    own for through its Transformers backend, which decorates the Hugging Face class itself for torch.compile
+    (vllm/model_executor/models/transformers/base.py): its `__init__` then needs vLLM's config and its `__call__`
+    an attribute only that `__init__` sets, so the policy built before (OLMo-2, SmolLM3, ...) and any model of
+    the class built after (a reference, an export's check) fail. Restored, the engine's own instance runs its
+    layers uncompiled (on a CPU they are anyway)."""
+    classes = {type(m) for m in model.modules()}
+    saved = {cls: {name: cls.__dict__.get(name) for name in ("__init__", "__call__")} for cls in classes}
+    try:
+        yield
+    finally:
+        for cls, attrs in saved.items():
+            for name, value in attrs.items():
+                if cls.__dict__.get(name) is not value:
+                    if value is None:
+                        delattr(cls, name)
+                    else:
+                        setattr(cls, name, value)
+
+
 def wake_and_load(llm, load: Callable[[], None], free_cache: Callable[[], None]) -> None:
     """A sleeping engine (level 2) takes new weights as peers (verl, TRL) wake it: the training step's cached
     blocks freed first, the weights' memory back, the weights loaded, then the KV cache's memory back, so the
@@ -282,7 +304,7 @@ class VllmRollouts:
                                                  self.batch, self.max_len, psutil.virtual_memory().total)
             weight_sync.cpu_linear_keeps_its_weight()
             weight_sync.cpu_moe_keeps_its_weights()
-        with kept_rng():
+        with kept_rng(), kept_classes(model):
             self.llm = LLM(model=self._dir, **engine_kwargs(r, dtype, self.layout, self.on_gpu, self.max_len,
                                                             self.batch, kv_bytes, seed))
         say(check_engine_device(self.llm.collective_rpc(_where)[0], self.layout.rank,
