@@ -367,3 +367,20 @@ def test_the_code_tool_runs_a_models_program_on_a_worker_process(tokenizer, tmp_
     task.room.close()
     assert (e.success, e.tool_calls, e.reason) == (True, 1, "")
     assert "<tool_response>\n408\n\n</tool_response>" in tokenizer.decode(e.ids)
+
+
+def test_tool_calls_are_parsed_as_each_template_writes_them():
+    from ds_train.ript.chat_turns import ToolCall, parse_turn
+
+    two = ('Let me see.\n<tool_call>\n{"name": "a", "arguments": {"x": 1}}\n</tool_call>\n'
+           '<tool_call>\n{"name": "b", "arguments": "{\\"y\\": 2}"}\n</tool_call>')
+    got = parse_turn(two, "hermes")
+    assert (got.content, got.calls, got.malformed) == ("Let me see.", (ToolCall("a", {"x": 1}), ToolCall("b", {"y": 2})), "")
+    assert got.message["tool_calls"][1] == {"type": "function", "function": {"name": "b", "arguments": {"y": 2}}}
+    assert parse_turn('{"name": "a", "arguments": {"x": 1}}', "json").calls == (ToolCall("a", {"x": 1}),)
+    assert parse_turn("The answer is {42}.", "json").calls == () and parse_turn(two, None).calls == ()
+    for text, why in (('<tool_call>{"arguments": {}}</tool_call>', 'a call is not an object with a "name"'),
+                      ('<tool_call>{"name": "a", "arguments": [1]}</tool_call>', "the arguments of 'a' are not an object"),
+                      ('<tool_call>{"name": "a", "arguments": "{x"}</tool_call>', "the arguments of 'a' are not JSON"),
+                      ('{"name": "a", "parameters": {"x": }', "the turn starts a JSON call that does not parse")):
+        assert parse_turn(text, "json" if text.startswith("{") else "hermes").malformed == why, text

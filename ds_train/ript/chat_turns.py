@@ -74,6 +74,14 @@ def _call(obj: Any, keys: tuple[str, ...]) -> ToolCall | str:
     return ToolCall(obj["name"], args)
 
 
+def _decoded(raw: str, keys: tuple[str, ...], not_json: str) -> ToolCall | str:
+    """A call's JSON text as a ToolCall (its arguments under the first of `keys`), or what is wrong with it."""
+    try:
+        return _call(json.loads(raw), keys)
+    except json.JSONDecodeError:
+        return not_json
+
+
 def parse_turn(text: str, style: str | None) -> Parsed:
     """An assistant turn's text (stop strings and special tokens removed) as content and tool calls."""
     calls: list[ToolCall] = []
@@ -84,20 +92,14 @@ def parse_turn(text: str, style: str | None) -> Parsed:
         if opened != len(found):
             return Parsed(content, (), "a <tool_call> is not closed by </tool_call>")
         for raw in found:
-            try:
-                got = _call(json.loads(raw), ("arguments", "parameters"))
-            except json.JSONDecodeError:
-                return Parsed(content, (), "a <tool_call> does not hold JSON")
+            got = _decoded(raw, ("arguments", "parameters"), "a <tool_call> does not hold JSON")
             if isinstance(got, str):
                 return Parsed(content, (), got)
             calls.append(got)
     elif style == "json":
         content = text.strip()
         if content.startswith("{"):
-            try:
-                got = _call(json.loads(content), ("parameters", "arguments"))
-            except json.JSONDecodeError:
-                return Parsed(content, (), "the turn starts a JSON call that does not parse")
+            got = _decoded(content, ("parameters", "arguments"), "the turn starts a JSON call that does not parse")
             if isinstance(got, str):
                 return Parsed(content, (), got)
             calls, content = [got], ""
