@@ -50,7 +50,7 @@ def predict(iterations: int, quota: int, cap: int) -> list[dict]:
                 w = wins(task.name, context)
                 keep = 0 < w < K
                 tally.add(task.name, successes=w, rollouts=K, checked=1, accepted=int(keep), rejected=int(not keep),
-                          reward=w, reward_sq=w)  # binary rewards: their squares are themselves
+                          reward=w, reward_sq=w, turns=K)  # binary rewards: their squares are themselves; 1 turn each
                 accepted, checked = accepted + keep, checked + 1
             per_rank.append(tally.as_dict())
         out.append(per_rank)
