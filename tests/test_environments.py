@@ -163,7 +163,7 @@ def test_an_environment_that_fails_ends_its_episode_with_reward_0_and_its_reason
     start = time.monotonic()
     (e,), _ = play(task, tokenizer, turns)
     assert (e.done, e.success, e.reward, e.reason) == (True, False, 0.0, reason)
-    assert time.monotonic() - start < 15  # a hung step is left (threads) or killed (workers) at its timeout
+    assert time.monotonic() - start < 120  # a step hung for an hour is left (threads) or killed (workers) at its timeout
     if workers:
         hung = [w for w in task.room.workers if w is not None]
         assert (reason == "env_timeout") == (not hung), hung  # the hung step's worker was killed

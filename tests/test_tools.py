@@ -22,7 +22,7 @@ def test_a_program_runs_within_its_limits(code, said):
 
     start = time.monotonic()
     assert run_limited(code, 2, 256) == said
-    assert time.monotonic() - start < 6
+    assert time.monotonic() - start < 30  # stopped at its 2 s limit, not after the program's 60 s
 
 
 def test_the_sleep_a_stopped_program_started_is_stopped_with_it():

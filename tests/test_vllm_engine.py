@@ -17,8 +17,9 @@ from conftest import TINY_MODEL
 from ds_train.config.file import build_config
 from ds_train.errors import UserError
 from ds_train.ript import vllm_engine
+from ds_train.ript.engine_guards import kept_rng
 from ds_train.ript.vllm_engine import (CPU_HEAD_SIZES, CPU_MLA_HEAD_SIZES, Layout, check_engine_device,
-                                       check_rollout_engine, check_vllm, cpu_kv_plan, engine_kwargs, kept_rng,
+                                       check_rollout_engine, check_vllm, cpu_kv_plan, engine_kwargs,
                                        kv_bytes_per_token, wake_and_load,
                                        request_seed)
 from ds_train.ript.weight_sync import policy_weights

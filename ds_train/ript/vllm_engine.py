@@ -24,11 +24,9 @@ weights freed) while the policy trains, and wakes as peers wake it (`wake_and_lo
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import importlib.metadata
 import os
-import random
 import shutil
 import tempfile
 import zlib
@@ -40,6 +38,7 @@ from ds_train.errors import UserError
 from ds_train.model.lora import base_model
 from ds_train.plan.experts import num_experts
 from ds_train.ript import weight_sync
+from ds_train.ript.engine_guards import kept_classes, kept_rng
 from ds_train.ript.rollout import Episode, Generation, Sampled, generation, stop_ids
 
 VLLM_PROVEN = ("0.32.0", "0.33")  # the vLLM versions this module was proven on (pyproject's vllm extra)
@@ -214,48 +213,6 @@ def check_engine_device(where: dict, rank: int, local_rank: int, current_device:
 def _where(worker) -> dict:
     """In vLLM's worker: the rank, local rank and device it runs with."""
     return {"rank": int(worker.rank), "local_rank": int(worker.local_rank), "device": str(worker.device)}
-
-
-@contextlib.contextmanager
-def kept_rng():
-    """Python's, NumPy's and torch's global generators (every CUDA device's too) as they were before the
-    block: building a vLLM engine seeds them all to one value on every rank, over ds_train's per-rank
-    seeds and a resumed run's restored state."""
-    import numpy as np
-    import torch
-
-    state = (random.getstate(), np.random.get_state(), torch.get_rng_state(),
-             torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None)
-    try:
-        yield
-    finally:
-        random.setstate(state[0])
-        np.random.set_state(state[1])
-        torch.set_rng_state(state[2])
-        if state[3] is not None:
-            torch.cuda.set_rng_state_all(state[3])
-
-
-@contextlib.contextmanager
-def kept_classes(model):
-    """The policy's module classes as they were before the block. vLLM serves a model type it has no class of its
-    own for through its Transformers backend, which decorates the Hugging Face class itself for torch.compile
-    (vllm/model_executor/models/transformers/base.py): its `__init__` then needs vLLM's config and its `__call__`
-    an attribute only that `__init__` sets, so the policy built before (OLMo-2, SmolLM3, ...) and any model of
-    the class built after (a reference, an export's check) fail. Restored, the engine's own instance runs its
-    layers uncompiled (on a CPU they are anyway)."""
-    classes = {type(m) for m in model.modules()}
-    saved = {cls: {name: cls.__dict__.get(name) for name in ("__init__", "__call__")} for cls in classes}
-    try:
-        yield
-    finally:
-        for cls, attrs in saved.items():
-            for name, value in attrs.items():
-                if cls.__dict__.get(name) is not value:
-                    if value is None:
-                        delattr(cls, name)
-                    else:
-                        setattr(cls, name, value)
 
 
 def wake_and_load(llm, load: Callable[[], None], free_cache: Callable[[], None]) -> None:
