@@ -1,5 +1,9 @@
 """Built-in tools for environment tasks (`tools: [ds_train.ript.tools:run_python]` in a ript.tasks entry).
 
+`calculator` evaluates arithmetic (numbers, + - * / // % **, parentheses) by walking its syntax tree: no
+`eval`, nothing but arithmetic reachable, powers bounded. A wrong expression is an answer the model reads
+(`error: ...`), as a calculator shows it, not a fault of the episode.
+
 `run_python` runs the model's code in a fresh interpreter (`python -I`: no user site, no PYTHONPATH, the
 trainer's environment variables dropped), in a temporary directory, with its own process group, no stdin,
 and limits on its CPU time, wall time and memory (RLIMIT_CPU, a timeout, RLIMIT_AS). What it printed, or what
@@ -10,6 +14,9 @@ policies in a container.
 
 from __future__ import annotations
 
+import ast
+import math
+import operator
 import os
 import subprocess
 import sys
@@ -59,3 +66,45 @@ def run_python(code: str) -> str:
         code: the program; print what you want to see
     """
     return run_limited(code)
+
+
+_OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
+        ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Pow: operator.pow}
+_SIGNS = {ast.UAdd: operator.pos, ast.USub: operator.neg}
+RESULT_DIGITS = 1000  # the longest result a power may give
+
+
+def calculator(expression: str) -> str:
+    """Evaluates an arithmetic expression and returns its value.
+
+    Args:
+        expression: numbers, + - * / // % ** and parentheses, e.g. "347 * 86"
+    """
+    try:
+        value = _value(ast.parse(expression.strip(), mode="eval").body)
+    except SyntaxError:
+        return f"error: {expression!r} is not an arithmetic expression"
+    except ZeroDivisionError:
+        return "error: division by zero"
+    except OverflowError:
+        return "error: the result is too large"
+    except ValueError as e:
+        return f"error: {e}"
+    if isinstance(value, complex):
+        return "error: the result is not a real number"
+    if isinstance(value, float) and value.is_integer() and abs(value) < 1e15:
+        value = int(value)
+    return str(value) if isinstance(value, int) else f"{value:.12g}"
+
+
+def _value(node: ast.AST) -> int | float:
+    if isinstance(node, ast.Constant) and type(node.value) in (int, float):
+        return node.value
+    if isinstance(node, ast.UnaryOp) and type(node.op) in _SIGNS:
+        return _SIGNS[type(node.op)](_value(node.operand))
+    if isinstance(node, ast.BinOp) and type(node.op) in _OPS:
+        left, right = _value(node.left), _value(node.right)
+        if isinstance(node.op, ast.Pow) and abs(right) * math.log10(max(2, abs(left))) > RESULT_DIGITS:
+            raise ValueError(f"the result has more than {RESULT_DIGITS} digits")
+        return _OPS[type(node.op)](left, right)
+    raise ValueError(f"{ast.unparse(node)!r} is not arithmetic (numbers, + - * / // % ** and parentheses)")
