@@ -80,3 +80,33 @@ def test_a_template_that_rewrites_earlier_turns_is_refused(tok):
     odd = "{% for m in messages %}{{ m['content'] }}{% if loop.last %}!{% endif %}{% endfor %}"
     with pytest.raises(UserError, match="renders the conversation up to message 2 as other text"):
         Renderer(tok, odd).encode({"messages": CONVERSATION}, "f.jsonl:1")
+
+
+def test_a_tool_calling_conversation_renders_its_tools_and_trains_on_the_calls_and_the_answer(tmp_path):
+    """A record with `tools` (JSON schemas) and an assistant turn with `tool_calls`, through the vendored
+    Qwen2.5 template: the schemas are in the system turn, the call and the answer are targets, the tool's
+    result is not; the template's markers are one special token each (template_markers)."""
+    from pathlib import Path
+
+    from ds_train.data.tokenizer import template_markers
+    from ds_train.ript.environments import tool_schema
+    from ds_train.ript.tools import calculator
+
+    template = (Path(__file__).resolve().parents[1] / "recipes" / "templates" / "qwen2_5.jinja").read_text()
+    assert template_markers(template) == ["<|im_start|>", "<|im_end|>"]
+    call = {"name": "calculator", "arguments": {"expression": "347 * 86"}}
+    record = {"tools": [tool_schema(calculator, "tools[0]")],
+              "messages": [{"role": "user", "content": "What is 347 times 86?"},
+                           {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": call}]},
+                           {"role": "tool", "content": "29842"},
+                           {"role": "assistant", "content": "29842"}]}
+    tok = train_tokenizer([template] * 3, 400, tmp_path, template)
+    tokens, mask = Renderer(tok).encode(record, "f.jsonl:2")
+    text = tok.decode(tokens.tolist())
+    assert '"name": "calculator"' in text.split("<|im_end|>")[0]  # the schema, in the system turn
+    targets = tok.decode([t for t, m in zip(tokens.tolist(), mask.tolist()) if m])
+    assert targets == ('<tool_call>\n{"name": "calculator", "arguments": {"expression": "347 * 86"}}\n</tool_call>'
+                       '<|im_end|>\n29842<|im_end|>\n'), targets
+    assert tokens.tolist().count(tok.convert_tokens_to_ids("<|im_end|>")) == 5  # system, user, call, tool, answer
+    with pytest.raises(UserError, match=r"^f.jsonl:2: 'tools' is 'calculator', not a list of JSON schemas"):
+        Renderer(tok).encode({**record, "tools": "calculator"}, "f.jsonl:2")

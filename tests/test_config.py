@@ -323,6 +323,23 @@ def test_ript_recipes_load_and_agree_with_two_ranks(tmp_path):
         load_config(None, [f"model.path={tmp_path}", "ript.early_stop_fraction=0"])
 
 
+def test_a_chat_template_given_as_a_jinja_file_is_read_into_the_config(tmp_path, monkeypatch):
+    """data.chat_template: the path of a .jinja file (from the recipe or an override) becomes the template's text,
+    so the run's saved config holds the template it rendered with; a missing file is one line naming it."""
+    qwen = QUICKSTART.parent / "templates" / "qwen2_5.jinja"
+    cfg = load_config(QUICKSTART.parent / "tool_sft.yaml")
+    assert cfg.data.chat_template == qwen.read_text() and cfg.data.format == "sft"
+    (tmp_path / "t.jinja").write_text("{{ messages[0]['content'] }}")
+    monkeypatch.chdir(tmp_path)  # a path from the directory the run starts in, as data.sources are
+    model = "model.config.model_type=llama"
+    assert load_config(None, [model, "data.chat_template=t.jinja"]).data.chat_template == "{{ messages[0]['content'] }}"
+    literal = "{% for m in messages %}{{ m['content'] }}.jinja{% endfor %}"  # a template's text stays text
+    assert load_config(None, [model, f"data.chat_template={literal}"]).data.chat_template == literal
+    with pytest.raises(UserError, match=r"^nope\.jinja: chat template not found \(override data.chat_template names "
+                                        r"it as data.chat_template: give a path from the directory you run in"):
+        load_config(None, [model, "data.chat_template=nope.jinja"])
+
+
 def test_the_long_context_recipe_passes_every_check_for_its_two_ranks():
     """recipes/long_context.yaml as bench/long_context.py launches it: 2 ranks, one sequence a step
     split over both, each rank 4,096 positions (what Ulysses and the batch plan check)."""

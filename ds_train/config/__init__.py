@@ -34,7 +34,8 @@ class DataConfig(Section):
                 "rendered with the chat template, loss on the assistant's tokens only. preference: 'prompt', "
                 "'chosen' and 'rejected' (strings or messages; without 'prompt', two conversations that share their "
                 "start), trained with the dpo section's loss; a sample is a pair (two sequences).")
-    chat_template: str = _f("", "sft: a Jinja chat template to render with. Empty: the tokenizer's.")
+    chat_template: str = _f("", "sft: a Jinja chat template to render with, or the path of a .jinja file (its text "
+                                 "is read into the config). Empty: the tokenizer's.")
     pack: Literal["auto", True, False] = _f(
         "auto", "sft: pack several examples per sequence (no attention across them; positions restart per "
         "example): auto (where the model's attention supports it, else one padded example per sequence), true, "

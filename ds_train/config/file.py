@@ -255,7 +255,20 @@ def load_config(path: str | Path | None, overrides: list[str] = (), command: str
         given[key] = (item.partition("=")[2], value)
     if unknown:
         raise UserError("; ".join(unknown))
+    _read_template(raw, "override data.chat_template" if "data.chat_template" in given else str(path))
     return build_config(raw, source=str(path) if path else "overrides", overrides=given, command=command)
+
+
+def _read_template(raw: dict, where: str) -> None:
+    """data.chat_template given as a path to a .jinja file: the template's text in its place (so the run's
+    saved config holds the template it rendered with)."""
+    data = raw.get("data")
+    value = data.get("chat_template") if isinstance(data, dict) else None
+    if not (isinstance(value, str) and value.endswith(".jinja") and "\n" not in value and "{" not in value):
+        return
+    data["chat_template"] = read_text(Path(value), "chat template", f"{where}: data.chat_template",
+                                      hint=f"{where} names it as data.chat_template: give a path from the "
+                                           f"directory you run in, or the template's text")
 
 
 def _blame(err: str, overrides: dict[str, tuple[str, Any]]) -> str | None:

@@ -5,7 +5,9 @@ the prompt with targets on the completion's assistant tokens alone.
 
 An sft record is a conversation, `{"messages": [{"role": ..., "content": ...}, ...]}`, or a pair,
 `{"prompt": ..., "completion": ...}` (strings: a user turn and an assistant turn; or lists of
-messages). The template renders the whole conversation once; the assistant's spans are found by
+messages). A conversation that calls tools may carry `tools`, the JSON schemas its template shows the model
+(`tools=`, as the chat templates and ds-train ript's tool tasks take them; assistant turns with
+`tool_calls` and `tool` turns are the template's to render). The template renders the whole conversation once; the assistant's spans are found by
 rendering its prefixes (the text before each assistant turn with the generation prompt, and the
 text through that turn), as Hugging Face's `{% generation %}` marking would mark them: the
 assistant's reply and the end-of-turn text the template writes after it (so the model learns to
@@ -44,6 +46,17 @@ def conversation(record: dict, where: str) -> list[dict]:
         raise UserError(f"{where}: no assistant turn (roles: {', '.join(m['role'] for m in messages)}); "
                         f"there is nothing to train on: add the reply or remove the record")
     return messages
+
+
+def record_tools(record: dict, where: str) -> list[dict] | None:
+    """The record's `tools` (a list of JSON schemas, each an object), or None; one line naming it otherwise."""
+    tools = record.get("tools")
+    if tools is None:
+        return None
+    if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
+        raise UserError(f"{where}: 'tools' is {_short(tools)}, not a list of JSON schemas (objects such as "
+                        f'{{"type": "function", "function": {{"name": ..., "parameters": ...}}}}); fix the record')
+    return tools
 
 
 def check_messages(messages, field: str, where: str) -> None:
@@ -140,16 +153,17 @@ class Renderer:
         """The conversation so far and the header of the assistant's turn: what a reply continues."""
         return self._render(messages, True, where)
 
-    def segments(self, messages: list[dict], where: str, first: int = 0) -> list[tuple[str, bool]]:
-        """The rendered conversation as (text, is_target) pieces, in order: the assistant's turns
-        from message `first` on are targets."""
-        full = self._render(messages, False, where)
+    def segments(self, messages: list[dict], where: str, first: int = 0,
+                 tools: list[dict] | None = None) -> list[tuple[str, bool]]:
+        """The rendered conversation (with `tools` given to the template) as (text, is_target) pieces, in
+        order: the assistant's turns from message `first` on are targets."""
+        full = self._render(messages, False, where, tools)
         out, pos = [], 0
         for i, m in enumerate(messages):
             if m["role"] != "assistant" or i < first:
                 continue
-            before = self._render(messages[:i], True, where) if i else ""
-            through = self._render(messages[:i + 1], False, where)
+            before = self._render(messages[:i], True, where, tools) if i else ""
+            through = self._render(messages[:i + 1], False, where, tools)
             if not (full.startswith(through) and through.startswith(before) and len(before) >= pos):
                 raise UserError(f"{where}: the chat template renders the conversation up to message {i} as "
                                 f"other text than the start of the whole, so the assistant's tokens cannot "
@@ -161,7 +175,7 @@ class Renderer:
 
     def encode(self, record: dict, where: str) -> tuple[np.ndarray, np.ndarray]:
         """Token ids and the target mask (1 on the assistant's tokens) of one record."""
-        return self._tokens(self.segments(conversation(record, where), where))
+        return self._tokens(self.segments(conversation(record, where), where, tools=record_tools(record, where)))
 
     def encode_completion(self, prompt: list[dict], completion: list[dict], where: str) -> tuple[np.ndarray,
                                                                                                   np.ndarray]:

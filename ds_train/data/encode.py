@@ -14,7 +14,7 @@ from typing import Iterator
 
 import numpy as np
 
-from ds_train.data.chat import Renderer, conversation, preference
+from ds_train.data.chat import Renderer, conversation, preference, record_tools
 from ds_train.data.meta import SFT_FILES, token_dtype
 from ds_train.data.sources import Chunk, chunks, format_fields, records
 from ds_train.data.tokenizer import EOS, load_tokenizer
@@ -218,7 +218,8 @@ def bpe_sample(sources: list[str], fields: tuple[str, ...], fmt: str, chat_templ
                     prompt, chosen, rejected = preference(record, where)
                     record = "".join(renderer.render(prompt + side, where) for side in (chosen, rejected))
                 else:
-                    record = "".join(t for t, _ in renderer.segments(conversation(record, where), where))
+                    record = "".join(t for t, _ in renderer.segments(conversation(record, where), where,
+                                                                     tools=record_tools(record, where)))
             texts.append(record)
             taken[chunk.source] += len(record)
             if taken[chunk.source] >= budget:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from pathlib import Path
 
 from ds_train.data.fingerprint import TOKENIZER_FILES
@@ -12,14 +13,22 @@ from ds_train.data.meta import META
 from ds_train.errors import UserError
 
 EOS = "<|endoftext|>"
+MARKER = re.compile(r"<\|[A-Za-z0-9_.:-]{1,40}\|>")  # a chat template's role and turn markers: <|im_start|>, <|eot_id|>
+
+
+def template_markers(chat_template: str) -> list[str]:
+    """The `<|...|>` markers a chat template writes, in order of first use: each becomes one special token of
+    the BPE, as in the tokenizers the templates come from (so a turn ends with one token, which stops a
+    completion, and no marker is split or merged with text)."""
+    return [m for m in dict.fromkeys(MARKER.findall(chat_template)) if m != EOS]
 
 
 # --- prepare -------------------------------------------------------------------------------------
 
 def train_tokenizer(texts: list[str], vocab_size: int, out_dir: Path, chat_template: str = "",
                     split_digits: bool = False):
-    """A byte-level BPE (GPT-2 style) trained locally: no hub needed. Saved as a HF tokenizer dir.
-    split_digits: every digit is its own token (as in Llama's and DeepSeek's tokenizers), so a number
+    """A byte-level BPE (GPT-2 style) trained locally: no hub needed. Saved as a HF tokenizer dir. The chat
+    template's markers are special tokens (template_markers). split_digits: every digit is its own token (as in Llama's and DeepSeek's tokenizers), so a number
     reads the same digit by digit wherever it stands."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
@@ -29,10 +38,12 @@ def train_tokenizer(texts: list[str], vocab_size: int, out_dir: Path, chat_templ
     tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level]) \
         if split_digits else byte_level
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOS], show_progress=False,
+    markers = template_markers(chat_template)
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOS, *markers], show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(texts, trainer=trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS, bos_token=EOS, pad_token=EOS)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS, bos_token=EOS, pad_token=EOS,
+                                   **({"additional_special_tokens": markers} if markers else {}))
     if chat_template:
         fast.chat_template = chat_template  # saved with it: a model exported from the run renders chats alike
     fast.save_pretrained(str(out_dir))
