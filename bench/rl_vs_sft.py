@@ -1,11 +1,17 @@
 """A post-training demo of docs/post_training.md, run as written, against continued SFT for the same wall
 time; rewrites docs/post_training.md's and BENCHMARKS.md's figures of that demo from what it measured.
 
-    python bench/rl_vs_sft.py [--demo ript|arith] [--replace] [--no-write] [--reduced]
+    python bench/rl_vs_sft.py [--demo ript|arith|tools] [--replace] [--no-write] [--reduced]
 
 ript: RIPT on the seven built-in tasks (recipes/ript_sft.yaml, then recipes/ript_demo.yaml).
 arith: RL from a dataset of arithmetic word problems with a numeric verifier (recipes/rl_sft.yaml,
 then recipes/rl_demo.yaml).
+tools: RL with a calculator tool on products a tiny model cannot work out in its head (recipes/tool_sft.yaml,
+then recipes/tool_demo.yaml), two seeds, beside RL without the tool (recipes/tool_demo_no_tool.yaml) and
+continued SFT, each for two seeds (the RL command as written is the first; the second overrides `seed` and
+`output_dir`). SFT continued from the same checkpoint is deterministic: its two rows differ only by the wall
+time they match, each seed's RL-with-the-tool time. The SFT start is evaluated both ways (with the tool and
+without), each RL run in its own setting.
 
 1. SFT, the documented command: `deepspeed --num_gpus 2 --module ds_train train --config <sft recipe>
    --ds-config ds_configs/zero2.json`.
@@ -28,7 +34,6 @@ to end in a minute or two on a CPU (tests/test_doc_commands.py), measuring nothi
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import json
 import math
@@ -66,6 +71,8 @@ class Demo:
     name: str  # what the RL row is called
     marker: str  # the FIGURES / BENCHMARKS.md blocks it rewrites
     what: str  # the held-out set, in words
+    no_tool_recipe: str = ""  # tools: RL without the tool, the third arm
+    seeds: tuple[int, ...] = ()  # tools: the seeds of each arm (the first is the recipe's)
 
     def cmd(self, command: str, recipe: str) -> str:
         return f"deepspeed --num_gpus 2 --module ds_train {command} --config {recipe} --ds-config ds_configs/zero2.json"
@@ -77,6 +84,10 @@ class Demo:
     @property
     def rl_cmd(self) -> str:
         return self.cmd("ript", self.rl_recipe)
+
+    @property
+    def no_tool_cmd(self) -> str:
+        return self.cmd("ript", self.no_tool_recipe)
 
     def config(self, recipe: str, overrides: tuple[str, ...] = ()):
         from ds_train.config.file import load_config
@@ -106,7 +117,10 @@ class Demo:
 DEMOS = {"ript": Demo("recipes/ript_sft.yaml", "recipes/ript_demo.yaml", "RIPT", "ript-bench",
                       "all seven tasks"),
          "arith": Demo("recipes/rl_sft.yaml", "recipes/rl_demo.yaml", "RL", "rl-bench",
-                       "arithmetic word problems held out by a hash of the prompt")}
+                       "arithmetic word problems held out by a hash of the prompt"),
+         "tools": Demo("recipes/tool_sft.yaml", "recipes/tool_demo.yaml", "RL with the tool", "tool-bench",
+                       "3-digit by 2-digit products held out by a hash of the prompt",
+                       no_tool_recipe="recipes/tool_demo_no_tool.yaml", seeds=(1234, 1235))}
 
 
 def run(command: str, *overrides: str, log: Path) -> tuple[float, str]:
@@ -134,32 +148,103 @@ def heldout_success(model_dir: Path, cfg) -> dict:
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     tok = AutoTokenizer.from_pretrained(model_dir)
     act = model_policy(model, tok, cfg.ript.max_new_tokens, temperature=0.0)
-    wins = total = 0
+    wins = total = calls = 0
     per_task = {}
     for task in load_tasks(cfg, tok, model.config).values():
         eps = rollout(act, tok, [(task, c, 0) for c in task.contexts("heldout", cfg.ript.eval_contexts, cfg.seed)],
                       cfg.ript.rollout_contexts * cfg.ript.rloo_batch_size, max_new_tokens=cfg.ript.max_new_tokens)
         per_task[task.name] = sum(e.success for e in eps) / len(eps)
         wins, total = wins + sum(e.success for e in eps), total + len(eps)
-    return {"success_rate": wins / total, "per_task": per_task}
+        calls += sum(e.tool_calls > 0 for e in eps)
+    return {"success_rate": wins / total, "per_task": per_task, "called_tool": calls / total}
 
 
-def continued_sft(demo: Demo, out: Path, rl_s: float, reduced: bool) -> tuple[float, int]:
-    """SFT resumed from the demo's SFT run for at least rl_s seconds (2 steps when reduced); returns
-    (seconds, extra steps)."""
+def continued_sft(demo: Demo, out: Path, rl_s: float, reduced: bool, name: str = "sft_continued") -> tuple[float, int]:
+    """SFT resumed from the demo's SFT run into out/name for at least rl_s seconds (2 steps when reduced);
+    returns (seconds, extra steps)."""
     sft_extra = REDUCED_SFT if reduced else ()
     final = demo.config(demo.sft_recipe, sft_extra).train.max_steps
     steps = [m["perf/step_time_s"] for m in map(json.loads, (demo.sft_dir / "metrics.jsonl").read_text().splitlines())
              if m.get("perf/step_time_s")]
     extra = 2 if reduced else math.ceil(rl_s / statistics.median(steps))  # launcher start-up counted as training
-    more = out / "sft_continued"
+    more = out / name
     common = (*sft_extra, f"output_dir={more}", "log.progress=false")
     more_s, _ = run(demo.sft_cmd, *common, f"checkpoint.resume={demo.sft_dir / 'checkpoints'}",
-                    f"train.max_steps={final + extra}", log=out / "sft_continued.log")
+                    f"train.max_steps={final + extra}", log=out / f"{name}.log")
     while more_s < rl_s and not reduced:  # at least as long as RL: top up at the rate it just ran (from its checkpoint)
         extra += math.ceil((rl_s - more_s) * extra / more_s) + 1
-        more_s += run(demo.sft_cmd, *common, f"train.max_steps={final + extra}", log=out / "sft_continued.log")[0]
+        more_s += run(demo.sft_cmd, *common, f"train.max_steps={final + extra}", log=out / f"{name}.log")[0]
     return more_s, extra
+
+
+def tool_arms(demo: Demo, out: Path, reduced: bool) -> dict:
+    """The tools demo after its SFT: per seed, RL with the tool, RL without it and continued SFT for the time
+    RL with the tool took; every run and the SFT start evaluated (the start both ways). Returns the rows."""
+    from ds_train.checkpoint.export import export
+
+    rl_extra = REDUCED_RL if reduced else ()
+    with_tool, without = demo.config(demo.rl_recipe, rl_extra), demo.config(demo.no_tool_recipe, rl_extra)
+
+    def measured(name: str, run_dir: Path, seconds: float, cfg, **more) -> None:
+        hf = out / f"hf_{run_dir.name}"
+        if not hf.exists():  # the SFT start is evaluated twice
+            export(run_dir, hf)
+        rows[name] = {"seconds": round(seconds, 1), **heldout_success(hf, cfg), **more}
+
+    rows: dict = {}
+    measured("SFT (start)", demo.sft_dir, 0.0, with_tool)
+    measured("SFT (start), no tool", demo.sft_dir, 0.0, without)
+    for i, seed in enumerate(demo.seeds):
+        for arm, cmd, cfg, recipe in (("RL with the tool", demo.rl_cmd, with_tool, demo.rl_recipe),
+                                      ("RL without the tool", demo.no_tool_cmd, without, demo.no_tool_recipe)):
+            run_dir = ROOT / demo.written(recipe)["output_dir"] if i == 0 else out / f"{Path(recipe).stem}_{seed}"
+            own = () if i == 0 else (f"seed={seed}", f"output_dir={run_dir}")  # the first: the command as written
+            seconds, said = run(cmd, *rl_extra, *own, log=out / f"{run_dir.name}.log")
+            printed = REPORTED.findall(said)
+            if not printed:
+                raise cli.fail(f"`{cmd}` printed no \"held-out success A (iteration 0) -> B (iteration N)\" line; "
+                               f"see {out / f'{run_dir.name}.log'}")
+            measured(f"{arm}, seed {seed}", run_dir, seconds, cfg, printed=list(printed[-1]))
+            if f"{rows[f'{arm}, seed {seed}']['success_rate']:.3f}" != printed[-1][1]:
+                raise cli.fail(f"{arm}, seed {seed}: the held-out success recomputed here, "
+                               f"{rows[f'{arm}, seed {seed}']['success_rate']:.3f}, is not the {printed[-1][1]} the "
+                               f"command printed ({out / f'{run_dir.name}.log'})")
+        rl_s = rows[f"RL with the tool, seed {seed}"]["seconds"]
+        more_s, extra = continued_sft(demo, out, rl_s, reduced, name=f"sft_continued_{seed}")
+        measured(f"SFT continued, seed {seed}", out / f"sft_continued_{seed}", more_s, with_tool, steps=extra)
+    return rows
+
+
+def tool_tables(demo: Demo, s: dict) -> tuple[str, str]:
+    """(the FIGURES paragraph, BENCHMARKS.md's section body) of the tools demo, from the summary."""
+    rows = s["rows"]
+
+    def mean(arm: str) -> float:
+        return statistics.mean(rows[f"{arm}, seed {seed}"]["success_rate"] for seed in demo.seeds)
+
+    start, tool, no_tool, more = (rows["SFT (start)"]["success_rate"], mean("RL with the tool"),
+                                  mean("RL without the tool"), mean("SFT continued"))
+    lines = ["| policy | wall s | held-out success | called the tool |", "|---|---|---|---|"] + [
+        f"| {name} | {row['seconds']:.0f} | {row['success_rate']:.3f} | {row['called_tool']:.3f} |"
+        for name, row in rows.items()]
+    bench = "python bench/rl_vs_sft.py --demo tools" + (" --reduced" if s.get("reduced") else "")
+    said = (f"Mean of seeds {' and '.join(map(str, demo.seeds))}: RL with the tool {tool:.3f}, "
+            f"**{100 * (tool - start):+.1f} points** over the SFT start ({start:.3f}); SFT continued for the same "
+            f"wall time {more:.3f} ({100 * (tool - more):+.1f} points for RL with the tool); RL without the tool "
+            f"{no_tool:.3f} (the start without the tool: {rows['SFT (start), no tool']['success_rate']:.3f}).")
+    doc = (f"Measured on this 2-core CPU ({s['date']}, 2 processes, ZeRO-2, fp32; `{bench}` runs the commands "
+           f"above, two seeds each, and writes these figures; greedy, every held-out problem, {demo.what}; "
+           f"\"called the tool\": the share of episodes with a call). {said}\n\n" + "\n".join(lines) + "\n")
+    section = (f"- Date: {s['date']}. Machine: {s['machine']}; {s['versions']}.\n"
+               f"- Commands (the docs', as written, for seed {demo.seeds[0]}; `seed` and `output_dir` overridden "
+               f"for the others): `{demo.sft_cmd}` ({s['sft_s']:.0f} s), `{demo.rl_cmd}`, `{demo.no_tool_cmd}`; "
+               f"continued SFT: the first resumed from {demo.sft_dir.name} for each seed's RL-with-the-tool time. "
+               f"All by `{bench}`, which wrote this section.\n"
+               f"- Held-out success: greedy, every held-out problem ({demo.what}), the evaluation "
+               f"`ds_train ript` logs (recomputed in-process from each exported model; each RL row equals what "
+               f"its command printed); with the tool for the SFT start, RL with the tool and SFT continued, "
+               f"without it for the rows that say so.\n\n" + "\n".join(lines) + f"\n\n{said}\n")
+    return doc, section
 
 
 def machine() -> str:
@@ -229,16 +314,25 @@ def main() -> None:
     args = ap.parse_args()
     demo = DEMOS[args.demo]
     out = ROOT / "runs" / f"bench_{args.demo}"
-    held = [str(p.relative_to(ROOT)) for p in (demo.sft_dir, demo.rl_dir, out) if p.exists()]
+    dirs = [demo.sft_dir, demo.rl_dir, out] + ([ROOT / demo.written(demo.no_tool_recipe)["output_dir"]]
+                                               if demo.no_tool_recipe else [])
+    held = [str(p.relative_to(ROOT)) for p in dirs if p.exists()]
     if held and not args.replace:
         raise cli.fail(f"{', '.join(held)} exist: the documented commands would resume them; give --replace to "
                        f"remove them first")
-    for p in (demo.sft_dir, demo.rl_dir, out, demo.data_dir):
+    for p in (*dirs, demo.data_dir):
         shutil.rmtree(p, ignore_errors=True)
     out.mkdir(parents=True)
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(sys.prefix) / "torch_extensions"))
     sft_extra, rl_extra = (REDUCED_SFT, REDUCED_RL) if args.reduced else ((), ())
     sft_s, _ = run(demo.sft_cmd, *sft_extra, log=out / "sft.log")
+    if demo.seeds:
+        rows = tool_arms(demo, out, args.reduced)
+        summary = {"demo": args.demo, "reduced": args.reduced, "date": datetime.date.today().isoformat(),
+                   "machine": machine(), "versions": versions(), "sft_s": round(sft_s, 1),
+                   "eval_contexts": demo.config(demo.rl_recipe, rl_extra).ript.eval_contexts, "rows": rows}
+        (out / "summary.json").write_text(json.dumps(summary, indent=2))
+        return write_figures(demo, args, *tool_tables(demo, summary))
     rl_s, said = run(demo.rl_cmd, *rl_extra, log=out / "rl.log")
     if not REPORTED.search(said):
         raise cli.fail(f"`{demo.rl_cmd}` printed no \"held-out success A (iteration 0) -> B (iteration N)\" line; "
@@ -263,7 +357,10 @@ def main() -> None:
                "versions": versions(), "sft_s": round(sft_s, 1), "rl_s": round(rl_s, 1), "printed": list(printed),
                "eval_contexts": cfg.ript.eval_contexts, "rows": rows}
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
-    doc, section = tables(demo, summary)
+    write_figures(demo, args, *tables(demo, summary))
+
+
+def write_figures(demo: Demo, args, doc: str, section: str) -> None:
     print(section)
     if not (args.no_write or args.reduced):
         rewrite(FIGURES, demo.marker, doc)

@@ -260,14 +260,15 @@ WAYS = [
         expect=("batch: global 32 = micro 2 x accum 1 x data-parallel 16 (world 16); 4,096 tokens/step",
                 " GiB per GPU -> fits, ", " on world 16; checkpoint round trip ok; wrote runs/quickstart/dry_run.json"),
         expect_files=(("runs/quickstart/dry_run.json", '"world": 16'),)),
-    Way(r"deepspeed --num_gpus 2 --module ds_train (train|ript) --config recipes/(ript|rl)_(sft|demo)\.yaml "
-        r"--ds-config ds_configs/zero2\.json", BY_ANOTHER,
+    Way(r"deepspeed --num_gpus 2 --module ds_train (train|ript) --config recipes/((ript|rl)_(sft|demo)|tool_(sft|demo|"
+        r"demo_no_tool))\.yaml --ds-config ds_configs/zero2\.json", BY_ANOTHER,
         "the bench two lines below it in docs/post_training.md launches exactly this command (checked by the "
         "fast test), reduced", ""),
-    Way(r"python bench/rl_vs_sft\.py (--demo arith )?--replace", REDUCED,
+    Way(r"python bench/rl_vs_sft\.py (--demo (arith|tools) )?--replace", REDUCED,
         "--reduced: the SFT and RL commands above, continued SFT, the held-out evaluations; "
         "docs/post_training.md and BENCHMARKS.md left as they are", "{cmd} --reduced"),
     Way(_exact("python scripts/word_problems.py"), AS_WRITTEN, "rewrites the shipped files byte for byte"),
+    Way(_exact("python scripts/tool_problems.py"), AS_WRITTEN, "rewrites the shipped files byte for byte"),
     Way(_exact("deepspeed --num_gpus 2 --module ds_train ript --config recipes/rl_demo.yaml --ds-config "
                "ds_configs/zero2.json ript.rollout_engine=vllm"), REDUCED,
         "1 iteration from the reduced bench's runs/rl_sft, into its own output_dir: each rank's vLLM engine generates",
@@ -335,7 +336,8 @@ def test_the_commands_run_by_another_are_that_ones():
     spec.loader.exec_module(dpo)
 
     documented = {d.text for d in collect(ROOT) if way_of(d)[0].how == BY_ANOTHER}
-    launched = {c for demo in bench.DEMOS.values() for c in (demo.sft_cmd, demo.rl_cmd)} | {dpo.COMMAND}
+    launched = {c for demo in bench.DEMOS.values()
+                for c in (demo.sft_cmd, demo.rl_cmd, *([demo.no_tool_cmd] if demo.no_tool_recipe else []))} | {dpo.COMMAND}
     script = (ROOT / "scripts" / "quickstart.sh").read_text()
     exec_line = dict(logical_lines(list(enumerate(script.splitlines(), 1))))[
         next(n for n, line in enumerate(script.splitlines(), 1) if line.startswith("exec deepspeed"))]
@@ -534,7 +536,8 @@ def test_the_documented_commands_run_in_a_fresh_checkout(tmp_path):
                 pass
     print("\n" + report(steps))
     for name in ("README.md", *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "docs").glob("*.md")),
-                 "BENCHMARKS.md", "recipes/data/word_problems.jsonl", "recipes/data/word_problems_sft.jsonl"):
+                 "BENCHMARKS.md", "recipes/data/word_problems.jsonl", "recipes/data/word_problems_sft.jsonl",
+                 "recipes/data/products.jsonl", "recipes/data/products_sft.jsonl"):
         assert (root / name).read_bytes() == (ROOT / name).read_bytes(), f"{name} was rewritten"
     summary = json.loads((root / "runs" / "bench_arith" / "summary.json").read_text())
     assert summary["demo"] == "arith" and set(summary["rows"]) == {"SFT (start)", "RL", "SFT continued"}

@@ -61,6 +61,38 @@ def test_the_shipped_word_problems_are_what_scripts_word_problems_writes_and_the
         assert answer == (a - b if minus else a + b) and answer >= 0, prompt
 
 
+def test_the_shipped_products_are_what_scripts_tool_problems_writes_and_their_calls_and_answers_are_right(tmp_path):
+    """recipes/tool_sft.yaml and tool_demo.yaml read them: 300 conversations whose call multiplies the question's
+    two numbers, whose tool result is the calculator's and whose answer is that result; 500 answered at once with
+    the calculator offered, 100 with no tool; 4,000 problems whose answer is the product of the question's two
+    numbers."""
+    import json
+    import re
+
+    from ds_train.ript.environments import tool_schema
+    from ds_train.ript.tools import calculator
+
+    subprocess.run([sys.executable, str(ROOT / "scripts" / "tool_problems.py"), "--out", str(tmp_path)], check=True,
+                   capture_output=True)
+    for name in ("products_sft.jsonl", "products.jsonl"):
+        assert (tmp_path / name).read_bytes() == (ROOT / "recipes" / "data" / name).read_bytes(), name
+    rows = [json.loads(line) for line in (tmp_path / "products.jsonl").read_text().splitlines()]
+    sft = [json.loads(line) for line in (tmp_path / "products_sft.jsonl").read_text().splitlines()]
+    calls = [c for c in sft if len(c["messages"]) == 4]
+    offered = [c for c in sft if len(c["messages"]) == 2 and "tools" in c]
+    assert len(rows) == 4000 and (len(calls), len(offered), len(sft)) == (300, 500, 900)
+    assert all(c["tools"] == [tool_schema(calculator, "calculator")] for c in calls + offered)  # as ds-train ript renders it
+    for prompt, answer in [(r["prompt"], r["answer"]) for r in rows] + [
+            (c["messages"][0]["content"], c["messages"][-1]["content"]) for c in sft]:
+        a, b = map(int, re.findall(r"\d+", prompt))
+        assert answer in (a * b, f"The answer is {a * b}.") and {len(str(a)), len(str(b))} == {3, 2}, prompt
+    for c in calls:
+        a, b = map(int, re.findall(r"\d+", c["messages"][0]["content"]))
+        expression = c["messages"][1]["tool_calls"][0]["function"]["arguments"]["expression"]
+        assert sorted(map(int, expression.split(" * "))) == sorted((a, b))
+        assert c["messages"][2] == {"role": "tool", "content": str(a * b)}
+
+
 def test_the_shipped_preference_pairs_are_what_their_script_writes_and_each_kind_prefers_as_it_says(tmp_path):
     """recipes/dpo.yaml and bench/dpo.py read them: 2,000 pairs of four kinds, no side the same as
     the other; a faithful greeting names the prompt's person, the rejected one someone else."""
