@@ -336,7 +336,7 @@ def test_a_chat_template_given_as_a_jinja_file_is_read_into_the_config(tmp_path,
     literal = "{% for m in messages %}{{ m['content'] }}.jinja{% endfor %}"  # a template's text stays text
     assert load_config(None, [model, f"data.chat_template={literal}"]).data.chat_template == literal
     with pytest.raises(UserError, match=r"^nope\.jinja: chat template not found \(override data.chat_template names "
-                                        r"it as data.chat_template: give a path from the directory you run in"):
+                                        r"it; give a path from the directory you run in, or the template's text\)$"):
         load_config(None, [model, "data.chat_template=nope.jinja"])
 
 

@@ -255,7 +255,7 @@ def load_config(path: str | Path | None, overrides: list[str] = (), command: str
         given[key] = (item.partition("=")[2], value)
     if unknown:
         raise UserError("; ".join(unknown))
-    _read_template(raw, "override data.chat_template" if "data.chat_template" in given else str(path))
+    _read_template(raw, "override data.chat_template" if "data.chat_template" in given else f"{path}'s data.chat_template")
     return build_config(raw, source=str(path) if path else "overrides", overrides=given, command=command)
 
 
@@ -266,9 +266,9 @@ def _read_template(raw: dict, where: str) -> None:
     value = data.get("chat_template") if isinstance(data, dict) else None
     if not (isinstance(value, str) and value.endswith(".jinja") and "\n" not in value and "{" not in value):
         return
-    data["chat_template"] = read_text(Path(value), "chat template", f"{where}: data.chat_template",
-                                      hint=f"{where} names it as data.chat_template: give a path from the "
-                                           f"directory you run in, or the template's text")
+    data["chat_template"] = read_text(Path(value), "chat template", where,
+                                      hint=f"{where} names it; give a path from the directory you run in, or "
+                                           f"the template's text")
 
 
 def _blame(err: str, overrides: dict[str, tuple[str, Any]]) -> str | None:
