@@ -1042,12 +1042,12 @@ def test_sft_batches_shard_a_global_batch_alike_at_any_world_size(sft_dir):
     from ds_train.data.datasets import SftData
 
     meta = load_meta(sft_dir)
-    data = SftData(sft_dir, "train", meta["dtype"], 64, 5, True, "truncate", meta["eos_token_id"])
+    data = SftData(sft_dir, "train", meta["dtype"], 40, 5, True, "truncate", meta["eos_token_id"])
     whole = rank_micro_batches(data, 3, 8, 8, 0, 1)[0]
     parts = [b for r in range(4) for b in rank_micro_batches(data, 3, 8, 2, r, 4)]
     for field in ("inputs", "targets", "positions"):
         assert np.array_equal(getattr(whole, field), np.concatenate([getattr(p, field) for p in parts]))
-    padded = SftData(sft_dir, "train", meta["dtype"], 64, 5, False, "drop", meta["eos_token_id"])
+    padded = SftData(sft_dir, "train", meta["dtype"], 40, 5, False, "drop", meta["eos_token_id"])
     assert padded.batch(0, 2).positions is None and padded.num_samples < meta["train_documents"]
     assert "dropped (data.overlong)" in padded.summary() and "truncated" in data.summary()
 

@@ -111,6 +111,9 @@ INLINE_WAYS = [
     Way(_exact("python bench/rl_vs_sft.py --demo arith"), REDUCED,
         "the demo named in prose: its --replace step below (reduced)",
         "python bench/rl_vs_sft.py --demo arith --replace --reduced"),
+    Way(_exact("python bench/rl_vs_sft.py --demo tools"), REDUCED,
+        "the demo named in its own figures: its --replace step above (reduced)",
+        "python bench/rl_vs_sft.py --demo tools --replace --reduced"),
     Way(_exact("python bench/long_context.py"), CHECKED,
         "a search of many launches in 1.3 GiB memory cgroups (minutes): its arguments parse; the recipe it "
         "launches runs above (1 step) and tests/test_config.py checks its two ranks' layout", "{cmd} --help"),
