@@ -295,7 +295,8 @@ def test_live_and_precomputed_references_zero3_and_zero0_and_a_resume_train_the_
     assert key["seed"] == 7 and key["init"] == INIT_SCHEME and key["transformers"] and key["config"]
     a = metrics_by_step(pre)
     assert abs(a[1]["train/loss"] - LOG2) <= 1e-6  # the policy is still the reference
-    assert a[1]["rewards/accuracies"] == 0 and abs(a[1]["rewards/margins"]) <= 1e-6
+    # (rewards/accuracies counts margins above 0: at step 1 they are rounding, 0 or above by chance)
+    assert abs(a[1]["rewards/margins"]) <= 1e-6
     assert a[7]["train/loss"] < a[1]["train/loss"] and a[7]["rewards/margins"] > 0
     assert 0 <= a[7]["eval/rewards/accuracies"] <= 1 and "eval/loss" in a[7]
 
