@@ -307,11 +307,13 @@ def test_live_and_precomputed_references_zero3_and_zero0_and_a_resume_train_the_
     b = metrics_by_step(live)
     # The rewards are beta x differences of log-probs summed over a response (a hundred nats or more, whose
     # float32 ulp is ~1e-5): 1e-5 is a few ulps of them (an AMD EPYC's AVX2 kernels differ by 1.1e-6 at step 6).
+    # The loss, -log sigmoid of the margin, moves less than the margin does (its slope is below 1): 1e-5 too
+    # (1.8e-6 at step 3 once the chat template's markers became one token each).
     for s in range(1, 8):
-        for key, tol in (("train/loss", 1e-6), ("rewards/chosen", 1e-5), ("rewards/rejected", 1e-5),
+        for key, tol in (("train/loss", 1e-5), ("rewards/chosen", 1e-5), ("rewards/rejected", 1e-5),
                          ("rewards/margins", 1e-5)):
             assert abs(b[s][key] - a[s][key]) <= tol, (s, key, b[s][key], a[s][key])
-    assert abs(b[7]["eval/loss"] - a[7]["eval/loss"]) <= 1e-6
+    assert abs(b[7]["eval/loss"] - a[7]["eval/loss"]) <= 1e-5
 
     one = tmp_path / "one"
     res = deepspeed_train(dpo_run(pref_data, one), "zero0.json", nproc=1, timeout=300)
