@@ -306,14 +306,15 @@ def test_live_and_precomputed_references_zero3_and_zero0_and_a_resume_train_the_
     assert "reference policy: a frozen copy of the starting model, partitioned over 2 ranks (ZeRO-3)" in res.out
     b = metrics_by_step(live)
     # The rewards are beta x differences of log-probs summed over a response (a hundred nats or more, whose
-    # float32 ulp is ~1e-5): 1e-5 is a few ulps of them (an AMD EPYC's AVX2 kernels differ by 1.1e-6 at step 6).
-    # The loss, -log sigmoid of the margin, moves less than the margin does (its slope is below 1): 1e-5 too
-    # (1.8e-6 at step 3 once the chat template's markers became one token each).
+    # float32 ulp is ~1e-5), and the stored ones are computed in other batches than the live ones: 5e-5 is a few
+    # ulps of them (an AMD EPYC's AVX2 kernels differ by 1.1e-6 at step 6; 1.8e-5 at step 4 once the chat
+    # template's markers became one token each); a wrong reference is off by 1e-2 or more. The loss, -log sigmoid
+    # of the margin, moves less than the margin does (its slope is below 1).
     for s in range(1, 8):
-        for key, tol in (("train/loss", 1e-5), ("rewards/chosen", 1e-5), ("rewards/rejected", 1e-5),
-                         ("rewards/margins", 1e-5)):
+        for key, tol in (("train/loss", 5e-5), ("rewards/chosen", 5e-5), ("rewards/rejected", 5e-5),
+                         ("rewards/margins", 5e-5)):
             assert abs(b[s][key] - a[s][key]) <= tol, (s, key, b[s][key], a[s][key])
-    assert abs(b[7]["eval/loss"] - a[7]["eval/loss"]) <= 1e-5
+    assert abs(b[7]["eval/loss"] - a[7]["eval/loss"]) <= 5e-5
 
     one = tmp_path / "one"
     res = deepspeed_train(dpo_run(pref_data, one), "zero0.json", nproc=1, timeout=300)
