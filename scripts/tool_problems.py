@@ -19,12 +19,13 @@ to read which two numbers to multiply. The shipped files are this script's outpu
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from scripts.word_problems import write_jsonl  # noqa: E402
 
 WORDINGS = ["What is {a} times {b}?",
             "Compute {a} * {b}.",
@@ -84,14 +85,7 @@ def main() -> None:
     ap.add_argument("--out", default=str(Path(__file__).resolve().parents[1] / "recipes" / "data"))
     args = ap.parse_args()
     sft, rl = records(args.demos, args.direct, args.no_tool, args.prompts)
-    out = Path(args.out)
-    for name, rows in (("products_sft.jsonl", sft), ("products.jsonl", rl)):
-        try:
-            out.mkdir(parents=True, exist_ok=True)
-            (out / name).write_text("".join(json.dumps(r) + "\n" for r in rows))
-        except OSError as e:  # a path that cannot be written: one line, not a traceback
-            sys.exit(f"scripts/tool_problems.py: cannot write {out / name}: {e.strerror or e}")
-        print(f"wrote {len(rows)} records to {out / name}")
+    write_jsonl(Path(args.out), {"products_sft.jsonl": sft, "products.jsonl": rl}, "scripts/tool_problems.py")
 
 
 if __name__ == "__main__":

@@ -67,13 +67,18 @@ def main() -> None:
     ap.add_argument("--out", default=str(Path(__file__).resolve().parents[1] / "recipes" / "data"))
     args = ap.parse_args()
     sft, rl = records(args.demos, args.prompts)
-    out = Path(args.out)
-    for name, rows in (("word_problems_sft.jsonl", sft), ("word_problems.jsonl", rl)):
+    write_jsonl(Path(args.out), {"word_problems_sft.jsonl": sft, "word_problems.jsonl": rl}, "scripts/word_problems.py")
+
+
+def write_jsonl(out: Path, files: dict[str, list[dict]], script: str) -> None:
+    """Each file's records in `out`, one JSON object a line; a path that cannot be written is one line naming it
+    (and `script`), not a traceback."""
+    for name, rows in files.items():
         try:
             out.mkdir(parents=True, exist_ok=True)
             (out / name).write_text("".join(json.dumps(r) + "\n" for r in rows))
-        except OSError as e:  # a path that cannot be written: one line, not a traceback
-            sys.exit(f"scripts/word_problems.py: cannot write {out / name}: {e.strerror or e}")
+        except OSError as e:
+            sys.exit(f"{script}: cannot write {out / name}: {e.strerror or e}")
         print(f"wrote {len(rows)} records to {out / name}")
 
 
