@@ -171,7 +171,8 @@ def resumed(model: dict, data: Path, first: Path, out: Path, ids, losses: dict, 
             again, after = train(run_config(dict(model), data, out.with_name("resumed_1_thread"), resume=str(
                 out.with_name("first_1_thread") / "checkpoints" / "step_00000001")), ids)
         if again.get(2) == one[2] and torch.equal(after, logits):
-            return f"✓ bitwise at 1 thread ({off:.0e} off at {threads} threads on some tries: the kernels round there)"
+            return (f"✓ bitwise at 1 thread ({off:.0e} off at {threads} threads on some tries: the kernels round "
+                    f"there)")
     raise RuntimeError(f"step 2 loss {again.get(2)} against {losses[2]}; logits equal: {torch.equal(after, logits)}")
 
 

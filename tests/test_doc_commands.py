@@ -340,7 +340,8 @@ def test_the_commands_run_by_another_are_that_ones():
 
     documented = {d.text for d in collect(ROOT) if way_of(d)[0].how == BY_ANOTHER}
     launched = {c for demo in bench.DEMOS.values()
-                for c in (demo.sft_cmd, demo.rl_cmd, *([demo.no_tool_cmd] if demo.no_tool_recipe else []))} | {dpo.COMMAND}
+                for c in (demo.sft_cmd, demo.rl_cmd, *([demo.no_tool_cmd] if demo.no_tool_recipe else []))}
+    launched |= {dpo.COMMAND}
     script = (ROOT / "scripts" / "quickstart.sh").read_text()
     exec_line = dict(logical_lines(list(enumerate(script.splitlines(), 1))))[
         next(n for n, line in enumerate(script.splitlines(), 1) if line.startswith("exec deepspeed"))]

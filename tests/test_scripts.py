@@ -81,7 +81,8 @@ def test_the_shipped_products_are_what_scripts_tool_problems_writes_and_their_ca
     calls = [c for c in sft if len(c["messages"]) == 4]
     offered = [c for c in sft if len(c["messages"]) == 2 and "tools" in c]
     assert len(rows) == 4000 and (len(calls), len(offered), len(sft)) == (300, 500, 900)
-    assert all(c["tools"] == [tool_schema(calculator, "calculator")] for c in calls + offered)  # as ds-train ript renders it
+    schema = [tool_schema(calculator, "calculator")]  # as ds-train ript renders the task's tools
+    assert all(c["tools"] == schema for c in calls + offered)
     for prompt, answer in [(r["prompt"], r["answer"]) for r in rows] + [
             (c["messages"][0]["content"], c["messages"][-1]["content"]) for c in sft]:
         a, b = map(int, re.findall(r"\d+", prompt))

@@ -255,7 +255,8 @@ def load_config(path: str | Path | None, overrides: list[str] = (), command: str
         given[key] = (item.partition("=")[2], value)
     if unknown:
         raise UserError("; ".join(unknown))
-    _read_template(raw, "override data.chat_template" if "data.chat_template" in given else f"{path}'s data.chat_template")
+    _read_template(raw, "override data.chat_template" if "data.chat_template" in given
+                   else f"{path}'s data.chat_template")
     return build_config(raw, source=str(path) if path else "overrides", overrides=given, command=command)
 
 

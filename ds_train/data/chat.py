@@ -7,7 +7,9 @@ An sft record is a conversation, `{"messages": [{"role": ..., "content": ...}, .
 `{"prompt": ..., "completion": ...}` (strings: a user turn and an assistant turn; or lists of
 messages). A conversation that calls tools may carry `tools`, the JSON schemas its template shows the model
 (`tools=`, as the chat templates and ds-train ript's tool tasks take them; assistant turns with
-`tool_calls` and `tool` turns are the template's to render). The template renders the whole conversation once; the assistant's spans are found by
+`tool_calls` and `tool` turns are the template's to render).
+
+The template renders the whole conversation once; the assistant's spans are found by
 rendering its prefixes (the text before each assistant turn with the generation prompt, and the
 text through that turn), as Hugging Face's `{% generation %}` marking would mark them: the
 assistant's reply and the end-of-turn text the template writes after it (so the model learns to

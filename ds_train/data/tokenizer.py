@@ -28,7 +28,8 @@ def template_markers(chat_template: str) -> list[str]:
 def train_tokenizer(texts: list[str], vocab_size: int, out_dir: Path, chat_template: str = "",
                     split_digits: bool = False):
     """A byte-level BPE (GPT-2 style) trained locally: no hub needed. Saved as a HF tokenizer dir. The chat
-    template's markers are special tokens (template_markers). split_digits: every digit is its own token (as in Llama's and DeepSeek's tokenizers), so a number
+    template's markers are special tokens (template_markers).
+    split_digits: every digit is its own token (as in Llama's and DeepSeek's tokenizers), so a number
     reads the same digit by digit wherever it stands."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
