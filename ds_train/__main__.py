@@ -121,7 +121,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = OneLineParser(prog="ds-train", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--debug", action="store_true", help="show tracebacks and DeepSpeed's info logs")
     # --local_rank from the deepspeed launcher, --local-rank from python -m torch.distributed.launch;
-    # the rank itself is read from the environment both set (ds_train/dist.py).
+    # the rank itself is read from the environment both set (ds_train/dist/__init__.py).
     p.add_argument("--local_rank", "--local-rank", type=int, help=argparse.SUPPRESS)
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
     _add_run_commands(sub)  # train, ript

@@ -279,12 +279,12 @@ def _split_cores(env: DistEnv, rank_log) -> str:
     import torch
 
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    threads = threads_per_rank(os.environ, cores, env.local_world_size)
+    threads = threads_per_rank(os.environ, cores, (env.split.job if env.split else env).local_world_size)
     if threads is None:
         rank_log.info(f"threads: {torch.get_num_threads()} (OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']})")
         return ""
     torch.set_num_threads(threads)
-    said = (f"threads: {threads} per rank ({cores} cores shared by {env.local_world_size} ranks on this node; "
+    said = (f"threads: {threads} per rank ({cores} cores shared by {(env.split.job if env.split else env).local_world_size} ranks on this node; "
             f"OMP_NUM_THREADS overrides)")
     rank_log.info(said)
     return said

@@ -3,7 +3,7 @@ world size, node and master address (`detect_env`, a `DistEnv`), and the host of
 (`node_hosts`, SLURM node lists expanded). Pure reads of the environment: no process group.
 
 Supported launchers: the `deepspeed` launcher, torchrun, SLURM srun, a manual
-RANK/WORLD_SIZE/MASTER_ADDR environment, and a plain single process. ds_train/dist.py joins the
+RANK/WORLD_SIZE/MASTER_ADDR environment, and a plain single process. ds_train/dist/ joins the
 process group from a `DistEnv`.
 """
 
@@ -27,10 +27,74 @@ class DistEnv:
     master_addr: str
     master_port: int
     launcher: str  # deepspeed | torchrun | slurm | manual | single
+    split: "Split | None" = None  # this rank's side of a job split into trainer and rollout ranks (`split_job`)
 
     @property
     def is_main(self) -> bool:
         return self.rank == 0
+
+
+@dataclass(frozen=True)
+class Split:
+    """A job whose last `rollout_per_node` local ranks of every node are rollout ranks (ript.rollout_ranks_per_node)
+    and the others trainer ranks. Each side is a world of its own (`side`: its DistEnv, ranks numbered node by node);
+    `job` is the whole job as launched, which the rendezvous and the groups between the sides use."""
+
+    job: DistEnv
+    rollout_per_node: int
+
+    @property
+    def nodes(self) -> int:
+        return self.job.world_size // self.job.local_world_size
+
+    @property
+    def trainers_per_node(self) -> int:
+        return self.job.local_world_size - self.rollout_per_node
+
+    def is_rollout(self, job_rank: int) -> bool:
+        return job_rank % self.job.local_world_size >= self.trainers_per_node
+
+    @property
+    def role(self) -> str:
+        return "rollout" if self.is_rollout(self.job.rank) else "trainer"
+
+    def side_rank(self, job_rank: int) -> int:
+        """A job rank's rank in its side's world."""
+        node, local = divmod(job_rank, self.job.local_world_size)
+        if self.is_rollout(job_rank):
+            return node * self.rollout_per_node + local - self.trainers_per_node
+        return node * self.trainers_per_node + local
+
+    def job_ranks(self, role: str) -> list[int]:
+        """The job ranks of one side, in its own rank order."""
+        return [r for r in range(self.job.world_size) if self.is_rollout(r) == (role == "rollout")]
+
+    def world(self, role: str) -> DistEnv:
+        """One side's world as a whole (its sizes; its first rank)."""
+        per = self.rollout_per_node if role == "rollout" else self.trainers_per_node
+        return DistEnv(0, 0, self.nodes * per, per, 0, self.job.master_addr, self.job.master_port, self.job.launcher)
+
+    def side(self) -> DistEnv:
+        job, per = self.job, self.rollout_per_node if self.role == "rollout" else self.trainers_per_node
+        return DistEnv(self.side_rank(job.rank), job.local_rank - (self.trainers_per_node if self.role == "rollout"
+                                                                    else 0),
+                       self.nodes * per, per, job.node_rank, job.master_addr, job.master_port, job.launcher, self)
+
+
+def split_job(env: DistEnv, rollout_per_node: int, key: str = "ript.rollout_ranks_per_node") -> DistEnv:
+    """This rank's side of the job (`env` itself when `rollout_per_node` is 0): refused in one line where the
+    launcher's ranks do not split (a node left without a trainer, ranks not numbered node by node)."""
+    if not rollout_per_node:
+        return env
+    if rollout_per_node >= env.local_world_size:
+        raise UserError(f"{key}={rollout_per_node}: each node runs {env.local_world_size} rank(s), and at least one "
+                        f"must train; set it below {env.local_world_size}, or launch more ranks per node")
+    if env.world_size % env.local_world_size or env.rank != env.node_rank * env.local_world_size + env.local_rank:
+        raise UserError(f"{key}={rollout_per_node}: the launcher numbered rank {env.rank} (node {env.node_rank}, "
+                        f"local rank {env.local_rank}) out of node order, or nodes run different numbers of ranks "
+                        f"({env.world_size} in all, {env.local_world_size} here); launch the same number of ranks "
+                        f"on every node with the deepspeed launcher, torchrun or srun's block distribution")
+    return Split(env, rollout_per_node).side()
 
 
 def _int(environ: Mapping[str, str], key: str, default: int | None = None) -> int:

@@ -100,6 +100,18 @@ class RiptConfig(Section):
         "tis", ROLLOUT_CORRECTIONS.help("The correction tis_cap turns on"))
     debug_stale_engine: bool = _f(False, "Fault injection: vLLM keeps the policy's first weights (no sync after "
                                          "an update), what `ds-train doctor` names rollout_mismatch.")
+    rollout_ranks_per_node: int = _f(
+        0, "Asynchronous RL: the last N local ranks of every node generate rollouts (rollout ranks: the policy's "
+           "generate, the environments, the sampler; no DeepSpeed engine) while the others train; weights go to them "
+           "after every update (docs/post_training.md). 0: every rank generates, then every rank trains.",
+        NON_NEGATIVE)
+    max_staleness: int = _f(0, "With rollout ranks: the episodes update i trains on come from the weights of update "
+                               "i - 1 - k (0: the current weights, synchronous; 1: one-step-off, generation "
+                               "overlaps the update). Older episodes are dropped and counted.", NON_NEGATIVE)
+    debug_stale_iteration: int = _f(0, "Fault injection (with rollout ranks): this iteration's batch is generated "
+                                       "from weights one update older than max_staleness allows (the rollout "
+                                       "ranks skip one weight load); the trainers drop it as stale. 0: none.",
+                                    NON_NEGATIVE)
     log_completions: int = _f(0, "Rank 0's rollouts written to completions.jsonl per iteration (and per held-out "
                                  "evaluation): text, token ids, log-probs, reward. 0: none.", NON_NEGATIVE)
 
@@ -121,10 +133,10 @@ class RiptConfig(Section):
 
     def _check_engine(self) -> list[str]:
         errs = []
-        if self.tis_cap > 0 and self.rollout_engine != "vllm":
+        if self.tis_cap > 0 and self.rollout_engine != "vllm" and not self.rollout_ranks_per_node:
             errs.append(f"ript.tis_cap: {self.tis_cap:g} corrects for the rollout engine's log-probs, and "
                         f"ript.rollout_engine={self.rollout_engine} samples from the policy itself; set "
-                        f"ript.rollout_engine=vllm, or leave tis_cap out")
+                        f"ript.rollout_engine=vllm or ript.rollout_ranks_per_node, or leave tis_cap out")
         if self.tis_cap == 0 and self.rollout_correction != RiptConfig.rollout_correction:
             errs.append(f"ript.rollout_correction: {self.rollout_correction}, but ript.tis_cap is 0 (no correction); "
                         f"set tis_cap (verl and TRL use 2)")
@@ -134,6 +146,18 @@ class RiptConfig(Section):
         if self.rollout_engine == "vllm" and self.policy:
             errs.append(f"ript.rollout_engine=vllm with ript.policy={self.policy!r}: a scripted policy generates "
                         f"nothing; set rollout_engine=hf or leave policy out")
+        return errs + self._check_async()
+
+    def _check_async(self) -> list[str]:
+        errs = []
+        if not self.rollout_ranks_per_node:
+            for key in ("max_staleness", "debug_stale_iteration"):
+                if getattr(self, key) > 0:  # a negative one: its range says it
+                    errs.append(f"ript.{key}: {getattr(self, key)} needs rollout ranks (ript.rollout_ranks_per_node); "
+                                f"set them, or leave {key} out")
+        elif self.rollout_engine == "vllm":
+            errs.append("ript.rollout_ranks_per_node with ript.rollout_engine=vllm: rollout ranks generate with the "
+                        "policy's own generate for now; set rollout_engine=hf, or rollout_ranks_per_node=0 for vLLM")
         return errs
 
 

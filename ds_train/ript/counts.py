@@ -20,7 +20,7 @@ class SyncedCounts:
     summed (exactly) over ranks every ript.sync_every iterations and at the last."""
 
     def __init__(self, job: Any, interval: Interval):
-        self.job, self.interval, self.names = job, interval, sorted(job.tasks)
+        self.job, self.interval, self.names = job, interval, sorted(job.sampled or job.tasks)
         self._restart()
 
     def _restart(self) -> None:

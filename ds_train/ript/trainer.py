@@ -10,110 +10,31 @@ itself (engine, sinks, checkpoints, signals, teardown) is built by ds_train/star
 from __future__ import annotations
 
 import contextlib
-import functools
 import json
-import math
-from collections import Counter
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from ds_train import dist, topology
 from ds_train.checkpoint.rundir import RIPT
 from ds_train.config import RunConfig
-from ds_train.errors import UserError
 from ds_train.fs import write_atomic
-from ds_train.inputs import RunInputs, check_inputs, rank_config_check
 from ds_train.observe.metrics import Interval
 from ds_train.observe.startup import StartupClock
-from ds_train.plan.batch import rollout_update_steps
-from ds_train.plan.parallel import plan_dims
-from ds_train.ript.algorithms import describe_algorithm, keep_mask
+from ds_train.ript.algorithms import describe_algorithm
 from ds_train.ript.completions import Completions
 from ds_train.ript.counts import SyncedCounts
-from ds_train.ript.datatask import check_task_entries, split_for_ranks
-from ds_train.ript.environments import load_tasks
-from ds_train.ript.rollout import Episode, max_rollout_tokens, model_policy, rollout, scripted_policy
+from ds_train.ript.feed import RolloutFeed
+from ds_train.ript.inputs import RiptInputs, ript_spec
+from ds_train.ript.rollout import max_rollout_tokens, model_policy, scripted_policy
+from ds_train.ript.rollout_ranks import serve_rollouts
 from ds_train.ript.sampler import ContextSampler, Tally, by_family, family, merge_states
-from ds_train.ript.sharding import format_shards, shard_tasks
-from ds_train.ript.tasks import load_object
+from ds_train.ript.sampling import Generating, run_episodes, sample
+from ds_train.ript.sharding import format_shards
 from ds_train.ript.update import token_logp, update
-from ds_train.ript.vllm_engine import VllmRollouts, check_rollout_engine
-from ds_train.run import Run, RunSpec
+from ds_train.ript.vllm_engine import VllmRollouts
+from ds_train.run import Run
 from ds_train.start import build_run
-from ds_train.train.probe import probe
 from ds_train.train.reference import ReferenceSpec, build_reference, report_reference
-
-
-def ript_spec(cfg: RunConfig) -> RunSpec:
-    r = cfg.ript
-    return RunSpec(RIPT, last=r.iterations, same_world=True,
-                   steps=lambda plan: r.iterations * r.ppo_epochs *
-                   rollout_update_steps(r.contexts_per_rank, r.rloo_batch_size, plan),
-                   check_model=check_ript_config, probe=functools.partial(probe, losses=False))
-
-
-def check_ript_config(cfg: RunConfig, hf_config=None, world_size: int = 1, local_world_size: int = 1,
-                      device: str | None = None) -> None:
-    """ript's own checks of its config (RunSpec.check_model: each rank's check_config, and the launch
-    preflight's): `hf_config` None: those that need no model, before it is read."""
-    r = cfg.ript
-    if not cfg.model.path:
-        raise UserError("model.path: RIPT starts from a trained policy: a Hugging Face directory or a "
-                        "ds_train run directory (recipes/ript_sft.yaml makes one)")
-    if cfg.parallel.sequence > 1:
-        raise UserError(f"parallel.sequence={cfg.parallel.sequence}: RIPT's rollouts generate token by token, "
-                        f"which Ulysses sequence parallelism cannot split; set parallel.sequence=1 for ript")
-    if cfg.parallel.tensor > 1 and r.kl_coef > 0:
-        raise UserError(f"ript.kl_coef={r.kl_coef:g} with parallel.tensor={cfg.parallel.tensor}: ds_train builds "
-                        f"the reference policy without AutoTP's split; use ZeRO-3 (parallel.tensor=1) to "
-                        f"partition both models, or ript.kl_coef=0")
-    check_task_entries(cfg)
-    if hf_config is None:
-        return
-    check_rollout_engine(cfg, hf_config, world_size, local_world_size, device)
-    if getattr(hf_config, "output_router_logits", False) is True:
-        raise UserError("model.config.output_router_logits=true: RIPT's policy loss does not add the router's "
-                        "auxiliary loss yet; set it to false for ript")
-
-
-@dataclass(frozen=True)
-class RiptInputs:
-    """Tasks, their sharding over the data-parallel ranks, the policy and the run's inputs (the
-    model and its tokenizer, the DeepSpeed JSON), checked before anything is written."""
-
-    tasks: dict  # name -> task, every task (each data-parallel rank owns some)
-    shards: list[list[str]]
-    scripted: Any  # ript.policy, when a script acts instead of the model
-    run: RunInputs
-    engine: str  # what generates the rollouts: "the policy's generate", or the vLLM package and version
-
-    @classmethod
-    def check(cls, cfg: RunConfig, ds_config_path: str, env, spec: RunSpec) -> "RiptInputs":
-        r = cfg.ript
-        check_ript_config(cfg)  # fail fast: before the model is read
-        run = check_inputs(cfg, ds_config_path, rank_config_check(cfg, spec, env, ds_config_path), data=False)
-        engine = check_rollout_engine(cfg, run.source.hf_config, env.world_size, env.local_world_size)
-        tasks = load_tasks(cfg, run.source.tokenizer, run.source.hf_config)
-        data_parallel = plan_dims(cfg.parallel, env.world_size).data
-        tasks = {part.name: part for task in tasks.values() for part in split_for_ranks(task, data_parallel)}
-        shards = shard_tasks(cls.costs(cfg, tasks), data_parallel, r.sharding, r.allow_idle_ranks)
-        scripted = load_scripted(r.policy) if r.policy else None
-        return cls(tasks, shards, scripted, run, engine)
-
-    @staticmethod
-    def costs(cfg: RunConfig, tasks: dict) -> dict[str, float]:
-        """A task's estimated cost: its training contexts x turns (a dataset: the prompts it has, up to
-        ript.train_contexts)."""
-        return {n: len(t.contexts("train", cfg.ript.train_contexts, cfg.seed)) * t.max_turns
-                if hasattr(t, "prompt_ids") else cfg.ript.train_contexts * t.max_turns for n, t in tasks.items()}
-
-
-def load_scripted(spec: str):
-    """ript.policy `module:Class` -> an instance with act(task, context, transcript, index) -> str."""
-    policy = load_object(spec, "ript.policy")
-    if not callable(getattr(policy, "act", None)):
-        raise UserError(f"ript.policy: {spec!r} has no act(task, context, transcript, index) method")
-    return policy
 
 
 @dataclass
@@ -129,6 +50,9 @@ class RiptJob:
     reference: Any = None  # the KL term's reference policy (ds_train/train/reference.py), or None
     completions: Any = None  # rank 0's rollouts for completions.jsonl (ript.log_completions)
     vllm: Any = None  # this rank's vLLM engine (ript.rollout_engine=vllm), or None: the policy generates
+    feed: Any = None  # with rollout ranks: their batches and the weights to them (ds_train/ript/feed.py), else None
+    sampled: dict = field(default_factory=dict)  # the tasks as the ranks that sample shard them (with rollout ranks:
+    #                                              theirs; else `tasks`): what the counts are kept by
 
     def pause_engine(self) -> None:
         if self.vllm is not None:
@@ -142,6 +66,15 @@ class RiptJob:
     @property
     def mine(self) -> list[str]:
         return self.shards[self.run.data_rank]
+
+    def rank_state(self) -> dict:
+        """What this rank's file of a checkpoint adds (trainer 0: what the rollout ranks hold)."""
+        return self.feed.rank_state() if self.feed is not None else {}
+
+    def generating(self) -> Generating:
+        run = self.run
+        return Generating(run.cfg.ript, run.tokenizer, self.tasks, run.collective_forward or self.vllm is not None,
+                          run.beat, sum(1 for s in self.shards if s), run.cfg.seed, run.data_rank)
 
     def policy(self, temperature: float):
         run = self.run
@@ -172,7 +105,9 @@ def ript(cfg: RunConfig, ds_config_path: str) -> dict:
     import torch
 
     clock = StartupClock.begin()
-    env, spec = topology.detect_env(), ript_spec(cfg)
+    env, spec = topology.split_job(topology.detect_env(), cfg.ript.rollout_ranks_per_node), ript_spec(cfg)
+    if env.split and env.split.role == "rollout":
+        return serve_rollouts(cfg, ds_config_path, env)
     inputs = RiptInputs.check(cfg, ds_config_path, env, spec)
     clock.mark("inputs")
     with build_run(inputs.run, env, spec, clock=clock) as run:
@@ -183,21 +118,42 @@ def ript(cfg: RunConfig, ds_config_path: str) -> dict:
                                  cfg.seed, r.skip_solved, r.retest_after, r.task_weighting)
         job = RiptJob(run, inputs.tasks, inputs.shards, sampler, inputs.scripted,
                       reference=build_reference(run, ReferenceSpec.of(cfg), run.weights) if r.kl_coef else None,
-                      completions=Completions(run.paths.completions, r.log_completions, run.env.is_main))
-        run.say(format_shards(inputs.shards, RiptInputs.costs(cfg, inputs.tasks)))
+                      completions=Completions(run.paths.completions, r.log_completions, run.env.is_main),
+                      sampled=inputs.rollout_tasks)
+        if env.split:
+            job.feed = RolloutFeed(run, dist.sides(), inputs.rollout_tasks, inputs.rollout_shards)
+            run.say(f"rollout ranks: the last {r.rollout_ranks_per_node} of every node's "
+                    f"{env.split.job.local_world_size} ({env.split.world('rollout').world_size} in all) generate, "
+                    f"{env.world_size} train; ript.max_staleness {r.max_staleness}")
+        run.say(format_shards(inputs.rollout_shards, RiptInputs.costs(cfg, inputs.rollout_tasks)))
         run.say(f"K={r.rloo_batch_size}; quota {r.contexts_per_rank} contexts per rank; policy "
                 f"{r.policy or cfg.model.path}; {describe_algorithm(cfg)}; rollouts: {inputs.engine}")
         report_reference(run, job.reference)
-        saved = resume(job)
-        job.completions.rewind(saved.iteration if saved else -1)
-        with rollout_engine(job, saved.iteration if saved else 0):  # its weights: the checkpoint's on a resume
-            state = saved or start(job)
-            run.mark_startup("rollout engine" if saved else "rollout engine, evaluation 0")
-            first = state.iteration
-            ript_loop(run, job, state)
+        with feeding(job):
+            saved = resume(job)
+            job.completions.rewind(saved.iteration if saved else -1)
+            with rollout_engine(job, saved.iteration if saved else 0):  # its weights: the checkpoint's on a resume
+                state = saved or start(job)
+                run.mark_startup("rollout engine" if saved else "rollout engine, evaluation 0")
+                first = state.iteration
+                ript_loop(run, job, state)
         run.write_plots()
         report(job, state, first)
         return asdict(state)
+
+
+@contextlib.contextmanager
+def feeding(job: RiptJob):
+    """With rollout ranks: they leave when the trainers do, at the end or at a stop (a failure mid-meeting leaves
+    them to the launcher, which ends the job's ranks when one fails)."""
+    try:
+        yield
+    except BaseException:
+        if job.feed is not None and not job.feed.in_meeting:
+            job.feed.close()
+        raise
+    if job.feed is not None:
+        job.feed.close()
 
 
 @contextlib.contextmanager
@@ -231,6 +187,8 @@ def rollout_engine(job: RiptJob, version: int):
 
 def resume(job: RiptJob) -> RiptState | None:
     saved = job.run.maybe_resume()
+    if job.feed is not None:
+        job.feed.start(saved.get("rank", {}).get("async") if saved else None, saved["ript"]["sampler"] if saved else None)
     if saved is None:
         return None
     job.sampler.load_state(saved["ript"]["sampler"])
@@ -240,7 +198,7 @@ def resume(job: RiptJob) -> RiptState | None:
 
 def start(job: RiptJob) -> RiptState:
     """A fresh run: the held-out evaluation of the starting policy (iteration 0)."""
-    state = RiptState(totals=Tally(list(job.tasks)).as_dict())
+    state = RiptState(totals=Tally(list(job.sampled)).as_dict())
     job.run.logger.log(HeldOut(job, Interval(0, job.run.spec.last)).record(0, state), 0)
     return state
 
@@ -256,7 +214,8 @@ def ript_loop(run: Run, job: RiptJob, state: RiptState) -> None:
     with run.progress(state.iteration) as progress:
         for it in range(state.iteration + 1, r.iterations + 1):
             with counts.rollouts():
-                groups = sample(job, act, counts.window, it)
+                groups = (job.feed.batch(it, counts.window, job.completions) if job.feed is not None else
+                          sample_here(job, act, counts.window, it))
             job.pause_engine()
             counts.policy += update(run, r, groups, it, job.reference, job.max_tokens, seed=run.cfg.seed,
                                     poison=it in run.cfg.train.debug_nonfinite_steps)
@@ -264,13 +223,26 @@ def ript_loop(run: Run, job: RiptJob, state: RiptState) -> None:
             run.maybe_finish_startup("first iteration")
             state.iteration = it
             metrics = counts.maybe_sync(it, state) | held_out.maybe_evaluate(it, state)
+            if job.feed is not None and metrics:
+                metrics |= job.feed.metrics()
             run.logger.log(metrics, it)
             progress.advance(metrics)
-            run.checkpointer.maybe_save(it, lambda: checkpoint_state(job, state), lambda: {"counts": counts.state()})
+            run.checkpointer.maybe_save(it, lambda: checkpoint_state(job, state),
+                                        lambda: {"counts": counts.state()} | job.rank_state())
+
+
+def sample_here(job: RiptJob, act, tally: Tally, it: int) -> list[list]:
+    """This rank's own groups of iteration `it` (no rollout ranks): generated in eval mode."""
+    job.run.engine.eval()
+    groups = sample(job.generating(), job.sampler, bool(job.mine), act, tally, it, job.completions)
+    job.run.engine.train()
+    return groups
 
 
 def checkpoint_state(job: RiptJob, state: RiptState) -> dict:
     """The loop state plus all ranks' sampler states, merged by task (a collective)."""
+    if job.feed is not None:  # the rollout ranks' samplers, and what they hold for trainer 0's rank file
+        return {"iteration": state.iteration, "ript": {**asdict(state), "sampler": job.feed.save_state()}}
     samplers = dist.all_gather_object(job.sampler.state())
     return {"iteration": state.iteration, "ript": {**asdict(state), "sampler": merge_states(samplers, job.shards)}}
 
@@ -294,68 +266,13 @@ class HeldOut:
             f"eval/{n}/success": t["success_rate"] for n, t in result["per_task"].items()}
 
 
-def run_episodes(job: RiptJob, act, jobs: list) -> list[Episode]:
-    """Rollouts of this rank's jobs. Under ZeRO-3 and expert parallelism generation is a collective, and vLLM's
-    engines step in lockstep (ds_train/ript/vllm_engine.py): every rank makes the same number of policy calls
-    (batches x turns), with dummy rows where it has nothing to do."""
-    r = job.run.cfg.ript
-    size = r.rollout_contexts * r.rloo_batch_size
-    if not (job.run.collective_forward or job.vllm is not None) or r.policy:  # generation of this rank's own
-        return rollout(act, job.run.tokenizer, jobs, size, max_new_tokens=r.max_new_tokens)
-    batches = int(dist.all_reduce_max([float(math.ceil(len(jobs) / size))])[0])
-    turns = max(t.max_turns for t in job.tasks.values())
-    episodes = []
-    for b in range(batches):
-        episodes += rollout(act, job.run.tokenizer, jobs[b * size:(b + 1) * size], size, turns=turns,
-                            max_new_tokens=r.max_new_tokens)
-    return episodes
-
-
-def sample(job: RiptJob, act, tally: Tally, it: int) -> list[list[Episode]]:
-    """Dynamic rollout sampling: this rank's accepted groups (each K episodes of one context)."""
-    import torch
-
-    r = job.run.cfg.ript
-    k, quota = r.rloo_batch_size, r.contexts_per_rank
-    target = math.ceil(r.early_stop_fraction * quota * sum(1 for s in job.shards if s))
-    groups: list[list[Episode]] = []
-    checked = rounds = 0
-    job.run.engine.eval()
-    while True:
-        job.run.beat(it, "rollout")  # a round: every rank all-reduces its progress
-        done = not job.mine or len(groups) >= quota or checked >= r.max_contexts_checked
-        accepted, busy = dist.all_reduce_sum([float(min(len(groups), quota)), float(not done)])
-        if busy == 0 or accepted >= target or rounds == r.max_sampling_rounds > 0:
-            break
-        rounds += 1
-        picked = [] if done else job.sampler.next(min(r.rollout_contexts, r.max_contexts_checked - checked), tally)
-        checked += len(picked)
-        episodes = run_episodes(job, act, [(task, ctx, i) for task, _, ctx in picked for i in range(k)])
-        job.completions.add(it, "train", episodes)
-        rewards = torch.tensor([[e.reward for e in episodes[g * k:(g + 1) * k]] for g in range(len(picked))])
-        keep_groups = keep_mask(rewards).tolist() if picked else []
-        for g, (task, index, _) in enumerate(picked):
-            group, keep = episodes[g * k:(g + 1) * k], keep_groups[g]
-            wins = sum(e.success for e in group)
-            tally.add(task.name, successes=wins, rollouts=k, checked=1, accepted=int(keep), rejected=int(not keep),
-                      truncated=sum(e.truncated for e in group), reward=sum(e.reward for e in group),
-                      reward_sq=sum(e.reward ** 2 for e in group), turns=sum(e.turns for e in group),
-                      tool_calls=sum(e.tool_calls for e in group), env_s=sum(e.env_seconds for e in group),
-                      **Counter(f"failed_{e.reason}" for e in group if e.reason))
-            job.sampler.record(task.name, index, wins, k)
-            if keep and len(groups) < quota:
-                groups.append(group)
-    job.run.engine.train()
-    return groups
-
-
 def evaluate(job: RiptJob, it: int) -> dict:
     """Greedy success on each task's held-out contexts (at iteration `it`); counts summed over ranks (exact)."""
     run, r = job.run, job.run.cfg.ript
     jobs = [(job.tasks[n], c, 0) for n in job.mine
             for c in job.tasks[n].contexts("heldout", r.eval_contexts, run.cfg.seed)]
     run.engine.eval()
-    episodes = run_episodes(job, job.policy(temperature=0.0), jobs)
+    episodes = run_episodes(job.generating(), job.policy(temperature=0.0), jobs)
     run.engine.train()
     job.completions.add(it, "eval", episodes)
     names = sorted({family(n) for n in job.tasks})  # a dataset task's parts add up under its name

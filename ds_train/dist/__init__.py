@@ -1,4 +1,5 @@
-"""The only module that touches torch.distributed / deepspeed.comm.
+"""The only package that touches torch.distributed / deepspeed.comm (this module, and the groups between
+the sides of a split job: ds_train/dist/bridge.py).
 
 Everything else receives `rank` and `world_size` as plain ints. Which rank this process is, from
 whichever launcher started it, is ds_train/topology.py's (`detect_env`, a `DistEnv`); `init` joins
@@ -36,21 +37,24 @@ def init(env: DistEnv, timeout_s: float = 1800, join_timeout_s: float = 300, hos
     """Join the process group through deepspeed.comm (gloo on the CPU, NCCL on GPUs).
 
     Several ranks meet first in the rendezvous store (`rendezvous`), so ranks that never arrive are
-    named; the process group is then built on that store."""
+    named; the process group is then built on that store. A rank of a split job (`env.split`: trainer and
+    rollout ranks) meets the whole job there, joins its side's world as its default group, and makes the
+    groups between the sides (ds_train/dist/bridge.py, `sides()`)."""
     import datetime
 
     import deepspeed
     import torch.distributed as tdist
     from deepspeed.accelerator import get_accelerator
 
-    port = env.master_port or free_port()  # several ranks must agree on it before any binds it
-    os.environ.update(RANK=str(env.rank), LOCAL_RANK=str(env.local_rank), WORLD_SIZE=str(env.world_size),
+    job = env.split.job if env.split else env
+    port = job.master_port or free_port()  # several ranks must agree on it before any binds it
+    os.environ.update(RANK=str(env.rank), LOCAL_RANK=str(job.local_rank), WORLD_SIZE=str(env.world_size),
                       LOCAL_WORLD_SIZE=str(env.local_world_size), MASTER_ADDR=env.master_addr,
                       MASTER_PORT=str(port))
     accel = get_accelerator()
     timeout = datetime.timedelta(seconds=timeout_s)
     if accel.device_name() == "cuda":
-        accel.set_device(env.local_rank)
+        accel.set_device(job.local_rank)
     # Every group made later (DeepSpeed's clone of the world for data parallelism, ZeRO's groups,
     # the token groups) takes torch's default timeout (30 min gloo, 10 min NCCL), not the world's:
     # without this, dist.timeout_s never applied to the collectives a training step runs.
@@ -59,21 +63,34 @@ def init(env: DistEnv, timeout_s: float = 1800, join_timeout_s: float = 300, hos
     distributed_c10d.default_pg_timeout = timeout
     if isinstance(getattr(distributed_c10d, "default_pg_nccl_timeout", None), datetime.timedelta):
         distributed_c10d.default_pg_nccl_timeout = timeout
-    kwargs = {"device_id": accel.device(env.local_rank)} if accel.device_name() == "cuda" else {}
-    if env.world_size == 1 and not env.master_port and not tdist.is_initialized():
+    kwargs = {"device_id": accel.device(job.local_rank)} if accel.device_name() == "cuda" else {}
+    backend = accel.communication_backend_name()
+    if job.world_size == 1 and not job.master_port and not tdist.is_initialized():
         # One process and no port given: its store binds a port the OS picks and holds it. A port
         # chosen first and bound later can be taken in between by another job on the host.
         store = _open_store(env, 0, timeout_s, True)
         os.environ["MASTER_PORT"] = str(store.port)
-        tdist.init_process_group(accel.communication_backend_name(), store=store, rank=0, world_size=1,
-                                 timeout=timeout, **kwargs)
-    if env.world_size > 1 and not tdist.is_initialized():
-        store = rendezvous(env, port, join_timeout_s, host or socket.gethostname())
-        tdist.init_process_group(accel.communication_backend_name(), store=store, rank=env.rank,
-                                 world_size=env.world_size, timeout=timeout, **kwargs)
-        if env.rank == backup_rank(env):
-            _serve_backup(env, store)
+        tdist.init_process_group(backend, store=store, rank=0, world_size=1, timeout=timeout, **kwargs)
+    if job.world_size > 1 and not tdist.is_initialized():
+        store = rendezvous(job, port, join_timeout_s, host or socket.gethostname())
+        side = tdist.PrefixStore(f"ds_train/{env.split.role}/", store) if env.split else store
+        tdist.init_process_group(backend, store=side, rank=env.rank, world_size=env.world_size, timeout=timeout,
+                                 **kwargs)
+        if job.rank == backup_rank(job):
+            _serve_backup(job, store)
+        if env.split:
+            from ds_train.dist.bridge import Bridge
+
+            _bridges[:] = [Bridge(env.split, store, backend, timeout)]
     deepspeed.init_distributed(auto_mpi_discovery=False, timeout=timeout)
+
+
+_bridges: list = []  # this process's Bridge, once a split job's init made it
+
+
+def sides():
+    """The groups between trainer and rollout ranks (ds_train/dist/bridge.py): a split job's, after `init`."""
+    return _bridges[0]
 
 
 def backup_rank(env: DistEnv) -> int:

@@ -1,0 +1,107 @@
+"""Asynchronous RL, the trainers' side (ript.rollout_ranks_per_node): each iteration the trainers send the rollout
+ranks the weights of the last update and take the batch the next update trains on (`RolloutFeed.batch`).
+
+Every exchange is a meeting of the whole job on the bridge (ds_train/dist/bridge.py), opened by trainer 0's word
+to the rollout ranks (ds_train/ript/rollout_ranks.py reads it): `batch` (weights, then episodes), `save` (their
+sampler and the batches they hold, for the trainers' checkpoint), `resume` (the same, back), `stop`. Between two
+meetings each side works on its own: the rollout ranks generate the batches ahead that ript.max_staleness allows
+while the trainers update.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from ds_train.errors import UserError
+from ds_train.ript.batches import Staleness, deal, from_wire
+from ds_train.ript.sampler import Tally, merge_states
+from ds_train.ript.weight_sync import policy_weights
+
+
+class RolloutFeed:
+    """The trainers' end of the bridge. `tasks`: every task as sharded over the rollout ranks (`shards`)."""
+
+    def __init__(self, run: Any, bridge: Any, tasks: dict, shards: list[list[str]]):
+        self.run, self.bridge, self.tasks, self.shards = run, bridge, tasks, shards
+        self.staleness = Staleness(run.cfg.ript.max_staleness)
+        self.saved: dict | None = None  # the rollout ranks' state at the last save (trainer 0's rank file)
+        self.open = True
+        self.in_meeting = False  # between a word and its answer (a failure there leaves the rollout ranks waiting)
+        self._restart()
+
+    def _restart(self) -> None:
+        self.waited_s = self.sent_s = self.rollout_waited_s = 0.0
+        self.queue_depth = self.batches = 0
+
+    def _word(self, **word) -> None:
+        self.bridge.broadcast(word)
+
+    def start(self, saved: dict | None, sampler: dict | None) -> None:
+        """A resume hands the rollout ranks what they held at the checkpoint (trainer 0's rank file) and their
+        samplers' positions; a fresh start, nothing. A checkpoint of another split is refused."""
+        ranks = len(self.shards)
+        if saved is not None and saved["rollout_ranks"] != ranks:
+            self.close()
+            raise UserError(f"ript.rollout_ranks_per_node: the checkpoint was saved with {saved['rollout_ranks']} "
+                            f"rollout rank(s), this job has {ranks}; resume with the same ranks per node and nodes "
+                            f"(the batches in flight belong to their ranks)")
+        self._word(kind="resume", held=saved["held"] if saved else None, sampler=sampler)
+
+    def batch(self, it: int, tally: Tally, completions: Any) -> list[list]:
+        """Update `it`'s groups for this trainer: the weights of update it - 1 to the rollout ranks (every trainer
+        walks them: gathered under ZeRO-3 and AutoTP, LoRA merged), then batch `it` from them, dealt over the
+        trainers, stale groups dropped. Trainer 0 counts every rollout rank's tally (summed exactly at the sync)."""
+        run = self.run
+        run.beat(it, "send-weights")
+        self.in_meeting = True
+        self._word(kind="batch", batch=it)
+        self.bridge.send_weights(policy_weights(run.engine.module))
+        self.sent_s += self.bridge.send_s
+        run.beat(it, "wait-rollouts")
+        t0 = time.perf_counter()
+        sent = [m for m in self.bridge.gather(None) if m is not None]  # job rank order: the rollout ranks' own
+        self.waited_s += time.perf_counter() - t0
+        self.in_meeting = False
+        groups = [[[from_wire(w, self.tasks) for w in g] for g in m["groups"]] for m in sent]
+        mine = deal(groups, run.plan.data_parallel_size)[run.data_rank]
+        if run.env.is_main:
+            for m in sent:
+                for name, counts in m["tally"].items():
+                    tally.add(name, **counts)
+            completions.add(it, "train", [e for by_rank in groups for g in by_rank for e, _ in g])
+        self.rollout_waited_s += max(m["waited_s"] for m in sent)
+        self.queue_depth = max(self.queue_depth, max(m["queue"] for m in sent))
+        self.batches += 1
+        return self.staleness.keep(mine, policy_version=it - 1)
+
+    def metrics(self) -> dict[str, float]:
+        """Since the last log: staleness, each side's wait for the other (per iteration), the rollout ranks' queue
+        depth (batches generated ahead) and the weights' send time (trainer 0's, per iteration)."""
+        n = max(1, self.batches)
+        out = self.staleness.metrics() | {
+            "async/trainer_wait_s": self.waited_s / n, "async/rollout_wait_s": self.rollout_waited_s / n,
+            "async/queue_depth": float(self.queue_depth), "async/weights_send_s": self.sent_s / n}
+        self.staleness.restart()
+        self._restart()
+        return out
+
+    def save_state(self) -> dict:
+        """For a checkpoint (every trainer): the rollout ranks' samplers merged by task; what each holds (the
+        batches generated ahead, where its sampler is) kept for trainer 0's rank file (`rank_state`)."""
+        self.in_meeting = True
+        self._word(kind="save")
+        held = [m for m in self.bridge.gather(None) if m is not None]
+        self.in_meeting = False
+        self.saved = {"rollout_ranks": len(held), "held": [{k: v for k, v in m.items() if k != "sampler"}
+                                                          for m in held]}
+        return merge_states([m["sampler"] for m in held], self.shards)
+
+    def rank_state(self) -> dict:
+        return {"async": self.saved} if self.run.env.is_main and self.saved else {}
+
+    def close(self) -> None:
+        """The rollout ranks leave (every trainer, once, at a meeting's boundary: the end of the run or a stop)."""
+        if self.open:
+            self.open = False
+            self._word(kind="stop")
