@@ -99,3 +99,14 @@ class Chatter:
         if self.turn < 3:
             return [{"role": "user", "content": "go on"}], 0.0, False, {}
         return [], float(len(turn["content"]) % 2 == 0), True, {}
+
+
+class Unhurried(Countdown):
+    """Countdown whose reset takes an uneven time (0-80 ms, drawn anew each episode): ranks finish their batches at
+    times that differ from batch to batch."""
+
+    def reset(self, sample: dict) -> list[dict]:
+        import random
+
+        time.sleep(random.uniform(0.0, 0.08))
+        return super().reset(sample)

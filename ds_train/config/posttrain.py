@@ -155,6 +155,10 @@ class RiptConfig(Section):
                 if getattr(self, key) > 0:  # a negative one: its range says it
                     errs.append(f"ript.{key}: {getattr(self, key)} needs rollout ranks (ript.rollout_ranks_per_node); "
                                 f"set them, or leave {key} out")
+        elif 0 < self.debug_stale_iteration < self.max_staleness + 2:
+            errs.append(f"ript.debug_stale_iteration: {self.debug_stale_iteration} cannot be generated from weights older "
+                        f"than ript.max_staleness={self.max_staleness} allows (there are none before update 0); "
+                        f"set it to {self.max_staleness + 2} or more")
         elif self.rollout_engine == "vllm":
             errs.append("ript.rollout_ranks_per_node with ript.rollout_engine=vllm: rollout ranks generate with the "
                         "policy's own generate for now; set rollout_engine=hf, or rollout_ranks_per_node=0 for vLLM")

@@ -1,0 +1,125 @@
+"""Asynchronous RL through the launcher (ds_train/ript/feed.py, rollout_ranks.py, ds_train/dist/bridge.py): rollout
+ranks beside trainer ranks in one job. k = 0 against the colocated run; staleness over uneven environment time,
+with a batch made stale on purpose; kill -9 while batches are queued, then the resume, bitwise, under ZeRO-3 and
+with LoRA."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT, TESTS_ON_PATH, node_launch, pids_with, reap, ript_config, run_cmd, spawn
+from test_ript_trainer import LR, MODEL_RIPT, MODEL_TRAIN, TEMPLATE, logged
+
+pytestmark = pytest.mark.slow
+
+ZERO2, ZERO3 = (str(ROOT / "ds_configs" / f"zero{s}.json") for s in (2, 3))
+
+
+def ript(cfg: Path, nproc: int, ds_config: str = ZERO2, *overrides: str) -> list[str]:
+    return [*node_launch(nproc), "--module", "ds_train", "ript", "--config", str(cfg), "--ds-config", ds_config,
+            f"data.chat_template={TEMPLATE}", *overrides]
+
+
+def test_with_staleness_0_rollout_ranks_train_on_current_weights_as_the_colocated_run_does(sft_policy, tmp_path):
+    """2 trainers and 2 rollout ranks (the last 2 of the node's 4), ript.max_staleness 0, against the colocated run
+    on 2 ranks: every batch comes from the current weights (staleness 0, the rollout ranks' log-probs the trainers'
+    own), and the run is the colocated one: the same losses, counts and evaluations."""
+    runs = {}
+    for name, nproc, extra in (("colocated", 2, {}), ("split", 4, {"rollout_ranks_per_node": 2})):
+        (tmp_path / name).mkdir()
+        cfg = ript_config(tmp_path / name, sft_policy, MODEL_TRAIN, {"lr": LR},
+                          **{**MODEL_RIPT, "iterations": 3, "sync_every": 1, "eval_every": 3, **extra})
+        res = run_cmd(ript(cfg, nproc), timeout=300, env=TESTS_ON_PATH)
+        assert res.returncode == 0, res.out[-4000:]
+        runs[name] = (logged(tmp_path / name / "run"), res.out)
+    (colocated, _), (split, out) = runs["colocated"], runs["split"]
+    assert "rollout ranks: the last 2 of every node's 4 (2 in all) generate, 2 train; ript.max_staleness 0" in out
+    assert sorted(colocated) == sorted(split) == [0, 1, 2, 3]
+    for it in (1, 2, 3):
+        assert split[it]["async/staleness_max"] == 0 and split[it]["async/staleness_0"] > 0
+        assert split[it]["async/stale_dropped"] == 0 and split[it]["async/queue_depth"] == 0
+        assert split[it]["rollout/logp_diff_max"] < 1e-5  # sampled by the weights the trainers hold
+        assert split[it]["async/weights_send_s"] > 0
+        for key in ("ript/accepted", "ript/rejected", "ript/checked", "ript/success_rate", "policy/tokens"):
+            assert split[it][key] == colocated[it][key], (it, key)
+        assert split[it]["policy/loss"] == pytest.approx(colocated[it]["policy/loss"], rel=1e-5, abs=1e-7)
+    assert split[3]["eval/success"] == colocated[3]["eval/success"]
+    assert json.loads((tmp_path / "split" / "run" / "env.json").read_text())["world_size"] == 2  # the trainers'
+
+
+def test_staleness_is_k_exactly_over_uneven_environment_time_and_an_older_batch_is_dropped(sft_policy, tmp_path):
+    """1 trainer and 2 rollout ranks, max_staleness 2, an environment whose every reset takes 0-80 ms: at update i
+    the episodes are min(i - 1, 2) updates old, never more. ript.debug_stale_iteration=5 makes batch 5 one update
+    older: the trainer drops all of it and counts it (the doctor names it)."""
+    sim = tmp_path / "sim.jsonl"
+    sim.write_text("".join(json.dumps({"n": i}) + "\n" for i in range(40)))
+    cfg = ript_config(tmp_path, sft_policy, {"micro_batch_size": 4, "global_batch_size": 8}, {"lr": LR},
+                      **{**MODEL_RIPT, "tasks": ["parity", {"name": "sim", "data": str(sim),
+                                                             "env": "ript_envs:Unhurried", "max_turns": 2}],
+                         "iterations": 6, "sync_every": 1, "eval_every": 0, "rollout_ranks_per_node": 2,
+                         "max_staleness": 2, "debug_stale_iteration": 5})
+    res = run_cmd(ript(cfg, 3), timeout=300, env=TESTS_ON_PATH)
+    assert res.returncode == 0, res.out[-4000:]
+    got = logged(tmp_path / "run")
+    for it in range(1, 7):
+        ages = {int(k.rsplit("_", 1)[1]): v for k, v in got[it].items() if k.startswith("async/staleness_")
+                and k.rsplit("_", 1)[1].isdigit()}
+        if it == 5:
+            assert ages == {} and got[it]["async/stale_dropped"] > 0, got[it]
+            continue
+        assert list(ages) == [min(it - 1, 2)] and got[it]["async/stale_dropped"] == 0, (it, got[it])
+        assert got[it]["async/staleness_max"] == min(it - 1, 2) <= 2
+    assert got[6]["async/queue_depth"] == 0  # nothing is generated past the last iteration
+    assert any(got[it]["async/queue_depth"] == 1 for it in range(1, 5))  # k = 2: one batch held beyond the next
+    doctor = run_cmd(["ds-train", "doctor", str(tmp_path / "run")], timeout=120)
+    assert "rollouts_dropped_stale" in doctor.out, doctor.out
+
+
+@pytest.mark.parametrize("layout", ["zero3", "lora"])
+def test_kill_9_while_batches_are_queued_then_the_resume_is_bitwise(sft_policy, tmp_path, layout):
+    """2 trainers and a rollout rank, max_staleness 1, a checkpoint every 2 iterations: killed with SIGKILL (every
+    process of the job at once) after iteration 3, while the rollout rank holds batch 4 or generates it; the same
+    command resumes from iteration 2, takes back the batch the checkpoint holds, and ends with the weights of the
+    uninterrupted run, bitwise."""
+    ds_config, extra = (ZERO3, ("checkpoint.every=2",)) if layout == "zero3" else (
+        ZERO2, ("checkpoint.every=2", "model.lora.rank=4", "model.lora.target_modules=[q_proj,v_proj]"))
+    dirs = {}
+    for name in ("straight", "killed"):
+        (tmp_path / name).mkdir()
+        cfg = ript_config(tmp_path / name, sft_policy, MODEL_TRAIN, {"lr": LR},
+                          **{**MODEL_RIPT, "iterations": 5, "sync_every": 1, "eval_every": 0,
+                             "rollout_ranks_per_node": 1, "max_staleness": 1})
+        dirs[name] = (cfg, tmp_path / name / "run")
+    cfg, run_dir = dirs["straight"]
+    res = run_cmd(ript(cfg, 3, ds_config, *extra), timeout=300, env=TESTS_ON_PATH)
+    assert res.returncode == 0, res.out[-4000:]
+
+    cfg, run_dir = dirs["killed"]
+    proc = spawn(ript(cfg, 3, ds_config, *extra), env=TESTS_ON_PATH)
+    deadline = time.monotonic() + 240
+    while not (run_dir / "metrics.jsonl").is_file() or 3 not in logged(run_dir):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0][-3000:]
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGKILL)
+    reap(proc, timeout=30)
+    assert not pids_with(str(run_dir))
+    assert (run_dir / "checkpoints" / "latest").read_text() == "step_00000002"
+    res = run_cmd(ript(cfg, 3, ds_config, *extra), timeout=300, env=TESTS_ON_PATH)
+    assert res.returncode == 0, res.out[-4000:]
+    assert "resumed from" in res.out and "at iteration 2" in res.out
+    a, b = logged(dirs["straight"][1]), logged(run_dir)
+    for it in (3, 4, 5):
+        for key in ("ript/accepted", "ript/checked", "policy/tokens", "async/staleness_max"):
+            assert a[it][key] == b[it][key], (it, key)
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    wa, wb = (get_fp32_state_dict_from_zero_checkpoint(str(d / "checkpoints"), tag="step_00000005")
+              for d in (dirs["straight"][1], run_dir))
+    assert wa.keys() == wb.keys() and len(wa) > 0
+    assert [n for n in wa if not wa[n].equal(wb[n])] == []  # tensor by tensor, bitwise
