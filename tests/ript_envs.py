@@ -110,3 +110,11 @@ class Unhurried(Countdown):
 
         time.sleep(random.uniform(0.0, 0.08))
         return super().reset(sample)
+
+
+class Sluggish(Countdown):
+    """Countdown whose every reset takes 200 ms: rollouts slower than the update (a trainer starved)."""
+
+    def reset(self, sample: dict) -> list[dict]:
+        time.sleep(0.2)
+        return super().reset(sample)

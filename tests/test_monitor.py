@@ -118,3 +118,27 @@ def test_an_environment_runs_turns_tool_calls_faults_and_time_in_environments_sh
     assert "2.5" in curves["turns / episode"] and "1.25" in curves["tool calls / episode"], text
     assert "0.375" in curves["ended by a fault"] and "0.125" in curves["time in environments"], text
     assert "episodes ended by a fault at iteration 3: malformed_call 4, tool_error 2" in text, text
+
+
+def test_rollout_ranks_staleness_waits_queue_and_weights_show():
+    """Asynchronous RL (ript.rollout_ranks_per_node): the staleness, each side's wait, the weights' send time as
+    curves; the episodes by staleness, the batches held ahead and the stale drops of the last log in a line."""
+    import tempfile
+    from pathlib import Path
+
+    tmp = Path(tempfile.mkdtemp())
+    run = make_run(tmp / "r", kind="ript", target=6, steps=(2,), statuses=("running",))
+    with open(run / "metrics.jsonl", "a") as fh:
+        for step, wait in ((3, 0.5), (4, 0.25)):
+            fh.write(json.dumps({"step": step, "ript/success_rate": 0.25, "async/staleness_mean": 1.0,
+                                 "async/staleness_max": 1.0, "async/staleness_1": 16.0, "async/stale_dropped": 8.0,
+                                 "async/trainer_wait_s": wait, "async/rollout_wait_s": 0.125,
+                                 "async/queue_depth": 1.0, "async/weights_send_s": 0.0625}) + "\n")
+    text = frame(run)
+    curves = {label: line for label in ("staleness (updates)", "trainers waited (s)", "rollout ranks waited (s)",
+                                        "weights sent (s)") for line in text.splitlines()
+              if line.strip("│ ").startswith(label)}
+    assert "0.25" in curves["trainers waited (s)"] and "0.125" in curves["rollout ranks waited (s)"], text
+    assert "1" in curves["staleness (updates)"] and "0.0625" in curves["weights sent (s)"], text
+    assert ("rollout ranks at iteration 4: episodes by staleness 1: 16; batches held ahead 1; dropped as stale 8"
+            in " ".join(text.split())), text

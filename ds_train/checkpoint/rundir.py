@@ -120,7 +120,9 @@ RIPT = RunKind(
             ("truncated", "ript/truncated_frac"), ("KL", "policy/kl"), ("policy loss", "policy/loss"),
             ("rollouts/s", "perf/rollouts_per_s"), ("turns / episode", "ript/turns_mean"),
             ("tool calls / episode", "ript/tool_calls_mean"), ("ended by a fault", "ript/env_failed_frac"),
-            ("time in environments", "perf/env_frac")),
+            ("time in environments", "perf/env_frac"), ("staleness (updates)", "async/staleness_mean"),
+            ("trainers waited (s)", "async/trainer_wait_s"), ("rollout ranks waited (s)", "async/rollout_wait_s"),
+            ("weights sent (s)", "async/weights_send_s")),
     figures=("success", "heldout", "rewards"), progress=("ript/success_rate", "success"), per_task=True)
 KINDS = {kind.name: kind for kind in (TRAIN, RIPT)}
 

@@ -18,6 +18,7 @@ from pathlib import Path
 from ds_train.checkpoint.rundir import RunPaths, read_run
 from ds_train.errors import UserError
 from ds_train.observe.doctor_fixes import fixes
+from ds_train.observe.rl_findings import RL_TITLES, rl_findings, rl_statistics
 
 # (class, title, pattern). Order: most specific first; a line takes the first class that matches.
 PATTERNS: list[tuple[str, str, str]] = [
@@ -75,22 +76,13 @@ PATTERNS: list[tuple[str, str, str]] = [
 # Causes before consequences: the finding of the class listed first heads the report.
 PRIORITY = ["config_error", "missing_module", "op_build", "ssh", "port_in_use", "wandb_login", "disk_full", "cuda_oom",
             "cuda_error", "cpu_oom", "nccl_error", "nccl_timeout", "rendezvous", "nonfinite", "hang", "killed_rank",
-            "rank_error", "rl_env_failing", "rl_truncated", "rl_no_signal", "rollout_mismatch", "router_collapse"]
+            "rank_error", "rl_env_failing", "rl_truncated", "rl_no_signal", "rl_stale_dropped", "rl_trainer_starved",
+            "rollout_mismatch", "router_collapse"]
 COMPILED = [(cls, title, re.compile(p)) for cls, title, p in PATTERNS]
 RANK_ERROR = next(p for cls, _, p in COMPILED if cls == "rank_error")
 # Findings of a post-training run's statistics (metrics.jsonl), not of its logs.
-TITLES = {cls: title for cls, title, _ in PATTERNS} | {
-    "rl_no_signal": "post-training without a learning signal: every group's rewards were equal",
-    "rl_truncated": "post-training rollouts cut off at their token limit",
-    "rl_env_failing": "post-training episodes all ended by a fault of their environment or tool calls",
-    "rollout_mismatch": "the rollout engine's log-probs drift from the trainer's: vLLM samples from another policy",
+TITLES = {cls: title for cls, title, _ in PATTERNS} | RL_TITLES | {
     "router_collapse": "a collapsed mixture-of-experts router: one expert takes most of a layer's tokens"}
-RL_RECENT = 5  # the syncs a post-training finding looks at
-RL_NO_SIGNAL = 0.95  # the share of groups with equal rewards above which nothing is learned
-RL_TRUNCATED = 0.5  # the share of truncated rollouts above which the limit decides the reward
-# vLLM's log-prob of a sampled token against the trainer's, |difference| averaged over tokens (fp32 on a CPU:
-# 1e-6; bf16 on GPUs: about 1e-2): drift once it reaches this and twice the run's first
-ROLLOUT_DRIFT = 0.05
 ROUTER_RECENT = 5  # the logged steps a collapsed router must show it on, each
 ROUTER_COLLAPSED = 0.5  # the share of a layer's tokens choosing one expert (and 2x a uniform router's) that is collapse
 # Lines that look alarming and are not: DeepSpeed's and torch's routine warnings.
@@ -242,78 +234,17 @@ def _from_records(view, found: dict[str, Finding]) -> None:
         f.where = f"rank {first.get('rank')} on {first.get('addr') or first.get('host')}" if first else f.where
     if not view.hang and view.state()[0] in ("dead", "not started") and view.heartbeats:
         _stuck_without_report(view, found)
-    if view.kind.name == "ript":
-        _post_training(view, found)
-        _rollout_mismatch(view, found)
+    if view.kind.name == "ript":  # the statistics of a post-training run (ds_train/observe/rl_findings.py)
+        for cls, evidence, context in rl_findings(view.metrics):
+            f = found.setdefault(cls, Finding(cls, TITLES[cls]))
+            f.evidence += evidence
+            f.context += context
     _router_collapse(view, found)
     losses = [r.get("train/loss") for r in view.metrics[-3:]]
     bad = [x for x in losses if isinstance(x, float) and not math.isfinite(x)]
     if bad:
         f = found.setdefault("nonfinite", Finding("nonfinite", TITLES["nonfinite"]))
         f.evidence.append(f"metrics.jsonl: train/loss {bad[-1]} at step {view.metrics[-1]['step']}")
-
-
-def rl_statistics(view) -> str:
-    """A post-training run's statistics at its last sync, one line (empty for other runs)."""
-    synced = [r for r in view.metrics if "ript/checked" in r]
-    if view.kind.name != "ript" or not synced:
-        return ""
-    last = synced[-1]
-    keys = (("reward mean", "ript/reward_mean"), ("reward std", "ript/reward_std"),
-            ("groups with equal rewards", "ript/frac_reward_zero_std"), ("truncated", "ript/truncated_frac"),
-            ("KL", "policy/kl"), ("held-out success", "eval/success"))
-    held = next((r["eval/success"] for r in reversed(view.metrics) if "eval/success" in r), None)
-    parts = [f"{label} {(held if key == 'eval/success' else last[key]):.3g}" for label, key in keys
-             if key in last or key == "eval/success" and held is not None]
-    return f"post-training statistics at iteration {last['step']}: " + ", ".join(parts)
-
-
-def _post_training(view, found: dict[str, Finding]) -> None:
-    """A post-training run that learns nothing: every episode of the last syncs ended by a fault of its
-    environment or tool calls, its groups all had equal rewards (all solved or all failed), or most
-    rollouts hit their token limit."""
-    recent = [r for r in view.metrics if "ript/checked" in r][-RL_RECENT:]
-    if not recent:
-        return
-    for cls, key, limit, what in (("rl_env_failing", "ript/env_failed_frac", 1.0, ""),
-                                  ("rl_no_signal", "ript/frac_reward_zero_std", RL_NO_SIGNAL,
-                                   "of the groups had K equal rewards"),
-                                  ("rl_truncated", "ript/truncated_frac", RL_TRUNCATED,
-                                   "of the rollouts were truncated")):
-        values = [r.get(key) for r in recent]
-        if cls == "rl_env_failing" and all(isinstance(v, (int, float)) and v >= limit for v in values):
-            reasons: dict[str, float] = {}
-            for r in recent:
-                for k, n in r.items():
-                    if k.startswith("ript/env_failed/"):
-                        reasons[k.rsplit("/", 1)[1]] = reasons.get(k.rsplit("/", 1)[1], 0) + n
-            f = found.setdefault(cls, Finding(cls, TITLES[cls]))
-            f.evidence.append(f"metrics.jsonl: iterations {recent[0]['step']}-{recent[-1]['step']}: every episode "
-                              f"ended by a fault: " + ", ".join(f"{k} {n:g}" for k, n in
-                                                                 sorted(reasons.items(), key=lambda x: -x[1])))
-            f.context.append("completions.jsonl (ript.log_completions) holds each episode's turns and its reason")
-            continue
-        if all(isinstance(v, (int, float)) and v >= limit for v in values):
-            f = found.setdefault(cls, Finding(cls, TITLES[cls]))
-            f.evidence.append(f"metrics.jsonl: iterations {recent[0]['step']}-{recent[-1]['step']}: "
-                              f"{min(values):.0%}-{max(values):.0%} {what}")
-            success = [r.get("ript/success_rate") for r in recent]
-            if cls == "rl_no_signal" and all(isinstance(x, (int, float)) for x in success):
-                f.context.append(f"success rate {min(success):.2f}-{max(success):.2f}")
-
-
-def _rollout_mismatch(view, found: dict[str, Finding]) -> None:
-    """Rollouts whose engine's log-probs (vLLM's) moved away from the trainer's over the run: the last
-    sync's mean difference at least ROLLOUT_DRIFT and twice the first's."""
-    synced = [r for r in view.metrics if "rollout/logp_diff_mean" in r]
-    if len(synced) < 2:
-        return
-    first, last = synced[0], synced[-1]
-    if last["rollout/logp_diff_mean"] >= max(ROLLOUT_DRIFT, 2 * first["rollout/logp_diff_mean"]):
-        f = found.setdefault("rollout_mismatch", Finding("rollout_mismatch", TITLES["rollout_mismatch"]))
-        f.evidence.append(f"metrics.jsonl: rollout/logp_diff_mean {first['rollout/logp_diff_mean']:.2g} at iteration "
-                          f"{first['step']} -> {last['rollout/logp_diff_mean']:.2g} at iteration {last['step']} "
-                          f"({last.get('rollout/logp_diff_frac_over_0.1', 0):.0%} of the tokens off by more than 0.1)")
 
 
 def _router_collapse(view, found: dict[str, Finding]) -> None:
@@ -399,7 +330,8 @@ def format_findings(target: str, findings: list[Finding]) -> str:
 def doctor(paths: list[str]) -> int:
     findings = diagnose(*paths)
     for path in paths:  # a post-training run's numbers, whatever was found
-        said = rl_statistics(read_run(path)) if Path(path).is_dir() else ""
+        view = read_run(path) if Path(path).is_dir() else None
+        said = rl_statistics(view.metrics) if view is not None and view.kind.name == "ript" else ""
         if said:
             print(f"ds-train doctor: {path}: {said}")
     print(format_findings(" ".join(paths), findings))

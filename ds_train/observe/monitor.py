@@ -148,6 +148,14 @@ def render(view: RunView):
             f"{k.rsplit('/', 1)[1]} {v:g}" for k, v in sorted(faults.items(), key=lambda x: -x[1]
                                                                 if isinstance(x[1], (int, float)) else 0)
             if k.startswith("ript/env_failed/"))))
+    fed = next((r for r in reversed(view.metrics) if "async/staleness_max" in r), {})
+    if fed:  # rollout ranks: how old the episodes were, what they held ahead, what was dropped
+        ages = sorted((int(k.rsplit("_", 1)[1]), v) for k, v in fed.items()
+                      if k.startswith("async/staleness_") and k.rsplit("_", 1)[1].isdigit())
+        parts.append(Text(f"rollout ranks at iteration {fed.get('step')}: episodes by staleness "
+                          + (", ".join(f"{a}: {n:g}" for a, n in ages) or "none kept")
+                          + f"; batches held ahead {fed.get('async/queue_depth', 0):g}; dropped as stale "
+                            f"{fed.get('async/stale_dropped', 0):g}"))
     if view.kind.per_task:
         parts.append(_task_table(view))
 

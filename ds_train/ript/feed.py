@@ -53,15 +53,18 @@ class RolloutFeed:
         walks them: gathered under ZeRO-3 and AutoTP, LoRA merged), then batch `it` from them, dealt over the
         trainers, stale groups dropped. Trainer 0 counts every rollout rank's tally (summed exactly at the sync)."""
         run = self.run
-        run.beat(it, "send-weights")
+        run.beat(it, "wait-rollouts")  # the word waits for the rollout ranks to finish what they generate ahead
         self.in_meeting = True
-        self._word(kind="batch", batch=it)
-        self.bridge.send_weights(policy_weights(run.engine.module))
-        self.sent_s += self.bridge.send_s
-        run.beat(it, "wait-rollouts")
         t0 = time.perf_counter()
+        self._word(kind="batch", batch=it)
+        t1 = time.perf_counter()
+        run.beat(it, "send-weights")
+        self.bridge.send_weights(policy_weights(run.engine.module))
+        t2 = time.perf_counter()
+        run.beat(it, "wait-rollouts")
         sent = [m for m in self.bridge.gather(None) if m is not None]  # job rank order: the rollout ranks' own
-        self.waited_s += time.perf_counter() - t0
+        self.waited_s += (t1 - t0) + (time.perf_counter() - t2)
+        self.sent_s += t2 - t1
         self.in_meeting = False
         groups = [[[from_wire(w, self.tasks) for w in g] for g in m["groups"]] for m in sent]
         mine = deal(groups, run.plan.data_parallel_size)[run.data_rank]
