@@ -5,6 +5,7 @@ evaluate, and the run's inputs (`RiptInputs`); the RunSpec of a ript run (`ript_
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -67,6 +68,8 @@ class RiptInputs:
     engine: str  # what generates the rollouts: "the policy's generate", or the vLLM package and version
     rollout_tasks: dict  # with rollout ranks (ript.rollout_ranks_per_node): the tasks as they shard over them
     rollout_shards: list[list[str]]  # (without: `tasks` and `shards`, the same ranks sample and evaluate)
+    quota: int  # the accepted groups a sampling rank gathers an iteration: ript.contexts_per_rank for each
+    #            trainer's share, spread over the rollout ranks where there are
 
     @classmethod
     def check(cls, cfg: RunConfig, ds_config_path: str, env, spec: RunSpec) -> "RiptInputs":
@@ -79,9 +82,17 @@ class RiptInputs:
         engine = check_rollout_engine(cfg, run.source.hf_config, trainers.world_size, trainers.local_world_size)
         every = load_tasks(cfg, run.source.tokenizer, run.source.hf_config)
         tasks, shards = cls.sharded(cfg, every, plan_dims(cfg.parallel, trainers.world_size).data)
-        rollout = cls.sharded(cfg, every, env.split.world("rollout").world_size) if env.split else (tasks, shards)
+        data = plan_dims(cfg.parallel, trainers.world_size).data
+        rollout, quota = (tasks, shards), r.contexts_per_rank
+        if env.split:
+            ranks = env.split.world("rollout").world_size
+            rollout, quota = cls.sharded(cfg, every, ranks), r.contexts_per_rank * data // ranks
+            if r.contexts_per_rank * data % ranks:
+                raise UserError(f"ript.contexts_per_rank={r.contexts_per_rank}: the {data} trainer(s) take "
+                                f"{r.contexts_per_rank * data} groups an iteration, which {ranks} rollout ranks cannot "
+                                f"share evenly; set contexts_per_rank to a multiple of {ranks // math.gcd(ranks, data)}")
         scripted = load_scripted(r.policy) if r.policy else None
-        return cls(tasks, shards, scripted, run, engine, *rollout)
+        return cls(tasks, shards, scripted, run, engine, *rollout, quota)
 
     @classmethod
     def sharded(cls, cfg: RunConfig, tasks: dict, ranks: int) -> tuple[dict, list[list[str]]]:

@@ -77,7 +77,8 @@ class RolloutRank:
                     model_policy(self.model, self.tokenizer, self.r.max_new_tokens, self.r.temperature, False,
                                  list(self.tasks.values())))
         self.generating = Generating(self.r, self.tokenizer, self.tasks, lockstep=False, beat=lambda *_: None,
-                                     ranks_with_tasks=sum(1 for s in shards if s), seed=cfg.seed, rank=env.rank)
+                                     ranks_with_tasks=sum(1 for s in shards if s), seed=cfg.seed, rank=env.rank,
+                                     quota=inputs.quota)
         self.held = Held()
         self.waited_s = 0.0
 

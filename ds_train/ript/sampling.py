@@ -33,6 +33,7 @@ class Generating:
     ranks_with_tasks: int
     seed: int
     rank: int  # this rank's place among its side's samplers (the batch seed's)
+    quota: int  # the accepted groups it gathers a batch
 
 
 def run_episodes(g: Generating, act, jobs: list) -> list[Episode]:
@@ -58,7 +59,7 @@ def sample(g: Generating, sampler: ContextSampler, owns_tasks: bool, act, tally:
     import torch
 
     r = g.r
-    k, quota = r.rloo_batch_size, r.contexts_per_rank
+    k, quota = r.rloo_batch_size, g.quota
     target = math.ceil(r.early_stop_fraction * quota * g.ranks_with_tasks)
     torch.manual_seed(batch_seed(g.seed, g.rank, batch))
     groups: list[list[Episode]] = []

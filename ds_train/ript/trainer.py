@@ -74,7 +74,8 @@ class RiptJob:
     def generating(self) -> Generating:
         run = self.run
         return Generating(run.cfg.ript, run.tokenizer, self.tasks, run.collective_forward or self.vllm is not None,
-                          run.beat, sum(1 for s in self.shards if s), run.cfg.seed, run.data_rank)
+                          run.beat, sum(1 for s in self.shards if s), run.cfg.seed, run.data_rank,
+                          run.cfg.ript.contexts_per_rank)
 
     def policy(self, temperature: float):
         run = self.run
@@ -126,7 +127,7 @@ def ript(cfg: RunConfig, ds_config_path: str) -> dict:
                     f"{env.split.job.local_world_size} ({env.split.world('rollout').world_size} in all) generate, "
                     f"{env.world_size} train; ript.max_staleness {r.max_staleness}")
         run.say(format_shards(inputs.rollout_shards, RiptInputs.costs(cfg, inputs.rollout_tasks)))
-        run.say(f"K={r.rloo_batch_size}; quota {r.contexts_per_rank} contexts per rank; policy "
+        run.say(f"K={r.rloo_batch_size}; quota {inputs.quota} contexts per {'rollout ' if env.split else ''}rank; policy "
                 f"{r.policy or cfg.model.path}; {describe_algorithm(cfg)}; rollouts: {inputs.engine}")
         report_reference(run, job.reference)
         with feeding(job):
