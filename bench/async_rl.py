@@ -9,13 +9,14 @@ same), ENV_WORKERS tool workers on the rollout rank (ript.env_workers), both fix
 of 2 ranks: a trainer and a rollout rank (ript.rollout_ranks_per_node=1). Per seed (1234, 1235): synchronous
 (ript.max_staleness=0: the rollout rank generates batch i from the weights of update i - 1 while the trainer
 waits, then the trainer updates while the rollout rank waits) and asynchronous (max_staleness=1: batch i + 1 is
-generated while update i runs), both with ript.tis_cap=2 (the weights are 1 wherever the episodes are current).
+generated while update i runs), both with 4 PPO epochs an iteration (ript.ppo_epochs=4: an update about as
+long as the generation it overlaps) and ript.tis_cap=2 (the weights are 1 wherever the episodes are current).
 
 Measured: the wall time of the iterations (the sum of perf/iteration_s: the same number of updates, without the
 start-up), and held-out success of the last checkpoint over every held-out problem (a quarter of the 4,000,
 ript heldout_fraction 0.25: at least 800), evaluated greedily in this process with ds_train's calculator (the same
 answers, no sleep). Writes runs/bench_async/summary.json and, unless --no-write, BENCHMARKS.md's block
-`async-bench` (date, machine, versions, commands, numbers).
+`async-bench` (date, machine, versions, commands, numbers) and docs/post_training.md's `async-doc` (the figures).
 
 --reduced: 2 iterations of a small batch and a 2M-parameter stand-in for the weights' send, writing nothing: a
 check that the bench runs end to end (tests/test_doc_commands.py), measuring nothing.
@@ -42,14 +43,15 @@ from bench import cli  # noqa: E402
 from ds_train.ript.tools import calculator as _calculator  # noqa: E402
 
 TOOL_SECONDS = 0.2  # every tool call's time (the environment step)
-ENV_WORKERS = 8  # tool workers on the rollout rank (ript.env_workers)
+ENV_WORKERS = 32  # tool workers on the rollout rank (ript.env_workers)
 SEEDS = (1234, 1235)
 OUT = ROOT / "runs" / "bench_async"
 TASK = ("ript.tasks=[{name: products, data: recipes/data/products.jsonl, tools: ['bench.async_rl:calculator'], "
         "verifier: numeric, max_turns: 3, heldout_fraction: 0.25}]")
 EVAL_TASK = [{"name": "products", "data": "recipes/data/products.jsonl", "tools": ["ds_train.ript.tools:calculator"],
               "verifier": "numeric", "max_turns": 3, "heldout_fraction": 0.25}]
-COMMON = ("train.global_batch_size=32", "ript.ppo_epochs=2", "ript.rollout_ranks_per_node=1", "ript.tis_cap=2", f"ript.env_workers={ENV_WORKERS}", "ript.sync_every=1",
+COMMON = ("train.global_batch_size=32", "ript.ppo_epochs=4", "ript.rollout_ranks_per_node=1", "ript.tis_cap=2",
+          f"ript.env_workers={ENV_WORKERS}", "ript.sync_every=1",
           "ript.eval_every=0", "ript.eval_contexts=8", "log.plots=false", "checkpoint.every=0")
 REDUCED = ("ript.rloo_batch_size=4", "ript.contexts_per_rank=2", "ript.rollout_contexts=2",
            "ript.max_contexts_checked=4", "train.micro_batch_size=8", "train.global_batch_size=8")  # after COMMON
@@ -85,10 +87,13 @@ def train(seed: int, k: int, iterations: int, reduced: bool) -> dict:
     per_it = [r["perf/iteration_s"] for r in rows if "perf/iteration_s" in r]
     assert len(per_it) == iterations, f"{out}: {len(per_it)} iterations logged of {iterations}"
     last = rows[-1]
+
+    def mean(key: str, digits: int) -> float:
+        return round(statistics.mean(r[key] for r in rows if key in r), digits)
+
     return {"k": k, "seed": seed, "iterations_s": round(sum(per_it), 2), "launched_s": round(launched, 1),
-            "trainer_wait_s": round(statistics.mean(r["async/trainer_wait_s"] for r in rows if "async/trainer_wait_s" in r), 3),
-            "rollout_wait_s": round(statistics.mean(r["async/rollout_wait_s"] for r in rows if "async/rollout_wait_s" in r), 3),
-            "weights_send_s": round(statistics.mean(r["async/weights_send_s"] for r in rows if "async/weights_send_s" in r), 4),
+            "trainer_wait_s": mean("async/trainer_wait_s", 3), "rollout_wait_s": mean("async/rollout_wait_s", 3),
+            "weights_send_s": mean("async/weights_send_s", 4),
             "staleness_max": max(r.get("async/staleness_max", 0) for r in rows), "run": str(out.relative_to(ROOT)),
             "success_in_loop": last.get("eval/success")}
 
@@ -102,7 +107,8 @@ def heldout(run_dir: Path, seed: int, reduced: bool) -> dict:
     hf = run_dir.parent / f"hf_{run_dir.name}"
     if not hf.exists():
         export(run_dir, hf)
-    cfg = load_config(ROOT / "recipes" / "tool_demo.yaml", [f"seed={seed}", f"ript.eval_contexts={16 if reduced else 100000}"])
+    cfg = load_config(ROOT / "recipes" / "tool_demo.yaml",
+                      [f"seed={seed}", f"ript.eval_contexts={16 if reduced else 100000}"])
     cfg = _with_tasks(cfg, EVAL_TASK)
     got = heldout_success(hf, cfg)
     got["contexts"] = _heldout_count(cfg, hf)
@@ -194,8 +200,9 @@ def table(rows: list[dict], send: dict) -> str:
              "rollout rank waited s/it | weights sent s/it | staleness max |", "|---|---|---|---|---|---|---|---|---|"]
     for k, arm in ((0, "synchronous (k=0)"), (1, "asynchronous (k=1)")):
         for r in by_k[k]:
-            lines.append(f"| {arm} | {r['seed']} | {r['iterations_s']:.1f} | {r['success_rate']:.3f} | {r['contexts']} | "
-                         f"{r['trainer_wait_s']:.3f} | {r['rollout_wait_s']:.3f} | {r['weights_send_s']:.4f} | "
+            lines.append(f"| {arm} | {r['seed']} | {r['iterations_s']:.1f} | {r['success_rate']:.3f} | "
+                         f"{r['contexts']} | {r['trainer_wait_s']:.3f} | {r['rollout_wait_s']:.3f} | "
+                         f"{r['weights_send_s']:.4f} | "
                          f"{r['staleness_max']:g} |")
     wall = {k: statistics.mean(r["iterations_s"] for r in by_k[k]) for k in by_k}
     succ = {k: statistics.mean(r["success_rate"] for r in by_k[k]) for k in by_k}
@@ -260,9 +267,10 @@ def write(summary: dict, text: str) -> None:
              f"`deepspeed --num_gpus 2 --module ds_train ript --config recipes/tool_demo.yaml --ds-config "
              f"ds_configs/zero2.json` with the tool slowed to {summary['tool_seconds'] * 1000:.0f} ms a call, "
              f"{summary['env_workers']} tool workers on the rollout rank, ript.rollout_ranks_per_node=1 (a trainer "
-             f"and a rollout rank), ript.tis_cap=2, {summary['iterations']} iterations, ript.max_staleness 0 and "
-             f"1.\n\n" + text)
+             f"and a rollout rank), train.global_batch_size=32, ript.ppo_epochs=4, ript.tis_cap=2, "
+             f"{summary['iterations']} iterations, ript.max_staleness 0 and 1.\n\n" + text)
     rewrite(ROOT / "BENCHMARKS.md", "async-bench", block)
+    rewrite(ROOT / "docs" / "post_training.md", "async-doc", text.split("\n\n", 1)[1])  # the figures, not the table
 
 
 if __name__ == "__main__":

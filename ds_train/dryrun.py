@@ -36,7 +36,8 @@ from ds_train.observe.metrics import PEAK_TFLOPS, memory_gib, peak_flops
 from ds_train.plan.memory import GiB, ModelShape, model_shape
 from ds_train.plan.parallel import Layout, check_layout
 from ds_train.plan.planner import (Target, engine_bytes, engine_weights_bytes, format_rows, format_suggestions,
-                                   fused_kernels, pick_preset, plan_rows, rank_seq_len, resolved_zero, suggestions)
+                                   fused_kernels, pick_preset, plan_rows, rank_seq_len, resolved_zero, rollout_split,
+                                   suggestions, trainers)
 from ds_train.start import build_run
 from ds_train.train.loop import run_step, train_spec
 from ds_train.train.losses import forward_loss
@@ -92,6 +93,7 @@ def _estimate(cfg: RunConfig, ds_config_path: str, target: Target, preset: str |
     """The estimate and the layout it checked (check_layout: the run's own check, at the target's world)."""
     template = read_ds_template(ds_config_path)
     shape, hf_config = resolve_shape(cfg)
+    whole, target = target, trainers(cfg, target)  # with rollout ranks, the rest of each node trains
     layout = check_layout(cfg, template, target.world, hf_config)
     dims = layout.dims
     check_lora(cfg.model.lora, hf_config, library=False)  # the plan is for GPUs, not this machine
@@ -114,6 +116,9 @@ def _estimate(cfg: RunConfig, ds_config_path: str, target: Target, preset: str |
         if weights >= engine:  # vLLM cannot start: no room for a KV cache in its share
             for r in rows:
                 r["fits"] = False
+    if cfg.ript.rollout_ranks_per_node or engine:  # an RL plan: what a node can give to rollout ranks
+        out["rollout_ranks"] = rollout_split(shape, cfg, zero, whole, dtype) | {
+            "per_node": cfg.ript.rollout_ranks_per_node}
     given = next(r for r in rows if r["given"])
     if not given["fits"]:
         out["suggestions"] = suggestions(shape, cfg, zero, target, dtype)
@@ -158,6 +163,8 @@ def format_estimate(out: dict, target: Target) -> str:
         lines.insert(1, f"rollouts: vLLM in each rank's process, {e['fraction']:g} of each GPU = {e['gib']:.2f} GiB "
                         f"(its weights {e['weights_gib']:.2f} GiB, {spread}; {room}); it sleeps while the "
                         f"policy trains: the peak is the larger of the update's and the model states + vLLM's")
+    if out.get("rollout_ranks"):
+        lines.insert(1, rollout_said(out["rollout_ranks"], out["dtype"]))
     if out.get("suggestions"):
         lines.append("does not fit; changes ranked by cost, with the predicted per-GPU peak:")
         lines += format_suggestions(out["suggestions"])
@@ -166,6 +173,23 @@ def format_estimate(out: dict, target: Target) -> str:
         lines.append(f"preset {p['preset']} (<= {p['memory_fraction']:.0%} of GPU memory): "
                      f"--ds-config {p['ds_config']} {p['overrides']}  ({p['gpu_peak_gib']:.2f} GiB)")
     return "\n".join(lines)
+
+
+def rollout_said(r: dict, dtype: str) -> str:
+    """Rollout ranks: how a node splits (the plan's rows are the trainers' when ript.rollout_ranks_per_node is set),
+    the most GPUs a node can give to generation, and what each holds."""
+    holds = (f"each holds the policy whole ({r['rollout_weights_gib']:.2f} GiB in {dtype}) and its generate's KV "
+             f"cache for a round of rollouts ({r['rollout_kv_gib']:.2f} GiB): "
+             + ("fits" if r["rollout_fits"] else "DOES NOT FIT one GPU"))
+    given = (f"ript.rollout_ranks_per_node={r['per_node']}: the rows below are the "
+             f"{r['gpus_per_node'] - r['per_node']} trainers of each node (ZeRO partitions over them); "
+             if r["per_node"] else "")
+    if r["trainers_per_node"] is None:
+        return (f"rollout ranks: {given}the update does not fit on fewer than all {r['gpus_per_node']} GPUs of a "
+                f"node at this layout: none to spare for rollout ranks; {holds}")
+    return (f"rollout ranks: {given}the update fits on {r['trainers_per_node']} GPU(s) of a node "
+            f"({r['trainer_peak_gib']:.2f} GiB peak), so a node of {r['gpus_per_node']} can give up to "
+            f"{r['rollout_max']} to rollout ranks (ript.rollout_ranks_per_node); {holds}")
 
 
 def estimate_outcome(out: dict, target: Target) -> str:

@@ -39,6 +39,7 @@ from ds_train.model.weights import fingerprint, weight_files
 from ds_train.plan.batch import scaled_lr
 from ds_train.plan.experts import expert_section
 from ds_train.plan.parallel import Layout, check_layout, packs_under_sequence
+from ds_train.topology import DistEnv, split_job
 
 
 @dataclass(frozen=True)
@@ -267,7 +268,12 @@ def check_launch(cfg: RunConfig, ds_config_path: str, spec, world_size: int,
     world size: the ranks' own checks of the DeepSpeed JSON (check_template) and of the config
     (check_config), with the model's config (no weights: each rank reads those) and, for a `device` the
     hosts were found to have, the rendered ds_config; the prepared data from its meta.json alone
-    (check_data_meta). Returns the batch plan."""
+    (check_data_meta). With rollout ranks (ript.rollout_ranks_per_node) the batch is the trainers' world's.
+    Returns the batch plan."""
+    if spec.kind.name == "ript" and cfg.ript.rollout_ranks_per_node:
+        job = DistEnv(0, 0, world_size, local_world_size or world_size, 0, "", 0, "launch")
+        trainers = split_job(job, cfg.ript.rollout_ranks_per_node).split.world("trainer")
+        world_size, local_world_size = trainers.world_size, trainers.local_world_size
     template = check_template(cfg, ds_config_path)
     hf_config = model_config(cfg)
     checked = check_config(cfg, template, spec, world_size, hf_config, ds_config_path, device,

@@ -131,7 +131,7 @@ def _agree_together(inputs: RunInputs, env: DistEnv, spec: RunSpec, checked: _Ch
         storage = storage_layout(paths, env)
         decision = agree(cfg.checkpoint.resume, paths.checkpoints, env, host, spec.unit)
         changes = check_resume(decision.point, cfg, spec.kind.name, env.world_size, spec.same_world,
-                               inputs.data_id())
+                               inputs.data_id(), env.split.world("rollout").world_size if env.split else 0)
         resume_plan = plan_resume(decision.point, checked.layout.dims, zero_stage(inputs.template), checked.dtype,
                                   cfg.checkpoint.load_universal)
         check_storage(storage, str(resume_plan.point.load_dir / resume_plan.point.tag) if resume_plan.convert
@@ -279,12 +279,13 @@ def _split_cores(env: DistEnv, rank_log) -> str:
     import torch
 
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    threads = threads_per_rank(os.environ, cores, (env.split.job if env.split else env).local_world_size)
+    ranks = (env.split.job if env.split else env).local_world_size  # rollout ranks share the node's cores too
+    threads = threads_per_rank(os.environ, cores, ranks)
     if threads is None:
         rank_log.info(f"threads: {torch.get_num_threads()} (OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']})")
         return ""
     torch.set_num_threads(threads)
-    said = (f"threads: {threads} per rank ({cores} cores shared by {(env.split.job if env.split else env).local_world_size} ranks on this node; "
+    said = (f"threads: {threads} per rank ({cores} cores shared by {ranks} ranks on this node; "
             f"OMP_NUM_THREADS overrides)")
     rank_log.info(said)
     return said

@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, TESTS_ON_PATH, node_launch, pids_with, reap, ript_config, run_cmd, spawn
+from conftest import (ROOT, TESTS_ON_PATH, expect_error, node_launch, pids_with, reap, ript_config, run_cmd, spawn,
+                      tree_listing)
 from test_ript_trainer import LR, MODEL_RIPT, MODEL_TRAIN, TEMPLATE, logged
 
 pytestmark = pytest.mark.slow
@@ -78,7 +79,15 @@ def test_staleness_is_k_exactly_over_uneven_environment_time_and_an_older_batch_
     assert got[6]["async/queue_depth"] == 0  # nothing is generated past the last iteration
     assert any(got[it]["async/queue_depth"] == 1 for it in range(1, 5))  # k = 2: one batch held beyond the next
     doctor = run_cmd(["ds-train", "doctor", str(tmp_path / "run")], timeout=120)
-    assert "rollouts_dropped_stale" in doctor.out, doctor.out
+    assert "[rl_stale_dropped]" in doctor.out and "iteration 5: " in doctor.out, doctor.out
+    assert "episodes dropped as stale (older than ript.max_staleness), none of them trained" in doctor.out
+    # the run continued without its rollout ranks: refused in one line before anything is written
+    before = tree_listing(tmp_path / "run")
+    expect_error(["ript", "--config", str(cfg), "--ds-config", ZERO2, f"data.chat_template={TEMPLATE}",
+                  "ript.iterations=7", "ript.rollout_ranks_per_node=0", "ript.max_staleness=0",
+                  "ript.debug_stale_iteration=0"], "saved with 2 rollout rank(s) in all (ript.rollout_ranks_per_node), "
+                 "this job has 0", wrap=["env", f"PYTHONPATH={ROOT / 'tests'}"])
+    assert tree_listing(tmp_path / "run") == before
 
 
 @pytest.mark.parametrize("layout", ["zero3", "lora"])

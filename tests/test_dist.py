@@ -174,3 +174,40 @@ def test_the_ranks_of_a_node_split_its_cores_unless_omp_num_threads_is_set():
     assert threads_per_rank({}, 2, 4) == 1 and threads_per_rank({}, 16, 1) == 16
     assert threads_per_rank({"OMP_NUM_THREADS": "4"}, 2, 2) is None  # torch reads the user's own
     assert threads_per_rank({"OMP_NUM_THREADS": " "}, 8, 2) == 4
+
+
+def _job(rank: int, world: int = 8, per_node: int = 4) -> DistEnv:
+    return DistEnv(rank, rank % per_node, world, per_node, rank // per_node, "10.0.0.1", 29500, "deepspeed")
+
+
+def test_a_job_splits_into_trainer_and_rollout_ranks_node_by_node():
+    """ript.rollout_ranks_per_node=1 on 2 nodes of 4: each node's last local rank generates; each side a world of
+    its own, its ranks numbered node by node; the device stays the rank's own local rank."""
+    from ds_train.topology import split_job
+
+    sides = [split_job(_job(r), 1) for r in range(8)]
+    roles = [e.split.role for e in sides]
+    assert roles == ["trainer"] * 3 + ["rollout"] + ["trainer"] * 3 + ["rollout"]
+    assert [(e.rank, e.world_size, e.local_world_size) for e in sides if e.split.role == "trainer"] == [
+        (0, 6, 3), (1, 6, 3), (2, 6, 3), (3, 6, 3), (4, 6, 3), (5, 6, 3)]
+    assert [(e.rank, e.world_size, e.local_rank, e.node_rank) for e in sides if e.split.role == "rollout"] == [
+        (0, 2, 0, 0), (1, 2, 0, 1)]
+    split = sides[7].split
+    assert split.job.rank == 7 and split.job.local_rank == 3  # the device: the launcher's local rank
+    assert split.job_ranks("trainer") == [0, 1, 2, 4, 5, 6] and split.job_ranks("rollout") == [3, 7]
+    assert [split.side_rank(r) for r in split.job_ranks("rollout")] == [0, 1]
+    assert split.world("trainer").world_size == 6 and split.world("rollout").local_world_size == 1
+    assert split_job(_job(5), 0) == _job(5)  # no split: the job as launched
+
+
+@pytest.mark.parametrize("env, n, needle", [
+    (_job(0), 4, "each node runs 4 rank(s), and at least one must train; set it below 4"),
+    (dataclasses.replace(_job(5), rank=2), 1, "numbered rank 2 (node 1, local rank 1) out of node order"),
+    (_job(0, world=6), 1, "nodes run different numbers of ranks (6 in all, 4 here)"),
+])
+def test_a_job_that_cannot_split_is_one_line(env, n, needle):
+    from ds_train.topology import split_job
+
+    with pytest.raises(UserError, match="ript.rollout_ranks_per_node") as e:
+        split_job(env, n)
+    assert needle in str(e.value)

@@ -270,6 +270,16 @@ WAYS = [
     Way(r"python bench/rl_vs_sft\.py (--demo (arith|tools) )?--replace", REDUCED,
         "--reduced: the SFT and RL commands above, continued SFT, the held-out evaluations; "
         "docs/post_training.md and BENCHMARKS.md left as they are", "{cmd} --reduced"),
+    Way(_exact("python bench/async_rl.py --replace"), REDUCED,
+        "--reduced: a synchronous and an asynchronous run of 2 iterations from the tools bench's runs/tool_sft (so "
+        "after it), their held-out evaluation, a weights' send of a stand-in; BENCHMARKS.md and docs left as they are",
+        "{cmd} --reduced", phase=CLUSTER_CHECKS, expect=("ran end to end",)),
+    Way(_exact("deepspeed --num_gpus 4 --module ds_train ript --config recipes/tool_demo.yaml --ds-config "
+               "ds_configs/zero2.json ript.rollout_ranks_per_node=2 ript.max_staleness=1 ript.tis_cap=2"), REDUCED,
+        "2 iterations from the tools bench's runs/tool_sft (so after it), into its own output_dir: 2 trainers, 2 "
+        "rollout ranks", "{cmd} ript.iterations=2 ript.eval_contexts=8 output_dir=runs/tool_demo_async log.plots=false",
+        phase=CLUSTER_CHECKS, expect=("rollout ranks: the last 2 of every node's 4 (2 in all) generate, 2 train; "
+                                      "ript.max_staleness 1", "ript: done, 2 iterations")),
     Way(_exact("python scripts/word_problems.py"), AS_WRITTEN, "rewrites the shipped files byte for byte"),
     Way(_exact("python scripts/tool_problems.py"), AS_WRITTEN, "rewrites the shipped files byte for byte"),
     Way(_exact("deepspeed --num_gpus 2 --module ds_train ript --config recipes/rl_demo.yaml --ds-config "
@@ -284,7 +294,7 @@ WAYS = [
     Way(_exact("ds-train estimate --config recipes/rl_vllm.yaml --ds-config ds_configs/zero3.json --nodes 1 "
                "--gpus-per-node 8"), AS_WRITTEN, "arithmetic on the meta device: no GPU needed",
         expect=("rollouts: vLLM in each rank's process, 0.3 of each GPU = 24.00 GiB (its weights 14.19 GiB",
-                "peak 38.19 of 80 GiB per GPU on world 8 -> fits")),
+                "so a node of 8 can give up to 6 to rollout ranks", "peak 38.19 of 80 GiB per GPU on world 8 -> fits")),
     Way(_exact("deepspeed --num_gpus 8 --module ds_train ript --config recipes/rl_vllm.yaml --ds-config "
                "ds_configs/zero3.json"), CHECKED,
         "8 GPUs and a model.path of the reader's: its batch math and memory plan at world 8 (the estimate above)",

@@ -215,3 +215,33 @@ def test_the_plan_counts_a_colocated_vllm_engine_awake_beside_the_model_states()
     assert e2["weights_gib"] == pytest.approx(7_615_616_512 / 2**30, rel=1e-3) and e2["gib"] == pytest.approx(8.0)
     assert e2["kv_cache_gib"] > 0 and any(r["fits"] for r in split["rows"])
     assert "1/2 of them on each GPU of an engine" in format_estimate(split, target)
+
+
+def test_the_plan_says_what_a_node_can_give_to_rollout_ranks_and_counts_trainers_apart():
+    """recipes/rl_vllm.yaml on a node of 8 x 80 GB: the ZeRO-3 update fits on 2 of its GPUs, so up to 6 can generate
+    (a rollout rank holds the bf16 policy whole and a KV cache of rollout_contexts x K rows of seq_len). With
+    ript.rollout_ranks_per_node=2 the rows are the 6 trainers' (ZeRO-3 partitions over 6, not 8); a node left
+    without a trainer is refused in one line."""
+    from ds_train.config.file import load_config
+    from ds_train.errors import UserError
+
+    zero3, target = str(ROOT / "ds_configs" / "zero3.json"), Target(1, 8, 80)
+    cfg = load_config(str(ROOT / "recipes" / "rl_vllm.yaml"), [])
+    out = run_estimate(cfg, zero3, target, None)
+    r = out["rollout_ranks"]
+    rows = cfg.ript.rollout_contexts * cfg.ript.rloo_batch_size
+    assert (r["trainers_per_node"], r["rollout_max"], r["per_node"]) == (2, 6, 0)
+    assert r["rollout_weights_gib"] == pytest.approx(7_615_616_512 * 2 / 2**30, rel=1e-3)
+    assert r["rollout_kv_gib"] == pytest.approx(2 * 28 * 512 * 2 * rows * 2048 / 2**30) and r["rollout_fits"]
+    assert "so a node of 8 can give up to 6 to rollout ranks (ript.rollout_ranks_per_node)" in format_estimate(
+        out, target)
+    split = ["ript.rollout_engine=hf", "ript.tis_cap=0", "ript.rollout_ranks_per_node=2", "train.global_batch_size=240"]
+    apart = run_estimate(load_config(str(ROOT / "recipes" / "rl_vllm.yaml"), split), zero3, target, None)
+    given = next(row for row in apart["rows"] if row["given"])
+    assert apart["target"]["world"] == 6 and given["params_gib"] == pytest.approx(7_615_616_512 * 2 / 6 / 2**30,
+                                                                                   rel=1e-3)
+    assert "ript.rollout_ranks_per_node=2: the rows below are the 6 trainers of each node" in format_estimate(
+        apart, target)
+    with pytest.raises(UserError, match=r"ript.rollout_ranks_per_node=8: a node of 8 GPU\(s\) would have none"):
+        run_estimate(load_config(str(ROOT / "recipes" / "rl_vllm.yaml"), split[:3] + ["ript.rollout_ranks_per_node=8"]),
+                     zero3, target, None)

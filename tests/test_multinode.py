@@ -205,6 +205,55 @@ def test_ript_on_two_nodes_through_pdsh_and_ssh(cluster, tiny_policy, tmp_path):
     assert checkpoint.latest_complete(run / "checkpoints") == "step_00000002"
 
 
+def test_rollout_ranks_on_both_nodes_train_stop_and_resume_through_pdsh(cluster, sft_policy, tmp_path):
+    """Asynchronous RL over two loopback nodes of 2 slots: each node's second rank generates (its weights from its
+    node's trainer), max_staleness 1. SIGUSR1 to `ds-train launch` after iteration 2: the trainers save (with the
+    batches the rollout ranks hold) and stop, the rollout ranks leave when told; the same command resumes and
+    finishes, and its staleness stays 1."""
+    from test_ript_trainer import MODEL_RIPT, MODEL_TRAIN, TEMPLATE
+
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("127.0.0.2 slots=2\n127.0.0.3 slots=2\n")
+    config = ript_config(tmp_path, sft_policy, MODEL_TRAIN, **{**MODEL_RIPT, "iterations": 5, "sync_every": 1,
+                                                              "eval_every": 0, "rollout_ranks_per_node": 1,
+                                                              "max_staleness": 1})
+    env = {**cluster["env"], **TESTS_ON_PATH}
+    overrides = (f"data.chat_template={TEMPLATE}", "watchdog.debug_fault=slow:0:0.5")
+    run = tmp_path / "run"
+    proc = spawn(launch_args(hostfile, config, "--master_port", str(free_port()), overrides=overrides,
+                             command="ript"), env=env)
+    try:
+        _wait_for_step(run / "heartbeats" / "rank_1.json", 2, proc)
+        os.kill(proc.pid, signal.SIGUSR1)
+    except BaseException:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        raise
+    res = reap(proc, 180)
+    assert res.returncode == 138, res.out[-4000:]
+    _assert_nothing_left(str(config))
+    assert "preflight: batch: global 16 seqs = micro 4 x accum 2 x world 2" in res.out  # the trainers' world
+    saved = (run / "checkpoints" / "latest").read_text()
+    stopped = int(saved.split("_")[1])
+    assert 2 <= stopped < 5
+
+    res = run_cmd(launch_args(hostfile, config, "--master_port", str(free_port()), overrides=overrides[:1],
+                              command="ript"), timeout=300, env=env)
+    assert res.returncode == 0, res.out[-6000:]
+    _assert_nothing_left(str(config))
+    assert f"at iteration {stopped}" in res.out and "resumed from" in res.out
+    assert "rollout ranks: the last 1 of every node's 2 (2 in all) generate, 2 train; ript.max_staleness 1" in res.out
+    metrics = {m["step"]: m for m in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())}
+    assert sorted(metrics) == list(range(0, 6))
+    for it in range(1, 6):
+        assert metrics[it]["async/staleness_max"] == min(it - 1, 1) and metrics[it]["async/stale_dropped"] == 0
+        assert metrics[it]["async/weights_send_s"] > 0 and metrics[it]["ript/checked"] > 0
+    host = socket.gethostname()
+    assert json.loads((run / "env.json").read_text())["hosts"] == [
+        {"node": 0, "host": host, "ranks": [0]}, {"node": 1, "host": host, "ranks": [1]}]  # the trainers
+    assert checkpoint.latest_complete(run / "checkpoints") == "step_00000005"
+
+
 def test_unreachable_host_is_named_within_30s(cluster, tiny_data, tmp_path):
     config = write_config(tmp_path / "run.yaml", tiny_config(tiny_data, tmp_path / "run",
                                                              train={"global_batch_size": 6}))

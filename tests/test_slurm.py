@@ -191,3 +191,24 @@ def test_ript_saves_before_the_time_limit_and_a_second_submission_continues_exac
     want_losses = policy_losses(j["ref"])
     assert sorted(policy_losses(j["run"])) == sorted(want_losses) == list(range(1, 41))
     assert policy_losses(j["run"]) == pytest.approx(want_losses, rel=1e-6)
+
+
+def test_rollout_ranks_run_under_srun_like_every_other_run(slurm, tiny_policy, tmp_path):
+    """A script of `ds-train slurm` for 2 tasks on the node, ript.rollout_ranks_per_node=1: srun numbers the tasks
+    node by node, the second generates, the first trains (max_staleness 1); the job completes, its staleness
+    is min(i - 1, 1) and the trainers' world is one rank."""
+    cfg = ript_config(tmp_path, tiny_policy, iterations=4, sync_every=1, rollout_ranks_per_node=1, max_staleness=1)
+    script = write_script(tmp_path / "job.sbatch", "--time", "5", "--", "ript", "--config", str(cfg), "--ds-config",
+                          ZERO2, "train.global_batch_size=12", env=TESTS_ON_PATH)
+    job = sbatch(script, tmp_path / "job.out", env=TESTS_ON_PATH)
+    try:
+        state = wait_for(lambda: finished(job), 240, "the job")
+    finally:
+        cancel(job)
+    text = (tmp_path / "job.out").read_text()
+    assert state["JobState"] == "COMPLETED", (state, text[-3000:])
+    assert "rollout ranks: the last 1 of every node's 2 (1 in all) generate, 1 train; ript.max_staleness 1" in text
+    metrics = {m["step"]: m for m in map(json.loads, (tmp_path / "run" / "metrics.jsonl").read_text().splitlines())}
+    assert [metrics[i]["async/staleness_max"] for i in range(1, 5)] == [0, 1, 1, 1]
+    env = json.loads((tmp_path / "run" / "env.json").read_text())
+    assert (env["launcher"], env["world_size"]) == ("slurm", 1)

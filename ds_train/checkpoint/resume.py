@@ -134,11 +134,11 @@ def convert_to_universal(tag_dir: Path) -> Path:
 
 
 def check_resume(point: ResumePoint | None, cfg: RunConfig, kind: str, world: int,
-                 same_world: bool = False, data: dict | None = None) -> list[str]:
+                 same_world: bool = False, data: dict | None = None, rollout_ranks: int = 0) -> list[str]:
     """Refuse a resume that would change the model, the data stream or the kind of run (or, for
-    `same_world`, the world size); return the allowed changes as notes. `data`: what identifies the
-    tokenizer and the prepared data now (a checkpoint records it): the same data.dir re-prepared
-    with another tokenizer would feed the saved weights other token ids."""
+    `same_world`, the world size, and a ript run's rollout ranks: `rollout_ranks` in all); return the allowed
+    changes as notes. `data`: what identifies the tokenizer and the prepared data now (a checkpoint records
+    it): the same data.dir re-prepared with another tokenizer would feed the saved weights other token ids."""
     if point is None:
         return []
     where = point.load_dir / point.tag
@@ -163,6 +163,11 @@ def check_resume(point: ResumePoint | None, cfg: RunConfig, kind: str, world: in
     if same_world and point.state["world_size"] != world:
         raise UserError(f"{where}: saved with {point.state['world_size']} ranks; resume {kind} with the "
                         f"same world size (its work is sharded per rank)")
+    saved_rollout = (point.state.get("ript") or {}).get("rollout_ranks", 0) if kind == "ript" else 0
+    if saved_rollout != rollout_ranks:
+        raise UserError(f"{where}: saved with {saved_rollout} rollout rank(s) in all (ript.rollout_ranks_per_node), "
+                        f"this job has {rollout_ranks}; resume with the same rollout ranks per node and nodes (the "
+                        f"batches in flight and the samplers belong to their ranks), or use another output_dir")
     errors, notes = config_changes(point.state["config"], cfg.to_dict())
     if errors:
         raise UserError(f"{where}: cannot resume with a changed " + "; ".join(errors) +

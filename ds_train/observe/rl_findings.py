@@ -109,8 +109,8 @@ def _asynchronous(metrics: list[dict]) -> list[Found]:
         last = recent[-1]
         found.append(("rl_trainer_starved", [
             f"metrics.jsonl: iterations {recent[0]['step']}-{last['step']}: the trainers waited for rollouts "
-            f"{min(shares):.0%}-{max(shares):.0%} of each iteration (async/trainer_wait_s {last['async/trainer_wait_s']:.3g} "
-            f"of perf/iteration_s {last['perf/iteration_s']:.3g})"],
+            f"{min(shares):.0%}-{max(shares):.0%} of each iteration (async/trainer_wait_s "
+            f"{last['async/trainer_wait_s']:.3g} of perf/iteration_s {last['perf/iteration_s']:.3g})"],
             [f"the rollout ranks waited {last.get('async/rollout_wait_s', 0):.3g} s an iteration for weights; "
              f"ript.max_staleness is {int(last.get('async/staleness_max', 0))} at most"]))
     return found

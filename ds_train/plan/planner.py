@@ -87,6 +87,42 @@ def rank_peak(est: Estimate, engine: float = 0.0) -> float:
     return max(est.gpu_peak, est.states.held + engine) if engine else est.gpu_peak
 
 
+def trainers(cfg: RunConfig, target: Target) -> Target:
+    """The GPUs that train: all of them, or with rollout ranks (ript.rollout_ranks_per_node) the rest of each node."""
+    n = cfg.ript.rollout_ranks_per_node
+    if n >= target.gpus_per_node:
+        raise UserError(f"ript.rollout_ranks_per_node={n}: a node of {target.gpus_per_node} GPU(s) would have none "
+                        f"left to train; set it below {target.gpus_per_node}")
+    return Target(target.nodes, target.gpus_per_node - n, target.gpu_memory_gib)
+
+
+def rollout_rank_bytes(shape: ModelShape, cfg: RunConfig, dtype: str) -> tuple[float, float]:
+    """What a rollout rank holds: the policy whole in the run's dtype, and its generate's KV cache for a round of
+    rollouts (ript.rollout_contexts x K rows of up to train.seq_len positions)."""
+    width = 4 if dtype == "fp32" else 2
+    rows = cfg.ript.rollout_contexts * cfg.ript.rloo_batch_size
+    return shape.n_params * width, 2 * shape.n_layers * shape.kv_hidden * width * rows * cfg.train.seq_len
+
+
+def rollout_split(shape: ModelShape, cfg: RunConfig, zero: dict, target: Target, dtype: str) -> dict:
+    """How a node's GPUs split between trainer and rollout ranks: the fewest trainers per node on which the given
+    layout's update fits (ZeRO over nodes x trainers), so the most GPUs a node can give to rollout ranks, and what
+    a rollout rank holds."""
+    stage, ckpt = int(zero.get("stage", 0)), cfg.model.activation_checkpointing
+    weights, kv = rollout_rank_bytes(shape, cfg, dtype)
+    out = {"gpus_per_node": target.gpus_per_node, "trainers_per_node": None, "rollout_max": 0,
+           "rollout_weights_gib": weights / GiB, "rollout_kv_gib": kv / GiB,
+           "rollout_fits": (weights + kv) / GiB <= USABLE * target.gpu_memory_gib}
+    for t in range(1, target.gpus_per_node):
+        fewer = Target(target.nodes, t, target.gpu_memory_gib)
+        est = estimate(shape, stage, dtype, zero_ranks(cfg, fewer), micro_rows(cfg, cfg.train.micro_batch_size),
+                       rank_seq_len(cfg), ckpt, zero, *tiles(cfg))
+        if fits(est, fewer):
+            return out | {"trainers_per_node": t, "rollout_max": target.gpus_per_node - t,
+                          "trainer_peak_gib": est.gpu_peak / GiB}
+    return out
+
+
 def plan_rows(shape: ModelShape, cfg: RunConfig, zero: dict, target: Target, dtype: str) -> list[dict]:
     """The given config and ZeRO 0-3 (with and without activation checkpointing) side by side; the
     other stages as ds_configs/zero<stage>.json renders them."""

@@ -13,7 +13,6 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from ds_train.errors import UserError
 from ds_train.ript.batches import Staleness, deal, from_wire
 from ds_train.ript.sampler import Tally, merge_states
 from ds_train.ript.weight_sync import policy_weights
@@ -37,16 +36,11 @@ class RolloutFeed:
     def _word(self, **word) -> None:
         self.bridge.broadcast(word)
 
-    def start(self, saved: dict | None, sampler: dict | None) -> None:
-        """A resume hands the rollout ranks what they held at the checkpoint (trainer 0's rank file) and their
-        samplers' positions; a fresh start, nothing. A checkpoint of another split is refused."""
-        ranks = len(self.shards)
-        if saved is not None and saved["rollout_ranks"] != ranks:
-            self.close()
-            raise UserError(f"ript.rollout_ranks_per_node: the checkpoint was saved with {saved['rollout_ranks']} "
-                            f"rollout rank(s), this job has {ranks}; resume with the same ranks per node and nodes "
-                            f"(the batches in flight belong to their ranks)")
-        self._word(kind="resume", held=saved["held"] if saved else None, sampler=sampler)
+    def start(self, held: dict | None, sampler: dict | None) -> None:
+        """A resume hands the rollout ranks what they held at the checkpoint (`held`: trainer 0's rank file) and
+        their samplers' positions; a fresh start, nothing (a checkpoint of another split was refused before
+        anything was written: ds_train/checkpoint/resume.py check_resume)."""
+        self._word(kind="resume", held=held["held"] if held else None, sampler=sampler)
 
     def batch(self, it: int, tally: Tally, completions: Any) -> list[list]:
         """Update `it`'s groups for this trainer: the weights of update it - 1 to the rollout ranks (every trainer
@@ -102,6 +96,10 @@ class RolloutFeed:
 
     def rank_state(self) -> dict:
         return {"async": self.saved} if self.run.env.is_main and self.saved else {}
+
+    def state(self) -> dict:
+        """What the loop's checkpoint state records of the split (every trainer reads it back at a resume)."""
+        return {"rollout_ranks": len(self.shards)}
 
     def close(self) -> None:
         """The rollout ranks leave (every trainer, once, at a meeting's boundary: the end of the run or a stop)."""

@@ -90,7 +90,8 @@ class RiptInputs:
             if r.contexts_per_rank * data % ranks:
                 raise UserError(f"ript.contexts_per_rank={r.contexts_per_rank}: the {data} trainer(s) take "
                                 f"{r.contexts_per_rank * data} groups an iteration, which {ranks} rollout ranks cannot "
-                                f"share evenly; set contexts_per_rank to a multiple of {ranks // math.gcd(ranks, data)}")
+                                f"share evenly; set contexts_per_rank to a multiple of "
+                                f"{ranks // math.gcd(ranks, data)}")
         scripted = load_scripted(r.policy) if r.policy else None
         return cls(tasks, shards, scripted, run, engine, *rollout, quota)
 

@@ -136,8 +136,8 @@ class RolloutRank:
                 params[name].copy_(tensor)
 
     def generate(self, j: int) -> None:
-        version = self.held.version
-        if version != source_version(j, self.r.max_staleness) and j != self.r.debug_stale_iteration:
+        version = self.held.version  # the schedule's, or newer where a run extended past its last save catches up
+        if version < source_version(j, self.r.max_staleness) and j != self.r.debug_stale_iteration:
             raise RuntimeError(f"batch {j} with weights {version}: the schedule says "
                                f"{source_version(j, self.r.max_staleness)}")
         tally = Tally(sorted(self.tasks))

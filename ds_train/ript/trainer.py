@@ -127,7 +127,8 @@ def ript(cfg: RunConfig, ds_config_path: str) -> dict:
                     f"{env.split.job.local_world_size} ({env.split.world('rollout').world_size} in all) generate, "
                     f"{env.world_size} train; ript.max_staleness {r.max_staleness}")
         run.say(format_shards(inputs.rollout_shards, RiptInputs.costs(cfg, inputs.rollout_tasks)))
-        run.say(f"K={r.rloo_batch_size}; quota {inputs.quota} contexts per {'rollout ' if env.split else ''}rank; policy "
+        run.say(f"K={r.rloo_batch_size}; quota {inputs.quota} contexts per {'rollout ' if env.split else ''}rank; "
+                f"policy "
                 f"{r.policy or cfg.model.path}; {describe_algorithm(cfg)}; rollouts: {inputs.engine}")
         report_reference(run, job.reference)
         with feeding(job):
@@ -189,7 +190,8 @@ def rollout_engine(job: RiptJob, version: int):
 def resume(job: RiptJob) -> RiptState | None:
     saved = job.run.maybe_resume()
     if job.feed is not None:
-        job.feed.start(saved.get("rank", {}).get("async") if saved else None, saved["ript"]["sampler"] if saved else None)
+        job.feed.start(saved.get("rank", {}).get("async"), saved["ript"]["sampler"]) if saved else \
+            job.feed.start(None, None)
     if saved is None:
         return None
     job.sampler.load_state(saved["ript"]["sampler"])
@@ -243,7 +245,8 @@ def sample_here(job: RiptJob, act, tally: Tally, it: int) -> list[list]:
 def checkpoint_state(job: RiptJob, state: RiptState) -> dict:
     """The loop state plus all ranks' sampler states, merged by task (a collective)."""
     if job.feed is not None:  # the rollout ranks' samplers, and what they hold for trainer 0's rank file
-        return {"iteration": state.iteration, "ript": {**asdict(state), "sampler": job.feed.save_state()}}
+        return {"iteration": state.iteration, "ript": {**asdict(state), "sampler": job.feed.save_state(),
+                                                       **job.feed.state()}}
     samplers = dist.all_gather_object(job.sampler.state())
     return {"iteration": state.iteration, "ript": {**asdict(state), "sampler": merge_states(samplers, job.shards)}}
 
