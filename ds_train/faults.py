@@ -34,6 +34,9 @@ def _device_assert() -> None:
     table[torch.tensor([len(table)], device=device)].sum().item()  # .item() syncs: the error surfaces here
 
 
+STEP_PHASES = ("data", "rollout", "wait-rollouts")  # where a step's fault strikes (ds_train/ript/feed.py: the last)
+
+
 def step_fault(spec: str, rank: int) -> Callable[[int, str], None] | None:
     """watchdog.debug_fault: the hook Heartbeat.beat calls, for ACTION:RANK:ARG on this rank (None
     elsewhere)."""
@@ -42,15 +45,15 @@ def step_fault(spec: str, rank: int) -> Callable[[int, str], None] | None:
     action, target, arg, *start = spec.split(":")
     if int(target) != rank:
         return None
-    if action == "slow":
+    if action == "slow":  # a step's work: its data, its rollouts (with rollout ranks: its wait for them)
         def slow(step: int, phase: str) -> None:
-            if phase in ("data", "rollout") and step >= int((start or [0])[0]):
+            if phase in STEP_PHASES and step >= int((start or [0])[0]):
                 time.sleep(float(arg))
         return slow
     at = int(float(arg))
 
     def hook(step: int, phase: str) -> None:
-        if step != at or phase not in ("data", "rollout"):
+        if step != at or phase not in STEP_PHASES:
             return
         if action == "stall":
             _injected_stall()

@@ -60,8 +60,8 @@ def test_staleness_is_k_exactly_over_uneven_environment_time_and_an_older_batch_
     older: the trainer drops all of it and counts it (the doctor names it)."""
     sim = tmp_path / "sim.jsonl"
     sim.write_text("".join(json.dumps({"n": i}) + "\n" for i in range(40)))
-    cfg = ript_config(tmp_path, sft_policy, {"micro_batch_size": 4, "global_batch_size": 8}, {"lr": LR},
-                      **{**MODEL_RIPT, "tasks": ["parity", {"name": "sim", "data": str(sim),
+    cfg = ript_config(tmp_path, sft_policy, {"micro_batch_size": 4, "global_batch_size": 16}, {"lr": LR},
+                      **{**MODEL_RIPT, "contexts_per_rank": 4, "tasks": ["parity", {"name": "sim", "data": str(sim),
                                                              "env": "ript_envs:Unhurried", "max_turns": 2}],
                          "iterations": 6, "sync_every": 1, "eval_every": 0, "rollout_ranks_per_node": 2,
                          "max_staleness": 2, "debug_stale_iteration": 5})
