@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from ds_train import dist
+from ds_train.dist.store import side_channel
 from ds_train.checkpoint.checkpointer import Checkpointer, SaveHooks, SaveSite
 from ds_train.checkpoint.commit import run_record
 from ds_train.checkpoint.consensus import agree
@@ -253,7 +254,7 @@ def _build_run(inputs: RunInputs, env: DistEnv, spec: RunSpec, stop: StopRequest
     checkpointer = _build_checkpointer(inputs, env, spec, checked, agreed, model, stop, rank_log, heartbeat,
                                        launchers, say, host)
     watchdog = Watchdog(heartbeat, paths, env.world_size, cfg.watchdog.stall_s, cfg.watchdog.heartbeat_s,
-                        dist.side_channel(env), env.local_rank if checked.on_gpu else None, stop.request,
+                        side_channel(env), env.local_rank if checked.on_gpu else None, stop.request,
                         launchers).start()
     text = source.hf_config.get_text_config()  # a multimodal config's language model: its layers and widths
     clock.mark("run set-up")
@@ -310,7 +311,7 @@ def _build_checkpointer(inputs: RunInputs, env: DistEnv, spec: RunSpec, checked:
     needed = checkpoint_bytes(model.n_params, stage, checked.dtype, env.world_size, ranks_here, model.trainable)
     site = SaveSite(checked.paths.checkpoints, env.rank, env.world_size, writer=agreed.writer,
                     where=f" (node {env.node_rank}, {host})",
-                    channel=dist.side_channel(env) if cfg.checkpoint.async_save else None,
+                    channel=side_channel(env) if cfg.checkpoint.async_save else None,
                     peer_gone_s=max(5 * cfg.watchdog.heartbeat_s, 5.0))
     hooks = SaveHooks(stop, rank_log, beat=heartbeat.beat, say=say, grace=kill_grace(launchers, os.environ))
     return Checkpointer(cfg.checkpoint, engine, site, hooks, last=spec.last, record=record, unit=spec.unit,

@@ -11,7 +11,7 @@ import pytest
 
 import torch
 
-from ds_train import dist
+from ds_train.dist.store import SideChannel
 from ds_train.checkpoint.asyncsave import Abandoned, StoreMeeting, snapshot
 
 Pair = collections.namedtuple("Pair", "a b")
@@ -49,7 +49,7 @@ def test_a_snapshot_is_independent_of_training_and_keeps_what_torch_save_would_w
 def test_writers_meet_share_and_abandon_a_save_through_the_store():
     server = torch.distributed.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     world = 3
-    meetings = [StoreMeeting(dist.SideChannel("127.0.0.1", server.port), 5, r, world) for r in range(world)]
+    meetings = [StoreMeeting(SideChannel("127.0.0.1", server.port), 5, r, world) for r in range(world)]
     got, errors = {}, {}
 
     def writer(rank, fail_at=None):
@@ -70,7 +70,7 @@ def test_writers_meet_share_and_abandon_a_save_through_the_store():
     for t in threads:
         t.join(30)
     assert got == {r: ["step_00000002"] for r in range(world)} and not errors  # rank 0's prune list, everywhere
-    meetings = [StoreMeeting(dist.SideChannel("127.0.0.1", server.port), 6, r, world) for r in range(world)]
+    meetings = [StoreMeeting(SideChannel("127.0.0.1", server.port), 6, r, world) for r in range(world)]
     threads = [threading.Thread(target=writer, args=(r, 0)) for r in range(world)]  # rank 0's write fails
     for t in threads:
         t.start()
@@ -90,7 +90,7 @@ def test_a_peer_whose_heartbeat_stands_still_is_gone_and_its_save_abandoned():
     every heartbeat_s) has not changed for gone_s of their own clock, and name it. A peer that is slow
     but beating is waited for, past gone_s."""
     server = torch.distributed.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    channel = lambda: dist.SideChannel("127.0.0.1", server.port)  # noqa: E731 (one a thread)
+    channel = lambda: SideChannel("127.0.0.1", server.port)  # noqa: E731 (one a thread)
     stop = threading.Event()
 
     def live_rank(rank: int, seq: int, arrive_after_s: float) -> None:  # its watchdog beats; its writer is late

@@ -140,7 +140,8 @@ KEY_NOT_CITED = {
                            "(tests/test_environments.py)",
     "real/router_collapse": "as real/rl_no_signal: metrics.jsonl's expert load tells it (tests/test_routers.py)",
     "real/rollout_mismatch": "as real/rl_no_signal: metrics.jsonl's rollout/logp_diff_mean tells it",
-    "real/rl_stale_dropped": "as real/rl_no_signal: metrics.jsonl's async/stale_dropped tells it (tests/test_async_rl.py)",
+    "real/rl_stale_dropped": "as real/rl_no_signal: metrics.jsonl's async/stale_dropped tells it "
+                             "(tests/test_async_rl.py)",
     "real/rl_trainer_starved": "as real/rl_no_signal: metrics.jsonl's async/trainer_wait_s against perf/iteration_s "
                                "tells it",
     # Known gaps (the doctor's class and fixes are right, its evidence misses the clearest line):

@@ -224,7 +224,7 @@ def supervise(cmd: list[str], env: dict[str, str], master_addr: str, master_port
     import threading
     import time
 
-    from ds_train import dist
+    from ds_train.dist import store
     started = time.time()
     proc = subprocess.Popen(cmd, env=env)
     signals, helpers, done = [], [], threading.Event()
@@ -236,7 +236,7 @@ def supervise(cmd: list[str], env: dict[str, str], master_addr: str, master_port
             return
 
         def send() -> None:
-            if not dist.send_stop(master_addr, master_port, signum) and signum != signal.SIGUSR1:
+            if not store.send_stop(master_addr, master_port, signum) and signum != signal.SIGUSR1:
                 proc.send_signal(signum)  # the ranks are not up yet: the launcher stops them
         helpers.append(threading.Thread(target=send, daemon=True))
         helpers[-1].start()
@@ -247,7 +247,7 @@ def supervise(cmd: list[str], env: dict[str, str], master_addr: str, master_port
             try:
                 if channel is None:  # a plain connect first: torch's client logs each refusal
                     socket.create_connection((master_addr, master_port), timeout=beat_s).close()
-                    channel = dist.SideChannel(master_addr, master_port, timeout_s=beat_s)
+                    channel = store.SideChannel(master_addr, master_port, timeout_s=beat_s)
                 channel.add("launcher/beats", 1)
             except OSError:  # the job's store is not up yet
                 pass

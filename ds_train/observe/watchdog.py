@@ -5,7 +5,7 @@ Every rank keeps a `Heartbeat` (step, phase, last progress) that its loop update
 a few attribute writes (`run.beat(step, "forward")`). A daemon thread, the `Watchdog`, publishes it
 every watchdog.heartbeat_s: to RUN_DIR/heartbeats/rank_<r>.json (replaced atomically, so node-local
 run directories work) and to the rendezvous store, which every rank reads without a collective
-(`dist.SideChannel`). Progress is a new phase, or checkpoint I/O in a save or load phase.
+(ds_train/dist/store.py `SideChannel`). Progress is a new phase, or checkpoint I/O in a save or load phase.
 
 A rank that makes no progress for watchdog.stall_s raises the alarm in the store. Every rank then
 writes the stacks of its threads to logs/stacks_rank_<r>.txt (py-spy's native frames too, where
