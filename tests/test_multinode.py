@@ -119,6 +119,18 @@ def launch_args(hostfile: Path, config: Path, *extra: str, overrides: tuple[str,
             command, "--config", str(config), "--ds-config", ZERO2, *overrides]
 
 
+def _signal_at_step(proc, beat: Path, step: int, signum: int) -> None:
+    """`signum` to the launch (its supervisor alone) once `beat` says `step`; on any failure the whole tree is
+    killed first."""
+    try:
+        _wait_for_step(beat, step, proc)
+        os.kill(proc.pid, signum)
+    except BaseException:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        raise
+
+
 def _wait_for_step(beat: Path, step: int, proc, timeout_s: float = 180) -> None:
     """Until the heartbeat file says the rank reached `step` (the job must still be running)."""
     deadline = time.monotonic() + timeout_s
@@ -143,13 +155,7 @@ def test_two_nodes_train_through_pdsh_and_ssh_and_sigusr1_saves_and_resumes_exac
     assert cluster["hostfile"].read_text() == "127.0.0.2 slots=1\n127.0.0.3 slots=1\n"
     proc = spawn(launch_args(cluster["hostfile"], config, "--master_port", str(free_port()),
                              overrides=("watchdog.debug_fault=slow:0:1.0",)), env=env)
-    try:
-        _wait_for_step(tmp_path / "run" / "heartbeats" / "rank_1.json", 3, proc)
-        os.kill(proc.pid, signal.SIGUSR1)  # the supervisor only: it shares no process with a rank
-    except BaseException:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.communicate()
-        raise
+    _signal_at_step(proc, tmp_path / "run" / "heartbeats" / "rank_1.json", 3, signal.SIGUSR1)
     res = reap(proc, 120)
     assert res.returncode == 138, res.out[-4000:]
     _assert_nothing_left(str(config))
@@ -166,7 +172,7 @@ def test_two_nodes_train_through_pdsh_and_ssh_and_sigusr1_saves_and_resumes_exac
     assert res.returncode == 0, res.out[-6000:]
     _assert_nothing_left(str(config))
     assert f"resumed from {run / 'checkpoints' / saved} at step {step}" in res.out
-    assert res.lines(f"127.0.0.2: train: done, 12 steps, final loss ")  # rank 0's last line, through pdsh
+    assert res.lines("127.0.0.2: train: done, 12 steps, final loss ")  # rank 0's last line, through pdsh
     assert res.out.strip().splitlines()[-1] == f"launch: done, every rank exited 0; run directory {run.resolve()}"
     host = socket.gethostname()
     assert f"hosts: node0 {host} -> ranks 0; node1 {host} -> ranks 1" in res.out
@@ -222,13 +228,7 @@ def test_rollout_ranks_on_both_nodes_train_stop_and_resume_through_pdsh(cluster,
     run = tmp_path / "run"
     proc = spawn(launch_args(hostfile, config, "--master_port", str(free_port()), overrides=overrides,
                              command="ript"), env=env)
-    try:
-        _wait_for_step(run / "heartbeats" / "rank_1.json", 2, proc)
-        os.kill(proc.pid, signal.SIGUSR1)
-    except BaseException:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.communicate()
-        raise
+    _signal_at_step(proc, run / "heartbeats" / "rank_1.json", 2, signal.SIGUSR1)
     res = reap(proc, 180)
     assert res.returncode == 138, res.out[-4000:]
     _assert_nothing_left(str(config))
@@ -353,13 +353,7 @@ def test_sigkill_of_ds_train_launch_stops_the_ranks_on_both_nodes_with_a_save(cl
     proc = spawn(launch_args(cluster["hostfile"], config, "--master_port", str(free_port()),
                              overrides=("watchdog.debug_fault=slow:0:0.3",)),
                  env={**cluster["env"], "DS_TRAIN_LAUNCHER_BEAT_S": "1"})
-    try:
-        _wait_for_step(run / "heartbeats" / "rank_1.json", 3, proc)
-        os.kill(proc.pid, signal.SIGKILL)
-    except BaseException:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.communicate()
-        raise
+    _signal_at_step(proc, run / "heartbeats" / "rank_1.json", 3, signal.SIGKILL)
     reap(proc, 30 + 60)  # every process holding the launch's output pipe (runner, pdsh) has ended
     _assert_nothing_left(str(config), grace_s=1)
     saved = checkpoint.latest_complete(run / "checkpoints")
