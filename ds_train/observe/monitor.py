@@ -148,7 +148,7 @@ def render(view: RunView):
             f"{k.rsplit('/', 1)[1]} {v:g}" for k, v in sorted(faults.items(), key=lambda x: -x[1]
                                                                 if isinstance(x[1], (int, float)) else 0)
             if k.startswith("ript/env_failed/"))))
-    fed = next((r for r in reversed(view.metrics) if "async/staleness_max" in r), {})
+    fed = next((r for r in reversed(view.metrics) if "async/stale_dropped" in r), {})
     if fed:  # rollout ranks: how old the episodes were, what they held ahead, what was dropped
         ages = sorted((int(k.rsplit("_", 1)[1]), v) for k, v in fed.items()
                       if k.startswith("async/staleness_") and k.rsplit("_", 1)[1].isdigit())

@@ -82,7 +82,7 @@ def _rollout_mismatch(metrics: list[dict]) -> list[Found]:
     difference at least ROLLOUT_DRIFT and twice the first's. Not where the episodes are older than the policy by
     design (rollout ranks with ript.max_staleness above 0): their drift is the staleness's."""
     synced = [r for r in metrics if "rollout/logp_diff_mean" in r]
-    if len(synced) < 2 or synced[-1].get("async/staleness_max", 0) > 0:
+    if len(synced) < 2 or any(r.get("async/staleness_max", 0) > 0 for r in metrics):
         return []
     first, last = synced[0], synced[-1]
     if last["rollout/logp_diff_mean"] < max(ROLLOUT_DRIFT, 2 * first["rollout/logp_diff_mean"]):

@@ -82,9 +82,13 @@ class Staleness:
         return kept
 
     def metrics(self) -> dict[str, float]:
+        """The drops, and where episodes were kept their staleness: mean, max and episodes by age (none kept: no
+        staleness to say, rather than a 0 that would read as current episodes)."""
         n = sum(self.histogram.values())
-        out = {"async/staleness_mean": sum(a * c for a, c in self.histogram.items()) / n if n else 0.0,
-               "async/staleness_max": float(max(self.histogram, default=0)), "async/stale_dropped": float(self.dropped)}
+        out = {"async/stale_dropped": float(self.dropped)}
+        if n:
+            out |= {"async/staleness_mean": sum(a * c for a, c in self.histogram.items()) / n,
+                    "async/staleness_max": float(max(self.histogram))}
         return out | {f"async/staleness_{a}": float(c) for a, c in sorted(self.histogram.items())}
 
     def restart(self) -> None:
