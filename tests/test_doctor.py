@@ -286,3 +286,10 @@ def test_a_growing_rollout_mismatch_is_named_and_a_steady_one_is_not(tmp_path):
         json.dumps(r | ({"rollout/logp_diff_mean": 0.012} if "rollout/logp_diff_mean" in r else {})) + "\n"
         for r in rows))
     assert "rollout_mismatch" not in {f.cls for f in diagnose(str(steady))}
+    # the same drift in a run whose episodes were a step old by design (rollout ranks, ript.max_staleness 1): the
+    # staleness's, not a sync that did not take
+    stale = tmp_path / "stale"
+    shutil.copytree(run, stale)
+    (stale / "metrics.jsonl").write_text("".join(
+        json.dumps(r | ({"async/staleness_max": 1.0} if r.get("step") == 2 else {})) + "\n" for r in rows))
+    assert "rollout_mismatch" not in {f.cls for f in diagnose(str(stale))}
