@@ -5,6 +5,8 @@ Per iteration, every rank samples its own tasks' contexts until it has its quota
 or it has checked its cap; then all ranks update the policy through the DeepSpeed engine on the
 same number of (padded) micro-batches. Every count that is logged is summed over ranks. The run
 itself (engine, sinks, checkpoints, signals, teardown) is built by ds_train/start.py, as for training.
+With rollout ranks (ript.rollout_ranks_per_node) the trainers take each iteration's groups from them instead
+(ds_train/ript/feed.py) and the rollout ranks run ds_train/ript/rollout_ranks.py.
 """
 
 from __future__ import annotations
