@@ -95,7 +95,8 @@ class RiptConfig(Section):
                                            "a divisor of the ranks a node runs.", POSITIVE)
     tis_cap: float = _f(0.0, "Truncated importance sampling (verl, TRL): each token's policy loss times min(pi_old / "
                              "pi_rollout, tis_cap), the trainer's probability over the rollout engine's. 0: off. "
-                             "Needs rollout_engine=vllm (its log-probs).", NON_NEGATIVE)
+                             "Needs rollout_engine=vllm or rollout ranks (their log-probs).",
+                      NON_NEGATIVE)
     rollout_correction: ROLLOUT_CORRECTIONS.choices = _f(
         "tis", ROLLOUT_CORRECTIONS.help("The correction tis_cap turns on"))
     debug_stale_engine: bool = _f(False, "Fault injection: vLLM keeps the policy's first weights (no sync after "
