@@ -65,10 +65,27 @@ def write_config(path: Path, cfg: dict) -> Path:
     return path
 
 
+_HANDED_OUT: set[int] = set()  # ports this process gave a test already
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A TCP port free now, drawn at random below the kernel's ephemeral range (32768-60999 on Linux). A port the
+    OS picks comes from that range, and any outgoing connection (gloo's, a store client's) can take it before the
+    run's rank 0 binds it (EADDRINUSE, seen in the suite); a port below it only another test drawing the same."""
+    import random
+
+    for _ in range(500):
+        port = random.randrange(20000, 32768)
+        if port in _HANDED_OUT:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _HANDED_OUT.add(port)
+        return port
+    raise RuntimeError("no free TCP port in 20000-32767")
 
 
 @dataclass
