@@ -198,8 +198,8 @@ def test_rollout_ranks_run_under_srun_like_every_other_run(slurm, tiny_policy, t
     node by node, the second generates, the first trains (max_staleness 1); the job completes, its staleness
     is min(i - 1, 1) and the trainers' world is one rank."""
     cfg = ript_config(tmp_path, tiny_policy, iterations=4, sync_every=1, rollout_ranks_per_node=1, max_staleness=1)
-    script = write_script(tmp_path / "job.sbatch", "--time", "5", "--", "ript", "--config", str(cfg), "--ds-config",
-                          ZERO2, "train.global_batch_size=12", env=TESTS_ON_PATH)
+    script = write_script(tmp_path / "job.sbatch", "--time", "10", "--signal-lead", "0", "--", "ript", "--config",
+                          str(cfg), "--ds-config", ZERO2, "train.global_batch_size=12", env=TESTS_ON_PATH)  # no stop
     job = sbatch(script, tmp_path / "job.out", env=TESTS_ON_PATH)
     try:
         state = wait_for(lambda: finished(job), 240, "the job")
