@@ -193,7 +193,8 @@ def check_forward(hf, attn_implementation: str, where: str) -> None:
     import torch
     from transformers import AutoModelForCausalLM
 
-    tokens = min(8, getattr(hf, "max_position_embeddings", None) or 8)
+    limit = getattr(hf, "max_position_embeddings", None)
+    tokens = min(8, limit) if isinstance(limit, int) and limit > 0 else 8  # XLNet's -1: no limit
 
     def forward(device: str, dtype=None) -> tuple[BaseException | None, int]:
         """(what the forward pass raised, the model's parameter count)."""
@@ -263,8 +264,8 @@ def build_hf_config(model_cfg: ModelConfig, vocab_size: int, seq_len: int, weigh
         except _rejects() as e:
             raise UserError(f"model.config: Hugging Face rejects it: {said(e)}; fix model.config") from None
         check_config_keys(model_type, model_cfg.config, hf, model_cfg.attn_implementation)
-    max_pos = getattr(hf, "max_position_embeddings", None)
-    if max_pos is not None and seq_len > max_pos:
+    max_pos = getattr(hf, "max_position_embeddings", None)  # XLNet's -1: no limit (relative positions)
+    if isinstance(max_pos, int) and 0 < max_pos < seq_len:
         raise UserError(f"train.seq_len={seq_len} exceeds the model's max_position_embeddings="
                         f"{max_pos}; lower train.seq_len or raise model.config.max_position_embeddings")
     check_buildable(hf, model_cfg.attn_implementation, where)

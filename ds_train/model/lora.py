@@ -178,10 +178,34 @@ def linears_of(model, plain_only: bool = True) -> list[str]:
     head, routers, names = model.get_output_embeddings(), router_class(model) if plain_only else None, []
     for name, module in model.named_modules():
         router = routers not in (None, torch.nn.Linear) and isinstance(module, routers)  # Jamba's: a plain Linear
+        router |= plain_only and not computes_linear(module)  # Llama 4's router, DeepSeek-V4's grouped projection
         if isinstance(module, torch.nn.Linear) and not router and module is not head and \
                 name.rsplit(".", 1)[-1] not in names:
             names.append(name.rsplit(".", 1)[-1])
     return names
+
+
+def computes_linear(module) -> bool:
+    """Whether a layer LoRA would adapt computes x W^T + b, as peft's adapter assumes: measured, on two rows, for
+    a modeling file's own nn.Linear with its own forward (Falcon's does; Llama 4's router returns a tuple and
+    DeepSeek-V4's grouped projection splits its input). A plain nn.Linear, another library's (bitsandbytes' of a
+    quantised base) and a layer whose weight is not here (partitioned by ZeRO-3) are taken as peft takes them."""
+    import torch
+
+    if not isinstance(module, torch.nn.Linear) or type(module).forward is torch.nn.Linear.forward or \
+            not type(module).__module__.startswith("transformers.models.") or module.weight.numel() == 0 or \
+            module.weight.device.type == "meta":
+        return True
+    w = module.weight
+    x = torch.linspace(-1, 1, 2 * module.in_features, dtype=w.dtype, device=w.device).reshape(2, -1)
+    try:
+        with torch.no_grad():
+            out = module(x)
+    except Exception:  # noqa: BLE001 - a forward that cannot take rows of its input width is not x W^T + b
+        return False
+    with torch.no_grad():
+        want = torch.nn.functional.linear(x, w, module.bias)
+    return torch.is_tensor(out) and out.shape == want.shape and torch.allclose(out, want, rtol=1e-3, atol=1e-5)
 
 
 def peft_refuses(model, names: list[str]) -> dict[str, str]:

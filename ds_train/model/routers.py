@@ -36,9 +36,11 @@ def find_routers(model) -> list[tuple[Router, object]]:
     for name, module in model.named_modules():
         autoep = type(module).__name__ == AUTOEP_ROUTER
         if autoep or (hf_class is not None and isinstance(module, hf_class)):
-            experts = getattr(module, "num_experts", None) or getattr(module, "n_routed_experts", None)
+            # what it routes among: the larger where a router names both (LongCat-Flash's n_routed_experts counts
+            # its zero-computation experts too)
+            experts = max(int(getattr(module, key, None) or 0) for key in ("num_experts", "n_routed_experts"))
             top_k = getattr(module, "top_k", None) or getattr(module, "num_experts_per_tok", 1)
-            found.append((Router(name, int(experts or module.weight.shape[0]), int(top_k), autoep), module))
+            found.append((Router(name, experts or int(module.weight.shape[0]), int(top_k), autoep), module))
     return found
 
 

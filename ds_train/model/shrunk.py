@@ -22,6 +22,8 @@ def shrink_model(hf, heads_multiple: int = 1, head_dim: int = HEAD_DIM) -> tuple
     heads = getattr(hf, "num_attention_heads", None) or getattr(hf, "n_head", None) or 4
     kv = getattr(hf, "num_key_value_heads", None) or heads
     ratio = heads // kv if heads % kv == 0 else 1
+    if ratio > 16:  # one key/value head for many queries (DeepSeek-V4's 64 to 1): 4 to 1 keeps it one
+        ratio = 4
     small_heads = math.lcm(4, ratio, heads_multiple)
     hidden = head_dim * small_heads
     ffn = max(8, round(hidden * 2.75 / 8) * 8)
@@ -36,7 +38,16 @@ def shrink_model(hf, heads_multiple: int = 1, head_dim: int = HEAD_DIM) -> tuple
              "encoder_layers": layers, "encoder_attention_heads": small_heads, "encoder_ffn_dim": ffn,
              # state-space and recurrent widths (Mamba, Falcon-H1, RecurrentGemma)
              "mamba_n_heads": 4, "mamba_d_head": head_dim, "mamba_d_ssm": 4 * head_dim, "mamba_d_state": 16,
-             "ssm_state_size": 16, "state_size": 16, "lru_width": hidden}
+             "ssm_state_size": 16, "state_size": 16, "lru_width": hidden, "adapter_rank": 8,
+             "hidden_size_per_layer_input": head_dim,  # Gemma 3n's and 4's per-layer inputs
+             "mlp_dim": ffn, "hidden_size_global": hidden,  # a SAM-style vision tower's MLP (GOT-OCR 2); BLT's
+             # XLM's and XLNet's names
+             "emb_dim": hidden, "n_heads": small_heads, "n_layers": layers, "d_head": head_dim, "d_inner": ffn,
+             # other MLP widths (Llama 4's dense layers, LongCat-Flash's), linear attention's heads (Qwen3.5)
+             "intermediate_size_mlp": ffn, "ffn_hidden_size": ffn, "expert_ffn_hidden_size": ffn // 2,
+             "linear_key_head_dim": head_dim, "linear_value_head_dim": head_dim,
+             # DeepSeek-V4's grouped output projection and its sparse attention's indexer
+             "o_lora_rank": 32, "index_head_dim": head_dim, "index_n_heads": 4, "index_topk": 16}
     # multi-head latent attention (DeepSeek-V2/V3, Kimi): its ranks and head widths; a partial rotary width
     small |= {"kv_lora_rank": 32, "q_lora_rank": 32, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": head_dim,
               "qk_head_dim": 16, "rotary_dim": head_dim // 2, "linear_head_dim": head_dim,
@@ -50,14 +61,21 @@ def shrink_model(hf, heads_multiple: int = 1, head_dim: int = HEAD_DIM) -> tuple
         if d.get(key) is not None:  # the keys this model type has (GPT-2's n_inner None: 4 x hidden)
             d[key] = value
     for key, value in list(d.items()):  # a multimodal model's sub-models (its text_config, vision_config, ...)
-        if key.endswith("_config") and isinstance(value, dict) and value.get("model_type"):
+        if key.endswith("_config") and isinstance(value, dict) and hasattr(getattr(hf, key, None), "to_diff_dict"):
+            d[key] = shrink_model(getattr(hf, key), heads_multiple, head_dim)[0]
+        elif key.endswith("_config") and isinstance(value, dict) and value.get("model_type"):
             d[key] = _shrunk_part(value, heads_multiple, head_dim)
     for key, cap in (("num_local_experts", 4), ("num_experts", 4), ("n_routed_experts", 4), ("n_group", 2),
+                     ("zero_expert_num", 4), ("encoder_hash_byte_group_vocab", 1024), ("moe_topk", 2), ("o_groups", 2),
+                     ("linear_num_key_heads", 2),
                      ("topk_group", 1),  # DeepSeek-V3's groups of experts: 2 of 2 experts, the top 2 from 1 group
                      ("num_experts_per_tok", 2), ("max_window_layers", layers), ("first_k_dense_replace", 1)):
         if isinstance(d.get(key), int):
             d[key] = min(d[key], cap)
-    d.update(per_layer)
+    if isinstance(d.get("linear_num_value_heads"), int) and d.get("linear_num_key_heads"):  # their ratio kept
+        d["linear_num_value_heads"] = d["linear_num_key_heads"] * max(1, per_key_value(hf))
+    d.update({k: [small[k]] * len(v) if k in small else v for k, v in per_layer.items()})  # a width a layer: cut
+    _state_space_widths(d, hidden)
     for key, value in list(d.items()):
         if ("dropout" in key or "pdrop" in key) and isinstance(value, float):
             d[key] = 0.0
@@ -66,6 +84,27 @@ def shrink_model(hf, heads_multiple: int = 1, head_dim: int = HEAD_DIM) -> tuple
             f"{small_heads}/{small_heads // ratio} (query/key-value), vocabulary "
             f"{getattr(hf, 'vocab_size', '?')} kept")
     return d, said
+
+
+def per_key_value(hf) -> int:
+    """Linear attention's value heads per key head (Qwen3.5: 32 to 16)."""
+    keys, values = getattr(hf, "linear_num_key_heads", None), getattr(hf, "linear_num_value_heads", None)
+    return values // keys if keys and values and values % keys == 0 else 1
+
+
+def _state_space_widths(d: dict, hidden: int) -> None:
+    """State-space widths that follow from the hidden size: heads x head width = expand x hidden (Mamba-2,
+    Bamba, Granite-MoE-hybrid; Zamba 2 derives its own from the hidden size)."""
+    inner = int((d.get("mamba_expand") or d.get("expand") or 2) * hidden)
+    if d.get("mamba_n_heads") and "mamba_d_head" in d:  # Falcon-H1 names its own inner width (mamba_d_ssm)
+        d["mamba_d_head"] = (d.get("mamba_d_ssm") or inner) // d["mamba_n_heads"]
+    if d.get("n_mamba_heads"):  # Zamba 2: its attention and Mamba widths come from the hidden size
+        for key in ("mamba_headdim", "attention_hidden_size", "attention_head_dim", "kv_channels"):
+            d.pop(key, None)
+    if "state_size" in d and "expand" in d and d.get("num_heads") and d.get("head_dim"):  # Mamba-2
+        d["num_heads"] = max(1, inner // d["head_dim"])
+        if d.get("n_groups"):
+            d["n_groups"] = math.gcd(d["n_groups"], d["num_heads"])
 
 
 def _layers(hf) -> int:
@@ -79,16 +118,33 @@ def _layer_kinds(d: dict, n: int) -> tuple[int, dict]:
     """How many layers the small model keeps, and its per-layer settings: each setting of the config that
     holds one entry a layer (a list, or a string of one letter a layer) cut to the first layer of each
     distinct kind (its entries in every such setting together), at least 2 layers."""
-    per_layer = {k: v for k, v in d.items() if n > 1 and k != "model_type"
+    indices = {k: set(v) for k, v in d.items() if n > 1 and k.endswith(("_layers", "_layer_ids")) and _indices(v, n)}
+    by_index = {k: {int(i): v for i, v in m.items()} for k, m in d.items()  # {layer: settings} (Gemma 4)
+                if n > 1 and isinstance(m, dict) and m and "layer" in k and all(str(i).isdigit() for i in m)}
+    per_layer = {k: v for k, v in d.items() if n > 1 and k != "model_type" and k not in indices
                  and (isinstance(v, list) or isinstance(v, str) and "pattern" in k) and len(v) == n}
+    shared = d.get("num_kv_shared_layers") or 0  # the last ones reuse an earlier layer's keys and values (Gemma 3n)
     kinds = {}
     for i in range(n):
-        kinds.setdefault(tuple(repr(v[i]) for v in per_layer.values()), i)
+        kind = (tuple(repr(v[i]) for v in per_layer.values()) + tuple(i in s for s in indices.values())
+                + tuple(repr(m.get(i)) for m in by_index.values()) + (i >= n - shared > 0,))
+        kinds.setdefault(kind, i)
     keep = sorted(kinds.values())
     keep += [i for i in range(n) if i not in keep][:max(0, 2 - len(keep))]
     cut = {k: (type(v)(v[i] for i in keep) if isinstance(v, list) else "".join(v[i] for i in keep))
            for k, v in per_layer.items()}
+    cut |= {k: [j for j, i in enumerate(keep) if i in s] for k, s in indices.items()}
+    cut |= {k: {str(j).zfill(len(next(iter(d[k])))): m[i] for j, i in enumerate(keep) if i in m}
+            for k, m in by_index.items()}
+    if shared:
+        cut["num_kv_shared_layers"] = sum(i >= n - shared for i in keep)
     return max(2, len(keep)), cut
+
+
+def _indices(v, n: int) -> bool:
+    """A list of layer indices (Llama 4's moe_layers), not a value a layer."""
+    return (isinstance(v, list) and bool(v) and all(type(i) is int for i in v) and v == sorted(set(v))
+            and v[-1] < n and (len(v) < n or v == list(range(n))))
 
 
 def _shrunk_part(part: dict, heads_multiple: int, head_dim: int) -> dict:
