@@ -8,6 +8,8 @@ comparison (ds_train/train/probe.py: `differences`), in fp32 on this CPU.
     python bench/models.py --compile                # compiled layers too (inductor compiles each type's layers)
     python bench/models.py --types llama,granite    # some model types only
     python bench/models.py --runs                   # and the one-process run columns (bench/model_runs.py)
+    python bench/models.py --all --write            # the whole matrix: --runs --compile, then the families'
+                                                    # two-process table (bench/model_families.py)
 
 A cell is what a run of that model type gets: ✓ (the speed-up matches the model's own forward; ×c: the tiled
 loss with the head factor c the probe measured), or the probe's verdict in short: "full logits" (the tiled
@@ -41,7 +43,7 @@ from bench import cli  # noqa: E402
 
 VOCAB = 1024
 MAX_PARAMS = 50_000_000  # a probe-size model past this keeps a width the shrink does not know: said, not built
-TYPE_SECONDS = 60  # one model type's time limit
+TYPE_SECONDS = 60  # one model type's time limit (three times it with --compile: inductor's first compile of a type)
 SPEEDUPS = ("tiled loss", "fused loss", "tiled MLP")
 RUN_COLUMNS = ("trains", "export", "resume", "LoRA")  # bench/model_runs.py's (--runs)
 OFF_IDENTITY = re.compile(r"multiplier|scale|scaling")
@@ -87,17 +89,25 @@ def probe_config(model_type: str, head_dim: int = 16, heads_multiple: int = 1):
 
     small, _ = shrink_model(AutoConfig.for_model(model_type), heads_multiple, head_dim)
     small.pop("model_type")
-    if isinstance(small.get("vocab_size"), int):
-        small["vocab_size"] = min(small["vocab_size"], VOCAB)
-        for key in [k for k in small if k.endswith("_token_id")]:  # pad, bos, eos, sep, decoder_start, ...
-            if isinstance(small[key], int) and small[key] >= VOCAB:
-                small[key] = VOCAB - 1
-            elif isinstance(small[key], list):
-                small[key] = sorted({min(i, VOCAB - 1) for i in small[key]})
+    cut_vocabulary(small)
     for key in ("id2label", "label2id"):  # a classifier's labels, at their defaults (and int keys YAML has not)
         small.pop(key, None)
     small, moved = off_identity(small)
     return AutoConfig.for_model(model_type, **small), moved, {"model_type": model_type, **small}
+
+
+def cut_vocabulary(config: dict) -> None:
+    """The vocabulary cut to VOCAB tokens, in the config and in its sub-models' (a multimodal model's text model)."""
+    for part in [config, *(v for k, v in config.items() if k.endswith("_config") and isinstance(v, dict))]:
+        if not isinstance(part.get("vocab_size"), int):
+            continue
+        for key in [k for k in part if k.startswith("vocab_size") and isinstance(part[k], int)]:  # Gemma 3n's too
+            part[key] = min(part[key], VOCAB)
+        for key in [k for k in part if k.endswith("_token_id")]:  # pad, bos, eos, sep, decoder_start, ...
+            if isinstance(part[key], int) and part[key] >= VOCAB:
+                part[key] = VOCAB - 1
+            elif isinstance(part[key], list):
+                part[key] = sorted({min(i, VOCAB - 1) for i in part[key]})
 
 
 def build(config):
@@ -215,9 +225,13 @@ def main() -> int:
     ap.add_argument("--compile", action="store_true", help="compiled layers too (inductor: slow on a CPU)")
     ap.add_argument("--runs", action="store_true", help="the one-process run columns too: 2 steps, export, "
                     "resume, LoRA (bench/model_runs.py)")
+    ap.add_argument("--all", action="store_true", help="the whole matrix: --runs --compile, then the most used "
+                    "families on two processes (bench/model_families.py, with --write when given)")
     ap.add_argument("--write", action="store_true", help=f"write the table into {DOC.relative_to(ROOT)}")
     ap.add_argument("--json", default="", help="also write the rows as JSON here")
     args = ap.parse_args()
+    if args.all:
+        args.runs = args.compile = True
     warnings.filterwarnings("ignore")
     from transformers.utils import logging as hf_logging
 
@@ -243,7 +257,7 @@ def main() -> int:
 
     signal.signal(signal.SIGALRM, too_long)
     for model_type in types:
-        signal.alarm(TYPE_SECONDS)
+        signal.alarm(TYPE_SECONDS * (3 if args.compile else 1))
         try:
             rows.append(row(model_type, tuple(s for s in speedups if s in SPEEDUPS + ("compiled layers",)), runs))
         finally:
@@ -257,8 +271,38 @@ def main() -> int:
     if args.json:
         Path(args.json).write_text(json.dumps(rows, ensure_ascii=False, indent=1))
     if args.write:
-        write_between(DOC, BEGIN, END, text)
+        write_between(DOC, BEGIN, END, merged(rows, speedups, text) if args.types else text)
+    if args.all:  # the two-process columns: their own processes (deepspeed launches), their own table
+        import subprocess
+
+        families = [sys.executable, str(ROOT / "bench" / "model_families.py"), *(["--write"] if args.write else [])]
+        if subprocess.run(families, cwd=ROOT).returncode:
+            raise cli.fail("bench/model_families.py failed (its output above)")
+        print(f"the whole matrix: {time.monotonic() - start:.0f} s")
     return 0
+
+
+def merged(rows: list[dict], speedups: tuple[str, ...], text: str) -> str:
+    """The table in the docs with these types' rows run again (said under it), the others kept, the counts
+    recounted over every row."""
+    old = DOC.read_text().split(BEGIN, 1)[1].split(END, 1)[0].strip().split("\n\n")
+    lines = old[1].splitlines()
+    columns = [c.strip() for c in lines[0].strip("|").split("|")]
+    if [c for c in columns if c in SPEEDUPS + ("compiled layers",) + RUN_COLUMNS] != list(speedups):
+        raise cli.fail(f"{DOC}: its table has the columns {columns}; run these types with the same options")
+    fresh = {r["type"]: r for r in rows}
+    every = []
+    for line in lines[2:]:
+        cells = dict(zip(columns, (c.strip() for c in line.strip().strip("|").split(" | "))))
+        kind = cells["model type"].strip("`")
+        every.append(fresh.pop(kind, None) or {"type": kind, "build": cells["builds"], "moved": [cells[
+            "moved off identity"]] if cells["moved off identity"] else [], "cells": {c: cells[c] for c in speedups}})
+    every += fresh.values()  # a type the table did not have
+    every.sort(key=lambda r: r["type"])
+    head = old[0].split(" on this 2-core CPU. ")[0]
+    again = "".join(f"\n\n{x}" for x in old[2:])  # the rows run again before
+    return (f"{head} on this 2-core CPU. {counts(every)}.\n\n{table(every, speedups)}{again}\n\nRun again: "
+            f"{', '.join(r['type'] for r in rows)}: {text.split('. ', 1)[0]}.")
 
 
 def write_between(doc: Path, begin: str, end: str, text: str) -> None:

@@ -124,6 +124,17 @@ INLINE_WAYS = [
         "python bench/models.py --runs --types llama,granite,recurrent_gemma",
         expect=("| `granite` | ✓ | ✓ ×2 | ✓ ×2 | ✓ | ✓ ", "| `recurrent_gemma` | ✓ | full logits: an op after the head |",
                 "| ✓ bitwise | ✓ 14 layers |")),
+    Way(_exact("python bench/models.py --runs --compile --write"), CHECKED,
+        "the table as written (~23 minutes, inductor compiles each type): its arguments parse; its run columns run "
+        "above (reduced), tests/test_probe.py runs the probe's compiled-layer check with inductor and fails it with "
+        "a fault", "python bench/models.py --help"),
+    Way(r"python bench/models\.py --runs --compile --write --types [a-z0-9_,]+", CHECKED,
+        "rows run again after a fix, the others kept (minutes): its arguments parse; the rows it replaces are "
+        "the table's own, and tests/test_models_matrix.py compares every row with the code",
+        "python bench/models.py --help"),
+    Way(_exact("python bench/models.py --all --write"), CHECKED,
+        "the whole matrix (~40 minutes): its arguments parse; its parts run above (reduced) and below, and "
+        "tests/test_models_matrix.py compares the table with the code", "python bench/models.py --help"),
     Way(_exact("python bench/model_families.py --write"), CHECKED,
         "2-process parity launches of 14 families (~30 minutes): its arguments parse; the layouts it launches are "
         "tests/test_parity.py's for Llama and Qwen3-MoE", "python bench/model_families.py --help"),

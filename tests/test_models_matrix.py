@@ -23,10 +23,11 @@ RUN_COLUMNS = ("trains", "export", "resume", "LoRA")
 # router returning its experts first (granitemoe), a training forward refused with the KV cache on (jamba), LoRA's
 # all-linear on a Mamba hybrid and on a router built on nn.Linear (falcon_h1, phimoe; falcon's own nn.Linear is
 # adapted), an export whose config AutoModelForCausalLM did not map (mllama), a backward that is not deterministic
-# (ernie4_5_moe: ≈)
+# (ernie4_5_moe: ≈); and (2026-11-30) an nn.Linear that is not x W^T + b kept from all-linear (llama4_text's
+# router), a router counting zero-computation experts (longcat_flash), a model without a position limit (xlnet)
 RUN_FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe", "gemma2", "gemma3_text", "mistral", "mixtral", "phi3", "olmo2",
                 "deepseek_v3", "gpt_oss", "granite", "smollm3", "afmoe", "gemma3", "granitemoe", "jamba", "falcon_h1",
-                "phimoe", "falcon", "mllama", "ernie4_5_moe")
+                "phimoe", "falcon", "mllama", "ernie4_5_moe", "llama4_text", "longcat_flash", "xlnet")
 
 
 def bench():
