@@ -73,12 +73,15 @@ def test_target_modules_that_match_nothing_name_the_models_linear_layers():
         importlib.util.find_spec = real
 
 
-@pytest.mark.parametrize("model_type, left_out", [("falcon_h1", {"out_proj"}), ("phimoe", {"router"})])
+@pytest.mark.parametrize("model_type, left_out", [("falcon_h1", {"out_proj"}), ("phimoe", {"router"}),
+                                                   ("llama4_text", {"router"}), ("falcon", set())])
 def test_all_linear_adapts_every_linear_layer_peft_can_and_a_layer_it_cannot_is_refused(model_type, left_out):
     """all-linear (the default) on a Mamba hybrid leaves out the layers peft refuses there (its out_proj;
-    before: peft's ValueError at build), and on PhiMoE its router (an nn.Linear of the modeling file that
-    returns a tuple; before: an AttributeError in the first forward). Naming a refused layer is one line
-    before anything is built; the adapted model's forward and backward run, gradients on adapters alone."""
+    before: peft's ValueError at build), and on PhiMoE and Llama 4 their routers (an nn.Linear of the modeling file
+    that returns a tuple; Llama 4's is not recorded as a router, found by its forward not computing x W^T + b;
+    before: an AttributeError in the first forward). Falcon's own nn.Linear computes x W^T + b: adapted. Naming a
+    refused layer is one line before anything is built; the adapted model's forward and backward run, gradients on
+    adapters alone."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -88,6 +91,8 @@ def test_all_linear_adapts_every_linear_layer_peft_can_and_a_layer_it_cannot_is_
     adapted = apply_lora(AutoModelForCausalLM.from_config(hf), lora_cfg(), 0)
     wrapped = {n.rsplit(".", 1)[-1] for n, m in adapted.named_modules() if hasattr(m, "lora_A")}
     assert wrapped and not wrapped & left_out, wrapped
+    if model_type == "falcon":
+        assert {"query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h"} <= wrapped, wrapped
     adapted(input_ids=torch.arange(8)[None], use_cache=False).logits.square().mean().backward()
     grads = [n for n, p in adapted.named_parameters() if p.grad is not None]
     assert grads and all(".lora_" in n for n in grads)

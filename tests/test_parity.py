@@ -143,6 +143,31 @@ def test_shrink_keeps_the_model_type_and_its_shape_ratios():
     assert gpt2["resid_pdrop"] == gpt2["attn_pdrop"] == 0.0
 
 
+def test_shrink_keeps_per_layer_settings_lists_of_layers_and_derived_widths_consistent():
+    """A list of layer indices stays a list of indices (Llama 4's moe_layers: before, every layer was a kind of its
+    own and all 48 were kept), settings keyed by layer follow their layers (Gemma 4's per_layer_config), shared
+    key/value layers stay shared (Gemma 3n), state-space widths follow the hidden size (Mamba-2's validator), and
+    one key/value head for 64 queries stays one (DeepSeek-V4: before, 64 heads of 16 = hidden 1024)."""
+    from transformers import AutoConfig
+
+    llama4, _ = shrink_model(AutoConfig.for_model("llama4_text"))
+    assert llama4["num_hidden_layers"] == len(llama4["layer_types"]) <= 4
+    assert llama4["moe_layers"] == list(range(llama4["num_hidden_layers"]))
+    gemma4, _ = shrink_model(AutoConfig.for_model("gemma4_text"))
+    assert gemma4["layer_types"] == ["sliding_attention", "full_attention"]
+    assert list(gemma4["per_layer_config"]) == ["01"]  # the full-attention layer's, was "05"
+    gemma3n, _ = shrink_model(AutoConfig.for_model("gemma3n_text"))
+    kept = gemma3n["num_hidden_layers"]
+    assert 0 < gemma3n["num_kv_shared_layers"] < kept and len(gemma3n["intermediate_size"]) == kept
+    assert set(gemma3n["intermediate_size"]) == {gemma3n["hidden_size"] * 11 // 4}
+    AutoConfig.for_model(**gemma3n)
+    mamba2, _ = shrink_model(AutoConfig.for_model("mamba2"))
+    assert mamba2["num_heads"] * mamba2["head_dim"] == mamba2["expand"] * mamba2["hidden_size"]
+    AutoConfig.for_model(**mamba2)  # its validator passes
+    v4, _ = shrink_model(AutoConfig.for_model("deepseek_v4"))
+    assert (v4["num_attention_heads"], v4["num_key_value_heads"], v4["hidden_size"]) == (4, 1, 64)
+
+
 @pytest.mark.parametrize("extra, needle", [
     (["--grad-accum", "3"], "--grad-accum 3 at 2 process(es) needs train.global_batch_size=8 divisible by 3 x "
                             "data-parallel size 2; choose 1, 2 or 4"),
