@@ -71,7 +71,7 @@ def plan_memory(argv: list[str], world_size: int) -> float:
     """The memory plan's per-GPU peak (GiB) of the command after `--` at this world size (for the
     GPU preflight of `ds-train launch`)."""
     from ds_train.config.file import load_config
-    from ds_train.dryrun import run_estimate
+    from ds_train.estimate import run_estimate
     from ds_train.plan.planner import Target
 
     args = build_parser().parse_args(argv)

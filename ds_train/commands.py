@@ -205,7 +205,7 @@ def cmd_plot(args) -> int:
 
 def _plan_inputs(args):
     from ds_train.config.file import load_config
-    from ds_train.dryrun import target_from_args
+    from ds_train.estimate import target_from_args
 
     cfg = load_config(args.config, args.overrides, command=args.command)  # estimate, dry-run
     return cfg, target_from_args(args.hostfile, args.nodes, args.gpus_per_node, args.gpu_memory)
@@ -216,7 +216,7 @@ def cmd_estimate(args) -> int:
 
     Memory plan without an accelerator (the model is built on the meta device): model states by ZeRO
     stage and offload, activations with and without checkpointing, DeepSpeed's buffers; what fits."""
-    from ds_train.dryrun import estimate_outcome, format_estimate, run_estimate
+    from ds_train.estimate import estimate_outcome, format_estimate, run_estimate
 
     cfg, target = _plan_inputs(args)
     out = run_estimate(cfg, args.ds_config, target, args.preset)

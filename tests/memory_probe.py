@@ -14,7 +14,7 @@ import torch
 from ds_train import dist, topology
 from ds_train.config.file import build_config
 from ds_train.data.datasets import rank_micro_batches
-from ds_train.dryrun import run_estimate
+from ds_train.estimate import run_estimate
 from ds_train.inputs import check_inputs
 from ds_train.model.build import count_params
 from ds_train.plan.memory import GiB, activation_bytes, engine_state_bytes, model_shape, model_states

@@ -9,7 +9,7 @@ import pytest
 
 from conftest import ROOT, ds_train
 from ds_train.config.file import build_config
-from ds_train.dryrun import estimate_outcome, format_estimate, run_estimate
+from ds_train.estimate import estimate_outcome, format_estimate, run_estimate
 from ds_train.plan.memory import model_shape
 from ds_train.plan.planner import Target, oom_report, pick_preset
 

@@ -189,7 +189,7 @@ H200 = json.loads((ROOT / "tests" / "fixtures" / "gpu" / "h200_memory.json").rea
 def h200_case_peak(micro: int, stage: int, ckpt: bool, *, target_gib: float | None = None) -> dict:
     """The plan's given row for one case of the H200 measurement (bench/gpu/memory.py's run config)."""
     from ds_train.config.file import build_config
-    from ds_train.dryrun import run_estimate
+    from ds_train.estimate import run_estimate
     from ds_train.plan.planner import Target
 
     cfg = build_config({"output_dir": "/nonexistent/run", "model": {"config": H200["model"], "dtype": "bf16",
@@ -211,7 +211,7 @@ def test_the_planned_peak_is_within_10_percent_of_what_an_h100_measured_eager_wi
     the 1.1B Llama, seq 2048, micro 8, ZeRO-2, eager, with Liger's kernels, compiled; the fused kernels
     keep less of each layer (memory.py), 9 GiB here."""
     from ds_train.config.file import build_config
-    from ds_train.dryrun import run_estimate
+    from ds_train.estimate import run_estimate
     from ds_train.plan.planner import Target
 
     cfg = build_config({"output_dir": "/nonexistent/run",
@@ -245,7 +245,7 @@ def test_the_plan_against_what_an_h200_measured_with_compiled_layers_and_without
     issue's next lease takes a memory snapshot of them) the plan must still say what it said, so that a
     change to it is seen and the case measured again."""
     from ds_train.config.file import build_config
-    from ds_train.dryrun import run_estimate
+    from ds_train.estimate import run_estimate
     from ds_train.plan.planner import Target
 
     cfg = build_config({"output_dir": "/nonexistent/run", "model": case["model"], "train": case["train"],

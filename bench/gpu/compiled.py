@@ -107,7 +107,7 @@ def predicted_gib(cfg_path: Path) -> float:
     import torch
 
     from ds_train.config.file import load_config
-    from ds_train.dryrun import run_estimate
+    from ds_train.estimate import run_estimate
     from ds_train.plan.planner import Target
 
     gib = torch.cuda.get_device_properties(0).total_memory / 2**30 if torch.cuda.is_available() else 80.0

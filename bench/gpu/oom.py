@@ -53,7 +53,7 @@ def gpu_memory_gib() -> float:
 def planner(cfg_path: Path, memory: float) -> dict:
     """The given row of the estimate (ZeRO-2, this micro-batch) for one GPU of `memory` GiB."""
     from ds_train.config.file import load_config
-    from ds_train.dryrun import run_estimate
+    from ds_train.estimate import run_estimate
     from ds_train.plan.planner import Target
 
     out = run_estimate(load_config(cfg_path), str(DS_CONFIG), Target(1, 1, memory), None)
