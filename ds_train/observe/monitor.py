@@ -100,22 +100,42 @@ def _gib(value) -> str:
 
 
 def render(view: RunView):
-    """One frame (a rich renderable)."""
-    from rich import box
+    """One frame (a rich renderable): the header, the curves, what RL's episodes met, per-task success, the ranks."""
     from rich.console import Group
     from rich.panel import Panel
+    from rich.text import Text
+
+    parts = _header(view)
+    curves = _curves(view)
+    if curves.row_count:
+        parts.append(Panel(curves, title="metrics (latest, curve)", title_align="left"))
+    parts += _episode_lines(view)
+    if view.kind.per_task:
+        parts.append(_task_table(view))
+    marks = rank_marks(view)
+    if view.heartbeats:
+        parts.append(_rank_table(view, marks))
+    for r, (_, mark, style) in sorted(marks.items()):
+        if r in view.heartbeats:
+            hb = view.heartbeats[r]
+            parts.append(Text(f"rank {r} ({hb.get('addr') or hb.get('host', '?')}, node {hb.get('node', '?')}, "
+                              f"phase {hb.get('phase')} of step {hb.get('step')}): {mark}", style=style))
+    return Group(*parts)
+
+
+def _header(view: RunView) -> list:
+    """The run, its state, progress and ETA; the progress bar; why it is not running, where it is not."""
     from rich.progress_bar import ProgressBar
     from rich.table import Table
     from rich.text import Text
 
     state, why = view.state()
-    unit = view.kind.unit
     hosts = {hb.get("host") for hb in view.heartbeats.values()}
     head = Text()
     head.append(f"{view.path}  ", style="bold")
     head.append(f"{view.kind.name} · ")
     head.append(state.upper(), style=STYLE.get(state, ""))
-    head.append(f" · {unit} {view.step} of {view.target or '?'}")
+    head.append(f" · {view.kind.unit} {view.step} of {view.target or '?'}")
     eta = eta_s(view) if state == "running" else None
     if eta is not None:
         head.append(f" · ETA {duration(eta)}")
@@ -129,6 +149,11 @@ def render(view: RunView):
         parts.append(bar)
     if state != "running":  # running: the header says it all
         parts.append(Text(why, style=STYLE.get(state, "")))
+    return parts
+
+
+def _curves(view: RunView):
+    from rich.table import Table
 
     curves = Table.grid(padding=(0, 2))
     curves.add_column(style="bold")
@@ -139,27 +164,36 @@ def render(view: RunView):
         if ys:
             value = f"{ys[-1]:,.0f}" if abs(ys[-1]) >= 1000 else f"{ys[-1]:.4g}"
             curves.add_row(label, value, sparkline(ys))
-    if curves.row_count:
-        parts.append(Panel(curves, title="metrics (latest, curve)", title_align="left"))
+    return curves
 
+
+def _episode_lines(view: RunView) -> list:
+    """RL: the faults that ended episodes (environments), and the rollout ranks' staleness, queue and drops."""
+    from rich.text import Text
+
+    parts = []
     faults = next((r for r in reversed(view.metrics) if "ript/env_failed_frac" in r), {})
-    if any(k.startswith("ript/env_failed/") for k in faults):  # environments: the faults that ended episodes
+    if any(k.startswith("ript/env_failed/") for k in faults):
         parts.append(Text(f"episodes ended by a fault at iteration {faults.get('step')}: " + ", ".join(
             f"{k.rsplit('/', 1)[1]} {v:g}" for k, v in sorted(faults.items(), key=lambda x: -x[1]
                                                                 if isinstance(x[1], (int, float)) else 0)
             if k.startswith("ript/env_failed/"))))
     fed = next((r for r in reversed(view.metrics) if "async/stale_dropped" in r), {})
-    if fed:  # rollout ranks: how old the episodes were, what they held ahead, what was dropped
+    if fed:
         ages = sorted((int(k.rsplit("_", 1)[1]), v) for k, v in fed.items()
                       if k.startswith("async/staleness_") and k.rsplit("_", 1)[1].isdigit())
         parts.append(Text(f"rollout ranks at iteration {fed.get('step')}: episodes by staleness "
                           + (", ".join(f"{a}: {n:g}" for a, n in ages) or "none kept")
                           + f"; batches held ahead {fed.get('async/queue_depth', 0):g}; dropped as stale "
                             f"{fed.get('async/stale_dropped', 0):g}"))
-    if view.kind.per_task:
-        parts.append(_task_table(view))
+    return parts
 
-    marks = rank_marks(view)
+
+def _rank_table(view: RunView, marks: dict):
+    from rich import box
+    from rich.table import Table
+    from rich.text import Text
+
     ranks = Table(title="ranks", title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False, show_edge=False,
                   collapse_padding=True)
     for col in ("rank", "host", "step", "phase", "beat", "RSS GiB", "GPU GiB", "GPU %"):
@@ -174,14 +208,7 @@ def render(view: RunView):
         ranks.add_row(str(r), f"{host}/{hb.get('node', '?')}", str(hb.get("step", "")), str(hb.get("phase", "")),
                       f"{view.heartbeat_age(r):.0f}s", _gib(hb.get("rss_gib")), gpu, util,
                       Text(tag, style=style))
-    if view.heartbeats:
-        parts.append(ranks)
-    for r, (_, mark, style) in sorted(marks.items()):
-        if r in view.heartbeats:
-            hb = view.heartbeats[r]
-            parts.append(Text(f"rank {r} ({hb.get('addr') or hb.get('host', '?')}, node {hb.get('node', '?')}, "
-                              f"phase {hb.get('phase')} of step {hb.get('step')}): {mark}", style=style))
-    return Group(*parts)
+    return ranks
 
 
 def _task_table(view: RunView):
