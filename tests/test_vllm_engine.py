@@ -22,7 +22,7 @@ from ds_train.ript.vllm_engine import (CPU_HEAD_SIZES, CPU_MLA_HEAD_SIZES, Layou
                                        check_rollout_engine, check_vllm, cpu_kv_plan, engine_kwargs,
                                        kv_bytes_per_token, wake_and_load,
                                        request_seed)
-from ds_train.ript.weight_sync import policy_weights
+from ds_train.model.gathered import policy_weights
 
 
 def tiny_llama(**kw):

@@ -15,7 +15,7 @@ from typing import Any
 
 from ds_train.ript.batches import Staleness, deal, from_wire
 from ds_train.ript.sampler import Tally, merge_states
-from ds_train.ript.weight_sync import policy_weights
+from ds_train.model.gathered import policy_weights
 
 
 class RolloutFeed:

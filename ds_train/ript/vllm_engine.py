@@ -35,6 +35,7 @@ from typing import Callable
 
 from ds_train import dist
 from ds_train.errors import UserError
+from ds_train.model.gathered import policy_weights
 from ds_train.model.lora import base_model
 from ds_train.plan.experts import num_experts
 from ds_train.ript import weight_sync
@@ -292,7 +293,7 @@ class VllmRollouts:
         return worst
 
     def _load(self) -> None:
-        weight_sync.load_into_engine(self.llm, weight_sync.policy_weights(self.model))
+        weight_sync.load_into_engine(self.llm, policy_weights(self.model))
         self.llm.reset_prefix_cache()  # computed with the old weights
 
     def sync(self) -> None:
