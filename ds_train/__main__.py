@@ -111,6 +111,19 @@ def _add_run_args(p, example: str) -> None:
     p.add_argument("overrides", nargs="*", metavar="key=value")
 
 
+def _at_least(low: int):
+    """An argparse type: a whole number >= low (argparse says the flag and the value in one line)."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"{value} must be >= {low}")
+        return value
+    return parse
+
+
 def _add_checkpoint_source(p, verb: str) -> None:
     """convert and export: which checkpoint."""
     p.add_argument("source", help="run directory, its checkpoints/ directory, or a tag directory")
@@ -177,6 +190,18 @@ def _add_checkpoint_commands(sub) -> None:
     e.add_argument("--merge", action="store_true",
                    help="LoRA runs: merge the adapters into the base and write one model (default: the peft "
                         "adapter directory)")
+    v = _command(sub, "eval", cmd.cmd_eval)
+    v.add_argument("path", help="a run directory (its newest complete checkpoint, exported first) or a Hugging Face "
+                                "export")
+    v.add_argument("--tag", help="a run directory's tag to score (default: the latest complete one)")
+    v.add_argument("--tasks", help="comma-separated lm-evaluation-harness tasks: names (lm_eval's, recipes/lm_eval/'s) "
+                                   "or task YAML paths (default: the run's benchmarks.tasks)")
+    v.add_argument("--limit", type=_at_least(0), help="documents per task, 0: all (default: the run's "
+                                                     "benchmarks.limit, else 0)")
+    v.add_argument("--batch-size", type=_at_least(1), help="lm_eval's batch size (default: benchmarks.batch_size)")
+    v.add_argument("--num-fewshot", type=_at_least(-1), help="few-shot examples, -1: each task's own (default: "
+                                                            "benchmarks.num_fewshot)")
+    v.add_argument("--out", help="directory for lm_eval's results file (default: PATH/lm_eval)")
 
 
 def _add_plan_commands(sub) -> None:

@@ -151,6 +151,72 @@ def cmd_export(args) -> int:
     return 0
 
 
+def cmd_eval(args) -> int:
+    """score a run directory or a Hugging Face export on lm-evaluation-harness tasks
+
+    PATH is an export (a Hugging Face model directory, or a LoRA run's peft adapter directory) or a run directory:
+    its newest complete checkpoint (or --tag) is exported first into a temporary directory, a LoRA run's adapters
+    merged. The tasks and options are the run's benchmarks section (a run directory's config.yaml), or the flags.
+    Scored in this process through lm_eval's Hugging Face backend, as `lm_eval --model hf` scores the export;
+    writes lm_eval's results file (OUT/<model>/results_<time>.json, as `lm_eval --output_path OUT` does; OUT
+    defaults to PATH/lm_eval) and prints lm_eval's table."""
+    import tempfile
+    from dataclasses import replace
+
+    from ds_train.benchmarks import check_tasks, evaluate, write_results
+    from ds_train.config.benchmarks import BenchmarksConfig
+    from ds_train.config.file import load_config
+
+    path = Path(args.path)
+    exported = (path / "config.json").is_file() or (path / "adapter_config.json").is_file()
+    bench = BenchmarksConfig()
+    if not exported and (path / "config.yaml").is_file():
+        bench = load_config(path / "config.yaml", []).benchmarks
+    flags = {"tasks": [t for t in (args.tasks or "").split(",") if t] or None, "limit": args.limit,
+             "batch_size": args.batch_size, "num_fewshot": args.num_fewshot}
+    bench = replace(bench, **{k: v for k, v in flags.items() if v is not None})
+    if not bench.tasks:
+        raise UserError(f"eval: no tasks: {path} names none (its benchmarks.tasks), so give --tasks NAME[,NAME...] "
+                        f"(lm_eval's names, recipes/lm_eval/'s, or task YAML paths)")
+    tasks = check_tasks(bench.tasks, "--tasks" if flags["tasks"] else "benchmarks.tasks")
+    with tempfile.TemporaryDirectory(prefix="ds_train_eval_") as tmp:
+        model_dir = path if exported else _export_for_eval(path, args.tag, Path(tmp) / "export")
+        model, tokenizer, device = _load_for_eval(model_dir)
+        results = evaluate(model, tokenizer, bench, tasks, device)
+    from lm_eval.utils import make_table
+
+    out = write_results(results, Path(args.out) if args.out else path / "lm_eval", str(path))
+    print(make_table(results))
+    print(f"eval: {', '.join(tasks.names)} on {path}: lm_eval's results in {out}")
+    return 0
+
+
+def _export_for_eval(run: Path, tag: str | None, out: Path) -> Path:
+    from ds_train.checkpoint.export import export, resolve_source
+    from ds_train.checkpoint.lora_export import export_lora, run_lora
+
+    src = resolve_source(run, tag)
+    if run_lora(src)[0] is not None:
+        return export_lora(run, out, tag, merge=True)
+    return export(run, out, tag)
+
+
+def _load_for_eval(model_dir: Path):
+    """The export as `lm_eval --model hf` loads it (its dtype, auto: the config's), on a GPU where there is one;
+    a peft adapter directory on its base, merged."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if (model_dir / "adapter_config.json").is_file():
+        from peft import AutoPeftModelForCausalLM
+
+        model = AutoPeftModelForCausalLM.from_pretrained(model_dir, dtype="auto").merge_and_unload()
+    else:
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype="auto")
+    return model.to(device), AutoTokenizer.from_pretrained(model_dir), device
+
+
 def cmd_monitor(args) -> int:
     """watch a run from its directory: progress, curves, ranks
 
@@ -180,7 +246,8 @@ def cmd_plot(args) -> int:
     """PNG plots of one run or several overlaid
 
     Plot metrics.jsonl: loss and eval loss against steps and tokens, lr, tokens/s and memory per rank
-    (RIPT: success per task and held-out success). Several run directories are overlaid."""
+    (RIPT: success per task and held-out success), and lm-evaluation-harness scores where the run has them (the
+    benchmarks section). Several run directories are overlaid."""
     from ds_train.observe.plots import write_plots
     from ds_train.checkpoint.rundir import read_run
 

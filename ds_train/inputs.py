@@ -21,6 +21,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any, Callable
 
+from ds_train.benchmarks import check_section
 from ds_train.checkpoint.export import locate_model, resolve_source
 from ds_train.config import RunConfig
 from ds_train.data.datasets import Datasets, build_datasets
@@ -123,6 +124,7 @@ def check_config(cfg: RunConfig, template: dict, spec, world_size: int, hf_confi
     file). `local_world_size`: ranks a node (default: all on one)."""
     layout, total_steps = spec.check(cfg, template, world_size, hf_config)
     check_lora(cfg.model.lora, hf_config)
+    check_section(cfg)  # lm_eval's tasks (benchmarks.tasks), as lm_eval will take them
     if spec.check_model is not None:
         spec.check_model(cfg, hf_config, world_size, local_world_size or world_size, device)
     lr = scaled_lr(cfg.optim.lr, layout.batch.global_batch_size, cfg.optim.reference_batch_size, cfg.optim.lr_scaling)

@@ -73,7 +73,8 @@ def _launch_check(train_args: str) -> str:
     return f"ds-train launch --hostfile {CLUSTER} --check -- {train_args}"
 
 
-SUBCOMMANDS = "train|ript|prepare|convert|export|launch|slurm|estimate|dry-run|parity|parity-worker|monitor|doctor|plot"
+SUBCOMMANDS = ("train|ript|prepare|convert|export|eval|launch|slurm|estimate|dry-run|parity|parity-worker|monitor|"
+               "doctor|plot")
 # What the prose names in inline code (`ds-train export`, `ds-train parity --tensor 2`, `python bench/dpo.py`) and
 # the benches' READMEs show: most are a subcommand's name or a flag of it (its --help parses: a second each), the
 # rest run as written, join a step above, or need what this machine lacks (a GPU, the network).
@@ -124,6 +125,11 @@ INLINE_WAYS = [
         "python bench/models.py --runs --types llama,granite,recurrent_gemma",
         expect=("| `granite` | ✓ | ✓ ×2 | ✓ ×2 | ✓ | ✓ ", "| `recurrent_gemma` | ✓ | full logits: an op after the head |",
                 "| ✓ bitwise | ✓ 14 layers |")),
+    Way(_exact("ds-train eval runs/ript_demo --tasks arith_choice,arith_words --limit 200"), REDUCED,
+        "the quickstart's run (made above) in place of the RL demo's, 8 documents a task: its newest tag exported "
+        "and scored; tests/test_benchmarks.py checks the scores against lm_eval's own command line",
+        "ds-train eval runs/quickstart --tasks arith_choice,arith_words --limit 8 --out runs/doc_eval",
+        phase=LAST, expect=("|arith_choice|", "lm_eval's results in runs/doc_eval")),
     Way(_exact("python bench/models.py --runs --compile --write"), CHECKED,
         "the table as written (~23 minutes, inductor compiles each type): its arguments parse; its run columns run "
         "above (reduced), tests/test_probe.py runs the probe's compiled-layer check with inductor and fails it with "

@@ -332,7 +332,7 @@ def test_every_third_party_module_ds_train_imports_is_compared_across_hosts():
     import importlib.metadata
 
     everything = set(run_packages(SimpleNamespace(wandb="online", tensorboard=True),
-                                  SimpleNamespace(rollout_engine="vllm")))
+                                  SimpleNamespace(rollout_engine="vllm"), SimpleNamespace(tasks=["arith_words"])))
     owners = importlib.metadata.packages_distributions()
     missing = {}
     for path in (ROOT / "ds_train").rglob("*.py"):

@@ -109,7 +109,7 @@ TRAIN = RunKind(
             ("grad norm", "optim/grad_norm"),
             ("tokens/s", "perf/tokens_per_s"), ("MFU", "perf/mfu"), ("expert load max/mean", "moe/load_max_mean"),
             ("router aux loss", "moe/aux_loss")),
-    figures=("loss", "lr", "throughput", "memory", "experts"), progress=("train/loss", "loss"))
+    figures=("loss", "lr", "throughput", "memory", "experts", "benchmarks"), progress=("train/loss", "loss"))
 RIPT = RunKind(
     "ript", "iteration", "ript.iterations", "ript_results.json",
     console_keys=("ript/success_rate", "ript/reward_mean", "ript/accepted", "ript/rejected", "ript/checked",
@@ -123,7 +123,7 @@ RIPT = RunKind(
             ("time in environments", "perf/env_frac"), ("staleness (updates)", "async/staleness_mean"),
             ("trainers waited (s)", "async/trainer_wait_s"), ("rollout ranks waited (s)", "async/rollout_wait_s"),
             ("weights sent (s)", "async/weights_send_s")),
-    figures=("success", "heldout", "rewards"), progress=("ript/success_rate", "success"), per_task=True)
+    figures=("success", "heldout", "rewards", "benchmarks"), progress=("ript/success_rate", "success"), per_task=True)
 KINDS = {kind.name: kind for kind in (TRAIN, RIPT)}
 
 

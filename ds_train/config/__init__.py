@@ -11,6 +11,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Literal
 
+from ds_train.config.benchmarks import BenchmarksConfig
 from ds_train.config.fields import NON_NEGATIVE, NOT_PATHS, POSITIVE, Range, Section, _f, out_of_bounds
 from ds_train.config.model import ModelConfig
 from ds_train.config.posttrain import DpoConfig, RiptConfig
@@ -307,6 +308,7 @@ class RunConfig:
     watchdog: WatchdogConfig = field(default_factory=WatchdogConfig)
     ript: RiptConfig = field(default_factory=RiptConfig)
     dpo: DpoConfig = field(default_factory=DpoConfig)
+    benchmarks: BenchmarksConfig = field(default_factory=BenchmarksConfig)
 
     def check(self) -> list[str]:
         errs = out_of_bounds(self, "")

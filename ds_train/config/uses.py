@@ -54,6 +54,7 @@ USES = {
     "launch": Use(BOTH), "dist": Use(BOTH), "watchdog": Use(BOTH),
     "ript": Use((RIPT,)),
     "dpo": Use((TRAIN,), lambda c: c.data.format == "preference", "preference training (data.format: preference)"),
+    "benchmarks": Use(BOTH, lambda c: bool(c.benchmarks.tasks), "lm-eval tasks (benchmarks.tasks)"),
 }
 
 

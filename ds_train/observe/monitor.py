@@ -109,7 +109,7 @@ def render(view: RunView):
     curves = _curves(view)
     if curves.row_count:
         parts.append(Panel(curves, title="metrics (latest, curve)", title_align="left"))
-    parts += _episode_lines(view)
+    parts += _episode_lines(view) + _benchmark_lines(view)
     if view.kind.per_task:
         parts.append(_task_table(view))
     marks = rank_marks(view)
@@ -187,6 +187,18 @@ def _episode_lines(view: RunView) -> list:
                           + f"; batches held ahead {fed.get('async/queue_depth', 0):g}; dropped as stale "
                             f"{fed.get('async/stale_dropped', 0):g}"))
     return parts
+
+
+def _benchmark_lines(view: RunView) -> list:
+    """lm-evaluation-harness: the latest scoring (the benchmarks section), under the tasks' own metric names."""
+    from rich.text import Text
+
+    scored = next((r for r in reversed(view.metrics) if any(k.startswith("bench/") for k in r)), None)
+    if scored is None:
+        return []
+    scores = ", ".join(f"{k.removeprefix('bench/')} {v:.4g}" for k, v in sorted(scored.items())
+                       if k.startswith("bench/") and isinstance(v, (int, float)))
+    return [Text(f"lm-eval at {view.kind.unit} {scored.get('step')}: {scores}")]
 
 
 def _rank_table(view: RunView, marks: dict):

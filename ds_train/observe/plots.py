@@ -14,6 +14,7 @@ from ds_train.checkpoint.rundir import TRAIN, RunKind, series
 
 TASK_SUCCESS = re.compile(r"^task/(.+)/success_rate$")
 HELDOUT_TASK = re.compile(r"^eval/(.+)/success$")
+BENCH = re.compile(r"^bench/(.+)$")  # lm-evaluation-harness scores: bench/<task>/<metric>,<filter>
 
 
 def _pyplot():
@@ -160,7 +161,20 @@ class _Plotter:
         return self.finish(fig, [top, bottom], "post-training: rewards, filtering, truncation, KL")
 
 
-FIGURES = ("loss", "lr", "throughput", "memory", "experts", "success", "heldout", "rewards")  # what a RunKind may name
+    def benchmarks(self):
+        """lm-evaluation-harness scores by step (None where the run scored none: no figure)."""
+        if not any(_keys(recs, BENCH) for _, recs in self.runs):
+            return None
+        fig, ax = self.plt.subplots(figsize=(7, 4))
+        for label, recs in self.runs:
+            for key in _keys(recs, BENCH):
+                self.line(ax, *series(recs, key), self.name(label, BENCH.match(key).group(1)))
+        ax.set(xlabel="step or iteration", ylabel="score (lm-eval)")
+        return self.finish(fig, [ax], "lm-evaluation-harness: the live model's scores")
+
+
+FIGURES = ("loss", "lr", "throughput", "memory", "experts", "success", "heldout", "rewards",
+           "benchmarks")  # what a RunKind may name
 
 
 def figures(runs: list[tuple[str, list[dict]]], kind: RunKind = TRAIN) -> dict:

@@ -36,6 +36,7 @@ from ds_train.ript.update import token_logp, update
 from ds_train.ript.vllm_engine import VllmRollouts
 from ds_train.run import Run
 from ds_train.start import build_run
+from ds_train.train.benchmarks import Benchmarks
 from ds_train.train.reference import ReferenceSpec, build_reference, report_reference
 
 
@@ -102,6 +103,7 @@ class RiptState:
     evals: list = field(default_factory=list)
     totals: dict = field(default_factory=dict)
     synced: dict = field(default_factory=dict)  # the statistics of the last sync (ript/*, policy/*)
+    benchmarks: list = field(default_factory=list)  # lm_eval's scorings (the benchmarks section), by iteration
 
 
 def ript(cfg: RunConfig, ds_config_path: str) -> dict:
@@ -198,13 +200,16 @@ def resume(job: RiptJob) -> RiptState | None:
         return None
     job.sampler.load_state(saved["ript"]["sampler"])
     job.pending = saved.get("rank", {}).get("counts", {})
-    return RiptState(**{k: saved["ript"][k] for k in ("iteration", "evals", "totals", "synced") if k in saved["ript"]})
+    return RiptState(**{k: saved["ript"][k] for k in ("iteration", "evals", "totals", "synced", "benchmarks")
+                       if k in saved["ript"]})
 
 
 def start(job: RiptJob) -> RiptState:
     """A fresh run: the held-out evaluation of the starting policy (iteration 0)."""
     state = RiptState(totals=Tally(list(job.sampled)).as_dict())
-    job.run.logger.log(HeldOut(job, Interval(0, job.run.spec.last)).record(0, state), 0)
+    benchmarks = Benchmarks(job.run, job.run.cfg.ript.iterations, state.benchmarks)
+    job.run.logger.log(HeldOut(job, Interval(0, job.run.spec.last)).record(0, state) | benchmarks.maybe_score(
+        0, lambda: write_results(job, state)), 0)
     return state
 
 
@@ -216,6 +221,7 @@ def ript_loop(run: Run, job: RiptJob, state: RiptState) -> None:
     counts = SyncedCounts(job, Interval(r.sync_every, r.iterations))
     counts.load_state(job.pending)
     held_out = HeldOut(job, Interval(r.eval_every, r.iterations))
+    benchmarks = Benchmarks(run, r.iterations, state.benchmarks)
     with run.progress(state.iteration) as progress:
         for it in range(state.iteration + 1, r.iterations + 1):
             with counts.rollouts():
@@ -227,7 +233,8 @@ def ript_loop(run: Run, job: RiptJob, state: RiptState) -> None:
             job.sync_engine(it)
             run.maybe_finish_startup("first iteration")
             state.iteration = it
-            metrics = counts.maybe_sync(it, state) | held_out.maybe_evaluate(it, state)
+            metrics = counts.maybe_sync(it, state) | held_out.maybe_evaluate(it, state) | \
+                benchmarks.maybe_score(it, lambda: write_results(job, state))
             if job.feed is not None and metrics:
                 metrics |= job.feed.metrics()
             run.logger.log(metrics, it)
@@ -304,7 +311,7 @@ def write_results(job: RiptJob, state: RiptState) -> None:
             "eval": state.evals[-1] if state.evals else None, "evals": state.evals,
             "train_counts": by_family(state.totals),
             "statistics": Tally.from_counts(state.totals).metrics() if state.totals else {},  # the whole run's
-            "last_sync": state.synced}, indent=2))
+            "last_sync": state.synced, **({"benchmarks": state.benchmarks} if state.benchmarks else {})}, indent=2))
 
 
 def report(job: RiptJob, state: RiptState, first: int) -> None:

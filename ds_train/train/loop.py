@@ -30,6 +30,7 @@ from ds_train.run import Run, RunSpec
 from ds_train.start import build_run
 from ds_train.train.losses import forward_losses
 from ds_train.train.probe import probe
+from ds_train.train.benchmarks import Benchmarks
 from ds_train.train.meters import ComputeClock, Evaluator, StepMeter
 from ds_train.train.preference import preference_step
 from ds_train.train.reference import PairReference, ReferenceSpec, preference_reference
@@ -83,7 +84,10 @@ def train_loop(run: Run, data: Datasets, start: int, stop: int,
     meter = StepMeter(run, Interval(c.log.every, last), clock, c.watchdog.straggler_ratio)
     evaluator = Evaluator(run, data.val, Interval(c.train.eval_every, last), c.train, c.dpo,
                           reference and reference.val)
+    benchmarks = Benchmarks(run, last)
     summary: dict[str, Any] = {}
+    if start == 0 and benchmarks.due(0):  # the starting model's scores (benchmarks.at_start)
+        run.logger.log(benchmarks.score(0), 0)
     with run.progress(start) as progress:
         for step in range(start + 1, stop + 1):
             with clock.host():
@@ -93,11 +97,14 @@ def train_loop(run: Run, data: Datasets, start: int, stop: int,
                     run.dims.data)]
             result = run_step(run, batches, step, clock, reference)
             run.guard.observe(f"step {step}", result.skipped)
-            metrics = meter.maybe_measure(step, result, run.guard.skipped) | evaluator.maybe_evaluate(step)
+            metrics = meter.maybe_measure(step, result, run.guard.skipped) | evaluator.maybe_evaluate(step) | \
+                benchmarks.maybe_score(step)
             run.logger.log(metrics, step)
             progress.advance(metrics)
             run.checkpointer.maybe_save(step, lambda: position(run, step))
             summary |= metrics
+    if benchmarks.scores:  # lm_eval's, each scoring of this process (rank 0's)
+        summary["benchmarks"] = benchmarks.scores
     return summary
 
 
@@ -238,6 +245,8 @@ def finish(run: Run, metrics: dict) -> dict:
         results["export"] = maybe_export_final(run)
     if run.env.is_main:
         results["sample"] = sample
+        if metrics.get("benchmarks"):
+            results["benchmarks"] = metrics["benchmarks"]
         write_atomic(run.paths.results(TRAIN), json.dumps(results, indent=2))
         if sample is not None:
             print(f"\n--- sample ---\n{sample}\n--------------")

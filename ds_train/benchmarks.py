@@ -1,0 +1,166 @@
+"""lm-evaluation-harness on ds_train's models (the run config's `benchmarks` section, `ds-train eval`).
+
+The tasks are names lm_eval knows (its own, and those in recipes/lm_eval/, always searched) or paths of task YAML
+files (their directories searched too). `check_tasks` says in one line, before anything runs, what lm_eval would
+stop on later: lm_eval not installed, a name it does not know, a task file that is not YAML, names no task, or does
+not build (its dataset, its templates). `evaluate` scores a model that is already loaded, in this process, through
+lm_eval's own Hugging Face backend (HFLM on the model object: no reload, no copy), so that the numbers are those
+`lm_eval --model hf` gives on the exported model; `metrics` names them after each task's own metrics
+(bench/<task>/<metric>,<filter>, lm_eval's keys). lm_eval is imported only here, and only when tasks are named.
+"""
+
+from __future__ import annotations
+
+import difflib
+import functools
+import importlib.util
+from dataclasses import dataclass
+from pathlib import Path
+
+from ds_train.errors import UserError
+from ds_train.model.hfconfig import said
+
+LOCAL_TASKS = Path(__file__).resolve().parents[1] / "recipes" / "lm_eval"  # the tasks shipped with ds_train
+LM_EVAL_PIN = "lm_eval==0.4.13"  # pyproject.toml's eval extra, requirements-test.txt
+KEY = "benchmarks.tasks"
+
+
+@dataclass(frozen=True)
+class Tasks:
+    names: tuple[str, ...]  # what lm_eval evaluates
+    files: dict  # name -> the task file that gave it (a path given in benchmarks.tasks)
+    include: tuple[str, ...]  # directories lm_eval's TaskManager searches besides its own tasks
+
+
+def resolve(tasks: list[str], key: str = KEY) -> Tasks:
+    """The task names and the directories to search, from benchmarks.tasks (names and task-file paths)."""
+    names, files, include = [], {}, [str(LOCAL_TASKS)] if LOCAL_TASKS.is_dir() else []
+    for entry in tasks:
+        if not entry.endswith((".yaml", ".yml")):
+            names.append(entry)
+            continue
+        path = Path(entry)
+        if not path.is_file():
+            raise UserError(f"{key}: {entry}: no such task file; give the path of a task YAML, or a task name "
+                            f"lm_eval knows")
+        name = _task_name(path, key)
+        names.append(name)
+        files[name] = entry
+        if str(path.parent.resolve()) not in include:
+            include.append(str(path.parent.resolve()))
+    return Tasks(tuple(names), files, tuple(include))
+
+
+def _task_name(path: Path, key: str) -> str:
+    import yaml
+
+    class Loader(yaml.SafeLoader):  # lm_eval's own tags (!function ...) are not ours to resolve here
+        pass
+
+    Loader.add_multi_constructor("!", lambda loader, suffix, node: None)
+    try:
+        doc = yaml.load(path.read_text(), Loader=Loader)
+    except yaml.YAMLError as e:
+        raise UserError(f"{key}: {path}: not YAML ({said(e, 120)}); fix the task file") from None
+    name = doc.get("task") or doc.get("group") if isinstance(doc, dict) else None
+    if not isinstance(name, str) or not name:
+        raise UserError(f"{key}: {path}: names no task (a task file has `task: NAME`, a group file `group: NAME`); "
+                        f"fix the task file")
+    return name
+
+
+def installed() -> bool:
+    return importlib.util.find_spec("lm_eval") is not None
+
+
+def task_manager(tasks: Tasks):
+    return _manager(tasks.include)
+
+
+@functools.lru_cache(maxsize=4)
+def _manager(include: tuple[str, ...]):
+    """lm_eval's index of its tasks and those in `include` (seconds to build: kept for the process)."""
+    from lm_eval.tasks import TaskManager
+
+    return TaskManager(include_path=list(include) or None, verbosity="ERROR")
+
+
+def check_tasks(tasks: list[str], key: str = KEY) -> Tasks:
+    """benchmarks.tasks as lm_eval will take them, or one line saying what it would stop on (and the fix)."""
+    if not tasks:
+        return Tasks((), {}, ())
+    if not installed():
+        raise UserError(f"{key}: needs lm_eval, which is not installed; pip install -e '.[eval]' (or "
+                        f"pip install '{LM_EVAL_PIN}'), or leave {key} empty")
+    resolved = resolve(tasks, key)
+    manager = task_manager(resolved)
+    for name in resolved.names:
+        if name not in manager.all_subtasks and name not in manager.all_groups and name not in manager.all_tags:
+            close = difflib.get_close_matches(name, manager.all_tasks, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise UserError(f"{key}: {name!r} is not a task lm_eval knows{hint}; give a name from `lm-eval ls tasks` "
+                            f"or recipes/lm_eval/, or the path of a task YAML")
+        _build(manager, name, resolved.files.get(name), key)
+    return resolved
+
+
+def check_section(cfg) -> None:
+    """The run config's benchmarks section, before anything is written: its tasks (check_tasks), and what scoring
+    inside the run cannot take yet."""
+    if not cfg.benchmarks.tasks:
+        return
+    if cfg.parallel.expert > 1:
+        raise UserError(f"{KEY}: scoring inside a run with parallel.expert={cfg.parallel.expert} is not built (the "
+                        f"experts are not gathered whole for lm_eval); leave {KEY} empty and score the run "
+                        f"afterwards with `ds-train eval RUN_DIR --tasks ...` (it exports first)")
+    check_tasks(cfg.benchmarks.tasks)
+
+
+def _build(manager, name: str, file: str | None, key: str) -> None:
+    from lm_eval.tasks import get_task_dict
+
+    try:
+        get_task_dict([name], manager)
+    except Exception as e:  # noqa: BLE001 - lm_eval raises what its loaders raise: said in one line
+        where = f"its task file {file}" if file else f"task {name!r}"
+        raise UserError(f"{key}: task {name!r} does not build ({said(e, 160)}); fix {where}") from None
+
+
+def evaluate(model, tokenizer, cfg, tasks: Tasks, device: str = "cpu") -> dict:
+    """lm_eval's results for `model` (a transformers model, loaded, in eval mode for the call) on `tasks`: its
+    own dict (results, configs, versions, n-shot, ...), as `lm_eval` writes it."""
+    from lm_eval import simple_evaluate
+    from lm_eval.models.huggingface import HFLM
+
+    was_training = model.training
+    model.eval()
+    try:
+        lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=cfg.batch_size, device=device)
+        return simple_evaluate(model=lm, tasks=list(tasks.names), task_manager=task_manager(tasks),
+                               limit=cfg.limit or None, num_fewshot=None if cfg.num_fewshot < 0 else cfg.num_fewshot,
+                               log_samples=False, verbosity="ERROR")
+    finally:
+        model.train(was_training)
+
+
+def metrics(results: dict) -> dict[str, float]:
+    """The scores under each task's own metric names: bench/<task>/<metric>,<filter> (lm_eval's keys), standard
+    errors left out."""
+    out = {}
+    for task, values in results.get("results", {}).items():
+        for name, value in values.items():
+            if "," in name and "_stderr" not in name and isinstance(value, (int, float)):
+                out[f"bench/{task}/{name}"] = float(value)
+    return out
+
+
+def write_results(results: dict, out_dir: Path, model_name: str) -> Path:
+    """The results file as lm_eval writes it (its EvaluationTracker: OUT/<model>/results_<time>.json)."""
+    from lm_eval.loggers import EvaluationTracker
+
+    tracker = EvaluationTracker(output_path=str(out_dir))
+    tracker.general_config_tracker.model_name = model_name
+    tracker.general_config_tracker.model_name_sanitized = model_name.replace("/", "__")
+    tracker.save_results_aggregated(results=dict(results), samples=None)
+    written = sorted((out_dir / model_name.replace("/", "__")).glob("results_*.json"))
+    return written[-1]

@@ -1,0 +1,86 @@
+"""lm-evaluation-harness tasks scored on the live model during a run (the benchmarks section), at the steps (train)
+or iterations (ript) that are theirs.
+
+How the ranks take part: every rank walks the model's weights together (ds_train/model/gathered.py: ZeRO-3's and
+AutoTP's shards gathered one module at a time, LoRA merged), rank 0 keeps them and writes them as a Hugging Face
+directory beside the run (with the run's tokenizer), loads it as `lm_eval --model hf` loads an export and scores
+it in its process through lm_eval's Hugging Face backend (ds_train/benchmarks.py); the other ranks wait at a
+barrier meanwhile (their heartbeat says phase `benchmarks`). So the scores are those `lm_eval` gives on
+`ds-train export` of the same step, at the cost of one whole copy of the model in rank 0's memory and its time.
+Rank 0 logs them under each task's own metric names (bench/<task>/<metric>,<filter>).
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+from ds_train import dist
+from ds_train.benchmarks import Tasks, evaluate, metrics, resolve
+from ds_train.model.gathered import policy_weights
+from ds_train.model.lora import base_model
+
+
+class Benchmarks:
+    """The benchmarks section's component: `maybe_score(step)` scores where the step is its (every N, the last
+    one with at_end, the start with at_start); `scores` holds every scoring of this process, by step."""
+
+    def __init__(self, run, last: int, scores: list | None = None):
+        self.run, self.cfg, self.last = run, run.cfg.benchmarks, last
+        self.tasks: Tasks | None = resolve(self.cfg.tasks) if self.cfg.tasks else None  # checked before launch
+        self.scores: list[dict] = scores if scores is not None else []  # a resumed run's so far (ript's state)
+
+    def due(self, step: int) -> bool:
+        if self.tasks is None:
+            return False
+        return (step == 0 and self.cfg.at_start) or (step == self.last and self.cfg.at_end) or \
+            (step > 0 and self.cfg.every > 0 and step % self.cfg.every == 0)
+
+    def maybe_score(self, step: int, then=None) -> dict:
+        """`then`: what the owner does after a scoring (ript: rewrite ript_results.json)."""
+        if not self.due(step):
+            return {}
+        out = self.score(step)
+        if then is not None:
+            then()
+        return out
+
+    def score(self, step: int) -> dict:
+        """Every rank: the weights walked together; rank 0 scores them; the others wait. Rank 0's metrics."""
+        run = self.run
+        run.beat(step, "benchmarks")
+        start = time.perf_counter()
+        main = run.env.is_main
+        kept = {}
+        for name, tensor in policy_weights(run.engine.module):
+            if main:
+                kept[name] = tensor.detach().to("cpu")
+        out = {}
+        if main:
+            results = self._evaluate(kept, step)
+            out = metrics(results) | {"perf/benchmarks_s": round(time.perf_counter() - start, 3)}
+            self.scores.append({"step": step, "scores": metrics(results)})
+        del kept
+        dist.barrier()
+        return out
+
+    def _evaluate(self, weights: dict, step: int) -> dict:
+        import torch
+        from safetensors.torch import save_file
+        from transformers import AutoModelForCausalLM
+
+        run, model = self.run, base_model(self.run.engine.module)
+        where = Path(tempfile.mkdtemp(prefix=f"benchmarks_{step}_", dir=run.run_dir))
+        try:
+            save_file({n: t.contiguous() for n, t in weights.items()}, str(where / "model.safetensors"),
+                      metadata={"format": "pt"})
+            model.config.save_pretrained(where)
+            if run.tokenizer is not None:
+                run.tokenizer.save_pretrained(where)
+            scored = AutoModelForCausalLM.from_pretrained(where, dtype="auto")
+            device = run.engine.device if run.engine.device.type == "cuda" else torch.device("cpu")
+            return evaluate(scored.to(device), run.tokenizer, self.cfg, self.tasks, str(device))
+        finally:
+            shutil.rmtree(where, ignore_errors=True)

@@ -1,0 +1,172 @@
+"""ds_train/benchmarks.py and the benchmarks section: lm-evaluation-harness tasks checked in one line before
+anything runs, and scored as lm_eval itself scores the export (`ds-train eval`). Offline: the tasks are
+recipes/lm_eval/'s over the repository's files (HF_HUB_OFFLINE, HF_DATASETS_OFFLINE)."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from conftest import ROOT, deepspeed_train, ds_train, ript_config, run_cmd, tiny_config, write_config
+from ds_train.benchmarks import check_tasks, metrics
+from ds_train.config.file import load_config
+from ds_train.errors import UserError
+
+MODEL = "model.config={model_type: llama, hidden_size: 64, num_attention_heads: 4}"
+OFFLINE = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+
+
+@pytest.fixture(autouse=True)
+def offline(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+
+
+def test_the_section_is_checked_with_the_run_config():
+    """every, limit and num_fewshot out of range, each named with its bound; a benchmarks key set with no tasks
+    is refused as ignored; the section relates itself to train.eval_every and ript.eval_every in its help."""
+    from ds_train.config import RunConfig
+    from ds_train.config.file import describe
+
+    for override, needle in (("benchmarks.every=-2", "override benchmarks.every=-2: must be >= 0"),
+                             ("benchmarks.limit=-1", "override benchmarks.limit=-1: must be >= 0"),
+                             ("benchmarks.num_fewshot=-3", r"override benchmarks.num_fewshot=-3: must be >= -1"),
+                             ("benchmarks.batch_size=0", "override benchmarks.batch_size=0: must be positive")):
+        with pytest.raises(UserError, match=needle):
+            load_config(None, ["benchmarks.tasks=[arith_words]", override], command="train")
+    with pytest.raises(UserError, match=r"override benchmarks.every=ten: "):
+        load_config(None, ["benchmarks.tasks=[arith_words]", "benchmarks.every=ten"], command="train")
+    with pytest.raises(UserError, match=r"override benchmarks.limit=5: set, but only lm-eval tasks "
+                                        r"\(benchmarks.tasks\) uses"):
+        load_config(None, [MODEL, "benchmarks.limit=5"], command="train")
+    cfg = load_config(None, [MODEL, "benchmarks.tasks=[arith_words]", "benchmarks.every=50"], command="ript")
+    assert isinstance(cfg, RunConfig) and cfg.benchmarks.every == 50 and cfg.benchmarks.at_end
+    text = describe()
+    assert "benchmarks.tasks" in text and "train.eval_every" in text.split("benchmarks", 1)[1]
+
+
+def test_each_task_lm_eval_would_stop_on_is_one_line_before_anything_runs(tmp_path):
+    """A name lm_eval does not know (with the nearest it does), a task file that is missing, not YAML, names no
+    task, or does not build (its data file missing): each one line naming benchmarks.tasks and the fix. The shipped
+    tasks and a task file of one's own build."""
+    (tmp_path / "broken.yaml").write_text("task: [unclosed\n")
+    (tmp_path / "nameless.yaml").write_text("dataset_path: json\n")
+    (tmp_path / "nodata.yaml").write_text(
+        "task: nodata\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: /nonexistent/problems.jsonl\n"
+        "test_split: test\noutput_type: generate_until\ndoc_to_text: '{{prompt}}'\ndoc_to_target: '{{answer}}'\n")
+    own = tmp_path / "own.yaml"
+    own.write_text((ROOT / "recipes" / "lm_eval" / "arith_choice.yaml").read_text().replace(
+        "task: arith_choice", "task: my_choice").replace("recipes/data/", str(ROOT / "recipes" / "data") + "/"))
+    cases = [(["arith_wrds"], r"^benchmarks.tasks: 'arith_wrds' is not a task lm_eval knows \(did you mean "
+                              r"'arith_words'\?\); give a name from `lm-eval ls tasks`"),
+             ([str(tmp_path / "gone.yaml")], r"gone.yaml: no such task file; give the path of a task YAML"),
+             ([str(tmp_path / "broken.yaml")], r"broken.yaml: not YAML \(.*\); fix the task file$"),
+             ([str(tmp_path / "nameless.yaml")], r"nameless.yaml: names no task \(a task file has `task: NAME`"),
+             ([str(tmp_path / "nodata.yaml")], r"^benchmarks.tasks: task 'nodata' does not build \(.*problems.jsonl"
+                                               r".*\); fix its task file .*nodata.yaml$")]
+    for tasks, needle in cases:
+        with pytest.raises(UserError, match=needle):
+            check_tasks(tasks)
+    got = check_tasks(["arith_words", "arith_choice", str(own)])
+    assert got.names == ("arith_words", "arith_choice", "my_choice") and str(tmp_path) in got.include
+    assert metrics({"results": {"t": {"alias": "t", "acc,none": 0.5, "acc_stderr,none": 0.1}}}) == \
+        {"bench/t/acc,none": 0.5}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_ds_train_eval_on_a_run_and_on_its_export_gives_lm_evals_own_scores(straight_zero2, tmp_path):
+    """`ds-train eval` on a ZeRO-2 run directory (its newest tag exported on the fly) and on `ds-train export` of
+    it, and lm_eval's own command line on the export: the same scores to 4 decimals, in results files lm_eval's
+    own writer wrote; and a run directory without tasks or a bad flag is one line."""
+    export = tmp_path / "export"
+    assert ds_train("export", str(straight_zero2), "--out", str(export), env=OFFLINE).returncode == 0
+    flags = ["--tasks", "arith_choice,arith_words", "--limit", "24", "--batch-size", "4"]
+    scores = {}
+    for name, path in (("run", straight_zero2), ("export", export)):
+        res = ds_train("eval", str(path), *flags, "--out", str(tmp_path / name), env=OFFLINE)
+        assert res.returncode == 0, res.out[-3000:]
+        assert "|arith_choice|" in res.out and f"lm_eval's results in {tmp_path / name}" in res.out
+        scores[name] = json.loads(next((tmp_path / name).rglob("results_*.json")).read_text())["results"]
+    res = run_cmd([str(Path(sys.executable).parent / "lm_eval"), "--model", "hf", "--model_args",
+                   f"pretrained={export},dtype=float32", "--tasks", "arith_choice,arith_words", "--include_path",
+                   str(ROOT / "recipes" / "lm_eval"), "--limit", "24", "--batch_size", "4", "--device", "cpu",
+                   "--output_path", str(tmp_path / "lm_eval")], timeout=300, env=OFFLINE)
+    assert res.returncode == 0, res.out[-3000:]
+    scores["lm_eval"] = json.loads(next((tmp_path / "lm_eval").rglob("results_*.json")).read_text())["results"]
+    keys = [("arith_choice", "acc,none"), ("arith_choice", "acc_norm,none"), ("arith_words", "exact_match,none")]
+    got = {name: [round(s[t][k], 4) for t, k in keys] for name, s in scores.items()}
+    assert got["run"] == got["export"] == got["lm_eval"], got
+    assert all(s["arith_choice"]["sample_len"] == 24 for s in scores.values())
+    res = ds_train("eval", str(straight_zero2), env=OFFLINE)
+    assert res.returncode == 2 and "eval: no tasks:" in res.out and "give --tasks" in res.out
+    res = ds_train("eval", str(straight_zero2), "--tasks", "arith_choice", "--batch-size", "0", env=OFFLINE)
+    assert res.returncode == 2 and "argument --batch-size: 0 must be >= 1" in res.out
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("ds_config, lora", [("zero2.json", True), ("zero3.json", False)], ids=["zero2_lora", "zero3"])
+def test_the_live_models_scores_are_lm_evals_own_on_the_export_of_the_same_tag(ds_config, lora, tiny_data, tmp_path):
+    """Two processes train 4 steps scoring arith_choice at the start and every 2 steps: the live model's scores at
+    step 2 (weights walked together, ZeRO-3's gathered, LoRA merged, scored on rank 0) equal, to 4 decimals, those of
+    lm_eval's own command line on `ds-train export` of the step-2 tag; every scoring is in metrics.jsonl and
+    results.json."""
+    run = tmp_path / "run"
+    cfg = tiny_config(tiny_data, run, train={"max_steps": 4}, checkpoint={"every": 2, "keep": 0},
+                      benchmarks={"tasks": ["arith_choice"], "every": 2, "at_start": True, "limit": 16,
+                                  "batch_size": 4})
+    if lora:
+        cfg["model"]["lora"] = {"rank": 4}
+    res = deepspeed_train(write_config(tmp_path / "run.yaml", cfg), ds_config, timeout=600, env=OFFLINE)
+    assert res.returncode == 0, res.out[-3000:]
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    live = {r["step"]: (r["bench/arith_choice/acc,none"], r["bench/arith_choice/acc_norm,none"])
+            for r in rows if "bench/arith_choice/acc,none" in r}
+    assert sorted(live) == [0, 2, 4], live
+    results = json.loads((run / "results.json").read_text())
+    assert [b["step"] for b in results["benchmarks"]] == [0, 2, 4]
+    export = tmp_path / "export"
+    res = ds_train("export", str(run), "--tag", "step_00000002", "--out", str(export), *(["--merge"] if lora else []),
+                   env=OFFLINE)
+    assert res.returncode == 0, res.out[-3000:]
+    res = run_cmd([str(Path(sys.executable).parent / "lm_eval"), "--model", "hf", "--model_args",
+                   f"pretrained={export},dtype=float32", "--tasks", "arith_choice", "--include_path",
+                   str(ROOT / "recipes" / "lm_eval"), "--limit", "16", "--batch_size", "4", "--device", "cpu",
+                   "--output_path", str(tmp_path / "lm_eval")], timeout=300, env=OFFLINE)
+    assert res.returncode == 0, res.out[-3000:]
+    own = json.loads(next((tmp_path / "lm_eval").rglob("results_*.json")).read_text())["results"]["arith_choice"]
+    assert (round(own["acc,none"], 4), round(own["acc_norm,none"], 4)) == tuple(round(v, 4) for v in live[2]), \
+        (own, live)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_an_rl_run_scores_its_starting_and_final_policy_into_ript_results(tiny_policy, tmp_path):
+    """RIPT on two processes with benchmarks at the start and the end: the scores in metrics.jsonl at iterations 0
+    and 2 beside the held-out success, in ript_results.json under benchmarks, in `ds-train monitor` and in
+    `ds-train plot`'s benchmarks.png."""
+    from test_ript_trainer import launch_ript
+
+    config = ript_config(tmp_path, tiny_policy)
+    cfg = yaml.safe_load(config.read_text())
+    cfg["benchmarks"] = {"tasks": ["arith_choice"], "at_start": True, "limit": 8, "batch_size": 4}
+    config.write_text(yaml.safe_dump(cfg))
+    res = launch_ript(config, timeout=500)
+    assert res.returncode == 0, res.out[-3000:]
+    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    scored = {r["step"]: r for r in rows if "bench/arith_choice/acc,none" in r}
+    assert sorted(scored) == [0, 2] and "eval/success" in scored[0], scored
+    results = json.loads((tmp_path / "run" / "ript_results.json").read_text())
+    assert [b["step"] for b in results["benchmarks"]] == [0, 2]
+    assert results["benchmarks"][1]["scores"]["bench/arith_choice/acc,none"] == \
+        scored[2]["bench/arith_choice/acc,none"]
+    shown = ds_train("monitor", str(tmp_path / "run"), "--once")
+    assert "lm-eval at iteration 2: arith_choice/acc,none" in shown.out, shown.out
+    plotted = ds_train("plot", str(tmp_path / "run"), "--out", str(tmp_path / "plots"))
+    assert plotted.returncode == 0 and (tmp_path / "plots" / "benchmarks.png").is_file(), plotted.out
