@@ -52,8 +52,8 @@ def test_the_section_is_checked_with_the_run_config():
 
 def test_each_task_lm_eval_would_stop_on_is_one_line_before_anything_runs(tmp_path):
     """A name lm_eval does not know (with the nearest it does), a task file that is missing, not YAML, names no
-    task, or does not build (its data file missing): each one line naming benchmarks.tasks and the fix. The shipped
-    tasks and a task file of one's own build."""
+    task, or does not build (its data file missing), lm_eval not installed: each one line naming benchmarks.tasks
+    and the fix. The shipped tasks and a task file of one's own build."""
     (tmp_path / "broken.yaml").write_text("task: [unclosed\n")
     (tmp_path / "nameless.yaml").write_text("dataset_path: json\n")
     (tmp_path / "nodata.yaml").write_text(
@@ -72,6 +72,16 @@ def test_each_task_lm_eval_would_stop_on_is_one_line_before_anything_runs(tmp_pa
     for tasks, needle in cases:
         with pytest.raises(UserError, match=needle):
             check_tasks(tasks)
+    import ds_train.benchmarks as benchmarks
+
+    real = benchmarks.installed
+    benchmarks.installed = lambda: False
+    try:
+        with pytest.raises(UserError, match=r"^benchmarks.tasks: needs lm_eval, which is not installed; pip install "
+                                            r"-e '.\[eval\]' \(or pip install 'lm_eval==0.4.13'\)"):
+            check_tasks(["arith_words"])
+    finally:
+        benchmarks.installed = real
     got = check_tasks(["arith_words", "arith_choice", str(own)])
     assert got.names == ("arith_words", "arith_choice", "my_choice") and str(tmp_path) in got.include
     assert metrics({"results": {"t": {"alias": "t", "acc,none": 0.5, "acc_stderr,none": 0.1}}}) == \
