@@ -73,6 +73,7 @@ class Demo:
     what: str  # the held-out set, in words
     no_tool_recipe: str = ""  # tools: RL without the tool, the third arm
     seeds: tuple[int, ...] = ()  # tools: the seeds of each arm (the first is the recipe's)
+    lm_eval: tuple[str, ...] = ()  # lm-evaluation-harness tasks scored on each exported policy (recipes/lm_eval/)
 
     def cmd(self, command: str, recipe: str) -> str:
         return f"deepspeed --num_gpus 2 --module ds_train {command} --config {recipe} --ds-config ds_configs/zero2.json"
@@ -117,7 +118,8 @@ class Demo:
 DEMOS = {"ript": Demo("recipes/ript_sft.yaml", "recipes/ript_demo.yaml", "RIPT", "ript-bench",
                       "all seven tasks"),
          "arith": Demo("recipes/rl_sft.yaml", "recipes/rl_demo.yaml", "RL", "rl-bench",
-                       "arithmetic word problems held out by a hash of the prompt"),
+                       "arithmetic word problems held out by a hash of the prompt",
+                       lm_eval=("arith_words", "arith_choice")),
          "tools": Demo("recipes/tool_sft.yaml", "recipes/tool_demo.yaml", "RL with the tool", "tool-bench",
                        "3-digit by 2-digit products held out by a hash of the prompt",
                        no_tool_recipe="recipes/tool_demo_no_tool.yaml", seeds=(1234, 1235))}
@@ -157,6 +159,21 @@ def heldout_success(model_dir: Path, cfg) -> dict:
         wins, total = wins + sum(e.success for e in eps), total + len(eps)
         calls += sum(e.tool_calls > 0 for e in eps)
     return {"success_rate": wins / total, "per_task": per_task, "called_tool": calls / total}
+
+
+def lm_eval_scores(model_dir: Path, tasks: tuple[str, ...], limit: int) -> dict:
+    """lm-evaluation-harness's scores of an exported policy (ds_train/benchmarks.py: lm_eval's own HF backend, as
+    `ds-train eval` scores it): {"<task> <metric>": value}."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from ds_train.benchmarks import check_tasks, evaluate
+    from ds_train.config.benchmarks import BenchmarksConfig
+
+    cfg = BenchmarksConfig(tasks=list(tasks), limit=limit)
+    results = evaluate(AutoModelForCausalLM.from_pretrained(model_dir, dtype="auto"),
+                       AutoTokenizer.from_pretrained(model_dir), cfg, check_tasks(cfg.tasks))
+    return {f"{task} {name.split(',')[0]}": value for task, values in results["results"].items()
+            for name, value in values.items() if "," in name and "_stderr" not in name}
 
 
 def continued_sft(demo: Demo, out: Path, rl_s: float, reduced: bool, name: str = "sft_continued") -> tuple[float, int]:
@@ -265,9 +282,12 @@ def tables(demo: Demo, s: dict) -> tuple[str, str]:
     """(the FIGURES paragraph, BENCHMARKS.md's section body) from the summary."""
     rows, tasks = s["rows"], list(s["rows"][demo.name]["per_task"])
     start, end, more = (rows[k]["success_rate"] for k in ("SFT (start)", demo.name, "SFT continued"))
-    head = "| policy | wall s | held-out success | " + " | ".join(tasks) + " |\n|---|---|---|" + "---|" * len(tasks)
+    scored = list(rows[demo.name].get("lm_eval", {}))  # lm-eval's, on each exported policy
+    head = ("| policy | wall s | held-out success | " + " | ".join(tasks + [f"lm-eval {k}" for k in scored]) +
+            " |\n|---|---|---|" + "---|" * (len(tasks) + len(scored)))
     lines = [head] + [f"| {name} | {row['seconds']:.0f} | {row['success_rate']:.3f} | " +
-                      " | ".join(f"{row['per_task'][t]:.2f}" for t in tasks) + " |" for name, row in rows.items()]
+                      " | ".join([f"{row['per_task'][t]:.2f}" for t in tasks] +
+                                 [f"{row['lm_eval'][k]:.3f}" for k in scored]) + " |" for name, row in rows.items()]
     printed = s["printed"]
     bench = f"python bench/rl_vs_sft.py --demo {s['demo']}" + (" --reduced" if s.get("reduced") else "")
     doc = (f"Measured on this 2-core CPU ({s['date']}, 2 processes, ZeRO-2, fp32; `{bench}` runs the two "
@@ -277,7 +297,9 @@ def tables(demo: Demo, s: dict) -> tuple[str, str]:
               f"contexts per task, {demo.what}), in {s['sft_s'] + s['rl_s']:.0f} s for both commands "
               f"(SFT {s['sft_s']:.0f} s, {demo.name} {s['rl_s']:.0f} s, start-ups included). SFT continued for "
               f"{rows['SFT continued']['seconds']:.0f} s instead reaches {more:.3f} ({100 * (end - more):+.1f} points "
-              f"for {demo.name}). Per task:\n\n" + "\n".join(lines) + "\n")
+              f"for {demo.name}). Per task" + (f", and lm-evaluation-harness's {', '.join(demo.lm_eval)} (recipes/"
+              f"lm_eval/: every one of the 4,000 problems, held out or not, scored as `ds-train eval` scores the "
+              f"export)" if scored else "") + ":\n\n" + "\n".join(lines) + "\n")
     section = (f"- Date: {s['date']}. Machine: {s['machine']}; {s['versions']}.\n"
                f"- Commands (the docs', as written): `{demo.sft_cmd}` ({s['sft_s']:.0f} s), then `{demo.rl_cmd}` "
                f"({s['rl_s']:.0f} s; it printed \"held-out success {printed[0]} (iteration 0) -> {printed[1]} "
@@ -347,6 +369,8 @@ def main() -> None:
         hf = out / f"hf_{run_dir.name}"
         export(run_dir, hf)
         rows[name] = {"seconds": round(seconds, 1), **heldout_success(hf, cfg)}
+        if demo.lm_eval:
+            rows[name]["lm_eval"] = lm_eval_scores(hf, demo.lm_eval, 16 if args.reduced else 0)
     rows["SFT continued"]["steps"] = extra
     for name, value in (("SFT (start)", printed[0]), (demo.name, printed[1])):
         if f"{rows[name]['success_rate']:.3f}" != value:
