@@ -52,8 +52,9 @@ def test_the_section_is_checked_with_the_run_config():
 
 def test_each_task_lm_eval_would_stop_on_is_one_line_before_anything_runs(tmp_path):
     """A name lm_eval does not know (with the nearest it does), a task file that is missing, not YAML, names no
-    task, or does not build (its data file missing), lm_eval not installed: each one line naming benchmarks.tasks
-    and the fix. The shipped tasks and a task file of one's own build."""
+    task, or does not build (its data file missing), lm_eval not installed, a layout scoring in the run does not
+    take (Ulysses, AutoEP): each one line naming benchmarks.tasks and the fix. The shipped tasks and a task file of
+    one's own build."""
     (tmp_path / "broken.yaml").write_text("task: [unclosed\n")
     (tmp_path / "nameless.yaml").write_text("dataset_path: json\n")
     (tmp_path / "nodata.yaml").write_text(
@@ -82,6 +83,12 @@ def test_each_task_lm_eval_would_stop_on_is_one_line_before_anything_runs(tmp_pa
             check_tasks(["arith_words"])
     finally:
         benchmarks.installed = real
+    from ds_train.benchmarks import check_section
+
+    for parallel, needle in (("parallel.sequence=2", "scoring inside a run with parallel.sequence=2 is not built"),
+                             ("parallel.expert=2", "scoring inside a run with parallel.expert=2 is not built")):
+        with pytest.raises(UserError, match=rf"^benchmarks.tasks: {needle} .*`ds-train eval RUN_DIR --tasks \.\.\.`"):
+            check_section(load_config(None, [MODEL, "benchmarks.tasks=[arith_words]", parallel], command="train"))
     got = check_tasks(["arith_words", "arith_choice", str(own)])
     assert got.names == ("arith_words", "arith_choice", "my_choice") and str(tmp_path) in got.include
     assert metrics({"results": {"t": {"alias": "t", "acc,none": 0.5, "acc_stderr,none": 0.1}}}) == \
@@ -121,18 +128,23 @@ def test_ds_train_eval_on_a_run_and_on_its_export_gives_lm_evals_own_scores(stra
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("ds_config, lora", [("zero2.json", True), ("zero3.json", False)], ids=["zero2_lora", "zero3"])
-def test_the_live_models_scores_are_lm_evals_own_on_the_export_of_the_same_tag(ds_config, lora, tiny_data, tmp_path):
+@pytest.mark.parametrize("ds_config, lora, parallel", [("zero2.json", True, {}), ("zero3.json", False, {}),
+                                                        ("zero2.json", False, {"tensor": 2})],
+                         ids=["zero2_lora", "zero3", "zero2_autotp2"])
+def test_the_live_models_scores_are_lm_evals_own_on_the_export_of_the_same_tag(ds_config, lora, parallel, tiny_data,
+                                                                                tmp_path):
     """Two processes train 4 steps scoring arith_choice at the start and every 2 steps: the live model's scores at
-    step 2 (weights walked together, ZeRO-3's gathered, LoRA merged, scored on rank 0) equal, to 4 decimals, those of
-    lm_eval's own command line on `ds-train export` of the step-2 tag; every scoring is in metrics.jsonl and
-    results.json."""
+    step 2 (weights walked together: ZeRO-3's and AutoTP's shards gathered, LoRA merged; scored on rank 0) equal,
+    to 4 decimals, those of lm_eval's own command line on `ds-train export` of the step-2 tag; every scoring is in
+    metrics.jsonl and results.json."""
     run = tmp_path / "run"
     cfg = tiny_config(tiny_data, run, train={"max_steps": 4}, checkpoint={"every": 2, "keep": 0},
                       benchmarks={"tasks": ["arith_choice"], "every": 2, "at_start": True, "limit": 16,
                                   "batch_size": 4})
     if lora:
         cfg["model"]["lora"] = {"rank": 4}
+    if parallel:  # AutoTP's shards gathered by the walk
+        cfg["parallel"] = parallel
     res = deepspeed_train(write_config(tmp_path / "run.yaml", cfg), ds_config, timeout=600, env=OFFLINE)
     assert res.returncode == 0, res.out[-3000:]
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
