@@ -13,6 +13,7 @@ import pytest
 import yaml
 
 from conftest import ROOT, deepspeed_train, ds_train, ript_config, run_cmd, tiny_config, write_config
+from test_preference import pref_data  # noqa: F401  (a fixture)
 from ds_train.benchmarks import check_tasks, metrics
 from ds_train.config.file import load_config
 from ds_train.errors import UserError
@@ -192,3 +193,29 @@ def test_an_rl_run_scores_its_starting_and_final_policy_into_ript_results(tiny_p
     assert "lm-eval at iteration 2: arith_choice/acc,none" in shown.out, shown.out
     plotted = ds_train("plot", str(tmp_path / "run"), "--out", str(tmp_path / "plots"))
     assert plotted.returncode == 0 and (tmp_path / "plots" / "benchmarks.png").is_file(), plotted.out
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_a_preference_run_scores_its_policy_as_lm_eval_scores_its_export(pref_data, tmp_path):
+    """DPO (data.format: preference) on two processes under ZeRO-2, scored every 2 steps: the policy's scores at
+    step 2 are lm_eval's own on the export of step 2 (the reference model is not what is scored)."""
+    from test_preference import dpo_run
+
+    config = dpo_run(pref_data, tmp_path / "run", checkpoint={"every": 2, "keep": 0},
+                     benchmarks={"tasks": ["arith_choice"], "every": 2, "limit": 16, "batch_size": 4})
+    res = deepspeed_train(config, "zero2.json", timeout=600, env=OFFLINE)
+    assert res.returncode == 0, res.out[-3000:]
+    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    live = {r["step"]: r["bench/arith_choice/acc,none"] for r in rows if "bench/arith_choice/acc,none" in r}
+    assert sorted(live) == [2, 4, 6, 7], live
+    export = tmp_path / "export"
+    assert ds_train("export", str(tmp_path / "run"), "--tag", "step_00000002", "--out", str(export),
+                    env=OFFLINE).returncode == 0
+    res = run_cmd([str(Path(sys.executable).parent / "lm_eval"), "--model", "hf", "--model_args",
+                   f"pretrained={export},dtype=float32", "--tasks", "arith_choice", "--include_path",
+                   str(ROOT / "recipes" / "lm_eval"), "--limit", "16", "--batch_size", "4", "--device", "cpu",
+                   "--output_path", str(tmp_path / "lm_eval")], timeout=300, env=OFFLINE)
+    assert res.returncode == 0, res.out[-3000:]
+    own = json.loads(next((tmp_path / "lm_eval").rglob("results_*.json")).read_text())["results"]["arith_choice"]
+    assert round(own["acc,none"], 4) == round(live[2], 4), (own, live)
