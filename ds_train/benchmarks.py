@@ -54,8 +54,8 @@ def resolve(tasks: list[str], key: str = KEY) -> Tasks:
 def _task_name(path: Path, key: str) -> str:
     import yaml
 
-    class Loader(yaml.SafeLoader):  # lm_eval's own tags (!function ...) are not ours to resolve here
-        pass
+    class Loader(yaml.SafeLoader):
+        """YAML with lm_eval's own tags (!function ...) read as nothing: not ours to resolve here."""
 
     Loader.add_multi_constructor("!", lambda loader, suffix, node: None)
     try:

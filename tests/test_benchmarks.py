@@ -22,6 +22,16 @@ MODEL = "model.config={model_type: llama, hidden_size: 64, num_attention_heads: 
 OFFLINE = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
 
 
+def lm_eval_itself(export: Path, tasks: str, limit: int, out: Path) -> dict:
+    """lm_eval's own command line on an export (its HF backend, fp32, batch 4, the shipped tasks): its results."""
+    res = run_cmd([str(Path(sys.executable).parent / "lm_eval"), "--model", "hf", "--model_args",
+                   f"pretrained={export},dtype=float32", "--tasks", tasks, "--include_path",
+                   str(ROOT / "recipes" / "lm_eval"), "--limit", str(limit), "--batch_size", "4", "--device", "cpu",
+                   "--output_path", str(out)], timeout=300, env=OFFLINE)
+    assert res.returncode == 0, res.out[-3000:]
+    return json.loads(next(out.rglob("results_*.json")).read_text())["results"]
+
+
 @pytest.fixture(autouse=True)
 def offline(monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
@@ -111,12 +121,7 @@ def test_ds_train_eval_on_a_run_and_on_its_export_gives_lm_evals_own_scores(stra
         assert res.returncode == 0, res.out[-3000:]
         assert "|arith_choice|" in res.out and f"lm_eval's results in {tmp_path / name}" in res.out
         scores[name] = json.loads(next((tmp_path / name).rglob("results_*.json")).read_text())["results"]
-    res = run_cmd([str(Path(sys.executable).parent / "lm_eval"), "--model", "hf", "--model_args",
-                   f"pretrained={export},dtype=float32", "--tasks", "arith_choice,arith_words", "--include_path",
-                   str(ROOT / "recipes" / "lm_eval"), "--limit", "24", "--batch_size", "4", "--device", "cpu",
-                   "--output_path", str(tmp_path / "lm_eval")], timeout=300, env=OFFLINE)
-    assert res.returncode == 0, res.out[-3000:]
-    scores["lm_eval"] = json.loads(next((tmp_path / "lm_eval").rglob("results_*.json")).read_text())["results"]
+    scores["lm_eval"] = lm_eval_itself(export, "arith_choice,arith_words", 24, tmp_path / "lm_eval")
     keys = [("arith_choice", "acc,none"), ("arith_choice", "acc_norm,none"), ("arith_words", "exact_match,none")]
     got = {name: [round(s[t][k], 4) for t, k in keys] for name, s in scores.items()}
     assert got["run"] == got["export"] == got["lm_eval"], got
@@ -158,12 +163,7 @@ def test_the_live_models_scores_are_lm_evals_own_on_the_export_of_the_same_tag(d
     res = ds_train("export", str(run), "--tag", "step_00000002", "--out", str(export), *(["--merge"] if lora else []),
                    env=OFFLINE)
     assert res.returncode == 0, res.out[-3000:]
-    res = run_cmd([str(Path(sys.executable).parent / "lm_eval"), "--model", "hf", "--model_args",
-                   f"pretrained={export},dtype=float32", "--tasks", "arith_choice", "--include_path",
-                   str(ROOT / "recipes" / "lm_eval"), "--limit", "16", "--batch_size", "4", "--device", "cpu",
-                   "--output_path", str(tmp_path / "lm_eval")], timeout=300, env=OFFLINE)
-    assert res.returncode == 0, res.out[-3000:]
-    own = json.loads(next((tmp_path / "lm_eval").rglob("results_*.json")).read_text())["results"]["arith_choice"]
+    own = lm_eval_itself(export, "arith_choice", 16, tmp_path / "lm_eval")["arith_choice"]
     assert (round(own["acc,none"], 4), round(own["acc_norm,none"], 4)) == tuple(round(v, 4) for v in live[2]), \
         (own, live)
 
@@ -212,10 +212,5 @@ def test_a_preference_run_scores_its_policy_as_lm_eval_scores_its_export(pref_da
     export = tmp_path / "export"
     assert ds_train("export", str(tmp_path / "run"), "--tag", "step_00000002", "--out", str(export),
                     env=OFFLINE).returncode == 0
-    res = run_cmd([str(Path(sys.executable).parent / "lm_eval"), "--model", "hf", "--model_args",
-                   f"pretrained={export},dtype=float32", "--tasks", "arith_choice", "--include_path",
-                   str(ROOT / "recipes" / "lm_eval"), "--limit", "16", "--batch_size", "4", "--device", "cpu",
-                   "--output_path", str(tmp_path / "lm_eval")], timeout=300, env=OFFLINE)
-    assert res.returncode == 0, res.out[-3000:]
-    own = json.loads(next((tmp_path / "lm_eval").rglob("results_*.json")).read_text())["results"]["arith_choice"]
+    own = lm_eval_itself(export, "arith_choice", 16, tmp_path / "lm_eval")["arith_choice"]
     assert round(own["acc,none"], 4) == round(live[2], 4), (own, live)
