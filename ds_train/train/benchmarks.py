@@ -21,6 +21,7 @@ from ds_train import dist
 from ds_train.benchmarks import Tasks, evaluate, metrics, resolve
 from ds_train.model.gathered import policy_weights
 from ds_train.model.lora import base_model
+from ds_train.observe.metrics import Interval
 
 
 class Benchmarks:
@@ -28,15 +29,13 @@ class Benchmarks:
     one with at_end, the start with at_start); `scores` holds every scoring of this process, by step."""
 
     def __init__(self, run, last: int, scores: list | None = None):
-        self.run, self.cfg, self.last = run, run.cfg.benchmarks, last
+        self.run, self.cfg = run, run.cfg.benchmarks
+        self.interval = Interval(self.cfg.every, last if self.cfg.at_end else -1)
         self.tasks: Tasks | None = resolve(self.cfg.tasks) if self.cfg.tasks else None  # checked before launch
         self.scores: list[dict] = scores if scores is not None else []  # a resumed run's so far (ript's state)
 
     def due(self, step: int) -> bool:
-        if self.tasks is None:
-            return False
-        return (step == 0 and self.cfg.at_start) or (step == self.last and self.cfg.at_end) or \
-            (step > 0 and self.cfg.every > 0 and step % self.cfg.every == 0)
+        return self.tasks is not None and (step in self.interval if step > 0 else self.cfg.at_start)
 
     def maybe_score(self, step: int, then=None) -> dict:
         """`then`: what the owner does after a scoring (ript: rewrite ript_results.json)."""
@@ -59,9 +58,9 @@ class Benchmarks:
                 kept[name] = tensor.detach().to("cpu")
         out = {}
         if main:
-            results = self._evaluate(kept, step)
-            out = metrics(results) | {"perf/benchmarks_s": round(time.perf_counter() - start, 3)}
-            self.scores.append({"step": step, "scores": metrics(results)})
+            scores = metrics(self._evaluate(kept, step))
+            self.scores.append({"step": step, "scores": scores})
+            out = scores | {"perf/benchmarks_s": round(time.perf_counter() - start, 3)}
         del kept
         dist.barrier()
         return out

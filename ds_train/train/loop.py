@@ -28,9 +28,9 @@ from ds_train.observe.metrics import Interval
 from ds_train.observe.startup import StartupClock
 from ds_train.run import Run, RunSpec
 from ds_train.start import build_run
+from ds_train.train.benchmarks import Benchmarks
 from ds_train.train.losses import forward_losses
 from ds_train.train.probe import probe
-from ds_train.train.benchmarks import Benchmarks
 from ds_train.train.meters import ComputeClock, Evaluator, StepMeter
 from ds_train.train.preference import preference_step
 from ds_train.train.reference import PairReference, ReferenceSpec, preference_reference
