@@ -44,14 +44,17 @@ def test_the_section_is_checked_with_the_run_config():
     from ds_train.config import RunConfig
     from ds_train.config.file import describe
 
-    for override, needle in (("benchmarks.every=-2", "override benchmarks.every=-2: must be >= 0"),
+    for override, needle in (("benchmarks.every=-2", "override benchmarks.every=-2: must be positive"),
+                             ("benchmarks.every=0", "override benchmarks.every=0: must be positive"),
                              ("benchmarks.limit=-1", "override benchmarks.limit=-1: must be >= 0"),
                              ("benchmarks.num_fewshot=-3", r"override benchmarks.num_fewshot=-3: must be >= -1"),
                              ("benchmarks.batch_size=0", "override benchmarks.batch_size=0: must be positive")):
         with pytest.raises(UserError, match=needle):
             load_config(None, ["benchmarks.tasks=[arith_words]", override], command="train")
-    with pytest.raises(UserError, match=r"override benchmarks.every=ten: "):
-        load_config(None, ["benchmarks.tasks=[arith_words]", "benchmarks.every=ten"], command="train")
+    for value in ("ten", "2.5", "true"):
+        with pytest.raises(UserError, match=rf"override benchmarks.every={value}: must be an integer or null"):
+            load_config(None, ["benchmarks.tasks=[arith_words]", f"benchmarks.every={value}"], command="train")
+    assert load_config(None, [MODEL, "benchmarks.tasks=[arith_words]"], command="train").benchmarks.every is None
     with pytest.raises(UserError, match=r"override benchmarks.limit=5: set, but only lm-eval tasks "
                                         r"\(benchmarks.tasks\) uses"):
         load_config(None, [MODEL, "benchmarks.limit=5"], command="train")

@@ -34,6 +34,8 @@ def problem(raw: dict, *overrides: str) -> str:
     ({"data": {"weights": [1, "2"], "sources": ["a", "b"]}}, "data.weights[1]: '2' must be a number"),
     ({"data": {"pack": 1}}, "data.pack: 1 is not one of auto, true, false"),
     ({"data": {"pack": 0}}, "data.pack: 0 is not one of auto, true, false"),
+    ({"benchmarks": {"tasks": ["t"], "every": "ten"}}, "benchmarks.every: 'ten' must be an integer or null"),
+    ({"benchmarks": {"tasks": ["t"], "every": 2.5}}, "benchmarks.every: 2.5 must be an integer or null"),
 ])
 def test_a_value_of_the_wrong_type_inside_a_list_names_the_key_and_index(raw, needle):
     said = problem(raw)

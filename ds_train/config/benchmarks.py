@@ -17,8 +17,8 @@ class BenchmarksConfig(Section):
     tasks: list[str] = _f([], "lm-evaluation-harness tasks: names lm_eval knows (its own, and those in "
                               "recipes/lm_eval/) or paths of task YAML files. Empty: none. Needs lm_eval "
                               "(pip install -e '.[eval]').")
-    every: int = _f(0, "Score the tasks every N optimizer steps (train) or iterations (ript); 0: only at_start and "
-                       "at_end.", NON_NEGATIVE)
+    every: int | None = _f(None, "Score the tasks every N optimizer steps (train) or iterations (ript), N a "
+                                 "positive integer; null: only at_start and at_end.", POSITIVE)
     at_start: bool = _f(False, "Also before the first step: the starting model's scores.")
     at_end: bool = _f(True, "Also after the last step.")
     limit: int = _f(0, "Documents per task (lm_eval's --limit: the first N); 0: every document.", NON_NEGATIVE)

@@ -79,7 +79,7 @@ def _f(default, help: str | Callable[[], str], bound: str | tuple | Range = "", 
 
 def out_of_bounds(section, prefix: str) -> list[str]:
     """One error for each field of `section` (`prefix`: its key; "" the top level) that holds a number
-    that is not finite, or is outside its bound."""
+    that is not finite, or is outside its bound (null, where a field takes it, is inside)."""
     errs = []
     for f in dataclasses.fields(section):
         value, bound = getattr(section, f.name), f.metadata.get("bound")
@@ -87,7 +87,7 @@ def out_of_bounds(section, prefix: str) -> list[str]:
         numbers = value if isinstance(value, list) else [value]
         if any(isinstance(x, float) and not math.isfinite(x) for x in numbers):
             errs.append(f"{key}: {value} must be a finite number")
-        elif bound and not isinstance(value, list) and not in_bound(value, bound):
+        elif bound and value is not None and not isinstance(value, list) and not in_bound(value, bound):
             errs.append(out_of_range(key, value, bound))
     return errs
 

@@ -124,7 +124,7 @@ def type_problems(key: str, value: Any, tp: Any) -> list[str]:
         return [] if ok else [f"{key}: {value!r} is not {expected(tp)}"]
     if origin in (typing.Union, types.UnionType):
         for a in args:
-            if not type_problems(key, value, a):
+            if (value is None) if a is type(None) else not type_problems(key, value, a):
                 return []
         return [f"{key}: {value!r} must be {expected(tp)}"]
     if origin is list or tp is list:

@@ -30,7 +30,7 @@ class Benchmarks:
 
     def __init__(self, run, last: int, scores: list | None = None):
         self.run, self.cfg = run, run.cfg.benchmarks
-        self.interval = Interval(self.cfg.every, last if self.cfg.at_end else -1)
+        self.interval = Interval(self.cfg.every or 0, last if self.cfg.at_end else -1)
         self.tasks: Tasks | None = resolve(self.cfg.tasks) if self.cfg.tasks else None  # checked before launch
         self.scores: list[dict] = scores if scores is not None else []  # a resumed run's so far (ript's state)
 
