@@ -68,7 +68,8 @@ def test_each_task_lm_eval_would_stop_on_is_one_line_before_anything_runs(tmp_pa
     """A name lm_eval does not know (with the nearest it does), a task file that is missing, not YAML, names no
     task, or does not build (its data file missing), lm_eval not installed, a layout scoring in the run does not
     take (Ulysses, AutoEP): each one line naming benchmarks.tasks and the fix. The shipped tasks and a task file of
-    one's own build."""
+    one's own build. `ds-train eval` on a path that is no run or export, with no tasks, or a bad flag: one line,
+    exit 2, before lm_eval's index of tasks is built."""
     (tmp_path / "broken.yaml").write_text("task: [unclosed\n")
     (tmp_path / "nameless.yaml").write_text("dataset_path: json\n")
     (tmp_path / "nodata.yaml").write_text(
@@ -103,8 +104,14 @@ def test_each_task_lm_eval_would_stop_on_is_one_line_before_anything_runs(tmp_pa
                              ("parallel.expert=2", "scoring inside a run with parallel.expert=2 is not built")):
         with pytest.raises(UserError, match=rf"^benchmarks.tasks: {needle} .*`ds-train eval RUN_DIR --tasks \.\.\.`"):
             check_section(load_config(None, [MODEL, "benchmarks.tasks=[arith_words]", parallel], command="train"))
-    got = check_tasks(["arith_words", "arith_choice", str(own)])
-    assert got.names == ("arith_words", "arith_choice", "my_choice") and str(tmp_path) in got.include
+    got = check_tasks(["arith_words", "arith_choice", "python_lines", str(own)])
+    assert got.names == ("arith_words", "arith_choice", "python_lines", "my_choice") and str(tmp_path) in got.include
+    for args, needle in (((str(tmp_path / "nothere"),), "'{0}/nothere' is not a directory; give a run directory"),
+                         ((str(tmp_path),), "eval: no tasks: {0} names none (its benchmarks.tasks), so give --tasks"),
+                         ((str(tmp_path), "--tasks", "arith_words"), "'{0}' holds no checkpoints (no checkpoints/"),
+                         ((str(tmp_path), "--tasks", "arith_words", "--limit", "-1"), "--limit: -1 must be >= 0")):
+        said = ds_train("eval", *args)
+        assert said.returncode == 2 and needle.format(tmp_path) in said.out and "Traceback" not in said.out, said.out
     assert metrics({"results": {"t": {"alias": "t", "acc,none": 0.5, "acc_stderr,none": 0.1}}}) == \
         {"bench/t/acc,none": 0.5}
 
@@ -136,7 +143,7 @@ def test_ds_train_eval_on_a_run_and_on_its_export_gives_lm_evals_own_scores(stra
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(900)
+@pytest.mark.timeout(1200)
 @pytest.mark.parametrize("ds_config, lora, parallel", [("zero2.json", True, {}), ("zero3.json", False, {}),
                                                         ("zero2.json", False, {"tensor": 2})],
                          ids=["zero2_lora", "zero3", "zero2_autotp2"])
@@ -145,7 +152,8 @@ def test_the_live_models_scores_are_lm_evals_own_on_the_export_of_the_same_tag(d
     """Two processes train 4 steps scoring arith_choice at the start and every 2 steps: the live model's scores at
     step 2 (weights walked together: ZeRO-3's and AutoTP's shards gathered, LoRA merged; scored on rank 0) equal,
     to 4 decimals, those of lm_eval's own command line on `ds-train export` of the step-2 tag; every scoring is in
-    metrics.jsonl and results.json."""
+    metrics.jsonl and results.json. ZeRO-3's run resumed to step 6: its results.json lists every scoring of the
+    run, those before the resume too (each rank's checkpoint keeps them)."""
     run = tmp_path / "run"
     cfg = tiny_config(tiny_data, run, train={"max_steps": 4}, checkpoint={"every": 2, "keep": 0},
                       benchmarks={"tasks": ["arith_choice"], "every": 2, "at_start": True, "limit": 16,
@@ -169,6 +177,12 @@ def test_the_live_models_scores_are_lm_evals_own_on_the_export_of_the_same_tag(d
     own = lm_eval_itself(export, "arith_choice", 16, tmp_path / "lm_eval")["arith_choice"]
     assert (round(own["acc,none"], 4), round(own["acc_norm,none"], 4)) == tuple(round(v, 4) for v in live[2]), \
         (own, live)
+    if ds_config == "zero3.json":  # resumed to step 6: results.json keeps the scorings before the resume
+        res = deepspeed_train(tmp_path / "run.yaml", ds_config, "train.max_steps=6", timeout=600, env=OFFLINE)
+        assert res.returncode == 0, res.out[-3000:]
+        results = json.loads((run / "results.json").read_text())
+        assert [b["step"] for b in results["benchmarks"]] == [0, 2, 4, 6], results["benchmarks"]
+        assert results["benchmarks"][1]["scores"]["bench/arith_choice/acc,none"] == live[2][0]
 
 
 @pytest.mark.slow

@@ -4,8 +4,9 @@ or iterations (ript) that are theirs.
 How the ranks take part: every rank walks the model's weights together (ds_train/model/gathered.py: ZeRO-3's and
 AutoTP's shards gathered one module at a time, LoRA merged), rank 0 keeps them and writes them as a Hugging Face
 directory beside the run (with the run's tokenizer), loads it as `lm_eval --model hf` loads an export and scores
-it in its process through lm_eval's Hugging Face backend (ds_train/benchmarks.py); the other ranks wait at a
-barrier meanwhile (their heartbeat says phase `benchmarks`). So the scores are those `lm_eval` gives on
+it in its process through lm_eval's Hugging Face backend (ds_train/benchmarks.py); the other ranks wait meanwhile
+(their heartbeat says phase `benchmarks`) and then take rank 0's scores, which every checkpoint keeps: a resumed
+run's results file lists the scorings before the resume too. So the scores are those `lm_eval` gives on
 `ds-train export` of the same step, at the cost of one whole copy of the model in rank 0's memory and its time.
 Rank 0 logs them under each task's own metric names (bench/<task>/<metric>,<filter>).
 """
@@ -26,13 +27,14 @@ from ds_train.observe.metrics import Interval
 
 class Benchmarks:
     """The benchmarks section's component: `maybe_score(step)` scores where the step is its (every N, the last
-    one with at_end, the start with at_start); `scores` holds every scoring of this process, by step."""
+    one with at_end, the start with at_start); `scores` holds every scoring of the run, by step (a resumed run's
+    from its checkpoint), the same on every rank."""
 
     def __init__(self, run, last: int, scores: list | None = None):
         self.run, self.cfg = run, run.cfg.benchmarks
         self.interval = Interval(self.cfg.every or 0, last if self.cfg.at_end else -1)
         self.tasks: Tasks | None = resolve(self.cfg.tasks) if self.cfg.tasks else None  # checked before launch
-        self.scores: list[dict] = scores if scores is not None else []  # a resumed run's so far (ript's state)
+        self.scores: list[dict] = scores if scores is not None else []  # a resumed run's so far (its checkpoint's)
 
     def due(self, step: int) -> bool:
         return self.tasks is not None and (step in self.interval if step > 0 else self.cfg.at_start)
@@ -62,7 +64,7 @@ class Benchmarks:
             self.scores.append({"step": step, "scores": scores})
             out = scores | {"perf/benchmarks_s": round(time.perf_counter() - start, 3)}
         del kept
-        dist.barrier()
+        self.scores[:] = dist.broadcast_object(self.scores)  # the others wait for it; every rank's checkpoint keeps it
         return out
 
     def _evaluate(self, weights: dict, step: int) -> dict:

@@ -56,7 +56,8 @@ def run_training(run: Run, data: Datasets) -> dict:
     run.say(f"data: {len(data.train.tokens):,} train tokens in {cfg.data.dir}")
     if data.summary:
         run.say(f"data: {data.summary}")
-    start = int((run.maybe_resume() or {}).get("step", 0))
+    resumed = run.maybe_resume() or {}
+    start = int(resumed.get("step", 0))
     if start >= cfg.train.max_steps:  # its results stay as they were
         results = run.paths.results(TRAIN)
         try:
@@ -71,20 +72,21 @@ def run_training(run: Run, data: Datasets) -> dict:
     reference = preference_reference(run, ReferenceSpec.of(cfg), data, start) if preference else None
     if preference:
         run.mark_startup("reference")
-    metrics = train_loop(run, data, start, cfg.train.max_steps, reference)
+    metrics = train_loop(run, data, start, cfg.train.max_steps, reference, resumed.get("benchmarks", []))
     return finish(run, metrics)
 
 
 def train_loop(run: Run, data: Datasets, start: int, stop: int,
-               reference: PairReference | None = None) -> dict[str, Any]:
+               reference: PairReference | None = None, scored: list | None = None) -> dict[str, Any]:
     """Steps start+1 .. stop: next batch, step, then each component acts if the step is its.
-    `reference`: a preference run's (its steps are preference_step's)."""
+    `reference`: a preference run's (its steps are preference_step's); `scored`: the lm_eval scorings of the run
+    before its resume (its checkpoint's)."""
     c, last = run.cfg, run.cfg.train.max_steps
     clock = ComputeClock(run.engine.device.type == "cuda")
     meter = StepMeter(run, Interval(c.log.every, last), clock, c.watchdog.straggler_ratio)
     evaluator = Evaluator(run, data.val, Interval(c.train.eval_every, last), c.train, c.dpo,
                           reference and reference.val)
-    benchmarks = Benchmarks(run, last)
+    benchmarks = Benchmarks(run, last, list(scored or []))
     summary: dict[str, Any] = {}
     if start == 0 and benchmarks.due(0):  # the starting model's scores (benchmarks.at_start)
         run.logger.log(benchmarks.score(0), 0)
@@ -101,9 +103,10 @@ def train_loop(run: Run, data: Datasets, start: int, stop: int,
                 benchmarks.maybe_score(step)
             run.logger.log(metrics, step)
             progress.advance(metrics)
-            run.checkpointer.maybe_save(step, lambda: position(run, step))
+            run.checkpointer.maybe_save(step, lambda: position(run, step) | (
+                {"benchmarks": benchmarks.scores} if benchmarks.scores else {}))
             summary |= metrics
-    if benchmarks.scores:  # lm_eval's, each scoring of this process (rank 0's)
+    if benchmarks.scores:  # lm_eval's, each scoring of the run
         summary["benchmarks"] = benchmarks.scores
     return summary
 
