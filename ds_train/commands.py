@@ -168,6 +168,9 @@ def cmd_eval(args) -> int:
     from ds_train.config.file import load_config
 
     path = Path(args.path)
+    if not path.is_dir():
+        raise UserError(f"eval: {str(path)!r} is not a directory; give a run directory (output_dir) or a Hugging Face "
+                        f"model directory (`ds-train export`'s)")
     exported = (path / "config.json").is_file() or (path / "adapter_config.json").is_file()
     bench = BenchmarksConfig()
     if not exported and (path / "config.yaml").is_file():
@@ -178,6 +181,10 @@ def cmd_eval(args) -> int:
     if not bench.tasks:
         raise UserError(f"eval: no tasks: {path} names none (its benchmarks.tasks), so give --tasks NAME[,NAME...] "
                         f"(lm_eval's names, recipes/lm_eval/'s, or task YAML paths)")
+    if not exported:  # the path and tag said wrong before lm_eval's index of tasks is built (seconds)
+        from ds_train.checkpoint.export import resolve_source
+
+        resolve_source(path, args.tag)
     tasks = check_tasks(bench.tasks, "--tasks" if flags["tasks"] else "benchmarks.tasks")
     with tempfile.TemporaryDirectory(prefix="ds_train_eval_") as tmp:
         model_dir = path if exported else _export_for_eval(path, args.tag, Path(tmp) / "export")
