@@ -299,6 +299,10 @@ WAYS = [
                                       "ript.max_staleness 1", "ript: done, 2 iterations")),
     Way(_exact("python scripts/word_problems.py"), AS_WRITTEN, "rewrites the shipped files byte for byte"),
     Way(_exact("python scripts/tool_problems.py"), AS_WRITTEN, "rewrites the shipped files byte for byte"),
+    Way(_exact("python scripts/python_lines.py"), AS_WRITTEN, "rewrites the shipped file byte for byte"),
+    Way(_exact("python bench/benchmarks_cost.py --replace"), CHECKED,
+        "three quickstart runs of 300 steps (~6 minutes); tests/test_benchmarks.py scores in the run as it does",
+        "python bench/benchmarks_cost.py --help"),
     Way(_exact("deepspeed --num_gpus 2 --module ds_train ript --config recipes/rl_demo.yaml --ds-config "
                "ds_configs/zero2.json ript.rollout_engine=vllm"), REDUCED,
         "1 iteration from the reduced bench's runs/rl_sft, into its own output_dir: each rank's vLLM engine generates",

@@ -121,3 +121,29 @@ def test_requirements_vllm_is_what_its_command_writes_from_the_recorded_index():
                           "--index", str(ROOT / "tests" / "fixtures" / "vllm_index.txt")],
                          capture_output=True, text=True, timeout=60)
     assert res.returncode == 0, res.stderr
+
+
+def test_the_shipped_python_lines_are_what_their_script_writes_from_the_corpus_held_out_files(tmp_path):
+    """recipes/lm_eval/python_lines.yaml reads them: 240 questions, each a held-out file's line (the quickstart
+    corpus's val split) after the lines before it there, among three other distinct lines of that file."""
+    import json
+    import sysconfig
+
+    from ds_train.config import DataConfig
+    from ds_train.data.encode import _is_val
+
+    subprocess.run([sys.executable, str(ROOT / "scripts" / "python_lines.py"), "--out", str(tmp_path)], check=True,
+                   capture_output=True)
+    shipped = ROOT / "recipes" / "data" / "python_lines.jsonl"
+    assert (tmp_path / "python_lines.jsonl").read_bytes() == shipped.read_bytes()
+    rows = [json.loads(line) for line in shipped.read_text().splitlines()]
+    assert len(rows) == 240 and len({r["source"] for r in rows}) >= 5
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    for r in rows:
+        assert _is_val(r["source"], DataConfig().val_fraction), r["source"]
+        lines = (stdlib / r["source"]).read_text(encoding="utf-8", errors="replace").splitlines()
+        gold = r["choices"][r["gold"]]
+        assert lines[r["line"] - 1] == gold and r["context"].endswith("\n")
+        assert ("\n".join(lines[:r["line"] - 1]) + "\n").endswith(r["context"]), r
+        assert len(set(r["choices"])) == 4 and all(c in lines for c in r["choices"]), r
+    assert {r["gold"] for r in rows} == {0, 1, 2, 3}

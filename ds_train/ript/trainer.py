@@ -140,7 +140,9 @@ def ript(cfg: RunConfig, ds_config_path: str) -> dict:
             job.completions.rewind(saved.iteration if saved else -1)
             with rollout_engine(job, saved.iteration if saved else 0):  # its weights: the checkpoint's on a resume
                 state = saved or start(job)
-                run.mark_startup("rollout engine" if saved else "rollout engine, evaluation 0")
+                scored = cfg.benchmarks.tasks and cfg.benchmarks.at_start
+                run.mark_startup("rollout engine" if saved else
+                                 f"rollout engine, evaluation 0{', benchmarks' if scored else ''}")
                 first = state.iteration
                 ript_loop(run, job, state)
         run.write_plots()

@@ -5,7 +5,8 @@ How the ranks take part: every rank walks the model's weights together (ds_train
 AutoTP's shards gathered one module at a time, LoRA merged), rank 0 keeps them and writes them as a Hugging Face
 directory beside the run (with the run's tokenizer), loads it as `lm_eval --model hf` loads an export and scores
 it in its process through lm_eval's Hugging Face backend (ds_train/benchmarks.py); the other ranks wait meanwhile
-(their heartbeat says phase `benchmarks`) and then take rank 0's scores, which every checkpoint keeps: a resumed
+(the walk is phase `benchmarks` of their heartbeats, the scoring phase `scoring`, which the watchdog does not time,
+as rank 0's final export) and then take rank 0's scores, which every checkpoint keeps: a resumed
 run's results file lists the scorings before the resume too. So the scores are those `lm_eval` gives on
 `ds-train export` of the same step, at the cost of one whole copy of the model in rank 0's memory and its time.
 Rank 0 logs them under each task's own metric names (bench/<task>/<metric>,<filter>).
@@ -58,6 +59,7 @@ class Benchmarks:
         for name, tensor in policy_weights(run.engine.module):
             if main:
                 kept[name] = tensor.detach().to("cpu")
+        run.beat(step, "scoring")  # untimed (the watchdog): rank 0 scores alone, however long, the others wait
         out = {}
         if main:
             scores = metrics(self._evaluate(kept, step))

@@ -90,6 +90,7 @@ def train_loop(run: Run, data: Datasets, start: int, stop: int,
     summary: dict[str, Any] = {}
     if start == 0 and benchmarks.due(0):  # the starting model's scores (benchmarks.at_start)
         run.logger.log(benchmarks.score(0), 0)
+        run.mark_startup("benchmarks")  # its own phase of the start-up, not the first step's
     with run.progress(start) as progress:
         for step in range(start + 1, stop + 1):
             with clock.host():
