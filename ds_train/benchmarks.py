@@ -113,11 +113,6 @@ def check_section(cfg) -> None:
         raise UserError(f"{KEY}: scoring inside a run with parallel.expert={cfg.parallel.expert} is not built (the "
                         f"experts are not gathered whole for lm_eval); leave {KEY} empty and score the run "
                         f"afterwards with `ds-train eval RUN_DIR --tasks ...` (it exports first)")
-    if cfg.parallel.sequence > 1:  # measured: rank 0's scoring then waits on the others, who wait at the barrier
-        raise UserError(f"{KEY}: scoring inside a run with parallel.sequence={cfg.parallel.sequence} is not built "
-                        f"(Ulysses' attention is the process's, so rank 0's scoring would be a collective the other "
-                        f"ranks do not join); leave {KEY} empty and score the run afterwards with `ds-train eval "
-                        f"RUN_DIR --tasks ...`")
     check_tasks(cfg.benchmarks.tasks)
 
 

@@ -1,8 +1,8 @@
 """Fault injection: the debug_fault hooks that make real failures on purpose, so that every path a
 failure takes is tested, and can be tried by hand.
 
-  watchdog.debug_fault    at the data phase of a step, on one rank: stall, slow, raise, kill,
-                          device_assert (step_fault; Heartbeat.beat calls it)
+  watchdog.debug_fault    at the data phase of a step (step 0: of an at_start lm-eval scoring), on one rank:
+                          stall, slow, raise, kill, device_assert (step_fault; Heartbeat.beat calls it)
   checkpoint.debug_fault  at a phase of a save: kill, enospc (save_fault; the checkpointer calls it)
   train.debug_loss_fault  in the loss math of a training step: the mistakes `ds-train parity` must
                           catch (loss_fault; the training step applies it)
@@ -35,6 +35,8 @@ def _device_assert() -> None:
 
 
 STEP_PHASES = ("data", "rollout", "wait-rollouts")  # where a step's fault strikes (ds_train/ript/feed.py: the last)
+# ...and where step 0's does: rank 0's first forward scoring lm-eval's tasks at the start (benchmarks.at_start)
+FIRST_PHASES = STEP_PHASES + ("scoring",)
 
 
 def step_fault(spec: str, rank: int) -> Callable[[int, str], None] | None:
@@ -53,7 +55,7 @@ def step_fault(spec: str, rank: int) -> Callable[[int, str], None] | None:
     at = int(float(arg))
 
     def hook(step: int, phase: str) -> None:
-        if step != at or phase not in STEP_PHASES:
+        if step != at or phase not in FIRST_PHASES:
             return
         if action == "stall":
             _injected_stall()

@@ -180,10 +180,15 @@ class Run:
         (generation included): ZeRO-3 gathers each layer's parameters, AutoEP sends tokens to experts."""
         return self.zero_stage == 3 or self.dims.expert > 1
 
+    def watch(self) -> None:
+        """From now on a rank that makes no progress for watchdog.stall_s ends the job (the start-up is not
+        timed: a model build or compile beats nothing)."""
+        self.life.watchdog.arm()
+
     def progress(self, initial: int):
         """The loop starts: the watchdog is armed, and rank 0 gets a progress bar (log.progress)
         that closes when its block ends."""
-        self.life.watchdog.arm()
+        self.watch()
         return build_progress(self.env.is_main, self.cfg.log.progress, self.spec.last, self.spec.kind, initial)
 
     def maybe_resume(self) -> dict | None:

@@ -67,7 +67,7 @@ def test_the_section_is_checked_with_the_run_config():
 def test_each_task_lm_eval_would_stop_on_is_one_line_before_anything_runs(tmp_path):
     """A name lm_eval does not know (with the nearest it does), a task file that is missing, not YAML, names no
     task, or does not build (its data file missing), lm_eval not installed, a layout scoring in the run does not
-    take (Ulysses, AutoEP): each one line naming benchmarks.tasks and the fix. The shipped tasks and a task file of
+    take (AutoEP): each one line naming benchmarks.tasks and the fix. The shipped tasks and a task file of
     one's own build. `ds-train eval` on a path that is no run or export, with no tasks, or a bad flag: one line,
     exit 2, before lm_eval's index of tasks is built."""
     (tmp_path / "broken.yaml").write_text("task: [unclosed\n")
@@ -100,10 +100,9 @@ def test_each_task_lm_eval_would_stop_on_is_one_line_before_anything_runs(tmp_pa
         benchmarks.installed = real
     from ds_train.benchmarks import check_section
 
-    for parallel, needle in (("parallel.sequence=2", "scoring inside a run with parallel.sequence=2 is not built"),
-                             ("parallel.expert=2", "scoring inside a run with parallel.expert=2 is not built")):
-        with pytest.raises(UserError, match=rf"^benchmarks.tasks: {needle} .*`ds-train eval RUN_DIR --tasks \.\.\.`"):
-            check_section(load_config(None, [MODEL, "benchmarks.tasks=[arith_words]", parallel], command="train"))
+    with pytest.raises(UserError, match=r"^benchmarks.tasks: scoring inside a run with parallel.expert=2 is not built "
+                                        r".*`ds-train eval RUN_DIR --tasks \.\.\.`"):
+        check_section(load_config(None, [MODEL, "benchmarks.tasks=[arith_words]", "parallel.expert=2"], command="train"))
     got = check_tasks(["arith_words", "arith_choice", "python_lines", str(own)])
     assert got.names == ("arith_words", "arith_choice", "python_lines", "my_choice") and str(tmp_path) in got.include
     for args, needle in (((str(tmp_path / "nothere"),), "'{0}/nothere' is not a directory; give a run directory"),
@@ -145,12 +144,14 @@ def test_ds_train_eval_on_a_run_and_on_its_export_gives_lm_evals_own_scores(stra
 @pytest.mark.slow
 @pytest.mark.timeout(1200)
 @pytest.mark.parametrize("ds_config, lora, parallel", [("zero2.json", True, {}), ("zero3.json", False, {}),
-                                                        ("zero2.json", False, {"tensor": 2})],
-                         ids=["zero2_lora", "zero3", "zero2_autotp2"])
+                                                        ("zero2.json", False, {"tensor": 2}),
+                                                        ("zero2.json", False, {"sequence": 2})],
+                         ids=["zero2_lora", "zero3", "zero2_autotp2", "zero2_ulysses2"])
 def test_the_live_models_scores_are_lm_evals_own_on_the_export_of_the_same_tag(ds_config, lora, parallel, tiny_data,
                                                                                 tmp_path):
     """Two processes train 4 steps scoring arith_choice at the start and every 2 steps: the live model's scores at
-    step 2 (weights walked together: ZeRO-3's and AutoTP's shards gathered, LoRA merged; scored on rank 0) equal,
+    step 2 (weights walked together: ZeRO-3's and AutoTP's shards gathered, LoRA merged; scored on rank 0, under
+    Ulysses with the attention it replaced) equal,
     to 4 decimals, those of lm_eval's own command line on `ds-train export` of the step-2 tag; every scoring is in
     metrics.jsonl and results.json. ZeRO-3's run resumed to step 6: its results.json lists every scoring of the
     run, those before the resume too (each rank's checkpoint keeps them)."""
@@ -160,7 +161,7 @@ def test_the_live_models_scores_are_lm_evals_own_on_the_export_of_the_same_tag(d
                                   "batch_size": 4})
     if lora:
         cfg["model"]["lora"] = {"rank": 4}
-    if parallel:  # AutoTP's shards gathered by the walk
+    if parallel:  # AutoTP's shards gathered by the walk; Ulysses' attention not the scoring model's
         cfg["parallel"] = parallel
     res = deepspeed_train(write_config(tmp_path / "run.yaml", cfg), ds_config, timeout=600, env=OFFLINE)
     assert res.returncode == 0, res.out[-3000:]
@@ -233,3 +234,25 @@ def test_a_preference_run_scores_its_policy_as_lm_eval_scores_its_export(pref_da
                     env=OFFLINE).returncode == 0
     own = lm_eval_itself(export, "arith_choice", 16, tmp_path / "lm_eval")["arith_choice"]
     assert round(own["acc,none"], 4) == round(live[2], 4), (own, live)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_scoring_stuck_in_a_forward_is_a_hang_of_rank_0_not_of_the_ranks_waiting_for_it(tiny_data, tmp_path):
+    """The watchdog times each forward of rank 0's scoring model, not the whole scoring, and not the others' wait:
+    rank 0 stuck in the first forward of its at_start scoring (watched: the loop's watch starts before it) ends the
+    job with exit 5 within stall_s, naming rank 0 in phase scoring; rank 1, which waits for the scores from before
+    then, is not the one named."""
+    cfg = tiny_config(tiny_data, tmp_path / "run", train={"max_steps": 4},
+                      benchmarks={"tasks": ["arith_choice"], "at_start": True, "limit": 8, "batch_size": 4})
+    stall_s = 8
+    res = deepspeed_train(write_config(tmp_path / "run.yaml", cfg), "zero2.json", f"watchdog.stall_s={stall_s}",
+                          "watchdog.debug_fault=stall:0:0", timeout=240, env=OFFLINE)
+    assert res.returncode == 5, res.out[-4000:]
+    report = [line for line in res.out.splitlines() if line.startswith("ds-train: error: hang")]
+    assert len(report) == 1 and f"no progress for {stall_s} s (watchdog.stall_s): rank 0 on node 0" in report[0] \
+        and "stalled in phase scoring of step 0" in report[0], res.out[-4000:]
+    beats = {r: json.loads((tmp_path / "run" / "heartbeats" / f"rank_{r}.json").read_text()) for r in (0, 1)}
+    assert beats[0]["phase"] == "scoring" and beats[1]["phase"] == "wait-scores", beats
+    stacks = (tmp_path / "run" / "logs" / "stacks_rank_0.txt").read_text()
+    assert "in _injected_stall" in stacks and "in _evaluate" in stacks, stacks[:2000]

@@ -19,7 +19,7 @@ from test_monitor import frame
 def test_a_heartbeat_file_is_written_and_a_stall_in_one_process_is_reported(tmp_path):
     """One process, no store: the watchdog writes the heartbeat, and a stall ends the process with
     exit 5, its stacks and the report (in a child process, since the watchdog ends it). A scoring longer than
-    stall_s is not one."""
+    stall_s, waiting for rank 0's lm-eval scores, is not one."""
     import subprocess
     import sys
 
@@ -32,8 +32,8 @@ hb = Heartbeat(0, 0, "h0")
 w = Watchdog(hb, RunPaths({str(tmp_path)!r}), 1, stall_s=1.5, heartbeat_s=0.2).start()
 hb.beat(1, "data")
 w.arm()
-hb.beat(1, "scoring")
-time.sleep(2.5)  # rank 0 scoring lm-eval's tasks past stall_s: untimed
+hb.beat(1, "wait-scores")
+time.sleep(2.5)  # waiting past stall_s for rank 0's lm-eval scores: untimed
 hb.beat(1, "forward")
 def stuck_in_forward():
     time.sleep(30)

@@ -267,7 +267,8 @@ class WatchdogConfig(Section):
     straggler_ratio: float = _f(1.3, "On logging steps, a rank whose compute time per step (data + forward) "
                                      "exceeds the median of all ranks by this factor is reported.",
                                 Range(1, low_open=True))
-    debug_fault: str = _f("", "Fault injection: stall:RANK:STEP (the rank stops at STEP), "
+    debug_fault: str = _f("", "Fault injection: stall:RANK:STEP (the rank stops at STEP; STEP 0: rank 0 in its "
+                              "first forward scoring benchmarks at_start), "
                               "slow:RANK:SECONDS[:FROM_STEP] (it sleeps that long every step), "
                               "raise:RANK:STEP (an exception), "
                               "kill:RANK:STEP (SIGKILL, as the OOM killer does), "

@@ -16,6 +16,7 @@ sdpa, `documents` runs it causally over each example on its own.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from types import SimpleNamespace
 
 
@@ -57,6 +58,24 @@ def _with_head_size(hf_config):
     view.head_dim = width
     return SimpleNamespace(get_text_config=lambda: view, _attn_implementation=getattr(hf_config, "_attn_implementation",
                                                                                       None))
+
+
+@contextmanager
+def plain_attention():
+    """Within it, transformers' registry holds the attention functions Ulysses replaced: a model this process builds
+    and runs alone (rank 0 scoring lm-eval's tasks on the gathered weights, ds_train/train/benchmarks.py) attends
+    over its own whole sequence, with no all-to-all the other ranks would have to join. Ulysses' are put back after.
+    Nothing to do without sequence parallelism."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    ulysses = {name: ALL_ATTENTION_FUNCTIONS[name] for name in _REPLACED}
+    try:
+        for name, fn in _REPLACED.items():
+            ALL_ATTENTION_FUNCTIONS[name] = fn
+        yield
+    finally:
+        for name, fn in ulysses.items():
+            ALL_ATTENTION_FUNCTIONS[name] = fn
 
 
 def unregister_ulysses() -> None:

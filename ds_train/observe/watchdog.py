@@ -39,9 +39,10 @@ from ds_train.observe.resources import io_bytes, memory_now, oom_kills
 EXIT_STALL = 5
 # Phases in which checkpoint I/O counts as progress (a large save writes for minutes).
 IO_PHASES = ("save", "load")
-# Phases the watchdog does not time: rank 0 alone writes the final export and plots, or scores lm-eval's tasks
-# (ds_train/train/benchmarks.py), while the others wait.
-UNTIMED_PHASES = ("export", "plots", "scoring")
+# Phases the watchdog does not time: rank 0 alone writes the final export and plots while the others wait, and
+# the others wait for rank 0's lm-eval scores (ds_train/train/benchmarks.py: rank 0's own phase moves with each
+# forward of the scoring model).
+UNTIMED_PHASES = ("export", "plots", "wait-scores")
 
 
 @dataclass

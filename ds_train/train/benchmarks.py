@@ -5,8 +5,9 @@ How the ranks take part: every rank walks the model's weights together (ds_train
 AutoTP's shards gathered one module at a time, LoRA merged), rank 0 keeps them and writes them as a Hugging Face
 directory beside the run (with the run's tokenizer), loads it as `lm_eval --model hf` loads an export and scores
 it in its process through lm_eval's Hugging Face backend (ds_train/benchmarks.py); the other ranks wait meanwhile
-(the walk is phase `benchmarks` of their heartbeats, the scoring phase `scoring`, which the watchdog does not time,
-as rank 0's final export) and then take rank 0's scores, which every checkpoint keeps: a resumed
+(the walk is phase `benchmarks` of the heartbeats; rank 0's phase `scoring` moves with each forward of the scoring
+model, so the watchdog times each forward, not the whole scoring; the others' `wait-scores` it does not time, as
+the wait for rank 0's final export) and then take rank 0's scores, which every checkpoint keeps: a resumed
 run's results file lists the scorings before the resume too. So the scores are those `lm_eval` gives on
 `ds-train export` of the same step, at the cost of one whole copy of the model in rank 0's memory and its time.
 Rank 0 logs them under each task's own metric names (bench/<task>/<metric>,<filter>).
@@ -23,6 +24,7 @@ from ds_train import dist
 from ds_train.benchmarks import Tasks, evaluate, metrics, resolve
 from ds_train.model.gathered import policy_weights
 from ds_train.model.lora import base_model
+from ds_train.model.ulysses import plain_attention
 from ds_train.observe.metrics import Interval
 
 
@@ -59,13 +61,14 @@ class Benchmarks:
         for name, tensor in policy_weights(run.engine.module):
             if main:
                 kept[name] = tensor.detach().to("cpu")
-        run.beat(step, "scoring")  # untimed (the watchdog): rank 0 scores alone, however long, the others wait
         out = {}
-        if main:
-            scores = metrics(self._evaluate(kept, step))
+        if main:  # each forward of the scoring model is progress (the watchdog times rank 0's phase `scoring`)
+            with plain_attention():  # under Ulysses: the scoring model attends alone, as lm_eval's does
+                scores = metrics(self._evaluate(kept, step))
             self.scores.append({"step": step, "scores": scores})
             out = scores | {"perf/benchmarks_s": round(time.perf_counter() - start, 3)}
         del kept
+        run.beat(step, "wait-scores")  # untimed: the others wait for rank 0's scoring, however long
         self.scores[:] = dist.broadcast_object(self.scores)  # the others wait for it; every rank's checkpoint keeps it
         return out
 
@@ -77,12 +80,15 @@ class Benchmarks:
         run, model = self.run, base_model(self.run.engine.module)
         where = Path(tempfile.mkdtemp(prefix=f"benchmarks_{step}_", dir=run.run_dir))
         try:
+            run.beat(step, "save")  # the watchdog takes writing and reading as progress in these phases
             save_file({n: t.contiguous() for n, t in weights.items()}, str(where / "model.safetensors"),
                       metadata={"format": "pt"})
             model.config.save_pretrained(where)
             if run.tokenizer is not None:
                 run.tokenizer.save_pretrained(where)
+            run.beat(step, "load")
             scored = AutoModelForCausalLM.from_pretrained(where, dtype="auto")
+            scored.register_forward_pre_hook(lambda *_: run.beat(step, "scoring"))
             device = run.engine.device if run.engine.device.type == "cuda" else torch.device("cpu")
             return evaluate(scored.to(device), run.tokenizer, self.cfg, self.tasks, str(device))
         finally:
