@@ -25,33 +25,68 @@ LM_EVAL_PIN = "lm_eval==0.4.13"  # pyproject.toml's eval extra, requirements-tes
 KEY = "benchmarks.tasks"
 
 
+# `dataset_path`s that read local files (datasets' packaged builders): a task with one needs no network
+LOCAL_BUILDERS = ("json", "csv", "parquet", "text", "arrow", "pandas")
+
+
 @dataclass(frozen=True)
 class Tasks:
     names: tuple[str, ...]  # what lm_eval evaluates
     files: dict  # name -> the task file that gave it (a path given in benchmarks.tasks)
     include: tuple[str, ...]  # directories lm_eval's TaskManager searches besides its own tasks
+    local: bool = False  # every task reads local files (the shipped ones, task files over local data)
+
+    def offline(self) -> None:
+        """Where every task is local, nothing reaches for the network: HF_HUB_OFFLINE and HF_DATASETS_OFFLINE
+        set (unless the environment sets them) before `datasets` is imported, which otherwise counts each load
+        of a local file with a request to the hub's servers. lm_eval's own tasks download their data: left
+        as the environment says."""
+        import os
+
+        if self.local:
+            os.environ.setdefault("HF_HUB_OFFLINE", "1")
+            os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
 
 def resolve(tasks: list[str], key: str = KEY) -> Tasks:
     """The task names and the directories to search, from benchmarks.tasks (names and task-file paths)."""
     names, files, include = [], {}, [str(LOCAL_TASKS)] if LOCAL_TASKS.is_dir() else []
+    local = True
     for entry in tasks:
         if not entry.endswith((".yaml", ".yml")):
             names.append(entry)
+            local = local and _shipped().get(entry, False)
             continue
         path = Path(entry)
         if not path.is_file():
             raise UserError(f"{key}: {entry}: no such task file; give the path of a task YAML, or a task name "
                             f"lm_eval knows")
-        name = _task_name(path, key)
+        doc = _task_file(path, key)
+        name = _task_name(doc, path, key)
         names.append(name)
         files[name] = entry
+        local = local and _reads_local_files(doc)
         if str(path.parent.resolve()) not in include:
             include.append(str(path.parent.resolve()))
-    return Tasks(tuple(names), files, tuple(include))
+    return Tasks(tuple(names), files, tuple(include), local)
 
 
-def _task_name(path: Path, key: str) -> str:
+@functools.lru_cache(maxsize=1)
+def _shipped() -> dict[str, bool]:
+    """recipes/lm_eval/'s task names, each with whether it reads local files."""
+    out = {}
+    for path in sorted(LOCAL_TASKS.glob("*.yaml")):
+        doc = _task_file(path, str(path))
+        out[_task_name(doc, path, str(path))] = _reads_local_files(doc)
+    return out
+
+
+def _reads_local_files(doc: dict) -> bool:
+    where = doc.get("dataset_path")
+    return isinstance(where, str) and (where in LOCAL_BUILDERS or Path(where).is_dir())
+
+
+def _task_file(path: Path, key: str) -> dict:
     import yaml
 
     class Loader(yaml.SafeLoader):
@@ -62,7 +97,11 @@ def _task_name(path: Path, key: str) -> str:
         doc = yaml.load(path.read_text(), Loader=Loader)
     except yaml.YAMLError as e:
         raise UserError(f"{key}: {path}: not YAML ({said(e, 120)}); fix the task file") from None
-    name = doc.get("task") or doc.get("group") if isinstance(doc, dict) else None
+    return doc if isinstance(doc, dict) else {}
+
+
+def _task_name(doc: dict, path: Path, key: str) -> str:
+    name = doc.get("task") or doc.get("group")
     if not isinstance(name, str) or not name:
         raise UserError(f"{key}: {path}: names no task (a task file has `task: NAME`, a group file `group: NAME`); "
                         f"fix the task file")
@@ -93,6 +132,7 @@ def check_tasks(tasks: list[str], key: str = KEY) -> Tasks:
         raise UserError(f"{key}: needs lm_eval, which is not installed; pip install -e '.[eval]' (or "
                         f"pip install '{LM_EVAL_PIN}'), or leave {key} empty")
     resolved = resolve(tasks, key)
+    resolved.offline()
     manager = task_manager(resolved)
     for name in resolved.names:
         if name not in manager.all_subtasks and name not in manager.all_groups and name not in manager.all_tags:
@@ -129,6 +169,7 @@ def _build(manager, name: str, file: str | None, key: str) -> None:
 def evaluate(model, tokenizer, cfg, tasks: Tasks, device: str = "cpu") -> dict:
     """lm_eval's results for `model` (a transformers model, loaded, in eval mode for the call) on `tasks`: its
     own dict (results, configs, versions, n-shot, ...), as `lm_eval` writes it."""
+    tasks.offline()
     from lm_eval import simple_evaluate
     from lm_eval.models.huggingface import HFLM
 

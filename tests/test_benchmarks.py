@@ -256,3 +256,31 @@ def test_a_scoring_stuck_in_a_forward_is_a_hang_of_rank_0_not_of_the_ranks_waiti
     assert beats[0]["phase"] == "scoring" and beats[1]["phase"] == "wait-scores", beats
     stacks = (tmp_path / "run" / "logs" / "stacks_rank_0.txt").read_text()
     assert "in _injected_stall" in stacks and "in _evaluate" in stacks, stacks[:2000]
+
+
+def test_local_tasks_reach_for_no_network_and_hub_tasks_are_left_to_the_environment(tmp_path):
+    """The shipped tasks and task files over local data are scored offline whatever the environment says
+    (datasets would otherwise count each load of a local file with a request to the hub's servers: checked with
+    the offline variables set to 0, it makes them); lm_eval's own tasks and task files over hub datasets are not
+    taken offline."""
+    from ds_train.benchmarks import resolve
+
+    hub = tmp_path / "hub.yaml"
+    hub.write_text("task: my_hub\ndataset_path: openai/gsm8k\n")
+    assert resolve(["python_lines", "arith_words", str(ROOT / "recipes" / "lm_eval" / "arith_choice.yaml")]).local
+    assert not resolve(["python_lines", "hellaswag"]).local and not resolve([str(hub)]).local
+    code = """
+import json, os, socket, sys
+asked = []
+real = socket.getaddrinfo
+socket.getaddrinfo = lambda host, *a, **k: asked.append(host) or real(host, *a, **k)
+from ds_train.benchmarks import check_tasks
+check_tasks(sys.argv[1:])
+print(json.dumps({"asked": asked, "offline": os.environ.get("HF_DATASETS_OFFLINE")}))
+"""
+    clean = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")}
+    for env, offline in ((clean, "1"), ({**clean, "HF_DATASETS_OFFLINE": "0", "HF_HUB_OFFLINE": "0"}, "0")):
+        res = run_cmd([sys.executable, "-c", code, "python_lines", "arith_choice"], timeout=120, env=env)
+        assert res.returncode == 0, res.out[-2000:]
+        said = json.loads(res.out.strip().splitlines()[-1])
+        assert said["offline"] == offline and (said["asked"] == [] if offline == "1" else said["asked"]), said
