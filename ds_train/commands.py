@@ -185,6 +185,8 @@ def cmd_eval(args) -> int:
         from ds_train.checkpoint.export import resolve_source
 
         resolve_source(path, args.tag)
+    else:
+        _has_weights(path)
     tasks = check_tasks(bench.tasks, "--tasks" if flags["tasks"] else "benchmarks.tasks")
     with tempfile.TemporaryDirectory(prefix="ds_train_eval_") as tmp:
         model_dir = path if exported else _export_for_eval(path, args.tag, Path(tmp) / "export")
@@ -208,20 +210,44 @@ def _export_for_eval(run: Path, tag: str | None, out: Path) -> Path:
     return export(run, out, tag)
 
 
+def _has_weights(model_dir: Path) -> None:
+    """An export holds weights (a peft adapter directory its adapter's), or one line saying what to give."""
+    from ds_train.model.weights import REFETCH, weight_files
+
+    if model_dir.name == "hf_model" and (model_dir.parent / "config.yaml").is_file():  # a run's: no weights
+        raise UserError(f"eval: {str(model_dir)!r} is a run's model config and tokenizer, not an export; give the run "
+                        f"directory {str(model_dir.parent)!r}, or `ds-train export` it first")
+    if (model_dir / "adapter_config.json").is_file():
+        if not any((model_dir / f"adapter_model.{ext}").is_file() for ext in ("safetensors", "bin")):
+            raise UserError(f"eval: {str(model_dir)!r} holds no adapter weights (adapter_model.safetensors); "
+                            f"{REFETCH}")
+        return
+    weight_files(model_dir, "eval")
+
+
 def _load_for_eval(model_dir: Path):
     """The export as `lm_eval --model hf` loads it (its dtype, auto: the config's), on a GPU where there is one;
     a peft adapter directory on its base, merged."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    if (model_dir / "adapter_config.json").is_file():
-        from peft import AutoPeftModelForCausalLM
+    from safetensors import SafetensorError
 
-        model = AutoPeftModelForCausalLM.from_pretrained(model_dir, dtype="auto").merge_and_unload()
-    else:
-        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype="auto")
-    return model.to(device), AutoTokenizer.from_pretrained(model_dir), device
+    from ds_train.model.hfconfig import said
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        if (model_dir / "adapter_config.json").is_file():
+            from peft import AutoPeftModelForCausalLM
+
+            model = AutoPeftModelForCausalLM.from_pretrained(model_dir, dtype="auto").merge_and_unload()
+        else:
+            model = AutoModelForCausalLM.from_pretrained(model_dir, dtype="auto")
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    except (OSError, ValueError, KeyError, RuntimeError, SafetensorError) as e:  # a damaged directory's
+        raise UserError(f"eval: {str(model_dir)!r} does not load as a causal LM ({said(e, 200)}); re-export it "
+                        f"(`ds-train export RUN_DIR --out DIR`) or give the run directory") from None
+    return model.to(device), tokenizer, device
 
 
 def cmd_monitor(args) -> int:

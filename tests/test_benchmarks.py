@@ -62,6 +62,7 @@ def test_the_section_is_checked_with_the_run_config():
     assert isinstance(cfg, RunConfig) and cfg.benchmarks.every == 50 and cfg.benchmarks.at_end
     text = describe()
     assert "benchmarks.tasks" in text and "train.eval_every" in text.split("benchmarks", 1)[1]
+    assert "  benchmarks.every = null\n" in text  # as YAML writes it
 
 
 def test_each_task_lm_eval_would_stop_on_is_one_line_before_anything_runs(tmp_path):
@@ -105,10 +106,22 @@ def test_each_task_lm_eval_would_stop_on_is_one_line_before_anything_runs(tmp_pa
         check_section(load_config(None, [MODEL, "benchmarks.tasks=[arith_words]", "parallel.expert=2"], command="train"))
     got = check_tasks(["arith_words", "arith_choice", "python_lines", str(own)])
     assert got.names == ("arith_words", "arith_choice", "python_lines", "my_choice") and str(tmp_path) in got.include
+    hf_model, bare, damaged = tmp_path / "run" / "hf_model", tmp_path / "bare", tmp_path / "damaged"
+    for where in (hf_model, bare, damaged):
+        where.mkdir(parents=True)
+        (where / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 64}))
+    (tmp_path / "run" / "config.yaml").write_text("output_dir: run\n")
+    (damaged / "model.safetensors").write_bytes(b"garbage")
     for args, needle in (((str(tmp_path / "nothere"),), "'{0}/nothere' is not a directory; give a run directory"),
                          ((str(tmp_path),), "eval: no tasks: {0} names none (its benchmarks.tasks), so give --tasks"),
                          ((str(tmp_path), "--tasks", "arith_words"), "'{0}' holds no checkpoints (no checkpoints/"),
-                         ((str(tmp_path), "--tasks", "arith_words", "--limit", "-1"), "--limit: -1 must be >= 0")):
+                         ((str(tmp_path), "--tasks", "arith_words", "--limit", "-1"), "--limit: -1 must be >= 0"),
+                         ((str(hf_model), "--tasks", "arith_words"), "eval: '{0}/run/hf_model' is a run's model config "
+                                                                     "and tokenizer, not an export; give the run "
+                                                                     "directory '{0}/run'"),
+                         ((str(bare), "--tasks", "arith_words"), "eval: '{0}/bare' holds no weights (model.safetensors"),
+                         ((str(damaged), "--tasks", "arith_words"), "eval: '{0}/damaged' does not load as a causal LM "
+                                                                    "(SafetensorError: ")):
         said = ds_train("eval", *args)
         assert said.returncode == 2 and needle.format(tmp_path) in said.out and "Traceback" not in said.out, said.out
     assert metrics({"results": {"t": {"alias": "t", "acc,none": 0.5, "acc_stderr,none": 0.1}}}) == \

@@ -49,7 +49,8 @@ def describe() -> str:
             else:
                 default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
                 text = f.metadata["help"]() if callable(f.metadata["help"]) else f.metadata["help"]  # a registry's
-                lines.append(f"{indent}{prefix}{f.name} = {default!r}\n{indent}    {text}")
+                shown = "null" if default is None else repr(default)  # as it is written in YAML
+                lines.append(f"{indent}{prefix}{f.name} = {shown}\n{indent}    {text}")
 
     walk(RunConfig, "", "")
     return "\n".join(lines)

@@ -15,8 +15,8 @@ WEIGHT_FILES = (("model.safetensors", "model.safetensors.index.json"),
                 ("pytorch_model.bin", "pytorch_model.bin.index.json"))
 
 
-def json_object(path: Path) -> dict:
-    """A UTF-8 JSON object from `path`, else a UserError naming the file and the fix."""
+def json_object(path: Path, key: str = "model.path") -> dict:
+    """A UTF-8 JSON object from `path`, else a UserError naming the file and the fix (`key`: what named it)."""
     try:
         value = json.loads(path.read_bytes().decode("utf-8"))
     except UnicodeDecodeError:
@@ -29,27 +29,27 @@ def json_object(path: Path) -> dict:
         if isinstance(value, dict):
             return value
         problem = f"a JSON {type(value).__name__}, not an object"
-    raise UserError(f"model.path: {str(path)!r} is {problem}; {REFETCH}")
+    raise UserError(f"{key}: {str(path)!r} is {problem}; {REFETCH}")
 
 
-def weight_files(model_dir: Path) -> list[Path]:
+def weight_files(model_dir: Path, key: str = "model.path") -> list[Path]:
     """The files from_pretrained would read from `model_dir` (the shards of an index, which must all
-    be there); a UserError when there are none."""
+    be there); a UserError naming `key` when there are none."""
     for single, index in WEIGHT_FILES:
         if (model_dir / single).exists():
             return [model_dir / single]
         if (model_dir / index).exists():
-            weight_map = json_object(model_dir / index).get("weight_map")
+            weight_map = json_object(model_dir / index, key).get("weight_map")
             if not isinstance(weight_map, dict) or not weight_map:
-                raise UserError(f"model.path: {str(model_dir / index)!r} has no weight_map; {REFETCH}")
+                raise UserError(f"{key}: {str(model_dir / index)!r} has no weight_map; {REFETCH}")
             shards = [model_dir / name for name in sorted(set(map(str, weight_map.values())))]
             missing = [p.name for p in shards if not p.is_file()]
             if missing:
                 are = "is" if len(missing) == 1 else "are"
-                raise UserError(f"model.path: {str(model_dir / index)!r} names {_some(missing)}, which {are} "
+                raise UserError(f"{key}: {str(model_dir / index)!r} names {_some(missing)}, which {are} "
                                 f"not in {str(model_dir)!r}; {REFETCH}")
             return shards
-    raise UserError(f"model.path: {str(model_dir)!r} holds no weights (model.safetensors, "
+    raise UserError(f"{key}: {str(model_dir)!r} holds no weights (model.safetensors, "
                     f"model.safetensors.index.json and its shards, or pytorch_model.bin); {REFETCH}")
 
 
