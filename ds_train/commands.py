@@ -184,12 +184,12 @@ def cmd_eval(args) -> int:
     if not exported:  # the path and tag said wrong before lm_eval's index of tasks is built (seconds)
         from ds_train.checkpoint.export import resolve_source
 
-        resolve_source(path, args.tag)
+        src = resolve_source(path, args.tag)
     else:
         _has_weights(path)
     tasks = check_tasks(bench.tasks, "--tasks" if flags["tasks"] else "benchmarks.tasks")
     with tempfile.TemporaryDirectory(prefix="ds_train_eval_") as tmp:
-        model_dir = path if exported else _export_for_eval(path, args.tag, Path(tmp) / "export")
+        model_dir = path if exported else _export_for_eval(path, args.tag, src, Path(tmp) / "export")
         model, tokenizer, device = _load_for_eval(model_dir)
         results = evaluate(model, tokenizer, bench, tasks, device)
     from lm_eval.utils import make_table
@@ -200,11 +200,11 @@ def cmd_eval(args) -> int:
     return 0
 
 
-def _export_for_eval(run: Path, tag: str | None, out: Path) -> Path:
-    from ds_train.checkpoint.export import export, resolve_source
+def _export_for_eval(run: Path, tag: str | None, src, out: Path) -> Path:
+    """The tag `src` (resolve_source's) exported as `lm_eval --model hf` loads it: a LoRA run's adapters merged."""
+    from ds_train.checkpoint.export import export
     from ds_train.checkpoint.lora_export import export_lora, run_lora
 
-    src = resolve_source(run, tag)
     if run_lora(src)[0] is not None:
         return export_lora(run, out, tag, merge=True)
     return export(run, out, tag)

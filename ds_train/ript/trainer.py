@@ -210,10 +210,8 @@ def start(job: RiptJob) -> RiptState:
     """A fresh run: the held-out evaluation of the starting policy (iteration 0)."""
     state = RiptState(totals=Tally(list(job.sampled)).as_dict())
     benchmarks = Benchmarks(job.run, job.run.cfg.ript.iterations, state.benchmarks)
-    held_out = HeldOut(job, Interval(0, job.run.spec.last)).record(0, state)
-    if benchmarks.due(0):  # watched as an iteration is
-        job.run.watch()
-    job.run.logger.log(held_out | benchmarks.maybe_score(0, lambda: write_results(job, state)), 0)
+    job.run.logger.log(HeldOut(job, Interval(0, job.run.spec.last)).record(0, state) | benchmarks.maybe_score(
+        0, lambda: write_results(job, state)), 0)
     return state
 
 

@@ -54,6 +54,8 @@ class Benchmarks:
     def score(self, step: int) -> dict:
         """Every rank: the weights walked together; rank 0 scores them; the others wait. Rank 0's metrics."""
         run = self.run
+        if step == 0:  # the start's scoring, before the loop arms the watchdog: watched as a step is
+            run.watch()
         run.beat(step, "benchmarks")
         start = time.perf_counter()
         main = run.env.is_main

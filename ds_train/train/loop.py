@@ -88,8 +88,7 @@ def train_loop(run: Run, data: Datasets, start: int, stop: int,
                           reference and reference.val)
     benchmarks = Benchmarks(run, last, list(scored or []))
     summary: dict[str, Any] = {}
-    if start == 0 and benchmarks.due(0):  # the starting model's scores (benchmarks.at_start), watched as a step is
-        run.watch()
+    if start == 0 and benchmarks.due(0):  # the starting model's scores (benchmarks.at_start)
         run.logger.log(benchmarks.score(0), 0)
         run.mark_startup("benchmarks")  # its own phase of the start-up, not the first step's
     with run.progress(start) as progress:
