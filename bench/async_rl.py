@@ -188,7 +188,7 @@ def send_worker() -> None:
         weights = [(n, torch.randn(s, dtype=torch.bfloat16)) for n, s in names]
         for _ in range(3):
             bridge.broadcast({"go": True})
-            bridge.send_weights(iter(weights))
+            bridge.send_weights(iter(weights), version=0)
             times.append(bridge.send_s)
         print(json.dumps({"parameters": numel, "bytes": 2 * numel, "send_s": sorted(times)[1], "tries_s": times}))
     else:

@@ -34,18 +34,19 @@ def _device_assert() -> None:
     table[torch.tensor([len(table)], device=device)].sum().item()  # .item() syncs: the error surfaces here
 
 
-STEP_PHASES = ("data", "rollout", "wait-rollouts")  # where a step's fault strikes (ds_train/ript/feed.py: the last)
+# where a step's fault strikes (ds_train/ript/feed.py: wait-rollouts; a rollout rank's policy calls: generate)
+STEP_PHASES = ("data", "rollout", "wait-rollouts", "generate")
 # ...and where step 0's does: rank 0's first forward scoring lm-eval's tasks at the start (benchmarks.at_start)
 FIRST_PHASES = STEP_PHASES + ("scoring",)
 
 
-def step_fault(spec: str, rank: int) -> Callable[[int, str], None] | None:
+def step_fault(spec: str, rank: int | str) -> Callable[[int, str], None] | None:
     """watchdog.debug_fault: the hook Heartbeat.beat calls, for ACTION:RANK:ARG on this rank (None
-    elsewhere)."""
+    elsewhere); a rollout rank N is `rN`."""
     if not spec:
         return None
     action, target, arg, *start = spec.split(":")
-    if int(target) != rank:
+    if target != str(rank):
         return None
     if action == "slow":  # a step's work: its data, its rollouts (with rollout ranks: its wait for them)
         def slow(step: int, phase: str) -> None:

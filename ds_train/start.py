@@ -253,7 +253,8 @@ def _build_run(inputs: RunInputs, env: DistEnv, spec: RunSpec, stop: StopRequest
     launchers = LauncherWatch()  # a launcher above that ends stops the run, as SIGTERM does
     checkpointer = _build_checkpointer(inputs, env, spec, checked, agreed, model, stop, rank_log, heartbeat,
                                        launchers, say, host)
-    watchdog = Watchdog(heartbeat, paths, env.world_size, cfg.watchdog.stall_s, cfg.watchdog.heartbeat_s,
+    watched = env.split.job.world_size if env.split else env.world_size  # with rollout ranks: theirs after ours
+    watchdog = Watchdog(heartbeat, paths, watched, cfg.watchdog.stall_s, cfg.watchdog.heartbeat_s,
                         side_channel(env), env.local_rank if checked.on_gpu else None, stop.request,
                         launchers).start()
     text = source.hf_config.get_text_config()  # a multimodal config's language model: its layers and widths

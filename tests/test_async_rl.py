@@ -64,7 +64,7 @@ def test_staleness_is_k_exactly_over_uneven_environment_time_and_an_older_batch_
                       **{**MODEL_RIPT, "contexts_per_rank": 4, "tasks": ["parity", {"name": "sim", "data": str(sim),
                                                              "env": "ript_envs:Unhurried", "max_turns": 2}],
                          "iterations": 6, "sync_every": 1, "eval_every": 0, "rollout_ranks_per_node": 2,
-                         "max_staleness": 2, "debug_stale_iteration": 5})
+                         "max_staleness": 2, "tis_cap": 2, "debug_stale_iteration": 5})
     res = run_cmd(ript(cfg, 3), timeout=300, env=TESTS_ON_PATH)
     assert res.returncode == 0, res.out[-4000:]
     got = logged(tmp_path / "run")
@@ -90,12 +90,14 @@ def test_staleness_is_k_exactly_over_uneven_environment_time_and_an_older_batch_
     assert tree_listing(tmp_path / "run") == before
 
 
-@pytest.mark.parametrize("layout", ["zero3", "lora"])
-def test_kill_9_while_batches_are_queued_then_the_resume_is_bitwise(sft_policy, tmp_path, layout):
-    """2 trainers and a rollout rank, max_staleness 1, a checkpoint every 2 iterations: killed with SIGKILL (every
-    process of the job at once) after iteration 3, while the rollout rank holds batch 4 or generates it; the same
-    command resumes from iteration 2, takes back the batch the checkpoint holds, and ends with the weights of the
-    uninterrupted run, bitwise."""
+@pytest.mark.parametrize("layout,signum", [("zero3", signal.SIGKILL), ("lora", signal.SIGTERM)])
+def test_a_stop_while_batches_are_queued_then_the_resume_is_bitwise(sft_policy, tmp_path, layout, signum):
+    """2 trainers and a rollout rank, max_staleness 1, a checkpoint every 2 iterations: after iteration 3, while the
+    rollout rank holds batch 4 or generates it, every process of the job gets the signal at once (the job's process
+    group: what scancel, a SLURM preemption and Ctrl-C send). SIGKILL: the same command resumes from iteration 2;
+    SIGTERM: every rank (the rollout rank too, which keeps it as the stop word) saves at the stop's iteration and
+    the job exits 143. Either way the resume takes back the batch the checkpoint holds and ends with the weights of
+    the uninterrupted run, bitwise."""
     ds_config, extra = (ZERO3, ("checkpoint.every=2",)) if layout == "zero3" else (
         ZERO2, ("checkpoint.every=2", "model.lora.rank=4", "model.lora.target_modules=[q_proj,v_proj]"))
     dirs = {}
@@ -103,7 +105,7 @@ def test_kill_9_while_batches_are_queued_then_the_resume_is_bitwise(sft_policy, 
         (tmp_path / name).mkdir()
         cfg = ript_config(tmp_path / name, sft_policy, MODEL_TRAIN, {"lr": LR},
                           **{**MODEL_RIPT, "iterations": 5, "sync_every": 1, "eval_every": 0,
-                             "rollout_ranks_per_node": 1, "max_staleness": 1})
+                             "rollout_ranks_per_node": 1, "max_staleness": 1, "tis_cap": 2})
         dirs[name] = (cfg, tmp_path / name / "run")
     cfg, run_dir = dirs["straight"]
     res = run_cmd(ript(cfg, 3, ds_config, *extra), timeout=300, env=TESTS_ON_PATH)
@@ -115,15 +117,22 @@ def test_kill_9_while_batches_are_queued_then_the_resume_is_bitwise(sft_policy, 
     while not (run_dir / "metrics.jsonl").is_file() or 3 not in logged(run_dir):
         assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0][-3000:]
         time.sleep(0.05)
-    os.killpg(proc.pid, signal.SIGKILL)
-    reap(proc, timeout=30)
+    os.killpg(proc.pid, signum)
+    stopped = reap(proc, timeout=90)
     assert not pids_with(str(run_dir))
-    assert (run_dir / "checkpoints" / "latest").read_text() == "step_00000002"
+    if signum == signal.SIGKILL:
+        k = 2
+    else:
+        k = int((run_dir / "checkpoints" / "latest").read_text().split("_")[1])
+        assert stopped.returncode == 128 + signum, stopped.out[-4000:]
+        assert 3 <= k < 5 and f"ds-train: stopped by signal 15 at iteration {k}; checkpoint saved" in stopped.out
+        assert "Traceback" not in stopped.out and "Connection closed" not in stopped.out, stopped.out[-4000:]
+    assert (run_dir / "checkpoints" / "latest").read_text() == f"step_{k:08d}"
     res = run_cmd(ript(cfg, 3, ds_config, *extra), timeout=300, env=TESTS_ON_PATH)
     assert res.returncode == 0, res.out[-4000:]
-    assert "resumed from" in res.out and "at iteration 2" in res.out
+    assert "resumed from" in res.out and f"at iteration {k}" in res.out
     a, b = logged(dirs["straight"][1]), logged(run_dir)
-    for it in (3, 4, 5):
+    for it in range(k + 1, 6):
         for key in ("ript/accepted", "ript/checked", "policy/tokens", "async/staleness_max"):
             assert a[it][key] == b[it][key], (it, key)
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
@@ -132,3 +141,30 @@ def test_kill_9_while_batches_are_queued_then_the_resume_is_bitwise(sft_policy, 
               for d in (dirs["straight"][1], run_dir))
     assert wa.keys() == wb.keys() and len(wa) > 0
     assert [n for n in wa if not wa[n].equal(wb[n])] == []  # tensor by tensor, bitwise
+
+
+def test_a_rollout_rank_that_raises_ends_the_job_within_seconds_its_error_printed_and_named(sft_policy, tmp_path):
+    """1 trainer and 2 rollout ranks; rollout rank 1 raises while it generates batch 3 (watchdog.debug_fault
+    raise:r1:3), the other waits in a meeting, the trainer in the bridge's gather. The watchdog's stall limit is
+    far away: the job must end because the error is published, not because a wait timed out. Its traceback is
+    printed before anything waits on it, and the job's last line names the rollout rank and the error."""
+    cfg = ript_config(tmp_path, sft_policy, {"micro_batch_size": 4, "global_batch_size": 8}, {"lr": LR},
+                      **{**MODEL_RIPT, "iterations": 6, "sync_every": 1, "eval_every": 0, "rollout_ranks_per_node": 2})
+    proc = spawn(ript(cfg, 3, ZERO2, "watchdog.debug_fault=raise:r1:3", "watchdog.stall_s=600"), env=TESTS_ON_PATH)
+    lines, raised_at = [], None
+    deadline = time.monotonic() + 300
+    for line in proc.stdout:  # until every process of the job closed it
+        lines.append(line)
+        if raised_at is None and "injected failure on rank r1 at step 3" in line:
+            raised_at = time.monotonic()
+        assert time.monotonic() < deadline, "".join(lines)[-4000:]
+    ended = time.monotonic()
+    res = reap(proc, timeout=30)
+    out = "".join(lines)
+    assert raised_at is not None and ended - raised_at < 60, out[-4000:]
+    assert res.returncode != 0 and not pids_with(str(tmp_path / "run"))
+    assert "ds-train[rollout rank 1, job rank 2]: error:\nTraceback" in out, out[-4000:]
+    last = [l for l in out.splitlines() if l.startswith("ds-train: error: ")][-1]
+    assert "rollout rank 1 (job rank 2) on node 0" in last and "failed first, in phase rollout of step 3" in last
+    assert "RuntimeError: injected failure on rank r1 at step 3 (watchdog.debug_fault)" in last, last
+    assert "stalled" not in out and "hang:" not in out, out[-4000:]

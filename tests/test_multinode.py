@@ -222,7 +222,7 @@ def test_rollout_ranks_on_both_nodes_train_stop_and_resume_through_pdsh(cluster,
     hostfile.write_text("127.0.0.2 slots=2\n127.0.0.3 slots=2\n")
     config = ript_config(tmp_path, sft_policy, MODEL_TRAIN, **{**MODEL_RIPT, "iterations": 8, "sync_every": 1,
                                                               "eval_every": 0, "rollout_ranks_per_node": 1,
-                                                              "max_staleness": 1})
+                                                              "max_staleness": 1, "tis_cap": 2})
     env = {**cluster["env"], **TESTS_ON_PATH}
     overrides = (f"data.chat_template={TEMPLATE}", "watchdog.debug_fault=slow:0:2.0")  # the signal comes mid-run
     run = tmp_path / "run"

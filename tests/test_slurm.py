@@ -197,7 +197,7 @@ def test_rollout_ranks_run_under_srun_like_every_other_run(slurm, tiny_policy, t
     """A script of `ds-train slurm` for 2 tasks on the node, ript.rollout_ranks_per_node=1: srun numbers the tasks
     node by node, the second generates, the first trains (max_staleness 1); the job completes, its staleness
     is min(i - 1, 1) and the trainers' world is one rank."""
-    cfg = ript_config(tmp_path, tiny_policy, iterations=4, sync_every=1, rollout_ranks_per_node=1, max_staleness=1)
+    cfg = ript_config(tmp_path, tiny_policy, iterations=4, sync_every=1, rollout_ranks_per_node=1, max_staleness=1, tis_cap=2)
     script = write_script(tmp_path / "job.sbatch", "--time", "10", "--signal-lead", "0", "--", "ript", "--config",
                           str(cfg), "--ds-config", ZERO2, "train.global_batch_size=12", env=TESTS_ON_PATH)  # no stop
     job = sbatch(script, tmp_path / "job.out", env=TESTS_ON_PATH)

@@ -168,6 +168,12 @@ def check_resume(point: ResumePoint | None, cfg: RunConfig, kind: str, world: in
         raise UserError(f"{where}: saved with {saved_rollout} rollout rank(s) in all (ript.rollout_ranks_per_node), "
                         f"this job has {rollout_ranks}; resume with the same rollout ranks per node and nodes (the "
                         f"batches in flight and the samplers belong to their ranks), or use another output_dir")
+    saved_k = ((point.state.get("config") or {}).get("ript") or {}).get("max_staleness", 0)
+    if saved_rollout and saved_k != cfg.ript.max_staleness:
+        raise UserError(f"{where}: saved with ript.max_staleness={saved_k}, resumed with {cfg.ript.max_staleness}: the "
+                        f"batches the rollout ranks held at the save were generated for {saved_k} (with a lower k the "
+                        f"first updates would drop them all as stale); resume with ript.max_staleness={saved_k}, or "
+                        f"use another output_dir")
     errors, notes = config_changes(point.state["config"], cfg.to_dict())
     if errors:
         raise UserError(f"{where}: cannot resume with a changed " + "; ".join(errors) +

@@ -273,21 +273,23 @@ class WatchdogConfig(Section):
                               "raise:RANK:STEP (an exception), "
                               "kill:RANK:STEP (SIGKILL, as the OOM killer does), "
                               "device_assert:RANK:STEP (an index out of range in a kernel: on a GPU the "
-                              "real CUDA error 'device-side assert triggered').")
+                              "real CUDA error 'device-side assert triggered'). RANK rN: rollout rank N "
+                              "(ript.rollout_ranks_per_node), STEP its batch.")
 
     def check(self) -> list[str]:
         errs = []
         if self.debug_fault:
             parts = self.debug_fault.split(":")
             ok = (len(parts) == 3 or len(parts) == 4 and parts[0] == "slow" and parts[3].isdigit()) and \
-                parts[0] in WATCHDOG_FAULTS and parts[1].isdigit()
+                parts[0] in WATCHDOG_FAULTS and parts[1].removeprefix("r").isdigit()
             try:
                 ok = ok and float(parts[2]) >= 0
             except ValueError:
                 ok = False
             if not ok:
                 errs.append(f"watchdog.debug_fault: {self.debug_fault!r} is not ACTION:RANK:ARG "
-                            f"({', '.join(WATCHDOG_FAULTS)}; a rank; a step, or seconds for slow)")
+                            f"({', '.join(WATCHDOG_FAULTS)}; a rank, rN a rollout rank; a step, or seconds for "
+                            f"slow)")
         return errs
 
 

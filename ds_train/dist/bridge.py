@@ -92,32 +92,60 @@ class Bridge:
         group.broadcast(buf, 0).wait()
         return obj if root else pickle.loads(buf.cpu().numpy().tobytes())
 
-    def send_weights(self, weights: Iterable[tuple[str, Any]]) -> None:
-        """The node's first trainer: each (name, tensor) to the node's rollout ranks; the other trainers walk the
-        stream too (under ZeRO-3 and AutoTP it gathers, a collective of the trainers) and send nothing."""
+    def send_weights(self, weights: Iterable[tuple[str, Any]], version: int) -> None:
+        """The node's first trainer: the weights of update `version`, each (name, tensor), to the node's rollout
+        ranks, then the stream's end with its version, its count and a checksum (`receive_weights` refuses a stream
+        that does not add up); the other trainers walk the stream too (under ZeRO-3 and AutoTP it gathers, a
+        collective of the trainers) and send nothing."""
+        import torch
+
         t0 = time.perf_counter()
+        count, checksum = 0, None
         for name, tensor in weights:
             if self.node is None:
                 continue
             t = tensor.detach().to(self.device).contiguous()
             self._broadcast(self.node, (name, tuple(t.shape), str(t.dtype).removeprefix("torch.")), True)
             self.node.broadcast(t, 0).wait()
+            count += 1
+            checksum = _checksum(t) if checksum is None else checksum + _checksum(t)
         if self.node is not None:
-            self._broadcast(self.node, None, True)
+            total = float(checksum.item()) if checksum is not None else 0.0
+            self._broadcast(self.node, {"end": True, "version": version, "count": count, "checksum": total}, True)
         self.send_s = time.perf_counter() - t0
 
     def receive_weights(self) -> Iterator[tuple[str, Any]]:
         """A rollout rank: the weights its node's first trainer sends, one (name, tensor) at a time (on this
-        rank's device), until the end of the stream."""
+        rank's device), until the end of the stream, whose record (version, count, checksum) is then
+        `self.received`. A stream whose count or checksum differs from what arrived raises."""
         import torch
 
         t0 = time.perf_counter()
+        count, checksum = 0, None
+        self.received = None
         while True:
             head = self._broadcast(self.node, None, False)
-            if head is None:
+            if isinstance(head, dict):
                 break
             name, shape, dtype = head
             t = torch.empty(shape, dtype=getattr(torch, dtype), device=self.device)
             self.node.broadcast(t, 0).wait()
+            count += 1
+            checksum = _checksum(t) if checksum is None else checksum + _checksum(t)
             yield name, t
+        total = float(checksum.item()) if checksum is not None else 0.0
+        if head["count"] != count or not _same(head["checksum"], total):
+            raise RuntimeError(f"the weights of update {head['version']} arrived incomplete or changed: {count} "
+                               f"tensor(s) with checksum {total!r}, the sender sent {head['count']} with "
+                               f"{head['checksum']!r}")
+        self.received = head
         self.send_s = time.perf_counter() - t0
+
+
+def _same(a: float, b: float) -> bool:
+    return a == b or a != a and b != b  # NaN weights (the update's guard names them) sum to NaN on both sides
+
+
+def _checksum(t):
+    """A tensor's float64 sum on its device (one reduction: the same bits give the same sum on both sides)."""
+    return t.detach().double().sum()

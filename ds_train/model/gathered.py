@@ -21,17 +21,19 @@ def hf_name(name: str) -> str:
     return name.removeprefix("base_model.model.").replace(".base_layer.", ".").replace(".modules_to_save.default.", ".")
 
 
-def policy_weights(module) -> Iterator[tuple[str, Any]]:
+def policy_weights(module, checkpoint_names: bool = True) -> Iterator[tuple[str, Any]]:
     """The policy's weights under the checkpoint's names, one module at a time: gathered under ZeRO-3
     and AutoTP only while the module is sent, each LoRA layer merged (base + delta; the adapters are
     read, never changed), PEFT's frozen originals of modules_to_save left out. Every rank of a ZeRO-3
-    or AutoTP group must walk it together (the gathers are collectives)."""
+    or AutoTP group must walk it together (the gathers are collectives). `checkpoint_names` False: the
+    names and layouts of the model in memory (transformers' own class built from the config, as a rollout
+    rank holds it: a MoE's fused experts as they are), not the checkpoint's."""
     import deepspeed
     import torch
     from deepspeed.module_inject.layers import GatherReplacedLayerParams
 
     lora_layer = _lora_layer_class()
-    to_checkpoint = checkpoint_layout(base_model(module))
+    to_checkpoint = checkpoint_layout(base_model(module)) if checkpoint_names else dict.items
     seen: set[int] = set()
     merged_prefixes: list[str] = []
     for name, mod in module.named_modules():

@@ -22,7 +22,10 @@ COLLECTIVES = {"all_reduce", "all_gather", "all_gather_into_tensor", "all_gather
                "reduce_scatter_tensor", "all_to_all", "all_to_all_single", "gather", "gather_object",
                "scatter", "send", "recv", "inference_all_reduce", "all_reduce_coalesced",
                "allreduce_coalesced", "reduce_scatter_fn", "all_gather_coalesced"}
-_COMM_FILES = re.compile(r"torch/distributed/|deepspeed/comm/")
+# The bridge between trainer and rollout ranks (ds_train/dist/bridge.py) calls its process groups' methods
+# directly, below any torch.distributed frame: its own methods are its collectives.
+BRIDGE_COLLECTIVES = {"send_weights", "receive_weights", "_broadcast"}
+_COMM_FILES = re.compile(r"torch/distributed/|deepspeed/comm/|ds_train/dist/bridge\.py")
 # Exceptions a rank gets because another rank died (a secondary failure, not the cause).
 PEER_LOSS = re.compile(r"connection (closed|reset)|broken pipe|peer|socket|NCCL communicator was aborted|"
                        r"ProcessGroup.*(abort|shut)|Connection refused|Gloo", re.I)
@@ -44,7 +47,7 @@ def collective_of(frame) -> str | None:
     while frame is not None:
         code = frame.f_code
         if _COMM_FILES.search(code.co_filename):
-            if code.co_name in COLLECTIVES:
+            if code.co_name in COLLECTIVES or code.co_name in BRIDGE_COLLECTIVES:
                 name = code.co_name  # keep the outermost one: deepspeed.comm's name over torch's
         elif name is not None:
             caller = f"{short_path(code.co_filename)}:{frame.f_lineno} ({code.co_name})"
@@ -105,7 +108,14 @@ def where(rec: dict) -> str:
     names the node otherwise."""
     addr = rec.get("addr")
     named = f"{addr}, host {rec['host']}" if addr and addr != rec["host"] else rec["host"]
-    return f"rank {rec['rank']} on node {rec['node']} ({named})"
+    return f"{label(rec)} on node {rec['node']} ({named})"
+
+
+def label(rec: dict) -> str:
+    """`rank 1`, or `rollout rank 0 (job rank 2)` for a rollout rank (ript.rollout_ranks_per_node)."""
+    if rec.get("role") == "rollout":
+        return f"rollout rank {rec['rank']} (job rank {rec['job_rank']})"
+    return f"rank {rec['rank']}"
 
 
 def classify(records: dict[int, dict | None], answered: set[int]) -> dict[str, list[int]]:
@@ -170,22 +180,21 @@ def failure_report(failures: list[dict], silent: list[dict] = (), oom: str = "",
         phase = f", phase {dead['phase']}" if dead["step"] == step else ""
         by = f"the kernel's OOM killer ({oom})" if oom else (f"kill -9 or the kernel's OOM killer (see `dmesg` "
                                                                f"on {dead['host']})")
-        others = [r["rank"] for r in silent[1:]]
-        lost: dict[int, dict] = {}  # a rank's main-thread error (it has a traceback) over its watchdog's
-        for f in failures:
-            if f["rank"] not in lost or f["tail"] and not lost[f["rank"]]["tail"]:
-                lost[f["rank"]] = f
+        others = [label(r) for r in silent[1:]]
+        lost: dict[str, dict] = {}  # a rank's main-thread error (it has a traceback) over its watchdog's
+        for f in sorted(failures, key=lambda f: (f.get("role") == "rollout", f["rank"])):
+            if label(f) not in lost or f["tail"] and not lost[label(f)]["tail"]:
+                lost[label(f)] = f
         seen = next((f for f in lost.values() if f["tail"]), failures[0])
         line = (f"{where(dead)} was killed by SIGKILL in step {step}{phase}: it ended without an error "
                 f"or a handled signal, so {by}; "
-                + (f"ranks {', '.join(map(str, others))} went silent too; " if others else "")
-                + f"then {'rank' if len(lost) == 1 else 'ranks'} {', '.join(map(str, sorted(lost)))} lost "
-                f"the connection ({seen['error']})")
+                + (f"{', '.join(others)} went silent too; " if others else "")
+                + f"then {', '.join(lost)} lost the connection ({seen['error']})")
         return {"kind": "killed", "line": line, "rank": dead["rank"], "host": dead["host"], "signal": "SIGKILL",
                 "step": step, "killer": "oom" if oom else "unknown", "first": dead, "silent": silent,
                 "failures": failures}
     first = primary or failures[0]
-    others = [f"rank {f['rank']}" for f in failures if f is not first]
+    others = [label(f) for f in failures if f is not first]
     tail = " | ".join(first["tail"])
     line = (f"{where(first)} failed first, in phase {first['phase']} of step {first['step']}: {first['error']}"
             + (f" (then {', '.join(others)})" if others else "") + f"; its log ({first['log']}) ends: {tail}")
@@ -197,10 +206,10 @@ def _timeout_report(t: dict, failures: list[dict], records: dict[int, dict | Non
     """The process group's timeout fired in `t`'s collective: where each rank that did not join
     it was (`records`: every rank's last heartbeat)."""
     ms = next(int(g) for g in TIMED_OUT.search(t["error"]).groups() if g)
-    failed = {f["rank"] for f in failures}
+    failed = {label(f) for f in failures}
     away = [f"{where(r)} in phase {r['phase']} of step {r['step']}"
             + (f", itself in {r['collective']}" if r.get("collective") else ", not in a collective")
-            for rank, r in sorted(records.items()) if r and rank not in failed]
+            for rank, r in sorted(records.items()) if r and label(r) not in failed]
     line = (f"the process-group timeout fired: {where(t)} waited {ms / 1000:g} s (dist.timeout_s) in "
             f"{t.get('collective') or 'a collective'} at step {t['step']}"
             + (f"; the rank(s) it waited for: {'; '.join(away)}" if away else "")
@@ -208,7 +217,7 @@ def _timeout_report(t: dict, failures: list[dict], records: dict[int, dict | Non
               "rank's stack")
     return {"kind": "timeout", "line": line, "rank": t["rank"], "host": t["host"], "signal": None,
             "step": t["step"], "timeout_s": ms / 1000, "collective": t.get("collective"), "first": t,
-            "waited_for": [r for rank, r in sorted(records.items()) if r and rank not in failed],
+            "waited_for": [r for rank, r in sorted(records.items()) if r and label(r) not in failed],
             "failures": failures}
 
 

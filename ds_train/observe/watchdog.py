@@ -16,6 +16,10 @@ timeout.
 
 A rank that dies of an exception publishes its error and the end of its traceback the same way
 (`Watchdog.fail`); the rank that reports names the first failure in the job's last line.
+
+With rollout ranks (ript.rollout_ranks_per_node) every rank of the job is watched: the trainers under their ranks,
+then the rollout ranks (`Heartbeat.slot`), which publish to the store only (they write no files) and print their
+stacks on a hang.
 """
 
 from __future__ import annotations
@@ -42,7 +46,10 @@ IO_PHASES = ("save", "load")
 # Phases the watchdog does not time: rank 0 alone writes the final export and plots while the others wait, and
 # the others wait for rank 0's lm-eval scores (ds_train/train/benchmarks.py: rank 0's own phase moves with each
 # forward of the scoring model).
-UNTIMED_PHASES = ("export", "plots", "wait-scores")
+# With rollout ranks (ds_train/ript/rollout_ranks.py) each side waits for the other's work untimed, as each side's
+# ranks are watched themselves: a trainer for a batch the rollout ranks generate (their heartbeats move with every
+# step of its episodes), a rollout rank for the trainers' update.
+UNTIMED_PHASES = ("export", "plots", "wait-scores", "wait-rollouts", "wait-trainers")
 
 
 @dataclass
@@ -59,6 +66,14 @@ class Heartbeat:
     last_progress: float = field(default_factory=time.monotonic)
     status: str = "running"  # running | stalled | waiting | failed | ended
     fault: Callable[[int, str], None] | None = None  # watchdog.debug_fault, when set
+    slot: int = -1  # this rank's index among the watched ranks (the store's keys): its rank, or with rollout ranks
+    #                 the trainers' ranks first, then the rollout ranks' (`role` "rollout", `job_rank` as launched)
+    role: str = ""
+    job_rank: int = -1
+
+    def __post_init__(self) -> None:
+        if self.slot < 0:
+            self.slot = self.rank
 
     def beat(self, step: int, phase: str) -> None:
         """Progress: this rank entered `phase` of `step`."""
@@ -85,14 +100,19 @@ class Watchdog:
 
     GRACE_S = 10.0  # how long the ranks wait for each other in the alarm protocol
 
-    def __init__(self, hb: Heartbeat, paths: RunPaths, world: int, stall_s: float, heartbeat_s: float,
+    def __init__(self, hb: Heartbeat, paths: RunPaths | None, world: int, stall_s: float, heartbeat_s: float,
                  channel=None, device_index: int | None = None,
-                 on_signal: Callable[[int], None] = lambda signum: None, launchers=None):
+                 on_signal: Callable[[int], None] = lambda signum: None, launchers=None,
+                 signalled: Callable[[], int] | None = None):
         self.hb, self.paths, self.world = hb, paths, world
+        # a rank outside the trainers' step-boundary agreement (a rollout rank) passes the signal it got
+        # (`signalled`: its number, 0 for none) to every rank through the store, as `ds-train launch`'s stop does
+        self.signalled, self._forwarded = signalled, False
         self.launchers = launchers  # a LauncherWatch (ds_train/observe/launchers.py): one gone stops the run
         self.stall_s, self.heartbeat_s = stall_s, heartbeat_s
         self.channel, self.device_index, self.on_signal = channel, device_index, on_signal
-        self.path = paths.heartbeat(hb.rank)
+        self.path = paths.heartbeat(hb.rank) if paths is not None else None  # None: the store only (a rollout rank
+        #                                                                      writes no files)
         self.armed = False
         self.verdict: dict | None = None
         self._alarms = self._failures = 0
@@ -106,7 +126,8 @@ class Watchdog:
         self._thread = threading.Thread(target=self._run, name="ds_train-watchdog", daemon=True)
 
     def start(self) -> "Watchdog":
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        if self.path is not None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
         self.publish()
         self._thread.start()
         return self
@@ -130,22 +151,24 @@ class Watchdog:
         return {"rank": hb.rank, "node": hb.node, "host": hb.host, "addr": hb.addr, "pid": os.getpid(), "step": hb.step,
                 "phase": hb.phase, "status": hb.status, "position": [hb.step, hb.step_beats],
                 "idle_s": round(hb.idle_s(), 3), "time": time.time(),
-                "collective": collective_of(main_frame()), **memory_now(self.device_index)}
+                "collective": collective_of(main_frame()), **memory_now(self.device_index),
+                **({"role": hb.role, "job_rank": hb.job_rank} if hb.role else {})}
 
     def publish(self, to_store: bool = True) -> dict:
         rec = self.record()
         text = json.dumps(rec)
-        tmp = self.path.with_name(f".{self.path.name}.tmp")
         try:
-            tmp.write_text(text)
-            os.replace(tmp, self.path)  # atomic, no fsync: a heartbeat is current or worthless
+            if self.path is not None:
+                tmp = self.path.with_name(f".{self.path.name}.tmp")
+                tmp.write_text(text)
+                os.replace(tmp, self.path)  # atomic, no fsync: a heartbeat is current or worthless
         except OSError as e:  # a full disk: the store still has it; say so once, not as a store failure
             if not self._unwritable:
                 self._unwritable = True
                 sys.stderr.write(f"ds-train[rank {self.hb.rank}]: watchdog: cannot write {self.path} "
                                  f"({e.strerror or e}); heartbeats go to the rendezvous store only\n")
         if to_store and self.channel is not None:
-            self.channel.mirror(f"hb/{self.hb.rank}", text)  # in both stores: it must outlive rank 0
+            self.channel.mirror(f"hb/{self.hb.slot}", text)  # in both stores: it must outlive rank 0
         self._published, self._published_step = time.monotonic(), rec["step"]
         return rec
 
@@ -170,6 +193,10 @@ class Watchdog:
             _say(f"ds-train[rank {self.hb.rank}]: the {gone.describe()} that started this job is gone; "
                  f"saving and stopping as for SIGTERM")
             self.on_signal(15)
+        if self.signalled is not None and not self._forwarded and self.channel is not None and (n := self.signalled()):
+            self._forwarded = True
+            self.channel.set("signal", str(n))
+            self.channel.add("alarm", 1)
         io = io_bytes()
         if io != self._io and self.hb.phase in IO_PHASES:
             self.hb.last_progress = time.monotonic()  # a save or load that writes or reads moves
@@ -186,7 +213,7 @@ class Watchdog:
             if self.channel is None:
                 self._hang()
             else:
-                self.channel.set("stall", str(self.hb.rank))
+                self.channel.set("stall", str(self.hb.slot))
                 self.channel.add("alarm", 1)
 
     def _on_alarm(self) -> None:
@@ -218,11 +245,11 @@ class Watchdog:
         rec = self.publish()
         ch = self.channel
         if ch is None:
-            report = hang_report({self.hb.rank: rec}, {self.hb.rank}, self.stall_s)
-            self._conclude(report, self.paths.hang_report)
+            report = hang_report({self.hb.slot: rec}, {self.hb.slot}, self.stall_s)
+            self._conclude(report, self.paths.hang_report if self.paths else None)
             _exit(EXIT_STALL)
         try:
-            ch.set(f"answered/{self.hb.rank}", "1")
+            ch.set(f"answered/{self.hb.slot}", "1")
             if not self._reporter():
                 _wait(lambda: ch.get("report") is not None, self.GRACE_S + 5)
                 _exit(EXIT_STALL)
@@ -230,36 +257,47 @@ class Watchdog:
             answered = {r for r in range(self.world) if ch.get(f"answered/{r}")}
             records = {r: _loads(ch.get(f"hb/{r}")) for r in range(self.world)}
             report = hang_report(records, answered, self.stall_s)
-            self._conclude(report, self.paths.hang_report)
+            self._conclude(report, self.paths.hang_report if self.paths else None)
             ch.set("report", report["line"])
             time.sleep(1.0)  # the others see the verdict before this rank (and the store) goes
         finally:  # also when the store went away under us: the job is over either way
             _exit(EXIT_STALL)
 
-    def write_stacks(self) -> Path:
-        """logs/stacks_rank_<r>.txt: every thread's Python stack (and native frames via py-spy)."""
+    def write_stacks(self) -> Path | None:
+        """logs/stacks_rank_<r>.txt: every thread's Python stack (and native frames via py-spy); a rank that writes
+        no files (a rollout rank) prints them on its stderr."""
         hb = self.hb
-        path = self.paths.stacks(hb.rank)
         header = (f"{where(self.record())} pid {os.getpid()} at "
                   f"{time.strftime('%Y-%m-%d %H:%M:%S')}: step {hb.step}, phase {hb.phase}, "
                   f"{hb.idle_s():.0f} s without progress; in a collective: {collective_of(main_frame()) or 'no'}")
+        text = format_stacks(header) + native_stacks(os.getpid())
+        if self.paths is None:
+            _say(text.rstrip())
+            return None
+        path = self.paths.stacks(hb.rank)
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(format_stacks(header) + native_stacks(os.getpid()))
+        path.write_text(text)
         return path
+
+    def _log(self) -> str:
+        """Where this rank's log is, for a failure's record (a rollout rank's: its stderr, in the launcher's output)."""
+        if self.paths is None:
+            return f"{self.hb.host}: the launcher's output (rollout rank {self.hb.rank})"
+        return f"{self.hb.host}:{self.paths.rank_log(self.hb.rank)}"
 
     # -- failures
     def _reporter(self) -> bool:
         """Rank 0 reports, or, if it does not take part (gone with its store), the lowest rank that
         does: each rank answers, then waits a moment for lower ones."""
-        if self.hb.rank == 0 or self.channel is None:
+        if self.hb.slot == 0 or self.channel is None:
             return True
         ch = self.channel
-        ch.set(f"answered/{self.hb.rank}", "1")
+        ch.set(f"answered/{self.hb.slot}", "1")
         if ch.get("gone/0") is None and _wait(
                 lambda: ch.get("answered/0") or ch.get("hb/0") and _fresh(ch.get("hb/0"), 3 * self.heartbeat_s), 1.0):
             return False
         time.sleep(0.5)
-        return not any(ch.get(f"answered/{r}") for r in range(self.hb.rank))
+        return not any(ch.get(f"answered/{r}") for r in range(self.hb.slot))
 
     def fail(self, exc: BaseException) -> str | None:
         """The main thread's exception: published for the report. Returns the job's verdict once a
@@ -277,7 +315,7 @@ class Watchdog:
         error = f"{type(exc).__name__}: {message[0]}" if message else (lines[-1] if lines else type(exc).__name__)
         rec = {**self.record(), "collective": collective_in(exc),
                "error": error if len(error) < 240 else error[:240] + "...", "tail": tail,
-               "primary": not is_secondary(exc), "log": f"{self.hb.host}:{self.paths.rank_log(self.hb.rank)}"}
+               "primary": not is_secondary(exc), "log": self._log()}
         for _ in range(2):  # the first store may have gone with rank 0: then the second
             try:
                 self._publish_failure(rec)
@@ -304,7 +342,7 @@ class Watchdog:
         if ch.get("gone/0") is None:
             ch.set("gone/0", "1")
         rec = {**self.record(), "error": "the rendezvous store on rank 0 stopped answering", "tail": [],
-               "primary": False, "log": f"{self.hb.host}:{self.paths.rank_log(self.hb.rank)}"}
+               "primary": False, "log": self._log()}
         self.publish()
         if not self._lost_primary:
             self._lost_primary = True
@@ -330,26 +368,30 @@ class Watchdog:
             oom = f"this host's memory cgroup counted {now - self._oom_kills} OOM kill(s) since the start"
         records = {r: _loads(ch.get(f"hb/{r}")) for r in range(self.world)}
         report = failure_report(failures, silent, oom, records)
-        self._conclude(report, self.paths.failure, say=False)
+        self._conclude(report, self.paths.failure if self.paths else None, say=False)
         ch.set("report", report["line"])
         ch.add("alarm", 1)  # the others end too
         # The main thread ends its traceback with the verdict; stuck inside a collective (NCCL waits
         # for the dead rank until its timeout), it never gets there: say it and end this rank now.
         if not _wait(lambda: self._main_failed, 3.0):
-            _say(f"{doctor_hint(self.paths.root)}\nds-train: error: {report['line']}")
+            _say(f"{self._hint()}ds-train: error: {report['line']}")
             _exit(1)
 
     def _failure_records(self) -> list[dict]:
         n = int(self.channel.get("failures") or 0)
         return [f for f in (_loads(self.channel.get(f"failure/{i}")) for i in range(1, n + 1)) if f]
 
-    def _conclude(self, report: dict, path: Path, say: bool = True) -> None:
+    def _conclude(self, report: dict, path: Path | None, say: bool = True) -> None:
         self.verdict = report
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with replacing(path) as tmp:
-            tmp.write_text(json.dumps(report, indent=1, default=str))
+        if path is not None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with replacing(path) as tmp:
+                tmp.write_text(json.dumps(report, indent=1, default=str))
         if say:
-            _say(f"{doctor_hint(self.paths.root)}\nds-train: error: {report['line']}")
+            _say(f"{self._hint()}ds-train: error: {report['line']}")
+
+    def _hint(self) -> str:
+        return f"{doctor_hint(self.paths.root)}\n" if self.paths is not None else ""
 
 
 def _loads(text: str | None) -> dict | None:

@@ -53,7 +53,7 @@ class RolloutFeed:
         self._word(kind="batch", batch=it)
         t1 = time.perf_counter()
         run.beat(it, "send-weights")
-        self.bridge.send_weights(policy_weights(run.engine.module))
+        self.bridge.send_weights(policy_weights(run.engine.module, checkpoint_names=False), version=it - 1)
         t2 = time.perf_counter()
         run.beat(it, "wait-rollouts")
         sent = [m for m in self.bridge.gather(None) if m is not None]  # job rank order: the rollout ranks' own

@@ -93,6 +93,8 @@ class RiptInputs:
                                 f"share evenly; set contexts_per_rank to a multiple of "
                                 f"{ranks // math.gcd(ranks, data)}")
         scripted = load_scripted(r.policy) if r.policy else None
+        if env.split and scripted is None:
+            check_weight_stream(cfg, run.source.hf_config)
         return cls(tasks, shards, scripted, run, engine, *rollout, quota)
 
     @classmethod
@@ -108,6 +110,35 @@ class RiptInputs:
         ript.train_contexts)."""
         return {n: len(t.contexts("train", cfg.ript.train_contexts, cfg.seed)) * t.max_turns
                 if hasattr(t, "prompt_ids") else cfg.ript.train_contexts * t.max_turns for n, t in tasks.items()}
+
+
+def check_weight_stream(cfg: RunConfig, hf_config) -> None:
+    """With rollout ranks: every weight the trainers will send (ds_train/model/gathered.py policy_weights, in the
+    model's in-memory names: LoRA merged, a MoE's experts as they are) has its place in the rollout ranks' model
+    built from the config, and every parameter of that model is sent; walked on the meta device (no memory, no
+    weights read), so a mismatch is one line before anything is written rather than the first meeting's."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from ds_train.model.gathered import policy_weights
+    from ds_train.model.lora import apply_lora, enabled
+
+    with torch.device("meta"):
+        trainer = AutoModelForCausalLM.from_config(hf_config)
+        rollout = dict(AutoModelForCausalLM.from_config(hf_config).named_parameters())
+        if enabled(cfg.model.lora):
+            trainer = apply_lora(trainer, cfg.model.lora, cfg.seed)
+        sent = {name: tuple(t.shape) for name, t in policy_weights(trainer, checkpoint_names=False)}
+    where = "ript.rollout_ranks_per_node"
+    extra = sorted(set(sent) - set(rollout))
+    missing = sorted(set(rollout) - set(sent))
+    wrong = sorted(n for n in set(sent) & set(rollout) if sent[n] != tuple(rollout[n].shape))
+    for names, what in ((extra, "have no place in the rollout ranks' model"),
+                        (missing, "of the rollout ranks' model would never be sent"), (wrong, "change shape")):
+        if names:
+            raise UserError(f"{where}: {len(names)} of the policy's weights {what} ({', '.join(names[:3])}"
+                            f"{', ...' if len(names) > 3 else ''}; {type(trainer).__name__}); set "
+                            f"rollout_ranks_per_node=0 (every rank generates)")
 
 
 def load_scripted(spec: str):

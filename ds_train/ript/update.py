@@ -27,9 +27,13 @@ from ds_train.run import Run
 from ds_train.train.reference import Reference
 
 
-def token_logp(engine, ids):
-    """The log-prob the policy gives each token of `ids` [rows, tokens] after its prefix: [rows, tokens - 1]."""
+def token_logp(engine, ids, temperature: float = 1.0):
+    """The log-prob the policy gives each token of `ids` [rows, tokens] after its prefix: [rows, tokens - 1], at
+    the sampling `temperature` (its logits divided by it, as TRL and verl train: the policy trained is the one that
+    samples, and the rollout engines' log-probs are at the same temperature; 0, greedy: the logits as they are)."""
     logits = engine(input_ids=ids[:, :-1], use_cache=False).logits.float()
+    if temperature > 0 and temperature != 1.0:
+        logits = logits / temperature
     return torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
 
 
@@ -127,9 +131,9 @@ def _logp_before(run: Run, ids, later: list[int], reference: Reference | None, i
     with torch.no_grad():
         for i in range(0, len(later), micro):
             run.beat(iteration, "update")
-            old[later[i:i + micro]] = token_logp(engine, ids[later[i:i + micro]])
+            old[later[i:i + micro]] = token_logp(engine, ids[later[i:i + micro]], run.cfg.ript.temperature)
         for i in range(0, n if ref is not None else 0, micro):
-            ref[i:i + micro] = reference.token_logp(ids[i:i + micro])
+            ref[i:i + micro] = reference.token_logp(ids[i:i + micro], run.cfg.ript.temperature)
     engine.train()
     return old, ref
 
@@ -159,7 +163,7 @@ def _micro_step(run: Run, r: RiptConfig, batch: _Batch, idx: list[int], first_ep
     statistics."""
     plan, engine = run.plan, run.engine
     scale = plan.data_parallel_size * plan.grad_accum_steps
-    logp = token_logp(engine, batch.ids[idx])
+    logp = token_logp(engine, batch.ids[idx], r.temperature)
     if first_epoch and idx and idx[0] in batch.first:
         batch.old[idx] = logp.detach()
     mask_m = batch.mask[idx].to(logp.device)

@@ -195,7 +195,9 @@ def engine_kwargs(r, dtype: str, layout: Layout, on_gpu: bool, max_len: int, bat
     return dict(skip_tokenizer_init=True, load_format="dummy", dtype=DTYPES[dtype],
                 distributed_executor_backend="external_launcher", tensor_parallel_size=layout.tensor,
                 data_parallel_size=layout.engines, max_model_len=max_len, max_num_seqs=batch,
-                seed=seed + layout.rank // layout.tensor, enforce_eager=not on_gpu, **memory)
+                seed=seed + layout.rank // layout.tensor, enforce_eager=not on_gpu,
+                logprobs_mode="processed_logprobs", **memory)  # at the sampling temperature, as the trainers'
+                #                                                 (ds_train/ript/update.py token_logp)
 
 
 def check_engine_device(where: dict, rank: int, local_rank: int, current_device: int | None) -> str:

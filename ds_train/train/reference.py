@@ -57,10 +57,13 @@ class Reference:
         with torch.no_grad(), off:
             return self.module(input_ids=inputs, use_cache=False).logits.float()
 
-    def token_logp(self, ids):
+    def token_logp(self, ids, temperature: float = 1.0):
+        """The reference's log-prob of each token after its prefix, at the policy's sampling temperature (ript)."""
         import torch
 
         logits = self._logits(ids[:, :-1])
+        if temperature > 0 and temperature != 1.0:
+            logits = logits / temperature
         return torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
 
     def sequence_logps(self, batch: PairBatch):
