@@ -118,3 +118,121 @@ class Sluggish(Countdown):
     def reset(self, sample: dict) -> list[dict]:
         time.sleep(0.2)
         return super().reset(sample)
+
+
+class Misbehaves:
+    """One of every fault an environment can have, chosen by the sample's `kind` (a test batch plays them all at
+    once): raise, hang, exit, a flood of text, a NaN / inf / numpy reward, numpy's bool as done, a `done` that is
+    not a bool, a daemon child that leaves its process group, a flood of printing. Records its close()."""
+
+    def reset(self, sample: dict) -> list[dict]:
+        import os
+        import subprocess
+        import sys
+
+        self.kind = sample["kind"]
+        if self.kind == "reset_raises":
+            raise RuntimeError("no such scene")
+        if self.kind == "reset_exits":
+            os._exit(3)
+        if self.kind == "reset_hangs":
+            time.sleep(3600)
+        if self.kind == "daemon":  # a grandchild in a session of its own: out of its worker's process group
+            ready = sample["ready"]
+            subprocess.Popen([sys.executable, "-c", f"import os, time; os.setsid(); open({ready!r}, 'w').close(); "
+                                                    f"time.sleep(600)  # {sample['tag']}"])
+            for _ in range(600):  # until it has left the group
+                if os.path.exists(ready):
+                    break
+                time.sleep(0.05)
+        if self.kind == "prints":
+            for _ in range(2000):
+                print("x" * 1000)
+            sys.stderr.write("y" * 100_000)
+        if self.kind == "floods":
+            return [{"role": "user", "content": "z" * 2_000_000}]
+        return [{"role": "user", "content": f"Say {self.kind}."}]
+
+    def step(self, turn: dict) -> tuple:
+        import numpy as np
+
+        kind = self.kind
+        if kind == "step_raises":
+            raise RuntimeError("the simulator crashed")
+        if kind == "step_exits":
+            import os
+
+            os._exit(1)
+        if kind == "step_sysexit":
+            raise SystemExit(2)
+        if kind == "step_hangs":
+            time.sleep(3600)
+        rewards = {"nan": float("nan"), "inf": float("inf"), "np_float32": np.float32(1.0), "np_int": np.int64(1)}
+        if kind in rewards:
+            return [], rewards[kind], True, {}
+        if kind == "np_bool_done":
+            return [], 1.0, np.bool_(True), {}
+        if kind == "done_str":
+            return [], 1.0, "yes", {}
+        if kind == "many_messages":  # each within the message cap, all of them past the episode's
+            return [{"role": "user", "content": "w" * 16000} for _ in range(40)], 0.0, False, {}
+        return [], 1.0, True, {}
+
+    def close(self) -> None:
+        import os
+
+        path = os.environ.get("DS_TRAIN_TEST_CLOSED")
+        if path:
+            with open(path, "a") as f:
+                f.write(f"{self.kind}\n")
+
+
+def picky(completion: str, answer, record: dict):
+    """A verifier of the user's with one fault per record's `kind`: raises, hangs, NaN, inf, numpy, a string."""
+    import numpy as np
+
+    kind = record.get("kind")
+    if kind == "v_raises":
+        raise ZeroDivisionError("the verifier's own bug")
+    if kind == "v_hangs":
+        time.sleep(3600)
+    values = {"v_nan": float("nan"), "v_inf": -float("inf"), "v_np": np.float64(1.0), "v_np_bool": np.bool_(True),
+              "v_str": "1.0"}
+    return values.get(kind, 1.0)
+
+
+class Slowish(Countdown):
+    """Each step takes 0.8 s, then the episode succeeds: several on one worker queue behind each other."""
+
+    def reset(self, sample: dict) -> list[dict]:
+        return [{"role": "user", "content": "wait"}]
+
+    def step(self, turn):
+        time.sleep(0.8)
+        return [], 1.0, True, {}
+
+
+class Echo(Countdown):
+    """Its first message is the sample's `text` (records of a few KB fill pipes); where it runs and its limits,
+    said in the message's last line."""
+
+    def reset(self, sample: dict) -> list[dict]:
+        import os
+        import resource
+
+        where = (f"pid={os.getpid()} as={resource.getrlimit(resource.RLIMIT_AS)[0]} "
+                 f"fsize={resource.getrlimit(resource.RLIMIT_FSIZE)[0]}")
+        return [{"role": "user", "content": sample.get("text", "") + "\n" + where}]
+
+    def step(self, turn):
+        return [], 1.0, True, {}
+
+
+def make_tool():
+    """Not a tool: a function that returns one."""
+    return calculator
+
+
+class NotBuildable(Countdown):
+    def __init__(self, scene: str):
+        self.scene = scene

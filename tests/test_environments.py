@@ -165,7 +165,7 @@ def test_an_environment_that_fails_ends_its_episode_with_reward_0_and_its_reason
     assert (e.done, e.success, e.reward, e.reason) == (True, False, 0.0, reason)
     assert time.monotonic() - start < 120  # a step hung for an hour is left (threads) or killed (workers) at its timeout
     if workers:
-        hung = [w for w in task.room.workers if w is not None]
+        hung = [w for w in task.room.slots if w is not None]
         assert (reason == "env_timeout") == (not hung), hung  # the hung step's worker was killed
         task.room.close()
 
@@ -236,8 +236,8 @@ def test_the_update_takes_no_gradient_from_environment_or_tool_tokens(tokenizer,
 
     task = env_task(tokenizer, tmp_path, "qwen2_5.jinja", [{"prompt": "What is 12*34?", "answer": "408"}],
                     tools=["ript_envs:calculator"], verifier="numeric")
-    (e,), _ = play(task, tokenizer, [CALL + "<|im_end|>", "The answer is 408<|im_end|>"])
-    assert 0 < sum(e.action_mask) < len(e.ids) and e.tool_calls == 1
+    (e,), script = play(task, tokenizer, [CALL + "<|im_end|>", "The answer is 408<|im_end|>"])
+    assert e.tool_calls == 1
     run = SimpleNamespace(tokenizer=tokenizer, engine=SimpleNamespace(device="cpu"))
     ids, mask, _ = _padded(run, [e], 1, False)
     torch.manual_seed(0)
@@ -248,7 +248,14 @@ def test_the_update_takes_no_gradient_from_environment_or_tool_tokens(tokenizer,
     loss, _ = clipped_policy_loss(logp, logp.detach(), torch.ones(1), mask, 0.2, 0.28)
     loss.sum().backward()
     moved = logits.grad[0].abs().sum(-1) > 0
-    assert moved.tolist() == [bool(m) for m in e.action_mask[1:]]
+    # which ids were sampled, from the rendered pieces (the prompt, each turn as sampled, the environment's ids as
+    # the rollout appended them), never from the mask under test
+    prompt = task.turns.prompt_ids([{"role": "user", "content": "What is 12*34?"}])
+    env = task.turns.after_turn_ids([{"role": "tool", "name": "calculator", "content": "408"}], CALL + "<|im_end|>")
+    pieces = [(prompt, False), (script[0], True), (env, False), (script[1], True)]
+    assert e.ids == [i for ids, _ in pieces for i in ids]
+    sampled_at = [s for ids, s in pieces for _ in ids]
+    assert moved.tolist() == sampled_at[1:]
 
 
 def tool_records(path: Path, n: int = 40) -> Path:
@@ -384,3 +391,195 @@ def test_tool_calls_are_parsed_as_each_template_writes_them():
                       ('<tool_call>{"name": "a", "arguments": "{x"}</tool_call>', "the arguments of 'a' are not JSON"),
                       ('{"name": "a", "parameters": {"x": }', "the turn starts a JSON call that does not parse")):
         assert parse_turn(text, "json" if text.startswith("{") else "hermes").malformed == why, text
+
+
+def room_task(tokenizer, tmp: Path, records: list[dict], workers: int, timeout_s: float, limits=None, **options):
+    """An EnvTask over exactly `records` (every one a context, whichever split it fell in), with the room's limits."""
+    from ds_train.ript.datatask import entry_options
+    from ds_train.ript.env_room import Limits
+    from ds_train.ript.environments import EnvTask
+
+    data = tmp / f"records_{len(list(tmp.iterdir()))}.jsonl"
+    filler = [{**records[0], "filler": i} for i in range(8)]  # so that neither split is empty
+    data.write_text("".join(json.dumps(r) + "\n" for r in records + filler))
+    opts = entry_options({"name": "t", "data": [str(data)], "heldout_fraction": 0.5, **options}, "ript.tasks[0]")
+    task = EnvTask(opts, tokenizer, (TEMPLATES / "qwen2_5.jinja").read_text(), 16, None, "ript.tasks[0]", timeout_s,
+                   workers, limits or Limits())
+    contexts = sorted((p for split in ("train", "heldout") for p in task.splits[split] if "filler" not in p.record),
+                      key=lambda p: records.index(p.record))
+    return task, contexts
+
+
+def roll(tokenizer, jobs, turn: str = "3<|im_end|>"):
+    from ds_train.ript.rollout import rollout
+
+    ids = sampled(tokenizer, turn)
+    return rollout(lambda live: [list(ids) for _ in live], tokenizer, jobs, batch_size=len(jobs), max_new_tokens=16)
+
+
+def running(tag: str) -> list[str]:
+    import subprocess
+
+    out = subprocess.run(["ps", "-ww", "-eo", "pid,args"], capture_output=True, text=True).stdout
+    return [line for line in out.splitlines() if tag in line and "ps -eo" not in line]
+
+
+ENV_FAULTS = {"reset_raises": "env_error", "reset_exits": "env_lost", "reset_hangs": "env_timeout",
+              "step_raises": "env_error", "step_exits": "env_lost", "step_sysexit": "env_error",
+              "step_hangs": "env_timeout", "nan": "env_nonfinite", "inf": "env_nonfinite", "np_float32": "",
+              "np_int": "", "np_bool_done": "", "done_str": "env_malformed", "many_messages": "env_overlong",
+              "floods": "", "daemon": "", "prints": "", "fine": ""}
+VERIFIER_FAULTS = {"v_raises": "verifier_error", "v_hangs": "verifier_timeout", "v_nan": "verifier_nonfinite",
+                   "v_inf": "verifier_nonfinite", "v_np": "", "v_np_bool": "", "v_str": "verifier_error", "v_fine": ""}
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("workers", [0, "each"])
+def test_a_batch_that_misbehaves_in_every_way_ends_each_episode_with_its_reason(workers, tokenizer, tmp_path, capfd,
+                                                                                 monkeypatch):
+    """One batch over an environment that raises, hangs, exits, floods, returns NaN / inf / numpy values, spawns a
+    daemon that leaves its process group and prints a lot, and a verifier of the user's that raises, hangs or
+    returns NaN: the batch finishes; each episode has its reason (reward 0) or its reward; the counts name each
+    reason; every environment was closed; what was printed reached the log capped; nothing is left running. In
+    worker processes (one an episode), and on threads (where exiting is not covered: trusted code only)."""
+    import os
+    import time
+    from collections import Counter
+
+    from ds_train.ript.env_room import Limits
+    from ds_train.ript.sampler import Tally
+
+    closed = tmp_path / "closed.txt"
+    monkeypatch.setenv("DS_TRAIN_TEST_CLOSED", str(closed))
+    tag = f"ds_train_test_daemon_{os.getpid()}_{tmp_path.name}"
+    env_faults = {k: v for k, v in ENV_FAULTS.items() if workers or "exits" not in k}
+    limits = Limits(log_chars=20_000)
+    env, env_ctx = room_task(tokenizer, tmp_path, [{"kind": k, "tag": tag, "ready": str(tmp_path / "left")}
+                                                  for k in env_faults],
+                             len(env_faults) if workers else 0, 3.0, limits, env="ript_envs:Misbehaves", max_turns=2)
+    ver, ver_ctx = room_task(tokenizer, tmp_path, [{"prompt": f"Say {k}.", "answer": "3", "kind": k}
+                                                   for k in VERIFIER_FAULTS],
+                             len(VERIFIER_FAULTS) if workers else 0, 3.0, limits, verifier="ript_envs:picky")
+    assert ver.max_turns == 1 and ver.env_class is None
+    try:
+        episodes = roll(tokenizer, [(env, c, 0) for c in env_ctx] + [(ver, c, 0) for c in ver_ctx])
+    finally:
+        env.room.close()
+        ver.room.close()
+    got = {e.context.record["kind"]: (e.reason, e.reward) for e in episodes}
+    want = {k: (reason, 0.0 if reason else 1.0) for k, reason in {**env_faults, **VERIFIER_FAULTS}.items()}
+    if not workers:  # a hung step's thread is left behind, its environment closed once it returns
+        want["reset_hangs"] = want["step_hangs"] = ("env_timeout", 0.0)
+    assert got == want
+    flood = next(e for e in episodes if e.context.record["kind"] == "floods")
+    assert len(flood.ids) < 4096 + 200  # a 2,000,000-character message cut to its tokens
+    tally = Tally(["t"])
+    tally.add("t", rollouts=len(episodes), **Counter(f"failed_{e.reason}" for e in episodes if e.reason))
+    metrics = tally.metrics()
+    assert {k.split("/")[-1]: v for k, v in metrics.items() if "/env_failed/" in k} == dict(
+        Counter(r for r, _ in want.values() if r))
+    ended = {k for k, (reason, _) in want.items() if k in env_faults and not reason.endswith(("timeout", "lost"))}
+    assert set(closed.read_text().split()) >= ended  # close() however the episode ended, its worker alive
+    out, err = capfd.readouterr()
+    printed = out + err
+    assert "x" * 1000 in printed and printed.count("x") + printed.count("y") <= 20_000 and "dropped" in printed
+    time.sleep(0.2)
+    if workers:
+        assert not running(tag), running(tag)  # the daemon that left its worker's group was found and killed
+        assert not running("ds_train.ript.env_room")
+    for line in running(tag):  # threads: the rank's own child, which no room kills (trusted code only)
+        os.kill(int(line.split()[0]), 9)
+
+
+@pytest.mark.timeout(60)
+def test_deadlines_measure_the_step_not_the_queue(tokenizer, tmp_path):
+    """Five episodes on one worker, each step 0.8 s, timeout 2 s: each step is in time, though the last waits 3.2 s
+    behind the others (a deadline from the moment a request was queued lost 4 of 5)."""
+    task, contexts = room_task(tokenizer, tmp_path, [{"n": i} for i in range(5)], 1, 2.0, env="ript_envs:Slowish")
+    try:
+        episodes = roll(tokenizer, [(task, c, 0) for c in contexts])
+    finally:
+        task.room.close()
+    assert [(e.reason, e.reward) for e in episodes] == [("", 1.0)] * 5
+
+
+@pytest.mark.timeout(60)
+def test_many_records_of_a_few_kb_never_block_the_pipes_and_workers_are_recycled_and_limited(tokenizer, tmp_path):
+    """40 episodes of 20 KB records on one worker whose replies are 16 KB each: nothing blocks (the pipes filled up
+    and the rank waited for good). The worker is recycled every 8 episodes and runs under its limits; a message past
+    its characters keeps its end (truncation side left), where Echo says them."""
+    from ds_train.ript.env_room import Limits
+
+    limits = Limits(episodes_per_worker=8, memory_mb=3000, file_mb=7, message_chars=16_000, truncation_side="left")
+    records = [{"n": i, "text": f"{i} " + "k" * 20_000} for i in range(40)]
+    task, contexts = room_task(tokenizer, tmp_path, records, 1, 10.0, limits, env="ript_envs:Echo")
+    try:
+        episodes = roll(tokenizer, [(task, c, 0) for c in contexts])
+    finally:
+        task.room.close()
+    assert [(e.reason, e.reward) for e in episodes] == [("", 1.0)] * 40
+    said = [tokenizer.decode(e.ids).rsplit("pid=", 1)[1].split("<|im_end|>")[0].split() for e in episodes]
+    assert {s[1] for s in said} == {f"as={3000 << 20}"} and {s[2] for s in said} == {f"fsize={7 << 20}"}
+    assert len({s[0] for s in said}) == 5  # a fresh worker every 8 episodes
+
+
+@pytest.mark.timeout(60)
+def test_an_episode_past_the_models_positions_ends_overlong(tokenizer, tmp_path):
+    """The episode's tokens, with the next turn at max_new_tokens, against its limit (the model's positions): a
+    first message that does not fit ends at its first turn, one that grows past it ends when it would."""
+    records = [{"n": n, "text": "word " * n} for n in (3, 300)]
+    task, contexts = room_task(tokenizer, tmp_path, records, 0, 5.0, env="ript_envs:Echo")
+    whole = roll(tokenizer, [(task, c, 0) for c in contexts])
+    assert [e.reason for e in whole] == ["", ""]
+    action = len(sampled(tokenizer, "3<|im_end|>"))
+    task.max_episode_tokens = len(whole[0].ids) - action + 16  # the short prompt and a turn at its most: no more
+    short, long = roll(tokenizer, [(task, c, 0) for c in contexts])
+    assert (short.reason, short.reward, long.reason, long.reward) == ("", 1.0, "env_overlong", 0.0)
+    assert len(long.ids) < task.max_episode_tokens  # the policy never saw the prompt that does not fit
+    chatter, (context,) = room_task(tokenizer, tmp_path, [{"n": 1}], 0, 5.0, env="ript_envs:Chatter", max_turns=3)
+    (whole,) = roll(tokenizer, [(chatter, context, 0)])  # three turns, "go on" after the first two
+    prompt = len(chatter.turns.prompt_ids([{"role": "user", "content": "Say something (1)."}]))
+    after = whole.ids.index(sampled(tokenizer, "3<|im_end|>")[0], prompt + 2)  # where the second turn starts
+    chatter.max_episode_tokens = prompt + 16 + (after - prompt - 2) + 16 - 1  # the second turn, at its most, does not fit
+    (cut,) = roll(tokenizer, [(chatter, context, 0)])
+    assert (whole.reason, whole.turns, cut.reason, cut.turns, cut.reward) == ("", 3, "env_overlong", 1, 0.0)
+
+
+@pytest.mark.parametrize("spec,kind,error", [
+    ({"env": "ript_envs:calculator"}, "env", r"'ript_envs:calculator' is a function, not a class; name a class"),
+    ({"env": "ript_envs:CALL"}, "env", r"'ript_envs:CALL' is an instance of str, not a class"),
+    ({"env": "ript_envs:NotBuildable"}, "env", r"cannot be built with no arguments \(Class\(\)\)"),
+    ({"env": "ript_envs:ToolScript"}, "env", r"has no reset or step method"),
+    ({"tools": ["ript_envs:Countdown"]}, "tools", r"'ript_envs:Countdown' is a class; name a function"),
+    ({"verifier": "ript_envs:make_tool"}, "verifier", r"'ript_envs:make_tool' does not take \(completion, answer, "
+                                                      r"record\)"),
+    ({"verifier": "ript_envs:Countdown"}, "verifier", r"'ript_envs:Countdown' is a class; a verifier is function"),
+])
+def test_a_user_object_of_the_wrong_kind_is_one_line_at_task_load(spec, kind, error, tokenizer, tmp_path):
+    from ds_train.errors import UserError
+
+    with pytest.raises(UserError, match=r"^ript\.tasks\[0\]\." + kind + r"(\[0\])?: .*" + error):
+        room_task(tokenizer, tmp_path, [{"prompt": "q", "answer": "1", "n": 1}], 0, 1.0, **spec)
+
+
+def test_every_room_knob_that_reaches_the_os_is_checked(tmp_path):
+    """Absurd but positive values (a timeout past what select and threads take, 100000 workers, a limit above the
+    hard one) are one line each, never a traceback at the first step."""
+    import resource
+
+    from ds_train.config.file import load_config
+    from ds_train.errors import UserError
+    from ds_train.ript.env_room import Limits, limit_problems
+
+    for key, value, said in (("env_step_timeout_s", "1e30", "must be within (0, 86400]"),
+                             ("env_workers", "100000", "must be within [0, 256]"),
+                             ("env_max_message_chars", "0", "must be within [1, ")):
+        said = f"ript.{key}={value}: {said}"
+        with pytest.raises(UserError, match=__import__("re").escape(said)):
+            load_config(None, [f"ript.{key}={value}"], command="ript")
+    hard = resource.getrlimit(resource.RLIMIT_FSIZE)[1]
+    if hard != resource.RLIM_INFINITY:
+        assert "ript.env_worker_file_mb" in " ".join(limit_problems(Limits(file_mb=(hard >> 20) + 1), 4))
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    assert "ulimit -n" in " ".join(limit_problems(Limits(), soft))
+    assert limit_problems(Limits(), 4) == []

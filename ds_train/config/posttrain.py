@@ -21,11 +21,44 @@ class RiptConfig(Section):
         "verifier: exact|numeric|regex|boxed|module:function, prompt_key, answer_key, system, tolerance, "
         "pattern, heldout_fraction, stop, max_new_tokens, name, env: module:Class, tools: [module:function], "
         "max_turns} (ds_train/ript/datatask.py; env and tools: ds_train/ript/environments.py).")
-    env_step_timeout_s: float = _f(30.0, "An environment's reset or step, or a tool call, longer than this ends its "
-                                         "episode with reward 0 (reason env_timeout / tool_timeout).", POSITIVE)
-    env_workers: int = _f(0, "Worker processes that environments and tools run in (each episode on one; a step "
-                             "past env_step_timeout_s kills its worker). 0: threads of each rank's own process, "
-                             "where a step past its time is abandoned, not killed.", NON_NEGATIVE)
+    env_step_timeout_s: float = _f(30.0, "An environment's reset, step or close, a tool call or a verifier of your "
+                                         "own (module:function) longer than this, from the moment it starts running, "
+                                         "ends its episode with reward 0 (env_timeout, tool_timeout, "
+                                         "verifier_timeout).",
+                                   Range(0, 86400, low_open=True, note="a day at most"))
+    env_workers: int = _f(4, "Worker processes per rank that environments, tools and verifiers of your own run in "
+                             "(each episode on one, one request at a time a worker; a step past env_step_timeout_s "
+                             "kills its worker's whole process tree). 4: a batch's steps overlap 4 ways per rank "
+                             "without oversubscribing a node of 8 ranks (each a fresh interpreter, started when "
+                             "first used). 0: threads of each rank's own process, for trusted code only: a step past "
+                             "its time is abandoned, not killed, and an os._exit, a crash or a step holding the GIL "
+                             "in C stops or stalls the rank (the kill, exit and limit guarantees hold for workers).",
+                       Range(0, 256, note="0: threads, trusted code only"))
+    env_worker_episodes: int = _f(256, "A worker process is recycled (a fresh one started) after this many episodes.",
+                                  Range(1, 2**31 - 1))
+    env_worker_memory_mb: int = _f(16384, "A worker's address space, MiB (RLIMIT_AS: its environment, tools and what "
+                                          "they start). 0: no limit.", Range(0, 2**40))
+    env_worker_file_mb: int = _f(1024, "The largest file a worker's process tree writes, MiB (RLIMIT_FSIZE). 0: no "
+                                       "limit.", Range(0, 2**40))
+    env_worker_processes: int = _f(0, "RLIMIT_NPROC of a worker: fork fails past this many processes, counted over "
+                                      "every process of your user on the machine (Linux), so set it above those. "
+                                      "0: no limit.", Range(0, 2**22))
+    env_max_message_chars: int = _f(16384, "Each message an environment or tool gives (its content) is cut to this "
+                                           "many characters (env_truncation_side).", Range(1, 2**26))
+    env_max_message_tokens: int = _f(4096, "... and to this many tokens, before the chat template renders it.",
+                                     Range(1, 2**24))
+    env_max_episode_chars: int = _f(262144, "The characters of all of an episode's environment and tool messages "
+                                            "together; past it the episode ends (env_overlong).", Range(1, 2**28))
+    env_max_episode_tokens: int = _f(0, "An episode's tokens (prompt, turns at max_new_tokens each, messages); one "
+                                        "whose next turn would not fit ends (env_overlong). 0: the model's positions "
+                                        "(max_position_embeddings; vLLM's max_model_len); above them: refused.",
+                                     Range(0, 2**24))
+    env_truncation_side: Literal["right", "left"] = _f(
+        "right", "Which end of a message past env_max_message_chars / tokens is cut: right, its end; left, its "
+                 "start (a program's output: its last lines).")
+    env_log_chars: int = _f(65536, "What a worker's user code prints (stdout, stderr) reaches the rank's log up to "
+                                   "this many bytes a worker (threads: a rank); the rest is dropped, said once.",
+                            Range(0, 2**31 - 1))
     policy: str = _f("", "Empty: the model acts. module:Class: a scripted policy with "
                          "act(task, context, transcript, index) -> str (tests and debugging).")
     iterations: int = _f(50, "RIPT iterations (sample, then update).", POSITIVE)
@@ -130,6 +163,9 @@ class RiptConfig(Section):
                         f"or leave scale_rewards out")
         if self.kl_coef == 0 and (self.kl_in, self.kl_estimator) != (RiptConfig.kl_in, RiptConfig.kl_estimator):
             errs.append("ript.kl_in / kl_estimator: set, but ript.kl_coef is 0 (no KL term); set kl_coef")
+        if self.env_max_message_chars > self.env_max_episode_chars:
+            errs.append(f"ript.env_max_message_chars: {self.env_max_message_chars} is above ript.env_max_episode_chars="
+                        f"{self.env_max_episode_chars} (an episode's messages together); lower it or raise that")
         return errs + self._check_engine()
 
     def _check_engine(self) -> list[str]:

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import difflib
 import json
+import math
 import random
 import zlib
 from dataclasses import dataclass
@@ -244,7 +245,9 @@ class DatasetTask:
         return text
 
     def step(self, context: Prompt, turn: int, action: str) -> Step:
+        """The built-in verifiers' reward (a verifier of the user's runs in a room: environments.py EnvTask)."""
         reward = float(self.verify(self.completion(action), context.answer, context.record))
+        reward = reward if math.isfinite(reward) else 0.0  # never a non-finite reward into the advantages
         return Step("", True, reward >= 1.0, reward)
 
 

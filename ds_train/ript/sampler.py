@@ -13,8 +13,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 # why an environment's episode ended failed, other than by its own done (ds_train/ript/environments.py)
+# (docs/post_training.md "Environments and tools" says each)
 REASONS = ("malformed_call", "unknown_tool", "tool_error", "tool_timeout", "env_error", "env_timeout",
-           "env_malformed", "env_lost", "max_turns")
+           "env_malformed", "env_nonfinite", "env_overlong", "env_lost", "env_template", "env_role", "env_text",
+           "verifier_error", "verifier_timeout", "verifier_nonfinite", "max_turns")
 COUNTS = ("successes", "rollouts", "accepted", "rejected", "skipped", "checked", "truncated", "turns", "tool_calls",
           *(f"failed_{reason}" for reason in REASONS))
 SUMS = ("reward", "reward_sq", "env_s")  # the rollouts' rewards and their squares, seconds in environments

@@ -1,7 +1,9 @@
 """Verifiers: a completion and a record's answer -> a reward in [0, 1] (success when it is 1).
 
 Chosen by name in a data-driven task (`verifier:` of a ript.tasks entry) or given as
-`module:function`, called as function(completion, answer, record) and returning a bool or a number.
+`module:function`, called as function(completion, answer, record) and returning a bool or a real number
+(numpy's too); it runs in the task's room (ds_train/ript/env_room.py: a worker process, under
+ript.env_step_timeout_s), where raising, hanging or a non-finite value ends the episode with its reason.
 An answer may be a list: any of its items is right.
 
     exact    the completion, stripped, equals the answer (stripped)
@@ -15,6 +17,7 @@ An answer may be a list: any of its items is right.
 from __future__ import annotations
 
 import math
+import numbers
 import re
 from typing import Any, Callable
 
@@ -123,12 +126,42 @@ def build_verifier(name: str, tolerance: float = 1e-6, pattern: str = "", where:
     if ":" not in name:
         raise UserError(f"{where}: {name!r} is not a verifier; use one of {', '.join(NAMES)} or module:function")
     fn = load_user_object(name, where)
-    if not callable(fn):
-        raise UserError(f"{where}: {name!r} is not callable (want function(completion, answer, record))")
+    wrong = _not_a_verifier(fn, name, where)
+    if wrong:
+        raise UserError(wrong)
 
     def custom(completion: str, answer: Any, record: dict | None = None) -> float:
         value = fn(completion, answer, record or {})
-        if isinstance(value, bool) or isinstance(value, (int, float)) and math.isfinite(value):
-            return float(value)
-        raise UserError(f"{where}: {name} returned {value!r}; a verifier returns a bool or a finite number")
+        got = reward_value(value)
+        if got is None:
+            raise UserError(f"{where}: {name} returned {repr(value)[:60]}; a verifier returns a bool or a real number")
+        return got  # NaN and inf as they are: the caller's reason (env_room: verifier_nonfinite)
     return custom
+
+
+def reward_value(value: Any) -> float | None:
+    """A verifier's value as a float: a bool (numpy's too) or any real number (numbers.Real: numpy's scalars
+    included), not necessarily finite; None for anything else."""
+    numpy_bool = type(value).__module__ == "numpy" and type(value).__name__ in ("bool", "bool_")  # numpy 2 and 1
+    if not (isinstance(value, numbers.Real) or numpy_bool):
+        return None
+    try:
+        return float(value)
+    except Exception:  # noqa: BLE001 - a Real whose __float__ raises
+        return None
+
+
+def _not_a_verifier(fn: Any, name: str, where: str) -> str:
+    """'' for a function taking (completion, answer, record); else one line saying what `fn` is."""
+    import inspect
+
+    if inspect.isclass(fn) or not callable(fn):
+        what = "a class" if inspect.isclass(fn) else f"an instance of {type(fn).__name__}"
+        return f"{where}: {name!r} is {what}; a verifier is function(completion, answer, record)"
+    try:
+        inspect.signature(fn).bind(None, None, None)
+    except TypeError:
+        return f"{where}: {name!r} does not take (completion, answer, record); a verifier is function(completion, answer, record)"
+    except ValueError:  # no signature to read (a builtin)
+        pass
+    return ""
