@@ -193,6 +193,16 @@ def test_a_program_cannot_write_or_delete_what_the_trainer_owns():
     assert run_limited("open('own', 'w').write('x'); import os; print(os.listdir('.'))", 5, 256) == "['own']\n"
 
 
+@pytest.mark.skipif(not HOW.own_uid, reason="not root: programs run as the trainer's user")
+def test_programs_at_once_each_run_as_a_uid_of_their_own():
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(4) as pool:
+        said = list(pool.map(lambda _: run_limited("import os, time; time.sleep(0.5); print(os.getuid())", 10, 256),
+                             range(4)))
+    assert len(set(said)) == 4 and all(s.strip().isdigit() for s in said), said
+
+
 def test_a_host_without_namespaces_gets_the_plain_mode():
     assert decide_isolation(None, False) == Isolation(None, False)
     assert decide_isolation("/bin/false", False) == Isolation(None, False)  # unshare refused: tried once, not used

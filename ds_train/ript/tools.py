@@ -64,7 +64,7 @@ from typing import NamedTuple
 
 TIME_S = 10  # CPU and wall-clock seconds a program may take
 MEMORY_MB = 1024  # the address space of each of its processes
-PROCESSES = 64  # processes and threads at once (RLIMIT_NPROC)
+PROCESSES = 32  # processes and threads at once (RLIMIT_NPROC)
 FILE_MB = 64  # the largest file it may write (RLIMIT_FSIZE)
 DISK_MB = 256  # namespaced: its directory, /tmp, /var/tmp and /dev/shm are each a tmpfs of this size
 OPEN_FILES = 256  # its file descriptors (RLIMIT_NOFILE)
@@ -220,11 +220,14 @@ def run_limited(code: str, seconds: float = TIME_S, memory_mb: int = MEMORY_MB,
     if len(source) > CODE_BYTES:
         return f"error: the program is longer than {CODE_BYTES} bytes"
     how = how or isolation()
-    with _own_uid(how.own_uid) as uid, tempfile.TemporaryDirectory(prefix="ds_train_code_",
-                                                                    ignore_cleanup_errors=True) as cwd:
-        if uid is not None:
-            os.chown(cwd, uid, uid)
-        return _run(source, seconds, memory_mb, how, uid, cwd)
+    try:
+        with _own_uid(how.own_uid) as uid, tempfile.TemporaryDirectory(prefix="ds_train_code_",
+                                                                        ignore_cleanup_errors=True) as cwd:
+            if uid is not None and not how.unshare:  # namespaced, its directory is a tmpfs of its uid
+                os.chown(cwd, uid, uid)
+            return _run(source, seconds, memory_mb, how, uid, cwd)
+    except OSError as e:  # the host's: no directory, no process, no pipe to be had
+        return f"error: the program could not be started ({e})"
 
 
 def _run(source: bytes, seconds: float, memory_mb: int, how: Isolation, uid: int | None, cwd: str) -> str:
@@ -240,8 +243,10 @@ def _run(source: bytes, seconds: float, memory_mb: int, how: Isolation, uid: int
         proc = subprocess.Popen([*_namespaces(how), sys.executable, "-I", "-c", start, source], cwd=cwd, env=env,
                                 stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                 start_new_session=True, pass_fds=(report_w,) if how.unshare else ())
-    except OSError as e:  # the host could not start it (no processes left, a cwd its uid cannot enter)
-        return f"error: the program could not be started ({e})"
+    except OSError:
+        if report_r >= 0:
+            os.close(report_r)
+        raise
     finally:
         if report_w >= 0:
             os.close(report_w)
