@@ -8,6 +8,7 @@ two-node launch is in test_multinode.py).
 from __future__ import annotations
 
 import json
+import math
 import os
 import platform
 import re
@@ -29,8 +30,8 @@ from ds_train.launch import envfile
 from ds_train.launch.hostfile import Host, is_valid_host, parse_hostfile, read_hostfile, select_hosts
 from ds_train.launch.packages import OPTIONAL, local_versions, run_packages
 from ds_train.launch.preflight import (HostProbe, SshOptions, check_gpus, check_identity, check_probes,
-                                       check_shell_safe, compare_versions, one_machine_hosts, pick_master,
-                                       run_preflight)
+                                       check_shell_safe, compare_versions, node_ranks, one_machine_hosts,
+                                       pick_master, run_preflight)
 from ds_train.launch.probe import PROBE
 from ds_train.launch.slurm import SlurmJob, render_sbatch
 
@@ -131,6 +132,87 @@ def test_select_hosts_honours_the_launcher_filters():
         select_hosts(hosts, num_gpus=1, include="a")
     with pytest.raises(UserError, match="--include/--exclude: .*'x'"):
         select_hosts(hosts, include="x")
+
+
+UNEVEN = "node1 slots=4\nnode2 slots=2\nnode3 slots=4\n"
+
+
+@pytest.mark.parametrize("flags", [{}, {"num_gpus": 2}, {"num_gpus": 4}, {"num_nodes": 2}, {"include": "node1:0,1@node2"},
+                                   {"include": "node2@node3:1,2,3"}, {"exclude": "node1:3"}, {"exclude": "node2"}])
+def test_each_nodes_ranks_are_read_as_the_deepspeed_launcher_starts_them(flags):
+    """An uneven hostfile, with and without the launcher's filters: each node's ranks, the world size and the
+    rank numbering are the ones DeepSpeed's own runner and launch compute (runner.parse_inclusion_exclusion,
+    apply_num_nodes_and_gpus; launch.py numbers the ranks node by node, each node's own count its LOCAL_SIZE)."""
+    from deepspeed.launcher.runner import apply_num_nodes_and_gpus, parse_inclusion_exclusion
+
+    hosts = parse_hostfile(UNEVEN, "hf")
+    theirs = apply_num_nodes_and_gpus(
+        parse_inclusion_exclusion({h.name: h.slots for h in hosts}, flags.get("include", ""), flags.get("exclude", "")),
+        flags.get("num_nodes", -1), flags.get("num_gpus", -1))
+    nodes = node_ranks(select_hosts(hosts, **{"num_nodes": -1, "num_gpus": -1, **flags}), hosts, "hf")
+    assert [(n.host, n.ranks) for n in nodes.nodes] == [(h, len(s)) for h, s in theirs.items()]
+    assert nodes.world_size == sum(len(s) for s in theirs.values())
+    assert nodes.per_node == math.gcd(*(len(s) for s in theirs.values()))  # what divides every node's ranks
+    first = 0
+    for n, line in zip(nodes.nodes, nodes.describe().split("), ")):
+        assert line.startswith(f"{n.host}: {n.ranks} (rank") and f"{first}" in line
+        first += n.ranks
+    assert [n.where for n in nodes.nodes] == [f"hf:{h.line}" for h in hosts if h.name in theirs]
+    assert nodes.even == (len({len(s) for s in theirs.values()}) == 1)
+
+
+@pytest.mark.parametrize("flags, per_node, needles", [
+    # node2 runs fewer ranks than the others: the split's two sides would not number node by node
+    ({}, 1, ["ript.rollout_ranks_per_node=1: hf:2 (node2: slots=2, 2 ranks) runs fewer ranks than hf:1 (node1: "
+                     "slots=4, 4 ranks) and hf:3 (node3: slots=4, 4 ranks)", "--num_gpus 2"]),
+    # node2 would keep no trainer
+    ({}, 2, ["ript.rollout_ranks_per_node=2: hf:2 (node2: slots=2, 2 ranks) runs no more ranks than that",
+                     "--exclude node2", "below 2"]),
+    ({"exclude": "node1:1,2,3"}, 1, ["hf:1 (node1: slots=4, 1 rank) runs no more ranks", "below 1"]),
+    # even by --num_gpus, but every node too small: no node to leave out
+    ({"num_gpus": 2}, 2, ["hf:1 (node1: slots=4, 2 ranks) and hf:2 (node2: slots=2, 2 ranks) and hf:3 "
+                                  "(node3: slots=4, 2 ranks) run no more ranks than that", "start 3 or more"]),
+])
+def test_a_split_job_the_nodes_cannot_run_is_refused_in_one_line_before_any_ssh(tmp_path, flags, per_node, needles):
+    hosts = parse_hostfile(UNEVEN, "hf")
+    pool = select_hosts(hosts, **{"num_nodes": -1, "num_gpus": -1, **flags})
+
+    def no_ssh(*args):
+        raise AssertionError("probed the hosts")
+
+    with pytest.raises(UserError) as e:
+        run_preflight(pool, SshOptions(), sys.executable, str(tmp_path), "", 29500, probe=no_ssh,
+                      nodes=node_ranks(pool, hosts, "hf"), rollout_per_node=per_node)
+    line = str(e.value)
+    assert "\n" not in line and line.startswith("preflight: ript.rollout_ranks_per_node="), line
+    for needle in needles:
+        assert needle in line, (needle, line)
+    if "--exclude" in line:  # a node to leave out is named only where the nodes left can run the split
+        left = select_hosts(hosts, exclude=line.split("--exclude ")[1].split(")")[0])
+        assert not node_ranks(left, hosts).problems(per_node)
+    assert ("--exclude" in line) == any(n.startswith("--exclude") for n in needles), line
+
+
+def test_uneven_nodes_and_num_gpus_past_the_slots_are_said_node_by_node(tmp_path):
+    """A job that is not split runs on uneven nodes (DeepSpeed allows it): the preflight says which node runs
+    how many ranks, and --num_gpus starting more ranks than a node's slots=."""
+    hosts = parse_hostfile(UNEVEN, "hf")
+    cpu = lambda hosts_, *args: [_here(h, _cpu_probe) for h in hosts_]  # noqa: E731
+    pool = select_hosts(hosts)
+    result = run_preflight(pool, SshOptions(), sys.executable, str(tmp_path), "", 29500, probe=cpu,
+                           nodes=node_ranks(pool, hosts, "hf"), rollout_per_node=0)
+    assert result.world_size == 10
+    assert result.notes[0] == ("the nodes run different numbers of ranks: node1: 4 (ranks 0-3), node2: 2 (ranks 4-5), "
+                               "node3: 4 (ranks 6-9); the deepspeed launcher numbers them node by node and gives each "
+                               "rank its own node's count (LOCAL_SIZE): a number that must divide every node's ranks "
+                               "(ript.vllm_tensor_parallel_size) must divide 2, and a split job "
+                               "(ript.rollout_ranks_per_node) cannot run")
+    pool = select_hosts(hosts, num_gpus=3)
+    result = run_preflight(pool, SshOptions(), sys.executable, str(tmp_path), "", 29500, probe=cpu,
+                           nodes=node_ranks(pool, hosts, "hf"), rollout_per_node=1)
+    assert result.world_size == 9 and result.notes[0] == (
+        "--num_gpus 3 starts 3 ranks on hf:2 (node2: slots=2, 3 ranks) too (the deepspeed launcher gives every node "
+        "--num_gpus ranks, whatever its slots=)")
 
 
 # --- .deepspeed_env -------------------------------------------------------------------------------

@@ -14,11 +14,19 @@ check_identity() refuses two hostfile names that reach one machine (same boot id
 each machine itself reports them: an ssh alias need not resolve here), which would start two sets
 of ranks on its GPUs, unless DS_TRAIN_ONE_MACHINE lists both (a test cluster on one machine,
 scripts/local_cluster.sh). Every problem on every host is reported at once.
+
+How many ranks each node runs is read from the hostfile as the deepspeed launcher will run it
+(`node_ranks`, a `NodeRanks`): the slots --include/--exclude leave, or --num_gpus on every node whatever its
+slots=; the ranks numbered node by node in hostfile order, each rank's LOCAL_SIZE its own node's count
+(deepspeed/launcher/launch.py). A hostfile whose nodes differ is said so, node by node; a job split into
+trainer and rollout ranks (ript.rollout_ranks_per_node) on such nodes, or on a node too small to keep a
+trainer, is refused in one line naming the node, its hostfile line and slots, before any ssh.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import platform
 import re
 import shlex
@@ -28,7 +36,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Mapping
 
 from ds_train.errors import UserError
-from ds_train.launch.hostfile import is_ip_address
+from ds_train.launch.hostfile import Host, is_ip_address
 from ds_train.launch.packages import import_problem, local_versions, run_packages
 from ds_train.launch.probe import PACKAGES, PORT_TRIES, PROBE
 
@@ -45,6 +53,99 @@ ONE_MACHINE_ENV = "DS_TRAIN_ONE_MACHINE"
 _SHELL_SAFE = re.compile(r"[\w@%+=:,./-]+")
 # An argument with a space goes inside double quotes, where these stay live.
 _LIVE_IN_DOUBLE_QUOTES = re.compile(r'[$`\\\n\r]')
+
+
+@dataclass(frozen=True)
+class Node:
+    """One node of the launch: its host, the ranks the deepspeed launcher starts there and its hostfile line."""
+
+    host: str
+    ranks: int  # processes started there: the slots a filter left, or --num_gpus
+    slots: int  # its hostfile line's slots=
+    where: str  # `hostfile:LINE`
+
+
+@dataclass(frozen=True)
+class NodeRanks:
+    """Each node's ranks, in rank order, as the deepspeed launcher starts them (pure): node after node in
+    hostfile order, node i's ranks following node i-1's, each rank's LOCAL_SIZE its own node's count."""
+
+    nodes: tuple[Node, ...]
+
+    @property
+    def world_size(self) -> int:
+        return sum(n.ranks for n in self.nodes)
+
+    @property
+    def even(self) -> bool:
+        return len({n.ranks for n in self.nodes}) == 1
+
+    @property
+    def per_node(self) -> int:
+        """What divides every node's ranks (each node's count when they are even)."""
+        return math.gcd(*(n.ranks for n in self.nodes))
+
+    def describe(self) -> str:
+        """`node1: 4 (ranks 0-3), node2: 2 (ranks 4-5)`."""
+        parts, first = [], 0
+        for n in self.nodes:
+            ranks = f"rank {first}" if n.ranks == 1 else f"ranks {first}-{first + n.ranks - 1}"
+            parts.append(f"{n.host}: {n.ranks} ({ranks})")
+            first += n.ranks
+        return ", ".join(parts)
+
+    def problems(self, rollout_per_node: int = 0, key: str = "ript.rollout_ranks_per_node") -> list[str]:
+        """A job split into trainer and rollout ranks (the last `rollout_per_node` of every node generate,
+        ds_train/topology.py split_job) that these nodes cannot run: one line, naming the nodes."""
+        if rollout_per_node <= 0:
+            return []
+        small = [n for n in self.nodes if n.ranks <= rollout_per_node]
+        if small:
+            rest = NodeRanks(tuple(n for n in self.nodes if n not in small))
+            leave = (f", leave {'it' if len(small) == 1 else 'them'} out (--exclude {'@'.join(n.host for n in small)})"
+                     if rest.nodes and not rest.problems(rollout_per_node, key) else "")  # a fix only where it is one
+            return [f"{key}={rollout_per_node}: {_named(small)} {'runs' if len(small) == 1 else 'run'} no more ranks "
+                    f"than that, and the last {rollout_per_node} of every node are rollout ranks: none would be left "
+                    f"to train there; start {rollout_per_node + 1} or more ranks on every node (slots=, --num_gpus, "
+                    f"--include){leave}, or set {key} below {min(n.ranks for n in small)}"]
+        if not self.even:
+            most = max(n.ranks for n in self.nodes)
+            fewer = [n for n in self.nodes if n.ranks != most]
+            return [f"{key}={rollout_per_node}: {_named(fewer)} {'runs' if len(fewer) == 1 else 'run'} fewer ranks "
+                    f"than {_named([n for n in self.nodes if n.ranks == most])}, and a split job needs the same number "
+                    f"on every node (the last {rollout_per_node} of each are rollout ranks, each side numbered node by "
+                    f"node); give every node the same slots=, or start {min(n.ranks for n in self.nodes)} on each with "
+                    f"--num_gpus {min(n.ranks for n in self.nodes)}"]
+        return []
+
+    def notes(self) -> list[str]:
+        """Nodes that differ, and --num_gpus starting more ranks on a node than its slots=."""
+        notes = []
+        if not self.even:
+            notes.append(f"the nodes run different numbers of ranks: {self.describe()}; the deepspeed launcher "
+                         f"numbers them node by node and gives each rank its own node's count (LOCAL_SIZE): a number "
+                         f"that must divide every node's ranks (ript.vllm_tensor_parallel_size) must divide "
+                         f"{self.per_node}, and a split job (ript.rollout_ranks_per_node) cannot run")
+        over = [n for n in self.nodes if n.ranks > n.slots]
+        if over:
+            notes.append(f"--num_gpus {over[0].ranks} starts {over[0].ranks} ranks on {_named(over)} too (the "
+                         f"deepspeed launcher gives every node --num_gpus ranks, whatever its slots=)")
+        return notes
+
+
+def _named(nodes: list[Node]) -> str:
+    """`hostfile:2 (node2: slots=2, 2 ranks)`, joined by ` and `."""
+    return " and ".join(f"{n.where} ({n.host}: slots={n.slots}, {n.ranks} rank{'s' if n.ranks != 1 else ''})"
+                        for n in nodes)
+
+
+def node_ranks(pool: Mapping[str, list[int]], hosts: list[Host], hostfile: str = "hostfile") -> NodeRanks:
+    """Each node's ranks from the launch's pool (hostfile.select_hosts: the slot ids the launcher uses per host,
+    in hostfile order) and the hostfile's lines."""
+    lines = {h.name: h for h in hosts}
+    return NodeRanks(tuple(Node(name, len(slots), lines[name].slots if name in lines else len(slots),
+                                f"{hostfile}:{lines[name].line}" if name in lines else hostfile)
+                           for name, slots in pool.items()))
 
 
 @dataclass(frozen=True)
@@ -370,7 +471,8 @@ def run_preflight(pool: Mapping[str, list[int]], ssh: SshOptions, python: str, c
                   probe: Callable[..., list[HostProbe]] = probe_hosts,
                   packages: tuple[str, ...] | None = None, where: Mapping[str, str] | None = None,
                   one_machine: frozenset[str] = frozenset(),
-                  modules: tuple[tuple[str, str, str], ...] = ()) -> PreflightResult:
+                  modules: tuple[tuple[str, str, str], ...] = (), nodes: NodeRanks | None = None,
+                  rollout_per_node: int = 0) -> PreflightResult:
     """Probe every host; raise one UserError naming every problem, else the master and world size.
 
     `needed_gib`: the memory plan's per-GPU peak, checked against each used GPU's free memory; a
@@ -378,8 +480,13 @@ def run_preflight(pool: Mapping[str, list[int]], ssh: SshOptions, python: str, c
     `packages`: whose versions must match this machine's (default run_packages(): a run without wandb
     or TensorBoard). `probe` stands in for probe_hosts (same arguments) in tests. `where` and
     `one_machine`: see check_identity. `modules`: the run's (module, distribution, fix), imported on every
-    host (packages.run_modules).
+    host (packages.run_modules). `nodes`: each node's ranks (node_ranks); a job split with `rollout_per_node`
+    rollout ranks a node (ript.rollout_ranks_per_node) that they cannot run is refused before any ssh.
     """
+    nodes = nodes or node_ranks(pool, [])
+    split = nodes.problems(rollout_per_node)
+    if split:  # the hostfile and the config: nothing to ask the hosts
+        raise UserError(f"preflight: {split[0]}")
     hosts = list(pool)
     packages = run_packages() if packages is None else packages
     probes = probe(hosts, ssh, python, cwd, master_port, (*packages, *(f"import:{m[0]}" for m in modules)))
@@ -394,5 +501,5 @@ def run_preflight(pool: Mapping[str, list[int]], ssh: SshOptions, python: str, c
         raise UserError(f"preflight: {len(problems)} problem{'s' if len(problems) > 1 else ''}:\n  " +
                         "\n  ".join(problems))
     addr, port, notes = pick_master(probes[0], master_addr, master_port)
-    return PreflightResult(addr, port, sum(len(slots) for slots in pool.values()), same_notes + gpu_notes + notes,
+    return PreflightResult(addr, port, nodes.world_size, nodes.notes() + same_notes + gpu_notes + notes,
                            any(p.info and p.info.get("gpus") for p in probes))
