@@ -203,6 +203,21 @@ def test_programs_at_once_each_run_as_a_uid_of_their_own():
     assert len(set(said)) == 4 and all(s.strip().isdigit() for s in said), said
 
 
+@pytest.mark.skipif(not HOW.own_proc, reason="this host refuses a /proc of the program's own")
+def test_a_program_sees_only_its_own_processes():
+    said = run_limited("import os\nprint(sorted(int(p) for p in os.listdir('/proc') if p.isdigit()))", 5, 256)
+    assert said == "[1, 2]\n", said  # its pid 1 and itself: none of the trainer's
+
+
+@NAMESPACED
+def test_a_host_that_refuses_part_of_the_isolation_gets_the_rest(tmp_path):
+    refusing = tmp_path / "unshare"  # refuses to mount a /proc, as a container's masked /proc does
+    refusing.write_text(f'#!/bin/sh\nfor a in "$@"; do [ "$a" = --mount-proc ] && exit 1; done\n'
+                        f'exec {HOW.unshare} "$@"\n')
+    refusing.chmod(0o755)
+    assert decide_isolation(str(refusing), HOW.own_uid) == Isolation(str(refusing), HOW.own_uid, False)
+
+
 def test_a_host_without_namespaces_gets_the_plain_mode():
     assert decide_isolation(None, False) == Isolation(None, False)
     assert decide_isolation("/bin/false", False) == Isolation(None, False)  # unshare refused: tried once, not used

@@ -12,36 +12,37 @@ answer takes milliseconds; a non-string argument, NUL bytes or lone surrogates a
 `run_python` runs the model's program in a fresh interpreter (`python -I`: no user site, no PYTHONPATH, the
 trainer's environment variables dropped), with no stdin, in a new session and a temporary working directory.
 What it printed (the last OUTPUT_CHARS), or what stopped it, is the tool's result. The isolation is decided once
-per process (`isolation()`: the first mode whose trial call works) and is one of:
+per process (`isolation()`: the first of these modes whose trial call works):
 
-- namespaced (util-linux `unshare`: its own network, pid, IPC and mount namespaces), the trainer root: the
-  program runs as a uid of its own (UID_BASE + ..., no group, no user of the host); the trainer not root: in a
-  user namespace, as the trainer's user.
-- plain, root, as a uid of its own (namespaces not allowed); plain as the trainer's user (no namespaces, or, as
-  root, an interpreter that only root can read, such as pyenv under /root, so that a uid of its own cannot run).
+1. namespaced (util-linux `unshare`: network, pid, IPC and mount namespaces of its own, and its own /proc where
+   the host allows that mount). The trainer root, the program runs as a uid of its own (UID_BASE + ..., in no
+   group, no user of the host); not root, in a user namespace, as the trainer's user.
+2. plain, as a uid of its own (the trainer root, namespaces refused).
+3. plain, as the trainer's user (no namespaces and not root, or root with an interpreter only root may read,
+   as pyenv under /root is, where a uid of its own cannot run).
 
 What a program can touch:
-- reading: what everyone may read (the trainer's user can: whatever that user can). Namespaced as root, the
-  directories others may not enter above the interpreter (/root) are empty but for the interpreter.
-- writing and deleting: namespaced, its working directory, /tmp, /var/tmp and /dev/shm are tmpfs of its own
-  (DISK_MB each, gone when it ends; the host's are out of its sight); as its own uid it can write or delete
-  nothing else but world-writable files and directories other than those. Plain with its own uid: its working
-  directory (deleted after) and the world-writable directories (/tmp...), where what it writes stays. As the
-  trainer's user: whatever that user can.
-- network: namespaced, none (a loopback-only network namespace, down: even 127.0.0.1 is unreachable, and abstract
-  unix sockets are its own); a unix socket file it may open is reachable. Plain: the host's network.
-- processes and daemons: PROCESSES processes and threads at once (RLIMIT_NPROC; not bound plain as the trainer's
-  user). Everything it started, a daemon, a double fork or a new session included, is killed when it ends or
-  is stopped: namespaced its pid namespace ends with it, plain with its own uid every process of that uid is
-  killed; plain as the trainer's user only its process group is, and a process that left the group outlives
-  it. Namespaced it sees and signals only its own processes; with its own uid it may signal none of the
-  trainer's.
-- time: `seconds` (TIME_S) of wall time for all of it, the same in CPU time for each process.
-- memory: MEMORY_MB of address space for each process, so at most PROCESSES x MEMORY_MB, plus its tmpfs.
+- reading: as a uid of its own, what everyone may read; namespaced, the host's /tmp, /var/tmp and /dev/shm are
+  out of its sight and the directories others may not enter above the interpreter (/root) show the
+  interpreter only. As the trainer's user: whatever that user may read.
+- writing and deleting: namespaced, its working directory, /tmp, /var/tmp and /dev/shm are tmpfs of its own,
+  DISK_MB each, gone when it ends. As a uid of its own: besides those, only world-writable files and
+  directories (plain: /tmp and the like, where what it writes stays after it); nothing of the trainer's. As
+  the trainer's user: whatever that user may write or delete.
+- network: namespaced, none (a network namespace with only its loopback, down: even 127.0.0.1 is unreachable;
+  abstract unix sockets are its own); a unix socket file it may open is reachable. Plain: the host's network.
+- processes and daemons: PROCESSES processes and threads at once (RLIMIT_NPROC; unbounded plain as the
+  trainer's user). Everything it started, daemons, double forks and new sessions included, is killed when it
+  ends or is stopped: namespaced, its pid namespace ends with it; plain as a uid of its own, every process of
+  that uid is killed; plain as the trainer's user, only its process group, and a process that left the group
+  outlives it. Namespaced it can signal only its own processes, and with its own /proc see only them; as a uid
+  of its own it can signal none of the trainer's.
+- time: `seconds` (TIME_S) of wall time for all of it, as much CPU time for each process.
+- memory: MEMORY_MB of address space for each process, so at most PROCESSES x MEMORY_MB, and its tmpfs.
 - disk: files of at most FILE_MB (RLIMIT_FSIZE), OPEN_FILES descriptors, no core dumps; plain, as many files as
-  it writes in its time.
-- output: stdout and stderr are read as they come; past OUTPUT_BYTES together it is stopped.
-Numerical libraries are asked for one thread (OMP_NUM_THREADS and the like), as threads count as processes.
+  it can write in its time.
+- output: stdout and stderr are read as they come; past OUTPUT_BYTES of both it is stopped.
+Numerical libraries are asked for one thread (OMP_NUM_THREADS and the like): threads count as processes.
 """
 
 from __future__ import annotations
@@ -84,6 +85,7 @@ class Isolation(NamedTuple):
     """How run_python's programs are isolated (see the module): decided once per process by `isolation()`."""
     unshare: str | None  # the util-linux `unshare` that makes the namespaces; None: the plain mode
     own_uid: bool  # the trainer is root and each program runs as a uid of its own
+    own_proc: bool = False  # namespaced: /proc shows its own processes only (a container may refuse the mount)
 
 
 _isolation: Isolation | None = None
@@ -105,7 +107,7 @@ def decide_isolation(unshare: str | None, root: bool) -> Isolation:
     """The first of these whose trial call works: namespaced (a uid of its own as root), plain with a uid of its
     own (root), plain. A host that allows no namespaces, or whose interpreter only root can read, gets a weaker
     mode, never an error."""
-    tried = [Isolation(unshare, root)] if unshare else []
+    tried = [Isolation(unshare, root, True), Isolation(unshare, root)] if unshare else []
     tried += [Isolation(None, True)] if root else []
     return next((how for how in tried if run_limited(_PROBE[0], 10, MEMORY_MB, how) == _PROBE[1]),
                 Isolation(None, False))
@@ -116,7 +118,8 @@ def _namespaces(how: Isolation) -> list[str]:
         return []
     # as root, made as root: the program's pid 1 mounts what its uid must reach, then the program drops to it
     user = [] if how.own_uid else ["--map-root-user"]
-    return [how.unshare, *user, "--net", "--pid", "--ipc", "--mount", "--fork", "--kill-child"]
+    proc = ["--mount-proc"] if how.own_proc else []
+    return [how.unshare, *user, "--net", "--pid", "--ipc", "--mount", *proc, "--fork", "--kill-child"]
 
 
 @contextlib.contextmanager
