@@ -539,8 +539,11 @@ def test_an_episode_past_the_models_positions_ends_overlong(tokenizer, tmp_path)
     chatter, (context,) = room_task(tokenizer, tmp_path, [{"n": 1}], 0, 5.0, env="ript_envs:Chatter", max_turns=3)
     (whole,) = roll(tokenizer, [(chatter, context, 0)])  # three turns, "go on" after the first two
     prompt = len(chatter.turns.prompt_ids([{"role": "user", "content": "Say something (1)."}]))
-    after = whole.ids.index(sampled(tokenizer, "3<|im_end|>")[0], prompt + 2)  # where the second turn starts
-    chatter.max_episode_tokens = prompt + 16 + (after - prompt - 2) + 16 - 1  # the second turn, at its most, does not fit
+    turn = sampled(tokenizer, "3<|im_end|>")
+    obs = len(chatter.turns.after_turn_ids([{"role": "user", "content": "go on"}], "3<|im_end|>"))
+    said = len(chatter.turns.encode("3<|im_end|>"))  # the turn's tokens as the session counts them (its text's)
+    assert whole.ids[prompt + len(turn) + obs:][:len(turn)] == turn
+    chatter.max_episode_tokens = prompt + said + obs + 16 - 1  # the second turn, at its most, does not fit
     (cut,) = roll(tokenizer, [(chatter, context, 0)])
     assert (whole.reason, whole.turns, cut.reason, cut.turns, cut.reward) == ("", 3, "env_overlong", 1, 0.0)
 

@@ -169,7 +169,7 @@ class Session:
         self.tool_calls, self.reason, self.turn, self.chars = 0, "", 0, 0
         self._pending: Any = None
         self._prompt: list[int] | None = list(context.ids) if task.env_class is None else None
-        self.length = len(context.ids)  # the episode's tokens so far, each action counted at its most
+        self.length = len(context.ids)  # the episode's tokens so far
         self._opening = None if self._prompt is not None else task.room.begin(("open", self.sid, (context.record,)))
 
     @property
@@ -203,10 +203,11 @@ class Session:
         return self.finish()
 
     def begin(self, turn: int, action: str, tokens: int | None = None) -> None:
-        """`tokens`: the action's length when the caller knows it (else counted as max_new_tokens, its most)."""
+        """`tokens`: the action's length when the caller knows it (the rollout's sampled ids); else its text's
+        tokens, encoded again (an engine's split can be longer: rollout.py should pass it)."""
         task = self.task
         self.turn, self.action = turn, action
-        self.length += task.max_new_tokens if tokens is None else tokens
+        self.length += len(task.turns.encode(action)) if tokens is None else tokens
         if self.reason:  # the environment failed to start
             self._pending = ("end", self.reason)
             return
