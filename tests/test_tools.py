@@ -14,8 +14,8 @@ import time
 
 import pytest
 
-from ds_train.ript.tools import (DISK_MB, FILE_MB, OUTPUT_CHARS, PROCESSES, Isolation, calculator, decide_isolation,
-                                 isolation, run_limited)
+from ds_train.ript.tools import (DISK_MB, FILE_MB, FILES, OUTPUT_CHARS, PROCESSES, Isolation, calculator,
+                                 decide_isolation, isolation, run_limited)
 
 HOW = isolation()
 NAMESPACED = pytest.mark.skipif(not HOW.unshare, reason="this host allows no user/network/pid namespaces")
@@ -149,8 +149,10 @@ def test_what_a_program_writes_is_bounded_and_gone_after_it():
     said = run_limited(f"open({marker!r}, 'w').write('x')\nfor i in range({DISK_MB // 32 + 2}):\n"
                        "    open(f'f{i}', 'wb').write(b'x' * (32 << 20))", 20, 256)
     assert said == ("error: OSError: [Errno 28] No space left on device (its directory, /tmp, /var/tmp and /dev/shm "
-                    f"may hold {DISK_MB} MiB each)"), said
+                    f"may hold {DISK_MB} MiB and {FILES} files each)"), said
     assert not os.path.exists(marker)  # its /tmp was its own
+    said = run_limited(f"for i in range({FILES + 10}):\n    open(f'/dev/shm/f{{i}}', 'w').close()", 20, 256)
+    assert said.endswith(f"may hold {DISK_MB} MiB and {FILES} files each)"), said  # empty files: no inode flood
 
 
 def test_a_gigabyte_of_output_is_cut_as_it_is_read():

@@ -26,7 +26,7 @@ What a program can touch:
   out of its sight and the directories others may not enter above the interpreter (/root) show the
   interpreter only. As the trainer's user: whatever that user may read.
 - writing and deleting: namespaced, its working directory, /tmp, /var/tmp and /dev/shm are tmpfs of its own,
-  DISK_MB each, gone when it ends. As a uid of its own: besides those, only world-writable files and
+  DISK_MB and FILES files each, gone when it ends. As a uid of its own: besides those, only world-writable files and
   directories (plain: /tmp and the like, where what it writes stays after it); nothing of the trainer's. As
   the trainer's user: whatever that user may write or delete.
 - network: namespaced, none (a network namespace with only its loopback, down: even 127.0.0.1 is unreachable;
@@ -36,7 +36,7 @@ What a program can touch:
   ends or is stopped: namespaced, its pid namespace ends with it; plain as a uid of its own, every process of
   that uid is killed; plain as the trainer's user, only its process group, and a process that left the group
   outlives it. Namespaced it can signal only its own processes, and with its own /proc see only them; as a uid
-  of its own it can signal none of the trainer's.
+  of its own it can signal none of the trainer's; plain as the trainer's user it can signal (kill) them all.
 - time: `seconds` (TIME_S) of wall time for all of it, as much CPU time for each process.
 - memory: MEMORY_MB of address space for each process, so at most PROCESSES x MEMORY_MB, and its tmpfs.
 - disk: files of at most FILE_MB (RLIMIT_FSIZE), OPEN_FILES descriptors, no core dumps; plain, as many files as
@@ -68,6 +68,7 @@ MEMORY_MB = 1024  # the address space of each of its processes
 PROCESSES = 32  # processes and threads at once (RLIMIT_NPROC)
 FILE_MB = 64  # the largest file it may write (RLIMIT_FSIZE)
 DISK_MB = 256  # namespaced: its directory, /tmp, /var/tmp and /dev/shm are each a tmpfs of this size
+FILES = 10_000  # and of at most this many files and directories
 OPEN_FILES = 256  # its file descriptors (RLIMIT_NOFILE)
 OUTPUT_BYTES = 1 << 20  # stdout and stderr together: past this it is stopped
 OUTPUT_CHARS = 2000  # the end of what it printed that the model reads
@@ -149,7 +150,8 @@ def _mounts(cwd: str, uid: int | None) -> list[tuple[str, str, list[str]]]:
                                               os.path.dirname(os.path.realpath(sys.executable)), *sys.path)
               if os.path.isabs(p) and os.path.isdir(p)}
     needed = {p for p in needed if not any(p.startswith(q + os.sep) for q in needed)}
-    hidden = {d: f"mode=1777,size={DISK_MB}m" for d in _SHARED if os.path.isdir(d) and not os.path.islink(d)}
+    hidden = {d: f"mode=1777,size={DISK_MB}m,nr_inodes={FILES}" for d in _SHARED
+              if os.path.isdir(d) and not os.path.islink(d)}
     for path in sorted(needed) if uid is not None else []:
         parts = path.split(os.sep)
         for i in range(2, len(parts)):
@@ -160,7 +162,7 @@ def _mounts(cwd: str, uid: int | None) -> list[tuple[str, str, list[str]]]:
     hidden = {d: o for d, o in hidden.items() if not any(d.startswith(e + os.sep) for e in hidden)}
     owner = "" if uid is None else f",uid={uid},gid={uid}"
     return [*((d, o, sorted(p for p in needed if p.startswith(d + os.sep))) for d, o in sorted(hidden.items())),
-            (os.path.realpath(cwd), f"mode=700,size={DISK_MB}m{owner}", [])]
+            (os.path.realpath(cwd), f"mode=700,size={DISK_MB}m,nr_inodes={FILES}{owner}", [])]
 
 
 # Run by the program's interpreter before the program. Namespaced, it is pid 1 of the pid namespace: it mounts
@@ -361,13 +363,18 @@ def _why(err: str, status: int | None, seconds: float, memory_mb: int, how: Isol
     if status is None:
         return "error: the program was stopped"
     if status < 0:
-        return f"error: the program was stopped by signal {-status} (its CPU limit is {seconds:g} s)"
+        try:
+            name = signal.Signals(-status).name
+        except ValueError:
+            name = "a real-time signal"
+        cpu = f": its CPU limit is {seconds:g} s" if -status in (signal.SIGKILL, signal.SIGXCPU) else ""
+        return f"error: the program was stopped by signal {-status} ({name}{cpu})"
     last = lines[-1] if lines else f"exit status {status}"
     hints = [hint for mark, hint in _HINTS if mark in last]
     if how.unshare and ("[Errno 101]" in last or "[Errno 99]" in last or "gaierror" in last):
         hints.append("the program has no network")
     if how.unshare and "[Errno 28]" in last:
-        hints.append(f"its directory, /tmp, /var/tmp and /dev/shm may hold {DISK_MB} MiB each")
+        hints.append(f"its directory, /tmp, /var/tmp and /dev/shm may hold {DISK_MB} MiB and {FILES} files each")
     return f"error: {last}" + (f" ({hints[0]})" if hints else "")
 
 
