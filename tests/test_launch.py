@@ -168,7 +168,8 @@ def test_each_nodes_ranks_are_read_as_the_deepspeed_launcher_starts_them(flags):
     # node2 would keep no trainer
     ({}, 2, ["ript.rollout_ranks_per_node=2: hf:2 (node2: slots=2, 2 ranks) runs no more ranks than that",
                      "--exclude node2", "below 2"]),
-    ({"exclude": "node1:1,2,3"}, 1, ["hf:1 (node1: slots=4, 1 rank) runs no more ranks", "below 1"]),
+    ({"exclude": "node1:1,2,3"}, 1, ["hf:1 (node1: slots=4, 1 rank) runs no more ranks",
+                                    "leave ript.rollout_ranks_per_node out"]),
     # even by --num_gpus, but every node too small: no node to leave out
     ({"num_gpus": 2}, 2, ["hf:1 (node1: slots=4, 2 ranks) and hf:2 (node2: slots=2, 2 ranks) and hf:3 "
                                   "(node3: slots=4, 2 ranks) run no more ranks than that", "start 3 or more"]),

@@ -104,10 +104,12 @@ class NodeRanks:
             rest = NodeRanks(tuple(n for n in self.nodes if n not in small))
             leave = (f", leave {'it' if len(small) == 1 else 'them'} out (--exclude {'@'.join(n.host for n in small)})"
                      if rest.nodes and not rest.problems(rollout_per_node, key) else "")  # a fix only where it is one
+            least = min(n.ranks for n in small)
+            fewest = f"set {key} below {least}" if least > 1 else f"leave {key} out (no rollout ranks)"
             return [f"{key}={rollout_per_node}: {_named(small)} {'runs' if len(small) == 1 else 'run'} no more ranks "
                     f"than that, and the last {rollout_per_node} of every node are rollout ranks: none would be left "
                     f"to train there; start {rollout_per_node + 1} or more ranks on every node (slots=, --num_gpus, "
-                    f"--include){leave}, or set {key} below {min(n.ranks for n in small)}"]
+                    f"--include){leave}, or {fewest}"]
         if not self.even:
             most = max(n.ranks for n in self.nodes)
             fewer = [n for n in self.nodes if n.ranks != most]
