@@ -360,8 +360,8 @@ def _why(err: str, status: int | None, seconds: float, memory_mb: int, how: Isol
     lines = err.strip().splitlines()
     if "MemoryError" in err:
         return f"error: the program ran out of memory (its limit is {memory_mb} MiB)"
-    if status is None:
-        return "error: the program was stopped"
+    if status is None:  # its pid 1 ended before it could say: what it wrote last says why
+        return "error: the program was stopped" + (f" ({lines[-1]})" if lines else "")
     if status < 0:
         try:
             name = signal.Signals(-status).name
