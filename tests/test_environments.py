@@ -295,7 +295,7 @@ def test_tool_calls_and_a_failing_environment_through_two_ranks_under_zero3_with
                                                              "tool_timeout", "ript/env_failed/env_error")}
     checked = sum(r["ript/checked"] for r in synced)
     assert total["ript/env_failed/malformed_call"] == total["ript/env_failed/tool_timeout"] > 0, total
-    assert total["ript/env_failed/env_error"] > 0 and 0 < synced[-1]["ript/env_failed_frac"] < 1
+    assert total["ript/env_failed/env_error"] > 0 and 0 < synced[-1]["ript/env_failed_frac"] < 1, str(sorted((k, v) for k, v in synced[-1].items() if "env_failed/" in k))
     assert synced[-1]["ript/tool_calls_mean"] > 0 and synced[-1]["ript/turns_mean"] > 1 and checked > 0
     results = json.loads((out / "ript_results.json").read_text())
     assert results["eval"]["per_task"]["calc"]["success_rate"] == 1.0  # rollout 0: the call, then its result
