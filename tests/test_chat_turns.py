@@ -21,14 +21,16 @@ HERMES_CALL = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "
 JSON_CALL = '{"name": "calculator", "parameters": {"expression": "12*34"}}'
 CHATML_TOOL = "\n<|im_start|>user\n<tool_response>\n{}\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
 CHATML_USER = "\n<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n"
-LLAMA_TOOL = '<|start_header_id|>ipython<|end_header_id|>\n\n"{}"<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n'
+LLAMA_TOOL = ('<|start_header_id|>ipython<|end_header_id|>\n\n"{}"<|eot_id|>'
+              '<|start_header_id|>assistant<|end_header_id|>\n\n')
 LLAMA_USER = "<|start_header_id|>user<|end_header_id|>\n\n{}<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n"
 # template -> (its end of turn, its call, what it writes after a turn for a tool's result, for a user's reply)
 FAMILIES = {
     "qwen2_5.jinja": ("<|im_end|>", HERMES_CALL, CHATML_TOOL, CHATML_USER),
     "qwen3.jinja": ("<|im_end|>", HERMES_CALL, CHATML_TOOL, CHATML_USER),
     "hermes3_tool_use.jinja": ("<|im_end|>", HERMES_CALL,
-                               "\n<|im_start|>tool\n<tool_response>\n{}\n</tool_response><|im_end|><|im_start|>assistant\n",
+                               "\n<|im_start|>tool\n<tool_response>\n{}\n</tool_response><|im_end|>"
+                               "<|im_start|>assistant\n",
                                CHATML_USER),
     "llama3_1.jinja": ("<|eot_id|>", JSON_CALL, LLAMA_TOOL, LLAMA_USER),
     "llama3_2.jinja": ("<|eot_id|>", JSON_CALL, LLAMA_TOOL, LLAMA_USER),
@@ -318,3 +320,18 @@ def test_a_turn_fault_ends_its_episode_with_its_reason_and_the_batch_goes_on(tem
     got = rollout(act, tokenizer, [(task, bad, 0), (task, good, 1)], max_new_tokens=16)
     assert [(e.done, e.reward, e.reason) for e in got] == [(True, 0.0, reason), (True, 0.0, "max_turns")]
     assert got[1].turns == 2
+
+
+HEADER = ("{{- '<|im_start|>system\\nThe last message has ' + (messages[-1].content | length | string) + ' characters."
+          "<|im_end|>\\n' }}" + CHATML)
+
+
+def test_what_a_template_writes_before_the_turn_may_change_with_the_messages(tokenizer):
+    """A header that reads the messages (here the last one's length; a date, a count of turns) renders the start
+    differently for every reply and for each stand-in: only what follows the turn is taken, for one message
+    and for several."""
+    turns = turns_of(tokenizer, HEADER)
+    one = turns.after_turn([{"role": "user", "content": "Are you sure?"}], "408<|im_end|>")
+    assert one == CHATML_USER.format("Are you sure?")
+    two = turns.after_turn([{"role": "user", "content": "Sure?"}, {"role": "user", "content": "Really?"}], "408")
+    assert two == "<|im_end|>\n<|im_start|>user\nSure?<|im_end|>" + CHATML_USER.format("Really?")

@@ -314,21 +314,28 @@ class ChatTurns:
             at[i] = text.find(k)
         pieces, pos = [], start
         for i in sorted(at, key=at.get):
-            before, after = text[:at[i]], text[at[i] + len(marks[i]):]
-            one = self._render(prefix + masked[:i] + [messages[i]] + masked[i + 1:], prompt)
-            if not (one.startswith(before) and one.endswith(after) and len(one) >= len(before) + len(after)):
+            before, after = text[start:at[i]], text[at[i] + len(marks[i]):]
+            one = real if len(messages) == 1 else self._render(prefix + masked[:i] + [messages[i]] + masked[i + 1:],
+                                                               prompt)
+            begin = self._after_turn_in(one, prefix)  # the text before the turn is never used: not compared
+            if not (one.startswith(before, begin) and one.endswith(after)
+                    and len(one) - begin >= len(before) + len(after)):
                 raise self._fault("env_template", f"the chat template renders the environment's message {i} "
                                                   f"({messages[i]['role']!r}) as other text around its content "
                                                   f"than around another content")
-            pieces += [(text[pos:at[i]], False), (one[len(before):len(one) - len(after)], True)]
+            pieces += [(text[pos:at[i]], False), (one[begin + len(before):len(one) - len(after)], True)]
             pos = at[i] + len(marks[i])
         pieces.append((text[pos:], False))
-        tail = "".join(t for t, _ in pieces)
-        if not (real.endswith(tail) and (real[:len(real) - len(tail)].endswith(PLACEHOLDER) if prefix
-                                         else len(real) == len(tail))):
+        if real[self._after_turn_in(real, prefix):] != "".join(t for t, _ in pieces):
             raise self._fault("env_template", "the chat template renders the environment's messages together as "
                                               "other text than each on its own")
         return pieces
+
+    @staticmethod
+    def _after_turn_in(rendered: str, prefix: list[dict]) -> int:
+        """Where the text after the prefix's placeholder turn begins in `rendered` (0 without a prefix): its first
+        placeholder is the turn's, as the environment's contents are all written after it."""
+        return rendered.find(PLACEHOLDER) + len(PLACEHOLDER) if prefix and PLACEHOLDER in rendered else 0
 
     def _ids(self, pieces: list[tuple[str, bool]]) -> list[int]:
         """The pieces' ids: the whole text's, unless a special token's text lies in a content piece: that
