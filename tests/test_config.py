@@ -323,6 +323,43 @@ def test_ript_recipes_load_and_agree_with_two_ranks(tmp_path):
         load_config(None, [f"model.path={tmp_path}", "ript.early_stop_fraction=0"])
 
 
+# What each RIPT size ended in before its bound (issue 72), the limit and a value the machinery takes at it.
+RIPT_SIZES = [
+    # a MemoryError building a group's episodes (ript.max_contexts_checked 64, rollout_contexts 8: the defaults)
+    (["ript.rloo_batch_size=1000000000000"], "ript.max_contexts_checked x rloo_batch_size: 64 x 1000000000000 = "
+                                             "64000000000000 is above 16777216", ["ript.rloo_batch_size=262144"]),
+    (["ript.rollout_contexts=1000000000000"], "ript.rollout_contexts x rloo_batch_size: 1000000000000 x 8 = "
+                                              "8000000000000 is above 16777216", ["ript.rollout_contexts=2097152"]),
+    # a start that never ends (each rank draws the contexts into a list, 50 tries each)
+    (["ript.train_contexts=1000000000000"], "ript.train_contexts=1000000000000: must be within [1, 16777216]",
+     ["ript.train_contexts=16777216"]),
+    (["ript.eval_contexts=1000000000000"], "ript.eval_contexts=1000000000000: must be within [1, 16777216]",
+     ["ript.eval_contexts=16777216"]),
+    # an iteration that never ends (every epoch's order drawn before the first)
+    (["ript.ppo_epochs=1000000000000"], "ript.ppo_epochs=1000000000000: must be within [1, 1024]", ["ript.ppo_epochs=1024"]),
+    (["ript.max_new_tokens=1000000000000"], "ript.max_new_tokens=1000000000000: must be within [1, 16777216]",
+     ["ript.max_new_tokens=16777216"]),
+    # RuntimeError: probability tensor contains either `inf`, `nan` or element < 0 (HF's sampler)
+    (["ript.temperature=1e-300"], "ript.temperature=1e-300: is below 1e-30", ["ript.temperature=1e-30", "ript.temperature=0"]),
+    # RuntimeError: value cannot be converted to type float without overflow (torch.clamp of the ratio)
+    (["ript.clip_high=1e308"], "ript.clip_high=1e308: is above 1e38", ["ript.clip_high=1e38"]),
+]
+
+
+@pytest.mark.parametrize("bad, said, at_limit", RIPT_SIZES, ids=[b[0][0] for b in RIPT_SIZES])
+def test_ript_sizes_past_what_the_machinery_takes_are_one_line_naming_the_key_value_and_limit(tmp_path, bad, said,
+                                                                                               at_limit):
+    """Absurd but positive RIPT sizes ended in a MemoryError, a torch RuntimeError or a start or iteration that never
+    ended; each is refused when the config loads, in one line naming the key, the value and the limit, and the limit
+    itself loads (each measured to run: ript.clip_high=1e38 and ript.temperature=1e-30 through whole iterations)."""
+    base = [f"model.path={tmp_path}"]
+    with pytest.raises(UserError) as e:
+        load_config(None, [*base, *bad], command="ript")
+    assert "\n" not in str(e.value) and said in str(e.value), str(e.value)
+    for ok in at_limit:
+        load_config(None, [*base, ok], command="ript")
+
+
 def test_a_chat_template_given_as_a_jinja_file_is_read_into_the_config(tmp_path, monkeypatch):
     """data.chat_template: the path of a .jinja file (from the recipe or an override) becomes the template's text,
     so the run's saved config holds the template it rendered with; a missing file is one line naming it."""

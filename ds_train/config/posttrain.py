@@ -70,8 +70,10 @@ class RiptConfig(Section):
     max_contexts_checked: int = _f(64, "Cap on contexts a rank rolls out per iteration (never a hang "
                                        "when its tasks are all solved or all failed).", POSITIVE)
     rollout_contexts: int = _f(8, "Contexts rolled out together (x K episodes in one batched generate).", POSITIVE)
-    train_contexts: int = _f(1000, "Training contexts drawn per task (cycled in a seeded order).", POSITIVE)
-    eval_contexts: int = _f(64, "Held-out contexts per task for evaluation (greedy decoding).", POSITIVE)
+    train_contexts: int = _f(1000, "Training contexts drawn per task (cycled in a seeded order).",
+                             Range(1, 2**24, note="drawn into a list on every rank"))
+    eval_contexts: int = _f(64, "Held-out contexts per task for evaluation (greedy decoding).",
+                            Range(1, 2**24, note="drawn into a list on every rank"))
     eval_every: int = _f(10, "Evaluate every N iterations (also before the first and after the last).", NON_NEGATIVE)
     skip_solved: bool = _f(False, "Per-context statistics: skip a context whose last K rollouts all "
                                   "succeeded, and re-test it after retest_after skips.")
@@ -105,11 +107,13 @@ class RiptConfig(Section):
     max_sampling_rounds: int = _f(0, "Cap on the rounds of dynamic sampling in an iteration (verl "
                                      "max_num_gen_batches); the update takes what was accepted by then. 0: no "
                                      "cap but max_contexts_checked.", NON_NEGATIVE)
-    ppo_epochs: int = _f(1, "Passes over the accepted rollouts per iteration.", POSITIVE)
+    ppo_epochs: int = _f(1, "Passes over the accepted rollouts per iteration.",
+                         Range(1, 2**10, note="each epoch's order of the rollouts is drawn before the first"))
     clip_low: float = _f(0.2, "PPO ratio clip below 1 (ratio >= 1 - clip_low).", Range(0, 1, high_open=True))
     clip_high: float = _f(0.28, "PPO ratio clip above 1 (ratio <= 1 + clip_high).", NON_NEGATIVE)
     temperature: float = _f(1.0, "Sampling temperature of training rollouts.", NON_NEGATIVE)
-    max_new_tokens: int = _f(12, "Tokens per action at most (an action ends at a newline).", POSITIVE)
+    max_new_tokens: int = _f(12, "Tokens per action at most (an action ends at a newline).",
+                             Range(1, 2**24, note="no model has more positions"))
     sync_every: int = _f(1, "All-reduce and log the per-task statistics every N iterations.", POSITIVE)
     sharding: Literal["balanced", "round_robin"] = _f(
         "balanced", "Task to rank assignment: balanced by estimated cost (contexts x turns), or round_robin.")
@@ -166,6 +170,23 @@ class RiptConfig(Section):
         if self.env_max_message_chars > self.env_max_episode_chars:
             errs.append(f"ript.env_max_message_chars: {self.env_max_message_chars} is above ript.env_max_episode_chars="
                         f"{self.env_max_episode_chars} (an episode's messages together); lower it or raise that")
+        # Sizes the machinery takes (issue 72; one key's limit is its field's bound): past them a rank's lists of
+        # episodes outgrow any node's memory, a MemoryError deep in the sampler far from the keys.
+        k = self.rloo_batch_size
+        for key, value, said, what in (
+                ("max_contexts_checked x rloo_batch_size", self.max_contexts_checked * k,
+                 f"{self.max_contexts_checked} x {k}", "the episodes a rank may roll out in an iteration, each held in "
+                                                       "its memory"),
+                ("rollout_contexts x rloo_batch_size", self.rollout_contexts * k, f"{self.rollout_contexts} x {k}",
+                 "the episodes of one batched generate")):
+            if value > 2**24:
+                errs.append(f"ript.{key}: {said} = {value} is above {2**24} ({what}); lower them")
+        if 0 < self.temperature < 1e-30:  # HF's sampler divides float32 logits by it: inf, then NaN probabilities
+            errs.append(f"ript.temperature: {self.temperature:g} is below 1e-30, where logits / temperature overflow "
+                        f"float32 (3.4e38); use 0 (greedy) or 1e-30 and above")
+        if self.clip_high > 1e38:  # torch.clamp takes 1 + clip_high as a float32 bound of the ratio
+            errs.append(f"ript.clip_high: {self.clip_high:g} is above 1e38: the ratio is clipped at 1 + clip_high in "
+                        f"float32 (3.4e38 at most); lower it")
         return errs + self._check_engine()
 
     def _check_engine(self) -> list[str]:
