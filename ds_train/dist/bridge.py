@@ -6,8 +6,9 @@ the checkpoint's consensus and every statistic's all-reduce run among the traine
 trainers alone, and the rollout ranks' among themselves. What crosses between the sides goes through the groups
 here, made directly on the rendezvous store (gloo on a CPU, NCCL on GPUs, the same code), outside either world:
 
-- `everyone`: every rank of the job: the trainers' word to the rollout ranks (`broadcast`, from trainer 0) and
-  the rollout ranks' episodes to the trainers (`gather`);
+- `everyone`: every rank of the job: the trainers' word to the rollout ranks (`broadcast`, from trainer 0), and
+  point to point (`exchange`) the rollout ranks' episodes to the trainers that take them, their counts to trainer
+  0, and at a save and a resume each trainer's share of what they hold;
 - one group per node: the node's first trainer and its rollout ranks, over which the weights travel
   (`send_weights` / `receive_weights`), so each node's copy crosses the network once at most.
 """
@@ -63,20 +64,25 @@ class Bridge:
 
         return torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8).to(self.device)
 
-    def gather(self, obj: Any) -> list[Any]:
-        """Every job rank's object, in job rank order, on every rank."""
+    def exchange(self, sends: dict[int, Any], sources: list[int]) -> dict[int, Any]:
+        """Point to point between job ranks: each object of `sends` to its job rank, and one object from each job
+        rank of `sources` (both ends of every pair call it at the same meeting). What moves is what is sent, once:
+        O(ranks) messages, no padding, nothing for a rank it is not meant for."""
         import torch
 
-        data = self._bytes(obj)
-        size = torch.tensor([data.numel()], dtype=torch.long, device=self.device)
-        sizes = [torch.zeros_like(size) for _ in range(self.split.job.world_size)]
-        self.everyone.allgather(sizes, size).wait()
-        most = int(max(s.item() for s in sizes))
-        padded = torch.zeros(most, dtype=torch.uint8, device=self.device)
-        padded[:data.numel()] = data
-        out = [torch.empty_like(padded) for _ in sizes]
-        self.everyone.allgather(out, padded).wait()
-        return [pickle.loads(o[:int(s.item())].cpu().numpy().tobytes()) for o, s in zip(out, sizes)]
+        payloads = {d: self._bytes(o) for d, o in sends.items()}
+        sizes_out = {d: torch.tensor([p.numel()], dtype=torch.long, device=self.device) for d, p in payloads.items()}
+        sizes_in = {s: torch.zeros(1, dtype=torch.long, device=self.device) for s in sources}
+        works = ([self.everyone.send([t], d, 0) for d, t in sizes_out.items()] +
+                 [self.everyone.recv([t], s, 0) for s, t in sizes_in.items()])
+        for work in works:
+            work.wait()
+        bufs = {s: torch.empty(int(t.item()), dtype=torch.uint8, device=self.device) for s, t in sizes_in.items()}
+        works = ([self.everyone.send([p], d, 1) for d, p in payloads.items()] +
+                 [self.everyone.recv([b], s, 1) for s, b in bufs.items()])
+        for work in works:
+            work.wait()
+        return {s: pickle.loads(b.cpu().numpy().tobytes()) for s, b in bufs.items()}
 
     def broadcast(self, obj: Any = None) -> Any:
         """Trainer 0's object (job rank 0) on every rank of the job (the others pass anything)."""

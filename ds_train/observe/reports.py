@@ -24,7 +24,7 @@ COLLECTIVES = {"all_reduce", "all_gather", "all_gather_into_tensor", "all_gather
                "allreduce_coalesced", "reduce_scatter_fn", "all_gather_coalesced"}
 # The bridge between trainer and rollout ranks (ds_train/dist/bridge.py) calls its process groups' methods
 # directly, below any torch.distributed frame: its own methods are its collectives.
-BRIDGE_COLLECTIVES = {"send_weights", "receive_weights", "_broadcast"}
+BRIDGE_COLLECTIVES = {"send_weights", "receive_weights", "_broadcast", "exchange"}
 _COMM_FILES = re.compile(r"torch/distributed/|deepspeed/comm/|ds_train/dist/bridge\.py")
 # Exceptions a rank gets because another rank died (a secondary failure, not the cause).
 PEER_LOSS = re.compile(r"connection (closed|reset)|broken pipe|peer|socket|NCCL communicator was aborted|"

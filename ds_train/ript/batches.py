@@ -1,6 +1,7 @@
 """Asynchronous RL's batches, as pure functions: which weights generate batch i (`source_version`), the seed of
 a rank's batch (`batch_seed`), an episode's form between the sides (`to_wire` / `from_wire`), which trainer takes
-which rollout rank's groups (`deal`), and the staleness of what a trainer received (`Staleness`).
+which rollout rank's groups (`takers`, `givers`, `share_out`, `deal`), and the staleness of what a trainer received
+(`Staleness`).
 
 Batch i is what update i trains on. With ript.max_staleness k it is generated from the weights after update
 max(0, i - 1 - k) (version 0: the starting weights), so its staleness at update i, whose policy is version i - 1,
@@ -42,21 +43,85 @@ def from_wire(wire: dict, tasks: dict) -> tuple[Episode, int]:
     return Episode(tasks[wire["task"]], **{k: wire[k] for k in _WIRE}), wire["version"]
 
 
-def deal(groups: list[list[Any]], trainers: int) -> list[list[Any]]:
-    """Each trainer's share of the rollout ranks' groups (`groups[j]`: rollout rank j's, in its order): with at
-    least as many rollout ranks as trainers, trainer d takes every rollout rank j with j % trainers == d (one each:
-    the colocated run's assignment); with fewer, rollout rank j's groups go round-robin to trainers j, j + R, ...
-    """
-    shares: list[list[Any]] = [[] for _ in range(trainers)]
-    rollout_ranks = len(groups)
-    for j, mine in enumerate(groups):
-        if rollout_ranks >= trainers:
-            shares[j % trainers] += mine
-            continue
-        takers = list(range(j, trainers, rollout_ranks))
-        for n, group in enumerate(mine):
-            shares[takers[n % len(takers)]].append(group)
+def takers(j: int, rollout_ranks: int, trainers: int) -> list[int]:
+    """The trainers (data-parallel ranks) that take rollout rank j's groups: with at least as many rollout ranks as
+    trainers, trainer j % trainers (one each: the colocated run's assignment); with fewer, trainers j, j + R, ..."""
+    return [j % trainers] if rollout_ranks >= trainers else list(range(j, trainers, rollout_ranks))
+
+
+def givers(d: int, rollout_ranks: int, trainers: int) -> list[int]:
+    """The rollout ranks whose groups trainer d takes (the inverse of `takers`), in rank order."""
+    return [j for j in range(rollout_ranks) if d in takers(j, rollout_ranks, trainers)]
+
+
+def routes(split, dims) -> "Routes":
+    """The Routes of a split job (ds_train/topology.py Split) whose trainers are laid out as `dims` (ParallelDims)."""
+    trainers = split.job_ranks("trainer")
+    return Routes(tuple(dims.data_rank(r) for r in range(len(trainers))), tuple(trainers),
+                  tuple(split.job_ranks("rollout")))
+
+
+def share_out(groups: list[Any], j: int, rollout_ranks: int, trainers: int) -> dict[int, list[Any]]:
+    """Rollout rank j's groups (in its order) by the trainer that takes each: round-robin over its takers."""
+    mine = takers(j, rollout_ranks, trainers)
+    shares: dict[int, list[Any]] = {d: [] for d in mine}
+    for n, group in enumerate(groups):
+        shares[mine[n % len(mine)]].append(group)
     return shares
+
+
+def deal(groups: list[list[Any]], trainers: int) -> list[list[Any]]:
+    """Each trainer's share of the rollout ranks' groups (`groups[j]`: rollout rank j's, in its order), as each
+    rollout rank hands them out (`share_out`) and each trainer takes them from its givers in rank order."""
+    shares: list[list[Any]] = [[] for _ in range(trainers)]
+    for j, mine in enumerate(groups):
+        for d, share in share_out(mine, j, len(groups), trainers).items():
+            shares[d] += share
+    return shares
+
+
+@dataclass(frozen=True)
+class Routes:
+    """Who sends what to whom between the sides of a split job, from each side's job ranks in side order and each
+    trainer's data-parallel rank (`trainer_data[r]`, r its side rank: the ranks of a tensor group share one). Rollout
+    rank j sends its groups to the trainers that take them (`takers`), and its counts to trainer 0; at a save each
+    taker keeps its own share of the batches held, and at a resume the first trainer of each data rank gives it
+    back."""
+
+    trainer_data: tuple[int, ...]
+    trainer_jobs: tuple[int, ...]
+    rollout_jobs: tuple[int, ...]
+
+    @property
+    def data(self) -> int:
+        return max(self.trainer_data) + 1
+
+    @property
+    def counter(self) -> int:
+        """The job rank that counts every rollout rank's tally (trainer 0)."""
+        return self.trainer_jobs[0]
+
+    def destinations(self, j: int) -> dict[int, int]:
+        """Rollout rank j's messages: job rank -> the data rank whose share it takes (-1: trainer 0, for the
+        counts only)."""
+        mine = takers(j, len(self.rollout_jobs), self.data)
+        out = {self.trainer_jobs[r]: d for r, d in enumerate(self.trainer_data) if d in mine}
+        return out if self.counter in out else {self.counter: -1, **out}
+
+    def sources(self, r: int) -> list[int]:
+        """The rollout ranks' job ranks that trainer r (side rank) hears from: its data rank's givers, and every
+        rollout rank for trainer 0."""
+        if self.trainer_jobs[r] == self.counter:
+            return list(self.rollout_jobs)
+        return [self.rollout_jobs[j] for j in givers(self.trainer_data[r], len(self.rollout_jobs), self.data)]
+
+    def keeper(self, r: int) -> bool:
+        """Trainer r gives back its share at a resume: the first of its data rank (the others hold copies)."""
+        return self.trainer_data.index(self.trainer_data[r]) == r
+
+    def givers_back(self, j: int) -> dict[int, int]:
+        """At a resume, the trainers rollout rank j hears from: job rank -> data rank (-1: trainer 0's counts)."""
+        return {t: d for t, d in self.destinations(j).items() if d < 0 or self.keeper(self.trainer_jobs.index(t))}
 
 
 @dataclass

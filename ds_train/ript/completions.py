@@ -1,7 +1,8 @@
 """completions.jsonl: rank 0's rollouts, as they were generated (ript.log_completions per iteration and
 per held-out evaluation): the task, the transcript, the token ids, which of them the policy generated,
-the sampling engine's log-prob of each (vLLM's; null from Hugging Face generate), the reward; an environment's
-episode its turns, tool calls and the fault that ended it ("" when none). TRL's
+the sampling engine's log-prob of each (vLLM's or the rollout ranks'; null from a colocated Hugging Face generate),
+with rollout ranks the version of the weights that generated it, the reward; an environment's episode its turns,
+tool calls and the fault that ended it ("" when none). TRL's
 log_completions, as a file: what the policy actually said, and what a test compares token for token."""
 
 from __future__ import annotations
@@ -28,15 +29,17 @@ class Completions:
                 if line.strip() and json.loads(line)["iteration"] <= iteration]
         write_atomic(self.path, "".join(line + "\n" for line in kept))
 
-    def add(self, iteration: int, kind: str, episodes: list) -> None:
-        """`kind`: train (sampled rollouts) or eval (greedy, held-out)."""
+    def add(self, iteration: int, kind: str, episodes: list, versions: list[int] | None = None) -> None:
+        """`kind`: train (sampled rollouts) or eval (greedy, held-out); `versions`: with rollout ranks, the version
+        of the weights that generated each episode (updates done), as the rollout rank loaded them."""
         done = self.written.get((iteration, kind), 0)
         if not self.on or done >= self.limit or not episodes:
             return
         self.written[(iteration, kind)] = done + len(episodes[:self.limit - done])
         with self.path.open("a") as f:
-            for e in episodes[:self.limit - done]:
+            for n, e in enumerate(episodes[:self.limit - done]):
                 f.write(json.dumps({"iteration": iteration, "kind": kind, "task": e.task.name, "sample": e.index,
+                                    **({"version": versions[n]} if versions is not None else {}),
                                     "text": e.text, "ids": e.ids, "action_mask": e.action_mask,
                                     "logprobs": e.logprobs, "reward": e.reward, "success": e.success,
                                     "truncated": e.truncated, "turns": e.turns, "tool_calls": e.tool_calls,

@@ -3,7 +3,10 @@ ranks the weights of the last update and take the batch the next update trains o
 
 Every exchange is a meeting of the whole job on the bridge (ds_train/dist/bridge.py), opened by trainer 0's word
 to the rollout ranks (ds_train/ript/rollout_ranks.py reads it): `batch` (weights, then episodes), `save` (their
-sampler and the batches they hold, for the trainers' checkpoint), `resume` (the same, back), `stop`. Between two
+sampler and the batches they hold, for the trainers' checkpoint), `resume` (the same, back), `stop`. Episodes and
+what is held go point to point: each trainer gets its own share from the rollout ranks that give it one
+(ds_train/ript/batches.py Routes), trainer 0 every rollout rank's counts, and each trainer's checkpoint keeps its
+own share of the batches in flight. Between two
 meetings each side works on its own: the rollout ranks generate the batches ahead that ript.max_staleness allows
 while the trainers update.
 """
@@ -13,20 +16,22 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from ds_train.ript.batches import Staleness, deal, from_wire
+from ds_train.ript.batches import Routes, Staleness, from_wire, givers
 from ds_train.ript.sampler import Tally, merge_states
 from ds_train.model.gathered import policy_weights
 
 
 class RolloutFeed:
-    """The trainers' end of the bridge. `tasks`: every task as sharded over the rollout ranks (`shards`)."""
+    """The trainers' end of the bridge. `tasks`: every task as sharded over the rollout ranks (`shards`); `routes`:
+    which rollout ranks this trainer hears from (ds_train/ript/batches.py Routes)."""
 
-    def __init__(self, run: Any, bridge: Any, tasks: dict, shards: list[list[str]]):
-        self.run, self.bridge, self.tasks, self.shards = run, bridge, tasks, shards
+    def __init__(self, run: Any, bridge: Any, tasks: dict, shards: list[list[str]], routes: Routes):
+        self.run, self.bridge, self.tasks, self.shards, self.routes = run, bridge, tasks, shards, routes
         self.staleness = Staleness(run.cfg.ript.max_staleness)
-        self.saved: dict | None = None  # the rollout ranks' state at the last save (trainer 0's rank file)
+        self.saved: dict | None = None  # this trainer's share of what the rollout ranks held at the last save
         self.open = True
         self.in_meeting = False  # between a word and its answer (a failure there leaves the rollout ranks waiting)
+        self.side_rank = run.env.rank
         self._restart()
 
     def _restart(self) -> None:
@@ -37,15 +42,27 @@ class RolloutFeed:
         self.bridge.broadcast(word)
 
     def start(self, held: dict | None, sampler: dict | None) -> None:
-        """A resume hands the rollout ranks what they held at the checkpoint (`held`: trainer 0's rank file) and
-        their samplers' positions; a fresh start, nothing (a checkpoint of another split was refused before
-        anything was written: ds_train/checkpoint/resume.py check_resume)."""
-        self._word(kind="resume", held=held["held"] if held else None, sampler=sampler)
+        """A resume hands the rollout ranks what they held at the checkpoint (`held`: this trainer's rank file's
+        share, and on trainer 0 their counts and positions) and their samplers' positions; a fresh start, nothing
+        (a checkpoint of another split was refused before anything was written: ds_train/checkpoint/resume.py
+        check_resume)."""
+        word = self.bridge.broadcast({"kind": "resume", "held": held is not None, "sampler": sampler})
+        if not word["held"]:  # trainer 0's say: every trainer's rank file holds its share, or none does
+            return
+        routes, me = self.routes, self.side_rank
+        back = {}
+        for t in routes.sources(me):
+            j = routes.rollout_jobs.index(t)
+            mine = routes.keeper(me) and j in givers(routes.trainer_data[me], len(routes.rollout_jobs), routes.data)
+            back[t] = {"held": held["held"].get(j, {}) if mine else None,
+                       "meta": held["meta"][j] if routes.trainer_jobs[me] == routes.counter else None}
+        self.bridge.exchange({t: m for t, m in back.items() if m["held"] is not None or m["meta"] is not None}, [])
 
     def batch(self, it: int, tally: Tally, completions: Any) -> list[list]:
         """Update `it`'s groups for this trainer: the weights of update it - 1 to the rollout ranks (every trainer
-        walks them: gathered under ZeRO-3 and AutoTP, LoRA merged), then batch `it` from them, dealt over the
-        trainers, stale groups dropped. Trainer 0 counts every rollout rank's tally (summed exactly at the sync)."""
+        walks them: gathered under ZeRO-3 and AutoTP, LoRA merged), then this trainer's share of batch `it`, from
+        the rollout ranks that give it one (point to point), stale groups dropped. Trainer 0 counts every rollout
+        rank's tally (summed exactly at the sync)."""
         run = self.run
         run.beat(it, "wait-rollouts")  # the word waits for the rollout ranks to finish what they generate ahead
         self.in_meeting = True
@@ -56,19 +73,21 @@ class RolloutFeed:
         self.bridge.send_weights(policy_weights(run.engine.module, checkpoint_names=False), version=it - 1)
         t2 = time.perf_counter()
         run.beat(it, "wait-rollouts")
-        sent = [m for m in self.bridge.gather(None) if m is not None]  # job rank order: the rollout ranks' own
+        got = self.bridge.exchange({}, self.routes.sources(self.side_rank))  # job rank order
         self.waited_s += (t1 - t0) + (time.perf_counter() - t2)
         self.sent_s += t2 - t1
         self.in_meeting = False
-        groups = [[[from_wire(w, self.tasks) for w in g] for g in m["groups"]] for m in sent]
-        mine = deal(groups, run.plan.data_parallel_size)[run.data_rank]
-        if run.env.is_main:
-            for m in sent:
+        mine = [[from_wire(w, self.tasks) for w in g] for t in sorted(got) if got[t]["share"] is not None
+                for g in got[t]["share"]]
+        metas = [m["meta"] for m in got.values() if m["meta"] is not None]
+        if metas:  # trainer 0: every rollout rank's counts and waits
+            for m in metas:
                 for name, counts in m["tally"].items():
                     tally.add(name, **counts)
-            completions.add(it, "train", [e for by_rank in groups for g in by_rank for e, _ in g])
-        self.rollout_waited_s += max(m["waited_s"] for m in sent)
-        self.queue_depth = max(self.queue_depth, max(m["queue"] for m in sent))
+            self.rollout_waited_s += max(m["waited_s"] for m in metas)
+            self.queue_depth = max(self.queue_depth, max(m["queue"] for m in metas))
+        if run.env.is_main:
+            completions.add(it, "train", [e for g in mine for e, _ in g], [v for g in mine for _, v in g])
         self.batches += 1
         return self.staleness.keep(mine, policy_version=it - 1)
 
@@ -84,18 +103,28 @@ class RolloutFeed:
         return out
 
     def save_state(self) -> dict:
-        """For a checkpoint (every trainer): the rollout ranks' samplers merged by task; what each holds (the
-        batches generated ahead, where its sampler is) kept for trainer 0's rank file (`rank_state`)."""
+        """For a checkpoint (every trainer): each trainer keeps its own share of the batches the rollout ranks hold
+        (`rank_state`, its rank file), trainer 0 their counts, next batches and samplers, which it merges by task
+        and hands to the other trainers (the checkpoint's common state)."""
+        import torch  # noqa: F401 - the broadcast's tensors
+
+        from ds_train import dist
+
         self.in_meeting = True
         self._word(kind="save")
-        held = [m for m in self.bridge.gather(None) if m is not None]
+        got = self.bridge.exchange({}, self.routes.sources(self.side_rank))
         self.in_meeting = False
-        self.saved = {"rollout_ranks": len(held), "held": [{k: v for k, v in m.items() if k != "sampler"}
-                                                          for m in held]}
-        return merge_states([m["sampler"] for m in held], self.shards)
+        routes = self.routes
+        self.saved = {"rollout_ranks": len(routes.rollout_jobs),
+                      "held": {routes.rollout_jobs.index(t): m["held"] for t, m in got.items() if m["held"] is not None},
+                      "meta": {routes.rollout_jobs.index(t): {k: v for k, v in m["meta"].items() if k != "sampler"}
+                               for t, m in got.items() if m["meta"] is not None}}
+        metas = sorted((routes.rollout_jobs.index(t), m["meta"]) for t, m in got.items() if m["meta"] is not None)
+        merged = merge_states([m["sampler"] for _, m in metas], self.shards) if metas else None
+        return dist.broadcast_object(merged)
 
     def rank_state(self) -> dict:
-        return {"async": self.saved} if self.run.env.is_main and self.saved else {}
+        return {"async": self.saved} if self.saved else {}
 
     def state(self) -> dict:
         """What the loop's checkpoint state records of the split (every trainer reads it back at a resume)."""

@@ -28,7 +28,8 @@ from ds_train.observe.reports import is_secondary
 from ds_train.observe.watchdog import Heartbeat, Watchdog
 from ds_train.run import StopRequest
 from ds_train.model.build import resolve_dtype
-from ds_train.ript.batches import source_version, to_wire
+from ds_train.plan.parallel import plan_dims
+from ds_train.ript.batches import routes, share_out, source_version, to_wire
 from ds_train.ript.inputs import RiptInputs, ript_spec
 from ds_train.ript.rollout import Episode, model_policy, scripted_policy
 from ds_train.ript.sampler import ContextSampler, Tally
@@ -45,8 +46,9 @@ class _NoCompletions:
 
 @dataclass
 class Held:
-    """What a rollout rank holds between meetings: the batches generated ahead (batch -> its groups as plain data
-    and its tally), the next batch to generate, and the version of the weights it holds (-1: none yet)."""
+    """What a rollout rank holds between meetings: the batches generated ahead (batch -> its groups as plain data,
+    by the data rank that takes them, and its tally), the next batch to generate, and the version of the weights it
+    holds (-1: none yet)."""
 
     queue: dict = field(default_factory=dict)
     next_batch: int = 1
@@ -124,6 +126,7 @@ class RolloutRank:
     def __init__(self, cfg: RunConfig, inputs: RiptInputs, env: DistEnv, beat=lambda *_: None):
         self.cfg, self.r, self.env, self.beat = cfg, cfg.ript, env, beat
         self.bridge = dist.sides()
+        self.routes = routes(env.split, plan_dims(cfg.parallel, env.split.world("trainer").world_size))
         self.tokenizer = inputs.run.source.tokenizer
         self.tasks, shards = inputs.rollout_tasks, inputs.rollout_shards
         self.mine = shards[env.rank]
@@ -160,18 +163,33 @@ class RolloutRank:
                 self.resume(word)
             elif kind == "save":
                 self.beat(self.meeting, "save")
-                self.bridge.gather({"queue": self.held.queue, "next_batch": self.held.next_batch,
-                                    "sampler": self.sampler.state()})
+                self.save()
             else:
                 self.meeting = word["batch"]
                 self.batch(word["batch"])
 
+    def save(self) -> None:
+        """Each trainer that takes this rank's groups gets its share of the batches held; trainer 0 their counts,
+        the next batch and the sampler's position."""
+        queue, counter = self.held.queue, self.routes.counter
+        meta = {"next_batch": self.held.next_batch, "tallies": {b: q["tally"] for b, q in queue.items()},
+                "sampler": self.sampler.state()}
+        self.bridge.exchange({t: {"held": {b: q["shares"][d] for b, q in queue.items()} if d >= 0 else None,
+                                  "meta": meta if t == counter else None}
+                              for t, d in self.routes.destinations(self.env.rank).items()}, [])
+
     def resume(self, word: dict) -> None:
+        """The sampler's position, and what this rank held at the checkpoint back from the trainers that kept it."""
         if word["sampler"] is not None:
             self.sampler.load_state(word["sampler"])
-        if word["held"] is not None:
-            mine = word["held"][self.env.rank]
-            self.held.queue, self.held.next_batch = mine["queue"], mine["next_batch"]
+        if not word["held"]:
+            return
+        back = self.routes.givers_back(self.env.rank)
+        got = self.bridge.exchange({}, list(back))
+        meta = got[self.routes.counter]["meta"]
+        self.held.queue = {b: {"shares": {d: got[t]["held"][b] for t, d in back.items() if d >= 0}, "tally": tally}
+                           for b, tally in meta["tallies"].items()}
+        self.held.next_batch = meta["next_batch"]
 
     def batch(self, i: int) -> None:
         """Meeting i: the weights of update i - 1 in, batch i out, then the batches ahead."""
@@ -184,7 +202,10 @@ class RolloutRank:
             self.generate(self.held.next_batch)
         out = self.held.queue.pop(i)
         self.beat(i, "send-batch")
-        self.bridge.gather({**out, "waited_s": self.waited_s, "queue": len(self.held.queue)})
+        meta = {"tally": out["tally"], "waited_s": self.waited_s, "queue": len(self.held.queue)}
+        self.bridge.exchange({t: {"share": out["shares"][d] if d >= 0 else None,
+                                  "meta": meta if t == self.routes.counter else None}
+                              for t, d in self.routes.destinations(self.env.rank).items()}, [])
         self.waited_s = 0.0
         while self.held.next_batch <= min(i + k, last):
             self.generate(self.held.next_batch)
@@ -231,7 +252,8 @@ class RolloutRank:
         if self.model is not None:
             sampled_logprobs(self.model, [e for g in groups for e in g], self.tokenizer.eos_token_id,
                              self.r.temperature)
-        self.held.queue[j] = {"groups": [[to_wire(e, version) for e in g] for g in groups],
+        wire = [[to_wire(e, version) for e in g] for g in groups]
+        self.held.queue[j] = {"shares": share_out(wire, self.env.rank, len(self.routes.rollout_jobs), self.routes.data),
                               "tally": {n: c for n, c in tally.as_dict().items() if c.get("checked")}}
         self.held.next_batch = j + 1
 

@@ -23,6 +23,7 @@ from ds_train.fs import write_atomic
 from ds_train.observe.metrics import Interval
 from ds_train.observe.startup import StartupClock
 from ds_train.ript.algorithms import describe_algorithm
+from ds_train.ript.batches import routes
 from ds_train.ript.completions import Completions
 from ds_train.ript.counts import SyncedCounts
 from ds_train.ript.feed import RolloutFeed
@@ -126,7 +127,8 @@ def ript(cfg: RunConfig, ds_config_path: str) -> dict:
                       completions=Completions(run.paths.completions, r.log_completions, run.env.is_main),
                       sampled=inputs.rollout_tasks)
         if env.split:
-            job.feed = RolloutFeed(run, dist.sides(), inputs.rollout_tasks, inputs.rollout_shards)
+            job.feed = RolloutFeed(run, dist.sides(), inputs.rollout_tasks, inputs.rollout_shards,
+                                   routes(env.split, run.dims))
             run.say(f"rollout ranks: the last {r.rollout_ranks_per_node} of every node's "
                     f"{env.split.job.local_world_size} ({env.split.world('rollout').world_size} in all) generate, "
                     f"{env.world_size} train; ript.max_staleness {r.max_staleness}")
