@@ -1,6 +1,9 @@
 """Where this process sits in the job, read from whichever launcher started it: rank, local rank,
-world size, node and master address (`detect_env`, a `DistEnv`), and the host of each node
-(`node_hosts`, SLURM node lists expanded). Pure reads of the environment: no process group.
+world size, node, the job's nodes where the launcher says them, and master address (`detect_env`, a
+`DistEnv`), and the host of each node (`node_hosts`, SLURM node lists expanded). Pure reads of the
+environment: no process group. A job split into trainer and rollout ranks (`split_job`) needs the same
+number of ranks on every node; under the deepspeed launcher each rank knows its own node's (LOCAL_SIZE)
+and the job's nodes (CROSS_SIZE), so a rank of an uneven hostfile says so itself.
 
 Supported launchers: the `deepspeed` launcher, torchrun, SLURM srun, a manual
 RANK/WORLD_SIZE/MASTER_ADDR environment, and a plain single process. ds_train/dist/ joins the
@@ -28,6 +31,7 @@ class DistEnv:
     master_port: int
     launcher: str  # deepspeed | torchrun | slurm | manual | single
     split: "Split | None" = None  # this rank's side of a job split into trainer and rollout ranks (`split_job`)
+    nodes: int = 0  # the job's nodes where the launcher says (the deepspeed launcher's CROSS_SIZE); 0: not said
 
     @property
     def is_main(self) -> bool:
@@ -86,6 +90,11 @@ def split_job(env: DistEnv, rollout_per_node: int, key: str = "ript.rollout_rank
     launcher's ranks do not split (a node left without a trainer, ranks not numbered node by node)."""
     if not rollout_per_node:
         return env
+    if env.nodes and env.nodes * env.local_world_size != env.world_size:  # an uneven hostfile: each node its own count
+        raise UserError(f"{key}={rollout_per_node}: node {env.node_rank} runs {env.local_world_size} of the job's "
+                        f"{env.world_size} ranks over {env.nodes} nodes, so the nodes run different numbers of ranks, "
+                        f"and the last {rollout_per_node} of each would not split them alike; give every node the same "
+                        f"slots= in the hostfile (`ds-train launch --check` names the nodes)")
     if rollout_per_node >= env.local_world_size:
         raise UserError(f"{key}={rollout_per_node}: each node runs {env.local_world_size} rank(s), and at least one "
                         f"must train; set it below {env.local_world_size}, or launch more ranks per node")
@@ -148,7 +157,8 @@ def detect_env(environ: Mapping[str, str] | None = None) -> DistEnv:
                     f"the job? Unset RANK, LOCAL_RANK, WORLD_SIZE and LOCAL_WORLD_SIZE in the job script (ds_train "
                     f"reads SLURM's own), or start the ranks with torchrun or deepspeed")
         return DistEnv(rank, _int(env, "LOCAL_RANK", 0), world, local_world, node_rank,
-                       env["MASTER_ADDR"], _int(env, "MASTER_PORT"), launcher)
+                       env["MASTER_ADDR"], _int(env, "MASTER_PORT"), launcher,
+                       nodes=_int(env, "CROSS_SIZE", 0))  # the deepspeed launcher's; each node's own LOCAL_SIZE
     if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
         nodelist = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST") or "localhost"
         job_id = _int(env, "SLURM_JOB_ID", 0)

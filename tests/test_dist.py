@@ -29,7 +29,7 @@ SLURM = {**UNRELATED, "SLURM_PROCID": "3", "SLURM_LOCALID": "1", "SLURM_NTASKS":
 def test_deepspeed_launcher():
     env = detect_env(DEEPSPEED)
     assert env == DistEnv(rank=2, local_rank=2, world_size=4, local_world_size=4, node_rank=0,
-                          master_addr="10.0.0.1", master_port=29500, launcher="deepspeed")
+                          master_addr="10.0.0.1", master_port=29500, launcher="deepspeed", nodes=1)
     assert not env.is_main
 
 
@@ -198,6 +198,36 @@ def test_a_job_splits_into_trainer_and_rollout_ranks_node_by_node():
     assert [split.side_rank(r) for r in split.job_ranks("rollout")] == [0, 1]
     assert split.world("trainer").world_size == 6 and split.world("rollout").local_world_size == 1
     assert split_job(_job(5), 0) == _job(5)  # no split: the job as launched
+
+
+def _deepspeed_env(world_info: dict[str, int], rank: int) -> dict[str, str]:
+    """A rank's environment as deepspeed/launcher/launch.py writes it for `world_info` (host -> slots): ranks node by
+    node in hostfile order, LOCAL_SIZE its own node's count, LOCAL_RANK = RANK % LOCAL_SIZE, CROSS_SIZE the nodes."""
+    first = 0
+    for node, (host, slots) in enumerate(world_info.items()):
+        if rank < first + slots:
+            return {"RANK": str(rank), "LOCAL_RANK": str(rank % slots), "WORLD_SIZE": str(sum(world_info.values())),
+                    "LOCAL_SIZE": str(slots), "CROSS_RANK": str(node), "CROSS_SIZE": str(len(world_info)),
+                    "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500"}
+        first += slots
+    raise ValueError(rank)
+
+
+@pytest.mark.parametrize("slots", [{"a": 2, "b": 4}, {"a": 4, "b": 2}, {"a": 3, "b": 3, "c": 2}, {"a": 1, "b": 3}])
+def test_every_rank_of_an_uneven_deepspeed_launch_refuses_a_split_naming_its_node(slots):
+    """Launched by plain `deepspeed --hostfile` on nodes of different slots (no preflight), no rank takes the split
+    for one it can run: each says its node, its count and the job's, before anything waits on it."""
+    from ds_train.topology import detect_env, split_job
+
+    for rank in range(sum(slots.values())):
+        env = detect_env(_deepspeed_env(slots, rank))
+        with pytest.raises(UserError) as e:
+            split_job(env, 1)
+        assert f"node {env.node_rank} runs {env.local_world_size} of the job's {env.world_size} ranks over " \
+               f"{len(slots)} nodes" in str(e.value), (rank, str(e.value))
+    even = {"a": 3, "b": 3}
+    assert [split_job(detect_env(_deepspeed_env(even, r)), 1).split.role for r in range(6)] == \
+        ["trainer", "trainer", "rollout"] * 2
 
 
 @pytest.mark.parametrize("env, n, needle", [
