@@ -50,7 +50,7 @@ BUILDS_A_RUN = (*RUN_COMMANDS, "dry-run", "parity-worker")  # start.build_run tu
 
 
 def check_command(argv: list[str], world_size: int, local_world_size: int | None = None,
-                  device: str | None = None):
+                  device: str | None = None, nodes=None):
     """The command `ds-train launch` / `slurm` runs on every rank: parsed by that subcommand's own
     parser, its config loaded and checked at the target world size as each rank checks it
     (inputs.check_launch; `device`: "cuda" or "cpu" where known, for the rendered ds_config)."""
@@ -64,6 +64,9 @@ def check_command(argv: list[str], world_size: int, local_world_size: int | None
     if not args.config or not args.ds_config:
         raise UserError(f"{args.command} needs --config and --ds-config")
     cfg = load_config(args.config, args.overrides, command=args.command)
+    split = nodes.problems(cfg.ript.rollout_ranks_per_node) if nodes and args.command == "ript" else []
+    if split:  # before check_launch splits the job at one count a node
+        raise UserError(f"preflight: {split[0]}")
     return cfg, check_launch(cfg, args.ds_config, args.spec(cfg), world_size, local_world_size, device)
 
 

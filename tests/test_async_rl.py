@@ -65,9 +65,22 @@ def test_staleness_is_k_exactly_over_uneven_environment_time_and_an_older_batch_
                                                              "env": "ript_envs:Unhurried", "max_turns": 2}],
                          "iterations": 6, "sync_every": 1, "eval_every": 0, "rollout_ranks_per_node": 2,
                          "max_staleness": 2, "tis_cap": 2, "debug_stale_iteration": 5})
-    res = run_cmd(ript(cfg, 3), timeout=300, env=TESTS_ON_PATH)
+    res = run_cmd(ript(cfg, 3, ZERO2, "checkpoint.every=1", "checkpoint.keep=0", "ript.log_completions=4",
+                       "ript.temperature=0.7"), timeout=300, env=TESTS_ON_PATH)
     assert res.returncode == 0, res.out[-4000:]
     got = logged(tmp_path / "run")
+    # the probe: each logged episode's log-probs are those of the weights its stamp names, at its temperature
+    # (recomputed from that version's checkpoint), and not those of the next version
+    records = [json.loads(l) for l in (tmp_path / "run" / "completions.jsonl").read_text().splitlines()]
+    train = [c for c in records if c["kind"] == "train"]
+    assert {c["iteration"]: c["version"] for c in train} == {1: 0, 2: 0, 3: 0, 4: 1, 5: 1, 6: 3}, train
+    off = []
+    for c in train:
+        mine, later = (probe_logprobs(sft_policy, tmp_path / "run", v, c["ids"], 0.7)
+                       for v in (c["version"], c["version"] + 1))
+        assert max(abs(a - b) for a, b in zip(mine[1:], c["logprobs"][1:])) < 1e-5, c
+        off.append(max(abs(a - b) for a, b in zip(later[1:], c["logprobs"][1:])))
+    assert max(off) > 1e-3, off  # the probe tells versions apart
     for it in range(1, 7):
         ages = {int(k.rsplit("_", 1)[1]): v for k, v in got[it].items() if k.startswith("async/staleness_")
                 and k.rsplit("_", 1)[1].isdigit()}
@@ -88,6 +101,22 @@ def test_staleness_is_k_exactly_over_uneven_environment_time_and_an_older_batch_
                   "ript.debug_stale_iteration=0"], "saved with 2 rollout rank(s) in all (ript.rollout_ranks_per_node), "
                  "this job has 0", wrap=["env", f"PYTHONPATH={ROOT / 'tests'}"])
     assert tree_listing(tmp_path / "run") == before
+
+
+def probe_logprobs(policy: Path, run_dir: Path, version: int, ids: list[int], temperature: float) -> list[float]:
+    """The log-prob of each token of `ids` under the weights of `version` (updates done: 0 the starting policy,
+    else the checkpoint of that iteration), at `temperature`; 0.0 for the first."""
+    import torch
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(policy, dtype=torch.float32).eval()
+    if version:
+        weights = get_fp32_state_dict_from_zero_checkpoint(str(run_dir / "checkpoints"), tag=f"step_{version:08d}")
+        model.load_state_dict(weights, strict=False)
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([ids[:-1]])).logits.float() / temperature
+    return [0.0] + torch.log_softmax(logits, -1)[0].gather(-1, torch.tensor(ids[1:])[:, None])[:, 0].tolist()
 
 
 @pytest.mark.parametrize("layout,signum", [("zero3", signal.SIGKILL), ("lora", signal.SIGTERM)])

@@ -343,6 +343,7 @@ RIPT_SIZES = [
     (["ript.temperature=1e-300"], "ript.temperature=1e-300: is below 1e-30", ["ript.temperature=1e-30", "ript.temperature=0"]),
     # RuntimeError: value cannot be converted to type float without overflow (torch.clamp of the ratio)
     (["ript.clip_high=1e308"], "ript.clip_high=1e308: is above 1e38", ["ript.clip_high=1e38"]),
+    (["ript.tis_cap=1e308", "ript.rollout_engine=vllm"], "ript.tis_cap=1e308: is above 1e38", []),  # the same clamp
 ]
 
 

@@ -841,6 +841,21 @@ def test_launch_errors_before_any_ssh(run_config, tmp_path):
     assert not (tmp_path / "run").exists()  # nothing written by a failed launch
 
 
+def test_a_split_job_on_an_uneven_hostfile_is_refused_naming_the_node_before_any_ssh(tiny_policy, tmp_path):
+    """`launch --check -- ript` with rollout ranks: node2 (2 slots) beside node1 (4) is named in one line, before the
+    command's own checks split the job at one count a node (they said `each node runs 2 rank(s)`)."""
+    from conftest import expect_error, ript_config
+
+    cfg = ript_config(tmp_path, tiny_policy, train={"global_batch_size": 12})
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("127.0.0.2 slots=4\n127.0.0.3 slots=2\n")
+    for n, said in ((1, "runs fewer ranks than"), (2, "runs no more ranks than that")):
+        expect_error(["launch", "--hostfile", str(hostfile), "--check", "--", "ript", "--config", str(cfg),
+                      "--ds-config", ZERO2, f"ript.rollout_ranks_per_node={n}"],
+                     f"preflight: ript.rollout_ranks_per_node={n}: {hostfile}:2 (127.0.0.3: slots=2, 2 ranks) {said}")
+    assert not (tmp_path / "run").exists()
+
+
 def test_launch_help():
     res = ds_train("launch", "--help", timeout=60)
     assert res.returncode == 0 and "--hostfile" in res.out and "deepspeed launcher flags" in res.out

@@ -192,6 +192,35 @@ def test_check_resume_refuses_another_kind_and_for_ript_another_world_size(tmp_p
         resume.check_resume(ript_point, cfg, "ript", world=3, same_world=True)
 
 
+def test_an_asynchronous_ript_checkpoint_resumes_only_with_its_max_staleness(tmp_path):
+    """The batches the rollout ranks held at the save were generated for the saved k: a lower k would drop them all
+    as stale at the first updates, a higher one train on batches generated too early; refused in one line."""
+    from ds_train.config.file import build_config
+
+    def config(k: int):
+        return build_config({"model": {"config": {"model_type": "llama"}},
+                             "ript": {"rollout_ranks_per_node": 1, "max_staleness": k, "tis_cap": 2 if k else 0}})
+
+    saved = {"step": 4, "world_size": 1, "kind": "ript", "config": config(2).to_dict(), "ript": {"rollout_ranks": 1}}
+    point = resume.ResumePoint(tmp_path, "step_00000004", saved)
+    assert resume.check_resume(point, config(2), "ript", world=1, same_world=True, rollout_ranks=1) == []
+    for k in (0, 1, 3):
+        with pytest.raises(UserError, match=f"saved with ript.max_staleness=2, resumed with {k}: .* resume with "
+                                            f"ript.max_staleness=2"):
+            resume.check_resume(point, config(k), "ript", world=1, same_world=True, rollout_ranks=1)
+
+
+def test_max_staleness_above_0_needs_the_off_policy_correction():
+    from ds_train.config.file import build_config
+
+    model = {"config": {"model_type": "llama"}}
+    with pytest.raises(UserError, match="ript.max_staleness: 1 trains on episodes of older weights, and ript.tis_cap "
+                                        "is 0 .* set tis_cap"):
+        build_config({"model": model, "ript": {"rollout_ranks_per_node": 1, "max_staleness": 1}})
+    assert build_config({"model": model, "ript": {"rollout_ranks_per_node": 1, "max_staleness": 1,
+                                                  "tis_cap": 2}}).ript.tis_cap == 2
+
+
 def test_plan_resume_decides_without_writing(tmp_path):
     point = resume.ResumePoint(tmp_path, "step_00000004", {"world_size": 2, "zero_stage": 2, "dtype": "fp32"})
     assert resume.plan_resume(point, ParallelDims(2), 2, "fp32", False) == resume.ResumePlan(point)

@@ -194,3 +194,31 @@ def test_task_weighting_accepted_shares_rollouts_by_accept_rate_and_resumes_exac
     b = ContextSampler(tasks, 100, seed=1, weighting="accepted")
     b.load_state(json.loads(json.dumps({"tasks": a.state()["tasks"], "turns": {"add,copy,sort": a.state()["turn"]}})))
     assert [(t.name, i) for t, i, _ in a.next(50, Tally(names))] == [(t.name, i) for t, i, _ in b.next(50, Tally(names))]
+
+
+@pytest.mark.parametrize("model_type,extra", [
+    ("llama", {}), ("qwen3_moe", {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32}),
+    ("mixtral", {"num_local_experts": 4})])
+def test_the_weights_the_trainers_send_have_their_place_in_a_rollout_model_built_from_the_config(model_type, extra):
+    """ds_train/ript/inputs.py check_weight_stream on the meta device: what the trainers send (rollout_weights:
+    LoRA merged, a MoE's fused experts as in memory) fits the rollout ranks' model exactly. The checkpoint's names
+    would not: 12 of a Qwen3-MoE's 35 had no place (found at the first meeting, after the whole start-up)."""
+    import dataclasses
+
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from ds_train.config import RunConfig
+    from ds_train.model.gathered import policy_weights
+    from ds_train.ript.inputs import check_weight_stream
+
+    hf = AutoConfig.for_model(model_type, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                              num_attention_heads=4, num_key_value_heads=2, vocab_size=128, **extra)
+    cfg = RunConfig()
+    check_weight_stream(cfg, hf)
+    lora = dataclasses.replace(cfg.model.lora, rank=4, target_modules=("q_proj", "v_proj"))
+    check_weight_stream(dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, lora=lora)), hf)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(hf)
+    unplaced = {n for n, _ in policy_weights(model)} - set(dict(model.named_parameters()))
+    assert bool(unplaced) == (model_type != "llama"), unplaced  # the checkpoint's layout: a MoE's experts one by one

@@ -145,7 +145,9 @@ class RiptConfig(Section):
         NON_NEGATIVE)
     max_staleness: int = _f(0, "With rollout ranks: the episodes update i trains on come from the weights of update "
                                "i - 1 - k (0: the current weights, synchronous; 1: one-step-off, generation "
-                               "overlaps the update). Older episodes are dropped and counted.", NON_NEGATIVE)
+                               "overlaps the update). Older episodes are dropped and counted. Above 0 it needs "
+                               "tis_cap (the off-policy correction, NeMo-RL: required for convergence).",
+                            NON_NEGATIVE)
     debug_stale_iteration: int = _f(0, "Fault injection (with rollout ranks): this iteration's batch is generated "
                                        "from weights one update older than max_staleness allows (the rollout "
                                        "ranks skip one weight load); the trainers drop it as stale. 0: none.",
@@ -187,6 +189,9 @@ class RiptConfig(Section):
         if self.clip_high > 1e38:  # torch.clamp takes 1 + clip_high as a float32 bound of the ratio
             errs.append(f"ript.clip_high: {self.clip_high:g} is above 1e38: the ratio is clipped at 1 + clip_high in "
                         f"float32 (3.4e38 at most); lower it")
+        if self.tis_cap > 1e38:  # the importance weights are clamped at it in float32, as the ratio is
+            errs.append(f"ript.tis_cap: {self.tis_cap:g} is above 1e38: the importance weights are capped in float32 "
+                        f"(3.4e38 at most); lower it (verl and TRL use 2)")
         return errs + self._check_engine()
 
     def _check_engine(self) -> list[str]:
@@ -217,6 +222,10 @@ class RiptConfig(Section):
             errs.append(f"ript.debug_stale_iteration: {self.debug_stale_iteration} cannot be generated from weights older "
                         f"than ript.max_staleness={self.max_staleness} allows (there are none before update 0); "
                         f"set it to {self.max_staleness + 2} or more")
+        elif self.max_staleness > 0 and self.tis_cap == 0:
+            errs.append(f"ript.max_staleness: {self.max_staleness} trains on episodes of older weights, and "
+                        f"ript.tis_cap is 0 (no off-policy correction); set tis_cap (verl and TRL use 2), or "
+                        f"max_staleness=0")
         elif self.rollout_engine == "vllm":
             errs.append("ript.rollout_ranks_per_node with ript.rollout_engine=vllm: rollout ranks generate with the "
                         "policy's own generate for now; set rollout_engine=hf, or rollout_ranks_per_node=0 for vLLM")

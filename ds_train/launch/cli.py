@@ -13,7 +13,6 @@ target world size).
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import sys
 from pathlib import Path
@@ -28,9 +27,10 @@ from ds_train.observe.launchers import BEAT_ENV, BEAT_S, launch_beat_s
 DEFAULT_MASTER_PORT = 29500
 
 
-# The command after `--`, the target world size, ranks a node and the hosts' device ("cuda", "cpu" or None:
-# not known yet) -> (run config, batch plan), or a UserError: the ranks' own checks (inputs.check_launch).
-CheckCommand = Callable[[list[str], int, int | None, str | None], tuple]
+# The command after `--`, the target world size, ranks a node, the hosts' device ("cuda", "cpu" or None:
+# not known yet) and each node's ranks (preflight.NodeRanks, or None) -> (run config, batch plan), or a UserError:
+# the ranks' own checks (inputs.check_launch), and a split job the nodes cannot run.
+CheckCommand = Callable[[list[str], int, int | None, str | None, object], tuple]
 # The command after `--` and the target world size -> the memory plan's per-GPU peak in GiB.
 PlanMemory = Callable[[list[str], int], float]
 
@@ -93,11 +93,12 @@ def _split(argv: list[str], name: str) -> tuple[list[str], list[str]]:
 
 
 def _check_run(args, command: list[str], world_size: int, local_world_size: int | None = None,
-               device: str | None = None):
-    """The command after `--`, checked as its ranks check it at this world size: (run config, batch plan)."""
+               device: str | None = None, nodes=None):
+    """The command after `--`, checked as its ranks check it at this world size: (run config, batch plan).
+    `nodes`: each node's ranks (preflight.NodeRanks), where the launch knows them."""
     if not command:
         raise UserError(f"{args.command}: nothing after `--`; give `train` or `ript` with --config and --ds-config")
-    return args.check_command(command, world_size, local_world_size, device)
+    return args.check_command(command, world_size, local_world_size, device, nodes)
 
 
 def _check_flags(opts) -> None:
@@ -167,7 +168,7 @@ def cmd_launch(args) -> int:
     from ds_train.launch import envfile
     from ds_train.launch.hostfile import read_hostfile, select_hosts
     from ds_train.launch.packages import run_modules, run_packages
-    from ds_train.launch.preflight import SshOptions, one_machine_hosts, run_preflight
+    from ds_train.launch.preflight import SshOptions, node_ranks, one_machine_hosts, run_preflight
 
     ours, command_argv = _split(args.argv, "launch")
     opts, passthrough = _launch_parser().parse_known_args(ours)
@@ -175,9 +176,9 @@ def cmd_launch(args) -> int:
     beat_s = launch_beat_s(os.environ)
     hosts = read_hostfile(opts.hostfile)
     pool = select_hosts(hosts, opts.num_nodes, opts.num_gpus, opts.include, opts.exclude)
-    world_size = sum(len(slots) for slots in pool.values())
-    per_node = math.gcd(*(len(slots) for slots in pool.values()))  # what must divide every node's ranks
-    cfg, plan = _check_run(args, command_argv, world_size, per_node)
+    nodes = node_ranks(pool, hosts, opts.hostfile)  # each node's ranks, as the deepspeed launcher starts them
+    world_size, per_node = nodes.world_size, nodes.per_node  # per_node: what divides every node's ranks
+    cfg, plan = _check_run(args, command_argv, world_size, per_node, nodes=nodes)
     cwd, python = os.path.abspath("."), sys.executable
     variables = envfile.collect_env(os.environ, list(cfg.launch.env), cwd)
     _check_local(cwd, python, command_argv, variables)
@@ -188,7 +189,8 @@ def cmd_launch(args) -> int:
                            packages=run_packages(cfg.log, cfg.ript, cfg.benchmarks),
                            modules=run_modules(cfg, optional=True),
                            where={h.name: f"{opts.hostfile}:{h.line}" for h in hosts},
-                           one_machine=one_machine_hosts(os.environ))
+                           one_machine=one_machine_hosts(os.environ), nodes=nodes,
+                           rollout_per_node=cfg.ript.rollout_ranks_per_node if command_argv[0] == "ript" else 0)
     _check_run(args, command_argv, world_size, per_node, "cuda" if result.on_gpu else "cpu")  # its ds_config
     print(f"preflight: {len(pool)} host(s), world size {world_size} "
           f"({', '.join(f'{h}: {len(s)}' for h, s in pool.items())}); ssh, Python {python}, versions and "

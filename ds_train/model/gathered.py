@@ -58,6 +58,12 @@ def policy_weights(module, checkpoint_names: bool = True) -> Iterator[tuple[str,
             yield from to_checkpoint(own)
 
 
+def rollout_weights(module) -> Iterator[tuple[str, Any]]:
+    """What the trainers send a rollout rank (ript.rollout_ranks_per_node), which builds the same class from the
+    config: the weights in the model's in-memory names and layouts (policy_weights, checkpoint_names False)."""
+    return policy_weights(module, checkpoint_names=False)
+
+
 def checkpoint_layout(model):
     """A function from {name: tensor} of one module to its (name, tensor) pairs as the model's checkpoint
     holds them: transformers' own reverse conversion (save_pretrained's), or the pairs as they are where

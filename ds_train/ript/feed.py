@@ -18,7 +18,7 @@ from typing import Any
 
 from ds_train.ript.batches import Routes, Staleness, from_wire, givers
 from ds_train.ript.sampler import Tally, merge_states
-from ds_train.model.gathered import policy_weights
+from ds_train.model.gathered import rollout_weights
 
 
 class RolloutFeed:
@@ -70,7 +70,7 @@ class RolloutFeed:
         self._word(kind="batch", batch=it)
         t1 = time.perf_counter()
         run.beat(it, "send-weights")
-        self.bridge.send_weights(policy_weights(run.engine.module, checkpoint_names=False), version=it - 1)
+        self.bridge.send_weights(rollout_weights(run.engine.module), version=it - 1)
         t2 = time.perf_counter()
         run.beat(it, "wait-rollouts")
         got = self.bridge.exchange({}, self.routes.sources(self.side_rank))  # job rank order

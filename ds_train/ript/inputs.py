@@ -113,14 +113,14 @@ class RiptInputs:
 
 
 def check_weight_stream(cfg: RunConfig, hf_config) -> None:
-    """With rollout ranks: every weight the trainers will send (ds_train/model/gathered.py policy_weights, in the
+    """With rollout ranks: every weight the trainers will send (ds_train/model/gathered.py rollout_weights, in the
     model's in-memory names: LoRA merged, a MoE's experts as they are) has its place in the rollout ranks' model
     built from the config, and every parameter of that model is sent; walked on the meta device (no memory, no
     weights read), so a mismatch is one line before anything is written rather than the first meeting's."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    from ds_train.model.gathered import policy_weights
+    from ds_train.model.gathered import rollout_weights
     from ds_train.model.lora import apply_lora, enabled
 
     with torch.device("meta"):
@@ -128,7 +128,7 @@ def check_weight_stream(cfg: RunConfig, hf_config) -> None:
         rollout = dict(AutoModelForCausalLM.from_config(hf_config).named_parameters())
         if enabled(cfg.model.lora):
             trainer = apply_lora(trainer, cfg.model.lora, cfg.seed)
-        sent = {name: tuple(t.shape) for name, t in policy_weights(trainer, checkpoint_names=False)}
+        sent = {name: tuple(t.shape) for name, t in rollout_weights(trainer)}
     where = "ript.rollout_ranks_per_node"
     extra = sorted(set(sent) - set(rollout))
     missing = sorted(set(rollout) - set(sent))
