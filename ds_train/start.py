@@ -255,7 +255,8 @@ def _build_run(inputs: RunInputs, env: DistEnv, spec: RunSpec, stop: StopRequest
                                        launchers, say, host)
     watched = env.split.job.world_size if env.split else env.world_size  # with rollout ranks: theirs after ours
     watchdog = Watchdog(heartbeat, paths, watched, cfg.watchdog.stall_s, cfg.watchdog.heartbeat_s,
-                        side_channel(env), env.local_rank if checked.on_gpu else None, stop.request,
+                        side_channel(env.split.job if env.split else env), env.local_rank if checked.on_gpu else None,
+                        stop.request,
                         launchers).start()
     text = source.hf_config.get_text_config()  # a multimodal config's language model: its layers and widths
     clock.mark("run set-up")

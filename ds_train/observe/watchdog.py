@@ -152,7 +152,7 @@ class Watchdog:
                 "phase": hb.phase, "status": hb.status, "position": [hb.step, hb.step_beats],
                 "idle_s": round(hb.idle_s(), 3), "time": time.time(),
                 "collective": collective_of(main_frame()), **memory_now(self.device_index),
-                **({"role": hb.role, "job_rank": hb.job_rank} if hb.role else {})}
+                "slot": hb.slot, **({"role": hb.role, "job_rank": hb.job_rank} if hb.role else {})}
 
     def publish(self, to_store: bool = True) -> dict:
         rec = self.record()
@@ -358,7 +358,7 @@ class Watchdog:
             before = {r: ch.get(f"hb/{r}") for r in range(self.world)}
             time.sleep(2 * self.heartbeat_s + 0.5)  # every live rank publishes again meanwhile
             failures = self._failure_records()
-            failed = {f["rank"] for f in failures}
+            failed = {f.get("slot", f["rank"]) for f in failures}  # rollout ranks after the trainers
             silent = [_loads(before[r]) for r in range(self.world)
                       if r not in failed and before[r] is not None and ch.get(f"hb/{r}") == before[r]]
         if not failures or ch.get("report") is not None:
