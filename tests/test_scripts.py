@@ -94,6 +94,35 @@ def test_the_shipped_products_are_what_scripts_tool_problems_writes_and_their_ca
         assert c["messages"][2] == {"role": "tool", "content": str(a * b)}
 
 
+def test_the_shipped_all_calls_demonstrations_are_what_scripts_tool_sft_calls_writes_and_each_calls_the_tool(tmp_path):
+    """recipes/tool_sft_calls.yaml reads them: 900 conversations, every one offered the calculator, calling it with
+    the question's two numbers, given the calculator's result, answering with that result; none answered at once;
+    the first start's 300 calls among them (the same demonstrator)."""
+    import json
+    import re
+
+    from ds_train.ript.environments import tool_schema
+    from ds_train.ript.tools import calculator
+
+    subprocess.run([sys.executable, str(ROOT / "scripts" / "tool_sft_calls.py"), "--out", str(tmp_path)], check=True,
+                   capture_output=True)
+    shipped = ROOT / "recipes" / "data" / "products_sft_calls.jsonl"
+    assert (tmp_path / "products_sft_calls.jsonl").read_bytes() == shipped.read_bytes()
+    sft = [json.loads(line) for line in shipped.read_text().splitlines()]
+    assert len(sft) == 900 and all(c["tools"] == [tool_schema(calculator, "calculator")] for c in sft)
+    for c in sft:
+        user, call, result, last = c["messages"]
+        a, b = map(int, re.findall(r"\d+", user["content"]))
+        assert {len(str(a)), len(str(b))} == {3, 2} and (user["role"], call["role"], result["role"], last["role"]) == (
+            "user", "assistant", "tool", "assistant")
+        expression = call["tool_calls"][0]["function"]["arguments"]["expression"]
+        assert call["content"] == "" and sorted(map(int, expression.split(" * "))) == sorted((a, b))
+        assert result["content"] == calculator(expression) == str(a * b) and last["content"] == f"The answer is {a * b}."
+    first = [json.loads(line) for line in (ROOT / "recipes" / "data" / "products_sft.jsonl").read_text().splitlines()]
+    calls = [c for c in first if len(c["messages"]) == 4]
+    assert len(calls) == 300 and all(c in sft for c in calls)
+
+
 def test_the_shipped_preference_pairs_are_what_their_script_writes_and_each_kind_prefers_as_it_says(tmp_path):
     """recipes/dpo.yaml and bench/dpo.py read them: 2,000 pairs of four kinds, no side the same as
     the other; a faithful greeting names the prompt's person, the rejected one someone else."""
