@@ -117,7 +117,8 @@ def test_the_shipped_all_calls_demonstrations_are_what_scripts_tool_sft_calls_wr
             "user", "assistant", "tool", "assistant")
         expression = call["tool_calls"][0]["function"]["arguments"]["expression"]
         assert call["content"] == "" and sorted(map(int, expression.split(" * "))) == sorted((a, b))
-        assert result["content"] == calculator(expression) == str(a * b) and last["content"] == f"The answer is {a * b}."
+        assert result["content"] == calculator(expression) == str(a * b)
+        assert last["content"] == f"The answer is {a * b}."
     first = [json.loads(line) for line in (ROOT / "recipes" / "data" / "products_sft.jsonl").read_text().splitlines()]
     calls = [c for c in first if len(c["messages"]) == 4]
     assert len(calls) == 300 and all(c in sft for c in calls)
