@@ -7,11 +7,16 @@ ript: RIPT on the seven built-in tasks (recipes/ript_sft.yaml, then recipes/ript
 arith: RL from a dataset of arithmetic word problems with a numeric verifier (recipes/rl_sft.yaml,
 then recipes/rl_demo.yaml).
 tools: RL with a calculator tool on products a tiny model cannot work out in its head (recipes/tool_sft.yaml,
-then recipes/tool_demo.yaml), two seeds, beside RL without the tool (recipes/tool_demo_no_tool.yaml) and
-continued SFT, each for two seeds (the RL command as written is the first; the second overrides `seed` and
-`output_dir`). SFT continued from the same checkpoint is deterministic: its two rows differ only by the wall
-time they match, each seed's RL-with-the-tool time. The SFT start is evaluated both ways (with the tool and
-without), each RL run in its own setting.
+then recipes/tool_demo.yaml), two seeds, beside RL without the tool (recipes/tool_demo_no_tool.yaml), continued
+SFT, and RL with the tool from a second start whose demonstrations all call the tool (recipes/tool_sft_calls.yaml,
+then recipes/tool_demo_calls.yaml), each for two seeds (the RL command as written is the first; the second
+overrides `seed` and `output_dir`). SFT continued from the same checkpoint is deterministic: its two rows differ
+only by the wall time they match, each seed's RL-with-the-tool time. Each start is evaluated in the settings of
+the RL runs from it (the first with the tool and without), each RL run in its own. Every row is scored on ONE
+held-out set (one_heldout): the records, by their prompt text, that every RL arm's task holds out (ds-train ript
+splits a task by a hash of the rendered prompt, which holds the tools' schema, so a task with the tool and its
+twin without it hold out different records) and that no SFT start's demonstrations ask; each RL row's score on
+its own task's held-out set is kept beside it and equals what its command printed.
 
 1. SFT, the documented command: `deepspeed --num_gpus 2 --module ds_train train --config <sft recipe>
    --ds-config ds_configs/zero2.json`.
@@ -20,7 +25,8 @@ without), each RL run in its own setting.
    success A (iteration 0) -> B (iteration N); ...") is the page's figure.
 3. Continued SFT: the SFT run resumed into runs/bench_<demo>/sft_continued for at least as long as
    RL took (launcher start-ups included on both sides; topped up from its own checkpoint if short).
-4. Held-out success per task of all three with the RL run's own evaluation (greedy, the same contexts).
+4. Held-out success per task of all three with the RL run's own evaluation (greedy, the same contexts; tools:
+   on the one held-out set every arm holds out).
 
 The demo's run directories must not exist (the commands would resume them): --replace removes them,
 and the SFT data prepared for it, first. Writes runs/bench_<demo>/summary.json and, unless
@@ -72,6 +78,8 @@ class Demo:
     marker: str  # the FIGURES / BENCHMARKS.md blocks it rewrites
     what: str  # the held-out set, in words
     no_tool_recipe: str = ""  # tools: RL without the tool, the third arm
+    calls_sft_recipe: str = ""  # tools: the second start, every demonstration a call
+    calls_rl_recipe: str = ""  # tools: RL with the tool from calls_sft_recipe's run
     seeds: tuple[int, ...] = ()  # tools: the seeds of each arm (the first is the recipe's)
     lm_eval: tuple[str, ...] = ()  # lm-evaluation-harness tasks scored on each exported policy (recipes/lm_eval/)
 
@@ -89,6 +97,13 @@ class Demo:
     @property
     def no_tool_cmd(self) -> str:
         return self.cmd("ript", self.no_tool_recipe)
+
+    @property
+    def commands(self) -> tuple[str, ...]:
+        """Every documented command the demo launches."""
+        return (self.sft_cmd, self.rl_cmd) + ((self.no_tool_cmd,) if self.no_tool_recipe else ()) + (
+            (self.cmd("train", self.calls_sft_recipe), self.cmd("ript", self.calls_rl_recipe))
+            if self.calls_sft_recipe else ())
 
     def config(self, recipe: str, overrides: tuple[str, ...] = ()):
         from ds_train.config.file import load_config
@@ -111,8 +126,12 @@ class Demo:
         return ROOT / self.written(self.rl_recipe)["output_dir"]
 
     @property
-    def data_dir(self) -> Path:
-        return ROOT / self.written(self.sft_recipe)["data"]["dir"]
+    def made(self) -> tuple[list[Path], list[Path]]:
+        """What the demo's commands make: (every run directory of its recipes as written, the SFT data prepared)."""
+        sft = [r for r in (self.sft_recipe, self.calls_sft_recipe) if r]
+        rl = [r for r in (self.rl_recipe, self.no_tool_recipe, self.calls_rl_recipe) if r]
+        return ([ROOT / self.written(r)["output_dir"] for r in sft + rl],
+                [ROOT / self.written(r)["data"]["dir"] for r in sft])
 
 
 DEMOS = {"ript": Demo("recipes/ript_sft.yaml", "recipes/ript_demo.yaml", "RIPT", "ript-bench",
@@ -122,7 +141,8 @@ DEMOS = {"ript": Demo("recipes/ript_sft.yaml", "recipes/ript_demo.yaml", "RIPT",
                        lm_eval=("arith_words", "arith_choice")),
          "tools": Demo("recipes/tool_sft.yaml", "recipes/tool_demo.yaml", "RL with the tool", "tool-bench",
                        "3-digit by 2-digit products held out by a hash of the prompt",
-                       no_tool_recipe="recipes/tool_demo_no_tool.yaml", seeds=(1234, 1235))}
+                       no_tool_recipe="recipes/tool_demo_no_tool.yaml", calls_sft_recipe="recipes/tool_sft_calls.yaml",
+                       calls_rl_recipe="recipes/tool_demo_calls.yaml", seeds=(1234, 1235))}
 
 
 def run(command: str, *overrides: str, log: Path) -> tuple[float, str]:
@@ -139,8 +159,22 @@ def run(command: str, *overrides: str, log: Path) -> tuple[float, str]:
     return seconds, proc.stdout
 
 
-def heldout_success(model_dir: Path, cfg) -> dict:
-    """The evaluation `ds_train ript` runs, in this process, for a Hugging Face directory."""
+def prompt_key(task, prompt) -> str:
+    """A record's prompt text (its prompt_key's value), the same whatever the tools, template or tokenizer."""
+    return json.dumps(prompt.record[task.options["prompt_key"]], sort_keys=True)
+
+
+def scored(prompts: list[str]) -> str:
+    """A digest of the prompts a row is scored on, in their order."""
+    import hashlib
+
+    return hashlib.sha256("\n".join(prompts).encode()).hexdigest()[:16]
+
+
+def heldout_success(model_dir: Path, cfg, common: list[str] | None = None) -> dict:
+    """The evaluation `ds_train ript` runs, in this process, for a Hugging Face directory: the task's own held-out
+    contexts. With `common` (prompt_key's of each task's records, found in either split), the row's figures are
+    over those records, and the own held-out set's kept as "own_success_rate" / "own_problems"."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -150,15 +184,59 @@ def heldout_success(model_dir: Path, cfg) -> dict:
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     tok = AutoTokenizer.from_pretrained(model_dir)
     act = model_policy(model, tok, cfg.ript.max_new_tokens, temperature=0.0)
-    wins = total = calls = 0
+    batch = cfg.ript.rollout_contexts * cfg.ript.rloo_batch_size
+    wins = total = calls = own_wins = own_total = 0
     per_task = {}
     for task in load_tasks(cfg, tok, model.config).values():
-        eps = rollout(act, tok, [(task, c, 0) for c in task.contexts("heldout", cfg.ript.eval_contexts, cfg.seed)],
-                      cfg.ript.rollout_contexts * cfg.ript.rloo_batch_size, max_new_tokens=cfg.ript.max_new_tokens)
+        own = task.contexts("heldout", cfg.ript.eval_contexts, cfg.seed)
+        eps = rollout(act, tok, [(task, c, 0) for c in own], batch, max_new_tokens=cfg.ript.max_new_tokens)
+        own_wins, own_total = own_wins + sum(e.success for e in eps), own_total + len(eps)
+        if common is not None:  # the own set's episodes as they ran (the command's batches), the rest after them
+            keys = {prompt_key(task, c): e for c, e in zip(own, eps)}
+            rest = {prompt_key(task, c): c for split in ("heldout", "train") for c in task.splits[split]}
+            missing = [k for k in common if k not in keys and k not in rest]
+            if missing:
+                raise cli.fail(f"{model_dir}: task {task.name} has no record whose prompt is {missing[0]} (of "
+                               f"{len(missing)} of the common held-out set): not one held-out set")
+            more = [k for k in common if k not in keys]
+            keys.update(zip(more, rollout(act, tok, [(task, rest[k], 0) for k in more], batch,
+                                          max_new_tokens=cfg.ript.max_new_tokens)))
+            eps = [keys[k] for k in common]
         per_task[task.name] = sum(e.success for e in eps) / len(eps)
         wins, total = wins + sum(e.success for e in eps), total + len(eps)
         calls += sum(e.tool_calls > 0 for e in eps)
-    return {"success_rate": wins / total, "per_task": per_task, "called_tool": calls / total}
+    row = {"success_rate": wins / total, "per_task": per_task, "called_tool": calls / total}
+    if common is not None:  # "scored": which records, as a digest (every row of one demo: the same)
+        row.update(problems=total, scored=scored(common), own_success_rate=own_wins / own_total,
+                   own_problems=own_total)
+    return row
+
+
+def one_heldout(demo: Demo, starts: list[tuple[Path, object]], n: int) -> tuple[list[str], dict]:
+    """The one held-out set of the tools demo: the records (by prompt text) that every RL arm's task holds out,
+    `starts` (each RL recipe's start, exported, and the recipe's config: its tokenizer renders the prompts the
+    split hashes), less any prompt a user turn of an SFT start's demonstrations asks; in the first task's
+    seeded held-out order, at most n. Returns (the prompts, how they were counted)."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    from ds_train.ript.environments import load_tasks
+
+    held: list[list[str]] = []
+    for model_dir, cfg in starts:
+        tok, hf_config = AutoTokenizer.from_pretrained(model_dir), AutoConfig.from_pretrained(model_dir)
+        task, = load_tasks(cfg, tok, hf_config).values()
+        held.append([prompt_key(task, c) for c in task.contexts("heldout", len(task.splits["heldout"]), cfg.seed)])
+    seen = set()
+    for recipe in (demo.sft_recipe, demo.calls_sft_recipe):
+        for source in demo.config(recipe).data.sources:
+            for line in (ROOT / source).read_text().splitlines():
+                seen |= {json.dumps(m["content"]) for m in json.loads(line)["messages"] if m["role"] == "user"}
+    shared = set(held[0]).intersection(*held[1:])
+    common = [k for k in held[0] if k in shared and k not in seen]
+    counted = {"held_out_by_each": [len(h) for h in held], "held_out_by_all": len(shared),
+               "asked_in_sft": len(shared) - len([k for k in shared if k not in seen]), "problems": min(n, len(common)),
+               "prompts": common[:n]}
+    return common[:n], counted
 
 
 def lm_eval_scores(model_dir: Path, tasks: tuple[str, ...], limit: int) -> dict:
@@ -194,26 +272,31 @@ def continued_sft(demo: Demo, out: Path, rl_s: float, reduced: bool, name: str =
     return more_s, extra
 
 
-def tool_arms(demo: Demo, out: Path, reduced: bool) -> dict:
-    """The tools demo after its SFT: per seed, RL with the tool, RL without it and continued SFT for the time
-    RL with the tool took; every run and the SFT start evaluated (the start both ways). Returns the rows."""
+def tool_arms(demo: Demo, out: Path, reduced: bool) -> tuple[dict, dict, float]:
+    """The tools demo after its SFT: the second start's SFT; per seed, RL with the tool, RL without it, RL with the
+    tool from the second start and continued SFT for the time RL with the tool took; every run and both starts
+    evaluated (the first both ways) on one_heldout's set. Returns (the rows, the set's counts, the second SFT's s)."""
     from ds_train.checkpoint.export import export
 
-    rl_extra = REDUCED_RL if reduced else ()
-    with_tool, without = demo.config(demo.rl_recipe, rl_extra), demo.config(demo.no_tool_recipe, rl_extra)
+    sft_extra, rl_extra = (REDUCED_SFT, REDUCED_RL) if reduced else ((), ())
+    calls_s, _ = run(demo.cmd("train", demo.calls_sft_recipe), *sft_extra, log=out / "sft_calls.log")
+    calls_dir = ROOT / demo.written(demo.calls_sft_recipe)["output_dir"]
+    with_tool, without, calls = (demo.config(r, rl_extra) for r in (demo.rl_recipe, demo.no_tool_recipe,
+                                                                     demo.calls_rl_recipe))
 
-    def measured(name: str, run_dir: Path, seconds: float, cfg, **more) -> None:
-        hf = out / f"hf_{run_dir.name}"
-        if not hf.exists():  # the SFT start is evaluated twice
-            export(run_dir, hf)
-        rows[name] = {"seconds": round(seconds, 1), **heldout_success(hf, cfg), **more}
+    def hf(run_dir: Path) -> Path:
+        path = out / f"hf_{run_dir.name}"
+        if not path.exists():  # a start is evaluated in each setting of the RL runs from it
+            export(run_dir, path)
+        return path
 
-    rows: dict = {}
-    measured("SFT (start)", demo.sft_dir, 0.0, with_tool)
-    measured("SFT (start), no tool", demo.sft_dir, 0.0, without)
+    arms = [("SFT (start)", demo.sft_dir, 0.0, with_tool, {}), ("SFT (start), no tool", demo.sft_dir, 0.0, without, {}),
+            ("SFT (start, every demonstration a call)", calls_dir, 0.0, calls, {})]
     for i, seed in enumerate(demo.seeds):
-        for arm, cmd, cfg, recipe in (("RL with the tool", demo.rl_cmd, with_tool, demo.rl_recipe),
-                                      ("RL without the tool", demo.no_tool_cmd, without, demo.no_tool_recipe)):
+        for arm, recipe, cfg in (("RL with the tool", demo.rl_recipe, with_tool),
+                                 ("RL without the tool", demo.no_tool_recipe, without),
+                                 ("RL with the tool from the all-calls start", demo.calls_rl_recipe, calls)):
+            cmd = demo.cmd("ript", recipe)
             run_dir = ROOT / demo.written(recipe)["output_dir"] if i == 0 else out / f"{Path(recipe).stem}_{seed}"
             own = () if i == 0 else (f"seed={seed}", f"output_dir={run_dir}")  # the first: the command as written
             seconds, said = run(cmd, *rl_extra, *own, log=out / f"{run_dir.name}.log")
@@ -221,46 +304,70 @@ def tool_arms(demo: Demo, out: Path, reduced: bool) -> dict:
             if not printed:
                 raise cli.fail(f"`{cmd}` printed no \"held-out success A (iteration 0) -> B (iteration N)\" line; "
                                f"see {out / f'{run_dir.name}.log'}")
-            measured(f"{arm}, seed {seed}", run_dir, seconds, cfg, printed=list(printed[-1]))
-            if f"{rows[f'{arm}, seed {seed}']['success_rate']:.3f}" != printed[-1][1]:
-                raise cli.fail(f"{arm}, seed {seed}: the held-out success recomputed here, "
-                               f"{rows[f'{arm}, seed {seed}']['success_rate']:.3f}, is not the {printed[-1][1]} the "
-                               f"command printed ({out / f'{run_dir.name}.log'})")
-        rl_s = rows[f"RL with the tool, seed {seed}"]["seconds"]
+            arms.append((f"{arm}, seed {seed}", run_dir, seconds, cfg, {"printed": list(printed[-1])}))
+        rl_s = arms[-3][2]
         more_s, extra = continued_sft(demo, out, rl_s, reduced, name=f"sft_continued_{seed}")
-        measured(f"SFT continued, seed {seed}", out / f"sft_continued_{seed}", more_s, with_tool, steps=extra)
-    return rows
+        arms.append((f"SFT continued, seed {seed}", out / f"sft_continued_{seed}", more_s, with_tool, {"steps": extra}))
+    common, counted = one_heldout(demo, [(hf(demo.sft_dir), with_tool), (hf(demo.sft_dir), without),
+                                         (hf(calls_dir), calls)], with_tool.ript.eval_contexts)
+    rows: dict = {}
+    for name, run_dir, seconds, cfg, more in arms:
+        rows[name] = {"seconds": round(seconds, 1), **heldout_success(hf(run_dir), cfg, common), **more}
+        if "printed" in more and f"{rows[name]['own_success_rate']:.3f}" != more["printed"][1]:
+            raise cli.fail(f"{name}: the held-out success recomputed here on its own task's held-out set, "
+                           f"{rows[name]['own_success_rate']:.3f}, is not the {more['printed'][1]} the command "
+                           f"printed ({out / f'{run_dir.name}.log'})")
+    return rows, counted, calls_s
 
 
 def tool_tables(demo: Demo, s: dict) -> tuple[str, str]:
     """(the FIGURES paragraph, BENCHMARKS.md's section body) of the tools demo, from the summary."""
-    rows = s["rows"]
+    rows, held = s["rows"], s["heldout"]
 
     def mean(arm: str) -> float:
         return statistics.mean(rows[f"{arm}, seed {seed}"]["success_rate"] for seed in demo.seeds)
 
-    start, tool, no_tool, more = (rows["SFT (start)"]["success_rate"], mean("RL with the tool"),
-                                  mean("RL without the tool"), mean("SFT continued"))
-    lines = ["| policy | wall s | held-out success | called the tool |", "|---|---|---|---|"] + [
-        f"| {name} | {row['seconds']:.0f} | {row['success_rate']:.3f} | {row['called_tool']:.3f} |"
-        for name, row in rows.items()]
+    start, start_no_tool, calls_start = (rows[k]["success_rate"] for k in (
+        "SFT (start)", "SFT (start), no tool", "SFT (start, every demonstration a call)"))
+    tool, no_tool, more, from_calls = (mean(a) for a in ("RL with the tool", "RL without the tool", "SFT continued",
+                                                         "RL with the tool from the all-calls start"))
+
+    def start_of(name: str) -> str:  # the row a run compares against
+        return "-" if name.startswith("SFT (start") else (
+            "SFT (start, every demonstration a call)" if "all-calls" in name else "SFT (start)")
+
+    lines = ["| policy | from | wall s | held-out success | called the tool | its own held-out set (problems) |",
+             "|---|---|---|---|---|---|"] + [
+        f"| {name} | {start_of(name)} | {row['seconds']:.0f} | {row['success_rate']:.3f} | {row['called_tool']:.3f} | "
+        f"{row['own_success_rate']:.3f} ({row['own_problems']}) |" for name, row in rows.items()]
     bench = "python bench/rl_vs_sft.py --demo tools" + (" --reduced" if s.get("reduced") else "")
-    said = (f"Mean of seeds {' and '.join(map(str, demo.seeds))}: RL with the tool {tool:.3f}, "
-            f"**{100 * (tool - start):+.1f} points** over the SFT start ({start:.3f}); SFT continued for the same "
-            f"wall time {more:.3f} ({100 * (tool - more):+.1f} points for RL with the tool); RL without the tool "
-            f"{no_tool:.3f} (the start without the tool: {rows['SFT (start), no tool']['success_rate']:.3f}).")
+    each = held["held_out_by_each"]
+    one = (f"one held-out set for every row: the {held['problems']} problems (by the record's prompt) that "
+           f"{Path(demo.rl_recipe).stem} ({each[0]} held out), {Path(demo.no_tool_recipe).stem} ({each[1]}) and "
+           f"{Path(demo.calls_rl_recipe).stem} ({each[2]}) all hold out ({held['held_out_by_all']}; each task's "
+           f"split hashes its rendered prompt, which holds the tool's schema), less {held['asked_in_sft']} an SFT "
+           f"start's demonstrations ask")
+    said = (f"Mean of seeds {' and '.join(map(str, demo.seeds))}, on {held['problems']} held-out problems: RL with "
+            f"the tool {tool:.3f}, **{100 * (tool - start):+.1f} points** over its SFT start ({start:.3f}, built to "
+            f"prefer answering from its head); SFT continued from that start for the same wall time {more:.3f} "
+            f"({100 * (tool - more):+.1f} points for RL with the tool); RL without the tool {no_tool:.3f} (the start "
+            f"without the tool: {start_no_tool:.3f}). From the start whose demonstrations all call the tool "
+            f"({calls_start:.3f}), RL with the tool {from_calls:.3f}: **{100 * (from_calls - calls_start):+.1f} "
+            f"points** over that start, {100 * (from_calls - tool):+.1f} against RL with the tool from the first.")
     doc = (f"Measured on this 2-core CPU ({s['date']}, 2 processes, ZeRO-2, fp32; `{bench}` runs the commands "
-           f"above, two seeds each, and writes these figures; greedy, every held-out problem, {demo.what}; "
-           f"\"called the tool\": the share of episodes with a call). {said}\n\n" + "\n".join(lines) + "\n")
+           f"above, two seeds each, and writes these figures; greedy, {one}; \"from\": the start each row "
+           f"compares against; \"called the tool\": the share of episodes with a call; the last column: each row on "
+           f"its own task's held-out set, what its RL command printed). {said}\n\n" + "\n".join(lines) + "\n")
     section = (f"- Date: {s['date']}. Machine: {s['machine']}; {s['versions']}.\n"
                f"- Commands (the docs', as written, for seed {demo.seeds[0]}; `seed` and `output_dir` overridden "
-               f"for the others): `{demo.sft_cmd}` ({s['sft_s']:.0f} s), `{demo.rl_cmd}`, `{demo.no_tool_cmd}`; "
-               f"continued SFT: the first resumed from {demo.sft_dir.name} for each seed's RL-with-the-tool time. "
-               f"All by `{bench}`, which wrote this section.\n"
-               f"- Held-out success: greedy, every held-out problem ({demo.what}), the evaluation "
-               f"`ds_train ript` logs (recomputed in-process from each exported model; each RL row equals what "
-               f"its command printed); with the tool for the SFT start, RL with the tool and SFT continued, "
-               f"without it for the rows that say so.\n\n" + "\n".join(lines) + f"\n\n{said}\n")
+               f"for the others): `{demo.sft_cmd}` ({s['sft_s']:.0f} s), "
+               f"`{demo.cmd('train', demo.calls_sft_recipe)}` ({s['calls_sft_s']:.0f} s), `{demo.rl_cmd}`, "
+               f"`{demo.no_tool_cmd}`, `{demo.cmd('ript', demo.calls_rl_recipe)}`; continued SFT: the first resumed "
+               f"from {demo.sft_dir.name} for each seed's RL-with-the-tool time. All by `{bench}`, which wrote this "
+               f"section.\n"
+               f"- Held-out success: greedy, {one}; the evaluation `ds_train ript` logs (recomputed in-process from "
+               f"each exported model; each RL row's own held-out figure equals what its command printed); with the "
+               f"tool for every row but those that say so.\n\n" + "\n".join(lines) + f"\n\n{said}\n")
     return doc, section
 
 
@@ -336,22 +443,22 @@ def main() -> None:
     args = ap.parse_args()
     demo = DEMOS[args.demo]
     out = ROOT / "runs" / f"bench_{args.demo}"
-    dirs = [demo.sft_dir, demo.rl_dir, out] + ([ROOT / demo.written(demo.no_tool_recipe)["output_dir"]]
-                                               if demo.no_tool_recipe else [])
-    held = [str(p.relative_to(ROOT)) for p in dirs if p.exists()]
+    runs, data = demo.made
+    held = [str(p.relative_to(ROOT)) for p in runs + [out] if p.exists()]
     if held and not args.replace:
         raise cli.fail(f"{', '.join(held)} exist: the documented commands would resume them; give --replace to "
                        f"remove them first")
-    for p in (*dirs, demo.data_dir):
+    for p in (*runs, out, *data):
         shutil.rmtree(p, ignore_errors=True)
     out.mkdir(parents=True)
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(sys.prefix) / "torch_extensions"))
     sft_extra, rl_extra = (REDUCED_SFT, REDUCED_RL) if args.reduced else ((), ())
     sft_s, _ = run(demo.sft_cmd, *sft_extra, log=out / "sft.log")
     if demo.seeds:
-        rows = tool_arms(demo, out, args.reduced)
+        rows, counted, calls_s = tool_arms(demo, out, args.reduced)
         summary = {"demo": args.demo, "reduced": args.reduced, "date": datetime.date.today().isoformat(),
                    "machine": machine(), "versions": versions(), "sft_s": round(sft_s, 1),
+                   "calls_sft_s": round(calls_s, 1), "heldout": counted,
                    "eval_contexts": demo.config(demo.rl_recipe, rl_extra).ript.eval_contexts, "rows": rows}
         (out / "summary.json").write_text(json.dumps(summary, indent=2))
         return write_figures(demo, args, *tool_tables(demo, summary))

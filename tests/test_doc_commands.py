@@ -281,16 +281,20 @@ WAYS = [
                 " GiB per GPU -> fits, ", " on world 16; checkpoint round trip ok; wrote runs/quickstart/dry_run.json"),
         expect_files=(("runs/quickstart/dry_run.json", '"world": 16'),)),
     Way(r"deepspeed --num_gpus 2 --module ds_train (train|ript) --config recipes/((ript|rl)_(sft|demo)|tool_(sft|demo|"
-        r"demo_no_tool))\.yaml --ds-config ds_configs/zero2\.json", BY_ANOTHER,
+        r"demo_no_tool|sft_calls|demo_calls))\.yaml --ds-config ds_configs/zero2\.json", BY_ANOTHER,
         "the bench two lines below it in docs/post_training.md launches exactly this command (checked by the "
         "fast test), reduced", ""),
     Way(r"python bench/rl_vs_sft\.py (--demo (arith|tools) )?--replace", REDUCED,
         "--reduced: the SFT and RL commands above, continued SFT, the held-out evaluations; "
         "docs/post_training.md and BENCHMARKS.md left as they are", "{cmd} --reduced"),
     Way(_exact("python bench/async_rl.py --replace"), REDUCED,
-        "--reduced: a synchronous and an asynchronous run of 2 iterations from the tools bench's runs/tool_sft (so "
-        "after it), their held-out evaluation, a weights' send of a stand-in; BENCHMARKS.md and docs left as they are",
-        "{cmd} --reduced", phase=CLUSTER_CHECKS, expect=("ran end to end",)),
+        "--reduced: a colocated, a synchronous split and an asynchronous split run of 2 iterations each from the "
+        "tools bench's runs/tool_sft (so after it), their held-out evaluation, a weights' send of a stand-in, the "
+        "table (each arm's contexts checked) and the summary against both synchronous arms; BENCHMARKS.md and docs "
+        "left as they are", "{cmd} --reduced", phase=CLUSTER_CHECKS,
+        expect=("| colocated (both generate, then both train) | 1234 |", "| synchronous split (k=0) | 1234 |",
+                "| asynchronous split (k=1) | 1234 |", "| contexts checked | contexts accepted |",
+                "; against colocated ", "ran end to end")),
     Way(_exact("deepspeed --num_gpus 4 --module ds_train ript --config recipes/tool_demo.yaml --ds-config "
                "ds_configs/zero2.json ript.rollout_ranks_per_node=2 ript.max_staleness=1 ript.tis_cap=2"), REDUCED,
         "2 iterations from the tools bench's runs/tool_sft (so after it), into its own output_dir: 2 trainers, 2 "
@@ -299,6 +303,7 @@ WAYS = [
                                       "ript.max_staleness 1", "ript: done, 2 iterations")),
     Way(_exact("python scripts/word_problems.py"), AS_WRITTEN, "rewrites the shipped files byte for byte"),
     Way(_exact("python scripts/tool_problems.py"), AS_WRITTEN, "rewrites the shipped files byte for byte"),
+    Way(_exact("python scripts/tool_sft_calls.py"), AS_WRITTEN, "rewrites the shipped file byte for byte"),
     Way(_exact("python scripts/python_lines.py"), AS_WRITTEN, "rewrites the shipped file byte for byte"),
     Way(_exact("python bench/benchmarks_cost.py --replace"), CHECKED,
         "three quickstart runs of 300 steps (~6 minutes); tests/test_benchmarks.py scores in the run as it does",
@@ -370,8 +375,7 @@ def test_the_commands_run_by_another_are_that_ones():
     spec.loader.exec_module(dpo)
 
     documented = {d.text for d in collect(ROOT) if way_of(d)[0].how == BY_ANOTHER}
-    launched = {c for demo in bench.DEMOS.values()
-                for c in (demo.sft_cmd, demo.rl_cmd, *([demo.no_tool_cmd] if demo.no_tool_recipe else []))}
+    launched = {c for demo in bench.DEMOS.values() for c in demo.commands}
     launched |= {dpo.COMMAND}
     script = (ROOT / "scripts" / "quickstart.sh").read_text()
     exec_line = dict(logical_lines(list(enumerate(script.splitlines(), 1))))[
@@ -572,7 +576,39 @@ def test_the_documented_commands_run_in_a_fresh_checkout(tmp_path):
     print("\n" + report(steps))
     for name in ("README.md", *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "docs").glob("*.md")),
                  "BENCHMARKS.md", "recipes/data/word_problems.jsonl", "recipes/data/word_problems_sft.jsonl",
-                 "recipes/data/products.jsonl", "recipes/data/products_sft.jsonl"):
+                 "recipes/data/products.jsonl", "recipes/data/products_sft.jsonl",
+                 "recipes/data/products_sft_calls.jsonl"):
         assert (root / name).read_bytes() == (ROOT / name).read_bytes(), f"{name} was rewritten"
     summary = json.loads((root / "runs" / "bench_arith" / "summary.json").read_text())
     assert summary["demo"] == "arith" and set(summary["rows"]) == {"SFT (start)", "RL", "SFT continued"}
+    check_one_heldout(root)
+
+
+def check_one_heldout(root: Path) -> None:
+    """The reduced tools bench's rows, all scored on one held-out set (its summary's prompts, the digest of each
+    row's), every record of it held out by each RL arm's task (recomputed here with the library's split) and asked
+    by no SFT start's demonstrations; the all-calls start and RL from it among the rows."""
+    import hashlib
+
+    from transformers import AutoConfig, AutoTokenizer
+
+    from ds_train.config.file import load_config
+    from ds_train.ript.environments import load_tasks
+
+    summary = json.loads((root / "runs" / "bench_tools" / "summary.json").read_text())
+    prompts, rows = summary["heldout"]["prompts"], summary["rows"]
+    assert prompts and {r["scored"] for r in rows.values()} == {
+        hashlib.sha256("\n".join(prompts).encode()).hexdigest()[:16]} and {r["problems"] for r in rows.values()} == {
+        len(prompts)}, rows
+    assert "SFT (start, every demonstration a call)" in rows and any("all-calls start" in name for name in rows)
+    for recipe, start in (("tool_demo", "tool_sft"), ("tool_demo_no_tool", "tool_sft"), ("tool_demo_calls",
+                                                                                         "tool_sft_calls")):
+        hf = root / "runs" / "bench_tools" / f"hf_{start}"
+        cfg = load_config(root / "recipes" / f"{recipe}.yaml", [f"model.path={hf}"], command="ript")
+        task, = load_tasks(cfg, AutoTokenizer.from_pretrained(hf), AutoConfig.from_pretrained(hf)).values()
+        held = {json.dumps(p.record["prompt"]) for p in task.splits["heldout"]}
+        assert set(prompts) <= held, f"{recipe}: {len(set(prompts) - held)} of the one held-out set it trains on"
+    for name in ("products_sft.jsonl", "products_sft_calls.jsonl"):
+        asked = {json.dumps(c["messages"][0]["content"]) for c in map(json.loads, (
+            root / "recipes" / "data" / name).read_text().splitlines())}
+        assert not asked & set(prompts), f"{name} asks {len(asked & set(prompts))} of the held-out problems"
