@@ -403,7 +403,7 @@ def chat_policy(tmp_path_factory) -> Path:
         tok.save_pretrained(out)
         torch.manual_seed(0)
         cfg = AutoConfig.for_model(**{**TINY_MODEL, "num_attention_heads": 2, "num_key_value_heads": 2,  # vLLM: 32
-                                      "vocab_size": len(tok), "max_position_embeddings": 512})
+                                      "vocab_size": len(tok), "max_position_embeddings": 2048})
         AutoModelForCausalLM.from_config(cfg).save_pretrained(out)
         return out
 

@@ -149,8 +149,11 @@ class EnvTask(DatasetTask):
         """Each message's content cut to message_tokens tokens, on the room's truncation side."""
         out, n, right = [], self.message_tokens, self.limits.truncation_side == "right"
         for m in messages:
-            ids = self.tokenizer(m["content"], add_special_tokens=False)["input_ids"] \
-                if len(m["content"]) > n else ()
+            try:  # as chat_turns encodes it: text, a special token's spelling split (never a control token)
+                ids = self.tokenizer(m["content"], add_special_tokens=False, split_special_tokens=True)["input_ids"] \
+                    if isinstance(m.get("content"), str) and len(m["content"]) > n else ()
+            except (TypeError, ValueError, UnicodeError) as e:  # a lone surrogate: the tokenizer's TypeError
+                raise TurnFault("env_text", f"a message's content is not text ({type(e).__name__})") from None
             if len(ids) > n:
                 m = {**m, "content": self.tokenizer.decode(ids[:n] if right else ids[-n:])}
             out.append(m)

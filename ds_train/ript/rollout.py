@@ -190,7 +190,7 @@ def _rollout_batch(act: Act, tokenizer, jobs, turns: int, max_new_tokens: int) -
         waited = time.perf_counter()
         for e, action_ids in acted:  # an environment's step begun for each, so that they run together
             if e.session is not None:
-                e.session.begin(turn, tokenizer.decode(action_ids))
+                e.session.begin(turn, tokenizer.decode(action_ids), tokens=len(action_ids))
         for e, action_ids in acted:
             action = tokenizer.decode(action_ids)
             kind = generation(e.task, max_new_tokens)
