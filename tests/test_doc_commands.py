@@ -59,6 +59,7 @@ class Way:
     phase: int = 0  # 0: in reading order; CLUSTER_CHECKS: after those, with the loopback cluster up; LAST
     expect: tuple[str, ...] = ()  # lines its output must hold, beyond exit 0 (the launch's own test, shared)
     expect_files: tuple[tuple[str, str], ...] = ()  # (a file of the checkout, text it holds after the step)
+    timeout_s: float = 300  # the step's own limit (the reduced benches of several launches take longer)
 
     def command(self, doc: Documented) -> str:
         group = re.fullmatch(self.pattern, doc.text).group(1) if "{1}" in self.run else ""
@@ -294,7 +295,7 @@ WAYS = [
         "left as they are", "{cmd} --reduced", phase=CLUSTER_CHECKS,
         expect=("| colocated (both generate, then both train) | 1234 |", "| synchronous split (k=0) | 1234 |",
                 "| asynchronous split (k=1) | 1234 |", "| contexts checked | contexts accepted |",
-                "; against colocated ", "ran end to end")),
+                "; against colocated ", "ran end to end"), timeout_s=600),
     Way(_exact("deepspeed --num_gpus 4 --module ds_train ript --config recipes/tool_demo.yaml --ds-config "
                "ds_configs/zero2.json ript.rollout_ranks_per_node=2 ript.max_staleness=1 ript.tis_cap=2"), REDUCED,
         "2 iterations from the tools bench's runs/tool_sft (so after it), into its own output_dir: 2 trainers, 2 "
@@ -553,7 +554,7 @@ def test_the_documented_commands_run_in_a_fresh_checkout(tmp_path):
                 env.update(exports_of(step.command, root, env))
                 step.seconds = time.monotonic() - start
                 continue
-            rc, out = run_step(step, root, env, logs / f"{i:02d}.log", timeout=300)
+            rc, out = run_step(step, root, env, logs / f"{i:02d}.log", timeout=step.way.timeout_s)
             assert rc == 0, (f"{step.docs[0].where}: `{step.command}` exited {rc}:\n{out[-4000:]}\n\n"
                              f"{report(steps)}")
             if "--check" in step.command:
