@@ -287,7 +287,8 @@ WAYS = [
         "fast test), reduced", ""),
     Way(r"python bench/rl_vs_sft\.py (--demo (arith|tools) )?--replace", REDUCED,
         "--reduced: the SFT and RL commands above, continued SFT, the held-out evaluations; "
-        "docs/post_training.md and BENCHMARKS.md left as they are", "{cmd} --reduced"),
+        "docs/post_training.md and BENCHMARKS.md left as they are (tools: one seed)", "{cmd} --reduced",
+        timeout_s=900),
     Way(_exact("python bench/async_rl.py --replace"), REDUCED,
         "--reduced: a colocated, a synchronous split and an asynchronous split run of 2 iterations each from the "
         "tools bench's runs/tool_sft (so after it), their held-out evaluation, a weights' send of a stand-in, the "
