@@ -202,12 +202,14 @@ def test_a_rollout_rank_that_raises_ends_the_job_within_seconds_its_error_printe
     assert "stalled" not in out and "hang:" not in out, out[-4000:]
 
 
-def test_a_rollout_rank_killed_from_outside_ends_the_job_in_one_line_naming_it(sft_policy, tmp_path):
+@pytest.mark.parametrize("killed", ["rollout", "trainer"])
+def test_a_rank_killed_from_outside_ends_the_job_in_one_line_naming_it(sft_policy, tmp_path, killed):
     """A trainer and a rollout rank; the rollout rank sleeps 4 s at each sampling round and policy call
     (watchdog.debug_fault slow:r0:4) under watchdog.stall_s 7: its batches outlast the stall limit while the trainer
-    waits for them, which is no hang (each step of a batch is progress). Then it is killed with SIGKILL (the OOM
-    killer's way) after iteration 2. The trainer, inside the bridge, loses its connection: the job ends within a
-    minute with one verdict naming the rollout rank killed, and no traceback on any rank."""
+    waits for them, which is no hang (each step of a batch is progress). Then one of them is killed with SIGKILL
+    (the OOM killer's way) after iteration 2: the rollout rank, or the trainer (which holds the rendezvous store: the
+    rollout rank goes on with the second). The other, inside the bridge, loses its connection: the job ends within
+    a minute with one verdict naming the rank killed, and no traceback on any rank."""
     cfg = ript_config(tmp_path, sft_policy, {"micro_batch_size": 4, "global_batch_size": 8}, {"lr": LR},
                       **{**MODEL_RIPT, "iterations": 20, "sync_every": 1, "eval_every": 0, "rollout_ranks_per_node": 1})
     run_dir = tmp_path / "run"
@@ -217,15 +219,18 @@ def test_a_rollout_rank_killed_from_outside_ends_the_job_in_one_line_naming_it(s
         assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0][-3000:]
         time.sleep(0.05)
     assert all(logged(run_dir)[it]["perf/iteration_s"] > 7 for it in (1, 2)), logged(run_dir)  # past the limit
-    rollout = [p for p in pids_with(str(tmp_path / "ript.yaml")) if "--local_rank=1" in
-               Path(f"/proc/{p}/cmdline").read_bytes().decode(errors="replace")]
-    assert len(rollout) == 1, rollout
-    killed = time.monotonic()
-    os.kill(rollout[0], signal.SIGKILL)
+    local = 1 if killed == "rollout" else 0
+    victim = [p for p in pids_with(str(tmp_path / "ript.yaml")) if f"--local_rank={local}" in
+              Path(f"/proc/{p}/cmdline").read_bytes().decode(errors="replace")]
+    assert len(victim) == 1, victim
+    at = time.monotonic()
+    os.kill(victim[0], signal.SIGKILL)
     res = reap(proc, timeout=120)
-    assert time.monotonic() - killed < 60 and res.returncode != 0, res.out[-4000:]
+    assert time.monotonic() - at < 60 and res.returncode != 0, res.out[-4000:]
     verdicts = [l for l in res.out.splitlines() if l.startswith("ds-train: error: ")]
-    assert len(verdicts) == 1 and "rollout rank 0 (job rank 1) on node 0" in verdicts[0], res.out[-4000:]
-    assert "was killed by SIGKILL" in verdicts[0] and "then rank 0 lost the connection" in verdicts[0], verdicts
+    named, other = (("rollout rank 0 (job rank 1) on node 0", "then rank 0 lost the connection") if killed == "rollout"
+                    else ("rank 0 on node 0", "then rollout rank 0 (job rank 1) lost the connection"))
+    assert len(verdicts) == 1 and verdicts[0].startswith(f"ds-train: error: {named}"), res.out[-4000:]
+    assert "was killed by SIGKILL" in verdicts[0] and other in verdicts[0], verdicts
     assert "Traceback" not in res.out, res.out[-4000:]
     assert not pids_with(str(run_dir))
