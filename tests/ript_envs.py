@@ -6,6 +6,21 @@ from __future__ import annotations
 import re
 import time
 
+# The control tokens of the vendored templates' families (ChatML, Llama 3): the test tokenizers' special tokens.
+SPECIALS = ["<|im_start|>", "<|im_end|>", "<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>",
+            "<|eot_id|>", "<|eom_id|>", "<|python_tag|>"]
+
+
+def chat_tokenizer(out_dir, words: str):
+    """A small tokenizer trained on `words` (the tests' own vocabulary) with SPECIALS as special tokens and
+    Llama 3's begin-of-text: every vendored template renders with it."""
+    from ds_train.data.tokenizer import train_tokenizer
+
+    tok = train_tokenizer([words] * 20, 400, out_dir)
+    tok.add_special_tokens({"additional_special_tokens": SPECIALS})
+    tok.bos_token = "<|begin_of_text|>"
+    return tok
+
 
 def calculator(expression: str) -> str:
     """Evaluates an arithmetic expression of integers.

@@ -13,10 +13,9 @@ from datetime import datetime, timedelta
 import pytest
 
 from conftest import ROOT
+from ript_envs import SPECIALS, chat_tokenizer
 
 TEMPLATES = ROOT / "recipes" / "templates"
-SPECIALS = ["<|im_start|>", "<|im_end|>", "<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>",
-            "<|eot_id|>", "<|eom_id|>", "<|python_tag|>"]
 HERMES_CALL = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "12*34"}}\n</tool_call>'
 JSON_CALL = '{"name": "calculator", "parameters": {"expression": "12*34"}}'
 CHATML_TOOL = "\n<|im_start|>user\n<tool_response>\n{}\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
@@ -39,14 +38,9 @@ FAMILIES = {
 
 @pytest.fixture(scope="module")
 def tokenizer(tmp_path_factory):
-    from ds_train.data.tokenizer import train_tokenizer
-
-    texts = ["What is 12*34? The answer is 408. Are you sure? calculator expression arguments name parameters "
-             "tool_call tool_response think let me compute"] * 20
-    tok = train_tokenizer(texts, 400, tmp_path_factory.mktemp("tok"))
-    tok.add_special_tokens({"additional_special_tokens": SPECIALS})
-    tok.bos_token = "<|begin_of_text|>"
-    return tok
+    return chat_tokenizer(tmp_path_factory.mktemp("tok"),
+                          "What is 12*34? The answer is 408. Are you sure? calculator expression arguments "
+                          "name parameters tool_call tool_response think let me compute")
 
 
 @pytest.fixture(scope="module")

@@ -10,23 +10,17 @@ from pathlib import Path
 import pytest
 
 from conftest import ROOT
+from ript_envs import SPECIALS, chat_tokenizer
 
 TEMPLATES = ROOT / "recipes" / "templates"
-SPECIALS = ["<|im_start|>", "<|im_end|>", "<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>",
-            "<|eot_id|>", "<|eom_id|>", "<|python_tag|>"]
 CALL = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "12*34"}}\n</tool_call>'
 
 
 @pytest.fixture(scope="module")
 def tokenizer(tmp_path_factory):
-    from ds_train.data.tokenizer import train_tokenizer
-
-    texts = ["What is 12*34? The answer is 408. Count down from 3. next 2 1 0 calculator expression arguments "
-             "name parameters tool_call think let me compute"] * 20
-    tok = train_tokenizer(texts, 400, tmp_path_factory.mktemp("tok"))
-    tok.add_special_tokens({"additional_special_tokens": SPECIALS})
-    tok.bos_token = "<|begin_of_text|>"
-    return tok
+    return chat_tokenizer(tmp_path_factory.mktemp("tok"),
+                          "What is 12*34? The answer is 408. Count down from 3. next 2 1 0 calculator "
+                          "expression arguments name parameters tool_call think let me compute")
 
 
 def env_task(tokenizer, tmp: Path, template: str, records: list[dict], workers: int = 0, **options):
