@@ -187,6 +187,9 @@ class ModelShape:
     mlp_width: float = 0.0  # values a token's MLPs keep per layer (an MoE's: plan/experts.py); 0: 4 x intermediate
     q_hidden: int = 0  # width of the query projection (heads x head_dim; Qwen3's exceeds hidden); 0: hidden
     qk_norm: bool = False  # RMSNorms on the query and key heads (Qwen3): they keep their inputs too
+    # decoder layers whose MLP train.mlp_tile_positions tiles (model/tiled_mlp.py's rule: a module named `mlp`,
+    # its class ending in MLP, no dropout; an MoE block, Jamba's or LFM2's `feed_forward` stay whole); None: all
+    tiled_mlp_layers: int | None = None
 
     def rank_params(self, tensor: int) -> float:
         """Parameters one rank holds under parallel.tensor (the split modules' share, the rest whole)."""
@@ -269,7 +272,26 @@ def model_shape(hf_config, lora=None) -> ModelShape:
                       getattr(text, "intermediate_size", 4 * hidden), kv_heads * head_dim,
                       text.vocab_size, largest, heads, split, kv_heads, trainable,
                       expert_param_count(model, hf_config), num_experts(hf_config) or 0,
-                      moe_mlp_width(model, hf_config), heads * head_dim, qk_norm)
+                      moe_mlp_width(model, hf_config), heads * head_dim, qk_norm,
+                      tiled_mlp_layers(model, hidden, text.num_hidden_layers))
+
+
+def tiled_mlp_layers(model, hidden: int, n_layers: int) -> int:
+    """The decoder layers whose MLP the tiled MLP tiles: the modules model/tiled_mlp.py's `tiled_mlps` takes (named
+    `mlp`, their class's name ending in MLP, no dropout) that read the text model's hidden states (a vision tower's
+    MLPs are of another width). Module names and class names only: the rule is kept equal to tiled_mlps' by
+    tests/test_models_matrix.py, on the full-size configs of bench/configs/."""
+    import torch
+
+    n = 0
+    for name, module in model.named_modules():
+        if name.rsplit(".", 1)[-1] != "mlp" or not type(module).__name__.endswith("MLP"):
+            continue
+        if any(type(m).__name__.startswith("Dropout") and m.p for m in module.modules()):
+            continue
+        first = next((m for m in module.modules() if isinstance(m, torch.nn.Linear)), None)
+        n += first is not None and first.in_features == hidden
+    return min(n, n_layers)
 
 
 @dataclass(frozen=True)
@@ -313,13 +335,21 @@ and their fp32 copy are transient. The fused loss in tiles (train.fused_loss) ke
     # The MLP in tiles (train.mlp_tile_positions): it keeps only its input (already counted as the
     # norm's output); one tile's 4f values exist while it is recomputed (counted as the untiled MLP's
     # are), beside the gradient of its whole input.
+    # Only the layers whose MLP it tiles (shape.tiled_mlp_layers: an MoE block stays whole, and so does every MLP of
+    # a model whose MLPs it does not take), each a dense MLP of 4 x intermediate values a token.
     mlp_tiled = bool(mlp_tile_positions) and seq_len > mlp_tile_positions
     # Fused kernels (model.compile, model.liger_kernels) keep only the MLP's gate and up (SiLU and the
     # product recomputed in the backward) and no fp32 copy of an RMSNorm's input.
     width = shape.mlp_width or 4 * shape.intermediate  # a mixture of experts': its k experts, router and shared one
-    mlp = 0 if mlp_tiled else (width / 2 if fused_kernels else width) / tensor
+    tiled_width = width if shape.tiled_mlp_layers is None else \
+        min(width, 4 * shape.intermediate * min(shape.tiled_mlp_layers, shape.n_layers) / max(shape.n_layers, 1))
+    kept = width - tiled_width if mlp_tiled else width  # averaged over the layers, as width is
+    mlp_tiled = mlp_tiled and tiled_width > 0
+    mlp = (kept / 2 if fused_kernels else kept) / tensor
     norm_fp32 = 2 * shape.hidden * (4 - p) if p < 4 and not fused_kernels else 0
-    mlp_transient = (micro_batch * mlp_tile_positions * width / tensor + tokens * shape.hidden) * p if mlp_tiled else 0
+    tile_width = width if shape.tiled_mlp_layers is None else 4 * shape.intermediate  # one tiled layer's
+    mlp_transient = (micro_batch * mlp_tile_positions * tile_width / tensor + tokens * shape.hidden) * p if mlp_tiled \
+        else 0
     q, kv = shape.q_hidden or shape.hidden, shape.kv_hidden
     split = (3 * q + 3 * kv + (2 * (q + kv) if shape.qk_norm else 0)) / tensor  # Qwen3's Q/K norms: input, output
     if shape.qk_norm and p < 4 and not fused_kernels:

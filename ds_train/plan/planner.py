@@ -38,7 +38,8 @@ def tiles(cfg: RunConfig) -> tuple[int, int, int, bool, bool, int]:
     train.mlp_tile_positions in positions of a sequence), the AutoTP size that splits the
     layers, whether the loss is fused and whether the layers run fused kernels (model.compile,
     `auto` included: the plan is for GPUs; model.liger_kernels), and the AutoEP size that splits the
-    experts: estimate's last arguments."""
+    experts: estimate's last arguments. The MLP's tiles save only in the layers whose MLP the run tiles
+    (memory.ModelShape.tiled_mlp_layers: none of a mixture of experts' blocks), not in every layer."""
     return (cfg.train.loss_tile_tokens, cfg.train.mlp_tile_positions, cfg.parallel.tensor, cfg.train.fused_loss,
             bool(fused_kernels(cfg)), cfg.parallel.expert)
 
