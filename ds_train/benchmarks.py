@@ -11,6 +11,7 @@ lm_eval's own Hugging Face backend (HFLM on the model object: no reload, no copy
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import functools
 import importlib.util
@@ -124,8 +125,10 @@ def _manager(include: tuple[str, ...]):
     return TaskManager(include_path=list(include) or None, verbosity="ERROR")
 
 
-def check_tasks(tasks: list[str], key: str = KEY) -> Tasks:
-    """benchmarks.tasks as lm_eval will take them, or one line saying what it would stop on (and the fix)."""
+def check_tasks(tasks: list[str], key: str = KEY, unsafe_code: bool = False) -> Tasks:
+    """benchmarks.tasks as lm_eval will take them, or one line saying what it would stop on (and the fix): every
+    task built, its metrics and aggregations ones lm_eval knows, and a task flagged unsafe_code refused unless
+    `unsafe_code` (benchmarks.confirm_run_unsafe_code)."""
     if not tasks:
         return Tasks((), {}, ())
     if not installed():
@@ -140,48 +143,156 @@ def check_tasks(tasks: list[str], key: str = KEY) -> Tasks:
             hint = f" (did you mean {close[0]!r}?)" if close else ""
             raise UserError(f"{key}: {name!r} is not a task lm_eval knows{hint}; give a name from `lm-eval ls tasks` "
                             f"or recipes/lm_eval/, or the path of a task YAML")
-        _build(manager, name, resolved.files.get(name), key)
+        where = f"its task file {resolved.files[name]}" if name in resolved.files else f"task {name!r}"
+        for task in _leaves(_build(manager, name, where, key)):
+            _check_task(task, where, key, unsafe_code)
     return resolved
 
 
 def check_section(cfg) -> None:
-    """The run config's benchmarks section, before anything is written: its tasks (check_tasks), and what scoring
-    inside the run cannot take yet."""
-    if not cfg.benchmarks.tasks:
+    """The run config's benchmarks section, before anything is written: its tasks (check_tasks), its gen_kwargs,
+    and what scoring inside the run cannot take yet."""
+    bench = cfg.benchmarks
+    if not bench.tasks:
         return
     if cfg.parallel.expert > 1:
         raise UserError(f"{KEY}: scoring inside a run with parallel.expert={cfg.parallel.expert} is not built (the "
                         f"experts are not gathered whole for lm_eval); leave {KEY} empty and score the run "
                         f"afterwards with `ds-train eval RUN_DIR --tasks ...` (it exports first)")
-    check_tasks(cfg.benchmarks.tasks)
+    check_gen_kwargs(bench.gen_kwargs)
+    check_tasks(bench.tasks, unsafe_code=bench.confirm_run_unsafe_code)
 
 
-def _build(manager, name: str, file: str | None, key: str) -> None:
+def scoring_memory_problem(n_params: int, dtype: str, on_gpu: bool, host_available: float | None,
+                           device_free: float | None) -> str | None:
+    """One line when rank 0 cannot hold a scoring inside the run (ds_train/plan/memory.py scoring_bytes: 2x the
+    model in host memory, a copy on its GPU) in what it has free; None where it fits or is not known."""
+    from ds_train.plan.memory import scoring_bytes, scoring_refusal
+
+    short = scoring_refusal(scoring_bytes(n_params, dtype, on_gpu), host_available, device_free)
+    if short is None:
+        return None
+    return (f"{KEY}: scoring inside the run needs on rank 0 {short}; leave {KEY} empty and score the run's "
+            f"tags after it with `ds-train eval RUN_DIR --tag TAG --tasks ...` (one process, no training state "
+            f"beside the model)")
+
+
+# what lm_eval's HF backend takes in gen_kwargs beside transformers' GenerationConfig (models/utils.py
+# normalize_gen_kwargs, HFLM.generate_until)
+LM_EVAL_GEN_KEYS = ("until", "max_gen_toks", "max_tokens", "max_completion_tokens")
+
+
+def check_gen_kwargs(gen_kwargs: dict) -> None:
+    """Each key one lm_eval's HF backend or transformers' generate() takes: another would end the scoring in
+    generate() (`model_kwargs are not used by the model`) at the first generate_until task."""
+    if not gen_kwargs:
+        return
+    from transformers import GenerationConfig
+
+    known = GenerationConfig()
+    for name in gen_kwargs:
+        if name not in LM_EVAL_GEN_KEYS and not hasattr(known, name):
+            close = difflib.get_close_matches(name, [*LM_EVAL_GEN_KEYS, *known.to_dict()], n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise UserError(f"benchmarks.gen_kwargs: {name!r} is no generation argument{hint}; give keys of "
+                            f"transformers' GenerationConfig or lm_eval's {', '.join(LM_EVAL_GEN_KEYS)}")
+
+
+def check_chat_template(tokenizer, template: bool | str) -> None:
+    """benchmarks.apply_chat_template against the tokenizer that will render the documents: one it has."""
+    if template is False or template is None:
+        return
+    held = getattr(tokenizer, "chat_template", None)
+    names = sorted(held) if isinstance(held, dict) else (["default"] if held else [])
+    if not names:
+        raise UserError(f"benchmarks.apply_chat_template: {template!r}, but the tokenizer has no chat template; set "
+                        f"benchmarks.apply_chat_template=false, or give a tokenizer with one (its "
+                        f"tokenizer_config.json's chat_template)")
+    if isinstance(template, str) and isinstance(held, dict) and template not in held:
+        raise UserError(f"benchmarks.apply_chat_template: {template!r} is not one of the tokenizer's templates "
+                        f"({', '.join(names)}); give one of them, or true for its default")
+
+
+def _build(manager, name: str, where: str, key: str) -> dict:
     from lm_eval.tasks import get_task_dict
 
     try:
-        get_task_dict([name], manager)
+        return get_task_dict([name], manager)
     except Exception as e:  # noqa: BLE001 - lm_eval raises what its loaders raise: said in one line
-        where = f"its task file {file}" if file else f"task {name!r}"
         raise UserError(f"{key}: task {name!r} does not build ({said(e, 160)}); fix {where}") from None
 
 
+def _leaves(tasks: dict) -> list:
+    """The tasks of get_task_dict's answer (groups hold dicts of their subtasks)."""
+    out = []
+    for value in tasks.values():
+        out += _leaves(value) if isinstance(value, dict) else [value]
+    return out
+
+
+def _check_task(task, where: str, key: str, unsafe_code: bool) -> None:
+    """What lm_eval finds only when it scores: a metric or an aggregation it does not know (it warns, scores the
+    others or nothing), a task that runs the model's code (it raises at the scoring)."""
+    name = getattr(task.config, "task", None) or "?"
+    custom = getattr(task.config, "process_results", None) is not None  # its own function gives the values
+    for metric, fn in getattr(task, "_metric_fn_list", {}).items():
+        if fn is None and not custom:
+            raise UserError(f"{key}: task {name!r}: metric {metric!r} is not one lm_eval knows (its registry or "
+                            f"HF evaluate's); fix metric_list in {where}")
+    for metric, fn in getattr(task, "_aggregation_list", {}).items():
+        if fn is None:
+            raise UserError(f"{key}: task {name!r}: metric {metric!r} has no aggregation lm_eval knows; give it "
+                            f"one (aggregation: mean) in {where}")
+    if getattr(task, "UNSAFE_CODE", False) and not unsafe_code:
+        raise UserError(f"{key}: task {name!r} runs the model's generated code (unsafe_code); set "
+                        f"benchmarks.confirm_run_unsafe_code=true to let it, on a machine where that is safe, "
+                        f"or drop the task")
+
+
 def evaluate(model, tokenizer, cfg, tasks: Tasks, device: str = "cpu") -> dict:
-    """lm_eval's results for `model` (a transformers model, loaded, in eval mode for the call) on `tasks`: its
-    own dict (results, configs, versions, n-shot, ...), as `lm_eval` writes it."""
+    """lm_eval's results for `model` (a transformers model, loaded, in eval mode for the call) on `tasks`, with the
+    section's chat template, gen_kwargs, log_samples and confirm_run_unsafe_code: its own dict (results, configs,
+    versions, n-shot, samples with log_samples, ...), as `lm_eval` writes it. The process's global generators
+    (python, numpy, torch, CUDA's), which lm_eval reseeds, are as they were after it."""
     tasks.offline()
     from lm_eval import simple_evaluate
     from lm_eval.models.huggingface import HFLM
 
+    check_chat_template(tokenizer, cfg.apply_chat_template)
     was_training = model.training
     model.eval()
     try:
-        lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=cfg.batch_size, device=device)
-        return simple_evaluate(model=lm, tasks=list(tasks.names), task_manager=task_manager(tasks),
-                               limit=cfg.limit or None, num_fewshot=None if cfg.num_fewshot < 0 else cfg.num_fewshot,
-                               log_samples=False, verbosity="ERROR")
+        with kept_generators():
+            lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=cfg.batch_size, device=device)
+            return simple_evaluate(model=lm, tasks=list(tasks.names), task_manager=task_manager(tasks),
+                                   limit=cfg.limit or None,
+                                   num_fewshot=None if cfg.num_fewshot < 0 else cfg.num_fewshot,
+                                   apply_chat_template=cfg.apply_chat_template, gen_kwargs=dict(cfg.gen_kwargs) or None,
+                                   log_samples=cfg.log_samples, confirm_run_unsafe_code=cfg.confirm_run_unsafe_code,
+                                   verbosity="ERROR")
     finally:
         model.train(was_training)
+
+
+@contextlib.contextmanager
+def kept_generators():
+    """The global generators lm_eval reseeds (simple_evaluate's random_seed, numpy_random_seed, torch_random_seed)
+    put back as they were: in a run, rank 0's dropout, sampling and data order go on as if no scoring happened."""
+    import random
+
+    import numpy as np
+    import torch
+
+    states = random.getstate(), np.random.get_state(), torch.get_rng_state()
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+    try:
+        yield
+    finally:
+        random.setstate(states[0])
+        np.random.set_state(states[1])
+        torch.set_rng_state(states[2])
+        if cuda is not None:
+            torch.cuda.set_rng_state_all(cuda)
 
 
 def metrics(results: dict) -> dict[str, float]:
@@ -196,12 +307,33 @@ def metrics(results: dict) -> dict[str, float]:
 
 
 def write_results(results: dict, out_dir: Path, model_name: str) -> Path:
-    """The results file as lm_eval writes it (its EvaluationTracker: OUT/<model>/results_<time>.json)."""
+    """The results file as lm_eval writes it (its EvaluationTracker: OUT/<model>/results_<time>.json), and with
+    log_samples each task's samples beside it (write_samples)."""
+    tracker = _tracker(out_dir, model_name)
+    samples = results.get("samples") or {}
+    tracker.save_results_aggregated(results={k: v for k, v in results.items() if k != "samples"}, samples=samples)
+    for task, rows in samples.items():
+        tracker.save_results_samples(task_name=task, samples=rows)
+    written = sorted((out_dir / model_name.replace("/", "__")).glob("results_*.json"))
+    return written[-1]
+
+
+def write_samples(results: dict, out_dir: Path, model_name: str) -> Path:
+    """Each task's samples (benchmarks.log_samples) as lm_eval writes them: OUT/<model>/samples_<task>_<time>.jsonl.
+    Returns that directory."""
+    from datetime import datetime
+
+    tracker = _tracker(out_dir, model_name)
+    tracker.date_id = datetime.now().isoformat().replace(":", "-")  # what save_results_aggregated sets, as lm_eval does
+    for task, rows in (results.get("samples") or {}).items():
+        tracker.save_results_samples(task_name=task, samples=rows)
+    return out_dir / model_name.replace("/", "__")
+
+
+def _tracker(out_dir: Path, model_name: str):
     from lm_eval.loggers import EvaluationTracker
 
     tracker = EvaluationTracker(output_path=str(out_dir))
     tracker.general_config_tracker.model_name = model_name
     tracker.general_config_tracker.model_name_sanitized = model_name.replace("/", "__")
-    tracker.save_results_aggregated(results=dict(results), samples=None)
-    written = sorted((out_dir / model_name.replace("/", "__")).glob("results_*.json"))
-    return written[-1]
+    return tracker
