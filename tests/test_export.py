@@ -108,6 +108,29 @@ def test_export_holds_the_weights_zero_to_fp32_recovers(stage, trained, tmp_path
 
 
 @pytest.mark.slow
+def test_a_bf16_runs_export_is_bf16_and_says_so(trained, tmp_path):
+    """A tag saved by a bf16 run (its marker's dtype) exports in bf16: every weight the fp32 master rounded to
+    nearest, as DeepSpeed's bf16 copy that the run trained and scored, and config.json's dtype says bfloat16, so
+    from_pretrained(dtype="auto") and `lm_eval --model hf` with no dtype load it as the run held it."""
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    run = tmp_path / "run"
+    shutil.copytree(trained("zero2"), run, ignore=shutil.ignore_patterns("step_00000004"))
+    marker = run / "checkpoints" / "step_00000008" / checkpoint.STATE_FILE
+    marker.write_text(json.dumps(json.loads(marker.read_text()) | {"dtype": "bf16"}))
+    out = export(run, tmp_path / "hf")
+    assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
+    master = get_fp32_state_dict_from_zero_checkpoint(str(run / "checkpoints"), tag="step_00000008")
+    written = load_file(out / "model.safetensors")
+    assert {t.dtype for t in written.values()} == {torch.bfloat16}
+    for name, tensor in written.items():
+        assert torch.equal(tensor, master[name].to(torch.bfloat16)), name
+    assert AutoModelForCausalLM.from_pretrained(out, dtype="auto").dtype == torch.bfloat16
+
+
+@pytest.mark.slow
 def test_zero0_export_holds_the_engine_module_weights(trained, tmp_path):
     run = trained("zero0")
     out = export(run / "checkpoints", tmp_path / "hf")  # the checkpoints directory as the source

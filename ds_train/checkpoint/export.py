@@ -4,15 +4,18 @@
 
 DeepSpeed's zero_to_fp32.py writes weights only; the run recorded config.json,
 generation_config.json and the tokenizer in `<run_dir>/hf_model/`, and export adds the weights:
-fp32 safetensors, sharded above `max_shard_size`. ZeRO 1-3 weights are DeepSpeed's fp32 master
+safetensors in the run's dtype (model.dtype as the run resolved it, recorded in every checkpoint: a bf16 run's
+export is bf16, the copy the run scored lm-eval's tasks on, ds_train/train/benchmarks.py), sharded above
+`max_shard_size`; config.json's `dtype` records it, so `lm_eval --model hf` with no dtype scores it as the run
+did. ZeRO 1-3 weights are DeepSpeed's fp32 master
 copy, consolidated by its own `get_fp32_state_dict_from_zero_checkpoint`; ZeRO 0 has no optimizer
 partitions, so its weights are the `module` entry of `mp_rank_00_model_states.pt`. AutoTP's shards and
 AutoEP's experts are gathered by DeepSpeed's universal conversion; AutoEP's router and experts then go
 back under the model's own names and layout (ds_train/checkpoint/experts.py).
 
-The process holds at most one full fp32 copy of the weights: the model is built on the meta device
-and takes the checkpoint's tensors as they are (`load_state_dict(assign=True)`), and the writer
-never clones them (see `save_weights`). The directory is written under a temporary name beside
+The process holds at most one full fp32 copy of the weights (and, for a bf16 or fp16 run, its half-size
+cast): the model is built on the meta device and takes the checkpoint's tensors as they are
+(`load_state_dict(assign=True)`), and the writer never clones them (see `save_weights`). The directory is written under a temporary name beside
 `out` and renamed at the end, so a failed export leaves nothing behind, and an existing non-empty
 `out` is never touched. An `out` inside a checkpoints directory or a tag, where retention prunes and
 a resume reads, is refused before anything is written.
@@ -37,6 +40,7 @@ from ds_train.errors import UserError
 from ds_train.fs import check_writable, write_atomic
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".index.json")
+TORCH_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}  # a run's dtype -> torch's, config.json's
 
 
 @dataclass(frozen=True)
@@ -48,6 +52,7 @@ class ExportSource:
     tensor: int = 1  # parallel.tensor it was saved with: AutoTP shards to merge
     expert: int = 1  # parallel.expert it was saved with: AutoEP's experts to gather into the model's layout
     passed_over: str = ""  # what newer than `tag` was not taken, and why (said by the command); "" none
+    dtype: str = "fp32"  # the run's precision it was saved with (bf16, fp16, fp32): the export's
 
     @property
     def tag_dir(self) -> Path:
@@ -108,8 +113,9 @@ def resolve_source(source: str | Path, tag: str | None = None) -> ExportSource:
     tensor = int((checkpoint.saved_parallel(state) or {}).get("tensor", 1))
     expert = int((checkpoint.saved_parallel(state) or {}).get("expert", 1))
     passed_over = _passed_over(ckpt_dir, chosen) if wanted is None else ""
+    dtype = state.get("dtype") if state.get("dtype") in TORCH_DTYPES else "fp32"  # a marker before dtypes: fp32
     return ExportSource(ckpt_dir.parent, ckpt_dir, chosen, _zero_stage(state, ckpt_dir / chosen), tensor, expert,
-                        passed_over)
+                        passed_over, dtype)
 
 
 def _passed_over(ckpt_dir: Path, chosen: str) -> str:
@@ -315,7 +321,8 @@ def save_weights(model, out: Path, max_shard_size: str) -> None:
 
 
 def save_config(model, hf_dir: Path, out: Path) -> None:
-    """config.json as save_pretrained writes it: the architecture and the dtype of the weights. Where the
+    """config.json as save_pretrained writes it: the architecture and the dtype of the weights (what
+    `from_pretrained(dtype="auto")` and `lm_eval --model hf` with no dtype load them in). Where the
     model keeps a config AutoModelForCausalLM does not map (the text model of a multimodal config: Mllama,
     Emu3), the run's own config, from which it maps to the same model."""
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -324,8 +331,19 @@ def save_config(model, hf_dir: Path, out: Path) -> None:
     if type(config) not in AutoModelForCausalLM._model_mapping:
         config = AutoConfig.from_pretrained(hf_dir)
     config.architectures = [type(model).__name__]
-    config.dtype = "float32"
+    floating = next((p.dtype for p in model.parameters() if p.is_floating_point()), None)
+    config.dtype = str(floating).removeprefix("torch.") if floating is not None else "float32"
     config.save_pretrained(out)
+
+
+def in_dtype(model, dtype: str):
+    """`model`'s floating-point weights in the run's `dtype` (bf16, fp16, fp32), cast in place; returns it."""
+    import torch
+
+    wanted = getattr(torch, TORCH_DTYPES[dtype])
+    if any(p.is_floating_point() and p.dtype != wanted for p in model.parameters()):
+        model.to(wanted)
+    return model
 
 
 def copy_metadata(hf_dir: Path, out: Path) -> None:
@@ -343,7 +361,7 @@ def _match_modes(out: Path) -> None:
 
 
 def export(source: str | Path, out: str | Path, tag: str | None = None, max_shard_size: str = "5GB") -> Path:
-    """Write a Hugging Face model directory (fp32 safetensors, config, tokenizer) to `out`.
+    """Write a Hugging Face model directory (safetensors in the run's dtype, config, tokenizer) to `out`.
 
     `source`: a run directory, its checkpoints/ directory or a tag directory; `tag`: a tag name
     (or a step number), else the latest complete tag. Returns `out`. Raises UserError on bad input.
@@ -355,13 +373,16 @@ def export(source: str | Path, out: str | Path, tag: str | None = None, max_shar
         state = load_fp32_state_dict(src, tmp / ".universal")
         if src.expert > 1:
             state = model_layout(hf_dir, state)
-        write_model(build_model(hf_dir, state, src.tag_dir), hf_dir, tmp, max_shard_size)
+        write_model(build_model(hf_dir, state, src.tag_dir), hf_dir, tmp, max_shard_size, src.dtype)
 
     return write_dir(Path(out), fill, max_shard_size)
 
 
-def write_model(model, hf_dir: Path, out: Path, max_shard_size: str) -> None:
-    """A Hugging Face model directory: the weights, config.json, the run's tokenizer and generation config."""
+def write_model(model, hf_dir: Path, out: Path, max_shard_size: str, dtype: str = "fp32") -> None:
+    """A Hugging Face model directory: the weights in `dtype` (the run's: ExportSource.dtype; a model in another
+    is cast in place, rounding to nearest as the run's own copy was), config.json, the run's tokenizer and
+    generation config."""
+    in_dtype(model, dtype)
     save_weights(model, out, max_shard_size)
     save_config(model, hf_dir, out)
     copy_metadata(hf_dir, out)

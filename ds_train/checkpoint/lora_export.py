@@ -17,7 +17,8 @@ from pathlib import Path
 
 from ds_train.checkpoint import commit as checkpoint
 from ds_train.checkpoint.export import (ExportSource, hf_metadata_dir, copy_metadata, load_fp32_state_dict,
-                                        locate_model, resolve_source, write_dir, write_model)
+                                        in_dtype, locate_model, resolve_source, write_dir,
+                                        write_model)
 from ds_train.checkpoint.rundir import RunPaths
 from ds_train.config.model import LoraConfig
 from ds_train.errors import UserError
@@ -103,10 +104,11 @@ def export_lora(source: str | Path, out: str | Path, tag: str | None = None, mer
         model, base = load_base(src, hf_dir, state)
         if base is None and not merge:  # from scratch: the seeded base goes beside the adapter
             (tmp / "base").mkdir()
-            write_model(model, hf_dir, tmp / "base", max_shard_size)
+            write_model(model, hf_dir, tmp / "base", max_shard_size, src.dtype)
         adapted = attach_adapters(model, src, lora, state, tmp / ".universal")
         if merge:
-            write_model(adapted.merge_and_unload(), hf_dir, tmp, max_shard_size)
+            # merged in the run's dtype, base and adapters cast first: the weights the run itself merged and scored
+            write_model(in_dtype(adapted, src.dtype).merge_and_unload(), hf_dir, tmp, max_shard_size, src.dtype)
             return
         adapted.peft_config["default"].base_model_name_or_path = str(base or tmp / "base")  # read while saving
         adapted.save_pretrained(tmp, safe_serialization=True)
