@@ -163,7 +163,7 @@ def cmd_eval(args) -> int:
     import tempfile
     from dataclasses import replace
 
-    from ds_train.benchmarks import check_tasks, evaluate, write_results
+    from ds_train.benchmarks import check_gen_kwargs, check_tasks, evaluate, write_results
     from ds_train.config.benchmarks import BenchmarksConfig
     from ds_train.config.file import load_config
 
@@ -181,13 +181,17 @@ def cmd_eval(args) -> int:
     if not bench.tasks:
         raise UserError(f"eval: no tasks: {path} names none (its benchmarks.tasks), so give --tasks NAME[,NAME...] "
                         f"(lm_eval's names, recipes/lm_eval/'s, or task YAML paths)")
+    scored = ""  # which tag of a run directory, and what newer was passed over
     if not exported:  # the path and tag said wrong before lm_eval's index of tasks is built (seconds)
         from ds_train.checkpoint.export import resolve_source
 
         src = resolve_source(path, args.tag)
+        scored = f" at {src.tag}" + (f" ({src.passed_over})" if src.passed_over else "")
     else:
         _has_weights(path)
-    tasks = check_tasks(bench.tasks, "--tasks" if flags["tasks"] else "benchmarks.tasks")
+    check_gen_kwargs(bench.gen_kwargs)
+    tasks = check_tasks(bench.tasks, "--tasks" if flags["tasks"] else "benchmarks.tasks",
+                        unsafe_code=bench.confirm_run_unsafe_code)
     with tempfile.TemporaryDirectory(prefix="ds_train_eval_") as tmp:
         model_dir = path if exported else _export_for_eval(path, args.tag, src, Path(tmp) / "export")
         model, tokenizer, device = _load_for_eval(model_dir)
@@ -196,7 +200,7 @@ def cmd_eval(args) -> int:
 
     out = write_results(results, Path(args.out) if args.out else path / "lm_eval", str(path))
     print(make_table(results))
-    print(f"eval: {', '.join(tasks.names)} on {path}: lm_eval's results in {out}")
+    print(f"eval: {', '.join(tasks.names)} on {path}{scored}: lm_eval's results in {out}")
     return 0
 
 

@@ -418,3 +418,32 @@ def estimate(shape: ModelShape, stage: int, dtype: str, world: int, micro_batch:
                     activation_bytes(shape, micro_batch, seq_len, dtype, checkpointing, tile_tokens,
                                      mlp_tile_positions, tensor, fused_loss, fused_kernels),
                     buffer_bytes(zero, stage, dtype, shape))
+
+
+@dataclass(frozen=True)
+class ScoringMemory:
+    """Rank 0's memory for one lm-eval scoring inside a run (ds_train/train/benchmarks.py), beside what training
+    holds: `host` bytes at its peak (the walked weights kept whole, in the run's dtype, and the model transformers
+    builds from them while it loads: 2x the model), `device` bytes on rank 0's GPU (the scored model moved there
+    beside the rank's ZeRO shards: 1x; 0 off GPUs, where the host's copy is scored)."""
+
+    host: float
+    device: float
+
+
+def scoring_bytes(n_params: int, dtype: str, on_gpu: bool) -> ScoringMemory:
+    model = float(n_params) * param_bytes(dtype)
+    return ScoringMemory(2 * model, model if on_gpu else 0.0)
+
+
+def scoring_refusal(need: ScoringMemory, host_available: float | None, device_free: float | None) -> str | None:
+    """Why rank 0's scoring cannot fit (None: it fits, or the free memory is unknown): what it needs against what
+    rank 0's host and device have free, in GiB."""
+    short = []
+    if host_available is not None and need.host > host_available:
+        short.append(f"{need.host / GiB:.2f} GiB of host memory (2x the model) with {host_available / GiB:.2f} GiB "
+                     f"available")
+    if device_free is not None and need.device > device_free:
+        short.append(f"{need.device / GiB:.2f} GiB on its GPU (a whole copy beside its shards) with "
+                     f"{device_free / GiB:.2f} GiB free")
+    return " and ".join(short) or None

@@ -226,6 +226,8 @@ def ript_loop(run: Run, job: RiptJob, state: RiptState) -> None:
     counts.load_state(job.pending)
     held_out = HeldOut(job, Interval(r.eval_every, r.iterations))
     benchmarks = Benchmarks(run, r.iterations, state.benchmarks)
+    if scores := benchmarks.resume(state.iteration, lambda: write_results(job, state)):  # where nothing kept it
+        run.logger.log(scores, state.iteration)
     with run.progress(state.iteration) as progress:
         for it in range(state.iteration + 1, r.iterations + 1):
             with counts.rollouts():
@@ -237,14 +239,16 @@ def ript_loop(run: Run, job: RiptJob, state: RiptState) -> None:
             job.sync_engine(it)
             run.maybe_finish_startup("first iteration")
             state.iteration = it
-            metrics = counts.maybe_sync(it, state) | held_out.maybe_evaluate(it, state) | \
-                benchmarks.maybe_score(it, lambda: write_results(job, state))
+            metrics = counts.maybe_sync(it, state) | held_out.maybe_evaluate(it, state)
             if job.feed is not None and metrics:
                 metrics |= job.feed.metrics()
-            run.logger.log(metrics, it)
-            progress.advance(metrics)
-            run.checkpointer.maybe_save(it, lambda: checkpoint_state(job, state),
-                                        lambda: {"counts": counts.state()} | job.rank_state())
+            try:  # the iteration's checkpoint is committed before its scoring: a scoring never costs it
+                run.checkpointer.maybe_save(it, lambda: checkpoint_state(job, state),
+                                            lambda: {"counts": counts.state()} | job.rank_state())
+                metrics |= benchmarks.maybe_score(it, lambda: write_results(job, state))
+            finally:  # the iteration's metrics whatever ended it (a stop's save raises Preempted)
+                run.logger.log(metrics, it)
+                progress.advance(metrics)
 
 
 def sample_here(job: RiptJob, act, tally: Tally, it: int) -> list[list]:

@@ -91,6 +91,8 @@ def train_loop(run: Run, data: Datasets, start: int, stop: int,
     if start == 0 and benchmarks.due(0):  # the starting model's scores (benchmarks.at_start)
         run.logger.log(benchmarks.score(0), 0)
         run.mark_startup("benchmarks")  # its own phase of the start-up, not the first step's
+    elif scores := benchmarks.resume(start):  # the resumed step's scoring, where no file of the run kept it
+        run.logger.log(scores, start)
     with run.progress(start) as progress:
         for step in range(start + 1, stop + 1):
             with clock.host():
@@ -100,12 +102,14 @@ def train_loop(run: Run, data: Datasets, start: int, stop: int,
                     run.dims.data)]
             result = run_step(run, batches, step, clock, reference)
             run.guard.observe(f"step {step}", result.skipped)
-            metrics = meter.maybe_measure(step, result, run.guard.skipped) | evaluator.maybe_evaluate(step) | \
-                benchmarks.maybe_score(step)
-            run.logger.log(metrics, step)
-            progress.advance(metrics)
-            run.checkpointer.maybe_save(step, lambda: position(run, step) | (
-                {"benchmarks": benchmarks.scores} if benchmarks.scores else {}))
+            metrics = meter.maybe_measure(step, result, run.guard.skipped) | evaluator.maybe_evaluate(step)
+            try:  # the step's checkpoint is committed before its scoring: a scoring never costs it
+                run.checkpointer.maybe_save(step, lambda: position(run, step) | (
+                    {"benchmarks": benchmarks.scores} if benchmarks.scores else {}))
+                metrics |= benchmarks.maybe_score(step)
+            finally:  # the step's metrics whatever ended it (a stop's save raises Preempted)
+                run.logger.log(metrics, step)
+                progress.advance(metrics)
             summary |= metrics
     if benchmarks.scores:  # lm_eval's, each scoring of the run
         summary["benchmarks"] = benchmarks.scores
