@@ -127,9 +127,9 @@ def cmd_export(args) -> int:
     """write a Hugging Face model directory from a checkpoint
 
     Export a checkpoint (ZeRO 0-3; AutoTP's shards and AutoEP's experts gathered into the model's own
-    layout) as config.json, model.safetensors (sharded when large), generation_config.json and the
-    tokenizer. A LoRA run (model.lora) exports its adapters as a peft
-    directory (adapter_config.json, adapter_model.safetensors) on its base, or with --merge one model
+    layout) as config.json, model.safetensors (sharded when large; in the run's dtype, bf16 stays bf16, which
+    config.json's dtype records), generation_config.json and the tokenizer. A LoRA run (model.lora) exports
+    its adapters as a peft directory (adapter_config.json, adapter_model.safetensors) on its base, or with --merge one model
     with the adapters merged in."""
     from ds_train.checkpoint.export import export, resolve_source
     from ds_train.checkpoint.lora_export import export_lora, run_lora

@@ -93,7 +93,8 @@ def test_each_task_lm_eval_would_stop_on_is_one_line_before_anything_runs(tmp_pa
              ([str(tmp_path / "nodata.yaml")], r"^benchmarks.tasks: task 'nodata' does not build \(.*problems.jsonl"
                                                r".*\); fix its task file .*nodata.yaml$"),
              ([str(tmp_path / "misspelt.yaml")], r"^benchmarks.tasks: task 'misspelt': metric 'acc_nrom' is not one "
-                                                 r"lm_eval knows .*; fix metric_list in its task file .*misspelt.yaml$"),
+                                                 r"lm_eval knows .*; fix metric_list in its task file "
+                                                 r".*misspelt.yaml$"),
              ([str(tmp_path / "unsafe.yaml")], r"^benchmarks.tasks: task 'unsafe' runs the model's generated code "
                                                r"\(unsafe_code\); set benchmarks.confirm_run_unsafe_code=true")]
     for tasks, needle in cases:
@@ -306,7 +307,8 @@ def test_a_scoring_stuck_in_a_forward_is_a_hang_of_rank_0_not_of_the_ranks_waiti
     """The watchdog times each forward of rank 0's scoring model, not the whole scoring, and not the others' wait:
     rank 0 stuck in the first forward of its at_start scoring (watched: the loop's watch starts before it) ends the
     job with exit 5 within stall_s, naming rank 0 in phase scoring; rank 1, which waits for the scores from before
-    then, is not the one named."""
+    then, is not the one named; the job killed in the middle of the scoring leaves no scored copy in the run
+    directory (the model is built in memory)."""
     cfg = tiny_config(tiny_data, tmp_path / "run", train={"max_steps": 4},
                       benchmarks={"tasks": ["arith_choice"], "at_start": True, "limit": 8, "batch_size": 4})
     stall_s = 8
@@ -320,6 +322,8 @@ def test_a_scoring_stuck_in_a_forward_is_a_hang_of_rank_0_not_of_the_ranks_waiti
     assert beats[0]["phase"] == "scoring" and beats[1]["phase"] == "wait-scores", beats
     stacks = (tmp_path / "run" / "logs" / "stacks_rank_0.txt").read_text()
     assert "in _injected_stall" in stacks and "in _evaluate" in stacks, stacks[:2000]
+    # rank 0 was killed in the middle of its scoring: no scored copy of the model is left in the run directory
+    assert not [p.name for p in (tmp_path / "run").iterdir() if p.name.startswith("benchmarks_")]
 
 
 def test_local_tasks_reach_for_no_network_and_hub_tasks_are_left_to_the_environment(tmp_path):

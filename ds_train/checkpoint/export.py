@@ -15,8 +15,8 @@ back under the model's own names and layout (ds_train/checkpoint/experts.py).
 
 The process holds at most one full fp32 copy of the weights (and, for a bf16 or fp16 run, its half-size
 cast): the model is built on the meta device and takes the checkpoint's tensors as they are
-(`load_state_dict(assign=True)`), and the writer never clones them (see `save_weights`). The directory is written under a temporary name beside
-`out` and renamed at the end, so a failed export leaves nothing behind, and an existing non-empty
+(`load_state_dict(assign=True)`), and the writer never clones them (see `save_weights`). The directory
+is written under a temporary name beside `out` and renamed at the end, so a failed export leaves nothing behind, and an existing non-empty
 `out` is never touched. An `out` inside a checkpoints directory or a tag, where retention prunes and
 a resume reads, is refused before anything is written.
 """

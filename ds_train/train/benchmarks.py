@@ -74,9 +74,6 @@ class Benchmarks:
     def due(self, step: int) -> bool:
         return self.tasks is not None and (step in self.interval if step > 0 else self.cfg.at_start)
 
-    def scored(self, step: int) -> bool:
-        return any(s["step"] == step for s in self.scores)
-
     def maybe_score(self, step: int, then=None) -> dict:
         """`then`: what the owner does after a scoring (ript: rewrite ript_results.json)."""
         if not self.due(step):
@@ -136,7 +133,7 @@ class Benchmarks:
             out = scores | ({"benchmarks/skipped": 1} if "skipped" in record else {}) | {
                 "perf/benchmarks_s": round(time.perf_counter() - start, 3)}
         del kept
-        run.beat(step, "wait-scores")  # untimed: the others wait for rank 0's scoring, however long
+        run.beat(step, "wait-scores")  # the watchdog's untimed phase: the others wait at most benchmarks.wait_s
         self.scores[:] = self._share(step)  # every rank's checkpoint keeps them
         return out
 
@@ -183,7 +180,8 @@ class Benchmarks:
         def forward(*_):
             run.beat(step, "scoring")
             if fault:
-                raise RuntimeError(f"injected failure in the scoring of {run.spec.unit} {step} (benchmarks.debug_fault)")
+                raise RuntimeError(f"injected failure in the scoring of {run.spec.unit} {step} "
+                                   f"(benchmarks.debug_fault)")
 
         scored.register_forward_pre_hook(forward)
         device = run.engine.device if run.engine.device.type == "cuda" else torch.device("cpu")
