@@ -19,6 +19,8 @@ from __future__ import annotations
 from contextlib import contextmanager
 from types import SimpleNamespace
 
+from ds_train.errors import UserError
+
 
 # The attention functions Ulysses replaced in transformers' registry, to put back when the run ends.
 _REPLACED: dict = {}
@@ -113,3 +115,58 @@ def documents(sdpa):
         return torch.cat(rows), None
 
     return attention
+
+
+def check_ulysses(hf_config, attn_implementation: str, sequence: int, seq_len: int) -> None:
+    """What Ulysses gets wrong for this model, refused in one line (parallel.sequence > 1): an attention
+    pattern that lives in the mask, which DeepSpeed's Ulysses attention drops (it attends causally over the
+    whole gathered sequence): Llama 4's chunks (attention_chunk_size, its chunked_attention layers) once the
+    sequence is longer than a chunk, bidirectional attention (use_bidirectional_attention); and RoPE whose
+    frequencies follow max(position_ids) (dynamic NTK, LongRoPE) once the sequence passes the length where
+    they change: each rank computes them from its own part's positions, not the whole sequence's. Each rank
+    is not handed the global length, so these are refused, not run."""
+    if sequence == 1:
+        return
+    text = hf_config.get_text_config()
+    model_type = getattr(text, "model_type", "?")
+    where = f"parallel.sequence={sequence}"
+    layer_types = list(getattr(text, "layer_types", None) or [])
+    chunk = getattr(text, "attention_chunk_size", None)
+    if isinstance(chunk, int) and chunk < seq_len and (not layer_types or "chunked_attention" in layer_types):
+        raise UserError(f"{where}: {model_type} attends within chunks of {chunk} tokens (attention_chunk_size), "
+                        f"which live in the attention mask Ulysses drops: its {seq_len}-token sequences would get "
+                        f"full causal attention; use train.seq_len <= {chunk} or parallel.sequence=1")
+    if "chunked_attention" in layer_types and not isinstance(chunk, int):
+        raise UserError(f"{where}: {model_type}'s chunked_attention layers live in the attention mask Ulysses drops; "
+                        f"use parallel.sequence=1")
+    bidirectional = getattr(text, "use_bidirectional_attention", None)
+    if bidirectional is True or bidirectional == "all":  # "vision": among image tokens only, which text has none of
+        raise UserError(f"{where}: {model_type}'s bidirectional attention (use_bidirectional_attention="
+                        f"{bidirectional!r}) lives in the attention mask Ulysses drops (it attends causally); set "
+                        f"model.config.use_bidirectional_attention=false or parallel.sequence=1")
+    for rope_type, length in _length_dependent_rope(text):
+        if seq_len > length:
+            raise UserError(f"{where}: {model_type}'s {rope_type} RoPE takes its frequencies from the largest "
+                            f"position id a forward sees, past {length} tokens; under Ulysses each rank sees only "
+                            f"its part's ({seq_len // sequence} of {seq_len}), so the ranks' frequencies differ from "
+                            f"the whole sequence's; use train.seq_len <= {length}, a RoPE type that does not depend "
+                            f"on the length, or parallel.sequence=1")
+
+
+def _length_dependent_rope(text) -> list[tuple[str, int]]:
+    """(rope type, the length past which its frequencies change) of each RoPE of the config (one a layer type
+    in Gemma 3's) that transformers' dynamic_rope_update recomputes from max(position_ids): dynamic types past
+    max_position_embeddings (or the original length), LongRoPE past original_max_position_embeddings."""
+    rope = getattr(text, "rope_parameters", None) or getattr(text, "rope_scaling", None) or {}
+    ropes = [rope] if "rope_type" in rope or "type" in rope else [v for v in rope.values() if isinstance(v, dict)]
+    found = []
+    for r in ropes:
+        kind = str(r.get("rope_type") or r.get("type") or "")
+        original = r.get("original_max_position_embeddings") or getattr(text, "original_max_position_embeddings", None)
+        top = getattr(text, "max_position_embeddings", None)
+        if "dynamic" in kind:
+            found.append((kind, min(v for v in (original, top) if isinstance(v, int)) if isinstance(
+                original, int) or isinstance(top, int) else 0))
+        elif kind == "longrope":
+            found.append((kind, original if isinstance(original, int) else 0))
+    return found
