@@ -820,3 +820,26 @@ def test_a_key_the_model_reads_is_accepted_though_its_config_class_does_not_decl
                                         r"qwen3_moe\), which Hugging Face would leave unused \(did you mean "
                                         r"'head_dim'\?\)$"):
         build_hf_config(ModelConfig(config={**small, "head_dimm": 32}), 300, 64)
+
+
+def test_a_default_padding_id_outside_the_vocabulary_ds_train_gives_is_one_line_before_the_build():
+    """Phi-3's default pad_token_id 32000 under a 512-token tokenizer (a model trained from scratch) or a
+    model.config.vocab_size of 512: one line naming the id, where it comes from and the fix, before the model
+    is built (it was nn.Embedding's AssertionError 'Padding_idx must be within num_embeddings', a traceback, at
+    the meta build of build_hf_config). A vocabulary that holds it builds."""
+    from ds_train.model.hfconfig import with_vocab
+
+    phi3 = {"model_type": "phi3", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+            "num_attention_heads": 4, "num_key_value_heads": 4}
+    line = ("model.config: the phi3 model type's default pad_token_id 32000 is not a token id of the vocabulary "
+            "(0 to 511, {}), so its embedding cannot be built; set model.config.pad_token_id to an id in that range, "
+            "or null")
+    scratch = ModelConfig(config=phi3)
+    hf = build_hf_config(scratch, 512, 64)  # the tokenizer's size is not known yet: the build is checked alone
+    with pytest.raises(UserError) as e:
+        with_vocab(hf, scratch, 512)
+    assert str(e.value) == line.format("the tokenizer's size")
+    with pytest.raises(UserError) as e:
+        build_hf_config(ModelConfig(config={**phi3, "vocab_size": 512}), 512, 64)
+    assert str(e.value) == line.format("model.config.vocab_size")
+    assert with_vocab(build_hf_config(scratch, 512, 64), scratch, 32064).vocab_size == 32064

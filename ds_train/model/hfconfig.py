@@ -264,6 +264,11 @@ def build_hf_config(model_cfg: ModelConfig, vocab_size: int, seq_len: int, weigh
         except _rejects() as e:
             raise UserError(f"model.config: Hugging Face rejects it: {said(e)}; fix model.config") from None
         check_config_keys(model_type, model_cfg.config, hf, model_cfg.attn_implementation)
+    own_vocab = bool(model_cfg.path) or "vocab_size" in model_cfg.config
+    if own_vocab:
+        check_padding_id(hf, model_cfg, where)
+    else:  # a stand-in until the tokenizer is known (with_vocab checks it then): the build below must not trip on it
+        hf.vocab_size = max(hf.vocab_size, _padding_id(hf) + 1)
     max_pos = getattr(hf, "max_position_embeddings", None)  # XLNet's -1: no limit (relative positions)
     if isinstance(max_pos, int) and 0 < max_pos < seq_len:
         raise UserError(f"train.seq_len={seq_len} exceeds the model's max_position_embeddings="
@@ -280,4 +285,32 @@ def with_vocab(hf_config, model_cfg: ModelConfig, vocab_size: int):
     which do not depend on it."""
     if not model_cfg.path and "vocab_size" not in model_cfg.config:
         hf_config.vocab_size = vocab_size
+        check_padding_id(hf_config, model_cfg, "model.config")
     return hf_config
+
+
+def _padding_id(hf) -> int:
+    """The largest padding token id of the config and of its text model's (-1: none)."""
+    ids = [getattr(part, "pad_token_id", None) for part in (hf, hf.get_text_config())]
+    return max((i for i in ids if isinstance(i, int) and not isinstance(i, bool)), default=-1)
+
+
+def check_padding_id(hf, model_cfg: ModelConfig, where: str) -> None:
+    """The padding token id the model builds its embedding with (nn.Embedding's padding_idx) is an id of the
+    vocabulary ds_train gives it: a model type's default (Phi-3's 32000) under a smaller tokenizer's
+    vocabulary is otherwise an AssertionError at the model's build. One line naming the id, where it comes
+    from and the fix. (Ids model.config sets are inputs.check_token_ids'.)"""
+    vocab = getattr(hf, "vocab_size", None)
+    pad = _padding_id(hf)
+    if not isinstance(vocab, int) or pad < vocab:
+        return
+    size = ("model.config.vocab_size" if "vocab_size" in model_cfg.config else
+            "its config's vocab_size" if model_cfg.path else "the tokenizer's size")
+    if "pad_token_id" in model_cfg.config:  # as inputs.check_token_ids says it, before the build trips on it
+        raise UserError(f"model.config.pad_token_id: {pad!r} is not a token id of the vocabulary (0 to {vocab - 1}, "
+                        f"{size}); give an id in that range, or null")
+    origin = f"{where}: its pad_token_id {pad}" if model_cfg.path else (
+        f"model.config: the {hf.model_type} model type's default pad_token_id {pad}")
+    key = "its pad_token_id" if model_cfg.path else "model.config.pad_token_id"
+    raise UserError(f"{origin} is not a token id of the vocabulary (0 to {vocab - 1}, {size}), so its embedding "
+                    f"cannot be built; set {key} to an id in that range, or null")
