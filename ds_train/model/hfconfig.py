@@ -267,8 +267,8 @@ def build_hf_config(model_cfg: ModelConfig, vocab_size: int, seq_len: int, weigh
     own_vocab = bool(model_cfg.path) or "vocab_size" in model_cfg.config
     if own_vocab:
         check_padding_id(hf, model_cfg, where)
-    else:  # a stand-in until the tokenizer is known (with_vocab checks it then): the build below must not trip on it
-        hf.vocab_size = max(hf.vocab_size, _padding_id(hf) + 1)
+    elif isinstance(getattr(hf, "vocab_size", None), int):  # a stand-in until the tokenizer is known (with_vocab
+        hf.vocab_size = max(hf.vocab_size, _padding_id(hf) + 1)  # checks it then): the build must not trip on it
     max_pos = getattr(hf, "max_position_embeddings", None)  # XLNet's -1: no limit (relative positions)
     if isinstance(max_pos, int) and 0 < max_pos < seq_len:
         raise UserError(f"train.seq_len={seq_len} exceeds the model's max_position_embeddings="

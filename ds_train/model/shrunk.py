@@ -38,7 +38,7 @@ def shrink_model(hf, heads_multiple: int = 1, head_dim: int = HEAD_DIM,
         return d, said
     # a pattern the config spells as a period, an offset or a short cycle (Jamba, RecurrentGemma): the first
     # layers that hold every kind, the pattern kept as it is
-    prefix = next(k for k in range(1, len(full) + 1) if set(full[:k]) == set(full))
+    prefix = max(2, next(k for k in range(1, len(full) + 1) if set(full[:k]) == set(full)))
     d, said = _shrunk(hf, heads_multiple, head_dim, lengths, prefix)
     small = _built_kinds(lambda: d, hf) or []
     missing = [k for k in dict.fromkeys(full) if k not in small]
@@ -100,9 +100,9 @@ def _shrunk(hf, heads_multiple: int, head_dim: int, lengths: tuple[int, int] | N
             d[key] = value
     for key, value in list(d.items()):  # a multimodal model's sub-models (its text_config, vision_config, ...)
         if key.endswith("_config") and isinstance(value, dict) and hasattr(getattr(hf, key, None), "to_diff_dict"):
-            d[key] = _shrunk(getattr(hf, key), heads_multiple, head_dim, lengths, keep if keep == "all" else None)[0]
+            d[key] = _shrunk(getattr(hf, key), heads_multiple, head_dim, lengths, keep)[0]
         elif key.endswith("_config") and isinstance(value, dict) and value.get("model_type"):
-            d[key] = _shrunk_part(value, heads_multiple, head_dim, lengths, keep if keep == "all" else None)
+            d[key] = _shrunk_part(value, heads_multiple, head_dim, lengths, keep)
     for key, cap in (("num_local_experts", 4), ("num_experts", 4), ("n_routed_experts", 4), ("n_group", 2),
                      ("zero_expert_num", 4), ("encoder_hash_byte_group_vocab", 1024), ("moe_topk", 2), ("o_groups", 2),
                      ("linear_num_key_heads", 2),
