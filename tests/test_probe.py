@@ -361,7 +361,7 @@ def test_ulysses_is_refused_where_it_drops_a_mask_or_splits_a_length_dependent_r
     if model_type != "gemma3_text":
         from ds_train.model.ulysses import check_ulysses
 
-        check_ulysses(hf, "sdpa", 2, seq_len // 4)  # shorter than the chunk / the original length: kept
+        check_ulysses(hf, 2, seq_len // 4)  # shorter than the chunk / the original length: kept
 
 
 # ---- bf16: a trained model's logit scale, the fp32 forward as the reference; packed examples ----

@@ -117,14 +117,15 @@ def documents(sdpa):
     return attention
 
 
-def check_ulysses(hf_config, attn_implementation: str, sequence: int, seq_len: int) -> None:
+def check_ulysses(hf_config, sequence: int, seq_len: int) -> None:
     """What Ulysses gets wrong for this model, refused in one line (parallel.sequence > 1): an attention
     pattern that lives in the mask, which DeepSpeed's Ulysses attention drops (it attends causally over the
     whole gathered sequence): Llama 4's chunks (attention_chunk_size, its chunked_attention layers) once the
     sequence is longer than a chunk, bidirectional attention (use_bidirectional_attention); and RoPE whose
     frequencies follow max(position_ids) (dynamic NTK, LongRoPE) once the sequence passes the length where
-    they change: each rank computes them from its own part's positions, not the whole sequence's. Each rank
-    is not handed the global length, so these are refused, not run."""
+    they change: each rank computes them from its own part's positions, not the whole sequence's. No rank is
+    handed the global length, so these are refused, not run. Any attention implementation: the chunks are not
+    a window flash attention takes."""
     if sequence == 1:
         return
     text = hf_config.get_text_config()
@@ -158,6 +159,8 @@ def _length_dependent_rope(text) -> list[tuple[str, int]]:
     in Gemma 3's) that transformers' dynamic_rope_update recomputes from max(position_ids): dynamic types past
     max_position_embeddings (or the original length), LongRoPE past original_max_position_embeddings."""
     rope = getattr(text, "rope_parameters", None) or getattr(text, "rope_scaling", None) or {}
+    if not isinstance(rope, dict):
+        return []
     ropes = [rope] if "rope_type" in rope or "type" in rope else [v for v in rope.values() if isinstance(v, dict)]
     found = []
     for r in ropes:
@@ -165,8 +168,7 @@ def _length_dependent_rope(text) -> list[tuple[str, int]]:
         original = r.get("original_max_position_embeddings") or getattr(text, "original_max_position_embeddings", None)
         top = getattr(text, "max_position_embeddings", None)
         if "dynamic" in kind:
-            found.append((kind, min(v for v in (original, top) if isinstance(v, int)) if isinstance(
-                original, int) or isinstance(top, int) else 0))
+            found.append((kind, min((v for v in (original, top) if isinstance(v, int)), default=0)))
         elif kind == "longrope":
             found.append((kind, original if isinstance(original, int) else 0))
     return found

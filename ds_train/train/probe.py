@@ -88,7 +88,7 @@ def probe(cfg: RunConfig, hf_config, dtype: str, device_type: str, dims: Paralle
     """The speed-ups this run keeps after each has run against the model's own forward (see the module).
     `losses`: the command computes its loss through the tiled loss (train, but for preference pairs and RL,
     whose log-probs come from the model's logits). UserError: one an explicit setting asks for does not hold."""
-    check_ulysses(hf_config, cfg.model.attn_implementation, dims.sequence, cfg.train.seq_len)
+    check_ulysses(hf_config, dims.sequence, cfg.train.seq_len)
     want = configured(cfg, device_type)
     if not losses:
         want = replace(want, loss_tile_tokens=0, fused_loss=False)
