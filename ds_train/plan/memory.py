@@ -279,8 +279,9 @@ def model_shape(hf_config, lora=None) -> ModelShape:
 def tiled_mlp_layers(model, hidden: int, n_layers: int) -> int:
     """The decoder layers whose MLP the tiled MLP tiles: the modules model/tiled_mlp.py's `tiled_mlps` takes (named
     `mlp`, their class's name ending in MLP, no dropout) that read the text model's hidden states (a vision tower's
-    MLPs are of another width). Module names and class names only: the rule is kept equal to tiled_mlps' by
-    tests/test_models_matrix.py, on the full-size configs of bench/configs/."""
+    MLPs are of another width), but for a mixture of experts' block so named, whose tiles the start-up probe
+    refuses. Module names and class names only: tests/test_models_matrix.py keeps the rule equal to what a run
+    tiles (tiled_mlps where the probe keeps it), on the full-size configs of bench/configs/."""
     import torch
 
     n = 0
@@ -289,6 +290,8 @@ def tiled_mlp_layers(model, hidden: int, n_layers: int) -> int:
             continue
         if any(type(m).__name__.startswith("Dropout") and m.p for m in module.modules()):
             continue
+        if any(n.rsplit(".", 1)[-1] == "experts" for n, _ in module.named_modules()):  # an MoE block named ...MLP
+            continue  # (GPT-OSS's): its forward returns the router's scores too, and the probe refuses its tiles
         first = next((m for m in module.modules() if isinstance(m, torch.nn.Linear)), None)
         n += first is not None and first.in_features == hidden
     return min(n, n_layers)
