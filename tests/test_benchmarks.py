@@ -390,13 +390,14 @@ def test_a_scoring_leaves_the_generators_as_they_were_and_keeps_its_samples(tiny
 
 def test_the_waiting_ranks_deadline_and_rank_0s_memory_are_their_own_lines():
     """The other ranks wait for rank 0's scores in the rendezvous store (a channel passed in here: a dict), at most
-    benchmarks.wait_s, then raise what they are given; a scoring that cannot fit rank 0 (2x the model in host
+    benchmarks.wait_s, then raise what they are given; a resume merges its checkpoint's scorings with rank 0's file
+    of them up to its step; a scoring that cannot fit rank 0 (2x the model in host
     memory, a copy on its GPU) is one line naming what it needs, what is free and `ds-train eval` on a tag."""
     import time
 
     from ds_train.benchmarks import scoring_memory_problem
     from ds_train.plan.memory import GiB
-    from ds_train.train.benchmarks import wait_for
+    from ds_train.train.benchmarks import merged, wait_for
 
     class Store(dict):
         def get(self, key):
@@ -407,6 +408,9 @@ def test_the_waiting_ranks_deadline_and_rank_0s_memory_are_their_own_lines():
         wait_for(Store(), "benchmarks/scores/4", 0.5, lambda: TimeoutError("late"))
     assert 0.5 <= time.monotonic() - start < 2
     assert wait_for(Store({"benchmarks/scores/4": "[]"}), "benchmarks/scores/4", 0.5, lambda: None) == "[]"
+    # a resume at step 4 takes the file's scorings after its checkpoint up to step 4, not those of the lost steps
+    saved, written = [{"step": 0}, {"step": 2}], [{"step": 0}, {"step": 2}, {"step": 4, "skipped": "E"}, {"step": 6}]
+    assert merged(saved, written, 4) == [{"step": 0}, {"step": 2}, {"step": 4, "skipped": "E"}]
     said = scoring_memory_problem(8 * 10**9, "bf16", True, 20 * GiB, 10 * GiB)
     assert said == ("benchmarks.tasks: scoring inside the run needs on rank 0 29.80 GiB of host memory (2x the model) "
                     "with 20.00 GiB available and 14.90 GiB on its GPU (a whole copy beside its shards) with 10.00 GiB "
