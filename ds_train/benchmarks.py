@@ -3,9 +3,12 @@
 The tasks are names lm_eval knows (its own, and those in recipes/lm_eval/, always searched) or paths of task YAML
 files (their directories searched too). `check_tasks` says in one line, before anything runs, what lm_eval would
 stop on later: lm_eval not installed, a name it does not know, a task file that is not YAML, names no task, or does
-not build (its dataset, its templates). `evaluate` scores a model that is already loaded, in this process, through
-lm_eval's own Hugging Face backend (HFLM on the model object: no reload, no copy), so that the numbers are those
-`lm_eval --model hf` gives on the exported model; `metrics` names them after each task's own metrics
+not build (its dataset, its templates), a metric or aggregation it does not know (it would only warn), a task
+flagged unsafe_code without benchmarks.confirm_run_unsafe_code; check_gen_kwargs the generation arguments.
+`evaluate` scores a model that is already loaded, in this process, through lm_eval's own Hugging Face backend
+(HFLM on the model object: no reload, no copy), so that the numbers are those `lm_eval --model hf` gives on the
+exported model (with the section's chat template, gen_kwargs, log_samples; the global generators lm_eval reseeds
+put back after it); `metrics` names them after each task's own metrics
 (bench/<task>/<metric>,<filter>, lm_eval's keys). lm_eval is imported only here, and only when tasks are named.
 """
 
