@@ -87,6 +87,9 @@ def test_a_collective_past_the_process_group_timeout_is_named_with_the_ranks_it_
 def test_secondary_errors_are_recognised():
     assert rp.is_secondary(RuntimeError("[gloo/transport/tcp/pair.cc:537] Read error: Connection reset by peer"))
     assert rp.is_secondary(RuntimeError("NCCL communicator was aborted on rank 0"))
+    # the rendezvous store's host (rank 0) killed: torch's DistNetworkError on the others' next store call
+    assert rp.is_secondary(RuntimeError("Failed to recv, got 0 bytes. Connection was likely closed. Did the remote "
+                                        "server shutdown or crash?"))
     assert not rp.is_secondary(ValueError("token id 70000 >= vocab size"))
 
 

@@ -28,7 +28,8 @@ BRIDGE_COLLECTIVES = {"send_weights", "receive_weights", "_broadcast", "exchange
 _COMM_FILES = re.compile(r"torch/distributed/|deepspeed/comm/|ds_train/dist/bridge\.py")
 # Exceptions a rank gets because another rank died (a secondary failure, not the cause).
 PEER_LOSS = re.compile(r"connection (closed|reset)|broken pipe|peer|socket|NCCL communicator was aborted|"
-                       r"ProcessGroup.*(abort|shut)|Connection refused|Gloo", re.I)
+                       r"ProcessGroup.*(abort|shut)|Connection refused|Gloo|"
+                       r"Failed to (recv|send)|Connection was likely closed", re.I)  # the TCPStore's host gone
 
 
 # A collective that waited past the process group's timeout (gloo; NCCL's watchdog).
