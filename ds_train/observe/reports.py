@@ -25,6 +25,9 @@ COLLECTIVES = {"all_reduce", "all_gather", "all_gather_into_tensor", "all_gather
 # The bridge between trainer and rollout ranks (ds_train/dist/bridge.py) calls its process groups' methods
 # directly, below any torch.distributed frame: its own methods are its collectives.
 BRIDGE_COLLECTIVES = {"send_weights", "receive_weights", "_broadcast", "exchange"}
+# Phases in which a rank waits for another outside any collective, and for what: it waits, it did not stall
+# (ds_train/train/benchmarks.py: the other ranks poll the rendezvous store for rank 0's lm-eval scores).
+STORE_WAITS = {"wait-scores": "for rank 0's lm-eval scores"}
 _COMM_FILES = re.compile(r"torch/distributed/|deepspeed/comm/|ds_train/dist/bridge\.py")
 # Exceptions a rank gets because another rank died (a secondary failure, not the cause).
 PEER_LOSS = re.compile(r"connection (closed|reset)|broken pipe|peer|socket|NCCL communicator was aborted|"
@@ -129,10 +132,16 @@ def classify(records: dict[int, dict | None], answered: set[int]) -> dict[str, l
     any collective never arrived."""
     silent = sorted(r for r in records if r not in answered)
     live = {r: rec for r, rec in records.items() if r in answered and rec is not None}
-    outside = {r: rec for r, rec in live.items() if not rec.get("collective")}
+    outside = {r: rec for r, rec in live.items() if not rec.get("collective") and rec.get("phase") not in STORE_WAITS}
     behind = min((tuple(rec["position"]) for rec in outside.values()), default=None)
     laggards = sorted(r for r, rec in outside.items() if tuple(rec["position"]) == behind)
     return {"never_arrived": laggards, "silent": silent, "waiting": sorted(r for r in live if r not in laggards)}
+
+
+def _waits_in(rec: dict) -> str:
+    if rec.get("collective"):
+        return f"in {rec['collective']}"
+    return STORE_WAITS.get(rec.get("phase"), "in a collective")
 
 
 def hang_report(records: dict[int, dict | None], answered: set[int], stall_s: float) -> dict:
@@ -151,7 +160,7 @@ def hang_report(records: dict[int, dict | None], answered: set[int], stall_s: fl
     if not culprits:
         culprits.append("every rank waits inside a collective: they disagree on which (a code path that "
                         "differs by rank) or the network between them is down")
-    waits = "; ".join(f"{where(records[r])} waits in {records[r]['collective'] or 'a collective'} (phase "
+    waits = "; ".join(f"{where(records[r])} waits {_waits_in(records[r])} (phase "
                       f"{records[r]['phase']} of step {records[r]['step']})" for r in v["waiting"])
     line = (f"hang: no progress for {stall_s:g} s (watchdog.stall_s): " + "; ".join(culprits) +
             (f". Waiting for it: {waits}" if waits and v["never_arrived"] + v["silent"] else
