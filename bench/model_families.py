@@ -19,6 +19,11 @@ printed.
     python bench/model_families.py                     # the table on stdout
     python bench/model_families.py --write             # ... and into docs/models.md (between its markers)
     python bench/model_families.py --families llama    # some families only (with --write: their rows replaced)
+    python bench/model_families.py --families llama --columns ZeRO-3 --write --doc D   # one column of one row
+                                                        # (the others kept): bench/models.py --all --sample's
+
+The table's first line names its command, date and commit (bench/models.py's `dated`); rows run again say theirs
+under it.
 """
 
 from __future__ import annotations
@@ -26,11 +31,11 @@ from __future__ import annotations
 import argparse
 import contextlib
 import re
+import shlex
 import subprocess
 import sys
 import tempfile
 import time
-from datetime import date
 from pathlib import Path
 
 import yaml
@@ -100,7 +105,7 @@ def merge(cells: list[str]) -> str:
     return f"✓ {max(float(c.split()[1]) for c in cells):.0e}"
 
 
-def row(family: str, data: Path, scratch: Path) -> dict:
+def row(family: str, data: Path, scratch: Path, columns: tuple[str, ...] = COLUMNS) -> dict:
     from models import probe_config
 
     from ds_train.plan.experts import autoep_preset
@@ -116,7 +121,12 @@ def row(family: str, data: Path, scratch: Path) -> dict:
     path = scratch / f"{family}.yaml"
     path.write_text(yaml.safe_dump(run_config(written, data, attention)))
     cells = {}
+    wanted = columns
     for stages, extra, columns in LAUNCHES:
+        if not set(columns) & set(wanted):
+            continue
+        if columns == ("ZeRO-3", "SP 2") and "SP 2" not in wanted:  # ZeRO-3 alone: its own launch
+            stages, extra, columns = ["zero3"], [], ("ZeRO-3",)
         if columns == ("AutoEP 2",) and autoep_preset(config) is None:
             cells["AutoEP 2"] = "no AutoEP preset"
             continue
@@ -134,7 +144,8 @@ def row(family: str, data: Path, scratch: Path) -> dict:
                 cells[column] = merge([c for name, c in layouts.items() if name.startswith("zero3") and "_sp" not in name])
             else:
                 cells[column] = merge(list(layouts.values()))
-    cells["vLLM greedy"] = vllm_cell(family, heads_multiple=2 * ratio)
+    if "vLLM greedy" in wanted:
+        cells["vLLM greedy"] = vllm_cell(family, heads_multiple=2 * ratio)
     return {"type": family, "attention": attention, "cells": cells, "seconds": round(time.monotonic() - start)}
 
 
@@ -206,14 +217,19 @@ def table(rows: list[dict]) -> str:
     head = ["family (model type)", *COLUMNS, "attention"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
-        lines.append("| " + " | ".join([f"`{r['type']}`", *(r["cells"][c] for c in COLUMNS), r["attention"]]) + " |")
+        lines.append("| " + " | ".join([f"`{r['type']}`", *(r["cells"].get(c, "") for c in COLUMNS), r["attention"]])
+                     + " |")
     return "\n".join(lines)
 
 
 def main() -> int:
     ap = cli.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--families", default="", help=f"comma-separated model types (default: {','.join(FAMILIES)})")
-    ap.add_argument("--write", action="store_true", help=f"write the table into {DOC.relative_to(ROOT)}")
+    ap.add_argument("--columns", default="", help=f"comma-separated columns (default: {','.join(COLUMNS)}; with "
+                    "--write the others' cells are kept)")
+    ap.add_argument("--write", action="store_true", help="write the table into --doc")
+    ap.add_argument("--doc", default=str(DOC.relative_to(ROOT)), help="the page the table is written into "
+                    "(default: %(default)s)")
     ap.add_argument("--vllm-cell", default="", help=argparse.SUPPRESS)  # one family's vLLM cell, in its own process
     ap.add_argument("--heads-multiple", type=int, default=1, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -221,6 +237,11 @@ def main() -> int:
         print(f"cell: {vllm_greedy(args.vllm_cell, args.heads_multiple)}")
         return 0
     families = [f for f in args.families.split(",") if f] or list(FAMILIES)
+    columns = tuple(c for c in args.columns.split(",") if c) or COLUMNS
+    if set(columns) - set(COLUMNS):
+        raise cli.fail(f"--columns {','.join(sorted(set(columns) - set(COLUMNS)))}: not a column of the table "
+                       f"({', '.join(COLUMNS)})")
+    doc = Path(args.doc) if Path(args.doc).is_absolute() else ROOT / args.doc
     from model_runs import corpus
 
     start, rows = time.monotonic(), []
@@ -229,29 +250,36 @@ def main() -> int:
         with contextlib.redirect_stdout(sys.stderr):
             corpus(scratch)
         for family in families:
-            rows.append(row(family, scratch / "data", scratch))
+            rows.append(row(family, scratch / "data", scratch, columns))
             print(rows[-1], file=sys.stderr, flush=True)
-    from importlib.metadata import version
+    from models import dated, write_between
 
-    said = (f"`{' '.join(['python bench/model_families.py', *sys.argv[1:]])}`, {date.today().isoformat()}, "
-            f"transformers {version('transformers')}, torch {version('torch')}, DeepSpeed {version('deepspeed')}; "
-            f"{time.monotonic() - start:.0f} s on this 2-core CPU")
+    said = dated("python bench/model_families.py " + shlex.join(sys.argv[1:]), time.monotonic() - start)
     print(f"{said}.\n\n{table(rows)}")
     if args.write:
-        from models import write_between
-
-        write_between(DOC, BEGIN, END, merged(rows, said) if args.families else f"{said}.\n\n{table(rows)}")
+        whole = not args.families and columns == COLUMNS
+        write_between(doc, BEGIN, END, f"{said}.\n\n{table(rows)}" if whole else merged(rows, said, doc))
     return 0
 
 
-def merged(rows: list[dict], said: str) -> str:
-    """The table in the docs with these families' rows run again (and said so under it), the others kept."""
-    old = DOC.read_text().split(BEGIN, 1)[1].split(END, 1)[0].strip().splitlines()
-    lines = [x for x in table(rows).splitlines()[2:]]
-    fresh = {x.split("|")[1].strip(): x for x in lines}
-    kept = [fresh.pop(x.split("|")[1].strip(), x) if x.startswith("| `") else x for x in old]
-    kept += list(fresh.values())  # a family the table did not have
-    return "\n".join(kept) + f"\n\nRun again: {', '.join(r['type'] for r in rows)}: {said}."
+def merged(rows: list[dict], said: str, doc: Path = DOC) -> str:
+    """The table in `doc` with these families' rows run again (and said so under it), the others kept; of a row
+    run again for some columns (--columns), the other cells kept."""
+    old = doc.read_text().split(BEGIN, 1)[1].split(END, 1)[0].strip().splitlines()
+    fresh = {f"`{r['type']}`": r for r in rows}
+    kept = []
+    for x in old:
+        name = x.split("|")[1].strip() if x.startswith("| `") else None
+        r = fresh.pop(name, None) if name else None
+        if r is not None:
+            cells = [c.strip() for c in x.strip().strip("|").split(" | ")]
+            was = dict(zip(["family", *COLUMNS, "attention"], cells))
+            x = table([r | {"cells": {c: r["cells"].get(c, was.get(c, "")) for c in COLUMNS}}]).splitlines()[2]
+        kept.append(x)
+    kept += [table([r]).splitlines()[2] for r in fresh.values()]  # a family the table did not have
+    names = ", ".join(r["type"] + (f" ({', '.join(c for c in COLUMNS if c in r['cells'])})"
+                                   if set(r["cells"]) != set(COLUMNS) else "") for r in rows)
+    return "\n".join(kept) + f"\n\nRun again: {names}: {said}."
 
 
 if __name__ == "__main__":

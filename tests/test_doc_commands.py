@@ -140,8 +140,16 @@ INLINE_WAYS = [
         "the table's own, and tests/test_models_matrix.py compares every row with the code",
         "python bench/models.py --help"),
     Way(_exact("python bench/models.py --all --write"), CHECKED,
-        "the whole matrix (~40 minutes): its arguments parse; its parts run above (reduced) and below, and "
-        "tests/test_models_matrix.py compares the table with the code", "python bench/models.py --help"),
+        "the whole matrix (~55 minutes): its arguments parse; tests/test_models_matrix.py runs this command on a "
+        "sample (--all --sample: a type's row with its compiled layers, a checkpoint's, a family's ZeRO-3 launch) "
+        "into a copy of docs/models.md, and compares every table with the code", "python bench/models.py --help"),
+    Way(r"python bench/models\.py --checkpoints( --compile)? --write", CHECKED,
+        "the named checkpoints' table (10 configs, ~45 s, minutes with --compile): its arguments parse; "
+        "tests/test_models_matrix.py regenerates every row and compares it with the table, and runs the command on "
+        "a sample (bench/models.py --all --sample, a checkpoint's compiled layers among it)", "python bench/models.py --help"),
+    Way(r"python bench/models\.py( --types [a-z0-9_,]+)? --columns '?[a-zA-Z ,]+'? --write", CHECKED,
+        "some columns run again, the other cells kept (a column of every type: ~1 minute): its arguments parse; "
+        "tests/test_models_matrix.py compares every row with the code", "python bench/models.py --help"),
     Way(_exact("python bench/model_families.py --write"), CHECKED,
         "2-process parity launches of 14 families (~30 minutes): its arguments parse; the layouts it launches are "
         "tests/test_parity.py's for Llama and Qwen3-MoE", "python bench/model_families.py --help"),

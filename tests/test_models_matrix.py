@@ -4,17 +4,22 @@ against its own forward; for the most used families the run columns too: 2 steps
 regenerated here and compared cell by cell with the table. A model type whose verdict changed (a transformers
 upgrade, a change to the probe, a speed-up or the run machinery) fails until the table is regenerated:
 `python bench/models.py --runs --write`. Compiled layers (`--compile`) and the other types' run columns are the
-full matrix's, not regenerated here."""
+full matrix's, regenerated here on a sample: the whole command (`--all`) for one type, one checkpoint and one
+family's launch, into a copy of the page. The named checkpoints' table (bench/configs/) is compared the same way,
+and the memory plan's tiled MLP layers are checked against what the tiled MLP tiles on each checkpoint at full
+size (on the meta device)."""
 
 from __future__ import annotations
 
 import importlib.util
+import json
 import re
+import shutil
 import sys
 
 import pytest
 
-from conftest import ROOT
+from conftest import ROOT, run_cmd
 
 DOC = ROOT / "docs" / "models.md"
 RUN_COLUMNS = ("trains", "export", "resume", "LoRA")
@@ -39,11 +44,11 @@ def bench():
     return module
 
 
-def documented() -> dict[str, dict[str, str]]:
-    """The table's rows: model type -> {column: cell} (builds, the speed-ups, the run columns)."""
-    text = DOC.read_text()
-    table = text[text.index("<!-- models.py: begin -->"):text.index("<!-- models.py: end -->")].splitlines()
-    head = next(line for line in table if line.startswith("| model type |"))
+def documented(doc=DOC, marker: str = "models.py", first: str = "model type") -> dict[str, dict[str, str]]:
+    """A table's rows: its first column -> {column: cell} (the types' table: builds, the speed-ups, the run
+    columns; marker "models.py checkpoints": the checkpoints'; "model_families.py": the families')."""
+    table = section(doc, marker).splitlines()
+    head = next(line for line in table if line.startswith(f"| {first} |"))
     columns = [c.strip() for c in head.strip("|").split("|")][1:]
     rows = {}
     for line in table:
@@ -51,6 +56,16 @@ def documented() -> dict[str, dict[str, str]]:
         if m:
             rows[m.group(1)] = dict(zip(columns, (c.strip() for c in m.group(2).split(" | "))))
     return rows
+
+
+def section(doc, marker: str) -> str:
+    """What `doc` holds between <!-- {marker}: begin --> and its end marker."""
+    text = doc.read_text()
+    return text[text.index(f"<!-- {marker}: begin -->"):text.index(f"<!-- {marker}: end -->")]
+
+
+DATED = re.compile(r"^(Run again: .*)?`python bench/(models|model_families)\.py[^`]*`, \d{4}-\d\d-\d\d, commit "
+                   r"[0-9a-f]{7,}\+?, transformers ", re.M)
 
 
 def verdict(cell: str, column: str = "") -> str:
@@ -70,6 +85,18 @@ def test_every_causal_lm_model_type_is_in_the_table_once():
     assert all(cells["builds"] == "✓" or cells["builds"].startswith(("cannot build from its config alone: ",
                                                                       "not at probe size")) for cells in rows.values())
     assert not any("runs, wrong" in c for cells in rows.values() for c in cells.values())
+    # "not applicable" apart from ✓: an MoE block is never tiled, so its tiled MLP is n/a, never ✓ (issue 73: the
+    # table said ✓ for every MoE type); a ✓ of some layers says how many
+    mlp = {t: cells.get("tiled MLP", "") for t, cells in rows.items() if cells["builds"] == "✓"}
+    assert all(re.fullmatch(r"✓( \d+ of \d+ layers)?|n/a: nothing it tiles.*|refused: .*|own forward fails.*", c)
+               for c in mlp.values()), mlp
+    assert all(mlp[t].startswith("n/a") for t in ("mixtral", "qwen3_moe", "qwen2_moe", "olmoe", "jamba", "granitemoe")), \
+        {t: mlp[t] for t in ("mixtral", "qwen3_moe", "qwen2_moe", "olmoe", "jamba", "granitemoe")}
+    assert mlp["deepseek_v3"] == "✓ 1 of 2 layers" and mlp["llama"] == "✓"
+    # the checkpoints' table: every config of bench/configs once; each table dated with its commit
+    assert sorted(documented(DOC, "models.py checkpoints", "checkpoint")) == m.checkpoint_names()
+    for marker in ("models.py", "models.py checkpoints", "model_families.py"):
+        assert DATED.search(section(DOC, marker)), f"docs/models.md's {marker} table names no commit"
     # every type that builds and runs its own forward has the run columns filled: a verdict, never blank
     for model_type, cells in rows.items():
         if cells["builds"] == "✓" and not cells["tiled loss"].startswith("own forward fails"):
@@ -102,3 +129,124 @@ def test_the_table_is_what_the_code_gives_today(tmp_path):
                           + "\n".join(disagree))
     assert all(rows[t][c].startswith(("✓", "≈")) for t in RUN_FAMILIES for c in RUN_COLUMNS), \
         {t: rows[t] for t in RUN_FAMILIES}
+
+
+def test_the_plan_tiles_only_the_mlps_the_run_tiles():
+    """The memory plan counts the tiled MLP's saving for the decoder layers whose MLP the run tiles, on each named
+    checkpoint at full size (the meta device): tiled_mlps on the full model, layer by layer. Where it tiles none
+    (every MoE type, Jamba's, Bamba's and LFM2's feed_forward; GPT-OSS's block, whose tiles the probe refuses) the
+    plan with train.mlp_tile_positions is the plan without; where some (DeepSeek-V3's 3 dense layers of 61),
+    between. The checkpoints' table says the same."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from ds_train.model.tiled_mlp import tiled_mlps
+    from ds_train.plan.memory import activation_bytes, model_shape
+
+    m = bench()
+    table = documented(DOC, "models.py checkpoints", "checkpoint")
+    tiled = {}
+    for name in m.checkpoint_names():
+        config = AutoConfig.for_model(**json.loads((ROOT / "bench" / "configs" / name / "config.json").read_text()))
+        shape = model_shape(config)
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+        classes = tiled_mlps(model, 8192, 16384)[0]
+        layers = model.get_decoder().layers
+        kept = not table[name]["tiled MLP"].startswith("refused")  # the probe turns it off (GPT-OSS's MoE block)
+        tiled[name] = kept * sum(any("forward" in vars(x) and type(x).__name__ in classes for x in layer.modules())
+                                 for layer in layers)
+        assert shape.tiled_mlp_layers == tiled[name] and shape.n_layers == len(layers), name
+        whole, tiles = (activation_bytes(shape, 1, 16384, "bf16", False, mlp_tile_positions=t).peak for t in (0, 8192))
+        assert (tiles < whole) if tiled[name] else (tiles == whole), (name, whole, tiles)
+        assert table[name]["MLPs the plan tiles (full size)"] == f"{tiled[name]} of {len(layers)} layers", name
+    assert tiled["mixtral-8x7b"] == tiled["qwen3-30b-a3b"] == tiled["jamba-v0.1"] == 0
+    assert tiled["deepseek-v3"] == 3 and tiled["llama-3.1-8b"] == 32 and tiled["gemma-3-4b"] == 34
+    assert tiled["gpt-oss-20b"] == 0
+    # a mixture of experts' block whose class's name ends in MLP, its experts nn.Linear (GPT-OSS's hold theirs as
+    # parameters): not counted, as the probe refuses its tiles; a dense MLP beside it is
+    from ds_train.plan.memory import tiled_mlp_layers
+
+    class MoeMLP(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.experts = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(2))
+
+    class DenseMLP(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.up = torch.nn.Linear(8, 16)
+
+    decoder = torch.nn.ModuleList(torch.nn.ModuleDict({"mlp": kind()}) for kind in (MoeMLP, DenseMLP, DenseMLP))
+    assert tiled_mlp_layers(decoder, 8, 3) == 2
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_the_checkpoints_table_is_what_the_code_gives_today():
+    """Every named checkpoint's row built again (its own config at the run's shrink, the probe's comparisons:
+    ~40 s on this CPU) and compared with docs/models.md's checkpoints' table, verdict by verdict; the compiled
+    column is the full matrix's (the sample below regenerates one)."""
+    m = bench()
+    rows = documented(DOC, "models.py checkpoints", "checkpoint")
+    disagree = []
+    for name in m.checkpoint_names():
+        got = m.checkpoint_row(name, m.SPEEDUPS)
+        cells = {"model type": f"`{got['type']}`", "builds": got["build"], **got["cells"],
+                 "MLPs the plan tiles (full size)": got["planned"]}
+        if any(verdict(cells[c], c) != verdict(rows[name][c], c) for c in cells):
+            disagree.append(f"{name}: table {rows[name]}, code {cells}")
+    assert not disagree, ("docs/models.md's checkpoints disagree with the code (python bench/models.py "
+                          "--checkpoints --compile --write):\n" + "\n".join(disagree))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_the_whole_matrix_command_on_a_sample(tmp_path):
+    """`python bench/models.py --all` (the one command that regenerates every table of docs/models.md, compiled
+    layers and the families' launches among them) on its sample, into a copy of the page: granite's row with its
+    run and compiled columns, Llama-3.1-8B's checkpoint row with its compiled column, Llama's ZeRO-3 launch (2
+    processes, against the one-process reference). Each rewritten row is dated with this commit, agrees with the
+    page's row verdict by verdict, and nothing else of the page changed."""
+    copy = tmp_path / "models.md"
+    shutil.copy(DOC, copy)
+    said = run_cmd([sys.executable, "bench/models.py", "--all", "--sample", "--doc", str(copy)], timeout=540)
+    assert said.returncode == 0, said.out[-3000:]
+    sha = run_cmd(["git", "rev-parse", "--short", "HEAD"], timeout=30).out.strip()
+    for marker, first, key, command in (
+            ("models.py", "model type", "granite", f"--all --sample --doc {copy}"),
+            ("models.py checkpoints", "checkpoint", "llama-3.1-8b", f"--all --sample --doc {copy}"),
+            ("model_families.py", "family (model type)", "llama", "--families llama --columns ZeRO-3")):
+        again = section(copy, marker).strip().splitlines()[-1]
+        assert again.startswith(f"Run again: {key}") and command in again, again
+        assert re.search(rf", commit {sha}\+?, ", again) and DATED.search(again), again
+        new, old = documented(copy, marker, first)[key], documented(DOC, marker, first)[key]
+        same = (lambda a, b, c: a[:1] == b[:1]) if marker == "model_families.py" else \
+            (lambda a, b, c: verdict(a, c) == verdict(b, c))
+        assert all(same(new[c], old[c], c) for c in old), (marker, new, old)
+        assert {k: v for k, v in documented(copy, marker, first).items() if k != key} == \
+            {k: v for k, v in documented(DOC, marker, first).items() if k != key}, marker
+    assert "compiled layers" in documented(copy)["granite"] and "compiled layers" in documented(
+        copy, "models.py checkpoints", "checkpoint")["llama-3.1-8b"]
+    assert documented(copy, "model_families.py", "family (model type)")["llama"]["ZeRO-3"].startswith("✓ ")
+
+    def outside(doc):  # the page but for the three tables
+        text = doc.read_text()
+        for marker in ("models.py", "models.py checkpoints", "model_families.py"):
+            text = text.replace(section(doc, marker), "")
+        return text
+
+    assert outside(copy) == outside(DOC)
+
+
+def test_the_commands_refuse_bad_input_in_one_line(monkeypatch):
+    """A checkpoint not in bench/configs, a sample without a copy to write into (it would write the page itself),
+    a column that is not one: each one line naming the value and what to give, before anything runs."""
+    m = bench()
+    for argv, said in ((["--checkpoints", "llama-9"], "--checkpoints llama-9: not in bench/configs (it has "),
+                       (["--all", "--sample"], "give --all and --doc COPY"),
+                       (["--columns", "tiled MLP,trains"], "--columns tiled MLP,trains: give speed-up columns")):
+        monkeypatch.setattr(sys, "argv", ["bench/models.py", *argv])
+        with pytest.raises(SystemExit) as e:
+            m.main()
+        assert said in str(e.value) and "\n" not in str(e.value), str(e.value)
