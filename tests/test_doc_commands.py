@@ -150,6 +150,10 @@ INLINE_WAYS = [
     Way(r"python bench/models\.py( --types [a-z0-9_,]+)? --columns '?[a-zA-Z ,]+'? --write", CHECKED,
         "some columns run again, the other cells kept (a column of every type: ~1 minute): its arguments parse; "
         "tests/test_models_matrix.py compares every row with the code", "python bench/models.py --help"),
+    Way(r"python bench/model_families\.py( --families [a-z0-9_,]+)? --columns '?[a-zA-Z0-9 ,-]+'? --write", CHECKED,
+        "some columns of the families run again, the other cells kept (ZeRO-3 of all 14: ~4 minutes): its arguments "
+        "parse; tests/test_models_matrix.py runs one family's ZeRO-3 column this way (bench/models.py --all "
+        "--sample) into a copy of the page", "python bench/model_families.py --help"),
     Way(_exact("python bench/model_families.py --write"), CHECKED,
         "2-process parity launches of 14 families (~30 minutes): its arguments parse; the layouts it launches are "
         "tests/test_parity.py's for Llama and Qwen3-MoE", "python bench/model_families.py --help"),
