@@ -92,6 +92,7 @@ def run_cells(model_type: str, model: dict, data: Path, scratch: Path) -> dict:
     from ds_train.errors import UserError
 
     cells = {}
+    model = within_corpus_vocabulary(model)
     ids = torch.arange(2 * 16).reshape(2, 16) * 7 % 512
     first = scratch / "first"
     try:
@@ -115,6 +116,25 @@ def run_cells(model_type: str, model: dict, data: Path, scratch: Path) -> dict:
     cells["resume"] = _cell(lambda: resumed(model, data, first, scratch / "resumed", ids, losses, logits))
     cells["LoRA"] = _cell(lambda: lora(model))
     return {k: v.replace(str(scratch), "RUN") for k, v in cells.items()}
+
+
+def within_corpus_vocabulary(model: dict) -> dict:
+    """`model` with its special token ids (pad, bos, eos, ...; its sub-models' too) below the corpus's 512 tokens: the
+    run gives the model the tokenizer's vocabulary, and refuses an id outside it (mllama's pad id, cut to 1023 for
+    the probe)."""
+    def cut(part: dict) -> dict:
+        out = {}
+        for k, v in part.items():
+            if k.endswith("_token_id") and isinstance(v, int) and v >= 512:
+                v = 511
+            elif k.endswith("_token_id") and isinstance(v, list):
+                v = sorted({min(i, 511) if isinstance(i, int) else i for i in v})
+            elif k.endswith("_config") and isinstance(v, dict):
+                v = cut(v)
+            out[k] = v
+        return out
+
+    return cut(model)
 
 
 def _cell(check) -> str:
