@@ -16,9 +16,9 @@ from ds_train.errors import UserError
 from ds_train.inputs import plan_config
 from ds_train.model.build import resolve_dtype
 from ds_train.model.lora import check_lora
-from ds_train.plan.memory import GiB, ModelShape, model_shape
+from ds_train.plan.memory import GiB, ModelShape, model_shape, scoring_bytes
 from ds_train.plan.parallel import Layout, check_layout
-from ds_train.plan.planner import (Target, engine_bytes, engine_weights_bytes, format_rows, format_suggestions,
+from ds_train.plan.planner import (USABLE, Target, engine_bytes, engine_weights_bytes, format_rows, format_suggestions,
                                    fused_kernels, pick_preset, plan_rows, rank_seq_len, resolved_zero, rollout_split,
                                    suggestions, trainers)
 
@@ -99,11 +99,37 @@ def estimate_with_layout(cfg: RunConfig, ds_config_path: str, target: Target, pr
         out["rollout_ranks"] = rollout_split(shape, cfg, zero, whole, dtype) | {
             "per_node": cfg.ript.rollout_ranks_per_node}
     given = next(r for r in rows if r["given"])
+    scoring = scoring_plan(cfg, shape, dtype, given, target)
+    if scoring:
+        out["scoring"] = scoring
     if not given["fits"]:
         out["suggestions"] = suggestions(shape, cfg, zero, target, dtype)
     if preset:
         out["preset"] = pick_preset(shape, cfg, target, dtype, preset)
     return out, layout
+
+
+def scoring_plan(cfg: RunConfig, shape: ModelShape, dtype: str, given: dict, target: Target) -> dict | None:
+    """Rank 0's lm-eval scoring inside the run (the benchmarks section; None where it scores nothing in the run):
+    the scored copy on its GPU beside what the engine holds between steps (the activations are freed by then), and
+    2x the model in its host memory (plan/memory.py scoring_bytes). It fits where that peak is within the usable
+    share of a GPU, as the training rows do."""
+    b = cfg.benchmarks
+    if not b.tasks or not (b.every or b.at_start or b.at_end):
+        return None
+    need = scoring_bytes(shape.n_params, dtype, on_gpu=True)
+    peak = given["model_states_gib"] + given["buffers_gib"] + need.device / GiB
+    return {"device_gib": need.device / GiB, "host_gib": need.host / GiB, "rank0_peak_gib": peak,
+            "fits": peak <= USABLE * target.gpu_memory_gib}
+
+
+def scoring_said(s: dict, target: Target) -> str:
+    verdict = ("fits" if s["fits"] else
+               f"DOES NOT FIT {USABLE * target.gpu_memory_gib:.1f} GiB: leave benchmarks.tasks out of the run and "
+               f"score a checkpoint after it (ds-train eval RUN_DIR --tag step_N --tasks ...)")
+    return (f"benchmarks: rank 0 scores a whole copy of the model ({s['device_gib']:.2f} GiB on its GPU beside its "
+            f"shards: peak {s['rank0_peak_gib']:.2f} GiB; {s['host_gib']:.2f} GiB of host memory, 2x the model) -> "
+            f"{verdict}")
 
 
 def kernels_said(cfg: RunConfig) -> str:
@@ -144,6 +170,8 @@ def format_estimate(out: dict, target: Target) -> str:
                         f"policy trains: the peak is the larger of the update's and the model states + vLLM's")
     if out.get("rollout_ranks"):
         lines.insert(1, rollout_said(out["rollout_ranks"], out["dtype"]))
+    if out.get("scoring"):
+        lines.append(scoring_said(out["scoring"], target))
     if out.get("suggestions"):
         lines.append("does not fit; changes ranked by cost, with the predicted per-GPU peak:")
         lines += format_suggestions(out["suggestions"])
@@ -177,4 +205,6 @@ def estimate_outcome(out: dict, target: Target) -> str:
     return (f"estimate: {given['config']} micro {given['micro_batch_size']}, checkpointing "
             f"{'on' if given['activation_checkpointing'] else 'off'} (as given): peak {given['gpu_peak_gib']:.2f} of "
             f"{target.gpu_memory_gib:g} GiB per GPU on world {target.world} -> "
-            + ("fits" if given["fits"] else "DOES NOT FIT (the changes above, cheapest first)"))
+            + ("fits" if given["fits"] else "DOES NOT FIT (the changes above, cheapest first)")
+            + ("; rank 0's in-run scoring DOES NOT FIT (the benchmarks line above)"
+               if not out.get("scoring", {"fits": True})["fits"] else ""))

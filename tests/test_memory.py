@@ -258,3 +258,35 @@ def test_the_plan_against_what_an_h200_measured_with_compiled_layers_and_without
     else:
         assert peak == pytest.approx(case["predicted_gib"], rel=1e-3), (case, peak)
         assert abs(peak / case["measured_gib"] - 1) > 0.10
+
+
+def test_the_plan_holds_rank_0s_in_run_scoring_and_says_when_only_it_cannot_fit():
+    """benchmarks.tasks in the run: rank 0 holds a whole copy of the model on its GPU beside its ZeRO-3 shards (2x the
+    model in host memory while it loads), a line of the estimate; on a GPU where training fits and that copy does
+    not, the line and the outcome say so and name `ds-train eval` after the run. No tasks: no line."""
+    from ds_train.config.file import build_config
+    from ds_train.estimate import estimate_outcome, format_estimate, run_estimate
+    from ds_train.plan.memory import GiB
+    from ds_train.plan.planner import USABLE, Target
+
+    def plan(gib: float, tasks: list[str]) -> tuple[dict, str]:
+        cfg = build_config({"output_dir": "/nonexistent/run", "model": {"config": H200["model"], "dtype": "bf16"},
+                            "train": {"seq_len": 128, "micro_batch_size": 1, "global_batch_size": 8},
+                            "benchmarks": {"tasks": tasks}}, source="scoring")
+        target = Target(1, 8, gib)
+        out = run_estimate(cfg, str(ROOT / "ds_configs" / "zero3.json"), target, None)
+        return out, format_estimate(out, target) + "\n" + estimate_outcome(out, target)
+
+    out, said = plan(80.0, ["arith_choice"])
+    s, n = out["scoring"], out["model"]["params"]
+    assert s["device_gib"] == pytest.approx(2 * n / GiB) and s["host_gib"] == pytest.approx(4 * n / GiB)
+    assert s["fits"] and "benchmarks: rank 0 scores a whole copy of the model" in said and "-> fits" in said
+    given = next(r for r in out["rows"] if r["given"])
+    assert s["rank0_peak_gib"] > given["gpu_peak_gib"]  # the copy outweighs 128 positions' activations
+    between = (given["gpu_peak_gib"] + s["rank0_peak_gib"]) / 2 / USABLE
+    out, said = plan(between, ["arith_choice"])
+    assert next(r for r in out["rows"] if r["given"])["fits"] and not out["scoring"]["fits"]
+    assert "leave benchmarks.tasks out of the run and score a checkpoint after it (ds-train eval" in said
+    assert said.endswith("; rank 0's in-run scoring DOES NOT FIT (the benchmarks line above)")
+    out, said = plan(80.0, [])
+    assert "scoring" not in out and "benchmarks:" not in said
