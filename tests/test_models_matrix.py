@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import re
 import shutil
 import sys
@@ -34,6 +35,17 @@ RUN_FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe", "gemma2", "gemma3_text",
                 "deepseek_v3", "gpt_oss", "granite", "smollm3", "afmoe", "gemma3", "granitemoe", "jamba", "falcon_h1",
                 "phimoe", "falcon", "mllama", "ernie4_5_moe", "llama4_text", "longcat_flash", "xlnet")
 
+
+
+@pytest.fixture(autouse=True)
+def own_environment():
+    """The in-process runs (bench/model_runs.py) set RANK, MASTER_PORT, ... for the gloo group this process keeps:
+    the worker's environment put back after each test, or the launches of the tests after it (in this process and
+    in the commands it starts) inherit a port this process holds (EADDRINUSE)."""
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
 
 def bench():
     if str(ROOT / "bench") not in sys.path:

@@ -316,8 +316,9 @@ def test_ulysses_sequence_parallelism_keeps_the_math(kind, tiny_data, sft_data, 
         # the start-up probe ran each speed-up against the model's own forward, Ulysses as a collective
         probed = ("tiled loss, tiled MLP, compiled layers, Ulysses attention" if kind == "pretraining"
                   else "Ulysses attention")
-        n = probed.count(",") + 1
-        assert f"start-up probe: {probed} against llama's own forward in fp32: {n} of {n} match" in log, log[-3000:]
+        n, packed = probed.count(",") + 1, " over packed examples" if kind == "sft" else ""  # SFT packs, the probe too
+        assert f"start-up probe: {probed} against llama's own forward in fp32{packed}: {n} of {n} match" in log, \
+            log[-3000:]
     assert ref[STEPS]["train/loss"] < ref[1]["train/loss"]
     if kind == "sft":  # several examples to a sequence: what the attention has to keep apart
         from ds_train.data.datasets import SftData

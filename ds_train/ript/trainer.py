@@ -242,13 +242,12 @@ def ript_loop(run: Run, job: RiptJob, state: RiptState) -> None:
             metrics = counts.maybe_sync(it, state) | held_out.maybe_evaluate(it, state)
             if job.feed is not None and metrics:
                 metrics |= job.feed.metrics()
-            try:  # the iteration's checkpoint is committed before its scoring: a scoring never costs it
-                run.checkpointer.maybe_save(it, lambda: checkpoint_state(job, state),
-                                            lambda: {"counts": counts.state()} | job.rank_state())
-                metrics |= benchmarks.maybe_score(it, lambda: write_results(job, state))
-            finally:  # the iteration's metrics whatever ended it (a stop's save raises Preempted)
-                run.logger.log(metrics, it)
-                progress.advance(metrics)
+            run.logger.log(metrics, it)  # before the save: an iteration its checkpoint holds has its metrics logged
+            progress.advance(metrics)
+            run.checkpointer.maybe_save(it, lambda: checkpoint_state(job, state),
+                                        lambda: {"counts": counts.state()} | job.rank_state())
+            if scores := benchmarks.maybe_score(it, lambda: write_results(job, state)):  # after the save: a
+                run.logger.log(scores, it)  # scoring never costs the checkpoint
 
 
 def sample_here(job: RiptJob, act, tally: Tally, it: int) -> list[list]:

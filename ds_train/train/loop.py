@@ -103,14 +103,13 @@ def train_loop(run: Run, data: Datasets, start: int, stop: int,
             result = run_step(run, batches, step, clock, reference)
             run.guard.observe(f"step {step}", result.skipped)
             metrics = meter.maybe_measure(step, result, run.guard.skipped) | evaluator.maybe_evaluate(step)
-            try:  # the step's checkpoint is committed before its scoring: a scoring never costs it
-                run.checkpointer.maybe_save(step, lambda: position(run, step) | (
-                    {"benchmarks": benchmarks.scores} if benchmarks.scores else {}))
-                metrics |= benchmarks.maybe_score(step)
-            finally:  # the step's metrics whatever ended it (a stop's save raises Preempted)
-                run.logger.log(metrics, step)
-                progress.advance(metrics)
-            summary |= metrics
+            run.logger.log(metrics, step)  # before the save: a step its checkpoint holds has its metrics logged
+            progress.advance(metrics)
+            run.checkpointer.maybe_save(step, lambda: position(run, step) | (
+                {"benchmarks": benchmarks.scores} if benchmarks.scores else {}))
+            if scores := benchmarks.maybe_score(step):  # after the save: a scoring never costs the checkpoint
+                run.logger.log(scores, step)
+            summary |= metrics | scores
     if benchmarks.scores:  # lm_eval's, each scoring of the run
         summary["benchmarks"] = benchmarks.scores
     return summary
