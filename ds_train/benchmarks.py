@@ -287,7 +287,7 @@ def kept_generators():
     import torch
 
     states = random.getstate(), np.random.get_state(), torch.get_rng_state()
-    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None  # every device, as seeding sets them
     try:
         yield
     finally:

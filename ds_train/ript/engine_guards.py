@@ -5,27 +5,15 @@ Hugging Face's class itself)."""
 from __future__ import annotations
 
 import contextlib
-import random
+
+from ds_train.benchmarks import kept_generators
 
 
-@contextlib.contextmanager
 def kept_rng():
     """Python's, NumPy's and torch's global generators (every CUDA device's too) as they were before the
     block: building a vLLM engine seeds them all to one value on every rank, over ds_train's per-rank
-    seeds and a resumed run's restored state."""
-    import numpy as np
-    import torch
-
-    state = (random.getstate(), np.random.get_state(), torch.get_rng_state(),
-             torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None)
-    try:
-        yield
-    finally:
-        random.setstate(state[0])
-        np.random.set_state(state[1])
-        torch.set_rng_state(state[2])
-        if state[3] is not None:
-            torch.cuda.set_rng_state_all(state[3])
+    seeds and a resumed run's restored state. The same guard as lm_eval's scoring (ds_train/benchmarks.py)."""
+    return kept_generators()
 
 
 @contextlib.contextmanager
